@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# dreamstage's one entry point for a checkout. Every command first makes sure
+# the environment is ready (venv, Python deps, the patched native build), and
+# skips each part whose inputs did not change, so re-runs are fast.
+#
+#   ./dev.sh serve [dreamstage serve options]   start the server on the default model
+#   ./dev.sh test  [pytest options]             run the whole test suite
+#   ./dev.sh setup | build | info | shell CMD...
+#
+# Environment: DREAMSTAGE_VENV (default .venv), DREAMSTAGE_CMAKE_ARGS (e.g.
+# "-DGGML_CUDA=ON"), DREAMSTAGE_LLAMA_SDIST / DREAMSTAGE_LLAMA_TREE (offline builds).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+VENV="${DREAMSTAGE_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+STAMPS="$VENV/.dreamstage"
+
+log() { printf '[dev.sh] %s\n' "$*" >&2; }
+
+hash_of() { cat "$@" 2>/dev/null | sha256sum | cut -d' ' -f1; }
+
+ensure_venv() {
+  if [ ! -x "$PY" ]; then
+    log "creating $VENV"
+    python3 -m venv "$VENV"
+  fi
+  mkdir -p "$STAMPS"
+}
+
+# Python dependencies, pinned in requirements/*.txt. llama-cpp-python is
+# installed with its own native build switched off: our libllama is the only one.
+ensure_deps() {
+  local want
+  want="$(hash_of requirements/*.txt dev.sh)"
+  if [ "$(cat "$STAMPS/deps" 2>/dev/null)" = "$want" ]; then return; fi
+  log "installing Python dependencies"
+  "$PY" -m pip install -q --disable-pip-version-check -r requirements/build.txt -r requirements/runtime.txt -r requirements/test.txt
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps -r requirements/nodeps.txt
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps \
+    -C cmake.define.LLAMA_BUILD=OFF -C cmake.define.LLAVA_BUILD=OFF \
+    "llama-cpp-python==$(sed -n 's/.*"version": "\(.*\)".*/\1/p' vendor/pin.json)"
+  echo "$want" > "$STAMPS/deps"
+}
+
+# The native build: scikit-build-core editable install; the CMake build dir
+# persists under build/, so a changed C++ file rebuilds only what it touches.
+native_inputs() {
+  ls CMakeLists.txt pyproject.toml vendor/pin.json vendor/materialize.py vendor/patches/*.patch \
+     dreamstage/ggml_ext/* 2>/dev/null | sort
+}
+ensure_native() {
+  local want
+  want="$(hash_of $(native_inputs)) ${DREAMSTAGE_CMAKE_ARGS:-}"
+  want="$(echo "$want" | sha256sum | cut -d' ' -f1)"
+  if [ "${1:-}" != force ] && [ "$(cat "$STAMPS/native" 2>/dev/null)" = "$want" ] \
+     && "$PY" -c 'import dreamstage.native as n; n.lib_dir()' 2>/dev/null; then return; fi
+  log "building the native core (cold: about 3 minutes on 2 cores)"
+  local args=(-C "build-dir=build/{wheel_tag}")
+  if [ -n "${DREAMSTAGE_CMAKE_ARGS:-}" ]; then args+=(-C "cmake.args=${DREAMSTAGE_CMAKE_ARGS}"); fi
+  CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+    "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . "${args[@]}"
+  echo "$want" > "$STAMPS/native"
+}
+
+setup() { ensure_venv; ensure_deps; ensure_native "$@"; }
+
+cmd="${1:-help}"; shift || true
+case "$cmd" in
+  setup) setup ;;
+  build) setup force ;;
+  serve) setup; exec "$VENV/bin/dreamstage" serve "$@" ;;
+  test)  setup; exec "$PY" -m pytest "$@" ;;
+  info)  setup; exec "$VENV/bin/dreamstage" info ;;
+  shell) setup; PATH="$VENV/bin:$PATH" exec "$@" ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
+esac

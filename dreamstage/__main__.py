@@ -1,0 +1,5 @@
+import sys
+
+from dreamstage.cli import main
+
+sys.exit(main())

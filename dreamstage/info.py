@@ -1,0 +1,33 @@
+"""`dreamstage info`: what this install is and what it runs on."""
+from __future__ import annotations
+
+import dreamstage
+from dreamstage import native
+
+
+def collect() -> dict:
+    bi = native.build_info()
+    return {
+        "dreamstage": dreamstage.__version__,
+        "llama_cpp_python_pin": bi["llama-cpp-python"],
+        "llama_cpp_commit": bi["upstream"],
+        "patches": bi["patches"],
+        "lib_dir": str(native.lib_dir()),
+        "backends": native.backends(),
+        "devices": native.devices(),
+    }
+
+
+def render(i: dict) -> str:
+    mib = 1 << 20
+    lines = [
+        f"dreamstage       {i['dreamstage']}",
+        f"llama.cpp        {i['llama_cpp_commit']} (as vendored in llama-cpp-python {i['llama_cpp_python_pin']})",
+        f"patches          {', '.join(i['patches']) or '(none)'}",
+        f"libraries        {i['lib_dir']}",
+        f"backends         {', '.join(i['backends'])}",
+        "devices:",
+    ]
+    for d in i["devices"]:
+        lines.append(f"  {d['name']:<8} {d['description']}: {d['free'] // mib} MiB free of {d['total'] // mib} MiB")
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""Loading our libllama, and the ctypes mirror of dreamstage/ggml_ext/dream.h.
+
+Exactly one libllama exists in a dreamstage process: ours, built from the
+pinned, patched tree. llama-cpp-python supplies the Python mirror of llama.h
+(its own native build is disabled) and is imported only after
+LLAMA_CPP_LIB_PATH points at our library directory.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+_PKG = Path(__file__).resolve().parent
+
+
+class NativeLibraryError(RuntimeError):
+    """The native library is missing, foreign, or built from another pin."""
+
+
+def _pin() -> dict:
+    # The pin travels inside the package (wheels) and in vendor/ (source trees).
+    for p in (_PKG / "pin.json", _PKG.parent / "vendor" / "pin.json"):
+        if p.is_file():
+            return json.loads(p.read_text())
+    raise NativeLibraryError("pin.json not found beside the package or in vendor/")
+
+
+def lib_dir() -> Path:
+    """Directory holding our libllama.so and the ggml libraries."""
+    env = os.environ.get("DREAMSTAGE_LIB_DIR")
+    candidates = [Path(env)] if env else []
+    candidates.append(_PKG / "lib")
+    # scikit-build-core editable installs keep the libraries in site-packages
+    # while the Python sources stay in the checkout.
+    candidates += [Path(p) / "dreamstage" / "lib" for p in sys.path if p]
+    for c in candidates:
+        if (c / "libllama.so").is_file() or (c / "libllama.dylib").is_file():
+            return c.resolve()
+    raise NativeLibraryError(
+        "dreamstage's libllama was not found (looked in "
+        + ", ".join(str(c) for c in candidates[:3])
+        + "); build it with `./dev.sh build`")
+
+
+@lru_cache(maxsize=1)
+def llama_cpp():
+    """The llama_cpp (llama-cpp-python) module, bound to our libllama."""
+    d = lib_dir()
+    already = sys.modules.get("llama_cpp.llama_cpp")
+    if already is not None:
+        loaded = Path(getattr(already, "_base_path", "")).resolve()
+        if loaded != d:
+            raise NativeLibraryError(
+                f"llama_cpp was imported before dreamstage and loaded libllama from {loaded}, not {d}")
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
+    try:
+        import llama_cpp as mod  # noqa: PLC0415
+    except (OSError, RuntimeError) as e:
+        raise NativeLibraryError(f"could not load libllama from {d}: {e}") from e
+    lib_path = Path(mod.llama_cpp._lib._name).resolve()
+    if lib_path.parent != d:
+        raise NativeLibraryError(f"llama_cpp loaded {lib_path}, not dreamstage's {d}")
+    _check_identity(mod.llama_cpp._lib, lib_path)
+    return mod
+
+
+def _check_identity(lib: ctypes.CDLL, path: Path) -> None:
+    try:
+        fn = lib.dream_build_info
+    except AttributeError:
+        raise NativeLibraryError(
+            f"{path} is not dreamstage's libllama (no dream_build_info); "
+            "another llama.cpp build is on the path") from None
+    fn.restype = ctypes.c_char_p
+    info = parse_build_info(fn().decode())
+    pin = _pin()
+    if info.get("llama-cpp-python") != pin["version"] or info.get("upstream") != pin["upstream_commit"]:
+        raise NativeLibraryError(
+            f"{path} was built from llama-cpp-python {info.get('llama-cpp-python')} "
+            f"(upstream {info.get('upstream')}), but this package pins {pin['version']} "
+            f"(upstream {pin['upstream_commit']}); rebuild with `./dev.sh build`")
+
+
+def parse_build_info(s: str) -> dict:
+    parts = s.split(";")
+    if not parts or parts[0] != "dreamstage":
+        raise NativeLibraryError(f"unexpected build identity {s!r}")
+    out = {}
+    for kv in parts[1:]:
+        k, _, v = kv.partition("=")
+        out[k] = v
+    out["patches"] = [p for p in out.get("patches", "").split(",") if p]
+    return out
+
+
+@lru_cache(maxsize=1)
+def lib() -> ctypes.CDLL:
+    """Our libllama as a ctypes library with dream.h's functions declared."""
+    mod = llama_cpp()
+    L = mod.llama_cpp._lib
+    _declare(L)
+    return L
+
+
+def build_info() -> dict:
+    return parse_build_info(lib().dream_build_info().decode())
+
+
+def _declare(L: ctypes.CDLL) -> None:
+    # const char * dream_build_info(void);
+    L.dream_build_info.argtypes = []
+    L.dream_build_info.restype = ctypes.c_char_p
+
+
+@lru_cache(maxsize=1)
+def ggml() -> ctypes.CDLL:
+    """libggml (the backend registry) from our library directory."""
+    lib()  # libllama first: it pulls in the same libggml by RPATH
+    G = ctypes.CDLL(str(lib_dir() / "libggml.so"))
+    p = ctypes.c_void_p
+    # size_t ggml_backend_reg_count(void); ggml_backend_reg_t ggml_backend_reg_get(size_t i);
+    G.ggml_backend_reg_count.restype = ctypes.c_size_t
+    G.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
+    G.ggml_backend_reg_get.restype = p
+    # const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
+    G.ggml_backend_reg_name.argtypes = [p]
+    G.ggml_backend_reg_name.restype = ctypes.c_char_p
+    # size_t ggml_backend_dev_count(void); ggml_backend_dev_t ggml_backend_dev_get(size_t i);
+    G.ggml_backend_dev_count.restype = ctypes.c_size_t
+    G.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    G.ggml_backend_dev_get.restype = p
+    # const char * ggml_backend_dev_name(dev); const char * ggml_backend_dev_description(dev);
+    G.ggml_backend_dev_name.argtypes = [p]
+    G.ggml_backend_dev_name.restype = ctypes.c_char_p
+    G.ggml_backend_dev_description.argtypes = [p]
+    G.ggml_backend_dev_description.restype = ctypes.c_char_p
+    # void ggml_backend_dev_memory(dev, size_t * free, size_t * total);
+    G.ggml_backend_dev_memory.argtypes = [p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    G.ggml_backend_dev_memory.restype = None
+    return G
+
+
+def backends() -> list[str]:
+    G = ggml()
+    return [G.ggml_backend_reg_name(G.ggml_backend_reg_get(i)).decode() for i in range(G.ggml_backend_reg_count())]
+
+
+def devices() -> list[dict]:
+    """Each ggml device with its free and total memory in bytes (the CPU's is host memory)."""
+    G = ggml()
+    out = []
+    for i in range(G.ggml_backend_dev_count()):
+        d = G.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        G.ggml_backend_dev_memory(d, ctypes.byref(free), ctypes.byref(total))
+        out.append({"name": G.ggml_backend_dev_name(d).decode(),
+                    "description": G.ggml_backend_dev_description(d).decode(),
+                    "free": free.value, "total": total.value})
+    return out

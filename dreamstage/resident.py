@@ -1,0 +1,232 @@
+"""The resident model: one llama_model and one llama_context, loaded once.
+
+Every llama call on these handles must come from one thread (the engine
+thread, once serving runs). The class owns the native handles and frees them.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from dreamstage import native
+from dreamstage.models import check_model_file, default_model
+
+# Serving K/V cache types accepted by --kv-type, mapped to ggml_type ids.
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
+_log_lock = threading.Lock()
+_log_cb = None
+
+
+def quiet_native_logs(enabled: bool = True) -> None:
+    """Route llama.cpp/ggml logs to nowhere (default) or back to stderr.
+
+    DREAMSTAGE_NATIVE_LOG=1 keeps them on stderr for debugging.
+    """
+    global _log_cb
+    lc = native.llama_cpp()
+    with _log_lock:
+        if enabled and os.environ.get("DREAMSTAGE_NATIVE_LOG") != "1":
+            @lc.llama_log_callback
+            def _drop(level, text, user_data):  # noqa: ARG001
+                return None
+            _log_cb = _drop
+            lc.llama_log_set(_log_cb, ctypes.c_void_p())
+        else:
+            _log_cb = None
+            lc.llama_log_set(ctypes.cast(None, lc.llama_log_callback), ctypes.c_void_p())
+
+
+@dataclass(frozen=True)
+class ResidentConfig:
+    model_path: str | None = None     # None: the embedded default model
+    n_ctx: int = 4096                  # total serving context, shared by the slots
+    n_seq: int = 4                     # parallel sequences (slots)
+    n_batch: int = 512
+    n_threads: int = 0                 # 0: all cores
+    kv_type: str = "f16"               # serving K/V cache type
+    flash_attn: str = "auto"           # "auto" | "on" | "off", passed to llama.cpp
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("n_ctx", "n_seq", "n_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.n_threads < 0:
+            raise ValueError(f"n_threads must be >= 0, got {self.n_threads!r}")
+        if self.kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        if self.flash_attn not in ("auto", "on", "off"):
+            raise ValueError(f"flash_attn {self.flash_attn!r} is not one of auto, on, off")
+
+
+class ResidentModel:
+    """Owns the llama_model and the llama_context; tokenizer helpers included."""
+
+    def __init__(self, config: ResidentConfig | None = None):
+        cfg = config or ResidentConfig()
+        cfg.validate()
+        self.config = cfg
+        self.lc = lc = native.llama_cpp()
+        native.lib()
+        quiet_native_logs()
+        lc.llama_backend_init()
+        path = check_model_file(cfg.model_path) if cfg.model_path else default_model()
+        self.model_path = Path(path)
+        mparams = lc.llama_model_default_params()
+        # Repacked CPU weights (CPU_REPACK) change the layout OUT_PROD reads;
+        # training needs the plain layout, so the resident model loads without
+        # extra buffer types. See docs/architecture/dream-stage.md.
+        mparams.use_extra_bufts = False
+        self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = cfg.n_ctx
+        cparams.n_batch = cfg.n_batch
+        cparams.n_ubatch = min(cfg.n_batch, 512)
+        cparams.n_seq_max = cfg.n_seq
+        cparams.kv_unified = True  # slots share one cache of n_ctx cells
+        threads = cfg.n_threads or os.cpu_count() or 1
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.type_k = KV_TYPES[cfg.kv_type]
+        cparams.type_v = KV_TYPES[cfg.kv_type]
+        cparams.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[cfg.flash_attn]
+        cparams.no_perf = True
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            lc.llama_model_free(self.model)
+            self.model = None
+            raise ValueError(f"could not create a context (n_ctx={cfg.n_ctx}, kv_type={cfg.kv_type!r})")
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx = lc.llama_n_ctx(self.ctx)
+
+    # -- lifetime -------------------------------------------------------------
+    def close(self) -> None:
+        lc = self.lc
+        if getattr(self, "ctx", None):
+            lc.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            lc.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # -- metadata -------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = self.lc.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def chat_template(self) -> str | None:
+        t = self.lc.llama_model_chat_template(self.model, None)
+        return t.decode("utf-8") if t else None
+
+    def token_text(self, token: int) -> str:
+        return self.detokenize([token], special=True)
+
+    @property
+    def bos(self) -> int:
+        return self.lc.llama_vocab_bos(self.vocab)
+
+    @property
+    def eos(self) -> int:
+        return self.lc.llama_vocab_eos(self.vocab)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.lc.llama_vocab_is_eog(self.vocab, token))
+
+    # -- tokenizer ------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (self.lc.llama_token * cap)()
+        n = self.lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (self.lc.llama_token * cap)()
+            n = self.lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def detokenize(self, tokens: list[int], special: bool = False) -> str:
+        return self.detokenize_bytes(tokens, special).decode("utf-8", "replace")
+
+    def detokenize_bytes(self, tokens: list[int], special: bool = False) -> bytes:
+        if not tokens:
+            return b""
+        arr = (self.lc.llama_token * len(tokens))(*tokens)
+        cap = 8 * len(tokens) + 32
+        buf = ctypes.create_string_buffer(cap)
+        n = self.lc.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, special)
+        if n < 0:
+            cap = -n
+            buf = ctypes.create_string_buffer(cap)
+            n = self.lc.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, special)
+        return buf.raw[:n]
+
+    def token_piece(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    # -- a plain single-sequence generation (demo and tests) ---------------------
+    def generate_greedy(self, prompt: str, max_tokens: int = 32, seq_id: int = 0) -> str:
+        """Greedy decode on one sequence, clearing it first. Not for concurrent serving."""
+        lc = self.lc
+        lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+        toks = self.tokenize(prompt)
+        if len(toks) + max_tokens > self.n_ctx:
+            raise ValueError(f"prompt ({len(toks)} tokens) plus max_tokens ({max_tokens}) exceeds n_ctx {self.n_ctx}")
+        batch = lc.llama_batch_init(max(len(toks), 1), 0, 1)
+        out: list[int] = []
+        try:
+            pos = 0
+            pending = toks
+            for _ in range(max_tokens):
+                batch.n_tokens = len(pending)
+                for i, t in enumerate(pending):
+                    batch.token[i] = t
+                    batch.pos[i] = pos + i
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = seq_id
+                    batch.logits[i] = i == len(pending) - 1
+                rc = lc.llama_decode(self.ctx, batch)
+                if rc != 0:
+                    raise RuntimeError(f"llama_decode failed with status {rc}")
+                pos += len(pending)
+                logits = lc.llama_get_logits_ith(self.ctx, len(pending) - 1)
+                best = max(range(self.n_vocab), key=logits.__getitem__) if self.n_vocab < 1000 else _argmax(logits, self.n_vocab)
+                if self.is_eog(best):
+                    break
+                out.append(best)
+                pending = [best]
+        finally:
+            lc.llama_batch_free(batch)
+        return self.detokenize(out)
+
+
+def _argmax(logits_ptr, n: int) -> int:
+    import numpy as np  # noqa: PLC0415
+    arr = np.ctypeslib.as_array(logits_ptr, shape=(n,))
+    return int(arr.argmax())
