@@ -1,0 +1,522 @@
+"""The serving engine: one thread owns the resident context and every llama call.
+
+Callers (the HTTP server, tests) never touch llama. They `submit` a request
+with a sink (a thread-safe callable); the engine thread tokenizes it, admits
+it into a free slot (a sequence id), and sends `Admitted`, `Delta`, then
+`Finished` or `Failed` events through the sink.
+
+One loop iteration:
+  1. intake: tokenize newly submitted requests, refuse the ones that cannot fit;
+  2. admit waiting requests into free slots (reusing a slot's cached prefix);
+  3. build ONE llama_batch: the next token of every generating slot, then
+     prompt chunks of prefilling slots, n_batch tokens at most;
+  4. llama_decode; sample each slot that has an output; stream its text;
+  5. call the dream hook once (idle=False).
+With no active slot the thread blocks on a condition variable, waking every
+`idle_interval` seconds to call the hook with idle=True: the dream stage
+trains while nobody is being served.
+"""
+from __future__ import annotations
+
+import codecs
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Union
+
+from dreamstage.resident import ResidentModel
+from dreamstage.sampling import GrammarError, SamplingParams, build_chain
+from dreamstage.stats import EngineStats
+
+
+# -- events sent to a request's sink ---------------------------------------------
+@dataclass(frozen=True)
+class Admitted:
+    slot: int
+    adapter_version: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str          # may be "" while a multi-byte character or a stop-string prefix is held back
+    token: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" (EOS/EOG or a stop string) | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    adapter_version: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    status: int         # an HTTP status: 400 for bad input, 503 for shutdown, 500 otherwise
+    message: str
+    param: str | None = None
+
+
+Event = Union[Admitted, Delta, Finished, Failed]
+Sink = Callable[[Event], None]
+
+
+class QueueFull(RuntimeError):
+    """More requests are outstanding than slots plus the waiting room."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is not running."""
+
+
+class DreamHook(Protocol):
+    """Called on the engine thread once after every decode batch and on idle wake-ups.
+
+    The dream stage plugs a scheduler in here that runs at most one training
+    micro-step. It must be synchronous and cheap when it has nothing to do:
+    its time is added to the inter-token latency of every active stream.
+    """
+
+    def after_batch(self, engine: "Engine", idle: bool) -> None: ...
+
+
+class NoDream:
+    def after_batch(self, engine: "Engine", idle: bool) -> None:
+        return None
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str | list[int]          # text (tokenized on the engine thread) or token ids
+    max_tokens: int | None = None    # None: up to the slot's context budget
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    add_special: bool = True         # add BOS when the vocabulary wants it (text prompts)
+
+
+class RequestHandle:
+    """What `submit` returns: an id and a way to cancel."""
+
+    def __init__(self, engine: "Engine", rid: int):
+        self._engine = engine
+        self.id = rid
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Free the request's slot at the next loop iteration (idempotent, any thread)."""
+        if not self.cancelled:
+            self.cancelled = True
+            self._engine._wake()
+
+
+# -- text streaming: UTF-8 split across tokens, and stop strings -------------------
+class TextStream:
+    """Turns token bytes into text that is safe to emit.
+
+    A token may end inside a multi-byte UTF-8 character; the incremental
+    decoder holds those bytes back. Text that could be the start of a stop
+    string is held back too, so a stop string is never emitted.
+    """
+
+    def __init__(self, stop: tuple[str, ...]):
+        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self._stop = tuple(s for s in stop if s)
+        self._held = ""
+        self.stopped = False
+
+    def push(self, data: bytes) -> str:
+        text = self._held + self._dec.decode(data)
+        if not self._stop:
+            self._held = ""
+            return text
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            self.stopped = True
+            return text[:cut]
+        keep = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(text)), keep, -1):
+                if text.endswith(s[:k]):
+                    keep = k
+                    break
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep] if keep else text
+
+    def flush(self) -> str:
+        text = self._held + self._dec.decode(b"", final=True)
+        self._held = ""
+        return text
+
+
+# -- slots ----------------------------------------------------------------------
+@dataclass
+class _Job:
+    handle: RequestHandle
+    request: GenerationRequest
+    sink: Sink
+    submitted: float
+    prompt: list[int] = field(default_factory=list)
+    max_tokens: int = 0
+
+
+class _Slot:
+    def __init__(self, seq_id: int):
+        self.seq_id = seq_id
+        self.tokens: list[int] = []   # tokens whose K/V this sequence holds, in order
+        self.job: _Job | None = None
+        self.chain = None             # sampler chain of the active request
+        self.pending: list[int] = []  # prompt tokens still to decode
+        self.next_token: int | None = None  # sampled, not yet decoded
+        self.generated = 0
+        self.cached = 0
+        self.stream: TextStream | None = None
+        self.adapter_version = 0
+        self.t_last: float = 0.0
+        self.first_token_at: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None
+
+
+class Engine:
+    """Continuous batching over the resident context's sequence slots."""
+
+    def __init__(self, model: ResidentModel, *, max_queue: int = 64, hook: DreamHook | None = None,
+                 idle_interval: float = 0.05):
+        self.model = model
+        self.lc = model.lc
+        self.n_seq = model.config.n_seq
+        self.n_batch = model.config.n_batch
+        # Per-slot context budget. The cache is unified (slots share n_ctx
+        # cells), but giving each slot a fixed share means an admitted request
+        # can always finish: prompt + max_tokens <= n_ctx / n_seq.
+        self.slot_ctx = model.n_ctx // self.n_seq
+        self.max_queue = max_queue
+        self.hook: DreamHook = hook or NoDream()
+        self.idle_interval = idle_interval
+        # Version of the served adapter set; 0 = base model. The dream stage's
+        # promotion bumps it between two decode batches (on this thread).
+        self.adapter_version = 0
+        self.stats = EngineStats()
+        self.slots = [_Slot(i) for i in range(self.n_seq)]
+        self._cond = threading.Condition()
+        self._inbox: deque[_Job] = deque()     # submitted, not yet tokenized
+        self._waiting: deque[_Job] = deque()   # tokenized, waiting for a slot
+        self._outstanding = 0                  # submitted and not finished
+        self._ids = itertools.count(1)
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._batch = None
+
+    # -- public, any thread -------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._running:
+            return self
+        self._batch = self.lc.llama_batch_init(self.n_batch, 0, 1)
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="dreamstage-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        if self._batch is not None:
+            self.lc.llama_batch_free(self._batch)
+            self._batch = None
+
+    @property
+    def running(self) -> bool:
+        return self._running and self._thread is not None and self._thread.is_alive()
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
+        """Queue a request. Raises QueueFull (backpressure) or EngineStopped."""
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        with self._cond:
+            if not self._running:
+                raise EngineStopped("the engine is not running")
+            if self._outstanding >= self.n_seq + self.max_queue:
+                raise QueueFull(f"{self._outstanding} requests outstanding: all {self.n_seq} slots busy "
+                                f"and the waiting room of {self.max_queue} is full")
+            handle = RequestHandle(self, next(self._ids))
+            self._inbox.append(_Job(handle, request, sink, time.perf_counter()))
+            self._outstanding += 1
+            self._cond.notify_all()
+        return handle
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests submitted but not yet in a slot."""
+        return len(self._inbox) + len(self._waiting)
+
+    @property
+    def busy_slots(self) -> int:
+        return sum(1 for s in self.slots if s.busy)
+
+    def slots_info(self) -> list[dict]:
+        out = []
+        for s in self.slots:
+            job = s.job
+            out.append({
+                "id": s.seq_id,
+                "busy": job is not None,
+                "state": "idle" if job is None else ("prefill" if s.pending else "generating"),
+                "request_id": job.handle.id if job else None,
+                "cached_tokens": len(s.tokens),
+                "prompt_tokens": len(job.prompt) if job else 0,
+                "generated_tokens": s.generated if job else 0,
+                "max_tokens": job.max_tokens if job else 0,
+                "adapter_version": s.adapter_version if job else None,
+            })
+        return out
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- the engine thread -----------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    if not self._running:
+                        break
+                    if not self._inbox and not self._waiting and not any(s.busy for s in self.slots):
+                        self._cond.wait(self.idle_interval)
+                        if not self._running:
+                            break
+                        idle = not self._inbox
+                    else:
+                        idle = False
+                    inbox = list(self._inbox)
+                    self._inbox.clear()
+                if idle:
+                    self.hook.after_batch(self, True)
+                    continue
+                self._intake(inbox)
+                self._reap_cancelled()
+                self._admit()
+                if self._step():
+                    self.hook.after_batch(self, False)
+        finally:
+            self._shutdown()
+
+    def _send(self, job: _Job, event: Event) -> None:
+        try:
+            job.sink(event)
+        except Exception:  # noqa: BLE001 - a dead consumer (closed loop) cancels its request
+            job.handle.cancelled = True
+
+    def _finish_job(self, job: _Job, event: Event, outcome: str) -> None:
+        self._send(job, event)
+        self.stats.count_request(outcome)
+        with self._cond:
+            self._outstanding -= 1
+
+    def _intake(self, jobs: list[_Job]) -> None:
+        m = self.model
+        for job in jobs:
+            if job.handle.cancelled:
+                self._finish_job(job, Failed(499, "cancelled before admission"), "cancelled")
+                continue
+            req = job.request
+            if isinstance(req.prompt, str):
+                toks = m.tokenize(req.prompt, add_special=req.add_special, parse_special=True)
+            else:
+                toks = list(req.prompt)
+                bad = next((t for t in toks if not isinstance(t, int) or not 0 <= t < m.n_vocab), None)
+                if bad is not None:
+                    self._finish_job(job, Failed(400, f"prompt token {bad!r} is not in the vocabulary (0..{m.n_vocab - 1})", "prompt"), "invalid")
+                    continue
+            if not toks:
+                self._finish_job(job, Failed(400, "prompt is empty after tokenization", "prompt"), "invalid")
+                continue
+            room = self.slot_ctx - len(toks)
+            if req.max_tokens is None:
+                if room < 1:
+                    self._finish_job(job, Failed(400, f"prompt has {len(toks)} tokens; the per-slot context is "
+                                                      f"{self.slot_ctx} tokens (n_ctx {m.n_ctx} / {self.n_seq} slots), "
+                                                      "leaving no room to generate", "messages"), "invalid")
+                    continue
+                max_tokens = room
+            elif req.max_tokens > room:
+                self._finish_job(job, Failed(400, f"prompt ({len(toks)} tokens) plus max_tokens ({req.max_tokens}) "
+                                                  f"exceeds the per-slot context of {self.slot_ctx} tokens "
+                                                  f"(n_ctx {m.n_ctx} / {self.n_seq} slots)", "max_tokens"), "invalid")
+                continue
+            else:
+                max_tokens = req.max_tokens
+            job.prompt, job.max_tokens = toks, max_tokens
+            self._waiting.append(job)
+
+    def _reap_cancelled(self) -> None:
+        for job in [j for j in self._waiting if j.handle.cancelled]:
+            self._waiting.remove(job)
+            self._finish_job(job, Failed(499, "cancelled before admission"), "cancelled")
+        for s in self.slots:
+            if s.busy and s.job.handle.cancelled:
+                self._release(s, None, "cancelled")
+
+    def _admit(self) -> None:
+        while self._waiting:
+            free = [s for s in self.slots if not s.busy]
+            if not free:
+                return
+            job = self._waiting.popleft()
+            # Prefer the free slot whose cache shares the longest prefix.
+            slot, n_common = max(((s, _common_prefix(s.tokens, job.prompt)) for s in free), key=lambda x: x[1])
+            # At least the last prompt token is decoded again: its logits are needed.
+            n_common = min(n_common, len(job.prompt) - 1)
+            try:
+                chain = build_chain(self.model.vocab, self.model.n_vocab, job.request.sampling)
+            except GrammarError as e:
+                self._finish_job(job, Failed(400, str(e), "grammar"), "invalid")
+                continue
+            self.lc.llama_memory_seq_rm(self.model.memory, slot.seq_id, n_common, -1)
+            del slot.tokens[n_common:]
+            slot.job, slot.chain = job, chain
+            slot.pending = job.prompt[n_common:]
+            slot.next_token = None
+            slot.generated = 0
+            slot.cached = n_common
+            slot.stream = TextStream(job.request.stop)
+            slot.adapter_version = self.adapter_version
+            slot.first_token_at = None
+            self.stats.prompt_tokens += len(job.prompt)
+            self.stats.prompt_tokens_cached += n_common
+            self._send(job, Admitted(slot.seq_id, slot.adapter_version, len(job.prompt), n_common))
+
+    def _step(self) -> bool:
+        """Build and decode one batch; sample and stream. False when there was nothing to decode."""
+        lc, batch = self.lc, self._batch
+        tok, pos, nseq, seq, logits = batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
+        n = 0
+        outputs: list[tuple[_Slot, int]] = []
+        # Generating slots first: each costs one token, so decode never starves.
+        for s in self.slots:
+            if s.busy and s.next_token is not None:
+                tok[n], pos[n], nseq[n], logits[n] = s.next_token, len(s.tokens), 1, 1
+                seq[n][0] = s.seq_id
+                s.tokens.append(s.next_token)
+                s.next_token = None
+                outputs.append((s, n))
+                n += 1
+        for s in self.slots:
+            if n >= self.n_batch:
+                break
+            if s.busy and s.pending:
+                take = min(len(s.pending), self.n_batch - n)
+                chunk, s.pending = s.pending[:take], s.pending[take:]
+                base = len(s.tokens)
+                for i, t in enumerate(chunk):
+                    tok[n], pos[n], nseq[n], logits[n] = t, base + i, 1, 0
+                    seq[n][0] = s.seq_id
+                    n += 1
+                s.tokens.extend(chunk)
+                if not s.pending:
+                    logits[n - 1] = 1
+                    outputs.append((s, n - 1))
+        if n == 0:
+            return False
+        batch.n_tokens = n
+        rc = lc.llama_decode(self.model.ctx, batch)
+        self.stats.decode_batches += 1
+        if rc != 0:
+            self._decode_failed(rc, outputs)
+            return True
+        now = time.perf_counter()
+        eog = self.model.is_eog
+        for s, idx in outputs:
+            if s.job is None or s.job.handle.cancelled:
+                continue
+            token = lc.llama_sampler_sample(s.chain, self.model.ctx, idx)
+            s.generated += 1
+            self.stats.generated_tokens += 1
+            if s.first_token_at is None:
+                s.first_token_at = now
+                self.stats.ttft.observe(now - s.job.submitted)
+            else:
+                self.stats.itl.observe(now - s.t_last)
+            s.t_last = now
+            if eog(token):
+                self._release(s, "stop")
+                continue
+            text = s.stream.push(self.model.token_piece(token))
+            self._send(s.job, Delta(text, token))
+            if s.stream.stopped:
+                self._release(s, "stop", flush=False)
+            elif s.generated >= s.job.max_tokens:
+                self._release(s, "length")
+            else:
+                s.next_token = token
+        return True
+
+    def _decode_failed(self, rc: int, outputs) -> None:
+        # Status 1 means no free K/V cells; others are hard errors. Either way the
+        # batch's slots are failed and their sequences cleared, and serving goes on.
+        self.stats.decode_failures += 1
+        msg = ("the K/V cache has no room for this batch" if rc == 1 else f"llama_decode failed with status {rc}")
+        for s in self.slots:
+            if s.busy and (s in (o[0] for o in outputs) or s.pending):
+                self.lc.llama_memory_seq_rm(self.model.memory, s.seq_id, -1, -1)
+                s.tokens.clear()
+                job = s.job
+                self._free_slot(s)
+                self._finish_job(job, Failed(500 if rc != 1 else 503, msg), "error")
+
+    def _release(self, s: _Slot, reason: str | None, outcome: str | None = None, flush: bool = True) -> None:
+        job = s.job
+        if reason is not None and flush:
+            tail = s.stream.flush()
+            if tail:
+                self._send(job, Delta(tail, -1))
+        if reason is None:
+            event: Event = Failed(499, "cancelled")
+        else:
+            event = Finished(reason, len(job.prompt), s.generated, s.cached, s.adapter_version)
+        self._free_slot(s)
+        self._finish_job(job, event, outcome or reason)
+
+    def _free_slot(self, s: _Slot) -> None:
+        if s.chain is not None:
+            self.lc.llama_sampler_free(s.chain)
+        s.chain = None
+        s.job = None
+        s.pending = []
+        s.next_token = None
+        s.stream = None
+        # s.tokens stays: the next request may extend this prefix.
+
+    def _shutdown(self) -> None:
+        self._running = False
+        for s in self.slots:
+            if s.busy:
+                job = s.job
+                self._free_slot(s)
+                self._finish_job(job, Failed(503, "the server is shutting down"), "error")
+        with self._cond:
+            pending = list(self._inbox) + list(self._waiting)
+            self._inbox.clear()
+            self._waiting.clear()
+        for job in pending:
+            self._finish_job(job, Failed(503, "the server is shutting down"), "error")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
