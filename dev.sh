@@ -53,8 +53,9 @@ ensure_native() {
   local want
   want="$(hash_of $(native_inputs)) ${DREAMSTAGE_CMAKE_ARGS:-}"
   want="$(echo "$want" | sha256sum | cut -d' ' -f1)"
+  # The editable install maps dreamstage.server (server/) when it runs; one made before server/ existed lacks it.
   if [ "${1:-}" != force ] && [ "$(cat "$STAMPS/native" 2>/dev/null)" = "$want" ] \
-     && "$PY" -c 'import dreamstage.native as n; n.lib_dir()' 2>/dev/null; then return; fi
+     && "$PY" -c 'import dreamstage.native as n, dreamstage.server; n.lib_dir()' 2>/dev/null; then return; fi
   log "building the native core (cold: about 3 minutes on 2 cores)"
   local args=(-C "build-dir=build/{wheel_tag}")
   if [ -n "${DREAMSTAGE_CMAKE_ARGS:-}" ]; then args+=(-C "cmake.args=${DREAMSTAGE_CMAKE_ARGS}"); fi

@@ -1,0 +1,44 @@
+"""Chat messages to a prompt, with the chat template stored in the GGUF.
+
+Rendering is pure Python (Jinja2 through llama-cpp-python's formatter), so the
+HTTP side may call it; tokenizing the result happens on the engine thread.
+"""
+from __future__ import annotations
+
+from dreamstage import native
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# ChatML, used only when a model carries no template of its own.
+_FALLBACK_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+class ChatTemplate:
+    def __init__(self, template: str | None, bos_text: str, eos_text: str):
+        native.llama_cpp()  # llama_cpp modules must load against our libllama
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
+
+        self.source = template or _FALLBACK_TEMPLATE
+        self.bos_text = bos_text
+        self._fmt = Jinja2ChatFormatter(self.source, eos_token=eos_text, bos_token=bos_text,
+                                        add_generation_prompt=True)
+
+    @classmethod
+    def for_model(cls, model) -> "ChatTemplate":
+        return cls(model.chat_template(), model.token_text(model.bos) if model.bos >= 0 else "",
+                   model.token_text(model.eos) if model.eos >= 0 else "")
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text; raises ValueError when the template refuses the messages."""
+        try:
+            return self._fmt(messages=messages).prompt
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - jinja errors of any kind mean bad messages for this template
+            raise ValueError(f"the model's chat template could not render these messages: {e}") from e
+
+    def starts_with_bos(self, prompt: str) -> bool:
+        """Whether the rendered prompt already carries BOS (then the tokenizer must not add another)."""
+        return bool(self.bos_text) and prompt.startswith(self.bos_text)

@@ -1,0 +1,1 @@
+"""dreamstage's HTTP service (installed as `dreamstage.server`)."""

@@ -1,0 +1,93 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
+
+Validation errors name the offending field (`messages[0].role`), so a client
+can fix its request without reading server logs.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("dreamstage.server")
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 499: "request_cancelled",
+          503: "server_overloaded"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def field_path(loc) -> str:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            # Union members appear in loc as type names ("str", "list[TextPart]"); they are not fields.
+            if any(c in str(part) for c in "[]") or part in ("str", "int", "float", "bool", "list", "dict", "function-after"):
+                continue
+            out += ("." if out else "") + str(part)
+    return out or "body"
+
+
+def _describe(err: dict) -> tuple[str, str]:
+    path = field_path(err.get("loc", ()))
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return "body", f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+    if kind == "extra_forbidden":
+        return path, f"{path}: unknown field"
+    if kind == "missing":
+        return path, f"{path}: field required"
+    msg = err.get("msg", "invalid value")
+    return path, f"{path}: {msg}"
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        # A union field reports one error per member; the first names the field well enough.
+        seen, parts, first_param = set(), [], None
+        for err in errors:
+            param, msg = _describe(err)
+            if param in seen:
+                continue
+            seen.add(param)
+            first_param = first_param or param
+            parts.append(msg)
+        return error_response(400, "; ".join(parts[:5]) or "invalid request", first_param, "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), None, None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unhandled(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}")

@@ -1,0 +1,41 @@
+"""Server settings: one dataclass, filled by the CLI (or tests) and validated here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dreamstage.resident import KV_TYPES, ResidentConfig
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model: str | None = None          # GGUF path; None: the embedded default model
+    host: str = "127.0.0.1"           # loopback unless asked otherwise
+    port: int = 8080
+    parallel: int = 4                 # slots (sequence ids) decoded together
+    ctx: int = 4096                   # total context; each slot gets ctx // parallel
+    batch: int = 512                  # tokens per llama_decode (prompt chunks + decode tokens)
+    threads: int = 0                  # 0: all cores
+    kv_type: str = "f16"
+    state_dir: str | None = None      # used by the dream stage (jobs, adapters)
+    max_queue: int = 64               # requests that may wait for a slot before 503
+    max_body_bytes: int = 4 << 20     # larger request bodies get 413
+    retry_after_s: int = 1            # Retry-After on 503
+    model_alias: str | None = None    # the id /v1/models reports; default: the file's stem
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {self.parallel}")
+        if self.ctx < self.parallel * 16:
+            raise ValueError(f"ctx {self.ctx} leaves fewer than 16 tokens per slot for {self.parallel} slots")
+        if self.kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+    def resident_config(self) -> ResidentConfig:
+        return ResidentConfig(model_path=self.model, n_ctx=self.ctx, n_seq=self.parallel,
+                              n_batch=self.batch, n_threads=self.threads, kv_type=self.kv_type)
