@@ -1,0 +1,469 @@
+"""The POST /train body: validation, defaults, and the normalized JobSpec.
+
+`TrainRequest` is the pydantic model of the body. Unknown fields are refused
+by name (extra="forbid"), and every check raises a message that names the
+field and the offending value, so the server's 422 explains itself.
+`TrainRequest.to_job_spec()` resolves every default (chunk, overlap, targets,
+pacing) and flattens groups into plain examples; the engine consumes only the
+`JobSpec`. The job store persists the request (`model_dump(mode="json")`)
+and re-derives the spec on recovery, so there is one source of truth.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+# Types the dream stage can store its training K/V cache in (issue 4).
+CONTEXT_CACHE_TYPES = ("q8_0", "q4_0", "f16", "f32")
+LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+DEFAULT_TARGETS = ("attn_q", "attn_v")
+ROLES = ("system", "user", "assistant", "tool")
+
+# What this build's native dream step implements. The body still names the
+# other walks (the design has them), but accepting a value that would be
+# silently ignored misleads users, so an unsupported value is refused by name.
+# Widen these sets when the native core lands the exact walk or recompute.
+SUPPORTED_WALKS = {"recompute": frozenset({False}), "exact": frozenset({False})}
+
+DEFAULT_WINDOW = 512
+DEFAULT_CHUNK = 128          # clipped to the window
+DEFAULT_MAX_SLOWDOWN = 0.10
+MIN_WINDOW = 16
+MAX_WINDOW = 65536
+MAX_EXAMPLES = 100_000
+
+# A bare adapter name: no separators, no leading dot, so it can never leave the
+# state directory's adapters/ folder.
+ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _strict() -> ConfigDict:
+    # strict: JSON `"8"` is not silently an int, `1` is not a bool.
+    return ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Message(BaseModel):
+    """One chat message. `train` is meaningful on assistant messages only."""
+
+    model_config = _strict()
+
+    role: str
+    content: str | None = None
+    train: bool | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        if v not in ROLES:
+            raise ValueError(f"role {v!r} is not one of {', '.join(ROLES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _shape(self) -> "Message":
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content (or tool_calls on an assistant message)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong on assistant messages, not {self.role!r}")
+        if self.train is True and self.role != "assistant":
+            raise ValueError(
+                f"train=true on a {self.role!r} message: only assistant turns carry loss; "
+                "drop `train` (other roles are always context)"
+            )
+        return self
+
+    @property
+    def trained(self) -> bool:
+        """An assistant message is trained unless it says train=false."""
+        return self.role == "assistant" and self.train is not False
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (no `train` key)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.content if self.content is not None else ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            v = getattr(self, key)
+            if v is not None:
+                d[key] = v
+        return d
+
+
+class TextExample(BaseModel):
+    model_config = _strict()
+    text: str = Field(min_length=1)
+
+
+class PromptCompletion(BaseModel):
+    model_config = _strict()
+    prompt: str
+    completion: str = Field(min_length=1)
+
+
+def _check_trained_reply(messages: list[Message]) -> None:
+    if not any(m.trained for m in messages):
+        raise ValueError("messages has no trained assistant message (every assistant turn is train=false)")
+
+
+class ChatExample(BaseModel):
+    model_config = _strict()
+    messages: list[Message] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _has_reply(self) -> "ChatExample":
+        _check_trained_reply(self.messages)
+        return self
+
+
+class GroupExample(BaseModel):
+    """One prompt (text or chat) with several completions.
+
+    The prompt is context only; each completion is one trained reply. Until the
+    shared-prefix walk lands they train as separate examples (`expand`).
+    """
+
+    model_config = _strict()
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    tools: list[dict[str, Any]] | None = None
+    completions: list[str] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_prefix(self) -> "GroupExample":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("a group needs exactly one of prompt or messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools apply to a messages group only")
+        for i, m in enumerate(self.messages or []):
+            if m.train is True:
+                raise ValueError(f"messages[{i}].train=true: a group's messages are context; its completions are trained")
+        for i, c in enumerate(self.completions):
+            if not c:
+                raise ValueError(f"completions[{i}] is empty")
+        return self
+
+    def expand(self) -> list["PromptCompletion | ChatExample"]:
+        if self.prompt is not None:
+            return [PromptCompletion(prompt=self.prompt, completion=c) for c in self.completions]
+        context = [m.model_copy(update={"train": False}) if m.role == "assistant" else m for m in self.messages or []]
+        return [
+            ChatExample(messages=[*context, Message(role="assistant", content=c)], tools=self.tools)
+            for c in self.completions
+        ]
+
+
+_FORM_OF_MODEL = {"TextExample": "text", "PromptCompletion": "prompt_completion",
+                  "ChatExample": "chat", "GroupExample": "group"}
+
+
+def _example_form(v: Any) -> str | None:
+    """Which of the four forms a raw example is, judged by its keys."""
+    if isinstance(v, BaseModel):
+        return _FORM_OF_MODEL.get(type(v).__name__)
+    if not isinstance(v, dict):
+        return None
+    if "completions" in v:
+        return "group"
+    if "messages" in v:
+        return "chat"
+    if "prompt" in v or "completion" in v:
+        return "prompt_completion"
+    if "text" in v:
+        return "text"
+    return None
+
+
+Example = Annotated[
+    Union[
+        Annotated[TextExample, Tag("text")],
+        Annotated[PromptCompletion, Tag("prompt_completion")],
+        Annotated[ChatExample, Tag("chat")],
+        Annotated[GroupExample, Tag("group")],
+    ],
+    Discriminator(
+        _example_form,
+        custom_error_type="example_form",
+        custom_error_message=(
+            "an example is an object with one of: text; prompt+completion; "
+            "messages (+tools); prompt or messages with completions"
+        ),
+    ),
+]
+
+# Normalized examples the renderer consumes (groups flattened).
+PlainExample = Union[TextExample, PromptCompletion, ChatExample]
+
+
+@dataclass(frozen=True)
+class PacingSpec:
+    """`mode` is "share" (fraction of active wall time spent dreaming) or
+    "max_slowdown" (bound on the measured decode slowdown)."""
+
+    mode: Literal["share", "max_slowdown"]
+    value: float
+
+
+@dataclass(frozen=True)
+class SourcedExample:
+    """A plain example and where it came from in the body, for error messages
+    and so a group's completions are held out together."""
+
+    source: int             # index into the body's examples (text first if given)
+    label: str              # e.g. "examples[3].completions[1]" or "text"
+    example: PlainExample
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything the engine needs, every default resolved."""
+
+    examples: tuple[SourcedExample, ...]
+    window: int
+    overlap: int
+    fit: Literal["middle", "left"]
+    chunk: int
+    min_chunk: int
+    context_cache_type: str
+    recompute: bool
+    exact: bool
+    horizon: int | None
+    memory_budget_mib: float | None
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    top_layers: int | None
+    lr: float
+    epochs: int
+    val_split: float
+    seed: int
+    pacing: PacingSpec
+    promote: Literal["never", "manual", "auto"]
+    out: str | None
+
+    def starting_fields(self) -> dict[str, Any]:
+        """The shape a job records from its `starting` moment on."""
+        return {
+            "context_cache_type": self.context_cache_type,
+            "chunk": self.chunk,
+            "recompute": self.recompute,
+            "exact": self.exact,
+            "horizon": self.horizon,
+            "window": self.window,
+        }
+
+    def lora_fields(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": ",".join(self.targets),
+                "top_layers": self.top_layers, "seed": self.seed}
+
+    def summary(self) -> dict[str, Any]:
+        """The spec without its examples (for reports)."""
+        d = asdict(self)
+        d.pop("examples")
+        d["examples"] = len(self.examples)
+        return d
+
+
+class TrainRequest(BaseModel):
+    """The POST /train body."""
+
+    model_config = _strict()
+
+    text: str | None = Field(default=None, min_length=1)
+    examples: list[Example] | None = None
+
+    window: int = Field(default=DEFAULT_WINDOW, ge=MIN_WINDOW, le=MAX_WINDOW)
+    overlap: int | None = Field(default=None, ge=1)
+    fit: Literal["middle", "left"] = "middle"
+    chunk: int | None = Field(default=None, ge=1)
+    min_chunk: int = Field(default=16, ge=1)
+    context_cache_type: str = "q8_0"
+    recompute: bool = False
+    exact: bool = False
+    horizon: int | None = Field(default=None, ge=1)
+    memory_budget_mib: float | None = Field(default=None, gt=0)
+
+    rank: int = Field(default=8, ge=1, le=256)
+    alpha: float = Field(default=16.0, gt=0, le=4096)
+    targets: str | list[str] = ",".join(DEFAULT_TARGETS)
+    top_layers: int | None = Field(default=None, ge=1)
+
+    lr: float = Field(default=1e-4, gt=0, le=1.0)
+    epochs: int = Field(default=1, ge=1, le=1000)
+    val_split: float = Field(default=0.0, ge=0.0, lt=1.0)
+    seed: int = Field(default=0, ge=0, lt=2**32)
+
+    share: float | None = Field(default=None, gt=0.0, lt=1.0)
+    max_slowdown: float | None = Field(default=None, gt=0.0, lt=1.0)
+
+    promote: Literal["never", "manual", "auto"] = "manual"
+    out: str | None = None
+
+    @field_validator("context_cache_type")
+    @classmethod
+    def _cache_type(cls, v: str) -> str:
+        if v not in CONTEXT_CACHE_TYPES:
+            raise ValueError(f"context_cache_type {v!r} is not one of {', '.join(CONTEXT_CACHE_TYPES)}")
+        return v
+
+    @field_validator("recompute", "exact")
+    @classmethod
+    def _walk_supported(cls, v: bool, info: ValidationInfo) -> bool:
+        supported = SUPPORTED_WALKS[info.field_name]
+        if v not in supported:
+            allowed = ", ".join(str(x).lower() for x in sorted(supported))
+            raise ValueError(f"{info.field_name}={str(v).lower()} is not supported by this build's dream step yet (supported: {allowed})")
+        return v
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, v: str | list[str]) -> str | list[str]:
+        _parse_targets(v)
+        return v
+
+    @field_validator("out")
+    @classmethod
+    def _out(cls, v: str | None) -> str | None:
+        if v is not None:
+            check_adapter_name(v)
+        return v
+
+    @field_validator("examples")
+    @classmethod
+    def _examples_len(cls, v: list | None) -> list | None:
+        if v is not None and len(v) > MAX_EXAMPLES:
+            raise ValueError(f"examples has {len(v)} items, more than {MAX_EXAMPLES}")
+        return v
+
+    # Cross-field checks live on the later field (pydantic validates fields in
+    # declaration order, so the earlier ones are in info.data); that puts the
+    # field's own name in the 422's loc, not just in the message.
+    @field_validator("overlap")
+    @classmethod
+    def _overlap(cls, v: int | None, info: ValidationInfo) -> int | None:
+        window = info.data.get("window")
+        if v is not None and window is not None and v > window // 2:
+            raise ValueError(f"overlap {v} is more than half of window {window}")
+        return v
+
+    @field_validator("chunk")
+    @classmethod
+    def _chunk(cls, v: int | None, info: ValidationInfo) -> int | None:
+        window = info.data.get("window")
+        if v is not None and window is not None and v > window:
+            raise ValueError(f"chunk {v} is larger than window {window}")
+        return v
+
+    @field_validator("horizon")
+    @classmethod
+    def _horizon(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is None:
+            return v
+        if info.data.get("exact") is False:
+            raise ValueError("horizon applies to the exact walk only; it needs exact=true")
+        window = info.data.get("window")
+        if window is not None and v > window:
+            raise ValueError(f"horizon {v} is larger than window {window}")
+        return v
+
+    @field_validator("max_slowdown")
+    @classmethod
+    def _pacing(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is not None and info.data.get("share") is not None:
+            raise ValueError("share and max_slowdown are exclusive; give one")
+        return v
+
+    @model_validator(mode="after")
+    def _has_examples(self) -> "TrainRequest":
+        if self.text is None and not self.examples:
+            raise ValueError("the body needs text or a non-empty examples list")
+        return self
+
+    # -- normalization --------------------------------------------------------
+    def to_job_spec(self) -> JobSpec:
+        examples: list[SourcedExample] = []
+        if self.text is not None:
+            examples.append(SourcedExample(0, "text", TextExample(text=self.text)))
+        base = len(examples)
+        for i, ex in enumerate(self.examples or []):
+            if isinstance(ex, GroupExample):
+                for j, plain in enumerate(ex.expand()):
+                    examples.append(SourcedExample(base + i, f"examples[{i}].completions[{j}]", plain))
+            else:
+                examples.append(SourcedExample(base + i, f"examples[{i}]", ex))
+        chunk = self.chunk if self.chunk is not None else min(DEFAULT_CHUNK, self.window)
+        if self.share is not None:
+            pacing = PacingSpec("share", self.share)
+        else:
+            pacing = PacingSpec("max_slowdown", self.max_slowdown if self.max_slowdown is not None else DEFAULT_MAX_SLOWDOWN)
+        return JobSpec(
+            examples=tuple(examples),
+            window=self.window,
+            overlap=self.overlap if self.overlap is not None else default_overlap(self.window),
+            fit=self.fit,
+            chunk=chunk,
+            min_chunk=min(self.min_chunk, chunk),
+            context_cache_type=self.context_cache_type,
+            recompute=self.recompute,
+            exact=self.exact,
+            horizon=self.horizon,
+            memory_budget_mib=self.memory_budget_mib,
+            rank=self.rank,
+            alpha=self.alpha,
+            targets=_parse_targets(self.targets),
+            top_layers=self.top_layers,
+            lr=self.lr,
+            epochs=self.epochs,
+            val_split=self.val_split,
+            seed=self.seed,
+            pacing=pacing,
+            promote=self.promote,
+            out=self.out,
+        )
+
+
+def default_overlap(window: int) -> int:
+    """Text windows overlap by an eighth of the window (at least one token, so
+    every token after the first has a predecessor in its window)."""
+    return max(1, window // 8)
+
+
+def _parse_targets(v: str | list[str]) -> tuple[str, ...]:
+    names = [s.strip() for s in v.split(",")] if isinstance(v, str) else [s.strip() for s in v]
+    if not names or any(not n for n in names):
+        raise ValueError(f"targets {v!r} has an empty name; give a comma list of {', '.join(LORA_TARGETS)}")
+    unknown = [n for n in names if n not in LORA_TARGETS]
+    if unknown:
+        raise ValueError(f"targets {', '.join(map(repr, unknown))} not one of {', '.join(LORA_TARGETS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"targets {v!r} names a target twice")
+    return tuple(sorted(names, key=LORA_TARGETS.index))
+
+
+def check_adapter_name(name: str) -> str:
+    """A bare, safe adapter name; raise ValueError naming it otherwise."""
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name) or ".." in name or name.endswith("."):
+        raise ValueError(
+            f"out {name!r} is not a bare adapter name (letters, digits, '_', '-', '.', "
+            "at most 64, starting with a letter or digit, no paths)"
+        )
+    return name
+
+
+def parse_train_request(body: dict[str, Any] | str | bytes) -> TrainRequest:
+    """Validate a body (a dict, or raw JSON). Raises pydantic.ValidationError."""
+    if isinstance(body, (str, bytes)):
+        return TrainRequest.model_validate_json(body)
+    return TrainRequest.model_validate(body)
