@@ -1,0 +1,387 @@
+"""Job store, state machine, recovery, receipts, adapters, the chunk ladder and the walk."""
+import dataclasses
+import sqlite3
+import threading
+
+import pytest
+
+from dreamstage.jobs import (
+    RECEIPT_FIELDS,
+    STATES,
+    TERMINAL,
+    TRANSITIONS,
+    AdapterNotFound,
+    InvalidTransition,
+    JobNotFound,
+    JobStore,
+    Walk,
+    auto_promote_decision,
+    check_transition,
+    chunk_after_refusal,
+    ladder,
+    next_chunk,
+)
+from dreamstage.trainspec import parse_train_request
+
+
+@dataclasses.dataclass
+class Receipt:
+    """Shaped like the native team's dataclass: the canonical fields."""
+    status: str = "ok"
+    step: int = 0
+    window: int = 64
+    chunk: int = 32
+    chunk_pos: int = 0
+    chunk_tokens: int = 32
+    context_cache_type: str = "q8_0"
+    recompute: bool = False
+    exact: bool = False
+    horizon: int | None = None
+    loss: float | None = 2.5
+    tokens: int = 30
+    ms: float = 15.0
+    graph_mib: float = 12.5
+    context_mib: float = 1.25
+    adapter_mib: float = 0.5
+    optimizer_mib: float = 1.0
+    walk_mib: float = 0.0
+    refused_chunk_pos: int | None = None
+    refused_chunk_tokens: int | None = None
+    refused_need_mib: float | None = None
+    refused_allowance_mib: float | None = None
+    message: str | None = None
+
+
+def refused(chunk, pos=0):
+    return Receipt(status="refused", chunk=chunk, chunk_tokens=chunk, loss=None, tokens=0, ms=0.1,
+                   refused_chunk_pos=pos, refused_chunk_tokens=chunk, refused_need_mib=chunk * 2.0,
+                   refused_allowance_mib=10.0, message=f"chunk of {chunk} tokens needs {chunk * 2.0} MiB")
+
+
+def req(**kw):
+    return parse_train_request({"text": "some text", "window": 64, **kw})
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = JobStore(tmp_path / "state")
+    yield s
+    s.close()
+
+
+def test_the_canonical_receipt_fields_match_the_dataclass_shape():
+    assert tuple(f.name for f in dataclasses.fields(Receipt)) == RECEIPT_FIELDS
+
+
+# -- submit and durability ---------------------------------------------------------
+def test_submit_commits_the_job_with_its_starting_fields_before_returning(store):
+    job = store.submit(req(chunk=32, context_cache_type="f16", out="facts"))
+    assert job["state"] == "queued" and job["out"] == "facts"
+    assert {k: job[k] for k in ("context_cache_type", "chunk", "recompute", "exact", "horizon", "window")} == \
+        {"context_cache_type": "f16", "chunk": 32, "recompute": False, "exact": False, "horizon": None, "window": 64}
+    # A separate connection (another process, after a crash) already sees it.
+    raw = sqlite3.connect(store.path)
+    assert raw.execute("SELECT state, chunk FROM jobs WHERE id=?", (job["id"],)).fetchone() == ("queued", 32)
+    assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    raw.close()
+    assert store.spec(job["id"]) == req(chunk=32, context_cache_type="f16", out="facts").to_job_spec()
+
+
+def test_an_unnamed_job_gets_a_default_adapter_name_and_the_view_omits_examples(store):
+    job = store.submit(parse_train_request({"examples": [{"prompt": "p", "completion": "c"}] * 3, "text": "t"}))
+    assert job["out"] == f"job-{job['id']}"
+    assert job["spec"]["examples"] == 4 and "text" not in job["spec"]
+    assert job["progress"]["eval_loss"] is None and job["refusals"] == [] and job["adapter"] is None
+
+
+def test_unknown_jobs_raise_naming_the_id(store):
+    with pytest.raises(JobNotFound, match="no job 42"):
+        store.get(42)
+    with pytest.raises(JobNotFound):
+        store.transition(42, "starting")
+
+
+# -- the state machine -----------------------------------------------------------
+@pytest.mark.parametrize("current", STATES)
+@pytest.mark.parametrize("target", STATES)
+def test_every_transition_follows_the_table(current, target):
+    if target in TRANSITIONS[current]:
+        check_transition(1, current, target)
+    else:
+        with pytest.raises(InvalidTransition, match=f"from {current} to {target}"):
+            check_transition(1, current, target)
+
+
+def test_terminal_states_are_final_and_unknown_states_are_named():
+    assert all(not TRANSITIONS[s] for s in TERMINAL)
+    with pytest.raises(ValueError, match="unknown job state 'sleeping'"):
+        check_transition(1, "running", "sleeping")
+
+
+def test_a_job_walks_its_lifecycle_with_timestamps(tmp_path):
+    now = [100.0]
+    store = JobStore(tmp_path, clock=lambda: now[0])
+    jid = store.submit(req())["id"]
+    for state in ("starting", "running", "paused", "running"):
+        now[0] += 1
+        store.transition(jid, state)
+    now[0] += 1
+    assert store.transition(jid, "done", message="3 epochs") == "running"
+    job = store.get(jid)
+    assert (job["state"], job["started"], job["finished"], job["message"]) == ("done", 101.0, 105.0, "3 epochs")
+    with pytest.raises(InvalidTransition, match=f"job {jid} cannot go from done to running"):
+        store.transition(jid, "running")
+    store.close()
+
+
+def test_a_cancel_and_a_done_race_and_exactly_one_wins(store):
+    for _ in range(20):
+        jid = store.submit(req())["id"]
+        store.transition(jid, "starting")
+        store.transition(jid, "running")
+        results = []
+        barrier = threading.Barrier(2)
+
+        def attempt(target):
+            barrier.wait()
+            try:
+                store.transition(jid, target)
+                results.append(target)
+            except InvalidTransition:
+                pass
+
+        threads = [threading.Thread(target=attempt, args=(t,)) for t in ("cancelled", "done")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(results) == 1 and store.state(jid) == results[0]
+
+
+# -- recovery ------------------------------------------------------------------------
+def test_reopen_interrupts_active_jobs_and_keeps_the_queue_fifo(tmp_path):
+    s = JobStore(tmp_path)
+    ids = [s.submit(req(seed=i))["id"] for i in range(6)]
+    s.transition(ids[0], "starting")                                # starting
+    for j in ids[1:3]:
+        s.transition(j, "starting")
+        s.transition(j, "running")
+    s.transition(ids[2], "paused")                                  # paused
+    s.transition(ids[3], "cancelled")
+    s.append_receipt(ids[1], Receipt(step=1))
+    s.close()  # "the process died"
+
+    s2 = JobStore(tmp_path)
+    assert s2.recovered == ids[:3]
+    for j in ids[:3]:
+        job = s2.get(j)
+        assert job["state"] == "interrupted" and "stopped while the job was" in job["message"]
+        assert job["finished"] is not None
+    assert s2.state(ids[3]) == "cancelled"
+    assert s2.queue() == ids[4:] and s2.next_queued() == ids[4]
+    assert s2.receipts(ids[1]) == [dataclasses.asdict(Receipt(step=1))]   # nothing accepted is lost
+    assert s2.spec(ids[5]).seed == 5
+    s2.close()
+    assert JobStore(tmp_path).recovered == []
+
+
+def test_overview_shows_the_current_job_and_the_queue(store):
+    a, b, c = (store.submit(req())["id"] for _ in range(3))
+    assert store.overview()["current"] is None
+    store.transition(a, "starting")
+    view = store.overview()
+    assert view["current"]["id"] == a and [j["id"] for j in view["queue"]] == [b, c]
+
+
+# -- receipts and progress --------------------------------------------------------------
+def test_receipts_are_stored_unchanged_and_refusals_carry_their_figures(store):
+    jid = store.submit(req(chunk=64))["id"]
+    store.transition(jid, "starting")
+    store.append_receipt(jid, refused(64))
+    store.append_receipt(jid, refused(32, pos=32))
+    store.transition(jid, "running")
+    store.append_receipt(jid, Receipt(chunk=16, tokens=16, ms=8.0, graph_mib=3.0))
+    store.append_receipt(jid, {"status": "ok", "chunk": 16, "tokens": 16, "ms": 8.0, "extra": [1, 2]})
+    assert store.receipts(jid)[3] == {"status": "ok", "chunk": 16, "tokens": 16, "ms": 8.0, "extra": [1, 2]}
+    job = store.get(jid)
+    assert [r["refused_chunk_tokens"] for r in job["refusals"]] == [64, 32]
+    for r in job["refusals"]:
+        assert r["refused_need_mib"] > r["refused_allowance_mib"] and r["refused_chunk_pos"] is not None
+        assert r["message"]
+    p = job["progress"]
+    assert (p["step"], p["tokens"], p["refusals"], p["chunk"]) == (2, 32, 2, 16)
+    assert p["train_tok_s"] == pytest.approx(32 / 0.016)
+    assert job["memory"] == {"graph_mib": 3.0, "context_mib": 1.25, "adapter_mib": 0.5,
+                             "optimizer_mib": 1.0, "walk_mib": 0.0}
+    assert job["receipts"] == 4 and len(store.receipts(jid, after_seq=2)) == 2
+
+
+@pytest.mark.parametrize("bad, words", [({"loss": 1.0}, "status None"), ({"status": "fine"}, "'fine'"),
+                                        ({"status": "ok", "x": object()}, "not JSON serializable")])
+def test_malformed_receipts_are_refused_and_nothing_is_written(store, bad, words):
+    jid = store.submit(req())["id"]
+    with pytest.raises((ValueError, TypeError), match=words):
+        store.append_receipt(jid, bad)
+    assert store.receipts(jid) == []
+
+
+def test_losses_per_epoch_moving_average_and_eval(store):
+    jid = store.submit(req(epochs=2))["id"]
+    store.record_window(jid, loss=4.0, tokens=10)
+    store.record_window(jid, loss=2.0, tokens=30)
+    p = store.end_epoch(jid, eval_loss=None)
+    assert p["train_loss_per_epoch"] == [pytest.approx(2.5)] and p["eval_loss"] is None and p["epoch"] == 1
+    assert p["loss"] == 2.0 and p["loss_avg"] == pytest.approx((0.9 * 0.1 * 4 + 0.1 * 2) / (1 - 0.81))
+    store.record_window(jid, loss=1.0, tokens=5)
+    p = store.end_epoch(jid, eval_loss=1.5)
+    assert p["train_loss_per_epoch"] == [pytest.approx(2.5), 1.0] and p["eval_loss_per_epoch"] == [None, 1.5]
+    assert p["train_loss"] == 1.0 and p["eval_loss"] == 1.5
+    with pytest.raises(ValueError, match="not a finite loss"):
+        store.record_window(jid, loss=float("nan"), tokens=3)
+    store.update_progress(jid, window=3, windows=9)
+    assert store.get(jid)["progress"]["windows"] == 9
+    with pytest.raises(ValueError, match="not set directly"):
+        store.update_progress(jid, _ema=1.0)
+
+
+def test_pacing_figures_are_reported(store):
+    jid = store.submit(req())["id"]
+    store.set_pacing(jid, {"mode": "share", "realized_slowdown": 0.08})
+    assert store.get(jid)["pacing"]["realized_slowdown"] == 0.08
+
+
+def test_the_engine_writes_while_the_server_reads(store):
+    jid = store.submit(req())["id"]
+    store.transition(jid, "starting")
+    store.transition(jid, "running")
+    n, seen, errors = 300, [], []
+
+    def engine():
+        try:
+            for i in range(n):
+                store.append_receipt(jid, Receipt(step=i))
+                if i % 50 == 0:
+                    store.set_pacing(jid, {"i": i})
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    def server():
+        try:
+            while not seen or seen[-1] < n:
+                job = store.get(jid)
+                assert job["progress"]["step"] == job["receipts"]   # one transaction: consistent
+                seen.append(job["receipts"])
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=engine), threading.Thread(target=server)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and seen == sorted(seen) and seen[-1] == n
+    assert [r["step"] for r in store.receipts(jid)] == list(range(n))
+
+
+def test_a_closed_store_refuses_use(tmp_path):
+    s = JobStore(tmp_path)
+    s.close()
+    with pytest.raises(Exception, match="closed"):
+        s.queue()
+
+
+# -- adapters -----------------------------------------------------------------------
+def test_adapter_versions_promotion_and_rollback_survive_a_restart(tmp_path):
+    s = JobStore(tmp_path)
+    jid = s.submit(req(out="facts"))["id"]
+    assert s.served() is None and s.served_version() == 0
+    v1 = s.next_adapter_version("facts")
+    assert v1 == 1 and s.adapter_path("facts", 1) == (tmp_path / "adapters" / "facts" / "v1.gguf").resolve()
+    s.add_adapter("facts", v1, job_id=jid, eval_loss=2.0)
+    s.add_adapter("facts", s.next_adapter_version("facts"), job_id=jid)
+    assert s.get(jid)["adapter"]["version"] == 2 and s.get(jid)["adapter"]["promoted"] is False
+    assert s.promote("facts", 1)["served_version"] == 1
+    assert s.promote("facts")["version"] == 2 and s.served_version() == 2
+    assert [a["promoted"] for a in s.adapters()] == [False, True]
+    assert s.get(jid)["adapter"]["promoted"] is True
+    s.close()
+
+    s = JobStore(tmp_path)                               # a restart reloads what was served
+    assert (s.served()["name"], s.served()["version"], s.served_version()) == ("facts", 2, 2)
+    assert [p["version"] for p in s.promotions()] == [1, 2]
+    back = s.rollback()
+    assert (back["version"], back["served_version"]) == (1, 1)
+    assert s.rollback() is None and s.served_version() == 0
+    with pytest.raises(AdapterNotFound, match="nothing to roll back"):
+        s.rollback()
+    assert s.promote("facts", 2)["served_version"] == 3    # a new promotion, a new number
+    s.close()
+
+
+def test_adapter_names_and_versions_are_checked(store):
+    for name in ("../x", "a/b", "..", ""):
+        with pytest.raises(ValueError, match="bare adapter name"):
+            store.adapter_path(name, 1)
+    with pytest.raises(ValueError, match="positive integer"):
+        store.adapter_path("ok", 0)
+    with pytest.raises(AdapterNotFound, match="no adapter 'ghost'"):
+        store.promote("ghost")
+    store.add_adapter("real", 1)
+    with pytest.raises(AdapterNotFound, match="version 7"):
+        store.promote("real", 7)
+    with pytest.raises(sqlite3.IntegrityError):
+        store.add_adapter("real", 1)
+
+
+def test_auto_promotion_decision():
+    assert auto_promote_decision(2.0, 1.9)[0] is True
+    assert auto_promote_decision(2.0, 2.0)[0] is True
+    ok, why = auto_promote_decision(2.0, 2.1)
+    assert not ok and "worse" in why
+    assert auto_promote_decision(None, None) == (True, "nothing held out; promoted on completion")
+
+
+# -- the chunk ladder ------------------------------------------------------------------
+def test_the_ladder_halves_to_the_floor_then_gives_up():
+    assert ladder(128, 16) == [128, 64, 32, 16]
+    assert ladder(100, 16) == [100, 50, 25, 16]
+    assert ladder(20, 16) == [20, 16] and ladder(8, 16) == [8]
+    assert next_chunk(17, 16) == 16 and next_chunk(16, 16) is None
+    assert chunk_after_refusal(dataclasses.asdict(refused(64)), 16) == 32
+    assert chunk_after_refusal({"status": "refused", "refused_chunk_tokens": 16}, 16) is None
+    with pytest.raises(ValueError, match="needs a refused receipt"):
+        chunk_after_refusal({"status": "ok", "chunk": 64}, 16)
+    with pytest.raises(ValueError, match=">= 1"):
+        next_chunk(0, 16)
+
+
+# -- the walk ----------------------------------------------------------------------------
+def test_the_walk_visits_every_chunk_of_every_window_each_epoch():
+    lengths = [64, 10, 33, 64]
+    walk = Walk(lengths, epochs=2, seed=1, chunk=16, floor=4)
+    events, seen = [], {0: [], 1: []}
+    while (s := walk.current()) is not None:
+        seen[s.epoch].append((s.window_index, s.chunk_pos, s.chunk_tokens, s.last_in_window))
+        events.append(walk.advance({"status": "ok"}))
+    for epoch in (0, 1):
+        for w, n in enumerate(lengths):
+            spans = [(p, k) for wi, p, k, _ in seen[epoch] if wi == w]
+            assert [p for p, _ in spans] == list(range(0, n, 16)) and sum(k for _, k in spans) == n
+        assert sum(last for *_, last in seen[epoch]) == len(lengths)
+    order0 = [w for w, p, *_ in seen[0] if p == 0]
+    order1 = [w for w, p, *_ in seen[1] if p == 0]
+    assert sorted(order0) == sorted(order1) == [0, 1, 2, 3]
+    assert events.count("window") == 6 and events.count("epoch") == 1 and events[-1] == "done"
+
+
+def test_a_refusal_retries_the_same_position_with_half_the_chunk_until_the_floor():
+    walk = Walk([64], epochs=1, seed=0, chunk=32, floor=8)
+    assert walk.advance({"status": "ok"}) == "step"
+    assert walk.advance({"status": "refused"}) == "retry"
+    s = walk.current()
+    assert (s.chunk_pos, s.chunk_tokens, s.chunk) == (32, 16, 16)
+    assert walk.advance({"status": "refused"}) == "retry"
+    assert walk.current().chunk_tokens == 8
+    assert walk.advance({"status": "refused"}) == "refused"
+    assert walk.advance({"status": "error"}) == "error"
+    assert walk.current().chunk_pos == 32
