@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -29,6 +30,8 @@ from typing import Callable, Protocol, Union
 from dreamstage.resident import ResidentModel
 from dreamstage.sampling import GrammarError, SamplingParams, build_chain
 from dreamstage.stats import EngineStats
+
+log = logging.getLogger("dreamstage.engine")
 
 
 # -- events sent to a request's sink ---------------------------------------------
@@ -302,16 +305,39 @@ class Engine:
                         idle = False
                     inbox = list(self._inbox)
                     self._inbox.clear()
-                if idle:
-                    self.hook.after_batch(self, True)
-                    continue
-                self._intake(inbox)
-                self._reap_cancelled()
-                self._admit()
-                if self._step():
-                    self.hook.after_batch(self, False)
+                try:
+                    if idle:
+                        self._call_hook(True)
+                        continue
+                    self._intake(inbox)
+                    self._reap_cancelled()
+                    self._admit()
+                    if self._step():
+                        self._call_hook(False)
+                except Exception as e:  # noqa: BLE001 - a bug must fail requests, never kill the engine
+                    log.exception("engine loop iteration failed")
+                    self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
         finally:
             self._shutdown()
+
+    def _call_hook(self, idle: bool) -> None:
+        # A failing dream step must not take serving down: log, count, go on.
+        try:
+            self.hook.after_batch(self, idle)
+        except Exception:  # noqa: BLE001
+            self.stats.hook_errors += 1
+            log.exception("dream hook failed (idle=%s)", idle)
+
+    def _fail_all(self, message: str) -> None:
+        """Fail every active request and clear its sequence: the engine starts clean."""
+        self.stats.decode_failures += 1
+        for s in self.slots:
+            if s.busy:
+                job = s.job
+                self.lc.llama_memory_seq_rm(self.model.memory, s.seq_id, -1, -1)
+                s.tokens.clear()
+                self._free_slot(s)
+                self._finish_job(job, Failed(500, message), "error")
 
     def _send(self, job: _Job, event: Event) -> None:
         try:
@@ -383,6 +409,9 @@ class Engine:
                 chain = build_chain(self.model.vocab, self.model.n_vocab, job.request.sampling)
             except GrammarError as e:
                 self._finish_job(job, Failed(400, str(e), "grammar"), "invalid")
+                continue
+            except Exception as e:  # noqa: BLE001 - bad sampling values llama.cpp refused
+                self._finish_job(job, Failed(400, f"sampler could not be built: {e}", "sampling"), "invalid")
                 continue
             self.lc.llama_memory_seq_rm(self.model.memory, slot.seq_id, n_common, -1)
             del slot.tokens[n_common:]

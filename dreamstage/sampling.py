@@ -65,7 +65,7 @@ def build_chain(vocab, n_vocab: int, p: SamplingParams):
             raise GrammarError("grammar could not be parsed by llama.cpp (check the GBNF; the root rule must be named 'root')")
         add(chain, g)
     if p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-        add(chain, lc.llama_sampler_init_penalties(PENALTY_LAST_N, p.repeat_penalty,
+        add(chain, lc.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, p.repeat_penalty,
                                                    p.frequency_penalty, p.presence_penalty))
     if p.greedy:
         add(chain, lc.llama_sampler_init_greedy())

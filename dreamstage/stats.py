@@ -46,6 +46,7 @@ class EngineStats:
     generated_tokens: int = 0
     decode_batches: int = 0
     decode_failures: int = 0
+    hook_errors: int = 0            # dream-hook calls that raised (logged, serving went on)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
 
