@@ -39,10 +39,8 @@ Messages after the last trained reply carry no loss and are dropped.
 """
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Iterable, Protocol, Sequence
 
 from dreamstage.trainspec import ChatExample, JobSpec, PromptCompletion, SourcedExample, TextExample
@@ -184,25 +182,34 @@ class TemplateError(ValueError):
 
 
 class ChatRenderer:
-    """Renders chats through a model's Jinja2 chat template, message by message."""
+    """Renders chats through a model's Jinja2 chat template, message by message.
+
+    It uses llama-cpp-python's Jinja2ChatFormatter, the formatter serving uses
+    (dreamstage/chat.py), so a trained conversation renders exactly as the same
+    conversation would be prompted: same environment, filters and globals.
+    """
 
     def __init__(self, tok: Tokenizer, template: str | None = None):
-        import jinja2.sandbox  # noqa: PLC0415 - only chats need it
+        from dreamstage import native  # noqa: PLC0415 - llama_cpp must bind to our libllama
+
+        native.llama_cpp()
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
 
         self.tok = tok
         source = template if template is not None else (tok.chat_template() or CHATML_TEMPLATE)
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda v, indent=None, ensure_ascii=False: json.dumps(v, indent=indent, ensure_ascii=ensure_ascii)
-        env.globals["raise_exception"] = _raise_template_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.template = env.from_string(source)
-        self.bos_text = tok.detokenize([tok.bos], special=True) if tok.bos >= 0 else ""
-        self.eos_text = tok.detokenize([tok.eos], special=True) if tok.eos >= 0 else ""
+        bos_text = tok.detokenize([tok.bos], special=True) if tok.bos >= 0 else ""
+        eos_text = tok.detokenize([tok.eos], special=True) if tok.eos >= 0 else ""
+        try:
+            self._formatters = {gen: Jinja2ChatFormatter(source, eos_token=eos_text, bos_token=bos_text,
+                                                         add_generation_prompt=gen) for gen in (False, True)}
+        except Exception as e:  # noqa: BLE001 - a template that does not compile
+            raise TemplateError(f"the chat template does not compile: {e}") from e
 
     def _render(self, messages: list[dict], tools, gen: bool) -> str:
-        kw = {"tools": tools} if tools is not None else {}
-        return self.template.render(messages=messages, add_generation_prompt=gen,
-                                    bos_token=self.bos_text, eos_token=self.eos_text, **kw)
+        try:
+            return self._formatters[gen](messages=messages, tools=tools).prompt
+        except Exception as e:  # noqa: BLE001 - raise_exception() and any Jinja error alike
+            raise TemplateError(f"the chat template refused these messages: {e}") from e
 
     def render(self, ex: ChatExample) -> Rendered:
         msgs = ex.messages
@@ -269,10 +276,6 @@ class ChatRenderer:
                 f"the chat template does not render {what} as a prefix of the whole conversation "
                 f"(it rewrites earlier turns), so messages[{i}] cannot be located"
             )
-
-
-def _raise_template_exception(message: str):
-    raise TemplateError(f"the chat template raised: {message}")
 
 
 # -- fit: a rendered example into windows -------------------------------------

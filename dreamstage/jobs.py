@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from dreamstage.examples import epoch_order
 from dreamstage.trainspec import JobSpec, TrainRequest, check_adapter_name
@@ -156,13 +156,16 @@ def receipt_dict(receipt: Any) -> dict[str, Any]:
 
 def _new_progress(spec: JobSpec) -> dict[str, Any]:
     return {
-        "step": 0, "window": 0, "windows": None, "epoch": 0, "epochs": spec.epochs,
-        "tokens": 0, "train_ms": 0.0, "train_tok_s": None, "chunk": spec.chunk, "refusals": 0,
+        "step": 0, "window": 0, "windows": None, "windows_done": 0, "epoch": 0, "epochs": spec.epochs,
+        # tokens: loss tokens trained; walked: tokens run forward+backward
+        # (chunk_tokens); train_tok_s = walked per second of micro-step time.
+        "tokens": 0, "walked": 0, "train_ms": 0.0, "train_tok_s": None, "chunk": spec.chunk, "refusals": 0,
         "loss": None, "loss_avg": None, "train_loss": None, "eval_loss": None,
         "train_loss_per_epoch": [], "eval_loss_per_epoch": [],
         "memory": {k: None for k in MEMORY_FIELDS},
         # accumulators for the epoch in progress and the moving average
-        "_epoch_loss_sum": 0.0, "_epoch_tokens": 0, "_ema": 0.0, "_ema_n": 0,
+        "_win_loss_sum": 0.0, "_win_tokens": 0, "_epoch_loss_sum": 0.0, "_epoch_tokens": 0,
+        "_ema": 0.0, "_ema_n": 0,
     }
 
 
@@ -378,20 +381,29 @@ class JobStore:
             raise ValueError(f"progress fields {bad} are not set directly")
         self._edit_progress(job_id, lambda p: p.update(fields))
 
-    def record_window(self, job_id: int, loss: float, tokens: int) -> None:
-        """A window finished with mean masked loss `loss` over `tokens` targets."""
-        if not math.isfinite(loss) or tokens < 0:
-            raise ValueError(f"window loss {loss!r} over {tokens!r} tokens is not a finite loss and a count")
+    def end_window(self, job_id: int) -> float | None:
+        """Close the window the last ok receipts belong to. Its loss is the
+        token-weighted mean of their chunk losses (a receipt's `loss` is the
+        mean CE over that chunk's `tokens` loss tokens); it feeds the moving
+        average and the epoch's train loss. Returns it (None: no loss tokens)."""
+        out: list[float | None] = [None]
 
         def fold(p: dict[str, Any]) -> None:
-            p["_epoch_loss_sum"] += loss * tokens
+            tokens, loss_sum = p["_win_tokens"], p["_win_loss_sum"]
+            p["_win_tokens"], p["_win_loss_sum"] = 0, 0.0
+            p["windows_done"] += 1
+            if not tokens:
+                return
+            loss = loss_sum / tokens
+            p["_epoch_loss_sum"] += loss_sum
             p["_epoch_tokens"] += tokens
             p["_ema"] = LOSS_EMA_BETA * p["_ema"] + (1 - LOSS_EMA_BETA) * loss
             p["_ema_n"] += 1
-            p["loss"] = loss
+            p["loss"] = out[0] = loss
             p["loss_avg"] = p["_ema"] / (1 - LOSS_EMA_BETA ** p["_ema_n"])
 
         self._edit_progress(job_id, fold)
+        return out[0]
 
     def end_epoch(self, job_id: int, eval_loss: float | None = None) -> dict[str, Any]:
         """Close the epoch: its token-weighted train loss and held-out loss
@@ -557,10 +569,16 @@ class JobStore:
 def _fold_receipt(p: dict[str, Any], d: Mapping[str, Any]) -> None:
     if d["status"] == "ok":
         p["step"] += 1
-        p["tokens"] += int(d.get("tokens") or 0)
+        tokens = int(d.get("tokens") or 0)
+        p["tokens"] += tokens
+        p["walked"] += int(d.get("chunk_tokens") or 0)
         p["train_ms"] += float(d.get("ms") or 0.0)
         if p["train_ms"] > 0:
-            p["train_tok_s"] = p["tokens"] / (p["train_ms"] / 1000.0)
+            p["train_tok_s"] = p["walked"] / (p["train_ms"] / 1000.0)
+        loss = d.get("loss")
+        if tokens and loss is not None and math.isfinite(loss):
+            p["_win_loss_sum"] += float(loss) * tokens
+            p["_win_tokens"] += tokens
         for k in MEMORY_FIELDS:
             if d.get(k) is not None:
                 p["memory"][k] = d[k]
@@ -677,6 +695,10 @@ class Walk:
             return "retry"
         if status != "ok":
             return "error"
+        got = (receipt.get("chunk_pos"), receipt.get("chunk_tokens"))
+        if None not in got and got != (step.chunk_pos, step.chunk_tokens):
+            raise ValueError(f"the trainer ran chunk_pos {got[0]} x {got[1]} tokens but the walk expected "
+                             f"{step.chunk_pos} x {step.chunk_tokens}: the trainer's chunk is out of step")
         self.chunk_pos += step.chunk_tokens
         if not step.last_in_window:
             return "step"
@@ -691,7 +713,52 @@ class Walk:
         self._order = epoch_order(len(self.window_lengths), self.epoch, self.seed)
         return "epoch"
 
-    def iter_steps(self) -> Iterator[MicroStep]:  # pragma: no cover - convenience for scripts
-        while (s := self.current()) is not None:
-            yield s
-            self.advance({"status": "ok"})
+
+
+class JobRun:
+    """The bookkeeping of the job being trained: its walk and its store rows.
+
+    The engine owns the Trainer and the llama calls; this owns everything
+    else. Per micro-step: `current()` says which window and chunk; when
+    `chunk_pos == 0` the engine begins that window on the trainer; it runs one
+    micro-step and hands the receipt to `record()`, which stores it, moves the
+    walk, closes finished windows, and ends the job `refused` (ladder at its
+    floor) or `error`. The returned event is Walk.advance's; on "retry" the
+    engine sets the trainer's chunk to `run.chunk`; on "epoch" and "done" it
+    evaluates the held-out windows and calls `end_epoch`.
+    """
+
+    def __init__(self, store: JobStore, job_id: int, spec: JobSpec, windows: Sequence[Any]):
+        self.store, self.job_id, self.windows = store, job_id, windows
+        self.walk = Walk([len(w) for w in windows], spec.epochs, spec.seed, spec.chunk, spec.min_chunk)
+        store.update_progress(job_id, windows=len(windows), window=0, epoch=0)
+
+    @property
+    def chunk(self) -> int:
+        return self.walk.chunk
+
+    def current(self) -> tuple[Any, MicroStep] | None:
+        step = self.walk.current()
+        return None if step is None else (self.windows[step.window_index], step)
+
+    def should_step(self) -> bool:
+        """Whether the job is running (not paused, cancelled or ended) and has work left."""
+        return not self.walk.finished and self.store.state(self.job_id) == "running"
+
+    def record(self, receipt: Any) -> str:
+        d = receipt_dict(receipt)
+        self.store.append_receipt(self.job_id, d)
+        event = self.walk.advance(d)
+        if event in ("window", "epoch", "done"):
+            self.store.end_window(self.job_id)
+            self.store.update_progress(self.job_id, window=self.walk.order_pos)
+        elif event == "refused":
+            self.store.transition(self.job_id, "refused", message=(
+                f"chunk {self.walk.chunk} was refused at the ladder's floor ({self.walk.floor}): "
+                f"{d.get('message') or 'no message'}"))
+        elif event == "error":
+            self.store.transition(self.job_id, "error", message=d.get("message") or "the micro-step failed")
+        return event
+
+    def end_epoch(self, eval_loss: float | None) -> dict[str, Any]:
+        return self.store.end_epoch(self.job_id, eval_loss)

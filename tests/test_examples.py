@@ -226,7 +226,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_by_name():
 def test_a_template_that_raises_is_reported_for_its_example():
     tok = FakeTokenizer("{{ raise_exception('roles must alternate') }}")
     spec = parse_train_request({"examples": [{"messages": [{"role": "assistant", "content": "a"}]}]}).to_job_spec()
-    with pytest.raises(ExampleErrors, match=r"examples\[0\]: the chat template raised: roles must alternate"):
+    with pytest.raises(ExampleErrors, match=r"examples\[0\]: the chat template refused these messages: roles must alternate"):
         render_job(spec, tok)
 
 

@@ -13,6 +13,7 @@ from dreamstage.jobs import (
     AdapterNotFound,
     InvalidTransition,
     JobNotFound,
+    JobRun,
     JobStore,
     Walk,
     auto_promote_decision,
@@ -21,6 +22,7 @@ from dreamstage.jobs import (
     ladder,
     next_chunk,
 )
+from dreamstage.examples import TrainWindow
 from dreamstage.trainspec import parse_train_request
 
 
@@ -200,9 +202,10 @@ def test_receipts_are_stored_unchanged_and_refusals_carry_their_figures(store):
     store.append_receipt(jid, refused(64))
     store.append_receipt(jid, refused(32, pos=32))
     store.transition(jid, "running")
-    store.append_receipt(jid, Receipt(chunk=16, tokens=16, ms=8.0, graph_mib=3.0))
-    store.append_receipt(jid, {"status": "ok", "chunk": 16, "tokens": 16, "ms": 8.0, "extra": [1, 2]})
-    assert store.receipts(jid)[3] == {"status": "ok", "chunk": 16, "tokens": 16, "ms": 8.0, "extra": [1, 2]}
+    store.append_receipt(jid, Receipt(chunk=16, chunk_tokens=16, tokens=16, ms=8.0, graph_mib=3.0))
+    extra = {"status": "ok", "chunk": 16, "chunk_tokens": 16, "tokens": 16, "ms": 8.0, "extra": [1, 2]}
+    store.append_receipt(jid, extra)
+    assert store.receipts(jid)[3] == extra
     job = store.get(jid)
     assert [r["refused_chunk_tokens"] for r in job["refusals"]] == [64, 32]
     for r in job["refusals"]:
@@ -225,19 +228,25 @@ def test_malformed_receipts_are_refused_and_nothing_is_written(store, bad, words
     assert store.receipts(jid) == []
 
 
-def test_losses_per_epoch_moving_average_and_eval(store):
+def test_window_and_epoch_losses_come_from_the_receipts(store):
     jid = store.submit(req(epochs=2))["id"]
-    store.record_window(jid, loss=4.0, tokens=10)
-    store.record_window(jid, loss=2.0, tokens=30)
+    store.append_receipt(jid, Receipt(loss=5.0, tokens=6))      # window 1: two chunks
+    store.append_receipt(jid, Receipt(loss=3.0, tokens=4))
+    store.append_receipt(jid, refused(32))                       # refusals carry no loss
+    assert store.end_window(jid) == pytest.approx(4.2)           # token-weighted: (30 + 12) / 10
+    store.append_receipt(jid, Receipt(loss=2.0, tokens=30))
+    store.append_receipt(jid, Receipt(loss=9.0, tokens=0))       # a decode-only chunk: no loss tokens
+    assert store.end_window(jid) == 2.0
     p = store.end_epoch(jid, eval_loss=None)
-    assert p["train_loss_per_epoch"] == [pytest.approx(2.5)] and p["eval_loss"] is None and p["epoch"] == 1
-    assert p["loss"] == 2.0 and p["loss_avg"] == pytest.approx((0.9 * 0.1 * 4 + 0.1 * 2) / (1 - 0.81))
-    store.record_window(jid, loss=1.0, tokens=5)
+    assert p["train_loss_per_epoch"] == [pytest.approx(102 / 40)] and p["eval_loss"] is None and p["epoch"] == 1
+    assert p["loss"] == 2.0 and p["loss_avg"] == pytest.approx((0.9 * 0.1 * 4.2 + 0.1 * 2) / (1 - 0.81))
+    assert p["windows_done"] == 2 and p["tokens"] == 40
+    store.append_receipt(jid, Receipt(loss=1.0, tokens=5))
+    store.end_window(jid)
     p = store.end_epoch(jid, eval_loss=1.5)
-    assert p["train_loss_per_epoch"] == [pytest.approx(2.5), 1.0] and p["eval_loss_per_epoch"] == [None, 1.5]
+    assert p["train_loss_per_epoch"] == [pytest.approx(2.55), 1.0] and p["eval_loss_per_epoch"] == [None, 1.5]
     assert p["train_loss"] == 1.0 and p["eval_loss"] == 1.5
-    with pytest.raises(ValueError, match="not a finite loss"):
-        store.record_window(jid, loss=float("nan"), tokens=3)
+    assert store.end_window(jid) is None                         # an empty window changes no loss
     store.update_progress(jid, window=3, windows=9)
     assert store.get(jid)["progress"]["windows"] == 9
     with pytest.raises(ValueError, match="not set directly"):
@@ -385,3 +394,89 @@ def test_a_refusal_retries_the_same_position_with_half_the_chunk_until_the_floor
     assert walk.advance({"status": "refused"}) == "refused"
     assert walk.advance({"status": "error"}) == "error"
     assert walk.current().chunk_pos == 32
+
+
+# -- a job driven end to end, the way the engine will ----------------------------------------
+class FakeTrainer:
+    """The native Trainer's shape: begin_window, micro_step, a settable chunk.
+    Chunks above `fits` tokens are refused, changing nothing."""
+
+    def __init__(self, chunk, fits):
+        self.chunk, self.fits, self.pos, self.n, self.mask, self.step_no = chunk, fits, 0, 0, (), 0
+
+    def begin_window(self, tokens, mask):
+        self.pos, self.n, self.mask = 0, len(tokens), mask
+
+    def micro_step(self):
+        k = min(self.chunk, self.n - self.pos)
+        if k > self.fits:
+            return refused(self.chunk, pos=self.pos)
+        self.step_no += 1
+        r = Receipt(step=self.step_no, chunk=self.chunk, chunk_pos=self.pos, chunk_tokens=k,
+                    tokens=sum(self.mask[self.pos:self.pos + k]), loss=1.0 / self.step_no, ms=2.0)
+        self.pos += k
+        return r
+
+
+def drive(store, jid, trainer, text_tokens):
+    from dreamstage.examples import render_job
+
+    class Tok:  # text needs tokenize only
+        bos, eos = 0, 1
+
+        def tokenize(self, text, add_special=True, parse_special=True):
+            return text_tokens
+
+    spec = store.spec(jid)
+    store.transition(jid, "starting")
+    run = JobRun(store, jid, spec, render_job(spec, Tok()).train)
+    store.transition(jid, "running")
+    events = []
+    while run.should_step():
+        window, step = run.current()
+        if step.chunk_pos == 0:
+            trainer.begin_window(window.tokens, window.mask)
+        event = run.record(trainer.micro_step())
+        events.append(event)
+        if event == "retry":
+            trainer.chunk = run.chunk
+        if event in ("epoch", "done"):
+            run.end_epoch(eval_loss=None)
+        if event == "done":
+            store.transition(jid, "done")
+    return events
+
+
+def test_a_job_runs_through_the_ladder_to_done(store):
+    jid = store.submit(req(window=64, chunk=64, overlap=8, epochs=2, min_chunk=8))["id"]
+    events = drive(store, jid, FakeTrainer(chunk=64, fits=20), list(range(150)))
+    job = store.get(jid)
+    assert job["state"] == "done" and events[-1] == "done"
+    assert [r["refused_chunk_tokens"] for r in job["refusals"]] == [64, 32]   # 64 -> 32 -> 16 fits
+    p = job["progress"]
+    assert p["chunk"] == 16 and p["windows"] == 3 and p["epoch"] == 2 and p["windows_done"] == 6
+    assert p["tokens"] == 2 * 149 and len(p["train_loss_per_epoch"]) == 2 and p["eval_loss"] is None
+
+
+def test_a_job_that_never_fits_ends_refused_with_its_receipts(store):
+    jid = store.submit(req(window=64, chunk=64, min_chunk=16))["id"]
+    events = drive(store, jid, FakeTrainer(chunk=64, fits=4), list(range(100)))
+    job = store.get(jid)
+    assert events == ["retry", "retry", "refused"] and job["state"] == "refused"
+    assert [r["refused_chunk_tokens"] for r in job["refusals"]] == [64, 32, 16]
+    assert "floor (16)" in job["message"] and "needs 32.0 MiB" in job["message"]
+
+
+def test_pause_stops_the_walk_and_resume_continues_it(store):
+    jid = store.submit(req(window=64, chunk=16))["id"]
+    spec = store.spec(jid)
+    store.transition(jid, "starting")
+    run = JobRun(store, jid, spec, [TrainWindow(tuple(range(40)), (0,) + (1,) * 39)])
+    store.transition(jid, "running")
+    run.record(Receipt(chunk=16, chunk_pos=0, chunk_tokens=16))
+    store.transition(jid, "paused")                      # the server thread
+    assert not run.should_step()
+    store.transition(jid, "running")
+    assert run.should_step() and run.current()[1].chunk_pos == 16
+    with pytest.raises(ValueError, match="out of step"):
+        run.record(Receipt(chunk=16, chunk_pos=0, chunk_tokens=16))
