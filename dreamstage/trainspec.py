@@ -265,8 +265,10 @@ class JobSpec:
         }
 
     def lora_fields(self) -> dict[str, Any]:
+        """The LoRA shape in the native trainer's terms (LoraConfig's fields:
+        targets as a comma list, top_layers 0 = every layer)."""
         return {"rank": self.rank, "alpha": self.alpha, "targets": ",".join(self.targets),
-                "top_layers": self.top_layers, "seed": self.seed}
+                "top_layers": self.top_layers or 0, "seed": self.seed}
 
     def summary(self) -> dict[str, Any]:
         """The spec without its examples (for reports)."""

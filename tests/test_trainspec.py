@@ -158,13 +158,15 @@ def test_raw_json_bodies_validate_strictly():
     req = parse_train_request(json.dumps({"text": "x", "lr": 1, "share": 0.25}))
     assert req.lr == 1.0 and req.to_job_spec().pacing.mode == "share"
     assert refusal('{"text": "x", "epochs": 1.5}')[0][0] == ("epochs",)
+    assert parse_train_request({"text": "x", "alpha": 32, "max_slowdown": 0.2}).alpha == 32.0  # a dict, as FastAPI passes
 
 
 def test_targets_accept_a_comma_list_or_a_list_in_canonical_order():
     a = parse_train_request({"text": "x", "targets": "ffn_down, attn_q"}).to_job_spec()
     b = parse_train_request({"text": "x", "targets": ["attn_q", "ffn_down"]}).to_job_spec()
     assert a.targets == b.targets == ("attn_q", "ffn_down")
-    assert a.lora_fields()["targets"] == "attn_q,ffn_down"
+    assert a.lora_fields() == {"rank": 8, "alpha": 16.0, "targets": "attn_q,ffn_down", "top_layers": 0, "seed": 0}
+    assert parse_train_request({"text": "x", "top_layers": 4}).to_job_spec().lora_fields()["top_layers"] == 4
 
 
 def test_the_request_round_trips_through_json_for_persistence():
