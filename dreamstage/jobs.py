@@ -745,6 +745,11 @@ class JobRun:
         """Whether the job is running (not paused, cancelled or ended) and has work left."""
         return not self.walk.finished and self.store.state(self.job_id) == "running"
 
+    def ended(self) -> bool:
+        """Whether the job reached a final state (cancelled by the server,
+        refused, ...): the engine then frees its Trainer and picks the next job."""
+        return self.store.state(self.job_id) in TERMINAL
+
     def record(self, receipt: Any) -> str:
         d = receipt_dict(receipt)
         self.store.append_receipt(self.job_id, d)

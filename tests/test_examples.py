@@ -367,3 +367,11 @@ def test_default_model_job_of_every_form(resident):
     group = by_label["examples[2].completions[0]"] + by_label["examples[2].completions[1]"]
     assert [resident.detokenize([t for t, m in zip(w.tokens, w.mask) if m], True) for w in group] == \
         ["hello<|im_end|>", "hey<|im_end|>"]
+
+
+def test_examples_with_nothing_to_train_are_named():
+    spec = parse_train_request({"examples": [{"text": "ok, long enough"}, {"text": "x"}]}).to_job_spec()
+    with pytest.raises(ExampleErrors) as e:
+        render_job(spec, FakeTokenizer(add_bos=False))
+    (err,) = e.value.errors
+    assert err.loc == ("examples", 1) and "fewer than 2 tokens" in err.message

@@ -480,3 +480,6 @@ def test_pause_stops_the_walk_and_resume_continues_it(store):
     assert run.should_step() and run.current()[1].chunk_pos == 16
     with pytest.raises(ValueError, match="out of step"):
         run.record(Receipt(chunk=16, chunk_pos=0, chunk_tokens=16))
+    assert not run.ended()
+    store.transition(jid, "cancelled")                   # the server again
+    assert run.ended() and not run.should_step()
