@@ -197,10 +197,14 @@ class Engine:
         self.lc = model.lc
         self.n_seq = model.config.n_seq
         self.n_batch = model.config.n_batch
-        # Per-slot context budget. The cache is unified (slots share n_ctx
-        # cells), but giving each slot a fixed share means an admitted request
-        # can always finish: prompt + max_tokens <= n_ctx / n_seq.
-        self.slot_ctx = model.n_ctx // self.n_seq
+        # Per-slot context budget: prompt + max_tokens <= slot_ctx, so an
+        # admitted request can always finish. With one K/V stream per sequence
+        # (kv_unified=False, how serving runs) that is the stream's size. With a
+        # unified cache the slots share n_ctx cells and each gets a fixed share.
+        if model.config.kv_unified:
+            self.slot_ctx = model.n_ctx // self.n_seq
+        else:
+            self.slot_ctx = self.lc.llama_n_ctx_seq(model.ctx)
         self.max_queue = max_queue
         self.hook: DreamHook = hook or NoDream()
         self.idle_interval = idle_interval

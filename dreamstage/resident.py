@@ -49,6 +49,12 @@ class ResidentConfig:
     n_threads: int = 0                 # 0: all cores
     kv_type: str = "f16"               # serving K/V cache type
     flash_attn: str = "auto"           # "auto" | "on" | "off", passed to llama.cpp
+    # True: the slots share one cache of n_ctx cells. False: each sequence gets
+    # its own stream of n_ctx / n_seq cells, so a sequence's cell layout (and
+    # with it the attention's summation order) does not depend on its
+    # neighbours: greedy output is then the same batched or alone. Serving
+    # uses False (docs/architecture/serving.md).
+    kv_unified: bool = True
     seed: int = 0
 
     def validate(self) -> None:
@@ -91,7 +97,7 @@ class ResidentModel:
         cparams.n_batch = cfg.n_batch
         cparams.n_ubatch = min(cfg.n_batch, 512)
         cparams.n_seq_max = cfg.n_seq
-        cparams.kv_unified = True  # slots share one cache of n_ctx cells
+        cparams.kv_unified = cfg.kv_unified
         threads = cfg.n_threads or os.cpu_count() or 1
         cparams.n_threads = threads
         cparams.n_threads_batch = threads

@@ -85,7 +85,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), None, None, getattr(exc, "headers", None))
+        param, code = ("body", "body_too_large") if exc.status_code == 413 else (None, None)
+        return error_response(exc.status_code, str(exc.detail), param, code, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception):

@@ -37,5 +37,8 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
     def resident_config(self) -> ResidentConfig:
+        # One K/V stream per slot: a request's output does not depend on what
+        # its neighbours are doing (see docs/architecture/serving.md).
         return ResidentConfig(model_path=self.model, n_ctx=self.ctx, n_seq=self.parallel,
-                              n_batch=self.batch, n_threads=self.threads, kv_type=self.kv_type)
+                              n_batch=self.batch, n_threads=self.threads, kv_type=self.kv_type,
+                              kv_unified=False)

@@ -27,7 +27,7 @@ class RecordingHook:
 
 @pytest.fixture(scope="module")
 def engine():
-    model = ResidentModel(ResidentConfig(n_ctx=1024, n_seq=4, n_threads=2))
+    model = ResidentModel(ResidentConfig(n_ctx=1024, n_seq=4, n_threads=2, kv_unified=False))
     hook = RecordingHook()
     eng = Engine(model, max_queue=2, hook=hook).start()
     eng.test_hook = hook
