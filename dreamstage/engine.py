@@ -221,6 +221,10 @@ class Engine:
         self._running = False
         self._thread: threading.Thread | None = None
         self._batch = None
+        # The last decode batch, for the dream stage's pacer: all tokens in it, and
+        # how many of them were single decode tokens of generating slots.
+        self.last_batch_tokens = 0
+        self.last_batch_decode_tokens = 0
 
     # -- public, any thread -------------------------------------------------------
     def start(self) -> "Engine":
@@ -268,8 +272,8 @@ class Engine:
         """Requests submitted but not yet in a slot."""
         return len(self._inbox) + len(self._waiting)
 
-    @property
     def busy_slots(self) -> int:
+        """Slots serving a request (the dream stage's pacer asks this in the hook)."""
         return sum(1 for s in self.slots if s.busy)
 
     def slots_info(self) -> list[dict]:
@@ -446,6 +450,7 @@ class Engine:
                 s.next_token = None
                 outputs.append((s, n))
                 n += 1
+        n_decode = n
         for s in self.slots:
             if n >= self.n_batch:
                 break
@@ -464,6 +469,8 @@ class Engine:
         if n == 0:
             return False
         batch.n_tokens = n
+        self.last_batch_tokens = n
+        self.last_batch_decode_tokens = n_decode
         rc = lc.llama_decode(self.model.ctx, batch)
         self.stats.decode_batches += 1
         if rc != 0:

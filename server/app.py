@@ -184,7 +184,7 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/health")
     async def health():
         body = {"status": "ok" if engine.running else "stopped", "slots": engine.n_seq,
-                "slots_busy": engine.busy_slots, "queue_depth": engine.queue_depth,
+                "slots_busy": engine.busy_slots(), "queue_depth": engine.queue_depth,
                 "adapter_version": engine.adapter_version}
         return JSONResponse(body, status_code=200 if engine.running else 503)
 

@@ -30,7 +30,7 @@ def render(engine: Engine) -> str:
     metric("dreamstage_decode_failures_total", "counter", "llama_decode calls that failed.", s.decode_failures)
     _hist(lines, "dreamstage_time_to_first_token_seconds", "Submission to first sampled token.", s.ttft)
     _hist(lines, "dreamstage_inter_token_latency_seconds", "Time between two sampled tokens of one request.", s.itl)
-    metric("dreamstage_busy_slots", "gauge", "Slots serving a request.", engine.busy_slots)
+    metric("dreamstage_busy_slots", "gauge", "Slots serving a request.", engine.busy_slots())
     metric("dreamstage_slots", "gauge", "Slots (parallel sequences).", engine.n_seq)
     metric("dreamstage_queue_depth", "gauge", "Requests waiting for a slot.", engine.queue_depth)
     metric("dreamstage_adapter_version", "gauge", "Served adapter version (0 = base model).", engine.adapter_version)

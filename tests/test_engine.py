@@ -17,10 +17,13 @@ GREEDY = SamplingParams(temperature=0.0)
 class RecordingHook:
     def __init__(self):
         self.calls = []          # (idle, decode_batches at call time)
+        self.batch_tokens = []   # (tokens, decode tokens) of the batch before each busy call
         self.idle_seen = threading.Event()
 
     def after_batch(self, engine, idle):
         self.calls.append((idle, engine.stats.decode_batches))
+        if not idle:
+            self.batch_tokens.append((engine.last_batch_tokens, engine.last_batch_decode_tokens))
         if idle:
             self.idle_seen.set()
 
@@ -155,7 +158,7 @@ def test_cancel_frees_the_slot(engine):
         if not isinstance(ev, Delta):
             break
     assert isinstance(ev, Failed) and ev.status == 499
-    assert engine.busy_slots == 0
+    assert engine.busy_slots() == 0
     assert engine.stats.requests.get("cancelled", 0) >= 1
 
 
@@ -175,13 +178,14 @@ def test_queue_bound_raises_queue_full(engine):
     for q in qs:
         while not isinstance(q.get(timeout=300), (Finished, Failed)):
             pass
-    assert engine.busy_slots == 0 and engine.queue_depth == 0
+    assert engine.busy_slots() == 0 and engine.queue_depth == 0
 
 
 def test_dream_hook_runs_after_every_decode_batch_and_when_idle(engine):
     hook = engine.test_hook
     before_calls = len([c for c in hook.calls if not c[0]])
     before_batches = engine.stats.decode_batches
+    hook.batch_tokens.clear()
     run(engine, "Once upon a time", 6)
     busy_calls = [c for c in hook.calls if not c[0]][before_calls:]
     batches = engine.stats.decode_batches - before_batches
@@ -189,9 +193,12 @@ def test_dream_hook_runs_after_every_decode_batch_and_when_idle(engine):
     # exactly one call per decode batch, each made after that batch counted
     assert len(busy_calls) == batches
     assert [b for _, b in busy_calls] == list(range(before_batches + 1, before_batches + batches + 1))
+    # the hook sees what the batch held: the prompt first (no decode tokens), then one decode token each
+    assert hook.batch_tokens[0][1] == 0 and hook.batch_tokens[0][0] >= 1
+    assert all(t == (1, 1) for t in hook.batch_tokens[1:])
     hook.idle_seen.clear()
     assert hook.idle_seen.wait(60), "the idle engine never called the hook"
-    assert engine.busy_slots == 0
+    assert engine.busy_slots() == 0
 
 
 def test_a_failing_hook_does_not_stop_serving(engine):
