@@ -336,6 +336,20 @@ class Engine:
             self.stats.hook_errors += 1
             log.exception("dream hook failed (idle=%s)", idle)
 
+    def _admission_held(self) -> bool:
+        # A dream hook may hold admission (an optional `hold_admission(engine)`):
+        # an adapter swap waits for the busy slots to drain, so every request
+        # runs on one adapter version. Waiting requests then stay queued.
+        hold = getattr(self.hook, "hold_admission", None)
+        if hold is None:
+            return False
+        try:
+            return bool(hold(self))
+        except Exception:  # noqa: BLE001
+            self.stats.hook_errors += 1
+            log.exception("dream hook failed in hold_admission")
+            return False
+
     def _fail_all(self, message: str) -> None:
         """Fail every active request and clear its sequence: the engine starts clean."""
         self.stats.decode_failures += 1
@@ -404,6 +418,8 @@ class Engine:
                 self._release(s, None, "cancelled")
 
     def _admit(self) -> None:
+        if self._waiting and self._admission_held():
+            return
         while self._waiting:
             free = [s for s in self.slots if not s.busy]
             if not free:

@@ -1,0 +1,611 @@
+"""The dream stage in the engine loop: training jobs between decode batches.
+
+`DreamScheduler` is the engine's `DreamHook`. Everything it does with llama
+(the Trainer, adapter loads, the served-adapter swap) happens on the engine
+thread, inside `after_batch` and `hold_admission`. The HTTP side talks to it
+only through the job store (submit, pause, resume, cancel are store
+transitions the engine reads before each micro-step) and through a small
+command queue (promote, rollback) whose results come back as futures.
+
+One job trains at a time, FIFO. The job's whole life (render, starting,
+trainer construction through the memory gate, the walk with its chunk
+ladder, held-out evaluation, save, promotion) is one generator, `_job`; each
+`next()` runs at most one native micro-step. After a decode batch the
+scheduler advances it once when the Pacer allows; with no active slot it
+advances it repeatedly (after the idle grace) until a request arrives, so a
+directed request waits at most one micro-step.
+
+Served adapters are files: a finished job's shadow adapter is saved as a
+GGUF LoRA (atomically) and promotion loads that file with llama.cpp's own
+loader (`llama_adapter_lora_init`), the same path stock llama.cpp takes. So
+what serves survives the job's Trainer and a restart. A swap needs no slot
+mid-request: while one is pending, `hold_admission` keeps new requests
+waiting until the busy slots finish, then swaps between two batches, drops
+the idle slots' cached prefixes (their K/V were computed with the old
+weights), and bumps `engine.adapter_version`. Every completion therefore ran
+on exactly one adapter version, the one it reports.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from dreamstage.examples import RenderedJob, render_job
+from dreamstage.jobs import (
+    TERMINAL,
+    AdapterNotFound,
+    InvalidTransition,
+    JobRun,
+    JobStore,
+    auto_promote_decision,
+)
+from dreamstage.pacing import DEFAULT_IDLE_GRACE_S, Pacer
+from dreamstage.trainspec import JobSpec, check_adapter_name
+
+log = logging.getLogger("dreamstage.dreamer")
+
+# How long one idle call may keep training before it returns to the engine
+# loop (which then waits idle_interval and calls again). A request arriving
+# meanwhile is seen after the current micro-step.
+IDLE_BURST_S = 0.5
+# Pacing figures are written to the job row at most this often (and at the end).
+FIGURES_EVERY_S = 1.0
+# How often the queue is polled when nobody said a job was submitted.
+QUEUE_POLL_S = 0.5
+
+
+def default_state_dir() -> Path:
+    """$XDG_DATA_HOME/dreamstage, else ~/.local/share/dreamstage."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "dreamstage"
+
+
+def native_trainer(resident, spec: JobSpec, chunk: int, lr: float | None = None):
+    """The native Trainer for a job (lr=0 makes an evaluator that never moves)."""
+    from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer  # noqa: PLC0415 - needs the native core
+
+    return Trainer(resident, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
+                   window=spec.window, chunk=chunk, budget_mib=spec.memory_budget_mib or 0.0,
+                   optimizer=OptimizerConfig(lr=spec.lr if lr is None else lr))
+
+
+class AdapterLoadError(ValueError):
+    """llama.cpp could not load an adapter file for serving."""
+
+
+class ServedAdapters:
+    """The adapter serving runs with: one GGUF LoRA loaded by llama.cpp, or none (the base model).
+
+    Engine thread only (or before the engine starts)."""
+
+    def __init__(self, resident):
+        self.resident = resident
+        self.lc = resident.lc
+        self.handle = None          # the llama_adapter_lora set on the context now
+        self.path: str | None = None
+
+    def load(self, path) -> Any:
+        path = str(path)
+        if not os.path.isfile(path):
+            raise AdapterLoadError(f"adapter file {path!r} does not exist")
+        handle = self.lc.llama_adapter_lora_init(self.resident.model, path.encode())
+        if not handle:
+            raise AdapterLoadError(f"llama.cpp could not load {path!r} as a LoRA adapter for this model")
+        return handle
+
+    def apply(self, handle, path: str | None) -> None:
+        lc = self.lc
+        if handle is None:
+            lc.llama_set_adapters_lora(self.resident.ctx, None, 0, None)
+        else:
+            arr = (lc.llama_adapter_lora_p_ctypes * 1)(handle)
+            scales = (ctypes.c_float * 1)(1.0)
+            rc = lc.llama_set_adapters_lora(self.resident.ctx, arr, 1, scales)
+            if rc != 0:
+                raise AdapterLoadError(f"llama_set_adapters_lora failed with {rc}")
+        old, self.handle, self.path = self.handle, handle, path
+        if old is not None and old != handle:
+            lc.llama_adapter_lora_free(old)
+
+    def discard(self, handle) -> None:
+        """Free a loaded adapter that never became the served one."""
+        if handle is not None and handle != self.handle:
+            self.lc.llama_adapter_lora_free(handle)
+
+
+class _Swap:
+    """A promotion or rollback booked in the store, waiting to be applied."""
+
+    def __init__(self, handle, path: str | None, version: int, view: Any, future: concurrent.futures.Future | None):
+        self.handle, self.path, self.version, self.view, self.future = handle, path, version, view, future
+
+
+class DreamScheduler:
+    """The DreamHook: runs the job queue on the engine thread, paced."""
+
+    def __init__(self, store: JobStore, resident, *, make_trainer: Callable | None = None,
+                 served: ServedAdapters | None = None, idle_grace_s: float = DEFAULT_IDLE_GRACE_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.store = store
+        self.resident = resident
+        self.make_trainer = make_trainer or native_trainer
+        self.served = served if served is not None else ServedAdapters(resident)
+        self.idle_grace_s = idle_grace_s
+        self.clock = clock
+        self.served_error: str | None = None   # why the stored served adapter could not be reloaded
+        self._lock = threading.Lock()
+        self._commands: deque[tuple[str, tuple, concurrent.futures.Future]] = deque()
+        self._rendered: dict[int, RenderedJob] = {}
+        self._kick = True
+        self._last_poll = -1e9
+        self._swap: _Swap | None = None
+        self._job_id: int | None = None
+        self._job: Iterator[None] | None = None
+        self._pacer: Pacer | None = None
+        self._figures_at = 0.0
+        self._closing: list[Any] = []   # trainers of the job in progress (closed if the server stops)
+
+    # -- any thread ------------------------------------------------------------------
+    def notify_submitted(self, job_id: int, rendered: RenderedJob | None = None) -> None:
+        """A job was committed; `rendered` saves the engine from rendering it again."""
+        with self._lock:
+            if rendered is not None:
+                self._rendered[job_id] = rendered
+            self._kick = True
+
+    def promote(self, name: str, version: int | None = None) -> concurrent.futures.Future:
+        """Book and apply a promotion. The future's result is (view, applied_future)."""
+        check_adapter_name(name)
+        return self._command("promote", (name, version))
+
+    def rollback(self) -> concurrent.futures.Future:
+        return self._command("rollback", ())
+
+    def _command(self, kind: str, args: tuple) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._commands.append((kind, args, fut))
+        return fut
+
+    @property
+    def active_job(self) -> int | None:
+        return self._job_id
+
+    def pacing(self) -> dict | None:
+        p = self._pacer
+        return p.figures() if p is not None else None
+
+    # -- startup (before the engine thread runs) ---------------------------------------
+    def startup(self, engine, adapter_path: str | None = None) -> None:
+        """Reload the served adapter the store names; import and promote `adapter_path` (--adapter).
+
+        Call before the engine starts. A bad --adapter raises ValueError; a
+        stored adapter that no longer loads is reported (`served_error`) and
+        the base model serves, version 0."""
+        served = self.store.served()
+        if served is not None:
+            try:
+                handle = self.served.load(served["path"])
+                self.served.apply(handle, served["path"])
+                engine.adapter_version = served["served_version"]
+            except AdapterLoadError as e:
+                self.served_error = (f"the promoted adapter {served['name']} v{served['version']} "
+                                     f"could not be reloaded: {e}; serving the base model")
+                log.error("%s", self.served_error)
+                engine.adapter_version = 0
+        if adapter_path is not None:
+            self._import_startup_adapter(engine, Path(adapter_path))
+
+    def _import_startup_adapter(self, engine, src: Path) -> None:
+        if not src.is_file():
+            raise ValueError(f"--adapter {str(src)!r}: no such file")
+        if self.served.path and _same_bytes(self.served.path, src):
+            return                                         # already served (a restart with the same flag)
+        handle = self.served.load(src)                      # AdapterLoadError is a ValueError
+        name = _adapter_name_from(src)
+        version = self.store.next_adapter_version(name)
+        dst = self.store.adapter_path(name, version)
+        _copy_atomic(src, dst)
+        self.store.add_adapter(name, version)
+        view = self.store.promote(name, version)
+        self.served.apply(handle, str(dst))
+        engine.adapter_version = self.store.served_version()
+        self.served_error = None
+        log.info("serving --adapter %s as %s v%d (served version %d)", src, name, version, engine.adapter_version)
+        return view
+
+    def close(self) -> None:
+        """After the engine thread stopped: free the job's trainers and mark it interrupted."""
+        job, jid = self._job, self._job_id
+        self._job = self._job_id = None
+        if job is not None:
+            try:
+                job.close()
+            except Exception:  # noqa: BLE001 - shutting down
+                log.exception("closing the active job")
+        for t in self._closing:
+            t.close()
+        self._closing.clear()
+        if jid is not None:
+            try:
+                if self.store.state(jid) not in TERMINAL:
+                    self.store.transition(jid, "interrupted", "the server stopped while the job was training; "
+                                                              "its in-memory adapter and optimizer state were lost")
+            except Exception:  # noqa: BLE001 - the store may be closed already
+                log.exception("marking job %s interrupted", jid)
+        with self._lock:
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, _, fut in commands:
+            fut.set_exception(RuntimeError("the server is shutting down"))
+
+    # -- the engine's hooks ---------------------------------------------------------------
+    def hold_admission(self, engine) -> bool:
+        """Called by the engine before admitting requests: True keeps them waiting.
+
+        A pending adapter swap holds admission until the busy slots drain,
+        then is applied here, between two batches."""
+        if self._commands:
+            self._run_commands(engine)
+        if self._swap is None:
+            return False
+        if engine.busy_slots():
+            return True
+        self._apply_swap(engine)
+        return False
+
+    def after_batch(self, engine, idle: bool) -> None:
+        if self._commands:
+            self._run_commands(engine)
+        if self._swap is not None and not engine.busy_slots():
+            self._apply_swap(engine)
+        if not idle and self._pacer is not None:
+            self._pacer.record_decode(engine.last_batch_decode_tokens)
+        if self._job is None and not self._pick(engine):
+            return
+        if idle:
+            deadline = self.clock() + IDLE_BURST_S
+            while self._job is not None and engine.queue_depth == 0 and self.clock() < deadline:
+                if not self._advance(engine, 0):
+                    break
+        else:
+            self._advance(engine, engine.busy_slots())
+        self._flush_figures(final=False)
+
+    # -- jobs -------------------------------------------------------------------------------
+    def _pick(self, engine) -> bool:
+        now = self.clock()
+        with self._lock:
+            kicked, self._kick = self._kick, False
+        if not kicked and now - self._last_poll < QUEUE_POLL_S:
+            return False
+        self._last_poll = now
+        jid = self.store.next_queued()
+        if jid is None:
+            return False
+        self._job_id = jid
+        self._job = self._job_steps(jid, engine)
+        return True
+
+    def _advance(self, engine, active_slots: int) -> bool:
+        """Run the job one step if its state and the pacer allow; False when nothing ran."""
+        jid = self._job_id
+        state = self.store.state(jid)
+        if state in TERMINAL:                     # cancelled by the server (or ended by the job itself)
+            self._end_job()
+            return False
+        if state == "paused":
+            return False
+        pacer = self._pacer
+        if pacer is not None and state == "running" and not pacer.should_dream(active_slots):
+            return False
+        t0 = self.clock()
+        try:
+            next(self._job)
+        except StopIteration:
+            self._end_job()
+        except Exception as e:  # noqa: BLE001 - a failing job must not take serving down
+            log.exception("dream job %s failed", jid)
+            self._fail(jid, f"internal error in the dream stage: {type(e).__name__}: {e}")
+            self._end_job()
+        finally:
+            if pacer is not None:
+                pacer.record_dream(self.clock() - t0)   # the whole cost serving waited for, store writes included
+        return True
+
+    def _end_job(self) -> None:
+        job, jid = self._job, self._job_id
+        self._flush_figures(final=True)
+        self._job = self._job_id = None
+        self._pacer = None
+        if job is not None:
+            job.close()                                 # runs the generator's finally: trainers closed
+        with self._lock:
+            self._rendered.pop(jid, None)
+            self._kick = True                           # the next queued job may start at once
+
+    def _fail(self, jid: int, message: str) -> None:
+        try:
+            if self.store.state(jid) not in TERMINAL:
+                self.store.transition(jid, "error", message)
+        except InvalidTransition:
+            pass
+
+    def _flush_figures(self, final: bool) -> None:
+        if self._pacer is None or self._job_id is None:
+            return
+        now = self.clock()
+        if final or now - self._figures_at >= FIGURES_EVERY_S:
+            self._figures_at = now
+            self.store.set_pacing(self._job_id, self._pacer.figures())
+
+    def _end(self, jid: int, target: str, message: str) -> Iterator[None]:
+        """Move the job to a final state; a pause that raced in waits for resume."""
+        while True:
+            try:
+                self.store.transition(jid, target, message)
+                return
+            except InvalidTransition as e:
+                if e.current != "paused":
+                    return                              # cancelled (or ended) meanwhile: that stands
+                yield
+
+    def _job_steps(self, jid: int, engine) -> Iterator[None]:
+        """One job, start to end; every `yield` follows at most one native micro-step."""
+        store = self.store
+        spec = store.spec(jid)
+        with self._lock:
+            rendered = self._rendered.pop(jid, None)
+        store.transition(jid, "starting")
+        if rendered is None:
+            try:
+                rendered = render_job(spec, self.resident)
+            except ValueError as e:
+                yield from self._end(jid, "error", f"the examples no longer render: {e}")
+                return
+        yield
+        try:
+            trainer = self.make_trainer(self.resident, spec, spec.chunk)
+        except Exception as e:  # noqa: BLE001 - the gate's refusal (DreamError) or a bad value
+            receipt = getattr(e, "receipt", None)
+            if receipt is not None:
+                store.append_receipt(jid, receipt)
+            state = "refused" if receipt is not None and getattr(receipt, "status", "") == "refused" else "error"
+            yield from self._end(jid, state, f"the dream stage could not start: {getattr(receipt, 'message', '') or e}")
+            return
+        self._closing.append(trainer)
+        try:
+            yield from self._train(jid, spec, rendered, trainer)
+        finally:
+            trainer.close()
+            self._closing.remove(trainer)
+
+    def _train(self, jid: int, spec: JobSpec, rendered: RenderedJob, trainer) -> Iterator[None]:
+        store = self.store
+        run = JobRun(store, jid, spec, rendered.train)
+        self._pacer = Pacer.from_spec(spec.pacing, idle_grace_s=self.idle_grace_s, clock=self.clock)
+        self._figures_at = self.clock()
+        store.transition(jid, "running")
+        yield                                           # from here on the pacer decides each step
+        notes: list[str] = []
+        eval_before = None
+        if rendered.held_out and spec.promote == "auto":
+            eval_before = yield from self._evaluate(spec, trainer, rendered.held_out, run.chunk, notes)
+        begun = None
+        while (cur := run.current()) is not None:
+            window, step = cur
+            if step.chunk_pos == 0 and begun != (step.epoch, step.order_pos):
+                trainer.begin_window(window.tokens, window.mask)
+                begun = (step.epoch, step.order_pos)
+            event = run.record(trainer.micro_step())
+            if event == "retry":
+                trainer.set_chunk(run.chunk)            # same position, smaller chunk (nothing was allocated)
+            elif event in ("refused", "error"):
+                return                                  # JobRun moved the job and kept every receipt
+            elif event in ("epoch", "done"):
+                ev = None
+                if rendered.held_out:
+                    ev = yield from self._evaluate(spec, trainer, rendered.held_out, run.chunk, notes)
+                run.end_epoch(ev)
+            yield
+        progress = store.get(jid)["progress"]
+        message = yield from self._finish(jid, spec, trainer, progress["eval_loss"], eval_before)
+        yield from self._end(jid, "done", "; ".join([message, *notes]))
+
+    def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int, notes: list[str]) -> Iterator[None]:
+        """Held-out loss of the shadow adapter as it is now.
+
+        The native core has no forward-only pass yet, so an evaluator is a
+        second Trainer of the same shape with lr 0 (its AdamW update moves
+        nothing) holding a copy of the shadow's parameters; its micro-steps'
+        losses are exactly the forward loss. It costs a second training cache
+        and a wasted backward, goes through the same memory gate, and its
+        receipts are not the job's. A refusal leaves eval_loss null, noted."""
+        try:
+            evaluator = self.make_trainer(self.resident, spec, chunk, 0.0)
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"held-out loss not measured: the evaluator was refused ({getattr(e, 'receipt', None) and e.receipt.message or e})")
+            return None
+        self._closing.append(evaluator)
+        try:
+            evaluator.set_lora_parameters(trainer.lora_parameters())
+            loss_sum, tokens = 0.0, 0
+            for w in windows:
+                evaluator.begin_window(w.tokens, w.mask)
+                while evaluator.chunks_left:
+                    r = evaluator.micro_step()
+                    yield
+                    if r.status != "ok":
+                        notes.append(f"held-out loss not measured: {r.message}")
+                        return None
+                    loss_sum += r.loss * r.tokens
+                    tokens += r.tokens
+            return loss_sum / tokens if tokens else None
+        finally:
+            evaluator.close()
+            self._closing.remove(evaluator)
+
+    def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before) -> Iterator[None]:
+        """Save the shadow adapter as a new version; promote per the job's rule. Returns the message."""
+        store = self.store
+        name = store.get(jid)["out"]
+        version = store.next_adapter_version(name)
+        path = store.adapter_path(name, version)
+        trainer.save(path)                              # atomic: temp file, fsync, rename
+        store.add_adapter(name, version, jid, eval_after)
+        yield
+        saved = f"saved adapter {name} v{version}"
+        if spec.promote == "never":
+            return f"{saved}; not promoted (promote=never)"
+        if spec.promote == "manual":
+            return f"{saved}; promote it with POST /adapters/{name}/promote"
+        ok, why = auto_promote_decision(eval_before, eval_after)
+        if not ok:
+            return f"{saved}; {why}"
+        try:
+            view = self._book_promotion(name, version, None)
+        except (AdapterLoadError, AdapterNotFound) as e:
+            return f"{saved}; auto promotion failed: {e}"
+        return f"{saved}; promoted as served version {view['served_version']} ({why})"
+
+    # -- promotion and rollback (engine thread) ------------------------------------------------
+    def _run_commands(self, engine) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                kind, args, fut = self._commands.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                if kind == "promote":
+                    applied: concurrent.futures.Future = concurrent.futures.Future()
+                    view = self._book_promotion(*args, applied)
+                else:
+                    applied = concurrent.futures.Future()
+                    view = self._book_rollback(applied)
+                fut.set_result((view, applied))
+            except Exception as e:  # noqa: BLE001 - reported to the caller, never raised into the engine
+                fut.set_exception(e)
+
+    def _queue_swap(self, swap: _Swap) -> None:
+        old = self._swap
+        if old is not None:                             # superseded before it was applied
+            self.served.discard(old.handle)
+            if old.future is not None:
+                old.future.set_result(False)
+        self._swap = swap
+
+    def _book_promotion(self, name: str, version: int | None, applied) -> dict:
+        store = self.store
+        versions = [a["version"] for a in store.adapters() if a["name"] == name]
+        if not versions:
+            raise AdapterNotFound(f"no adapter {name!r}")
+        if version is None:
+            version = max(versions)
+        elif version not in versions:
+            raise AdapterNotFound(f"no adapter {name!r} version {version}")
+        path = str(store.adapter_path(name, version))
+        handle = self.served.load(path)                 # refuse a file llama.cpp cannot load: nothing booked
+        try:
+            view = store.promote(name, version)
+        except BaseException:
+            self.served.discard(handle)
+            raise
+        self._queue_swap(_Swap(handle, path, store.served_version(), view, applied))
+        return view
+
+    def _book_rollback(self, applied) -> dict | None:
+        store = self.store
+        stack = store.promotions()
+        if not stack:
+            raise AdapterNotFound("nothing to roll back: the base model is served")
+        handle = path = None
+        if len(stack) >= 2:
+            prev = stack[-2]
+            path = str(store.adapter_path(prev["name"], prev["version"]))
+            handle = self.served.load(path)
+        try:
+            view = store.rollback()
+        except BaseException:
+            self.served.discard(handle)
+            raise
+        self._queue_swap(_Swap(handle, path, store.served_version(), view, applied))
+        return view
+
+    def _apply_swap(self, engine) -> None:
+        swap, self._swap = self._swap, None
+        try:
+            self.served.apply(swap.handle, swap.path)
+        except Exception as e:  # noqa: BLE001
+            log.exception("adapter swap failed")
+            self.served.discard(swap.handle)
+            if swap.future is not None:
+                swap.future.set_exception(e)
+            return
+        _forget_prefixes(engine)
+        engine.adapter_version = swap.version
+        self.served_error = None
+        if swap.future is not None:
+            swap.future.set_result(True)
+        log.info("serving adapter version %d (%s)", swap.version, swap.path or "base model")
+
+
+def _forget_prefixes(engine) -> None:
+    """Drop every idle slot's cached prefix: its K/V came from the old weights."""
+    lc, memory = engine.lc, engine.model.memory
+    for s in engine.slots:
+        if not s.busy and s.tokens:
+            lc.llama_memory_seq_rm(memory, s.seq_id, -1, -1)
+            s.tokens.clear()
+
+
+def _adapter_name_from(path: Path) -> str:
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", path.name.removesuffix(".gguf")).strip(".-") or "adapter"
+    if not stem[0].isalnum():
+        stem = "a" + stem
+    return check_adapter_name(stem.replace("..", ".")[:64])
+
+
+def _same_bytes(a, b) -> bool:
+    def digest(p) -> str:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+    try:
+        return os.path.getsize(a) == os.path.getsize(b) and digest(a) == digest(b)
+    except OSError:
+        return False
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    try:
+        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+            shutil.copyfileobj(inp, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dst)
+        dfd = os.open(dst.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,394 @@
+"""The dream scheduler against a fake trainer and a fake engine (no model, no native core).
+
+The fake trainer follows the documented Trainer API (begin_window,
+micro_step -> receipt, chunks_left, set_chunk, lora_parameters,
+set_lora_parameters, save, close) and can be told which chunk sizes its
+"memory gate" refuses, so the scheduler's walk, ladder, pause/cancel,
+evaluation, promotion and recovery are tested in milliseconds. The real
+Trainer is exercised end to end in tests/test_train_api.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from dreamstage.dreamer import DreamScheduler
+from dreamstage.jobs import RECEIPT_FIELDS, JobStore
+from dreamstage.trainspec import parse_train_request
+
+TEXT = "the quick brown fox jumps over the lazy dog. " * 3   # 135 characters = 136 tokens with BOS
+
+
+class CharTokenizer:
+    bos, eos = 1, 2
+
+    def tokenize(self, text, add_special=True, parse_special=True):
+        return ([self.bos] if add_special else []) + [ord(c) + 16 for c in text]
+
+    def detokenize(self, tokens, special=False):
+        return "".join(chr(t - 16) for t in tokens if t >= 16)
+
+    def chat_template(self):
+        return None
+
+    def is_eog(self, t):
+        return t == self.eos
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeReceipt:
+    status: str
+    step: int
+    window: int
+    chunk: int
+    chunk_pos: int
+    chunk_tokens: int
+    context_cache_type: str
+    recompute: bool
+    exact: bool
+    horizon: int
+    loss: float
+    tokens: int
+    ms: float
+    graph_mib: float
+    context_mib: float
+    adapter_mib: float
+    optimizer_mib: float
+    walk_mib: float
+    refused_chunk_pos: int
+    refused_chunk_tokens: int
+    refused_need_mib: float
+    refused_allowance_mib: float
+    message: str
+
+
+class FakeRefusal(RuntimeError):
+    def __init__(self, receipt):
+        super().__init__(receipt.message)
+        self.receipt = receipt
+
+
+class FakeTrainer:
+    """Loss falls 10% per window (lr > 0). `refuse_above`: chunks longer than this are refused."""
+
+    live: list["FakeTrainer"] = []
+
+    def __init__(self, spec, chunk, lr=None, *, refuse_above=None, refuse_init=False):
+        self.spec, self.chunk, self.lr = spec, chunk, spec.lr if lr is None else lr
+        self.refuse_above = refuse_above
+        self.value = 5.0          # the "adapter": the loss it gives
+        self.steps = 0
+        self.closed = False
+        self.tokens, self.mask, self.pos = (), (), 0
+        if refuse_init:
+            raise FakeRefusal(self._receipt("refused", 0, 0, 0.0, 0, need=9.0, allowance=1.0,
+                                            message="the training cache needs 9.00 MiB; allowance 1.00 MiB"))
+        FakeTrainer.live.append(self)
+
+    def _receipt(self, status, pos, n, loss, tokens, need=0.0, allowance=0.0, message=""):
+        refused = status == "refused"
+        return FakeReceipt(status, self.steps, self.spec.window, self.chunk, pos, n, self.spec.context_cache_type,
+                           False, False, -1, loss, tokens, 1.0, 2.0, 0.5, 0.25, 0.5, 0.0,
+                           pos if refused else -1, n if refused else 0, need, allowance, message)
+
+    def begin_window(self, tokens, mask):
+        assert not self.closed
+        self.tokens, self.mask, self.pos = tuple(tokens), tuple(mask), 0
+
+    @property
+    def chunks_left(self):
+        return math.ceil((len(self.tokens) - self.pos) / self.chunk)
+
+    def set_chunk(self, chunk):
+        self.chunk = chunk
+
+    def micro_step(self):
+        assert not self.closed and self.chunks_left
+        p = self.pos
+        n = min(self.chunk, len(self.tokens) - p)
+        if self.refuse_above is not None and n > self.refuse_above:
+            return self._receipt("refused", p, n, 0.0, 0, need=float(n), allowance=float(self.refuse_above),
+                                 message=f"chunk at {p} ({n} tokens) needs {n} MiB; allowance {self.refuse_above} MiB")
+        self.steps += 1
+        tokens = sum(self.mask[p + 1:p + n + 1])
+        self.pos += n
+        r = self._receipt("ok", p, n, self.value, tokens)
+        if not self.chunks_left and self.lr > 0:
+            self.value *= 0.9
+        return r
+
+    def lora_parameters(self):
+        return [self.value]
+
+    def set_lora_parameters(self, vec):
+        self.value = vec[0]
+
+    def save(self, path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(f"fake adapter {self.value}\n")
+
+    def close(self):
+        self.closed = True
+
+
+class FakeServed:
+    def __init__(self):
+        self.handle, self.path, self.applied = None, None, []
+
+    def load(self, path):
+        assert Path(path).is_file()
+        return ("handle", str(path))
+
+    def apply(self, handle, path):
+        self.handle, self.path = handle, path
+        self.applied.append(path)
+
+    def discard(self, handle):
+        pass
+
+
+class FakeSlot:
+    def __init__(self, i):
+        self.seq_id, self.tokens, self.busy = i, [1, 2, 3], False
+
+
+class FakeEngine:
+    def __init__(self):
+        self.slots = [FakeSlot(0), FakeSlot(1)]
+        self.last_batch_decode_tokens = 0
+        self.adapter_version = 0
+        self.queue_depth = 0
+        self.model = type("Model", (), {"memory": None})()
+        self.lc = type("LC", (), {"llama_memory_seq_rm": staticmethod(lambda *a: True)})()
+
+    def busy_slots(self):
+        return sum(s.busy for s in self.slots)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        self.t += 0.01
+        return self.t
+
+
+def make(tmp_path, **trainer_kw):
+    store = JobStore(tmp_path / "state")
+    FakeTrainer.live = []
+    sched = DreamScheduler(store, CharTokenizer(), served=FakeServed(), clock=Clock(), idle_grace_s=0.05,
+                           make_trainer=lambda rm, spec, chunk, lr=None: FakeTrainer(spec, chunk, lr, **trainer_kw))
+    engine = FakeEngine()
+    sched.startup(engine)
+    return store, sched, engine
+
+
+def submit(store, sched, **body):
+    body.setdefault("text", TEXT)
+    body.setdefault("window", 64)
+    body.setdefault("chunk", 32)
+    job = store.submit(parse_train_request(body))
+    sched.notify_submitted(job["id"])
+    return job["id"]
+
+
+def drive(sched, engine, until, calls=5000, idle=True):
+    for _ in range(calls):
+        if until():
+            return
+        sched.after_batch(engine, idle)
+    raise AssertionError("the scheduler never got there")
+
+
+def test_jobs_train_fifo_one_at_a_time_and_save_a_new_adapter_version(tmp_path):
+    store, sched, engine = make(tmp_path)
+    a = submit(store, sched, out="notes", promote="never")
+    b = submit(store, sched, out="notes", promote="never")
+    seen_together = []
+
+    def both_done():
+        states = (store.state(a), store.state(b))
+        seen_together.append(states)
+        return states == ("done", "done")
+
+    drive(sched, engine, both_done)
+    # b never left the queue while a was not done
+    assert all(sb == "queued" for sa, sb in seen_together if sa != "done")
+    ja, jb = store.get(a), store.get(b)
+    # text: 136 tokens, window 64, overlap 8 -> 3 windows of 64, 64, 24 -> chunks 2 + 2 + 1
+    assert ja["progress"]["windows"] == 3 and ja["progress"]["step"] == 5 and ja["receipts"] == 5
+    assert ja["progress"]["tokens"] == 135           # every token after the first is a target once
+    assert ja["progress"]["train_loss"] < 5.0         # the fake's loss fell over the windows
+    assert ja["adapter"]["name"] == "notes" and ja["adapter"]["version"] == 1 and not ja["adapter"]["promoted"]
+    assert jb["adapter"]["version"] == 2
+    assert Path(jb["adapter"]["path"]).is_file()
+    assert "not promoted (promote=never)" in ja["message"]
+    assert all(t.closed for t in FakeTrainer.live)
+    assert engine.adapter_version == 0
+    assert ja["pacing"]["micro_steps"] >= 5
+
+
+def test_chunk_ladder_halves_on_refusal_and_keeps_every_receipt(tmp_path):
+    store, sched, engine = make(tmp_path, refuse_above=16)
+    jid = submit(store, sched, chunk=64, min_chunk=8)
+    drive(sched, engine, lambda: store.state(jid) in ("done", "refused", "error"))
+    job = store.get(jid)
+    assert job["state"] == "done", job["message"]
+    refusals = job["refusals"]
+    assert [r["refused_chunk_tokens"] for r in refusals] == [64, 32]
+    for r in refusals:
+        assert set(RECEIPT_FIELDS) <= set(r)
+        assert r["refused_chunk_pos"] == 0 and r["refused_need_mib"] > r["refused_allowance_mib"]
+    assert job["progress"]["chunk"] == 16 and job["progress"]["refusals"] == 2
+    assert job["progress"]["tokens"] == 135          # nothing lost by the retries
+
+
+def test_nothing_fits_ends_refused_with_the_ladder_in_refusals(tmp_path):
+    store, sched, engine = make(tmp_path, refuse_above=4)
+    jid = submit(store, sched, chunk=32, min_chunk=8)
+    nxt = submit(store, sched)
+    drive(sched, engine, lambda: store.state(jid) == "refused" and store.state(nxt) != "queued")
+    job = store.get(jid)
+    assert [r["refused_chunk_tokens"] for r in job["refusals"]] == [32, 16, 8]
+    assert "floor" in job["message"]
+    assert all(t.closed for t in FakeTrainer.live if t.spec is not None and t is FakeTrainer.live[0])
+
+
+def test_a_refusal_at_construction_is_a_receipt_not_a_crash(tmp_path):
+    store, sched, engine = make(tmp_path, refuse_init=True)
+    jid = submit(store, sched)
+    drive(sched, engine, lambda: store.state(jid) != "queued" and store.state(jid) != "starting")
+    job = store.get(jid)
+    assert job["state"] == "refused"
+    assert job["refusals"][0]["refused_need_mib"] == 9.0 and "allowance" in job["message"]
+
+
+def test_pause_stops_micro_steps_resume_continues_cancel_frees_the_trainer(tmp_path):
+    store, sched, engine = make(tmp_path)
+    jid = submit(store, sched, epochs=50)
+    drive(sched, engine, lambda: store.get(jid)["progress"]["step"] >= 3)
+    store.transition(jid, "paused")
+    before = store.get(jid)["receipts"]
+    for _ in range(50):
+        sched.after_batch(engine, True)
+    assert store.get(jid)["receipts"] == before
+    store.transition(jid, "running")
+    drive(sched, engine, lambda: store.get(jid)["receipts"] > before + 2)
+    trainer = FakeTrainer.live[0]
+    nxt = submit(store, sched, promote="never")
+    store.transition(jid, "cancelled")
+    drive(sched, engine, lambda: store.state(nxt) == "done")
+    assert trainer.closed
+    assert store.get(jid)["adapter"] is None        # a cancelled job saves nothing
+
+
+def test_epochs_report_held_out_loss_and_auto_promotion_swaps_between_batches(tmp_path):
+    store, sched, engine = make(tmp_path)
+    examples = [{"prompt": f"q{i}?", "completion": f"answer number {i}"} for i in range(4)]
+    jid = submit(store, sched, text=None, examples=examples, epochs=3, val_split=0.25, promote="auto", out="qa")
+    engine.slots[0].busy = True                      # a request is mid-flight when training ends
+    drive(sched, engine, lambda: store.state(jid) == "done")
+    p = store.get(jid)["progress"]
+    assert len(p["eval_loss_per_epoch"]) == 3 and all(v is not None for v in p["eval_loss_per_epoch"])
+    assert p["eval_loss_per_epoch"] == sorted(p["eval_loss_per_epoch"], reverse=True)
+    assert store.served_version() == 1 and store.served()["name"] == "qa"
+    # booked, but the busy slot holds the swap: admission is held, the version unchanged
+    assert sched.hold_admission(engine) is True and engine.adapter_version == 0
+    engine.slots[0].busy = False
+    assert sched.hold_admission(engine) is False
+    assert engine.adapter_version == 1
+    assert sched.served.path.endswith("qa/v1.gguf")
+    assert engine.slots[1].tokens == [] and engine.slots[0].tokens == []   # stale prefixes dropped
+    assert "promoted as served version 1" in store.get(jid)["message"]
+
+
+def test_without_held_out_examples_eval_loss_is_null(tmp_path):
+    store, sched, engine = make(tmp_path)
+    jid = submit(store, sched, epochs=2)
+    drive(sched, engine, lambda: store.state(jid) == "done")
+    p = store.get(jid)["progress"]
+    assert p["eval_loss"] is None and p["eval_loss_per_epoch"] == [None, None]
+
+
+def test_promote_and_rollback_commands_run_on_the_engine_thread(tmp_path):
+    store, sched, engine = make(tmp_path)
+    for _ in range(2):
+        jid = submit(store, sched, out="k", promote="never")
+        drive(sched, engine, lambda: store.state(jid) == "done")
+    fut = sched.promote("k", 1)
+    sched.after_batch(engine, True)
+    view, applied = fut.result(0)
+    assert view["promoted"] and applied.result(0) is True and engine.adapter_version == 1
+    fut = sched.promote("k")                         # latest version by default
+    sched.after_batch(engine, True)
+    assert fut.result(0)[0]["version"] == 2 and engine.adapter_version == 2
+    fut = sched.rollback()
+    sched.after_batch(engine, True)
+    fut.result(0)[1].result(0)
+    assert engine.adapter_version == 1 and sched.served.path.endswith("k/v1.gguf")
+    fut = sched.rollback()
+    sched.after_batch(engine, True)
+    fut.result(0)
+    assert engine.adapter_version == 0 and sched.served.handle is None
+    fut = sched.rollback()
+    sched.after_batch(engine, True)
+    with pytest.raises(KeyError, match="nothing to roll back"):
+        fut.result(0)
+    fut = sched.promote("nope")
+    sched.after_batch(engine, True)
+    with pytest.raises(KeyError, match="no adapter 'nope'"):
+        fut.result(0)
+
+
+def test_restart_reports_interrupted_runs_queued_and_reloads_the_served_adapter(tmp_path):
+    store, sched, engine = make(tmp_path)
+    first = submit(store, sched, out="r", promote="auto")
+    drive(sched, engine, lambda: store.state(first) == "done")
+    sched.hold_admission(engine)
+    assert engine.adapter_version == 1
+    running = submit(store, sched, epochs=100)
+    queued = submit(store, sched, promote="never")
+    drive(sched, engine, lambda: store.get(running)["progress"]["step"] >= 2)
+    # the process dies: no close(), a new store and scheduler on the same directory
+    store2 = JobStore(tmp_path / "state")
+    assert store2.recovered == [running]
+    assert store2.state(running) == "interrupted" and store2.state(queued) == "queued"
+    sched2 = DreamScheduler(store2, CharTokenizer(), served=FakeServed(), clock=Clock(), idle_grace_s=0.05,
+                            make_trainer=lambda rm, spec, chunk, lr=None: FakeTrainer(spec, chunk, lr))
+    engine2 = FakeEngine()
+    sched2.startup(engine2)
+    assert engine2.adapter_version == 1 and sched2.served.path.endswith("r/v1.gguf")
+    drive(sched2, engine2, lambda: store2.state(queued) == "done")
+    assert store2.state(running) == "interrupted"
+
+
+def test_under_load_max_slowdown_waits_for_a_baseline_and_reports_figures(tmp_path):
+    store, sched, engine = make(tmp_path)
+    jid = submit(store, sched, max_slowdown=0.5, epochs=20)
+    engine.slots[0].busy = True
+    for i in range(3):                               # starting + running, before any baseline exists
+        engine.last_batch_decode_tokens = 1
+        sched.after_batch(engine, False)
+    assert store.state(jid) == "running" and store.get(jid)["receipts"] == 0
+    for _ in range(400):
+        engine.last_batch_decode_tokens = 1
+        sched.after_batch(engine, False)
+    sched._flush_figures(final=True)
+    job = store.get(jid)
+    assert job["receipts"] > 0
+    f = job["pacing"]
+    assert f["decode_tok_s_without"] and f["decode_tok_s_with"] and f["micro_step_ms_p50"] is not None
+    assert f["micro_step_ms_p95"] >= f["micro_step_ms_p50"] and f["micro_step_ms_max"] >= f["micro_step_ms_p95"]
+    assert f["decode_batches_with"] < f["decode_batches_without"] + f["decode_batches_with"]
+
+
+def test_close_marks_the_active_job_interrupted_and_frees_its_trainer(tmp_path):
+    store, sched, engine = make(tmp_path)
+    jid = submit(store, sched, epochs=100)
+    drive(sched, engine, lambda: store.get(jid)["progress"]["step"] >= 1)
+    sched.close()
+    assert store.state(jid) == "interrupted" and FakeTrainer.live[0].closed
