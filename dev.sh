@@ -46,8 +46,8 @@ ensure_deps() {
 # The native build: scikit-build-core editable install; the CMake build dir
 # persists under build/, so a changed C++ file rebuilds only what it touches.
 native_inputs() {
-  ls CMakeLists.txt pyproject.toml vendor/pin.json vendor/materialize.py vendor/patches/*.patch \
-     dreamstage/ggml_ext/* 2>/dev/null | sort
+  { ls CMakeLists.txt pyproject.toml vendor/pin.json vendor/materialize.py vendor/patches/*.patch
+    find dreamstage/ggml_ext -type f; } 2>/dev/null | sort
 }
 ensure_native() {
   local want
