@@ -20,6 +20,7 @@ from dreamstage.server.errors import APIError
 from dreamstage.server.middleware import BodySizeLimit
 from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
 from dreamstage.server.service import Service
+from dreamstage.server.train_routes import router as train_router
 
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
 
@@ -175,6 +176,8 @@ def create_app(service: Service) -> FastAPI:
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await run(request, gen, body.stream, chunk, final, full, include_usage)
+
+    app.include_router(train_router)   # /train and /adapters
 
     @app.get("/v1/models")
     async def models():

@@ -15,8 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("dreamstage.server")
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 415: "invalid_request_error", 499: "request_cancelled",
-          503: "server_overloaded"}
+          409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          422: "invalid_request_error", 499: "request_cancelled", 503: "server_overloaded"}
 
 
 class APIError(Exception):

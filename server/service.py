@@ -15,7 +15,18 @@ class Service:
         # Built before the engine thread starts: after that, only it calls llama.
         self.chat = ChatTemplate.for_model(self.model)
         self.model_id = settings.model_alias or self.model.model_path.stem
+        # The dream stage (POST /train) needs a state directory for its jobs and adapters.
+        self.jobs = self.dream = None
+        if settings.state_dir is not None and hook is None:
+            from dreamstage.dreamer import DreamScheduler  # noqa: PLC0415
+            from dreamstage.jobs import JobStore  # noqa: PLC0415
+            self.jobs = JobStore(settings.state_dir)
+            self.dream = hook = DreamScheduler(self.jobs, self.model)
+        elif settings.adapter is not None:
+            raise ValueError("--adapter needs a state directory (--state-dir) to keep its versions in")
         self.engine = Engine(self.model, max_queue=settings.max_queue, hook=hook)
+        if self.dream is not None:
+            self.dream.startup(self.engine, settings.adapter)   # before the engine thread: reload what was served
 
     def start(self) -> "Service":
         self.engine.start()
@@ -23,6 +34,9 @@ class Service:
 
     def close(self) -> None:
         self.engine.stop()
+        if self.dream is not None:
+            self.dream.close()
+            self.jobs.close()
         self.model.close()
 
 

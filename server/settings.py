@@ -16,7 +16,8 @@ class ServerSettings:
     batch: int = 512                  # tokens per llama_decode (prompt chunks + decode tokens)
     threads: int = 0                  # 0: all cores
     kv_type: str = "f16"
-    state_dir: str | None = None      # used by the dream stage (jobs, adapters)
+    state_dir: str | None = None      # the dream stage's jobs and adapters; None: training is off
+    adapter: str | None = None        # a GGUF LoRA to import and serve at startup (--adapter)
     max_queue: int = 64               # requests that may wait for a slot before 503
     max_body_bytes: int = 4 << 20     # larger request bodies get 413
     retry_after_s: int = 1            # Retry-After on 503
