@@ -408,7 +408,15 @@ class DreamScheduler:
             if step.chunk_pos == 0 and begun != (step.epoch, step.order_pos):
                 trainer.begin_window(window.tokens, window.mask)
                 begun = (step.epoch, step.order_pos)
-            event = run.record(trainer.micro_step())
+            receipt = trainer.micro_step()
+            try:
+                event = run.record(receipt)
+            except InvalidTransition:
+                # a pause raced the end JobRun recorded (refused at the floor, or an
+                # error receipt): the receipt is stored; end the job once resumed
+                target = "refused" if receipt.status == "refused" else "error"
+                yield from self._end(jid, target, receipt.message or f"the micro-step was {receipt.status}")
+                return
             if event == "retry":
                 trainer.set_chunk(run.chunk)            # same position, smaller chunk (nothing was allocated)
             elif event in ("refused", "error"):
