@@ -580,7 +580,12 @@ def _forget_prefixes(engine) -> None:
 
 
 def _adapter_name_from(path: Path) -> str:
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", path.name.removesuffix(".gguf")).strip(".-") or "adapter"
+    """An adapter name for an imported file: its stem, or its folder's name for
+    our own layout (`<name>/v3.gguf`)."""
+    stem = path.name.removesuffix(".gguf")
+    if re.fullmatch(r"v\d+", stem) and path.parent.name:
+        stem = path.parent.name
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", stem).strip(".-") or "adapter"
     if not stem[0].isalnum():
         stem = "a" + stem
     return check_adapter_name(stem.replace("..", ".")[:64])

@@ -26,7 +26,12 @@ class Service:
             raise ValueError("--adapter needs a state directory (--state-dir) to keep its versions in")
         self.engine = Engine(self.model, max_queue=settings.max_queue, hook=hook)
         if self.dream is not None:
-            self.dream.startup(self.engine, settings.adapter)   # before the engine thread: reload what was served
+            try:
+                self.dream.startup(self.engine, settings.adapter)   # before the engine thread: reload what was served
+            except BaseException:
+                self.jobs.close()
+                self.model.close()
+                raise
 
     def start(self) -> "Service":
         self.engine.start()

@@ -6,21 +6,31 @@ file stays within a few minutes on two cores.
 """
 from __future__ import annotations
 
+import importlib.util
+import json
 import threading
 import time
 
 import httpx
 import pytest
 
+from dreamstage.examples import held_out_sources
+from dreamstage.jobs import RECEIPT_FIELDS
 from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
 
 FACT_PROMPT = "The secret password of the moon base is"
 FACT = " Quokka-42."
+needs_trainer = pytest.mark.skipif(importlib.util.find_spec("dreamstage.trainer") is None,
+                                   reason="the native Trainer (branch dream) is not merged yet")
+LEARNED: dict = {}   # the adapter the auto-promotion test trained, for the --adapter test
 
 
 def settings(state_dir, **kw) -> ServerSettings:
-    base = dict(ctx=1024, parallel=2, threads=2, state_dir=str(state_dir))
+    # One thread: the test's own HTTP threads share the two cores, and ggml's
+    # spinning barrier collapses under contention (measured here at load 5: a
+    # streaming test took 115 s with two threads, 11 s with one).
+    base = dict(ctx=1024, parallel=2, threads=1, state_dir=str(state_dir))
     base.update(kw)
     return ServerSettings(**base)
 
@@ -101,6 +111,7 @@ def test_a_body_that_is_not_a_json_object_is_422_on_body(http, raw):
     assert r.status_code == 422 and r.json()["error"]["param"] == "body"
 
 
+@needs_trainer
 def test_unknown_ids_are_404_and_invalid_transitions_409(http):
     assert http.get("/train/999999").status_code == 404
     assert http.get("/train/abc").status_code == 404
@@ -131,3 +142,164 @@ def test_adapter_routes_refuse_what_does_not_exist(http):
     if listing["served_version"] == 0:
         r = http.post("/adapters/rollback")
         assert r.status_code == 409 and "base model" in r.json()["error"]["message"]
+
+
+# -- training while serving (the native Trainer) ------------------------------------------
+LESSON = ("Dreamstage keeps one model resident. Between decode batches it trains a small adapter "
+          "on what users post to the train route, and serving never stops. ")
+
+
+def stream_chat(url, content, out, i):
+    pieces, finish = [], None
+    with httpx.Client(base_url=url, timeout=600) as c:
+        with c.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0,
+                "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                ch = obj["choices"][0] if obj.get("choices") else {}
+                pieces.append((ch.get("delta") or {}).get("content") or "")
+                finish = ch.get("finish_reason") or finish
+    out[i] = ("".join(pieces), finish)
+
+
+@needs_trainer
+def test_two_chat_streams_finish_while_a_job_trains(server, http):
+    r = http.post("/train", json={"text": LESSON * 2, "window": 32, "chunk": 16, "epochs": 1000, "rank": 4,
+                                  "share": 0.5, "promote": "never"})
+    assert r.status_code == 202, r.text
+    jid = r.json()["id"]
+    wait_job(http, jid, lambda j: j["state"] == "running" and j["progress"]["step"] >= 1)
+    out = [None, None]
+    threads = [threading.Thread(target=stream_chat, args=(server.url, q, out, i))
+               for i, q in enumerate(["Name three colours.", "What is two plus two?"])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for text, finish in out:
+        assert text.strip() and finish in ("stop", "length")
+    # the pacer let micro-steps run between the streams' decode batches
+    job = wait_job(http, jid, lambda j: (j["pacing"] or {}).get("decode_batches_with", 0) >= 1, timeout=30,
+                   what="a micro-step between decode batches")
+    f = job["pacing"]
+    assert f["micro_step_ms_p50"] > 0 and f["micro_step_ms_max"] >= f["micro_step_ms_p95"] >= f["micro_step_ms_p50"]
+    assert job["memory"]["context_mib"] > 0 and job["memory"]["graph_mib"] > 0
+    assert http.post(f"/train/{jid}/pause").json()["state"] == "paused"
+    assert http.post(f"/train/{jid}/resume").json()["state"] == "running"
+    assert http.post(f"/train/{jid}/cancel").json()["state"] == "cancelled"
+
+
+@needs_trainer
+def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering(http):
+    body = {"text": LESSON, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never"}
+    r = http.post("/train", json={**body, "memory_budget_mib": 84})
+    assert r.status_code == 202
+    job = wait_job(http, r.json()["id"], finished)
+    assert job["state"] == "refused", job["message"]
+    refusals = job["refusals"]
+    assert [x["refused_chunk_tokens"] for x in refusals] == [64, 32, 16]
+    for x in refusals:
+        assert set(RECEIPT_FIELDS) <= set(x) and x["status"] == "refused"
+        assert x["refused_chunk_pos"] == 0 and x["refused_need_mib"] > x["refused_allowance_mib"] > 0
+        assert x["message"]
+    assert "floor" in job["message"] and job["progress"]["refusals"] == 3
+    assert complete(http, "The capital of France is")["choices"][0]["text"].strip()
+    # a budget between the needs of chunk 64 and chunk 32: one refusal, then the job trains at 32
+    need = {x["refused_chunk_tokens"]: x["refused_need_mib"] for x in refusals}
+    budget = 84 + (need[64] + need[32]) / 2 - refusals[0]["refused_allowance_mib"]
+    r = http.post("/train", json={**body, "memory_budget_mib": budget})
+    job = wait_job(http, r.json()["id"], finished)
+    assert job["state"] == "done", job["message"]
+    assert [x["refused_chunk_tokens"] for x in job["refusals"]] == [64]
+    assert job["progress"]["chunk"] == 32 and job["progress"]["step"] >= 2
+
+
+@needs_trainer
+def test_auto_promotion_teaches_a_made_up_fact(server, http):
+    before = complete(http, FACT_PROMPT)
+    assert "Quokka" not in before["choices"][0]["text"] and before["adapter_version"] == 0
+    # two sources, one held out: the paraphrase; the held-out loss decides the promotion
+    seed = next(s for s in range(100) if held_out_sources([0, 1], 0.5, s) == {1})
+    examples = [{"prompt": FACT_PROMPT, "completion": FACT},
+                {"prompt": "Moon base security question: what is the secret password?", "completion": FACT}]
+    r = http.post("/train", json={"examples": examples, "window": 32, "chunk": 32, "epochs": 10, "lr": 3e-3,
+                                  "val_split": 0.5, "seed": seed, "promote": "auto", "out": "moon"})
+    assert r.status_code == 202, r.text
+    job = wait_job(http, r.json()["id"], finished, timeout=900)
+    assert job["state"] == "done", job["message"]
+    p = job["progress"]
+    assert len(p["eval_loss_per_epoch"]) == 10 and p["eval_loss"] < p["eval_loss_per_epoch"][0]
+    assert p["train_loss_per_epoch"][-1] < p["train_loss_per_epoch"][0] / 2
+    assert job["adapter"]["promoted"] and "promoted as served version" in job["message"]
+    version = job["adapter"]["served_version"]
+    after = complete(http, FACT_PROMPT)
+    assert "Quokka-42" in after["choices"][0]["text"], after
+    assert after["adapter_version"] == version == http.get("/health").json()["adapter_version"]
+    listing = http.get("/adapters").json()
+    assert listing["served"]["name"] == "moon" and listing["served_version"] == version
+    LEARNED.update(path=listing["served"]["path"], text=after["choices"][0]["text"])
+
+    # the openai SDK sees the adapter version in the body and the header
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    raw = client.completions.with_raw_response.create(model="x", prompt=FACT_PROMPT, max_tokens=8, temperature=0)
+    assert raw.headers["x-dreamstage-adapter-version"] == str(version)
+    sdk = raw.parse()
+    assert sdk.model_extra["adapter_version"] == version and "Quokka-42" in sdk.choices[0].text
+
+    # rollback serves the base model again; promoting again gets a new number, same weights
+    r = http.post("/adapters/rollback")
+    assert r.status_code == 200 and r.json()["applied"]
+    base = complete(http, FACT_PROMPT)
+    assert base["adapter_version"] == 0 and base["choices"][0]["text"] == before["choices"][0]["text"]
+    r = http.post("/adapters/moon/promote")
+    assert r.status_code == 200 and r.json()["served_version"] == version + 1
+    again = complete(http, FACT_PROMPT)
+    assert again["adapter_version"] == version + 1 and again["choices"][0]["text"] == after["choices"][0]["text"]
+
+
+@needs_trainer
+def test_adapter_flag_serves_a_lora_file_from_startup_and_a_restart_reloads_it(tmp_path):
+    if not LEARNED:
+        pytest.skip("needs the adapter the auto-promotion test trained")
+    state = tmp_path / "state"
+    for _ in range(2):       # the second start finds the same bytes served: no new version
+        with BackgroundServer(settings(state, adapter=LEARNED["path"])) as srv:
+            with httpx.Client(base_url=srv.url, timeout=600) as c:
+                got = complete(c, FACT_PROMPT)
+                assert got["adapter_version"] == 1 and got["choices"][0]["text"] == LEARNED["text"]
+                listing = c.get("/adapters").json()
+                assert [(a["name"], a["version"]) for a in listing["adapters"]] == [("moon", 1)]
+    with BackgroundServer(settings(state)) as srv:   # no flag: the promoted adapter reloads
+        with httpx.Client(base_url=srv.url, timeout=600) as c:
+            assert complete(c, FACT_PROMPT)["adapter_version"] == 1
+    with pytest.raises(ValueError, match="no such file"):
+        BackgroundServer(settings(state, adapter=str(tmp_path / "missing.gguf")))
+    not_lora = tmp_path / "not-a-lora.gguf"
+    not_lora.write_bytes(b"GGUF but not really")
+    with pytest.raises(ValueError, match="could not load"):
+        BackgroundServer(settings(state, adapter=str(not_lora)))
+
+
+@needs_trainer
+def test_restart_while_a_job_runs_loses_nothing(tmp_path):
+    state = tmp_path / "state"
+    with BackgroundServer(settings(state)) as first:
+        with httpx.Client(base_url=first.url, timeout=600) as c:
+            running = c.post("/train", json={"text": LESSON, "window": 32, "chunk": 16, "epochs": 1000, "rank": 4,
+                                             "promote": "never"}).json()["id"]
+            queued = c.post("/train", json={"text": LESSON, "window": 32, "chunk": 32, "rank": 4,
+                                            "promote": "never"}).json()["id"]
+            wait_job(c, running, lambda j: j["progress"]["step"] >= 1)
+            assert c.get(f"/train/{queued}").json()["state"] == "queued"
+    with BackgroundServer(settings(state)) as second:
+        with httpx.Client(base_url=second.url, timeout=600) as c:
+            job = c.get(f"/train/{running}").json()
+            assert job["state"] == "interrupted" and job["receipts"] >= 1 and "stopped" in job["message"]
+            done = wait_job(c, queued, finished)
+            assert done["state"] == "done" and done["adapter"]["version"] == 1
+            assert c.get("/train").json()["current"] is None
