@@ -8,3 +8,23 @@ def resident():
     m = ResidentModel(ResidentConfig(n_ctx=1024, n_seq=1, n_threads=2))
     yield m
     m.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A session directory holding the generated tiny llama GGUFs (tests/tiny_model.py)."""
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tiny_model_dir):
+    """The tiny F32 llama GGUF with the default model's tokenizer, generated once per session."""
+    from tiny_model import write_tiny_model
+    return write_tiny_model(tiny_model_dir, quant="f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_q8_path(tiny_model_dir):
+    """The same tiny model with its block matrices in Q8_0, generated once per session."""
+    from tiny_model import write_tiny_model
+    return write_tiny_model(tiny_model_dir, quant="q8_0")
