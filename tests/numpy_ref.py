@@ -344,8 +344,14 @@ class Forward:
         dlogits[idx] = d / n
         return loss, dlogits
 
-    def backward(self, dlogits) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
-        """LoRA gradients (dA, dB) for every adapted (layer, target), given dL/dlogits."""
+    def backward(self, dlogits, kv_constant_before: int = 0) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+        """LoRA gradients (dA, dB) for every adapted (layer, target), given dL/dlogits.
+
+        kv_constant_before: K/V at positions < this are treated as constants
+        (no gradient flows into them), as the plain chunked walk reads its
+        cached prefix. Positions before it then receive no gradient at all:
+        their only path to later positions is attention's K/V.
+        """
         m = self.model
         T = len(self.tokens)
         H, Hkv, hd = m.n_head, m.n_head_kv, m.head_dim
@@ -373,6 +379,8 @@ class Forward:
             group = H // Hkv
             dk = dkk.reshape(T, Hkv, group, hd).sum(axis=2)
             dv = dvv.reshape(T, Hkv, group, hd).sum(axis=2)
+            dk[:kv_constant_before] = 0.0
+            dv[:kv_constant_before] = 0.0
             dq = _rope(dq, self.cos, self.sin, sign=-1.0).reshape(T, H * hd)
             dk = _rope(dk, self.cos, self.sin, sign=-1.0).reshape(T, Hkv * hd)
             da = (self._lin_back(il, "attn_q", dq, c, grads)
@@ -380,6 +388,38 @@ class Forward:
                   + self._lin_back(il, "attn_v", dv.reshape(T, Hkv * hd), c, grads))
             dh = dh + _rms_back(da, c["h_in"], L["attn_norm"], c["inv1"])
         return grads
+
+
+def positions_from_mask(loss_mask) -> np.ndarray:
+    """Convert a per-token mask (mask[i]: train the prediction OF token i, the
+    dream.h convention; mask[0] is ignored) into loss positions (position t's
+    logits predict token t+1)."""
+    m = np.asarray(loss_mask).astype(bool)
+    return np.append(m[1:], False)
+
+
+def plain_walk_grad(model: LlamaRef, tokens, loss_positions, lora: Lora, chunk: int):
+    """Loss and gradient of the plain chunked walk over one window.
+
+    Each chunk contributes (its loss tokens / window loss tokens) of the
+    window's mean loss; its backward treats the K/V of earlier chunks as
+    constants. The forward (and so the loss) equals the unchunked one.
+    """
+    lp = np.asarray(loss_positions, dtype=bool)
+    fw = Forward(model, tokens, lora)
+    value, dlogits = fw.loss_and_dlogits(lp)
+    total: dict = {}
+    for start in range(0, len(lp), chunk):
+        part = np.zeros_like(dlogits)
+        part[start:start + chunk] = dlogits[start:start + chunk]
+        if not part.any():
+            continue
+        for k, (da, db) in fw.backward(part, kv_constant_before=start).items():
+            if k in total:
+                total[k] = (total[k][0] + da, total[k][1] + db)
+            else:
+                total[k] = (da, db)
+    return value, total
 
 
 def loss(model: LlamaRef, tokens, loss_positions, lora: Lora | None = None) -> float:
@@ -396,11 +436,15 @@ def flat_grad(grads, order) -> np.ndarray:
     return np.concatenate([grads[k][0 if ab == "a" else 1].ravel() for k, ab in order])
 
 
-def adamw_step(theta, grad, m, v, t, *, lr, beta1, beta2, eps, wd):
-    """One AdamW step (decoupled decay, bias-corrected moments), as ggml-opt defines it.
+def adamw_step(theta, grad, m, v, t, *, lr, beta1, beta2, eps, wd, clip=0.0):
+    """One AdamW step (decoupled decay, bias-corrected moments), as ggml-opt
+    defines it, after optional clipping of the gradient's global L2 norm.
 
     Returns (theta', m', v'). t is the 1-based step index.
     """
+    norm = float(np.linalg.norm(grad))
+    if clip > 0 and norm > clip:
+        grad = grad * (clip / norm)
     m = beta1 * m + (1 - beta1) * grad
     v = beta2 * v + (1 - beta2) * grad * grad
     mh = m / (1 - beta1 ** t)

@@ -117,6 +117,24 @@ def test_reference_masked_positions_do_not_contribute(tiny_ref):
     assert ref.loss(tiny_ref, changed, lp) != base
 
 
+def test_reference_plain_walk_stops_gradient_only_at_chunk_boundaries(tiny_ref):
+    model = _small_vocab(tiny_ref, 256)
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 256, 16)
+    lp = np.ones(16, bool)
+    lp[-1] = False
+    lora = ref.Lora.random(model, ("attn_k", "attn_v", "ffn_up"), rank=2, alpha=4.0, seed=5, b_std=0.2)
+    order = [(k, ab) for k in lora.keys() for ab in ("a", "b")]
+    full_loss, full = ref.loss_and_grad(model, tokens, lp, lora)
+    one_loss, one = ref.plain_walk_grad(model, tokens, lp, lora, chunk=16)
+    walk_loss, walk = ref.plain_walk_grad(model, tokens, lp, lora, chunk=4)
+    g_full, g_walk = ref.flat_grad(full, order), ref.flat_grad(walk, order)
+    cos = float(g_full @ g_walk / np.linalg.norm(g_full) / np.linalg.norm(g_walk))
+    assert one_loss == walk_loss == full_loss
+    assert rel_l2(ref.flat_grad(one, order), g_full) < 1e-12  # one chunk: nothing is cut
+    assert 0.0 < cos < 0.9999                                 # four chunks: K/V paths are cut
+
+
 # -- 2. the reference against llama.cpp's forward ------------------------------
 
 def test_tiny_model_tokenizes_like_the_default_model(tiny_resident, resident):
