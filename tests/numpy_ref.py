@@ -146,6 +146,7 @@ class LlamaRef:
     output: np.ndarray                   # (n_vocab, n_embd), tok_embd if tied
     output_norm: np.ndarray
     layers: list[dict[str, np.ndarray]]  # attn_norm, ffn_norm and TARGETS
+    weight_types: dict[tuple[int, str], int] = field(default_factory=dict)  # ggml type of each block matrix
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> LlamaRef:
@@ -167,12 +168,13 @@ class LlamaRef:
         for il in range(n_layer):
             layers.append({k: load_tensor(g, f"blk.{il}.{k}.weight")
                            for k in ("attn_norm", "ffn_norm") + TARGETS})
+        types = {(il, t): g.tensors[f"blk.{il}.{t}.weight"][0] for il in range(n_layer) for t in TARGETS}
         return cls(n_layer=n_layer, n_head=n_head,
                    n_head_kv=g.value("llama.attention.head_count_kv", n_head), head_dim=head_dim,
                    rope_base=float(g.value("llama.rope.freq_base", 10000.0)),
                    eps=float(g.value("llama.attention.layer_norm_rms_epsilon")),
                    tok_embd=emb, output=out, output_norm=load_tensor(g, "output_norm.weight"),
-                   layers=layers)
+                   layers=layers, weight_types=types)
 
     def target_shape(self, il: int, target: str) -> tuple[int, int]:
         """(n_out, n_in) of a block matrix."""
@@ -247,6 +249,22 @@ def _rope(x, cos, sin, sign=1.0):
     return out
 
 
+GGML_TYPE_Q8_0 = 8
+
+
+def q8_0_roundtrip(x: np.ndarray) -> np.ndarray:
+    """x (rows of a multiple of 32) quantized to Q8_0 and back, as ggml-cpu
+    quantizes a matmul's activations for a Q8_0 weight (vec_dot_type Q8_0):
+    d = amax/127 stored as fp16, q = roundf(x / d) (half away from zero)."""
+    x32 = x.astype(np.float32)
+    blocks = x32.reshape(-1, 32)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    scaled = blocks * inv
+    q = np.trunc(scaled + np.copysign(np.float32(0.5), scaled))
+    return (q * d.astype(np.float16).astype(np.float32)).reshape(x.shape).astype(np.float64)
+
+
 def _silu(x):
     return x / (1.0 + np.exp(-x))
 
@@ -254,8 +272,10 @@ def _silu(x):
 class Forward:
     """One forward pass, keeping what backward needs."""
 
-    def __init__(self, model: LlamaRef, tokens, lora: Lora | None = None):
-        self.model, self.lora = model, lora
+    def __init__(self, model: LlamaRef, tokens, lora: Lora | None = None, act_quant: bool = False):
+        """act_quant: round the input of every Q8_0 block matmul through Q8_0,
+        emulating llama.cpp's CPU matmul (backward treats it as identity)."""
+        self.model, self.lora, self.act_quant = model, lora, act_quant
         m = model
         tokens = np.asarray(tokens)
         self.tokens = tokens
@@ -298,7 +318,10 @@ class Forward:
         self.logits = self.z @ m.output.T
 
     def _lin(self, il, target, x, c):
-        y = x @ self.model.layers[il][target].T
+        base_in = x
+        if self.act_quant and self.model.weight_types.get((il, target)) == GGML_TYPE_Q8_0:
+            base_in = q8_0_roundtrip(x)
+        y = base_in @ self.model.layers[il][target].T
         if self.lora and (il, target) in self.lora.factors:
             a, b = self.lora.factors[(il, target)]
             xa = x @ a.T
