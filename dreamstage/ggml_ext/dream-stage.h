@@ -84,6 +84,7 @@ struct dream_stage {
 
     // set while a training graph is being built (read by the attention hook)
     int32_t build_pos = 0;
+    ggml_tensor * build_unit = nullptr;   // the unit scalar input of dream_join_prefix
 };
 
 // dream-adapter.cpp

@@ -20,12 +20,47 @@
 static thread_local dream_stage * g_building = nullptr;
 static thread_local int32_t g_hook_calls = 0;
 
-// cached: the cache's F32-cast cells [0, n_kv) (constant); cur: the chunk's own
-// K or V, written over cells [pos, pos + n) so that its gradient flows.
-static ggml_tensor * dream_join_prefix(ggml_context * ctx, ggml_tensor * cached, ggml_tensor * cur, int32_t pos) {
+// The unit scalar of dream_unit_mul, one graph input per training graph.
+static ggml_tensor * dream_unit(ggml_context * ctx, dream_stage & ds) {
+    if (!ds.build_unit) {
+        ds.build_unit = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1);
+        ggml_set_name(ds.build_unit, "dream_unit");
+        ggml_set_input(ds.build_unit);
+    }
+    return ds.build_unit;
+}
+
+// SET's backward views its incoming gradient with the forward strides, which
+// is right only for a contiguous gradient, and build_attn_mha hands it a
+// permuted one (measured: K/V LoRA gradients off by more than 100% against
+// the NumPy oracle). Multiplying by a unit scalar makes MUL's backward write
+// a fresh contiguous gradient before SET's backward reads it.
+static ggml_tensor * dream_unit_mul(ggml_context * ctx, dream_stage & ds, ggml_tensor * t) {
+    return ggml_mul(ctx, t, dream_unit(ctx, ds));
+}
+
+// K for attention: the cache's cells [0, n_kv) cast to F32 (constants), with
+// the chunk's own F32 K written over cells [pos, pos + n) so its gradient flows.
+// Layout [head_dim, n_head_kv, n_kv], as the cache's own view.
+static ggml_tensor * dream_join_k(ggml_context * ctx, dream_stage & ds, ggml_tensor * cached, ggml_tensor * k_cur,
+                                  int32_t pos) {
     ggml_tensor * base = ggml_cast(ctx, cached, GGML_TYPE_F32);
-    ggml_tensor * own = ggml_is_contiguous(cur) ? cur : ggml_cont(ctx, cur);
-    return ggml_set(ctx, base, own, base->nb[1], base->nb[2], base->nb[3], (size_t) pos * base->nb[2]);
+    ggml_tensor * own = ggml_is_contiguous(k_cur) ? k_cur : ggml_cont(ctx, k_cur);
+    ggml_tensor * joined = ggml_set(ctx, base, own, base->nb[1], base->nb[2], base->nb[3], (size_t) pos * base->nb[2]);
+    return dream_unit_mul(ctx, ds, joined);
+}
+
+// V for attention, the same join, but handed over transposed (cells fastest,
+// ne [n_kv, n_head_kv, head_dim] with nb[1] > nb[2]): build_attn_mha then
+// multiplies it without its own transpose, whose backward would give a
+// gradient no CPU binary op accepts.
+static ggml_tensor * dream_join_v(ggml_context * ctx, dream_stage & ds, ggml_tensor * cached, ggml_tensor * v_cur,
+                                  int32_t pos) {
+    // [head_dim, n_head_kv, cells] -> contiguous [cells, head_dim, n_head_kv]
+    ggml_tensor * base = ggml_cont(ctx, ggml_permute(ctx, ggml_cast(ctx, cached, GGML_TYPE_F32), 1, 2, 0, 3));
+    ggml_tensor * own = ggml_cont(ctx, ggml_permute(ctx, v_cur, 1, 2, 0, 3));
+    ggml_tensor * joined = ggml_set(ctx, base, own, base->nb[1], base->nb[2], base->nb[3], (size_t) pos * base->nb[0]);
+    return ggml_permute(ctx, dream_unit_mul(ctx, ds, joined), 0, 2, 1, 3);
 }
 
 bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv_cache_context * mctx, int32_t il,
@@ -44,8 +79,8 @@ bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv
         *v = v_cur;
         return true;
     }
-    *k = dream_join_prefix(ctx, mctx->get_k(ctx, il), k_cur, ds->build_pos);
-    *v = dream_join_prefix(ctx, mctx->get_v(ctx, il), v_cur, ds->build_pos);
+    *k = dream_join_k(ctx, *ds, mctx->get_k(ctx, il), k_cur, ds->build_pos);
+    *v = dream_join_v(ctx, *ds, mctx->get_v(ctx, il), v_cur, ds->build_pos);
     return true;
 }
 
@@ -279,6 +314,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     g_building = &ds;
     g_hook_calls = 0;
     ds.build_pos = p;
+    ds.build_unit = nullptr;
     try {
         gf = ds.model->build_graph(gp);
     } catch (const std::exception & e) {
@@ -302,20 +338,26 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     }
 
     // backward context: loss, labels, gradients, the combined graph
-    const size_t cap = (size_t) 6 * (ggml_graph_n_nodes(gf) + gf->n_leafs) + 1024;
+    // ggml_graph_cpy needs a hash set at least as large as the forward graph's
+    const size_t cap = std::max<size_t>((size_t) 6 * (ggml_graph_n_nodes(gf) + gf->n_leafs) + 1024, (size_t) gf->size);
     ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
     scope.ctx = ggml_init(ip);
     ggml_context * cbw = scope.ctx;
-    ggml_tensor * labels = nullptr, * ce = nullptr, * loss = nullptr;
+    ggml_tensor * labels = nullptr, * rows = nullptr, * ce = nullptr, * loss = nullptr;
     ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
     ggml_graph_cpy(gf, gb);
     if (train) {
-        labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n);
+        // only the rows with a target enter the loss: cross_entropy_loss's
+        // backward assumes every row's labels sum to one, so an all-zero row
+        // would still push its softmax into the gradient
+        rows = ggml_new_tensor_1d(cbw, GGML_TYPE_I32, n_loss);
+        ggml_set_input(rows);
+        labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
         ggml_set_input(labels);
-        ce = ggml_cross_entropy_loss(cbw, logits, labels);   // sum over rows / n rows
+        ce = ggml_cross_entropy_loss(cbw, ggml_get_rows(cbw, logits, rows), labels);   // mean over loss rows
         ggml_set_output(ce);
         // this chunk's share of the window's mean over its loss tokens
-        loss = ggml_scale(cbw, ce, (float) n / (float) ds.win_n_masked);
+        loss = ggml_scale(cbw, ce, (float) n_loss / (float) ds.win_n_masked);
         ggml_set_loss(loss);
         ggml_build_forward_expand(gb, loss);
         if (const ggml_tensor * bad = dream_find_undifferentiable(gb, loss)) {
@@ -356,7 +398,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         needs.push_back({ dream_host_device(), (size_t) 3 * ds.n_params * sizeof(float) });
     }
     // one-hot labels and the host copy of gradients are host allocations of this step
-    needs.push_back({ dream_host_device(), (size_t) (train ? n_vocab * n + ds.n_params : 0) * sizeof(float) });
+    needs.push_back({ dream_host_device(), (size_t) (train ? n_vocab * n_loss + ds.n_params : 0) * sizeof(float) });
     r.graph_mib = (double) graph_bytes / DREAM_MIB;
     const dream_gate_verdict verdict = dream_gate_check(ds, needs);
     if (!verdict.fits) {
@@ -372,20 +414,35 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         return finish(DREAM_STATUS_REFUSED);
     }
 
+    // ggml_backend_sched_reserve_size plans with no_alloc, and when the plan is
+    // larger than the current compute buffer it frees that buffer without
+    // allocating a new one; an alloc_graph straight after would write into
+    // the freed buffer. Reserve for real first (the gate said it fits).
+    if (!ggml_backend_sched_reserve(sched, gb)) {
+        dream_receipt_message(r, "reserving the training graph's compute buffer (%.2f MiB) failed", r.graph_mib);
+        return finish(DREAM_STATUS_ERROR);
+    }
     ggml_backend_sched_reset(sched);
     if (!ggml_backend_sched_alloc_graph(sched, gb)) {
         dream_receipt_message(r, "allocating the training graph (%.2f MiB) failed", r.graph_mib);
         return finish(DREAM_STATUS_ERROR);
     }
     ds.res->set_inputs(&mctx.get_ubatch());
+    if (ds.build_unit) {
+        const float unit = 1.0f;
+        ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
+    }
     std::vector<float> host;
     if (train) {
-        host.assign((size_t) n_vocab * n, 0.0f);
+        host.assign((size_t) n_vocab * n_loss, 0.0f);
+        std::vector<int32_t> row_ids;
         for (int32_t i = 0; i < n; ++i) {
             if (targets[i] >= 0) {
-                host[(size_t) i * n_vocab + targets[i]] = 1.0f;
+                host[(size_t) row_ids.size() * n_vocab + targets[i]] = 1.0f;
+                row_ids.push_back(i);
             }
         }
+        ggml_backend_tensor_set(rows, row_ids.data(), 0, ggml_nbytes(rows));
         ggml_backend_tensor_set(labels, host.data(), 0, ggml_nbytes(labels));
         const float one = 1.0f;
         ggml_backend_tensor_set(ggml_graph_get_grad(gb, loss), &one, 0, sizeof(one));
@@ -400,7 +457,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     if (train) {
         float ce_val = 0.0f;
         ggml_backend_tensor_get(ce, &ce_val, 0, sizeof(ce_val));
-        r.loss = (double) ce_val * n / n_loss;
+        r.loss = (double) ce_val;
         if (need_opt_state) {
             ds.grad_acc.assign(ds.n_params, 0.0f);
             ds.adam_m.assign(ds.n_params, 0.0f);
