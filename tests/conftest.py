@@ -11,6 +11,20 @@ def resident():
 
 
 @pytest.fixture(scope="session")
+def dream_resident():
+    """The default model with one thread, for the dream-stage tests.
+
+    One thread: the project machine's two cores are shared, and ggml's spinning
+    thread barrier collapses under contention (a 41-token prefill: 2.6 s with
+    2 threads at load 5, 0.45 s with 1).
+    """
+    from dreamstage.resident import ResidentConfig, ResidentModel
+    m = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A session directory holding the generated tiny llama GGUFs (tests/tiny_model.py)."""
     return tmp_path_factory.mktemp("tiny-models")

@@ -16,11 +16,8 @@ PROMPT = "Adapters are saved atomically in the standard format."
 
 
 @pytest.fixture(scope="module")
-def rm():
-    from dreamstage.resident import ResidentConfig, ResidentModel
-    m = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
-    yield m
-    m.close()
+def rm(dream_resident):
+    return dream_resident
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,9 @@ from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 
-@pytest.fixture(scope="module")
-def rm():
-    from dreamstage.resident import ResidentConfig, ResidentModel
-    m = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
-    yield m
-    m.close()
+@pytest.fixture
+def rm(dream_resident):
+    return dream_resident
 
 
 def _rss_kib() -> int:

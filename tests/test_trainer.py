@@ -1,9 +1,4 @@
-"""The dream stage's micro-step on the default model's resident context.
-
-One thread: the project machine's two cores are shared, and ggml's spinning
-thread barrier collapses under contention (measured: a 41-token prefill took
-2.6 s with 2 threads at load 5, 0.45 s with 1).
-"""
+"""The dream stage's micro-step on the default model's resident context."""
 from __future__ import annotations
 
 import json
@@ -19,12 +14,9 @@ TEXT = "The dream stage trains a small adapter between decode batches, on the sa
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 
-@pytest.fixture(scope="module")
-def rm():
-    from dreamstage.resident import ResidentConfig, ResidentModel
-    m = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
-    yield m
-    m.close()
+@pytest.fixture
+def rm(dream_resident):
+    return dream_resident
 
 
 def _example(rm, n=40):
