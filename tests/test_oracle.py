@@ -36,10 +36,14 @@ def tiny_ref(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def tiny_resident(tiny_model_path):
-    """The tiny model resident with an F32 K/V cache and no flash attention (a pure F32 forward)."""
+    """The tiny model resident with an F32 K/V cache and no flash attention (a pure F32 forward).
+
+    One thread, as conftest.dream_resident explains: ggml's spinning barrier
+    collapses when the two shared cores are contended.
+    """
     from dreamstage.resident import ResidentConfig, ResidentModel
     m = ResidentModel(ResidentConfig(model_path=str(tiny_model_path), n_ctx=256, n_seq=1,
-                                     n_threads=2, kv_type="f32", flash_attn="off"))
+                                     n_threads=1, kv_type="f32", flash_attn="off"))
     yield m
     m.close()
 
@@ -185,7 +189,7 @@ def test_reference_logits_match_llama_cpp_q8_0_with_activation_quantization(tiny
     model = ref.LlamaRef.from_gguf(tiny_model_q8_path)
     assert set(model.weight_types.values()) == {ref.GGML_TYPE_Q8_0}
     with ResidentModel(ResidentConfig(model_path=str(tiny_model_q8_path), n_ctx=64, n_seq=1,
-                                      n_threads=2, kv_type="f32", flash_attn="off")) as m:
+                                      n_threads=1, kv_type="f32", flash_attn="off")) as m:
         tokens = m.tokenize(PROMPT)
         native = native_all_logits(m, tokens)
     plain = rel_l2(native, ref.Forward(model, tokens).logits)
@@ -422,7 +426,7 @@ def test_native_gradient_on_q8_0_weights(tiny_model_q8_path):
     from dreamstage.resident import ResidentConfig, ResidentModel
     model = ref.LlamaRef.from_gguf(tiny_model_q8_path)
     with ResidentModel(ResidentConfig(model_path=str(tiny_model_q8_path), n_ctx=64, n_seq=1,
-                                      n_threads=2, kv_type="f32", flash_attn="off")) as m:
+                                      n_threads=1, kv_type="f32", flash_attn="off")) as m:
         tokens, mask = _window(m)
         with _trainer(m) as tr:
             theta = _with_random_b(tr)
