@@ -2,7 +2,8 @@
 
 tests/numpy_ref.py re-implements the tiny llama in float64 NumPy with an exact
 backward pass. Here it is checked, in order, against:
-1. itself: central finite differences over the whole LoRA vector;
+1. itself: float64 central finite differences over the whole LoRA vector
+   (on a copy with the tied head cut to 256 rows, to keep it fast);
 2. llama.cpp's forward pass: all-position logits of the tiny F32 model;
 3. the native dream stage's loss, gradients and AdamW update (the oracle).
 See docs/architecture/oracle.md for the measured numbers.
@@ -25,7 +26,7 @@ def rel_l2(x, y) -> float:
 
 
 def report(msg: str) -> None:
-    # Printed numbers appear with `pytest -s`, and in the -ra summary on failure.
+    # The numbers show with `pytest -s`, and under "Captured stdout" when a test fails.
     print(f"[oracle] {msg}")
 
 
