@@ -152,6 +152,34 @@ static const ggml_tensor * dream_find_undifferentiable(ggml_cgraph * g, ggml_ten
     return nullptr;
 }
 
+// The backward of a frozen quantized matmul is OUT_PROD(W_q, grad^T), which
+// ggml's CPU kernel computes by dequantizing a row of W for every (token, row)
+// pair: n_tokens times the weight, per step (measured 17 s for a 64-token
+// micro-step of the default model). Dequantizing each W once per step into a
+// temporary F32 tensor right before its OUT_PROD does the same product with
+// one dequantization per weight; the allocator frees it after its single use,
+// and the gate sees it in graph_mib. Returns the rebuilt graph (the same one
+// when nothing was quantized).
+static ggml_cgraph * dream_dequantize_out_prods(ggml_context * ctx, ggml_cgraph * gb, size_t cap) {
+    bool any = false;
+    for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
+        ggml_tensor * n = ggml_graph_node(gb, i);
+        if (n->op == GGML_OP_OUT_PROD && ggml_is_quantized(n->src[0]->type)) {
+            n->src[0] = ggml_cast(ctx, n->src[0], GGML_TYPE_F32);
+            any = true;
+        }
+    }
+    if (!any) {
+        return gb;
+    }
+    // re-expand in the original order: each new cast lands just before its user
+    ggml_cgraph * out = ggml_new_graph_custom(ctx, cap, false);
+    for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
+        ggml_build_forward_expand(out, ggml_graph_node(gb, i));
+    }
+    return out;
+}
+
 static void dream_adamw(dream_stage & ds) {
     const auto & p = ds.params;
     const int64_t n = ds.n_params;
@@ -343,7 +371,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
     scope.ctx = ggml_init(ip);
     ggml_context * cbw = scope.ctx;
-    ggml_tensor * labels = nullptr, * rows = nullptr, * ce = nullptr, * loss = nullptr;
+    ggml_tensor * labels = nullptr, * rows = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
+    std::vector<ggml_tensor *> param_grads;   // canonical order, null where a parameter got no gradient
     ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
     ggml_graph_cpy(gf, gb);
     if (train) {
@@ -366,13 +395,17 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             return finish(DREAM_STATUS_ERROR);
         }
         ggml_build_backward_expand(cbw, gb, nullptr);
+        loss_grad = ggml_graph_get_grad(gb, loss);
         for (auto & pr : ds.pairs) {
             for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
-                if (ggml_tensor * g = ggml_graph_get_grad(gb, t)) {
+                ggml_tensor * g = ggml_graph_get_grad(gb, t);
+                if (g) {
                     ggml_set_output(g);
                 }
+                param_grads.push_back(g);
             }
         }
+        gb = dream_dequantize_out_prods(cbw, gb, cap);
     }
     if (ggml_graph_n_nodes(gb) + gb->n_leafs > (int) sched_nodes) {
         dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
@@ -445,7 +478,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         ggml_backend_tensor_set(rows, row_ids.data(), 0, ggml_nbytes(rows));
         ggml_backend_tensor_set(labels, host.data(), 0, ggml_nbytes(labels));
         const float one = 1.0f;
-        ggml_backend_tensor_set(ggml_graph_get_grad(gb, loss), &one, 0, sizeof(one));
+        ggml_backend_tensor_set(loss_grad, &one, 0, sizeof(one));
     }
     const ggml_status st = lctx.graph_compute(gb, n > 1);
     ggml_backend_sched_synchronize(sched);
@@ -464,10 +497,11 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             ds.adam_v.assign(ds.n_params, 0.0f);
         }
         float * acc = ds.grad_acc.data();
+        size_t ig = 0;
         for (auto & pr : ds.pairs) {
             for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
                 const int64_t ne = ggml_nelements(t);
-                if (ggml_tensor * g = ggml_graph_get_grad(gb, t)) {
+                if (ggml_tensor * g = param_grads[ig++]) {
                     host.resize(ne);
                     ggml_backend_tensor_get(g, host.data(), 0, ne * sizeof(float));
                     for (int64_t i = 0; i < ne; ++i) {
