@@ -474,6 +474,18 @@ def loss_and_grad(model: LlamaRef, tokens, loss_positions, lora: Lora):
     return value, fw.backward(dz)
 
 
+def central_differences(model: LlamaRef, tokens, loss_positions, lora: Lora, order, h: float) -> np.ndarray:
+    """(L(theta + h e_i) - L(theta - h e_i)) / 2h for every entry i of the flat LoRA vector."""
+    theta = lora.flat(order)
+    fd = np.empty_like(theta)
+    for i in range(theta.size):
+        e = np.zeros_like(theta)
+        e[i] = h
+        fd[i] = (loss(model, tokens, loss_positions, lora.with_flat(order, theta + e))
+                 - loss(model, tokens, loss_positions, lora.with_flat(order, theta - e))) / (2 * h)
+    return fd
+
+
 def flat_grad(grads, order) -> np.ndarray:
     return np.concatenate([grads[k][0 if ab == "a" else 1].ravel() for k, ab in order])
 

@@ -96,13 +96,8 @@ def test_reference_backward_matches_whole_vector_finite_differences(tiny_ref):
     theta = lora.flat(order)
     _, grads = ref.loss_and_grad(model, tokens, lp, lora)
     analytic = ref.flat_grad(grads, order)
-    h = 1e-5  # float64: truncation ~h^2, rounding ~1e-16/h; both far below 1e-8
-    fd = np.empty_like(theta)
-    for i in range(theta.size):
-        e = np.zeros_like(theta)
-        e[i] = h
-        fd[i] = (ref.loss(model, tokens, lp, lora.with_flat(order, theta + e))
-                 - ref.loss(model, tokens, lp, lora.with_flat(order, theta - e))) / (2 * h)
+    # float64: truncation ~h^2, rounding ~1e-16/h; both far below 1e-8
+    fd = ref.central_differences(model, tokens, lp, lora, order, h=1e-5)
     err = rel_l2(analytic, fd)
     report(f"reference backward vs whole-vector FD ({theta.size} params): rel L2 {err:.2e}")
     assert np.count_nonzero(fd) == theta.size
@@ -461,14 +456,7 @@ def test_native_gradient_matches_whole_vector_finite_differences_at_full_head(ti
         theta = _with_random_b(tr)
         assert [r.status for r in tr.train_window(tokens, mask)] == ["ok"]
         native_grad, order = tr.gradients(), tr.parameter_order()
-    lora = _ref_lora(tr, theta)
-    h = 1e-5
-    fd = np.empty_like(theta)
-    for i in range(theta.size):
-        e = np.zeros_like(theta)
-        e[i] = h
-        fd[i] = (ref.loss(tiny_ref, tokens, lp, lora.with_flat(order, theta + e))
-                 - ref.loss(tiny_ref, tokens, lp, lora.with_flat(order, theta - e))) / (2 * h)
+    fd = ref.central_differences(tiny_ref, tokens, lp, _ref_lora(tr, theta), order, h=1e-5)
     err = rel_l2(native_grad, fd)
     report(f"native gradient vs whole-vector FD at the full head ({theta.size} params): rel L2 {err:.2e}")
     assert err <= 1e-4
