@@ -3,7 +3,9 @@
 For chunk in (64, 128, 256): a window of exactly one chunk, every token a loss
 token, LoRA rank 8 on attn_q,attn_v of every layer (the defaults), q8_0
 training cache. Each process start warms up once, then times `--reps`
-micro-steps (each a whole window: forward, backward, AdamW). Runs the chunk
+micro-steps (each a whole window: forward, backward, AdamW), each followed by
+the same window without loss tokens (forward only, the training graph's
+forward cost). Runs the chunk
 sizes interleaved (A B C C B A) so drift in a shared machine's load spreads
 evenly. Writes bench/results/dream_step.json.
 
@@ -52,16 +54,19 @@ def main() -> None:
             (r,) = trainers[c].train_window(tokens[:c], np.ones(c, np.uint8))
             wall = (time.perf_counter() - t0) * 1000
             assert r.ok, r.message
-            samples[c].append({"ms": r.ms, "wall_ms": wall, "graph_mib": r.graph_mib, "loss": r.loss})
-    # forward-only reference: the same chunk decoded by serving (llama_decode) with one output
+            (f,) = trainers[c].train_window(tokens[:c], np.zeros(c, np.uint8))   # forward only
+            samples[c].append({"ms": r.ms, "wall_ms": wall, "graph_mib": r.graph_mib, "loss": r.loss,
+                               "forward_only_ms": f.ms})
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": f"{platform.node()} {os.cpu_count()} cores",
            "load_avg_1m": os.getloadavg()[0], "threads": args.threads, "model": rm.model_path.name,
            "targets": args.targets, "rank": 8, "top_layers": args.top_layers or "all", "cache": "q8_0", "results": {}}
     for c in chunks:
         ms = [s["ms"] for s in samples[c]]
         med = statistics.median(ms)
+        fwd = statistics.median(s["forward_only_ms"] for s in samples[c])
         out["results"][str(c)] = {"n": len(ms), "ms_median": med, "ms_min": min(ms), "ms_max": max(ms),
-                                  "train_tok_s": c / (med / 1000), "graph_mib": samples[c][0]["graph_mib"],
+                                  "train_tok_s": c / (med / 1000), "forward_only_ms_median": fwd,
+                                  "forward_only_tok_s": c / (fwd / 1000), "graph_mib": samples[c][0]["graph_mib"],
                                   "context_mib": trainers[c].init_receipt.context_mib,
                                   "adapter_mib": trainers[c].init_receipt.adapter_mib}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
