@@ -52,6 +52,10 @@ class ResidentConfig:
     kv_type: str = "f16"               # serving K/V cache type
     flash_attn: str = "auto"           # "auto" | "on" | "off", passed to llama.cpp
     seed: int = 0
+    # Extra buffer types (CPU_REPACK) repack quantized weights into a layout the
+    # training backward (OUT_PROD) does not read; the dream stage refuses to
+    # train on them, so they are off unless serving-only speed is wanted.
+    use_extra_bufts: bool = False
 
     def validate(self) -> None:
         for name in ("n_ctx", "n_seq", "n_batch"):
@@ -83,7 +87,7 @@ class ResidentModel(NativeOwner):
         # Repacked CPU weights (CPU_REPACK) change the layout OUT_PROD reads;
         # training needs the plain layout, so the resident model loads without
         # extra buffer types. See docs/architecture/dream-stage.md.
-        mparams.use_extra_bufts = False
+        mparams.use_extra_bufts = cfg.use_extra_bufts
         self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")

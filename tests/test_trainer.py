@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -229,11 +228,12 @@ def test_serving_is_untouched_by_micro_steps(rm):
     rm.lc.llama_memory_seq_rm(rm.memory, 0, -1, -1)
 
 
-@pytest.mark.skipif(os.environ.get("DREAMSTAGE_SLOW") != "1", reason="set DREAMSTAGE_SLOW=1")
-def test_every_target_trains(rm):
+def test_every_target_gets_a_gradient(rm):
     toks, mask = _example(rm, 16)
     cfg = LoraConfig(targets="attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down", top_layers=1)
-    with Trainer(rm, cfg, window=16, chunk=16, optimizer=OptimizerConfig(lr=1e-2)) as tr:
-        tr.train_window(toks, mask)
-        g = tr.gradients()
-    assert np.linalg.norm(g) > 0
+    with Trainer(rm, cfg, window=16, chunk=8, optimizer=OptimizerConfig(lr=1e-2)) as tr:
+        assert all(r.ok for r in tr.train_window(toks, mask))
+        g = tr.unflatten(tr.gradients())
+    assert len(g) == 7
+    for key, (_, gb) in g.items():   # B's gradient is nonzero even with B = 0
+        assert np.abs(gb).max() > 0, key
