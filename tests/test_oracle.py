@@ -284,14 +284,18 @@ def _native_loss(tr, theta, tokens, mask) -> float:
 
 
 def test_native_loss_finite_differences_on_sampled_coordinates(tiny_resident, tiny_ref):
-    """A second, reference-free check: central differences of the NATIVE loss.
+    """A second check that needs no backward pass: central differences of the NATIVE loss.
 
     The native loss is float32. Its absolute error eps_L is measured here as
     |native - reference| at theta (floored at one float32 ulp of the loss). A
-    central difference with step h then carries at most 2 * eps_L / (2h) of
-    rounding, which is the tolerance (times 2 for the error's variation with
-    theta). The truncation error (~h^2) is removed by comparing with the
-    reference's central difference at the same h, not with its derivative.
+    central difference with step h then carries about 2 * eps_L / (2h) of
+    rounding; the tolerance is twice that, for the error's variation with
+    theta. The truncation error (~h^2) is removed by comparing with the
+    reference's central difference at the same h, not with its derivative, so
+    h can be large (3e-2, against parameters of ~0.1): the rounding term, and
+    with it the tolerance, falls as 1/h, which makes the check sharper relative
+    to |g|. Measured: worst 3.4e-5 against a tolerance of 7.3e-5, with sampled
+    |g| >= 7e-2 (at h = 1e-2: 1.3e-4 against 2.2e-4).
     """
     tokens, mask = _window(tiny_resident)
     lp = ref.positions_from_mask(mask)
@@ -306,7 +310,7 @@ def test_native_loss_finite_differences_on_sampled_coordinates(tiny_resident, ti
         blocks = np.random.default_rng(3).choice(len(order), 12, replace=False)
         coords = [int(starts[b] + np.argmax(np.abs(g[starts[b]:starts[b + 1]]))) for b in blocks]
         eps_l = max(abs(_native_loss(tr, theta, tokens, mask) - ref_loss), float(np.spacing(np.float32(ref_loss))))
-        h = 1e-2
+        h = 3e-2
         rows = []
         for i in coords:
             e = np.zeros_like(theta)
@@ -327,7 +331,7 @@ def test_native_loss_finite_differences_on_sampled_coordinates(tiny_resident, ti
     assert min(abs(r[1]) for r in rows) > 10 * tol   # the check can see the gradient, not just noise
     for i, gi, fd_r, fd_n in rows:
         assert abs(fd_n - fd_r) <= tol, (i, gi, fd_r, fd_n)
-        assert abs(fd_r - gi) <= 1e-3 * abs(gi) + 1e-6   # h^2 truncation of the reference FD is small
+        assert abs(fd_r - gi) <= 1e-2 * abs(gi)   # the reference FD still estimates g (h^2 truncation)
 
 
 def test_native_adamw_updates_match_reference(tiny_resident, tiny_ref):
