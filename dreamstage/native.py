@@ -110,10 +110,118 @@ def build_info() -> dict:
     return parse_build_info(lib().dream_build_info().decode())
 
 
+# -- dream.h ---------------------------------------------------------------------
+DREAM_STATUS_OK, DREAM_STATUS_REFUSED, DREAM_STATUS_ERROR = 0, 1, 2
+
+
+class DreamReceiptC(ctypes.Structure):
+    """struct dream_receipt (dream.h), field for field."""
+    _fields_ = [
+        ("status", ctypes.c_int32),
+        ("step", ctypes.c_int64),
+        ("window", ctypes.c_int32),
+        ("chunk", ctypes.c_int32),
+        ("chunk_pos", ctypes.c_int32),
+        ("chunk_tokens", ctypes.c_int32),
+        ("context_cache_type", ctypes.c_char * 16),
+        ("recompute", ctypes.c_bool),
+        ("exact", ctypes.c_bool),
+        ("horizon", ctypes.c_int32),
+        ("loss", ctypes.c_double),
+        ("tokens", ctypes.c_int32),
+        ("ms", ctypes.c_double),
+        ("graph_mib", ctypes.c_double),
+        ("context_mib", ctypes.c_double),
+        ("adapter_mib", ctypes.c_double),
+        ("optimizer_mib", ctypes.c_double),
+        ("walk_mib", ctypes.c_double),
+        ("refused_chunk_pos", ctypes.c_int32),
+        ("refused_chunk_tokens", ctypes.c_int32),
+        ("refused_need_mib", ctypes.c_double),
+        ("refused_allowance_mib", ctypes.c_double),
+        ("message", ctypes.c_char * 512),
+    ]
+
+
+class DreamParamsC(ctypes.Structure):
+    """struct dream_params (dream.h), field for field."""
+    _fields_ = [
+        ("rank", ctypes.c_int32),
+        ("alpha", ctypes.c_float),
+        ("targets", ctypes.c_char_p),
+        ("top_layers", ctypes.c_int32),
+        ("seed", ctypes.c_uint32),
+        ("context_cache_type", ctypes.c_char_p),
+        ("window", ctypes.c_int32),
+        ("chunk", ctypes.c_int32),
+        ("exact", ctypes.c_bool),
+        ("recompute", ctypes.c_bool),
+        ("horizon", ctypes.c_int32),
+        ("lr", ctypes.c_float),
+        ("beta1", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("weight_decay", ctypes.c_float),
+        ("grad_clip", ctypes.c_float),
+        ("memory_budget_mib", ctypes.c_double),
+        ("slack_mib", ctypes.c_double),
+    ]
+
+
 def _declare(L: ctypes.CDLL) -> None:
+    p, f32p, R = ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(DreamReceiptC)
     # const char * dream_build_info(void);
     L.dream_build_info.argtypes = []
     L.dream_build_info.restype = ctypes.c_char_p
+    # struct dream_params dream_default_params(void);
+    L.dream_default_params.argtypes = []
+    L.dream_default_params.restype = DreamParamsC
+    # struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params params, struct dream_receipt * receipt);
+    L.dream_init.argtypes = [p, DreamParamsC, R]
+    L.dream_init.restype = p
+    # void dream_free(struct dream_stage * ds);
+    L.dream_free.argtypes = [p]
+    L.dream_free.restype = None
+    # int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, const uint8_t * loss_mask, int32_t n, struct dream_receipt * receipt);
+    L.dream_window_begin.argtypes = [p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8), ctypes.c_int32, R]
+    L.dream_window_begin.restype = ctypes.c_int32
+    # int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt);
+    L.dream_micro_step.argtypes = [p, R]
+    L.dream_micro_step.restype = ctypes.c_int32
+    # int32_t dream_chunks_left(const struct dream_stage * ds);
+    L.dream_chunks_left.argtypes = [p]
+    L.dream_chunks_left.restype = ctypes.c_int32
+    # int64_t dream_n_params(const struct dream_stage * ds);
+    L.dream_n_params.argtypes = [p]
+    L.dream_n_params.restype = ctypes.c_int64
+    # int32_t dream_n_pairs(const struct dream_stage * ds);
+    L.dream_n_pairs.argtypes = [p]
+    L.dream_n_pairs.restype = ctypes.c_int32
+    # bool dream_pair_info(const struct dream_stage * ds, int32_t i, int32_t * layer, const char ** target, int64_t * n_in, int64_t * n_out);
+    L.dream_pair_info.argtypes = [p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_char_p),
+                                  ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
+    L.dream_pair_info.restype = ctypes.c_bool
+    # bool dream_gradients(const struct dream_stage * ds, float * out, int64_t n);
+    L.dream_gradients.argtypes = [p, f32p, ctypes.c_int64]
+    L.dream_gradients.restype = ctypes.c_bool
+    # bool dream_get_parameters(const struct dream_stage * ds, float * out, int64_t n);
+    L.dream_get_parameters.argtypes = [p, f32p, ctypes.c_int64]
+    L.dream_get_parameters.restype = ctypes.c_bool
+    # bool dream_set_parameters(struct dream_stage * ds, const float * in, int64_t n);
+    L.dream_set_parameters.argtypes = [p, f32p, ctypes.c_int64]
+    L.dream_set_parameters.restype = ctypes.c_bool
+    # int64_t dream_optimizer_state(const struct dream_stage * ds, float * out, int64_t n);
+    L.dream_optimizer_state.argtypes = [p, f32p, ctypes.c_int64]
+    L.dream_optimizer_state.restype = ctypes.c_int64
+    # int64_t dream_promote(struct dream_stage * ds);
+    L.dream_promote.argtypes = [p]
+    L.dream_promote.restype = ctypes.c_int64
+    # struct llama_adapter_lora * dream_served_adapter(struct dream_stage * ds);
+    L.dream_served_adapter.argtypes = [p]
+    L.dream_served_adapter.restype = p
+    # void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
+    L.dream_set_budget.argtypes = [p, ctypes.c_double]
+    L.dream_set_budget.restype = None
 
 
 @lru_cache(maxsize=1)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 from dreamstage import native
+from dreamstage.owner import NativeOwner
 from dreamstage.models import check_model_file, default_model
 
 # Serving K/V cache types accepted by --kv-type, mapped to ggml_type ids.
@@ -56,6 +58,10 @@ class ResidentConfig:
     # uses False (docs/architecture/serving.md).
     kv_unified: bool = True
     seed: int = 0
+    # Extra buffer types (CPU_REPACK) repack quantized weights into a layout the
+    # training backward (OUT_PROD) does not read; the dream stage refuses to
+    # train on them, so they are off unless serving-only speed is wanted.
+    use_extra_bufts: bool = False
 
     def validate(self) -> None:
         for name in ("n_ctx", "n_seq", "n_batch"):
@@ -70,7 +76,7 @@ class ResidentConfig:
             raise ValueError(f"flash_attn {self.flash_attn!r} is not one of auto, on, off")
 
 
-class ResidentModel:
+class ResidentModel(NativeOwner):
     """Owns the llama_model and the llama_context; tokenizer helpers included."""
 
     def __init__(self, config: ResidentConfig | None = None):
@@ -87,7 +93,7 @@ class ResidentModel:
         # Repacked CPU weights (CPU_REPACK) change the layout OUT_PROD reads;
         # training needs the plain layout, so the resident model loads without
         # extra buffer types. See docs/architecture/dream-stage.md.
-        mparams.use_extra_bufts = False
+        mparams.use_extra_bufts = cfg.use_extra_bufts
         self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")
@@ -111,11 +117,15 @@ class ResidentModel:
             self.model = None
             raise ValueError(f"could not create a context (n_ctx={cfg.n_ctx}, kv_type={cfg.kv_type!r})")
         self.memory = lc.llama_get_memory(self.ctx)
+        self.dependents = weakref.WeakSet()  # closed before the context is freed
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = lc.llama_n_ctx(self.ctx)
 
     # -- lifetime -------------------------------------------------------------
     def close(self) -> None:
+        # objects borrowing the context (a Trainer's dream stage) go first
+        for dependent in list(getattr(self, "dependents", ())):
+            dependent.close()
         lc = self.lc
         if getattr(self, "ctx", None):
             lc.llama_free(self.ctx)
@@ -123,18 +133,6 @@ class ResidentModel:
         if getattr(self, "model", None):
             lc.llama_model_free(self.model)
             self.model = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
     # -- metadata -------------------------------------------------------------
     def meta(self, key: str) -> str | None:

@@ -8,3 +8,37 @@ def resident():
     m = ResidentModel(ResidentConfig(n_ctx=1024, n_seq=1, n_threads=2))
     yield m
     m.close()
+
+
+@pytest.fixture(scope="session")
+def dream_resident():
+    """The default model with one thread, for the dream-stage tests.
+
+    One thread: the project machine's two cores are shared, and ggml's spinning
+    thread barrier collapses under contention (a 41-token prefill: 2.6 s with
+    2 threads at load 5, 0.45 s with 1).
+    """
+    from dreamstage.resident import ResidentConfig, ResidentModel
+    m = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A session directory holding the generated tiny llama GGUFs (tests/tiny_model.py)."""
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tiny_model_dir):
+    """The tiny F32 llama GGUF with the default model's tokenizer, generated once per session."""
+    from tiny_model import write_tiny_model
+    return write_tiny_model(tiny_model_dir, quant="f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_q8_path(tiny_model_dir):
+    """The same tiny model with its block matrices in Q8_0, generated once per session."""
+    from tiny_model import write_tiny_model
+    return write_tiny_model(tiny_model_dir, quant="q8_0")

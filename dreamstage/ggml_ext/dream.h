@@ -3,8 +3,13 @@
 // The dream stage trains a LoRA adapter on the resident llama_context between
 // serving's decode batches. Everything here is compiled into our libllama and
 // reaches llama.cpp internals; only this header is the contract with Python.
+//
+// Threading: every call on a dream_stage must come from the thread that owns
+// the llama_context (the engine thread). Refusals and failures are a status
+// plus a receipt, never an abort.
 #pragma once
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -18,6 +23,120 @@ extern "C" {
 // "dreamstage;llama-cpp-python=<version>;upstream=<commit>;patches=<a.patch,b.patch>".
 // Its presence proves the loaded libllama is dreamstage's patched build.
 LLAMA_API const char * dream_build_info(void);
+
+// Receipt status values.
+#define DREAM_STATUS_OK      0
+#define DREAM_STATUS_REFUSED 1
+#define DREAM_STATUS_ERROR   2
+
+// One receipt per micro-step (and one for dream_init). Field names are the
+// canonical ones (DESIGN-BRIEF section 5); sizes are MiB (2^20 bytes), times ms.
+struct dream_receipt {
+    int32_t status;                 // DREAM_STATUS_*
+    int64_t step;                   // micro-steps taken by this stage, this one included
+    int32_t window;                 // configured window, tokens
+    int32_t chunk;                  // configured chunk, tokens
+    int32_t chunk_pos;              // position of this chunk's first token in the window
+    int32_t chunk_tokens;           // input tokens in this chunk
+    char    context_cache_type[16]; // training cache type: q8_0, q4_0, f16, f32
+    bool    recompute;
+    bool    exact;
+    int32_t horizon;                // -1: unlimited (only the plain walk exists today)
+    double  loss;                   // mean cross-entropy over this chunk's loss tokens (0 when tokens == 0)
+    int32_t tokens;                 // loss tokens in this chunk
+    double  ms;                     // wall time of the micro-step
+    double  graph_mib;              // compute buffer the training graph planned (all devices)
+    double  context_mib;            // training K/V cache, allocated bytes
+    double  adapter_mib;            // shadow + served LoRA tensors
+    double  optimizer_mib;          // AdamW moments + gradient accumulator
+    double  walk_mib;               // exact-walk adjoint buffers (0: plain walk)
+    int32_t refused_chunk_pos;      // -1 unless refused
+    int32_t refused_chunk_tokens;
+    double  refused_need_mib;
+    double  refused_allowance_mib;
+    char    message[512];           // what did not fit / what failed; "" when ok
+};
+
+// Configuration of one dream stage (one training job on one context).
+struct dream_params {
+    int32_t      rank;                // LoRA rank (8)
+    float        alpha;               // LoRA alpha (16); scale = alpha / rank
+    const char * targets;             // comma list of attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down
+    int32_t      top_layers;          // adapt only the last K blocks; <= 0: all
+    uint32_t     seed;                // A init seed
+    const char * context_cache_type;  // q8_0 | q4_0 | f16 | f32
+    int32_t      window;              // tokens per window (training cache size)
+    int32_t      chunk;               // tokens per micro-step
+    bool         exact;               // must be false (exact walk not built yet)
+    bool         recompute;           // must be false (recompute not built yet)
+    int32_t      horizon;             // must be -1
+    float        lr, beta1, beta2, eps, weight_decay;
+    float        grad_clip;           // global L2 norm clip; <= 0: off
+    double       memory_budget_mib;   // job budget; <= 0: unlimited (device free memory only)
+    double       slack_mib;           // kept free on every device
+};
+
+// Defaults: rank 8, alpha 16, attn_q,attn_v, all layers, q8_0, window 512,
+// chunk 128, lr 1e-4, betas 0.9/0.999, eps 1e-8, wd 0, clip 1, no budget, slack 64.
+LLAMA_API struct dream_params dream_default_params(void);
+
+struct dream_stage;
+
+// Creates the dream stage on ctx: validates params (a bad value is an error
+// receipt naming it), then, through the memory gate, allocates the shadow and
+// served adapters (A uniform +-1/sqrt(n_in), B zero, F32, on each weight's
+// device), the training K/V cache and the optimizer state. Returns NULL with
+// *receipt filled when refused or invalid. The stage borrows ctx; free it first.
+LLAMA_API struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params params,
+                                          struct dream_receipt * receipt);
+
+// Frees the stage, its adapters (detaching the served one from ctx if set) and its cache.
+LLAMA_API void dream_free(struct dream_stage * ds);
+
+// Starts a window: copies n tokens and their loss mask (mask[i] != 0 trains the
+// prediction of tokens[i] from tokens[<i]; mask[0] is ignored). Clears the
+// training cache. Returns DREAM_STATUS_OK, or ERROR with receipt->message.
+LLAMA_API int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens,
+                                     const uint8_t * loss_mask, int32_t n, struct dream_receipt * receipt);
+
+// One micro-step: the next chunk of the current window, forward (+ backward when
+// it has loss tokens), gradient accumulated; at the window's last chunk one
+// AdamW update of the shadow adapter. Fills *receipt; returns its status. A
+// refused chunk changes nothing and may be retried.
+LLAMA_API int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt);
+
+// Chunks left in the current window (0: window done or none begun).
+LLAMA_API int32_t dream_chunks_left(const struct dream_stage * ds);
+
+// Number of trainable LoRA scalars (the length of dream_gradients/dream_parameters vectors).
+LLAMA_API int64_t dream_n_params(const struct dream_stage * ds);
+
+// Number of (layer, target) LoRA pairs, and pair i's shape: layer index, target
+// name (static string), n_in, n_out. A is (rank, n_in) row-major, B is (n_out, rank).
+LLAMA_API int32_t dream_n_pairs(const struct dream_stage * ds);
+LLAMA_API bool    dream_pair_info(const struct dream_stage * ds, int32_t i, int32_t * layer,
+                                  const char ** target, int64_t * n_in, int64_t * n_out);
+
+// Copies the accumulated gradient of the current (or last finished) window into
+// out[n_params], canonical order: pairs in order, A then B, row-major. Returns false if n is short.
+LLAMA_API bool dream_gradients(const struct dream_stage * ds, float * out, int64_t n);
+
+// Copies (get) or overwrites (set) the shadow adapter's parameters, same order.
+LLAMA_API bool dream_get_parameters(const struct dream_stage * ds, float * out, int64_t n);
+LLAMA_API bool dream_set_parameters(struct dream_stage * ds, const float * in, int64_t n);
+
+// Copies the AdamW state into out[2*n_params] (first moments, then second); returns the update count.
+LLAMA_API int64_t dream_optimizer_state(const struct dream_stage * ds, float * out, int64_t n);
+
+// Copies shadow -> served (call between decode batches). Returns the new served version (1, 2, ...).
+LLAMA_API int64_t dream_promote(struct dream_stage * ds);
+
+// The served adapter as an ordinary llama_adapter_lora (owned by the stage) for
+// llama_set_adapters_lora; its scale 1.0 gives the LoRA scale alpha/rank.
+LLAMA_API struct llama_adapter_lora * dream_served_adapter(struct dream_stage * ds);
+
+// Replaces the job's memory budget (MiB; <= 0: unlimited). Takes effect at the next micro-step.
+LLAMA_API void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,254 @@
+// dream.h's C functions: validation, then thin calls into the concern files.
+#include "dream-stage.h"
+
+#include <cmath>
+#include <cstring>
+
+extern "C" {
+
+struct dream_params dream_default_params(void) {
+    dream_params p{};
+    p.rank = 8;
+    p.alpha = 16.0f;
+    p.targets = "attn_q,attn_v";
+    p.top_layers = 0;
+    p.seed = 0;
+    p.context_cache_type = "q8_0";
+    p.window = 512;
+    p.chunk = 128;
+    p.exact = false;
+    p.recompute = false;
+    p.horizon = -1;
+    p.lr = 1e-4f;
+    p.beta1 = 0.9f;
+    p.beta2 = 0.999f;
+    p.eps = 1e-8f;
+    p.weight_decay = 0.0f;
+    p.grad_clip = 1.0f;
+    p.memory_budget_mib = 0.0;
+    p.slack_mib = 64.0;
+    return p;
+}
+
+}
+
+// A bad value names itself; nothing is allocated before this passes.
+static bool dream_validate(dream_stage & ds, std::string & err) {
+    const dream_params & p = ds.params;
+    char buf[256];
+    auto bad = [&](const char * fmt, auto v) {
+        std::snprintf(buf, sizeof(buf), fmt, v);
+        err = buf;
+        return false;
+    };
+    if (!dream_cache_type_from_name(p.context_cache_type, ds.cache_type)) {
+        return bad("context_cache_type '%s' is not one of q8_0, q4_0, f16, f32", p.context_cache_type ? p.context_cache_type : "(null)");
+    }
+    if (p.rank <= 0) return bad("rank must be positive, got %d", p.rank);
+    if (!(p.alpha > 0) || !std::isfinite(p.alpha)) return bad("alpha must be positive, got %g", (double) p.alpha);
+    if (p.window <= 0) return bad("window must be positive, got %d", p.window);
+    if (p.chunk <= 0 || p.chunk > p.window) return bad("chunk must be in 1..window, got %d", p.chunk);
+    if (p.exact) return bad("exact=%s: the exact walk is not implemented yet (plain walk only)", "true");
+    if (p.recompute) return bad("recompute=%s: recompute is not implemented yet", "true");
+    if (p.horizon != -1) return bad("horizon=%d: only the plain walk (horizon -1) exists yet", p.horizon);
+    if (!(p.lr >= 0) || !std::isfinite(p.lr)) return bad("lr must be >= 0, got %g", (double) p.lr);
+    if (!(p.beta1 >= 0 && p.beta1 < 1)) return bad("beta1 must be in [0, 1), got %g", (double) p.beta1);
+    if (!(p.beta2 >= 0 && p.beta2 < 1)) return bad("beta2 must be in [0, 1), got %g", (double) p.beta2);
+    if (!(p.eps > 0)) return bad("eps must be positive, got %g", (double) p.eps);
+    if (!(p.weight_decay >= 0)) return bad("weight_decay must be >= 0, got %g", (double) p.weight_decay);
+    if (std::isnan(p.grad_clip)) return bad("grad_clip must be a number, got %g", (double) p.grad_clip);
+    if (!(p.slack_mib >= 0)) return bad("slack_mib must be >= 0, got %g", p.slack_mib);
+    if (p.window > (int32_t) ds.lctx->n_ctx() * 64) return bad("window %d is implausibly large", p.window);
+    return true;
+}
+
+extern "C" {
+
+struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params params, struct dream_receipt * receipt) {
+    dream_receipt tmp;
+    dream_receipt & r = receipt ? *receipt : tmp;
+    auto ds = std::make_unique<dream_stage>();
+    ds->lctx = ctx;
+    ds->model = const_cast<llama_model *>(&ctx->get_model());
+    ds->params = params;
+    ds->targets_str = params.targets ? params.targets : "";
+    ds->cache_type_str = params.context_cache_type ? params.context_cache_type : "";
+    // keep copies: the caller's strings may die after this call
+    ds->params.targets = ds->targets_str.c_str();
+    ds->params.context_cache_type = ds->cache_type_str.c_str();
+    dream_receipt_start(*ds, r);
+    r.chunk_tokens = 0;
+
+    std::string err;
+    if (!dream_validate(*ds, err) || !dream_plan(*ds, err)) {
+        r.status = DREAM_STATUS_ERROR;
+        dream_receipt_message(r, "%s", err.c_str());
+        return nullptr;
+    }
+    // gate the job's standing memory before anything exists
+    const size_t cache_bytes = dream_memory_bytes_planned(*ds);
+    const size_t adapter_bytes = dream_adapter_bytes_planned(*ds);
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;
+    for (auto & pr : ds->pairs) {
+        ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(pr.weight->buffer);
+        needs.push_back({ ggml_backend_buft_get_device(buft), 2 * (size_t) ds->params.rank * (pr.n_in + pr.n_out) * sizeof(float) });
+    }
+    // the cache lives with the layers; on one device it is all here
+    for (uint32_t il = 0; il < ds->model->hparams.n_layer(); ++il) {
+        if (!ds->model->hparams.has_kv(il)) {
+            continue;
+        }
+        const size_t per_layer = (ggml_row_size(ds->cache_type, ds->model->hparams.n_embd_k_gqa(il)) +
+                                  ggml_row_size(ds->cache_type, ds->model->hparams.n_embd_v_gqa(il))) * (size_t) ds->params.window;
+        needs.push_back({ ds->model->dev_layer(il), per_layer });
+    }
+    const dream_gate_verdict v = dream_gate_check(*ds, needs);
+    r.context_mib = (double) cache_bytes / DREAM_MIB;
+    r.adapter_mib = (double) adapter_bytes / DREAM_MIB;
+    if (!v.fits) {
+        r.status = DREAM_STATUS_REFUSED;
+        r.refused_chunk_pos = -1;
+        r.refused_need_mib = v.need_mib;
+        r.refused_allowance_mib = v.allowance_mib;
+        dream_receipt_message(r, "the job's training cache (%.2f MiB, %s, %d tokens) and adapters (%.2f MiB) need %.2f MiB on %s; "
+                              "allowance %.2f MiB", r.context_mib, ds->cache_type_str.c_str(), ds->params.window,
+                              r.adapter_mib, v.need_mib, v.device.c_str(), v.allowance_mib);
+        return nullptr;
+    }
+    if (!dream_adapter_create(*ds, err) || !dream_memory_create(*ds, err)) {
+        r.status = DREAM_STATUS_ERROR;
+        dream_receipt_message(r, "%s", err.c_str());
+        return nullptr;
+    }
+    dream_receipt_start(*ds, r);
+    return ds.release();
+}
+
+void dream_free(struct dream_stage * ds) {
+    if (!ds) {
+        return;
+    }
+    dream_context_access::detach_lora(*ds->lctx, ds->served.get());
+    dream_context_access::detach_lora(*ds->lctx, ds->shadow.get());
+    delete ds;
+}
+
+int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, const uint8_t * loss_mask, int32_t n,
+                           struct dream_receipt * receipt) {
+    dream_receipt tmp;
+    dream_receipt & r = receipt ? *receipt : tmp;
+    dream_receipt_start(*ds, r);
+    if (n < 2 || n > ds->params.window || !tokens || !loss_mask) {
+        r.status = DREAM_STATUS_ERROR;
+        dream_receipt_message(r, "a window needs 2..%d tokens and a loss mask, got %d", ds->params.window, n);
+        return r.status;
+    }
+    const int32_t n_vocab = ds->model->vocab.n_tokens();
+    for (int32_t i = 0; i < n; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+            r.status = DREAM_STATUS_ERROR;
+            dream_receipt_message(r, "token %d at position %d is outside the vocabulary (%d)", tokens[i], i, n_vocab);
+            return r.status;
+        }
+    }
+    ds->win_tokens.assign(tokens, tokens + n);
+    ds->win_mask.assign(loss_mask, loss_mask + n);
+    ds->win_mask[0] = 0;
+    ds->win_n_masked = 0;
+    for (int32_t i = 1; i < n; ++i) {
+        ds->win_n_masked += ds->win_mask[i] ? 1 : 0;
+    }
+    ds->win_n = n;
+    ds->win_pos = 0;
+    ds->win_active = true;
+    ds->memory->clear(false);
+    // a fresh gradient for every optimizer step
+    std::fill(ds->grad_acc.begin(), ds->grad_acc.end(), 0.0f);
+    r.chunk_pos = 0;
+    return DREAM_STATUS_OK;
+}
+
+int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt) {
+    dream_receipt tmp;
+    return dream_walk_micro_step(*ds, receipt ? *receipt : tmp);
+}
+
+int32_t dream_chunks_left(const struct dream_stage * ds) {
+    if (!ds->win_active) {
+        return 0;
+    }
+    const int32_t left = ds->win_n - ds->win_pos;
+    return (left + ds->params.chunk - 1) / ds->params.chunk;
+}
+
+int64_t dream_n_params(const struct dream_stage * ds) {
+    return ds->n_params;
+}
+
+int32_t dream_n_pairs(const struct dream_stage * ds) {
+    return (int32_t) ds->pairs.size();
+}
+
+bool dream_pair_info(const struct dream_stage * ds, int32_t i, int32_t * layer, const char ** target, int64_t * n_in,
+                     int64_t * n_out) {
+    if (i < 0 || i >= (int32_t) ds->pairs.size()) {
+        return false;
+    }
+    const dream_pair & p = ds->pairs[i];
+    *layer = p.layer;
+    *target = dream_target_names[p.target];
+    *n_in = p.n_in;
+    *n_out = p.n_out;
+    return true;
+}
+
+bool dream_gradients(const struct dream_stage * ds, float * out, int64_t n) {
+    if (n < ds->n_params) {
+        return false;
+    }
+    if (ds->grad_acc.empty()) {
+        std::fill(out, out + ds->n_params, 0.0f);
+    } else {
+        std::copy(ds->grad_acc.begin(), ds->grad_acc.end(), out);
+    }
+    return true;
+}
+
+bool dream_get_parameters(const struct dream_stage * ds, float * out, int64_t n) {
+    return n >= ds->n_params && dream_adapter_read(*ds, true, out);
+}
+
+bool dream_set_parameters(struct dream_stage * ds, const float * in, int64_t n) {
+    if (n != ds->n_params) {
+        return false;
+    }
+    dream_adapter_write(*ds, in);
+    return true;
+}
+
+int64_t dream_optimizer_state(const struct dream_stage * ds, float * out, int64_t n) {
+    if (n < 2 * ds->n_params) {
+        return -1;
+    }
+    std::fill(out, out + 2 * ds->n_params, 0.0f);
+    if (!ds->adam_m.empty()) {
+        std::copy(ds->adam_m.begin(), ds->adam_m.end(), out);
+        std::copy(ds->adam_v.begin(), ds->adam_v.end(), out + ds->n_params);
+    }
+    return ds->adam_t;
+}
+
+int64_t dream_promote(struct dream_stage * ds) {
+    dream_adapter_copy(*ds, true);
+    return ++ds->served_version;
+}
+
+struct llama_adapter_lora * dream_served_adapter(struct dream_stage * ds) {
+    return ds->served.get();
+}
+
+void dream_set_budget(struct dream_stage * ds, double memory_budget_mib) {
+    ds->params.memory_budget_mib = memory_budget_mib;
+}
+
+}

@@ -1,0 +1,61 @@
+// The memory gate: a chunk (or the job's start) may allocate only what fits.
+// need comes from ggml's allocator planning the real graph (dream-walk.cpp);
+// allowance = min(budget left to the job, device free) - slack, per device.
+// The CPU is a device too (free = host available memory).
+#include "dream-stage.h"
+
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <map>
+
+double dream_held_mib(const dream_stage & ds) {
+    const size_t opt = (ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float);
+    return (double) (ds.adapter_bytes + ds.context_bytes + opt) / DREAM_MIB;
+}
+
+static ggml_backend_dev_t dream_cpu_device() {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t d = ggml_backend_dev_get(i);
+        if (ggml_backend_dev_type(d) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+            return d;
+        }
+    }
+    return nullptr;
+}
+
+dream_gate_verdict dream_gate_check(const dream_stage & ds, const std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs) {
+    std::map<ggml_backend_dev_t, size_t> per_dev;
+    for (const auto & [dev, bytes] : needs) {
+        per_dev[dev ? dev : dream_cpu_device()] += bytes;
+    }
+    dream_gate_verdict v;
+    bool first = true;
+    for (const auto & [dev, bytes] : per_dev) {
+        size_t free = 0, total = 0;
+        if (dev) {
+            ggml_backend_dev_memory(dev, &free, &total);
+        }
+        double allowance = (double) free / DREAM_MIB;
+        if (ds.params.memory_budget_mib > 0) {
+            allowance = std::min(allowance, ds.params.memory_budget_mib - dream_held_mib(ds));
+        }
+        allowance -= ds.params.slack_mib;
+        const double need = (double) bytes / DREAM_MIB;
+        // report the device with the least headroom (the refusing one, if any)
+        if (first || need - allowance > v.need_mib - v.allowance_mib) {
+            v.need_mib = need;
+            v.allowance_mib = allowance;
+            v.device = dev ? ggml_backend_dev_name(dev) : "CPU";
+            first = false;
+        }
+        if (need > allowance) {
+            v.fits = false;
+        }
+    }
+    return v;
+}
+
+ggml_backend_dev_t dream_host_device() {
+    return dream_cpu_device();
+}

@@ -1,0 +1,26 @@
+// Hooks called from patched upstream files (vendor/patches/). Each is a single
+// call site; the logic lives in dreamstage/ggml_ext/*.cpp.
+#pragma once
+
+#include <stdint.h>
+
+struct ggml_context;
+struct ggml_cgraph;
+struct ggml_tensor;
+class llama_kv_cache_context;
+
+// llama_context::graph_max_nodes: the scheduler and graph storage of every
+// context are sized for training graphs (forward + backward + gradients) too,
+// so a dream micro-step can run on the resident scheduler. Returns the node
+// budget to use instead of serving_nodes.
+uint32_t dream_hook_sched_graph_nodes(uint32_t serving_nodes);
+
+// llm_graph_context::build_attn (K/V cache variant), cparams.training branch.
+// When the graph being built is a dream-stage training graph, stores the
+// chunk's K/V into the training cache and returns in *k, *v the attention's
+// K/V: the cached prefix (cast to F32, constant) with the chunk's own F32 K/V
+// set in place, so the K/V projections get gradients. Returns false for any
+// other training graph (upstream behaviour stays).
+bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv_cache_context * mctx, int32_t il,
+                            ggml_tensor * k_cur, ggml_tensor * v_cur, ggml_tensor * k_idxs, ggml_tensor * v_idxs,
+                            ggml_tensor ** k, ggml_tensor ** v);

@@ -1,0 +1,121 @@
+// The dream stage's C++ state, shared by dream-*.cpp (never by Python).
+#pragma once
+
+#include "dream.h"
+#include "dream-hooks.h"
+
+#include "llama-adapter.h"
+#include "llama-context.h"
+#include "llama-kv-cache.h"
+#include "llama-model.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+// Private members of llama_context that the dream stage reads (the scheduler,
+// cparams, adapters, graph-reuse state). llama-context.h befriends this struct
+// (vendor patch 0001); it is the only door into those members.
+struct dream_context_access {
+    static const llama_cparams & cparams(const llama_context & c) { return c.cparams; }
+    static const llama_adapter_cvec * cvec(const llama_context & c) { return c.cvec.get(); }
+    static llama_adapter_loras * loras(llama_context & c) { return c.loras.get(); }
+    static const llama_cross * cross(const llama_context & c) { return &c.cross; }
+    static ggml_backend_t backend_cpu(const llama_context & c) { return c.backend_cpu; }
+    // serving's next decode must rebuild and re-allocate its graph: the
+    // scheduler's buffers were used by a training graph in between.
+    static void forget_serving_graph(llama_context & c) { c.gf_res_prev_active = nullptr; }
+    // removes an adapter the stage is about to free from serving's set
+    static void detach_lora(llama_context & c, llama_adapter_lora * a) {
+        if (c.loras && c.loras->erase(a)) {
+            c.sched_need_reserve = true;
+        }
+    }
+};
+
+enum dream_target { DT_ATTN_Q, DT_ATTN_K, DT_ATTN_V, DT_ATTN_OUT, DT_FFN_GATE, DT_FFN_UP, DT_FFN_DOWN, DT_COUNT };
+
+// Target names as they appear in the request and in GGUF tensor names.
+extern const char * const dream_target_names[DT_COUNT];
+
+// One adapted weight: shadow (trained) and served copies of A and B.
+struct dream_pair {
+    int32_t       layer;
+    dream_target  target;
+    ggml_tensor * weight;   // the frozen base weight (model-owned)
+    int64_t       n_in, n_out;
+    ggml_tensor * a_shadow, * b_shadow;  // A: ne = [n_in, rank], B: ne = [rank, n_out]
+    ggml_tensor * a_served, * b_served;
+};
+
+struct dream_stage {
+    llama_context     * lctx  = nullptr;
+    llama_model       * model = nullptr;
+    dream_params        params{};
+    std::string         targets_str, cache_type_str;
+    ggml_type           cache_type = GGML_TYPE_Q8_0;
+
+    // adapters (dream-adapter.cpp)
+    std::unique_ptr<llama_adapter_lora> shadow, served;
+    llama_adapter_loras shadow_set;   // {shadow: 1.0}, given to training graphs only
+    std::vector<dream_pair> pairs;
+    int64_t n_params      = 0;
+    size_t  adapter_bytes = 0;
+    int64_t served_version = 0;
+
+    // optimizer (dream-walk.cpp): host F32, canonical order
+    std::vector<float> grad_acc, adam_m, adam_v;
+    int64_t adam_t = 0;
+
+    // training memory (dream-memory.cpp)
+    std::unique_ptr<llama_kv_cache> memory;
+    size_t context_bytes = 0;
+
+    // the current window
+    std::vector<llama_token> win_tokens;
+    std::vector<uint8_t>     win_mask;
+    int32_t win_pos      = 0;   // next chunk's first position
+    int32_t win_n        = 0;
+    int32_t win_n_masked = 0;   // loss tokens in the whole window
+    bool    win_active   = false;
+
+    int64_t step = 0;
+    std::unique_ptr<llm_graph_result> res;  // training graph storage, rebuilt every micro-step
+
+    // set while a training graph is being built (read by the attention hook)
+    int32_t build_pos = 0;
+    ggml_tensor * build_unit = nullptr;   // the unit scalar input of dream_join_prefix
+};
+
+// dream-adapter.cpp
+bool dream_adapter_create(dream_stage & ds, std::string & err);
+void dream_adapter_copy(dream_stage & ds, bool shadow_to_served);
+bool dream_adapter_read(const dream_stage & ds, bool shadow, float * out);
+void dream_adapter_write(dream_stage & ds, const float * in);
+size_t dream_adapter_bytes_planned(const dream_stage & ds);
+bool dream_plan(dream_stage & ds, std::string & err);  // resolves targets/layers, no allocation
+
+// dream-memory.cpp
+bool dream_cache_type_from_name(const char * name, ggml_type & out);
+size_t dream_memory_bytes_planned(const dream_stage & ds);
+bool dream_memory_create(dream_stage & ds, std::string & err);
+
+// dream-gate.cpp: per-device comparison of need against allowance.
+struct dream_gate_verdict {
+    bool   fits = true;
+    double need_mib = 0, allowance_mib = 0;
+    std::string device;
+};
+dream_gate_verdict dream_gate_check(const dream_stage & ds,
+                                    const std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs);
+ggml_backend_dev_t dream_host_device();
+double dream_held_mib(const dream_stage & ds);
+
+// dream-receipt.cpp
+void dream_receipt_start(const dream_stage & ds, dream_receipt & r);
+void dream_receipt_message(dream_receipt & r, const char * fmt, ...);
+
+// dream-walk.cpp
+int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);
+
+constexpr double DREAM_MIB = 1024.0 * 1024.0;

@@ -1,0 +1,526 @@
+// The plain walk: one micro-step = one chunk of the window, forward and (when
+// it has loss tokens) backward, on the resident context's own scheduler, with
+// the chunk attending to the training cache's prefix. The gradient stops at
+// chunk boundaries (the cached prefix is constant); gradients accumulate on
+// the host over the window and AdamW updates the shadow adapter at its end.
+#include "dream-stage.h"
+
+#include "ggml-backend.h"
+#include "ggml-impl.h"   // struct ggml_cgraph: n_leafs for the scheduler capacity check
+#include "llama-batch.h"
+#include "llama-graph.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <unordered_set>
+
+// The stage whose training graph this thread is building (read by the attention hook).
+static thread_local dream_stage * g_building = nullptr;
+static thread_local int32_t g_hook_calls = 0;
+
+// The unit scalar of dream_unit_mul, one graph input per training graph.
+static ggml_tensor * dream_unit(ggml_context * ctx, dream_stage & ds) {
+    if (!ds.build_unit) {
+        ds.build_unit = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1);
+        ggml_set_name(ds.build_unit, "dream_unit");
+        ggml_set_input(ds.build_unit);
+    }
+    return ds.build_unit;
+}
+
+// SET's backward views its incoming gradient with the forward strides, which
+// is right only for a contiguous gradient, and build_attn_mha hands it a
+// permuted one (measured: K/V LoRA gradients off by more than 100% against
+// the NumPy oracle). Multiplying by a unit scalar makes MUL's backward write
+// a fresh contiguous gradient before SET's backward reads it.
+static ggml_tensor * dream_unit_mul(ggml_context * ctx, dream_stage & ds, ggml_tensor * t) {
+    return ggml_mul(ctx, t, dream_unit(ctx, ds));
+}
+
+// K for attention: the cache's cells [0, n_kv) cast to F32 (constants), with
+// the chunk's own F32 K written over cells [pos, pos + n) so its gradient flows.
+// Layout [head_dim, n_head_kv, n_kv], as the cache's own view.
+static ggml_tensor * dream_join_k(ggml_context * ctx, dream_stage & ds, ggml_tensor * cached, ggml_tensor * k_cur,
+                                  int32_t pos) {
+    ggml_tensor * base = ggml_cast(ctx, cached, GGML_TYPE_F32);
+    ggml_tensor * own = ggml_is_contiguous(k_cur) ? k_cur : ggml_cont(ctx, k_cur);
+    ggml_tensor * joined = ggml_set(ctx, base, own, base->nb[1], base->nb[2], base->nb[3], (size_t) pos * base->nb[2]);
+    return dream_unit_mul(ctx, ds, joined);
+}
+
+// V for attention, the same join, but handed over transposed (cells fastest,
+// ne [n_kv, n_head_kv, head_dim] with nb[1] > nb[2]): build_attn_mha then
+// multiplies it without its own transpose, whose backward would give a
+// gradient no CPU binary op accepts.
+static ggml_tensor * dream_join_v(ggml_context * ctx, dream_stage & ds, ggml_tensor * cached, ggml_tensor * v_cur,
+                                  int32_t pos) {
+    // [head_dim, n_head_kv, cells] -> contiguous [cells, head_dim, n_head_kv]
+    ggml_tensor * base = ggml_cont(ctx, ggml_permute(ctx, ggml_cast(ctx, cached, GGML_TYPE_F32), 1, 2, 0, 3));
+    ggml_tensor * own = ggml_cont(ctx, ggml_permute(ctx, v_cur, 1, 2, 0, 3));
+    ggml_tensor * joined = ggml_set(ctx, base, own, base->nb[1], base->nb[2], base->nb[3], (size_t) pos * base->nb[0]);
+    return ggml_permute(ctx, dream_unit_mul(ctx, ds, joined), 0, 2, 1, 3);
+}
+
+bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv_cache_context * mctx, int32_t il,
+                            ggml_tensor * k_cur, ggml_tensor * v_cur, ggml_tensor * k_idxs, ggml_tensor * v_idxs,
+                            ggml_tensor ** k, ggml_tensor ** v) {
+    dream_stage * ds = g_building;
+    if (!ds || !mctx || !k_cur || !v_cur) {
+        return false;
+    }
+    ++g_hook_calls;
+    // the chunk's K/V become constants for the chunks after it
+    ggml_build_forward_expand(gf, mctx->cpy_k(ctx, k_cur, k_idxs, il));
+    ggml_build_forward_expand(gf, mctx->cpy_v(ctx, v_cur, v_idxs, il));
+    if (ds->build_pos == 0 && mctx->get_n_kv() == (uint32_t) k_cur->ne[2]) {
+        *k = k_cur;
+        *v = v_cur;
+        return true;
+    }
+    *k = dream_join_k(ctx, *ds, mctx->get_k(ctx, il), k_cur, ds->build_pos);
+    *v = dream_join_v(ctx, *ds, mctx->get_v(ctx, il), v_cur, ds->build_pos);
+    return true;
+}
+
+uint32_t dream_hook_sched_graph_nodes(uint32_t serving_nodes) {
+    // forward + backward + gradient nodes of a training graph: measured about
+    // 3.2x the forward graph for llama-style blocks; 5x leaves headroom.
+    return serving_nodes * 5;
+}
+
+// Ops that ggml_compute_backward (ggml.c) differentiates. Anything else on the
+// path from a LoRA parameter to the loss would abort inside ggml.
+static bool dream_op_has_backward(const ggml_tensor * t) {
+    switch (t->op) {
+        case GGML_OP_NONE: case GGML_OP_DUP: case GGML_OP_ADD: case GGML_OP_ADD1: case GGML_OP_ACC:
+        case GGML_OP_SUB: case GGML_OP_MUL: case GGML_OP_DIV: case GGML_OP_SQR: case GGML_OP_SQRT:
+        case GGML_OP_LOG: case GGML_OP_SIN: case GGML_OP_COS: case GGML_OP_SUM: case GGML_OP_SUM_ROWS:
+        case GGML_OP_MEAN: case GGML_OP_REPEAT: case GGML_OP_REPEAT_BACK: case GGML_OP_RMS_NORM:
+        case GGML_OP_MUL_MAT: case GGML_OP_SCALE: case GGML_OP_SET: case GGML_OP_CPY: case GGML_OP_CONT:
+        case GGML_OP_RESHAPE: case GGML_OP_VIEW: case GGML_OP_PERMUTE: case GGML_OP_TRANSPOSE:
+        case GGML_OP_GET_ROWS: case GGML_OP_DIAG_MASK_INF: case GGML_OP_DIAG_MASK_ZERO:
+        case GGML_OP_SOFT_MAX: case GGML_OP_ROPE: case GGML_OP_CROSS_ENTROPY_LOSS:
+            return true;
+        case GGML_OP_UNARY:
+            switch (ggml_get_unary_op(t)) {
+                case GGML_UNARY_OP_ABS: case GGML_UNARY_OP_SGN: case GGML_UNARY_OP_NEG: case GGML_UNARY_OP_STEP:
+                case GGML_UNARY_OP_RELU: case GGML_UNARY_OP_SILU: case GGML_UNARY_OP_EXP:
+                case GGML_UNARY_OP_EXPM1: case GGML_UNARY_OP_SOFTPLUS:
+                    return true;
+                default:
+                    return false;
+            }
+        case GGML_OP_GLU:
+            return ggml_get_glu_op(t) == GGML_GLU_OP_SWIGLU && t->src[1] != nullptr;
+        default:
+            return false;
+    }
+}
+
+// The first node on a parameter-to-loss path that ggml cannot differentiate, or null.
+static const ggml_tensor * dream_find_undifferentiable(ggml_cgraph * g, ggml_tensor * loss) {
+    std::unordered_set<const ggml_tensor *> from_param, to_loss;
+    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
+        ggml_tensor * n = ggml_graph_node(g, i);
+        for (int j = 0; j < GGML_MAX_SRC; ++j) {
+            const ggml_tensor * s = n->src[j];
+            if (s && ((s->flags & GGML_TENSOR_FLAG_PARAM) || from_param.count(s))) {
+                from_param.insert(n);
+                break;
+            }
+        }
+    }
+    std::vector<const ggml_tensor *> stack = { loss };
+    while (!stack.empty()) {
+        const ggml_tensor * t = stack.back();
+        stack.pop_back();
+        if (!t || !to_loss.insert(t).second) {
+            continue;
+        }
+        for (int j = 0; j < GGML_MAX_SRC; ++j) {
+            stack.push_back(t->src[j]);
+        }
+    }
+    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
+        const ggml_tensor * n = ggml_graph_node(g, i);
+        if (from_param.count(n) && to_loss.count(n) && n->type != GGML_TYPE_I32 && !dream_op_has_backward(n)) {
+            return n;
+        }
+    }
+    return nullptr;
+}
+
+// The backward of a frozen quantized matmul is OUT_PROD(W_q, grad^T), which
+// ggml's CPU kernel computes by dequantizing a row of W for every (token, row)
+// pair: n_tokens times the weight, per step (measured 17 s for a 64-token
+// micro-step of the default model). Dequantizing each W once per step into a
+// temporary F32 tensor right before its OUT_PROD does the same product with
+// one dequantization per weight; the allocator frees it after its single use,
+// and the gate sees it in graph_mib. Returns the rebuilt graph (the same one
+// when nothing was quantized).
+static ggml_cgraph * dream_dequantize_out_prods(ggml_context * ctx, ggml_cgraph * gb, size_t cap) {
+    bool any = false;
+    for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
+        ggml_tensor * n = ggml_graph_node(gb, i);
+        if (n->op == GGML_OP_OUT_PROD && ggml_is_quantized(n->src[0]->type)) {
+            n->src[0] = ggml_cast(ctx, n->src[0], GGML_TYPE_F32);
+            any = true;
+        }
+    }
+    if (!any) {
+        return gb;
+    }
+    // re-expand in the original order: each new cast lands just before its user
+    ggml_cgraph * out = ggml_new_graph_custom(ctx, cap, false);
+    for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
+        ggml_build_forward_expand(out, ggml_graph_node(gb, i));
+    }
+    return out;
+}
+
+static void dream_adamw(dream_stage & ds) {
+    const auto & p = ds.params;
+    const int64_t n = ds.n_params;
+    std::vector<float> theta(n);
+    dream_adapter_read(ds, true, theta.data());
+    double norm2 = 0.0;
+    for (float g : ds.grad_acc) {
+        norm2 += (double) g * g;
+    }
+    const double norm = std::sqrt(norm2);
+    const float clip = (p.grad_clip > 0 && norm > p.grad_clip) ? (float) (p.grad_clip / norm) : 1.0f;
+    ds.adam_t += 1;
+    const double bc1 = 1.0 - std::pow((double) p.beta1, (double) ds.adam_t);
+    const double bc2 = 1.0 - std::pow((double) p.beta2, (double) ds.adam_t);
+    for (int64_t i = 0; i < n; ++i) {
+        const float g = ds.grad_acc[i] * clip;
+        ds.adam_m[i] = p.beta1 * ds.adam_m[i] + (1.0f - p.beta1) * g;
+        ds.adam_v[i] = p.beta2 * ds.adam_v[i] + (1.0f - p.beta2) * g * g;
+        const double mhat = ds.adam_m[i] / bc1;
+        const double vhat = ds.adam_v[i] / bc2;
+        // decoupled weight decay (AdamW)
+        theta[i] -= (float) (p.lr * (mhat / (std::sqrt(vhat) + p.eps) + p.weight_decay * theta[i]));
+    }
+    dream_adapter_write(ds, theta.data());
+}
+
+namespace {
+// Frees the backward context and leaves the scheduler clean for serving on every exit path.
+struct dream_graph_scope {
+    dream_stage & ds;
+    ggml_context * ctx = nullptr;
+    bool touched_sched = false;
+    int32_t revert_from = -1;   // training-cache cells to drop on failure
+    explicit dream_graph_scope(dream_stage & d) : ds(d) {}
+    ~dream_graph_scope() {
+        g_building = nullptr;
+        if (touched_sched) {
+            ggml_backend_sched_reset(ds.lctx->get_sched());
+            dream_context_access::forget_serving_graph(*ds.lctx);
+        }
+        if (revert_from >= 0) {
+            ds.memory->seq_rm(0, revert_from, -1);
+        }
+        if (ctx) {
+            ggml_free(ctx);
+        }
+    }
+};
+}
+
+int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
+    const auto t_start = std::chrono::steady_clock::now();
+    dream_receipt_start(ds, r);
+    r.step = ds.step + 1;
+    auto finish = [&](int32_t status) {
+        r.status = status;
+        r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
+        r.optimizer_mib = (double) ((ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float)) / DREAM_MIB;
+        return status;
+    };
+    if (!ds.win_active || ds.win_pos >= ds.win_n) {
+        dream_receipt_message(r, "no window in progress: call dream_window_begin first");
+        return finish(DREAM_STATUS_ERROR);
+    }
+
+    const auto & hp = ds.model->hparams;
+    const int32_t p = ds.win_pos;
+    const int32_t n = std::min(ds.params.chunk, ds.win_n - p);
+    const int64_t n_vocab = ds.model->vocab.n_tokens();
+    r.chunk_pos = p;
+    r.chunk_tokens = n;
+
+    // row i (input token p+i) predicts token p+i+1 when that token carries loss
+    std::vector<int32_t> targets(n, -1);
+    int32_t n_loss = 0;
+    for (int32_t i = 0; i < n; ++i) {
+        const int32_t j = p + i + 1;
+        if (j < ds.win_n && ds.win_mask[j]) {
+            targets[i] = ds.win_tokens[j];
+            ++n_loss;
+        }
+    }
+    r.tokens = n_loss;
+    const bool train = n_loss > 0;
+
+    if (hp.n_pos_per_embd() != 1) {
+        dream_receipt_message(r, "models with %u positions per token (M-RoPE) are not supported by the dream stage", hp.n_pos_per_embd());
+        return finish(DREAM_STATUS_ERROR);
+    }
+
+    dream_graph_scope scope(ds);
+    llama_context & lctx = *ds.lctx;
+    ggml_backend_sched_t sched = lctx.get_sched();
+
+    // the chunk's cells in the training cache (a refused earlier try left none)
+    ds.memory->seq_rm(0, p, -1);
+    llama_batch_allocr balloc(hp.n_pos_per_embd());
+    llama_ubatch ub = balloc.ubatch_reserve(n, 1);
+    for (int32_t i = 0; i < n; ++i) {
+        ub.token[i] = ds.win_tokens[p + i];
+        ub.pos[i] = p + i;
+        ub.n_seq_id[i] = 1;
+        ub.seq_id[i] = &ub.seq_id_unq[0];
+        ub.output[i] = 1;
+    }
+    auto sinfos = ds.memory->prepare({ ub });
+    if (sinfos.empty()) {
+        dream_receipt_message(r, "the training cache (%d cells) has no room for chunk at %d (%d tokens)", ds.params.window, p, n);
+        return finish(DREAM_STATUS_ERROR);
+    }
+    if (!sinfos[0].is_contiguous() || sinfos[0].head() != (uint32_t) p) {
+        dream_receipt_message(r, "training cache placed chunk at %d into cell %u, not %d", p, sinfos[0].head(), p);
+        return finish(DREAM_STATUS_ERROR);
+    }
+    llama_kv_cache_context mctx(ds.memory.get(), sinfos, { ub });
+    scope.revert_from = p;
+    mctx.apply();
+
+    // training-only graph parameters: serving's cparams are copied, never changed
+    llama_cparams cp = dream_context_access::cparams(lctx);
+    cp.training = true;
+    cp.flash_attn = false;      // FLASH_ATTN_EXT has no backward
+    cp.auto_fa = false;
+    cp.causal_attn = true;
+    cp.embeddings = false;
+    cp.warmup = false;
+
+    const uint32_t sched_nodes = lctx.graph_max_nodes(std::min(lctx.n_ctx(), lctx.n_ubatch()));
+    if (!ds.res) {
+        ds.res.reset(new llm_graph_result(sched_nodes));
+    }
+    ds.res->reset();
+
+    llm_graph_params gp = {
+        /*.arch        =*/ ds.model->arch,
+        /*.hparams     =*/ hp,
+        /*.cparams     =*/ cp,
+        /*.ubatch      =*/ mctx.get_ubatch(),
+        /*.gtype       =*/ LLM_GRAPH_TYPE_DEFAULT,
+        /*.sched       =*/ sched,
+        /*.backend_cpu =*/ dream_context_access::backend_cpu(lctx),
+        /*.cvec        =*/ dream_context_access::cvec(lctx),
+        /*.loras       =*/ &ds.shadow_set,
+        /*.mctx        =*/ &mctx,
+        /*.cross       =*/ dream_context_access::cross(lctx),
+        /*.prec_policy =*/ &ds.model->prec_policy,
+        /*.samplers    =*/ {},
+        /*.n_outputs   =*/ (uint32_t) n,
+        /*.cb          =*/ [](const llama_ubatch &, ggml_tensor * cur, const char * name, int il) {
+            if (il >= 0) {
+                ggml_format_name(cur, "%s-%d", name, il);
+            } else {
+                ggml_set_name(cur, name);
+            }
+        },
+        /*.res         =*/ ds.res.get(),
+    };
+
+    ggml_cgraph * gf = nullptr;
+    g_building = &ds;
+    g_hook_calls = 0;
+    ds.build_pos = p;
+    ds.build_unit = nullptr;
+    try {
+        gf = ds.model->build_graph(gp);
+    } catch (const std::exception & e) {
+        dream_receipt_message(r, "building the training graph failed: %s", e.what());
+        return finish(DREAM_STATUS_ERROR);
+    }
+    g_building = nullptr;
+    uint32_t n_kv_layers = 0;
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        n_kv_layers += hp.has_kv(il) ? 1 : 0;
+    }
+    if (!gf || (uint32_t) g_hook_calls != n_kv_layers) {
+        dream_receipt_message(r, "architecture %s did not build its attention through the dream memory (%d of %u layers)",
+                              llm_arch_name(ds.model->arch), g_hook_calls, n_kv_layers);
+        return finish(DREAM_STATUS_ERROR);
+    }
+    ggml_tensor * logits = ds.res->get_logits();
+    if (!logits || logits->ne[0] != n_vocab || logits->ne[1] != n) {
+        dream_receipt_message(r, "the training graph has no [n_vocab, %d] logits", n);
+        return finish(DREAM_STATUS_ERROR);
+    }
+
+    // backward context: loss, labels, gradients, the combined graph
+    // ggml_graph_cpy needs a hash set at least as large as the forward graph's
+    const size_t cap = std::max<size_t>((size_t) 6 * (ggml_graph_n_nodes(gf) + gf->n_leafs) + 1024, (size_t) gf->size);
+    ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
+    scope.ctx = ggml_init(ip);
+    ggml_context * cbw = scope.ctx;
+    ggml_tensor * labels = nullptr, * rows = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
+    std::vector<ggml_tensor *> param_grads;   // canonical order, null where a parameter got no gradient
+    ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
+    ggml_graph_cpy(gf, gb);
+    if (train) {
+        // only the rows with a target enter the loss: cross_entropy_loss's
+        // backward assumes every row's labels sum to one, so an all-zero row
+        // would still push its softmax into the gradient
+        rows = ggml_new_tensor_1d(cbw, GGML_TYPE_I32, n_loss);
+        ggml_set_input(rows);
+        labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
+        ggml_set_input(labels);
+        ce = ggml_cross_entropy_loss(cbw, ggml_get_rows(cbw, logits, rows), labels);   // mean over loss rows
+        ggml_set_output(ce);
+        // this chunk's share of the window's mean over its loss tokens
+        loss = ggml_scale(cbw, ce, (float) n_loss / (float) ds.win_n_masked);
+        ggml_set_loss(loss);
+        ggml_build_forward_expand(gb, loss);
+        if (const ggml_tensor * bad = dream_find_undifferentiable(gb, loss)) {
+            dream_receipt_message(r, "op %s (%s, node %s) has no backward pass in ggml", ggml_op_desc(bad),
+                                  ggml_op_name(bad->op), bad->name);
+            return finish(DREAM_STATUS_ERROR);
+        }
+        ggml_build_backward_expand(cbw, gb, nullptr);
+        loss_grad = ggml_graph_get_grad(gb, loss);
+        for (auto & pr : ds.pairs) {
+            for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
+                ggml_tensor * g = ggml_graph_get_grad(gb, t);
+                if (g) {
+                    ggml_set_output(g);
+                }
+                param_grads.push_back(g);
+            }
+        }
+        gb = dream_dequantize_out_prods(cbw, gb, cap);
+    }
+    if (ggml_graph_n_nodes(gb) + gb->n_leafs > (int) sched_nodes) {
+        dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
+                              ggml_graph_n_nodes(gb) + gb->n_leafs, sched_nodes);
+        return finish(DREAM_STATUS_ERROR);
+    }
+
+    // the gate: plan this graph with the scheduler's own allocator
+    const int n_backends = ggml_backend_sched_get_n_backends(sched);
+    std::vector<size_t> planned(n_backends, 0);
+    scope.touched_sched = true;
+    ggml_backend_sched_reserve_size(sched, gb, planned.data());
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;
+    size_t graph_bytes = 0;
+    for (int b = 0; b < n_backends; ++b) {
+        ggml_backend_t be = ggml_backend_sched_get_backend(sched, b);
+        const size_t have = ggml_backend_sched_get_buffer_size(sched, be);
+        graph_bytes += planned[b];
+        needs.push_back({ ggml_backend_get_device(be), planned[b] > have ? planned[b] - have : 0 });
+    }
+    const bool need_opt_state = train && ds.grad_acc.empty();
+    if (need_opt_state) {
+        needs.push_back({ dream_host_device(), (size_t) 3 * ds.n_params * sizeof(float) });
+    }
+    // one-hot labels and the host copy of gradients are host allocations of this step
+    needs.push_back({ dream_host_device(), (size_t) (train ? n_vocab * n_loss + ds.n_params : 0) * sizeof(float) });
+    r.graph_mib = (double) graph_bytes / DREAM_MIB;
+    const dream_gate_verdict verdict = dream_gate_check(ds, needs);
+    if (!verdict.fits) {
+        r.refused_chunk_pos = p;
+        r.refused_chunk_tokens = n;
+        r.refused_need_mib = verdict.need_mib;
+        r.refused_allowance_mib = verdict.allowance_mib;
+        dream_receipt_message(r, "chunk at %d (%d tokens) needs %.2f MiB more on %s (training graph %.2f MiB planned%s), "
+                              "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)",
+                              p, n, verdict.need_mib, verdict.device.c_str(), r.graph_mib,
+                              need_opt_state ? " + optimizer state" : "", verdict.allowance_mib,
+                              ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib);
+        return finish(DREAM_STATUS_REFUSED);
+    }
+
+    // ggml_backend_sched_reserve_size plans with no_alloc, and when the plan is
+    // larger than the current compute buffer it frees that buffer without
+    // allocating a new one; an alloc_graph straight after would write into
+    // the freed buffer. Reserve for real first (the gate said it fits).
+    if (!ggml_backend_sched_reserve(sched, gb)) {
+        dream_receipt_message(r, "reserving the training graph's compute buffer (%.2f MiB) failed", r.graph_mib);
+        return finish(DREAM_STATUS_ERROR);
+    }
+    ggml_backend_sched_reset(sched);
+    if (!ggml_backend_sched_alloc_graph(sched, gb)) {
+        dream_receipt_message(r, "allocating the training graph (%.2f MiB) failed", r.graph_mib);
+        return finish(DREAM_STATUS_ERROR);
+    }
+    ds.res->set_inputs(&mctx.get_ubatch());
+    if (ds.build_unit) {
+        const float unit = 1.0f;
+        ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
+    }
+    std::vector<float> host;
+    if (train) {
+        host.assign((size_t) n_vocab * n_loss, 0.0f);
+        std::vector<int32_t> row_ids;
+        for (int32_t i = 0; i < n; ++i) {
+            if (targets[i] >= 0) {
+                host[(size_t) row_ids.size() * n_vocab + targets[i]] = 1.0f;
+                row_ids.push_back(i);
+            }
+        }
+        ggml_backend_tensor_set(rows, row_ids.data(), 0, ggml_nbytes(rows));
+        ggml_backend_tensor_set(labels, host.data(), 0, ggml_nbytes(labels));
+        const float one = 1.0f;
+        ggml_backend_tensor_set(loss_grad, &one, 0, sizeof(one));
+    }
+    const ggml_status st = lctx.graph_compute(gb, n > 1);
+    ggml_backend_sched_synchronize(sched);
+    if (st != GGML_STATUS_SUCCESS) {
+        dream_receipt_message(r, "computing the training graph failed (ggml status %d)", (int) st);
+        return finish(DREAM_STATUS_ERROR);
+    }
+
+    if (train) {
+        float ce_val = 0.0f;
+        ggml_backend_tensor_get(ce, &ce_val, 0, sizeof(ce_val));
+        r.loss = (double) ce_val;
+        if (need_opt_state) {
+            ds.grad_acc.assign(ds.n_params, 0.0f);
+            ds.adam_m.assign(ds.n_params, 0.0f);
+            ds.adam_v.assign(ds.n_params, 0.0f);
+        }
+        float * acc = ds.grad_acc.data();
+        size_t ig = 0;
+        for (auto & pr : ds.pairs) {
+            for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
+                const int64_t ne = ggml_nelements(t);
+                if (ggml_tensor * g = param_grads[ig++]) {
+                    host.resize(ne);
+                    ggml_backend_tensor_get(g, host.data(), 0, ne * sizeof(float));
+                    for (int64_t i = 0; i < ne; ++i) {
+                        acc[i] += host[i];
+                    }
+                }
+                acc += ne;
+            }
+        }
+    }
+
+    scope.revert_from = -1;     // the chunk's K/V stay as constants for later chunks
+    ds.step += 1;
+    ds.win_pos = p + n;
+    if (ds.win_pos >= ds.win_n) {
+        ds.win_active = false;
+        if (ds.win_n_masked > 0 && !ds.grad_acc.empty()) {
+            dream_adamw(ds);
+        }
+    }
+    return finish(DREAM_STATUS_OK);
+}

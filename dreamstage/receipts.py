@@ -1,0 +1,70 @@
+"""Receipts: one per dream micro-step, mirroring `struct dream_receipt` (dream.h) field by field.
+
+The field names are the canonical ones of DESIGN-BRIEF section 5 and travel
+unchanged into JSON, the job store and the HTTP API. Sizes are MiB, times ms.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+from dreamstage.native import DreamReceiptC
+
+STATUS_NAMES = {0: "ok", 1: "refused", 2: "error"}
+
+
+@dataclass(frozen=True)
+class Receipt:
+    status: str                 # ok | refused | error
+    step: int
+    window: int
+    chunk: int
+    chunk_pos: int
+    chunk_tokens: int
+    context_cache_type: str
+    recompute: bool
+    exact: bool
+    horizon: int
+    loss: float                 # mean CE over this chunk's loss tokens (0.0 when tokens == 0)
+    tokens: int                 # loss tokens in this chunk
+    ms: float
+    graph_mib: float
+    context_mib: float
+    adapter_mib: float
+    optimizer_mib: float
+    walk_mib: float
+    refused_chunk_pos: int      # -1 unless refused
+    refused_chunk_tokens: int
+    refused_need_mib: float
+    refused_allowance_mib: float
+    message: str
+
+    @classmethod
+    def from_c(cls, c: DreamReceiptC) -> Receipt:
+        values = {}
+        for f in fields(cls):
+            v = getattr(c, f.name)
+            if f.name == "status":
+                v = STATUS_NAMES.get(v, f"unknown({v})")
+            elif isinstance(v, bytes):
+                v = v.decode("utf-8", "replace")
+            values[f.name] = v
+        return cls(**values)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=False)
+
+
+class DreamError(RuntimeError):
+    """A dream-stage call failed or was refused; `.receipt` says what was measured."""
+
+    def __init__(self, receipt: Receipt):
+        super().__init__(f"{receipt.status}: {receipt.message}")
+        self.receipt = receipt

@@ -1,0 +1,303 @@
+"""The dream stage from Python: LoRA micro-steps on the resident context.
+
+    from dreamstage.resident import ResidentModel
+    from dreamstage.trainer import Trainer, LoraConfig, OptimizerConfig
+
+    rm = ResidentModel()
+    tr = Trainer(rm, LoraConfig(rank=8, alpha=16, targets="attn_q,attn_v"),
+                 cache_type="q8_0", window=512, chunk=128, budget_mib=2048)
+    tr.begin_window(tokens, loss_mask)      # one window (<= window tokens)
+    while tr.chunks_left:
+        receipt = tr.micro_step()           # ONE chunk: forward + backward; AdamW at the window's end
+    receipts = tr.train_window(tokens, loss_mask)   # the same, all chunks
+    tr.promote()                            # shadow -> served (between decode batches)
+    tr.save("adapter.gguf")                 # standard GGUF LoRA (llama.cpp --lora)
+
+Conventions the gradient oracle (tests/test_oracle.py) relies on:
+
+- Loss mask: ``loss_mask[i]`` truthy trains the prediction OF ``tokens[i]``
+  from ``tokens[:i]`` (so ``loss_mask[0]`` is ignored). The window's loss is
+  the mean cross-entropy over its loss tokens. A chunk covering inputs
+  ``[p, p+n)`` predicts tokens ``p+1 .. p+n`` and contributes
+  ``sum of its CE terms / window loss tokens``; its gradient is that share's
+  gradient, so the accumulated gradient is the gradient of the window mean.
+  ``Receipt.loss`` is the mean CE over the chunk's own loss tokens
+  (``Receipt.tokens`` of them); ``Trainer.window_loss(receipts)`` recombines.
+- Plain walk: K/V of earlier chunks are read from the training cache as
+  constants (no gradient flows into earlier chunks). With one chunk per window
+  the gradient is the exact full-window gradient.
+- LoRA: for a frozen weight W (n_out x n_in) the layer computes
+  ``y = W x + scale * B (A x)`` with ``scale = alpha / rank``; A has shape
+  ``(rank, n_in)``, B ``(n_out, rank)``; A ~ U(+-1/sqrt(n_in)) from ``seed``,
+  B = 0.
+- Flat vectors (``gradients()``, ``lora_parameters()``,
+  ``set_lora_parameters()``), float64 on the Python side (float32 natively):
+  layers ascending (only the last ``top_layers`` when set), within a layer
+  the targets in the order given in ``LoraConfig.targets``, for each A then B,
+  each flattened row-major (numpy ``ravel()`` of the shapes above).
+  ``parameter_order()`` returns that order as ``[((layer, target), "a"|"b"), ...]``.
+- ``gradients()`` is the gradient accumulated over the current window (or
+  the last finished one, before clipping); it restarts at zero when a window
+  begins. The AdamW update (decoupled weight decay, bias-corrected moments,
+  global-norm clipping at ``grad_clip`` first) happens after the window's
+  last chunk, so with ``lr=0`` the parameters do not move.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dreamstage import native
+from dreamstage.owner import NativeOwner
+from dreamstage.receipts import DreamError, Receipt
+
+TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+CACHE_TYPES = ("q8_0", "q4_0", "f16", "f32")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] | str = ("attn_q", "attn_v")
+    top_layers: int = 0          # 0: every layer
+    seed: int = 0
+
+    def target_list(self) -> tuple[str, ...]:
+        t = self.targets.split(",") if isinstance(self.targets, str) else self.targets
+        return tuple(x.strip() for x in t)
+
+    def validate(self) -> None:
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"rank must be a positive integer, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha must be positive, got {self.alpha!r}")
+        for t in self.target_list():
+            if t not in TARGETS:
+                raise ValueError(f"LoRA target {t!r} is not one of {', '.join(TARGETS)}")
+        if not isinstance(self.top_layers, int) or self.top_layers < 0:
+            raise ValueError(f"top_layers must be an integer >= 0, got {self.top_layers!r}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0       # global L2 norm; <= 0 disables
+
+
+@dataclass
+class _Pair:
+    layer: int
+    target: str
+    n_in: int
+    n_out: int
+
+
+class Trainer(NativeOwner):
+    """One training job's dream stage on a ResidentModel's own llama_context.
+
+    Every call must come from the thread that owns the resident context.
+    """
+
+    def __init__(self, resident, lora: LoraConfig | None = None, *, cache_type: str = "q8_0",
+                 window: int = 512, chunk: int = 128, budget_mib: float = 0.0, slack_mib: float = 64.0,
+                 optimizer: OptimizerConfig | None = None, exact: bool = False, recompute: bool = False,
+                 horizon: int = -1):
+        self.lora = lora = lora or LoraConfig()
+        self.optimizer = opt = optimizer or OptimizerConfig()
+        lora.validate()
+        if cache_type not in CACHE_TYPES:
+            raise ValueError(f"context_cache_type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
+        self.resident = resident
+        self.cache_type = cache_type
+        self.L = L = native.lib()
+        p = L.dream_default_params()
+        p.rank, p.alpha = lora.rank, float(lora.alpha)
+        self._targets = ",".join(lora.target_list()).encode()
+        self._cache = cache_type.encode()
+        p.targets, p.top_layers, p.seed = self._targets, lora.top_layers, lora.seed
+        p.context_cache_type = self._cache
+        p.window, p.chunk = int(window), int(chunk)
+        p.exact, p.recompute, p.horizon = bool(exact), bool(recompute), int(horizon)
+        p.lr, p.beta1, p.beta2, p.eps = opt.lr, opt.beta1, opt.beta2, opt.eps
+        p.weight_decay, p.grad_clip = opt.weight_decay, opt.grad_clip
+        p.memory_budget_mib, p.slack_mib = float(budget_mib), float(slack_mib)
+        self.window, self.chunk = int(window), int(chunk)
+        r = native.DreamReceiptC()
+        self._ds = L.dream_init(resident.ctx, p, ctypes.byref(r))
+        self.init_receipt = Receipt.from_c(r)
+        if not self._ds:
+            if self.init_receipt.status == "refused":
+                raise DreamError(self.init_receipt)
+            raise ValueError(self.init_receipt.message)
+        resident.dependents.add(self)
+        self.n_params = int(L.dream_n_params(self._ds))
+        self.pairs = self._read_pairs()
+
+    # -- lifetime ---------------------------------------------------------------
+    def close(self) -> None:
+        if getattr(self, "_ds", None):
+            self.L.dream_free(self._ds)
+            self._ds = None
+
+    def _handle(self):
+        if not self._ds:
+            raise RuntimeError("this Trainer is closed")
+        return self._ds
+
+    # -- layout -----------------------------------------------------------------
+    def _read_pairs(self) -> list[_Pair]:
+        out = []
+        layer, tgt = ctypes.c_int32(), ctypes.c_char_p()
+        n_in, n_out = ctypes.c_int64(), ctypes.c_int64()
+        for i in range(self.L.dream_n_pairs(self._ds)):
+            self.L.dream_pair_info(self._ds, i, ctypes.byref(layer), ctypes.byref(tgt), ctypes.byref(n_in), ctypes.byref(n_out))
+            out.append(_Pair(layer.value, tgt.value.decode(), n_in.value, n_out.value))
+        return out
+
+    def parameter_order(self) -> list[tuple[tuple[int, str], str]]:
+        """[((layer, target), "a" | "b"), ...] in flat-vector order."""
+        return [((p.layer, p.target), ab) for p in self.pairs for ab in ("a", "b")]
+
+    def parameter_shapes(self) -> list[tuple[int, int]]:
+        """numpy shapes in flat-vector order: A (rank, n_in), B (n_out, rank)."""
+        r = self.lora.rank
+        return [s for p in self.pairs for s in ((r, p.n_in), (p.n_out, r))]
+
+    def unflatten(self, vec: np.ndarray) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+        """Split a flat vector into {(layer, target): (A, B)}."""
+        out, i = {}, 0
+        for p in self.pairs:
+            a_n, b_n = self.lora.rank * p.n_in, p.n_out * self.lora.rank
+            a = vec[i:i + a_n].reshape(self.lora.rank, p.n_in)
+            b = vec[i + a_n:i + a_n + b_n].reshape(p.n_out, self.lora.rank)
+            out[(p.layer, p.target)] = (a, b)
+            i += a_n + b_n
+        return out
+
+    # -- the walk ---------------------------------------------------------------
+    def begin_window(self, tokens, loss_mask) -> None:
+        """Start a window: tokens (<= window) and a per-token loss mask of the same length."""
+        toks = np.ascontiguousarray(tokens, dtype=np.int32)
+        mask = np.ascontiguousarray(loss_mask, dtype=np.uint8)
+        if toks.ndim != 1 or mask.shape != toks.shape:
+            raise ValueError(f"tokens {toks.shape} and loss_mask {mask.shape} must be 1-D of one length")
+        r = native.DreamReceiptC()
+        st = self.L.dream_window_begin(self._handle(), toks.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                       mask.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(toks), ctypes.byref(r))
+        if st != native.DREAM_STATUS_OK:
+            raise ValueError(Receipt.from_c(r).message)
+
+    def micro_step(self) -> Receipt:
+        """One chunk of the current window; the receipt says what happened (never raises on refusal)."""
+        r = native.DreamReceiptC()
+        self.L.dream_micro_step(self._handle(), ctypes.byref(r))
+        return Receipt.from_c(r)
+
+    @property
+    def chunks_left(self) -> int:
+        return int(self.L.dream_chunks_left(self._handle()))
+
+    def train_window(self, tokens, loss_mask) -> list[Receipt]:
+        """begin_window, then micro-steps until the window ends or a step is not ok."""
+        self.begin_window(tokens, loss_mask)
+        out = []
+        while self.chunks_left:
+            rec = self.micro_step()
+            out.append(rec)
+            if not rec.ok:
+                break
+        return out
+
+    @staticmethod
+    def window_loss(receipts: list[Receipt]) -> float:
+        """Mean CE over the window's loss tokens from its chunks' receipts."""
+        n = sum(r.tokens for r in receipts)
+        return sum(r.loss * r.tokens for r in receipts) / n if n else float("nan")
+
+    # -- vectors ----------------------------------------------------------------
+    def _vec(self, fn, n: int) -> np.ndarray:
+        buf = np.zeros(n, dtype=np.float32)
+        ok = fn(self._handle(), buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
+        if ok is False or (not isinstance(ok, bool) and ok < 0):
+            raise RuntimeError(f"{fn.__name__} refused a buffer of {n} floats")
+        return buf
+
+    def gradients(self) -> np.ndarray:
+        """The accumulated LoRA gradient of the current/last window (float64, flat order)."""
+        return self._vec(self.L.dream_gradients, self.n_params).astype(np.float64)
+
+    def lora_parameters(self) -> np.ndarray:
+        """The shadow adapter's parameters (float64, flat order)."""
+        return self._vec(self.L.dream_get_parameters, self.n_params).astype(np.float64)
+
+    def set_lora_parameters(self, vec) -> None:
+        """Overwrite the shadow adapter (flat order; rounded to float32)."""
+        v = np.ascontiguousarray(vec, dtype=np.float32)
+        if v.shape != (self.n_params,):
+            raise ValueError(f"parameter vector has shape {v.shape}, the adapter takes ({self.n_params},)")
+        if not self.L.dream_set_parameters(self._handle(), v.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), self.n_params):
+            raise RuntimeError("dream_set_parameters refused the vector")
+
+    def optimizer_state(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(first moments, second moments, update count); zeros before the first update."""
+        buf = np.zeros(2 * self.n_params, dtype=np.float32)
+        t = self.L.dream_optimizer_state(self._handle(), buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), buf.size)
+        return buf[:self.n_params].astype(np.float64), buf[self.n_params:].astype(np.float64), int(t)
+
+    # -- serving ------------------------------------------------------------------
+    def promote(self) -> int:
+        """Copy shadow -> served; returns the served version. Call between decode batches."""
+        return int(self.L.dream_promote(self._handle()))
+
+    @property
+    def served_adapter(self) -> int:
+        """Address of the served llama_adapter_lora (for llama_set_adapters_lora)."""
+        return int(self.L.dream_served_adapter(self._handle()))
+
+    def apply_served(self, scale: float = 1.0) -> None:
+        """Make serving on the resident context use the served adapter (scale 1.0 = alpha/rank)."""
+        lc = self.resident.lc
+        arr = (ctypes.c_void_p * 1)(self.served_adapter)
+        scales = (ctypes.c_float * 1)(scale)
+        rc = lc.llama_set_adapters_lora(self.resident.ctx, ctypes.cast(arr, ctypes.POINTER(lc.llama_adapter_lora_p_ctypes)),
+                                        1, scales)
+        if rc != 0:
+            raise RuntimeError(f"llama_set_adapters_lora failed with {rc}")
+
+    def set_budget(self, budget_mib: float) -> None:
+        """Replace the job's memory budget (MiB; <= 0: device free memory only)."""
+        self.L.dream_set_budget(self._handle(), float(budget_mib))
+
+    # -- files ----------------------------------------------------------------------
+    def save(self, path) -> None:
+        """Write the shadow adapter as a standard GGUF LoRA (atomically)."""
+        from dreamstage.adapters import save_lora  # noqa: PLC0415
+        save_lora(path, self.unflatten(self.lora_parameters()), alpha=self.lora.alpha,
+                  model_arch=self.resident.meta("general.architecture") or "llama")
+
+    def load(self, path) -> None:
+        """Replace the shadow adapter's parameters by a GGUF LoRA file of the same layout."""
+        from dreamstage.adapters import load_lora  # noqa: PLC0415
+        factors, alpha = load_lora(path)
+        if abs(alpha - self.lora.alpha) > 1e-6:
+            raise ValueError(f"{path}: alpha {alpha} differs from this trainer's {self.lora.alpha}")
+        vec = []
+        for p in self.pairs:
+            key = (p.layer, p.target)
+            if key not in factors:
+                raise ValueError(f"{path}: no tensors for blk.{p.layer}.{p.target}")
+            a, b = factors[key]
+            if a.shape != (self.lora.rank, p.n_in) or b.shape != (p.n_out, self.lora.rank):
+                raise ValueError(f"{path}: blk.{p.layer}.{p.target} has shapes {a.shape}/{b.shape}")
+            vec += [a.ravel(), b.ravel()]
+        extra = set(factors) - {(p.layer, p.target) for p in self.pairs}
+        if extra:
+            raise ValueError(f"{path}: tensors for weights this trainer does not adapt: {sorted(extra)[:4]}")
+        self.set_lora_parameters(np.concatenate(vec))

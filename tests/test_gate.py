@@ -1,0 +1,100 @@
+"""The memory gate, the training cache's size per type, and refusals by name."""
+from __future__ import annotations
+
+import ctypes
+import json
+import resource
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dreamstage import native
+from dreamstage.receipts import DreamError, Receipt
+from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+
+
+@pytest.fixture
+def rm(dream_resident):
+    return dream_resident
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def test_context_mib_orders_by_cache_type(rm):
+    sizes = {}
+    for t in ("q4_0", "q8_0", "f16", "f32"):
+        with Trainer(rm, LoraConfig(top_layers=1), cache_type=t, window=1024, chunk=64) as tr:
+            sizes[t] = tr.init_receipt.context_mib
+    assert sizes["q4_0"] < sizes["q8_0"] < sizes["f16"] < sizes["f32"]
+    # SmolLM2-135M: 30 layers x (K + V) x 192 values per token
+    assert sizes["f32"] == pytest.approx(30 * 2 * 192 * 4 * 1024 / 2**20)
+    ratios = {t: sizes[t] / sizes["f32"] for t in sizes}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "context_mib.json").write_text(json.dumps({"window": 1024, "context_mib": sizes,
+                                                           "ratio_to_f32": ratios}, indent=2) + "\n")
+
+
+def test_unknown_cache_type_is_refused_by_name(rm):
+    with pytest.raises(ValueError, match="'q5_k'"):
+        Trainer(rm, cache_type="q5_k")
+    # the native layer refuses it too, before allocating anything
+    L = native.lib()
+    p = L.dream_default_params()
+    p.context_cache_type = b"bf16"
+    r = native.DreamReceiptC()
+    assert not L.dream_init(rm.ctx, p, ctypes.byref(r))
+    rec = Receipt.from_c(r)
+    assert rec.status == "error" and "'bf16'" in rec.message and "q8_0, q4_0, f16, f32" in rec.message
+    assert rec.context_mib == 0 and rec.adapter_mib == 0
+
+
+def test_job_that_cannot_hold_its_cache_is_refused_at_start(rm):
+    with pytest.raises(DreamError) as e:
+        Trainer(rm, LoraConfig(top_layers=1), cache_type="f32", window=4096, chunk=64, budget_mib=4.0, slack_mib=0.0)
+    rec = e.value.receipt
+    assert rec.status == "refused"
+    assert rec.refused_need_mib > rec.refused_allowance_mib
+    assert "training cache" in rec.message and "CPU" in rec.message
+
+
+def test_over_budget_chunk_is_refused_and_changes_nothing(rm):
+    toks = rm.tokenize("A refusal must leave the adapter and the optimizer exactly as they were. " * 3)[:48]
+    mask = np.ones(len(toks), np.uint8)
+    with Trainer(rm, LoraConfig(top_layers=2), cache_type="q8_0", window=48, chunk=16,
+                 optimizer=OptimizerConfig(lr=1e-2), budget_mib=4096, slack_mib=0.0) as tr:
+        assert all(r.ok for r in tr.train_window(toks, mask))   # optimizer state now exists
+        theta, (m, v, t), grads = tr.lora_parameters(), tr.optimizer_state(), tr.gradients()
+        held = tr.init_receipt.adapter_mib + tr.init_receipt.context_mib
+        tr.set_budget(held + 0.5)          # less than one chunk's graph
+        tr.begin_window(toks, mask)
+        rss0 = _rss_kib()
+        rec = tr.micro_step()
+        rss1 = _rss_kib()
+        assert rec.status == "refused", rec
+        assert rec.refused_need_mib > rec.refused_allowance_mib
+        assert rec.refused_chunk_pos == 0 and rec.refused_chunk_tokens == 16
+        assert "chunk at 0 (16 tokens)" in rec.message and "allowance" in rec.message
+        assert rec.graph_mib > 0
+        np.testing.assert_array_equal(tr.lora_parameters(), theta)
+        m2, v2, t2 = tr.optimizer_state()
+        assert t2 == t
+        np.testing.assert_array_equal(m2, m)
+        np.testing.assert_array_equal(v2, v)
+        # the window restarted the gradient (zeros), and the refused chunk added nothing
+        assert not tr.gradients().any() and grads.any()
+        # nothing was allocated for the refused chunk (its planned graph is several MiB)
+        assert (rss1 - rss0) / 1024 < min(1.0, rec.graph_mib / 4), (rss0, rss1, rec.graph_mib)
+        assert tr.chunks_left == 3
+        # a refused chunk can be retried once the budget allows it
+        tr.set_budget(0)
+        again = tr.micro_step()
+        assert again.status == "ok" and again.chunk_pos == 0

@@ -1,0 +1,239 @@
+"""The dream stage's micro-step on the default model's resident context."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+
+TEXT = "The dream stage trains a small adapter between decode batches, on the same context. "
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+
+
+@pytest.fixture
+def rm(dream_resident):
+    return dream_resident
+
+
+def _example(rm, n=40):
+    toks = rm.tokenize(TEXT * 4)[:n]
+    mask = np.ones(len(toks), np.uint8)
+    return toks, mask
+
+
+def _cos(a, b):
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def _record(name: str, data: dict) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def test_loss_on_a_repeated_example_halves_within_30_steps(rm):
+    toks, mask = _example(rm, 32)
+    with Trainer(rm, LoraConfig(rank=8, alpha=16, top_layers=4, seed=1), cache_type="q8_0", window=32, chunk=32,
+                 optimizer=OptimizerConfig(lr=3e-3, grad_clip=1.0)) as tr:
+        losses = []
+        for _ in range(30):
+            recs = tr.train_window(toks, mask)
+            assert [r.status for r in recs] == ["ok"]
+            losses.append(Trainer.window_loss(recs))
+            if losses[-1] < losses[0] / 2:
+                break
+    assert losses[-1] < losses[0] / 2, losses
+    _record("loss_halves", {"losses": losses, "steps": len(losses)})
+
+
+def test_receipt_fields_and_json(rm):
+    toks, mask = _example(rm, 24)
+    with Trainer(rm, LoraConfig(top_layers=2), cache_type="q4_0", window=32, chunk=16) as tr:
+        recs = tr.train_window(toks, mask)
+    assert [(r.chunk_pos, r.chunk_tokens) for r in recs] == [(0, 16), (16, 8)]
+    # the last token has nothing to predict: 23 loss tokens over two chunks
+    assert [r.tokens for r in recs] == [16, 7]
+    for r in recs:
+        assert r.status == "ok" and r.message == ""
+        assert r.window == 32 and r.chunk == 16 and r.context_cache_type == "q4_0"
+        assert not r.exact and not r.recompute and r.horizon == -1
+        assert r.loss > 0 and r.ms > 0 and r.graph_mib > 0 and r.context_mib > 0 and r.adapter_mib > 0
+        assert r.refused_chunk_pos == -1
+        d = json.loads(r.to_json())
+        assert list(d) == ["status", "step", "window", "chunk", "chunk_pos", "chunk_tokens", "context_cache_type",
+                           "recompute", "exact", "horizon", "loss", "tokens", "ms", "graph_mib", "context_mib",
+                           "adapter_mib", "optimizer_mib", "walk_mib", "refused_chunk_pos", "refused_chunk_tokens",
+                           "refused_need_mib", "refused_allowance_mib", "message"]
+    assert recs[1].step == recs[0].step + 1
+    assert recs[1].optimizer_mib > 0
+
+
+def test_f32_cache_chunked_loss_equals_one_chunk(rm):
+    toks, mask = _example(rm, 48)
+    mask[:10] = 0  # an unlabelled prompt part
+    cfg = LoraConfig(rank=4, alpha=8, targets="attn_q,attn_k,attn_v", top_layers=3, seed=3)
+    opt = OptimizerConfig(lr=0.0)
+    rng = np.random.default_rng(0)
+    with Trainer(rm, cfg, cache_type="f32", window=48, chunk=48, optimizer=opt) as one:
+        theta = one.lora_parameters()
+        # a nonzero B so that every LoRA factor has a gradient
+        theta = theta + (theta == 0) * rng.normal(0, 0.02, theta.shape)
+        one.set_lora_parameters(theta)
+        r1 = one.train_window(toks, mask)
+        g1 = one.gradients()
+    with Trainer(rm, cfg, cache_type="f32", window=48, chunk=16, optimizer=opt) as chunked:
+        chunked.set_lora_parameters(theta)
+        r3 = chunked.train_window(toks, mask)
+        g3 = chunked.gradients()
+    assert len(r1) == 1 and len(r3) == 3 and all(r.ok for r in r1 + r3)
+    assert r3[0].tokens == 7  # inputs 0..15 predict tokens 1..16, of which 10..16 carry loss
+    l1, l3 = Trainer.window_loss(r1), Trainer.window_loss(r3)
+    assert abs(l1 - l3) <= 1e-5, (l1, l3)
+    cos = _cos(g1, g3)
+    # the plain walk drops the gradient through earlier chunks' K/V, so it differs, but not wildly
+    assert 0.3 < cos < 1.0 - 1e-6, cos
+    _record("plain_walk_vs_one_chunk", {"loss_one_chunk": l1, "loss_chunked": l3, "abs_diff": abs(l1 - l3),
+                                        "grad_cosine": cos, "window": 48, "chunk": 16, "cache": "f32",
+                                        "targets": "attn_q,attn_k,attn_v", "top_layers": 3})
+
+
+def test_two_optimizer_steps_have_fresh_gradients(rm):
+    toks, mask = _example(rm, 24)
+    with Trainer(rm, LoraConfig(top_layers=2), cache_type="f16", window=24, chunk=12,
+                 optimizer=OptimizerConfig(lr=0.0)) as tr:
+        tr.train_window(toks, mask)
+        g1 = tr.gradients()
+        tr.train_window(toks, mask)
+        g2 = tr.gradients()
+    assert np.linalg.norm(g1) > 0
+    # lr = 0: same parameters, same data -> the same gradient, not twice it
+    np.testing.assert_allclose(g2, g1, rtol=1e-5, atol=1e-9)
+
+
+def test_adamw_update_matches_the_reference_formula(rm):
+    toks, mask = _example(rm, 20)
+    opt = OptimizerConfig(lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1, grad_clip=0.05)
+    with Trainer(rm, LoraConfig(top_layers=1, seed=7), cache_type="q8_0", window=20, chunk=20, optimizer=opt) as tr:
+        theta0 = tr.lora_parameters()
+        tr.train_window(toks, mask)
+        g = tr.gradients()
+        theta1 = tr.lora_parameters()
+        m, v, t = tr.optimizer_state()
+    assert t == 1
+    norm = np.linalg.norm(g)
+    assert norm > opt.grad_clip  # clipping is exercised
+    gc = g * (opt.grad_clip / norm)
+    m_ref = (1 - opt.beta1) * gc
+    v_ref = (1 - opt.beta2) * gc * gc
+    step = (m_ref / (1 - opt.beta1)) / (np.sqrt(v_ref / (1 - opt.beta2)) + opt.eps)
+    expect = theta0 * (1 - opt.lr * opt.weight_decay) - opt.lr * step
+    np.testing.assert_allclose(m, m_ref, rtol=1e-4, atol=1e-10)
+    np.testing.assert_allclose(theta1, expect, rtol=1e-4, atol=1e-6)
+    assert np.abs(theta1 - theta0).max() > 1e-3
+
+
+def test_unlabelled_window_is_decode_only(rm):
+    toks, _ = _example(rm, 24)
+    with Trainer(rm, LoraConfig(top_layers=1), window=24, chunk=12) as tr:
+        before = tr.lora_parameters()
+        recs = tr.train_window(toks, np.zeros(len(toks), np.uint8))
+        assert [r.tokens for r in recs] == [0, 0] and all(r.ok and r.loss == 0 for r in recs)
+        np.testing.assert_array_equal(tr.lora_parameters(), before)
+        assert tr.optimizer_state()[2] == 0
+
+
+def test_exact_and_recompute_are_refused_by_name(rm):
+    with pytest.raises(ValueError, match="exact"):
+        Trainer(rm, exact=True)
+    with pytest.raises(ValueError, match="recompute"):
+        Trainer(rm, recompute=True)
+    with pytest.raises(ValueError, match="horizon"):
+        Trainer(rm, horizon=16)
+    with pytest.raises(ValueError, match="'attn_z'"):
+        Trainer(rm, LoraConfig(targets="attn_q,attn_z"))
+    with pytest.raises(ValueError, match="chunk"):
+        Trainer(rm, window=32, chunk=64)
+
+
+def test_bad_window_input_is_refused_naming_the_value(rm):
+    with Trainer(rm, LoraConfig(top_layers=1), window=16, chunk=8) as tr:
+        with pytest.raises(ValueError, match="got 40"):
+            tr.begin_window(list(range(40)), [1] * 40)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            tr.begin_window([1, 2, 10**7], [1, 1, 1])
+        r = tr.micro_step()
+        assert r.status == "error" and "no window" in r.message
+
+
+def _decode(rm, tokens, pos0, seq=0):
+    lc = rm.lc
+    b = lc.llama_batch_init(len(tokens), 0, 1)
+    try:
+        b.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos0 + i, 1, i == len(tokens) - 1
+            b.seq_id[i][0] = seq
+        assert lc.llama_decode(rm.ctx, b) == 0
+        logits = lc.llama_get_logits_ith(rm.ctx, len(tokens) - 1)
+        return int(np.ctypeslib.as_array(logits, shape=(rm.n_vocab,)).argmax())
+    finally:
+        lc.llama_batch_free(b)
+
+
+def _seq_state(rm, seq=0) -> bytes:
+    import ctypes
+    lc = rm.lc
+    size = lc.llama_state_seq_get_size(rm.ctx, seq)
+    buf = (ctypes.c_uint8 * size)()
+    n = lc.llama_state_seq_get_data(rm.ctx, buf, size, seq)
+    return bytes(buf[:n])
+
+
+def test_serving_is_untouched_by_micro_steps(rm):
+    prompt = rm.tokenize("The capital of France is")
+    toks, mask = _example(rm, 32)
+
+    def run(train: bool):
+        rm.lc.llama_memory_seq_rm(rm.memory, 0, -1, -1)
+        out = [_decode(rm, prompt, 0)]
+        state = _seq_state(rm)
+        if train:
+            with Trainer(rm, LoraConfig(top_layers=2), cache_type="q8_0", window=32, chunk=6,
+                         optimizer=OptimizerConfig(lr=1e-2)) as tr:
+                tr.apply_served()            # serving uses the served adapter (B = 0: no change yet)
+                tr.begin_window(toks, mask)
+                recs = [tr.micro_step() for _ in range(5)]
+                assert all(r.ok for r in recs), [r.message for r in recs]
+                tr.train_window(toks, mask)  # and a finished window: the shadow moved
+                assert np.abs(tr.lora_parameters()).sum() > 0
+                after = _seq_state(rm)
+                pos = len(prompt)
+                for _ in range(8):
+                    out.append(_decode(rm, [out[-1]], pos))
+                    pos += 1
+        else:
+            after = state
+            pos = len(prompt)
+            for _ in range(8):
+                out.append(_decode(rm, [out[-1]], pos))
+                pos += 1
+        return out, state, after
+
+    ref, _, _ = run(False)
+    got, before, after = run(True)
+    assert after == before, "serving's K/V cells changed during micro-steps"
+    assert got == ref
+    rm.lc.llama_memory_seq_rm(rm.memory, 0, -1, -1)
+
+
+def test_every_target_gets_a_gradient(rm):
+    toks, mask = _example(rm, 16)
+    cfg = LoraConfig(targets="attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down", top_layers=1)
+    with Trainer(rm, cfg, window=16, chunk=8, optimizer=OptimizerConfig(lr=1e-2)) as tr:
+        assert all(r.ok for r in tr.train_window(toks, mask))
+        g = tr.unflatten(tr.gradients())
+    assert len(g) == 7
+    for key, (_, gb) in g.items():   # B's gradient is nonzero even with B = 0
+        assert np.abs(gb).max() > 0, key
