@@ -222,6 +222,9 @@ def _declare(L: ctypes.CDLL) -> None:
     # void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
     L.dream_set_budget.argtypes = [p, ctypes.c_double]
     L.dream_set_budget.restype = None
+    # bool dream_set_chunk(struct dream_stage * ds, int32_t chunk);
+    L.dream_set_chunk.argtypes = [p, ctypes.c_int32]
+    L.dream_set_chunk.restype = ctypes.c_bool
 
 
 @lru_cache(maxsize=1)

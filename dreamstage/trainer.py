@@ -271,6 +271,14 @@ class Trainer(NativeOwner):
         if rc != 0:
             raise RuntimeError(f"llama_set_adapters_lora failed with {rc}")
 
+    def set_chunk(self, chunk: int) -> None:
+        """Tokens per micro-step from the next one on (the chunk ladder after a refusal).
+
+        The window's position, its accumulated gradient and the optimizer state stay."""
+        if not isinstance(chunk, int) or not self.L.dream_set_chunk(self._handle(), chunk):
+            raise ValueError(f"chunk must be an integer in 1..{self.window}, got {chunk!r}")
+        self.chunk = chunk
+
     def set_budget(self, budget_mib: float) -> None:
         """Replace the job's memory budget (MiB; <= 0: device free memory only)."""
         self.L.dream_set_budget(self._handle(), float(budget_mib))

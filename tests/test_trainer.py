@@ -237,3 +237,23 @@ def test_every_target_gets_a_gradient(rm):
     assert len(g) == 7
     for key, (_, gb) in g.items():   # B's gradient is nonzero even with B = 0
         assert np.abs(gb).max() > 0, key
+
+
+def test_set_chunk_changes_the_next_chunk_and_keeps_the_window(rm):
+    # The chunk ladder: after a refusal the scheduler halves the chunk and
+    # retries at the same position, so the setter must keep the walk's place.
+    toks, mask = _example(rm, 40)
+    with Trainer(rm, LoraConfig(top_layers=2), cache_type="f32", window=64, chunk=32,
+                 optimizer=OptimizerConfig(lr=1e-3)) as tr:
+        tr.begin_window(toks, mask)
+        first = tr.micro_step()
+        tr.set_chunk(4)
+        assert tr.chunks_left == 2
+        rest = [tr.micro_step() for _ in range(2)]
+        assert [(r.chunk_pos, r.chunk_tokens, r.chunk) for r in [first, *rest]] == [(0, 32, 32), (32, 4, 4), (36, 4, 4)]
+        assert all(r.ok for r in rest) and tr.chunks_left == 0
+        assert tr.optimizer_state()[2] == 1      # one update, at the window's end
+        for bad in (0, 65, 2.5):
+            with pytest.raises(ValueError, match="chunk must be an integer"):
+                tr.set_chunk(bad)
+        assert tr.chunk == 4

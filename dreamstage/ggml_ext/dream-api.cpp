@@ -251,4 +251,15 @@ void dream_set_budget(struct dream_stage * ds, double memory_budget_mib) {
     ds->params.memory_budget_mib = memory_budget_mib;
 }
 
+bool dream_set_chunk(struct dream_stage * ds, int32_t chunk) {
+    // Graphs are built per micro-step from params.chunk, and nothing is sized by
+    // it at init (the training cache is sized by the window), so a new value
+    // takes effect at the next chunk.
+    if (chunk <= 0 || chunk > ds->params.window) {
+        return false;
+    }
+    ds->params.chunk = chunk;
+    return true;
+}
+
 }

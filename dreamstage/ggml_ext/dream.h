@@ -138,6 +138,13 @@ LLAMA_API struct llama_adapter_lora * dream_served_adapter(struct dream_stage * 
 // Replaces the job's memory budget (MiB; <= 0: unlimited). Takes effect at the next micro-step.
 LLAMA_API void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
 
+// Replaces the chunk (tokens per micro-step, 1..window) from the next micro-step on,
+// e.g. after a refusal (the chunk ladder). The walk's position, the gradient
+// accumulated in the current window and the optimizer state are kept: a chunk
+// only bounds how many tokens the next graph takes. Returns false (nothing
+// changed) for a value out of range.
+LLAMA_API bool dream_set_chunk(struct dream_stage * ds, int32_t chunk);
+
 #ifdef __cplusplus
 }
 #endif
