@@ -6,7 +6,6 @@ file stays within a few minutes on two cores.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
 import time
@@ -21,8 +20,6 @@ from dreamstage.server.settings import ServerSettings
 
 FACT_PROMPT = "The secret password of the moon base is"
 FACT = " Quokka-42."
-needs_trainer = pytest.mark.skipif(importlib.util.find_spec("dreamstage.trainer") is None,
-                                   reason="the native Trainer (branch dream) is not merged yet")
 LEARNED: dict = {}   # the adapter the auto-promotion test trained, for the --adapter test
 
 
@@ -111,7 +108,6 @@ def test_a_body_that_is_not_a_json_object_is_422_on_body(http, raw):
     assert r.status_code == 422 and r.json()["error"]["param"] == "body"
 
 
-@needs_trainer
 def test_unknown_ids_are_404_and_invalid_transitions_409(http):
     assert http.get("/train/999999").status_code == 404
     assert http.get("/train/abc").status_code == 404
@@ -166,7 +162,6 @@ def stream_chat(url, content, out, i):
     out[i] = ("".join(pieces), finish)
 
 
-@needs_trainer
 def test_two_chat_streams_finish_while_a_job_trains(server, http):
     r = http.post("/train", json={"text": LESSON * 2, "window": 32, "chunk": 16, "epochs": 1000, "rank": 4,
                                   "share": 0.5, "promote": "never"})
@@ -193,32 +188,31 @@ def test_two_chat_streams_finish_while_a_job_trains(server, http):
     assert http.post(f"/train/{jid}/cancel").json()["state"] == "cancelled"
 
 
-@needs_trainer
 def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering(http):
-    body = {"text": LESSON, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never"}
+    body = {"text": LESSON * 3, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never"}
     r = http.post("/train", json={**body, "memory_budget_mib": 84})
     assert r.status_code == 202
     job = wait_job(http, r.json()["id"], finished)
     assert job["state"] == "refused", job["message"]
     refusals = job["refusals"]
-    assert [x["refused_chunk_tokens"] for x in refusals] == [64, 32, 16]
+    assert [x["chunk"] for x in refusals] == [64, 32, 16]
     for x in refusals:
+        assert 0 < x["refused_chunk_tokens"] <= x["chunk"]
         assert set(RECEIPT_FIELDS) <= set(x) and x["status"] == "refused"
         assert x["refused_chunk_pos"] == 0 and x["refused_need_mib"] > x["refused_allowance_mib"] > 0
         assert x["message"]
     assert "floor" in job["message"] and job["progress"]["refusals"] == 3
     assert complete(http, "The capital of France is")["choices"][0]["text"].strip()
     # a budget between the needs of chunk 64 and chunk 32: one refusal, then the job trains at 32
-    need = {x["refused_chunk_tokens"]: x["refused_need_mib"] for x in refusals}
+    need = {x["chunk"]: x["refused_need_mib"] for x in refusals}
     budget = 84 + (need[64] + need[32]) / 2 - refusals[0]["refused_allowance_mib"]
     r = http.post("/train", json={**body, "memory_budget_mib": budget})
     job = wait_job(http, r.json()["id"], finished)
     assert job["state"] == "done", job["message"]
-    assert [x["refused_chunk_tokens"] for x in job["refusals"]] == [64]
+    assert [x["chunk"] for x in job["refusals"]] == [64]
     assert job["progress"]["chunk"] == 32 and job["progress"]["step"] >= 2
 
 
-@needs_trainer
 def test_auto_promotion_teaches_a_made_up_fact(server, http):
     before = complete(http, FACT_PROMPT)
     assert "Quokka" not in before["choices"][0]["text"] and before["adapter_version"] == 0
@@ -262,7 +256,6 @@ def test_auto_promotion_teaches_a_made_up_fact(server, http):
     assert again["adapter_version"] == version + 1 and again["choices"][0]["text"] == after["choices"][0]["text"]
 
 
-@needs_trainer
 def test_adapter_flag_serves_a_lora_file_from_startup_and_a_restart_reloads_it(tmp_path):
     if not LEARNED:
         pytest.skip("needs the adapter the auto-promotion test trained")
@@ -285,7 +278,6 @@ def test_adapter_flag_serves_a_lora_file_from_startup_and_a_restart_reloads_it(t
         BackgroundServer(settings(state, adapter=str(not_lora)))
 
 
-@needs_trainer
 def test_restart_while_a_job_runs_loses_nothing(tmp_path):
     state = tmp_path / "state"
     with BackgroundServer(settings(state)) as first:
