@@ -136,7 +136,9 @@ def command(system: str, streams: int, port: int, paths: dict) -> tuple[list[str
         env["LLAMA_CPP_LIB_PATH"] = str(paths["lib"])
         return [str(paths["lcp-python"]), "-m", "llama_cpp.server", "--model", str(paths["model"]),
                 "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(ctx), "--n_threads", str(THREADS),
-                "--n_threads_batch", str(THREADS)], env
+                "--n_threads_batch", str(THREADS),
+                # By default a new request interrupts the one streaming; the bench wants them queued.
+                "--interrupt_requests", "False"], env
     if system == "dreamstage":
         return [str(ROOT / ".venv" / "bin" / "dreamstage"), "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--parallel", str(streams), "--ctx", str(ctx), "--threads", str(THREADS)], env
@@ -159,8 +161,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
 
 
 # -- load -------------------------------------------------------------------------
-async def one_stream(client: httpx.AsyncClient, prompt: str) -> dict:
-    body = {"prompt": prompt, "max_tokens": GEN_TOKENS, "temperature": 0.0, "stream": True}
+async def one_stream(client: httpx.AsyncClient, prompt: str, gen_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": gen_tokens, "temperature": 0.0, "stream": True}
     t0 = time.perf_counter()
     stamps: list[float] = []
     finish = None
@@ -181,10 +183,10 @@ async def one_stream(client: httpx.AsyncClient, prompt: str) -> dict:
     return {"start": t0, "stamps": stamps, "finish": finish}
 
 
-async def round_(url: str, streams: int) -> dict:
+async def round_(url: str, streams: int, gen_tokens: int = GEN_TOKENS) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         t0 = time.perf_counter()
-        runs = await asyncio.gather(*(one_stream(client, PROMPTS[i % len(PROMPTS)]) for i in range(streams)))
+        runs = await asyncio.gather(*(one_stream(client, PROMPTS[i % len(PROMPTS)], gen_tokens) for i in range(streams)))
         t1 = time.perf_counter()
     tokens = sum(len(r["stamps"]) for r in runs)
     # Decode window: from the first token of any stream to the last token of any stream.
@@ -193,7 +195,8 @@ async def round_(url: str, streams: int) -> dict:
     gaps = [b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:])]
     ttft = [r["stamps"][0] - r["start"] for r in runs if r["stamps"]]
     window = max(lasts) - min(firsts) if firsts else float("nan")
-    return {"tokens": tokens, "wall_s": t1 - t0, "agg_tok_s": tokens / (t1 - t0),
+    return {"tokens": tokens, "short_streams": sum(1 for r in runs if len(r["stamps"]) < gen_tokens - 2),
+            "wall_s": t1 - t0, "agg_tok_s": tokens / (t1 - t0),
             "decode_tok_s": (tokens - len(firsts)) / window if window > 0 else float("nan"),
             "itl": gaps, "ttft": ttft, "finish": [r["finish"] for r in runs]}
 
@@ -206,7 +209,7 @@ def run_system(system: str, streams: int, paths: dict) -> dict:
     proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ready(url, proc)
-        asyncio.run(round_(url, min(streams, 2)))  # warm-up: page in weights, allocate buffers
+        asyncio.run(round_(url, 1, 16))  # warm-up: page in weights, allocate buffers
         load0 = os.getloadavg()[0]
         res = asyncio.run(round_(url, streams))
         res["loadavg_1m"] = [load0, os.getloadavg()[0]]
@@ -229,10 +232,13 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main() -> int:
+    # SIGTERM (timeout, kill) must still stop the server processes in run_system's finally.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=1, help="A B C C B A cycles (each system runs twice per cycle)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--systems", nargs="+", default=["llama-server", "lcp-server", "dreamstage"])
+    ap.add_argument("--tag", default="", help="suffix for the result file: serving-<date>[-tag].json")
     args = ap.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -256,19 +262,19 @@ def main() -> int:
             res = run_system(system, streams, paths)
             res.update(system=system, streams=streams, seq=i)
             log(f"  {res['agg_tok_s']:.1f} tok/s aggregate, p50 ITL {1000 * pct(res['itl'], 50):.1f} ms, "
-                f"load {res['loadavg_1m'][0]:.1f}")
+                f"load {res['loadavg_1m'][0]:.1f}" + (f", {res['short_streams']} SHORT streams" if res["short_streams"] else ""))
             runs.append(res)
     summary = summarize(runs, systems, args.streams)
     out = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_name()},
         "model": paths["model"].name, "gen_tokens": GEN_TOKENS, "threads": THREADS, "slot_ctx": SLOT_CTX,
-        "order": order, "summary": summary,
+        "order": order, "streams": args.streams, "summary": summary,
         "runs": [{k: v for k, v in r.items() if k not in ("itl", "ttft")} | {
             "itl_p50_ms": 1000 * pct(r["itl"], 50), "itl_p99_ms": 1000 * pct(r["itl"], 99),
             "ttft_max_ms": 1000 * max(r["ttft"] or [float("nan")])} for r in runs],
     }
-    path = RESULTS / f"serving-{dt.date.today().isoformat()}.json"
+    path = RESULTS / f"serving-{dt.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(render_table(summary, systems, args.streams))
     log(f"wrote {path.relative_to(ROOT)}")
