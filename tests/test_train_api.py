@@ -250,8 +250,29 @@ def test_auto_promotion_teaches_a_made_up_fact(server, http):
     assert r.status_code == 200 and r.json()["applied"]
     base = complete(http, FACT_PROMPT)
     assert base["adapter_version"] == 0 and base["choices"][0]["text"] == before["choices"][0]["text"]
+    # promote again while a stream is mid-flight: the swap waits for it to drain,
+    # so the stream ran entirely on the base model, and says so
+    story = complete(http, "Once upon a time", max_tokens=96)["choices"][0]["text"]
+    versions, pieces, first_piece = set(), [], threading.Event()
+
+    def long_stream():
+        with httpx.Client(base_url=server.url, timeout=600) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 96,
+                                                           "temperature": 0, "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        obj = json.loads(line[6:])
+                        versions.add(obj["adapter_version"])
+                        pieces.append(obj["choices"][0]["text"])
+                        first_piece.set()
+
+    streamer = threading.Thread(target=long_stream)
+    streamer.start()
+    assert first_piece.wait(60)
     r = http.post("/adapters/moon/promote")
-    assert r.status_code == 200 and r.json()["served_version"] == version + 1
+    assert r.status_code == 200 and r.json()["applied"] and r.json()["served_version"] == version + 1
+    streamer.join(60)
+    assert versions == {0} and "".join(pieces) == story   # the whole stream ran on the base weights
     again = complete(http, FACT_PROMPT)
     assert again["adapter_version"] == version + 1 and again["choices"][0]["text"] == after["choices"][0]["text"]
 
