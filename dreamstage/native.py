@@ -163,6 +163,7 @@ class DreamParamsC(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("weight_decay", ctypes.c_float),
         ("grad_clip", ctypes.c_float),
+        ("accumulate_windows", ctypes.c_int32),
         ("memory_budget_mib", ctypes.c_double),
         ("slack_mib", ctypes.c_double),
     ]

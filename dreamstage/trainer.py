@@ -38,7 +38,8 @@ Conventions the gradient oracle (tests/test_oracle.py) relies on:
   ``parameter_order()`` returns that order as ``[((layer, target), "a"|"b"), ...]``.
 - ``gradients()`` is the gradient accumulated over the current window (or
   the last finished one, before clipping); it restarts at zero when a window
-  begins. The AdamW update (decoupled weight decay, bias-corrected moments,
+  begins after an optimizer update. With ``accumulate_windows = k`` it sums
+  k windows and the update uses their mean (sum / k). The AdamW update (decoupled weight decay, bias-corrected moments,
   global-norm clipping at ``grad_clip`` first) happens after the window's
   last chunk, so with ``lr=0`` the parameters do not move.
 """
@@ -89,6 +90,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float = 1.0       # global L2 norm; <= 0 disables
+    accumulate_windows: int = 1  # windows per update; the update uses their mean gradient
 
 
 @dataclass
@@ -127,6 +129,7 @@ class Trainer(NativeOwner):
         p.exact, p.recompute, p.horizon = bool(exact), bool(recompute), int(horizon)
         p.lr, p.beta1, p.beta2, p.eps = opt.lr, opt.beta1, opt.beta2, opt.eps
         p.weight_decay, p.grad_clip = opt.weight_decay, opt.grad_clip
+        p.accumulate_windows = int(opt.accumulate_windows)
         p.memory_budget_mib, p.slack_mib = float(budget_mib), float(slack_mib)
         self.window, self.chunk = int(window), int(chunk)
         r = native.DreamReceiptC()

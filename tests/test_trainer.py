@@ -257,3 +257,25 @@ def test_set_chunk_changes_the_next_chunk_and_keeps_the_window(rm):
             with pytest.raises(ValueError, match="chunk must be an integer"):
                 tr.set_chunk(bad)
         assert tr.chunk == 4
+
+
+def test_accumulated_windows_update_once_with_their_mean(rm):
+    toks, mask = _example(rm, 20)
+    opt = OptimizerConfig(lr=1e-2, grad_clip=0.0, accumulate_windows=2)
+    with Trainer(rm, LoraConfig(top_layers=1, seed=2), window=20, chunk=10, optimizer=opt) as tr:
+        theta0 = tr.lora_parameters()
+        tr.train_window(toks, mask)
+        g1 = tr.gradients()
+        assert tr.optimizer_state()[2] == 0
+        np.testing.assert_array_equal(tr.lora_parameters(), theta0)   # no update after one window
+        tr.train_window(toks, mask)
+        g2 = tr.gradients()
+        m, v, t = tr.optimizer_state()
+    assert t == 1
+    np.testing.assert_allclose(g2, 2 * g1, rtol=1e-5, atol=1e-9)      # summed over both windows
+    np.testing.assert_allclose(m, (1 - opt.beta1) * g1, rtol=1e-4, atol=1e-10)  # the update saw their mean
+
+
+def test_accumulate_windows_must_be_positive(rm):
+    with pytest.raises(ValueError, match="accumulate_windows must be >= 1, got 0"):
+        Trainer(rm, optimizer=OptimizerConfig(accumulate_windows=0))

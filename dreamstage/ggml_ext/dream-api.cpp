@@ -25,6 +25,7 @@ struct dream_params dream_default_params(void) {
     p.eps = 1e-8f;
     p.weight_decay = 0.0f;
     p.grad_clip = 1.0f;
+    p.accumulate_windows = 1;
     p.memory_budget_mib = 0.0;
     p.slack_mib = 64.0;
     return p;
@@ -58,6 +59,7 @@ static bool dream_validate(dream_stage & ds, std::string & err) {
     if (!(p.weight_decay >= 0)) return bad("weight_decay must be >= 0, got %g", (double) p.weight_decay);
     if (std::isnan(p.grad_clip)) return bad("grad_clip must be a number, got %g", (double) p.grad_clip);
     if (!(p.slack_mib >= 0)) return bad("slack_mib must be >= 0, got %g", p.slack_mib);
+    if (p.accumulate_windows < 1) return bad("accumulate_windows must be >= 1, got %d", p.accumulate_windows);
     if (p.window > (int32_t) ds.lctx->n_ctx() * 64) return bad("window %d is implausibly large", p.window);
     return true;
 }
@@ -163,7 +165,9 @@ int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, 
     ds->win_active = true;
     ds->memory->clear(false);
     // a fresh gradient for every optimizer step
-    std::fill(ds->grad_acc.begin(), ds->grad_acc.end(), 0.0f);
+    if (ds->windows_pending == 0) {
+        std::fill(ds->grad_acc.begin(), ds->grad_acc.end(), 0.0f);
+    }
     r.chunk_pos = 0;
     return DREAM_STATUS_OK;
 }

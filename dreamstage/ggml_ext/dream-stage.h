@@ -66,6 +66,7 @@ struct dream_stage {
     // optimizer (dream-walk.cpp): host F32, canonical order
     std::vector<float> grad_acc, adam_m, adam_v;
     int64_t adam_t = 0;
+    int32_t windows_pending = 0;   // finished windows whose gradient awaits an update
 
     // training memory (dream-memory.cpp)
     std::unique_ptr<llama_kv_cache> memory;

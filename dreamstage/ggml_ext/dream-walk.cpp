@@ -186,16 +186,18 @@ static void dream_adamw(dream_stage & ds) {
     std::vector<float> theta(n);
     dream_adapter_read(ds, true, theta.data());
     double norm2 = 0.0;
+    // the mean over the accumulated windows
+    const float mean = 1.0f / (float) std::max(ds.windows_pending, 1);
     for (float g : ds.grad_acc) {
         norm2 += (double) g * g;
     }
-    const double norm = std::sqrt(norm2);
+    const double norm = std::sqrt(norm2) * mean;
     const float clip = (p.grad_clip > 0 && norm > p.grad_clip) ? (float) (p.grad_clip / norm) : 1.0f;
     ds.adam_t += 1;
     const double bc1 = 1.0 - std::pow((double) p.beta1, (double) ds.adam_t);
     const double bc2 = 1.0 - std::pow((double) p.beta2, (double) ds.adam_t);
     for (int64_t i = 0; i < n; ++i) {
-        const float g = ds.grad_acc[i] * clip;
+        const float g = ds.grad_acc[i] * mean * clip;
         ds.adam_m[i] = p.beta1 * ds.adam_m[i] + (1.0f - p.beta1) * g;
         ds.adam_v[i] = p.beta2 * ds.adam_v[i] + (1.0f - p.beta2) * g * g;
         const double mhat = ds.adam_m[i] / bc1;
@@ -519,7 +521,11 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     if (ds.win_pos >= ds.win_n) {
         ds.win_active = false;
         if (ds.win_n_masked > 0 && !ds.grad_acc.empty()) {
-            dream_adamw(ds);
+            ds.windows_pending += 1;
+            if (ds.windows_pending >= ds.params.accumulate_windows) {
+                dream_adamw(ds);
+                ds.windows_pending = 0;
+            }
         }
     }
     return finish(DREAM_STATUS_OK);

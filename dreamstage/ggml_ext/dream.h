@@ -72,12 +72,14 @@ struct dream_params {
     int32_t      horizon;             // must be -1
     float        lr, beta1, beta2, eps, weight_decay;
     float        grad_clip;           // global L2 norm clip; <= 0: off
+    int32_t      accumulate_windows;  // windows per AdamW update (1); their gradients are averaged
     double       memory_budget_mib;   // job budget; <= 0: unlimited (device free memory only)
     double       slack_mib;           // kept free on every device
 };
 
 // Defaults: rank 8, alpha 16, attn_q,attn_v, all layers, q8_0, window 512,
-// chunk 128, lr 1e-4, betas 0.9/0.999, eps 1e-8, wd 0, clip 1, no budget, slack 64.
+// chunk 128, lr 1e-4, betas 0.9/0.999, eps 1e-8, wd 0, clip 1, 1 window per update,
+// no budget, slack 64.
 LLAMA_API struct dream_params dream_default_params(void);
 
 struct dream_stage;
@@ -95,13 +97,15 @@ LLAMA_API void dream_free(struct dream_stage * ds);
 
 // Starts a window: copies n tokens and their loss mask (mask[i] != 0 trains the
 // prediction of tokens[i] from tokens[<i]; mask[0] is ignored). Clears the
-// training cache. Returns DREAM_STATUS_OK, or ERROR with receipt->message.
+// training cache, and the gradient accumulator when the previous window ended
+// with an optimizer update. Returns DREAM_STATUS_OK, or ERROR with receipt->message.
 LLAMA_API int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens,
                                      const uint8_t * loss_mask, int32_t n, struct dream_receipt * receipt);
 
 // One micro-step: the next chunk of the current window, forward (+ backward when
-// it has loss tokens), gradient accumulated; at the window's last chunk one
-// AdamW update of the shadow adapter. Fills *receipt; returns its status. A
+// it has loss tokens), gradient accumulated; at the last chunk of every
+// accumulate_windows-th window one AdamW update of the shadow adapter with the
+// windows' mean gradient. Fills *receipt; returns its status. A
 // refused chunk changes nothing and may be retried.
 LLAMA_API int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt);
 
@@ -117,8 +121,9 @@ LLAMA_API int32_t dream_n_pairs(const struct dream_stage * ds);
 LLAMA_API bool    dream_pair_info(const struct dream_stage * ds, int32_t i, int32_t * layer,
                                   const char ** target, int64_t * n_in, int64_t * n_out);
 
-// Copies the accumulated gradient of the current (or last finished) window into
-// out[n_params], canonical order: pairs in order, A then B, row-major. Returns false if n is short.
+// Copies the accumulated gradient (the sum over the windows since the last
+// update, including a finished window) into out[n_params], canonical order:
+// pairs in order, A then B, row-major. Returns false if n is short.
 LLAMA_API bool dream_gradients(const struct dream_stage * ds, float * out, int64_t n);
 
 // Copies (get) or overwrites (set) the shadow adapter's parameters, same order.
