@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -28,10 +27,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"dreamstage serve: {e}", file=sys.stderr)
         return 2
-    # The engine thread needs the GIL back the moment llama_decode returns; the
-    # event loop holds it while it writes SSE chunks. A short switch interval
-    # bounds that wait (CPython's default is 5 ms, a tenth of a decode step).
-    sys.setswitchinterval(float(os.environ.get("DREAMSTAGE_GIL_SWITCH_MS", "0.5")) / 1000)
     service.start()
     cfg = service.model.config
     host = f"[{args.host}]" if ":" in args.host else args.host
