@@ -214,3 +214,16 @@ def test_a_failing_hook_does_not_stop_serving(engine):
         assert engine.stats.hook_errors - before >= 4
     finally:
         engine.hook = saved
+
+
+def test_quantized_serving_kv_type_generates():
+    # --kv-type q8_0: a quantized V cache needs flash attention, which llama.cpp's auto setting enables.
+    model = ResidentModel(ResidentConfig(n_ctx=512, n_seq=2, n_threads=2, kv_type="q8_0", kv_unified=False))
+    eng = Engine(model).start()
+    try:
+        text, events = run(eng, "The capital of France is", 6)
+        assert isinstance(events[-1], Finished) and events[-1].completion_tokens == 6
+        assert "Paris" in text
+    finally:
+        eng.stop()
+        model.close()
