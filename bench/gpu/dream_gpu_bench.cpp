@@ -1,0 +1,249 @@
+// GPU throughput of the dream stage on the resident context, without Python.
+//   dream_gpu_bench MODEL.gguf [n_gpu_layers=99] [chunks=128,512,2048] [reps=7]
+// One model, one llama_context. For each chunk size C (one stage per size, window
+// = C, so every micro-step is one chunk forward + backward + one AdamW update of
+// rank-8 LoRA on attn_q,attn_v), interleaved with serving prefill of 512 tokens:
+//   prefill(A) x reps, micro-step(B) x reps, prefill(A) x reps
+// Reports median / min / max of each, trained tok/s from the receipt's ms and from
+// wall time around dream_micro_step, graph_mib and context_mib from the receipts,
+// then promotes the adapter, serves with it (prefill + greedy decode) and checks
+// the logits are finite and differ from the base model's. Prints one JSON object.
+#include "dream.h"
+#include "llama.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+using clk = std::chrono::steady_clock;
+
+static double ms_since(clk::time_point t0) {
+    return std::chrono::duration<double, std::milli>(clk::now() - t0).count();
+}
+
+struct stats { double median = 0, min = 0, max = 0; int n = 0; };
+
+static stats summarize(std::vector<double> v) {
+    stats s;
+    if (v.empty()) return s;
+    std::sort(v.begin(), v.end());
+    s.n = (int) v.size();
+    s.min = v.front();
+    s.max = v.back();
+    s.median = v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+    return s;
+}
+
+static std::string js(const stats & s) {
+    char b[160];
+    std::snprintf(b, sizeof b, "{\"median\": %.3f, \"min\": %.3f, \"max\": %.3f, \"n\": %d}", s.median, s.min, s.max, s.n);
+    return b;
+}
+
+static int fail(const char * what) {
+    std::fprintf(stderr, "dream_gpu_bench: FAILED: %s\n", what);
+    std::printf("FAILED: %s\n", what);
+    return 1;
+}
+
+// Prefill of toks[0..n) from an empty cache, logits for the last token only; ms.
+static double prefill_ms(llama_context * ctx, std::vector<llama_token> & toks, int n, int * rc) {
+    llama_memory_clear(llama_get_memory(ctx), true);
+    llama_batch b = llama_batch_init(n, 0, 1);
+    for (int i = 0; i < n; ++i) {
+        b.token[i] = toks[i]; b.pos[i] = i; b.n_seq_id[i] = 1; b.seq_id[i][0] = 0; b.logits[i] = i == n - 1;
+    }
+    b.n_tokens = n;
+    const auto t0 = clk::now();
+    *rc = llama_decode(ctx, b);
+    llama_synchronize(ctx);
+    const double ms = ms_since(t0);
+    llama_batch_free(b);
+    return ms;
+}
+
+// Greedy decode of n tokens after a prefill of 64; returns decode tok/s, fills the first logits row.
+static double serve(llama_context * ctx, const llama_vocab * vocab, std::vector<llama_token> & toks, int n,
+                    std::vector<float> & first_logits, int * rc) {
+    const int n_vocab = llama_vocab_n_tokens(vocab);
+    prefill_ms(ctx, toks, 64, rc);
+    if (*rc) return 0;
+    const float * lg = llama_get_logits_ith(ctx, -1);
+    first_logits.assign(lg, lg + n_vocab);
+    llama_token next = (llama_token) (std::max_element(lg, lg + n_vocab) - lg);
+    const auto t0 = clk::now();
+    for (int i = 0; i < n; ++i) {
+        llama_pos pos = 64 + i;
+        llama_batch b = llama_batch_init(1, 0, 1);
+        b.token[0] = next; b.pos[0] = pos; b.n_seq_id[0] = 1; b.seq_id[0][0] = 0; b.logits[0] = 1; b.n_tokens = 1;
+        *rc = llama_decode(ctx, b);
+        llama_batch_free(b);
+        if (*rc) return 0;
+        lg = llama_get_logits_ith(ctx, -1);
+        next = (llama_token) (std::max_element(lg, lg + n_vocab) - lg);
+    }
+    llama_synchronize(ctx);
+    return n / (ms_since(t0) / 1000.0);
+}
+
+int main(int argc, char ** argv) {
+    if (argc < 2) {
+        std::fprintf(stderr, "usage: %s MODEL.gguf [n_gpu_layers] [chunks] [reps]\n", argv[0]);
+        return 2;
+    }
+    const int ngl = argc > 2 ? std::atoi(argv[2]) : 99;
+    std::vector<int> chunks;
+    {
+        std::string s = argc > 3 ? argv[3] : "128,512,2048";
+        for (size_t p = 0; p < s.size();) {
+            size_t q = s.find(',', p);
+            if (q == std::string::npos) q = s.size();
+            chunks.push_back(std::atoi(s.substr(p, q - p).c_str()));
+            p = q + 1;
+        }
+    }
+    const int reps = argc > 4 ? std::max(3, std::atoi(argv[4])) : 7;
+    const int n_prefill = 512;
+    const int max_chunk = *std::max_element(chunks.begin(), chunks.end());
+
+    llama_backend_init();
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = ngl;
+    const auto tl = clk::now();
+    llama_model * model = llama_model_load_from_file(argv[1], mp);
+    if (!model) return fail("model load");
+    const double load_ms = ms_since(tl);
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    const int n_vocab = llama_vocab_n_tokens(vocab);
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = std::max(4096, max_chunk);
+    cp.n_batch = 2048; cp.n_ubatch = 512; cp.n_seq_max = 1;
+    llama_context * ctx = llama_init_from_model(model, cp);
+    if (!ctx) return fail("context");
+
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<int> U(0, n_vocab - 1);
+    std::vector<llama_token> toks(std::max(max_chunk, n_prefill));
+    for (auto & t : toks) t = U(rng);
+
+    int rc = 0;
+    std::vector<float> base_logits;
+    const double decode_before = serve(ctx, vocab, toks, 64, base_logits, &rc);
+    if (rc) return fail("decode before training");
+    for (int i = 0; i < 2; ++i) prefill_ms(ctx, toks, n_prefill, &rc);   // warm-up
+    if (rc) return fail("prefill warm-up");
+
+    std::string out = "{\n";
+    char buf[1024];
+    std::snprintf(buf, sizeof buf, "  \"build\": \"%s\",\n  \"model\": \"%s\",\n  \"n_gpu_layers\": %d,\n  \"n_ctx\": %u, \"n_batch\": %u, \"n_ubatch\": %u,\n"
+                  "  \"load_ms\": %.0f,\n  \"reps\": %d,\n  \"decode_tok_s_before_training\": %.1f,\n  \"runs\": [\n",
+                  dream_build_info(), argv[1], ngl, llama_n_ctx(ctx), llama_n_batch(ctx), llama_n_ubatch(ctx), load_ms, reps, decode_before);
+    out += buf;
+
+    dream_stage * last = nullptr;
+    bool all_loss_fell = true;
+    std::vector<double> all_prefill;
+    for (size_t ci = 0; ci < chunks.size(); ++ci) {
+        const int C = chunks[ci];
+        if (last) { dream_free(last); last = nullptr; }   // one stage on the context at a time
+        dream_params p = dream_default_params();
+        p.rank = 8; p.alpha = 16; p.targets = "attn_q,attn_v"; p.context_cache_type = "q8_0";
+        p.window = C; p.chunk = C; p.lr = 1e-3f;
+        dream_receipt r{};
+        dream_stage * ds = dream_init(ctx, p, &r);
+        if (!ds) { std::fprintf(stderr, "dream_init: %s\n", r.message); return fail("dream_init"); }
+        std::vector<uint8_t> mask(C, 1);
+        std::vector<double> pre, step_ms, wall_ms, loss;
+        double graph_mib = 0, context_mib = 0, adapter_mib = 0, optimizer_mib = 0;
+        auto do_prefill = [&](std::vector<double> & v) {
+            for (int i = 0; i < reps; ++i) {
+                const double ms = prefill_ms(ctx, toks, n_prefill, &rc);
+                if (rc) return false;
+                v.push_back(n_prefill / (ms / 1000.0));
+            }
+            return true;
+        };
+        if (!do_prefill(pre)) return fail("prefill before steps");
+        for (int i = 0; i < reps + 2; ++i) {   // two warm-up steps
+            if (dream_window_begin(ds, toks.data(), mask.data(), C, &r) != DREAM_STATUS_OK) {
+                std::fprintf(stderr, "window_begin: %s\n", r.message); return fail("dream_window_begin");
+            }
+            const auto t0 = clk::now();
+            const int st = dream_micro_step(ds, &r);
+            const double wall = ms_since(t0);
+            std::fprintf(stderr, "chunk %d step %d status %d loss %.4f ms %.2f wall %.2f graph_mib %.1f context_mib %.2f %s\n",
+                         C, i, st, r.loss, r.ms, wall, r.graph_mib, r.context_mib, r.message);
+            if (st != DREAM_STATUS_OK) return fail(r.message);
+            if (r.chunk_tokens != C || dream_chunks_left(ds) != 0) return fail("a window of one chunk took more than one micro-step");
+            if (!std::isfinite(r.loss)) return fail("loss not finite");
+            loss.push_back(r.loss);
+            if (i < 2) continue;
+            step_ms.push_back(r.ms);
+            wall_ms.push_back(wall);
+            graph_mib = r.graph_mib; context_mib = r.context_mib; adapter_mib = r.adapter_mib; optimizer_mib = r.optimizer_mib;
+        }
+        if (!do_prefill(pre)) return fail("prefill after steps");
+        all_prefill.insert(all_prefill.end(), pre.begin(), pre.end());
+        std::vector<double> tps, tps_wall;
+        for (double ms : step_ms) tps.push_back(C / (ms / 1000.0));
+        for (double ms : wall_ms) tps_wall.push_back(C / (ms / 1000.0));
+        // same window every step at lr 1e-3: the loss must fall
+        const bool loss_fell = loss.back() < loss.front();
+        std::snprintf(buf, sizeof buf,
+                      "    {\"chunk\": %d, \"window\": %d, \"rank\": 8, \"targets\": \"attn_q,attn_v\", \"context_cache_type\": \"q8_0\",\n"
+                      "     \"prefill512_tok_s\": %s,\n     \"step_ms\": %s,\n     \"step_wall_ms\": %s,\n"
+                      "     \"train_tok_s\": %s,\n     \"train_tok_s_wall\": %s,\n"
+                      "     \"graph_mib\": %.1f, \"context_mib\": %.2f, \"adapter_mib\": %.2f, \"optimizer_mib\": %.2f,\n"
+                      "     \"loss_first\": %.4f, \"loss_last\": %.4f, \"loss_fell\": %s}%s\n",
+                      C, C, js(summarize(pre)).c_str(), js(summarize(step_ms)).c_str(), js(summarize(wall_ms)).c_str(),
+                      js(summarize(tps)).c_str(), js(summarize(tps_wall)).c_str(), graph_mib, context_mib, adapter_mib, optimizer_mib,
+                      loss.front(), loss.back(), loss_fell ? "true" : "false", ci + 1 < chunks.size() ? "," : "");
+        out += buf;
+        all_loss_fell = all_loss_fell && loss_fell;
+        last = ds;
+    }
+    out += "  ],\n";
+
+    // serving after training, with the trained adapter promoted and applied
+    const int64_t version = dream_promote(last);
+    llama_adapter_lora * served = dream_served_adapter(last);
+    float scale = 1.0f;
+    if (version < 1 || !served || llama_set_adapters_lora(ctx, &served, 1, &scale) != 0) return fail("promote/apply");
+    std::vector<float> lora_logits;
+    const double decode_after = serve(ctx, vocab, toks, 64, lora_logits, &rc);
+    if (rc) return fail("decode after training");
+    double diff = 0, norm = 0;
+    bool finite = true;
+    for (int i = 0; i < n_vocab; ++i) {
+        finite = finite && std::isfinite(lora_logits[i]);
+        diff += std::pow((double) lora_logits[i] - base_logits[i], 2);
+        norm += std::pow((double) base_logits[i], 2);
+    }
+    std::vector<double> pre_after;
+    for (int i = 0; i < reps; ++i) {
+        const double ms = prefill_ms(ctx, toks, n_prefill, &rc);
+        if (rc) return fail("prefill with the served adapter");
+        pre_after.push_back(n_prefill / (ms / 1000.0));
+    }
+    std::snprintf(buf, sizeof buf,
+                  "  \"prefill512_tok_s_all\": %s,\n  \"served_version\": %lld,\n  \"decode_tok_s_after_training_with_adapter\": %.1f,\n"
+                  "  \"prefill512_tok_s_with_adapter\": %s,\n  \"served_logits_rel_change\": %.4e,\n  \"served_logits_finite\": %s\n}\n",
+                  js(summarize(all_prefill)).c_str(), (long long) version, decode_after, js(summarize(pre_after)).c_str(),
+                  std::sqrt(diff / norm), finite ? "true" : "false");
+    out += buf;
+    std::fputs(out.c_str(), stdout);
+    if (!all_loss_fell) return fail("loss did not fall over repeated updates on one window");
+    if (!finite) return fail("served logits not finite");
+    if (!(diff > 0)) return fail("the served adapter did not change the logits");
+    llama_set_adapters_lora(ctx, nullptr, 0, nullptr);
+    dream_free(last);
+    llama_free(ctx);
+    llama_model_free(model);
+    return 0;
+}
