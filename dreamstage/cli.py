@@ -18,9 +18,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dreamstage.server.service import Service  # noqa: PLC0415
     from dreamstage.server.settings import ServerSettings  # noqa: PLC0415
 
+    from dreamstage.dreamer import default_state_dir  # noqa: PLC0415
+
+    state_dir = args.state_dir or str(default_state_dir())
     settings = ServerSettings(model=args.model, host=args.host, port=args.port, parallel=args.parallel,
                               ctx=args.ctx, batch=args.batch, threads=args.threads, kv_type=args.kv_type,
-                              state_dir=args.state_dir, max_queue=args.max_queue)
+                              state_dir=state_dir, adapter=args.adapter, max_queue=args.max_queue)
     try:
         settings.validate()
         service = Service(settings)
@@ -32,12 +35,122 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"dreamstage: serving {service.model_id} ({service.model.model_path}) at http://{host}:{args.port}/v1 "
           f"- {cfg.n_seq} slots x {service.engine.slot_ctx} tokens, kv {cfg.kv_type}, "
-          f"{cfg.n_threads or 'all'} threads", flush=True)
+          f"{cfg.n_threads or 'all'} threads; jobs and adapters in {state_dir} "
+          f"(adapter version {service.engine.adapter_version})", flush=True)
     try:
         uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)
     finally:
         service.close()
+    return 0
+
+
+def _client(args):
+    from dreamstage.client import Client  # noqa: PLC0415
+    return Client(args.url, timeout=60)
+
+
+def _read_examples(path: str) -> list[dict]:
+    """A JSONL file: one example per line (text, prompt/completion, messages, or a group)."""
+    import json  # noqa: PLC0415
+
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ex = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON: {e}") from None
+            if not isinstance(ex, dict):
+                raise ValueError(f"{path}:{n}: an example is a JSON object, not {type(ex).__name__}")
+            examples.append(ex)
+    if not examples:
+        raise ValueError(f"{path}: no examples")
+    return examples
+
+
+def _options(pairs: list[str]) -> dict:
+    """KEY=VALUE pairs; VALUE is JSON when it parses (3, 0.5, true, "x"), else a string."""
+    import json  # noqa: PLC0415
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {pair!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import httpx  # noqa: PLC0415
+
+    from dreamstage.client import DreamstageError  # noqa: PLC0415
+
+    try:
+        examples = _read_examples(args.file)
+        fields = _options(args.set or [])
+    except (OSError, ValueError) as e:
+        print(f"dreamstage train: {e}", file=sys.stderr)
+        return 2
+    for key in ("epochs", "lr", "promote", "out", "window", "val_split"):
+        if getattr(args, key) is not None:
+            fields[key] = getattr(args, key)
+    with _client(args) as c:
+        try:
+            job = c.train(examples, **fields)
+            print(f"job {job['id']} {job['state']}: {len(examples)} examples, window {job['window']}, "
+                  f"chunk {job['chunk']}, cache {job['context_cache_type']}")
+            if not args.wait:
+                return 0
+            job = c.wait(job["id"])
+        except DreamstageError as e:
+            where = f" ({e.param})" if e.param else ""
+            print(f"dreamstage train: {e.status}{where}: {e.message}", file=sys.stderr)
+            return 2
+        except httpx.HTTPError as e:
+            print(f"dreamstage train: cannot reach {args.url}: {e}", file=sys.stderr)
+            return 1
+    print(f"job {job['id']} {job['state']}: {job['message'] or ''}")
+    return 0 if job["state"] == "done" else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import httpx  # noqa: PLC0415
+
+    from dreamstage.client import DreamstageError, progress_line  # noqa: PLC0415
+
+    with _client(args) as c:
+        try:
+            if args.job is not None:
+                job = c.train_state(args.job)
+                print(progress_line(job))
+                if job.get("message"):
+                    print(f"  {job['message']}")
+                for r in job.get("refusals", []):
+                    print(f"  refused: chunk at {r['refused_chunk_pos']} ({r['refused_chunk_tokens']} tokens) "
+                          f"needs {r['refused_need_mib']:.1f} MiB, allowance {r['refused_allowance_mib']:.1f} MiB")
+                return 0
+            view, ads = c.train_overview(), c.adapters()
+        except DreamstageError as e:
+            print(f"dreamstage status: {e.status}: {e.message}", file=sys.stderr)
+            return 2
+        except httpx.HTTPError as e:
+            print(f"dreamstage status: cannot reach {args.url}: {e}", file=sys.stderr)
+            return 1
+    served = ads.get("served")
+    print(f"serving adapter version {ads['served_version']}"
+          + (f" ({served['name']} v{served['version']})" if served else " (base model)"))
+    if ads.get("served_error"):
+        print(f"  {ads['served_error']}")
+    print(progress_line(view["current"]) if view["current"] else "no job training")
+    for job in view["queue"]:
+        print(f"queued: job {job['id']} ({job['spec']['examples']} examples, out {job['out']})")
     return 0
 
 
@@ -55,10 +168,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=512, help="tokens per decode batch (default 512)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument("--kv-type", default="f16", help="serving K/V cache type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
-    p.add_argument("--state-dir", default=None, help="where the dream stage keeps jobs and adapters")
+    p.add_argument("--state-dir", default=None,
+                   help="where the dream stage keeps jobs and adapters (default ~/.local/share/dreamstage)")
+    p.add_argument("--adapter", default=None, metavar="PATH",
+                   help="a GGUF LoRA to serve from startup (imported into the state directory as a new version)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("train", help="post a JSONL file of examples to POST /train")
+    p.add_argument("file", help="JSONL: one example per line (text, prompt/completion, messages, or a group)")
+    p.add_argument("--url", default="http://127.0.0.1:8080")
+    p.add_argument("--wait", action="store_true", help="poll until the job ends, with a progress bar on stderr")
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--window", type=int, default=None)
+    p.add_argument("--val-split", dest="val_split", type=float, default=None)
+    p.add_argument("--promote", choices=["never", "manual", "auto"], default=None)
+    p.add_argument("--out", default=None, help="the adapter's name")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="any other /train field, the value as JSON when it parses (e.g. --set rank=16)")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("status", help="the served adapter, the job training now and the queue (or one job)")
+    p.add_argument("job", nargs="?", type=int, help="a job id: its progress, message and refusals")
+    p.add_argument("--url", default="http://127.0.0.1:8080")
+    p.set_defaults(fn=cmd_status)
     return ap
 
 

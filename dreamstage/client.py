@@ -8,12 +8,16 @@
             print(piece, end="", flush=True)
 
 After a stream ends, `client.last_stream` holds its finish_reason,
-adapter_version and usage. Errors come back as DreamstageError with the
+adapter_version and usage. Training: `train(examples, **fields)` posts a job,
+`train_state(id)` reads its receipts, `wait(id)` polls with a progress bar,
+`adapters()`, `promote(name)` and `rollback()` manage what serves. Errors come back as DreamstageError with the
 server's status, message and the field it names.
 """
 from __future__ import annotations
 
 import json
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
@@ -97,6 +101,30 @@ def _sse_payloads(lines) -> Iterator[dict]:
 
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
+FINAL_STATES = frozenset({"done", "cancelled", "refused", "error", "interrupted"})
+
+
+def progress_line(job: dict, width: int = 24) -> str:
+    """One line for a job: a bar over epochs x windows, then step, loss and state."""
+    p = job.get("progress") or {}
+    windows, epochs = p.get("windows") or 0, p.get("epochs") or 1
+    total = windows * epochs
+    done = min(total, (p.get("epoch") or 0) * windows + (p.get("window") or 0)) if total else 0
+    if job.get("state") == "done":
+        done = total
+    frac = done / total if total else 0.0
+    bar = "#" * round(frac * width) + "." * (width - round(frac * width))
+    loss = p.get("loss_avg")
+    parts = [f"job {job.get('id')} [{bar}] {frac:4.0%}", job.get("state", "?"),
+             f"step {p.get('step', 0)}", f"epoch {min((p.get('epoch') or 0) + 1, epochs)}/{epochs}"]
+    if loss is not None:
+        parts.append(f"loss {loss:.3f}")
+    if p.get("eval_loss") is not None:
+        parts.append(f"eval {p['eval_loss']:.3f}")
+    if p.get("refusals"):
+        parts.append(f"refusals {p['refusals']}")
+    return "  ".join(parts)
+
 
 class Client:
     def __init__(self, base_url: str = "http://127.0.0.1:8080", timeout: float | None = 600.0, **httpx_kwargs):
@@ -120,6 +148,74 @@ class Client:
 
     def health(self) -> dict:
         return self._http.get("/health").json()
+
+    # -- training: POST /train, job receipts, adapters ------------------------------
+    def train(self, examples: list[dict] | None = None, *, text: str | None = None, **fields) -> dict:
+        """Submit a training job (the POST /train body's fields as keywords); returns the job (state queued)."""
+        body = {k: v for k, v in fields.items() if v is not None}
+        if examples is not None:
+            body["examples"] = examples
+        if text is not None:
+            body["text"] = text
+        return self._json("POST", "/train", body, expect=(202,))
+
+    def train_state(self, job_id: int) -> dict:
+        """One job: state, progress, memory, pacing, adapter, refusals."""
+        return self._json("GET", f"/train/{job_id}")
+
+    def train_overview(self) -> dict:
+        """The job training now (or None) and the queue."""
+        return self._json("GET", "/train")
+
+    def cancel(self, job_id: int) -> dict:
+        return self._json("POST", f"/train/{job_id}/cancel")
+
+    def pause(self, job_id: int) -> dict:
+        return self._json("POST", f"/train/{job_id}/pause")
+
+    def resume(self, job_id: int) -> dict:
+        return self._json("POST", f"/train/{job_id}/resume")
+
+    def wait(self, job_id: int, *, poll_s: float = 0.5, timeout: float | None = None, progress: bool = True,
+             out=None) -> dict:
+        """Poll until the job reaches a final state; returns it. With `progress`, a bar on stderr."""
+        out = out if out is not None else sys.stderr
+        deadline = None if timeout is None else time.monotonic() + timeout
+        shown = 0
+        while True:
+            job = self.train_state(job_id)
+            if progress:
+                line = progress_line(job)
+                out.write("\r" + line.ljust(shown))      # blank what a longer previous line left
+                out.flush()
+                shown = max(shown, len(line))
+            if job["state"] in FINAL_STATES:
+                if progress:
+                    out.write("\n")
+                    out.flush()
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {job['state']} after {timeout} s")
+            time.sleep(poll_s)
+
+    def adapters(self) -> dict:
+        """Saved adapters, the served one and the promotion stack."""
+        return self._json("GET", "/adapters")
+
+    def promote(self, name: str, version: int | None = None) -> dict:
+        """Serve adapter `name` (its latest version by default) from the next batch on."""
+        body = {} if version is None else {"version": version}
+        return self._json("POST", f"/adapters/{name}/promote", body, expect=(200, 202))
+
+    def rollback(self) -> dict:
+        """Serve the previously promoted adapter again (or the base model)."""
+        return self._json("POST", "/adapters/rollback", None, expect=(200, 202))
+
+    def _json(self, method: str, path: str, body: dict | None = None, expect: tuple[int, ...] = (200,)) -> dict:
+        r = self._http.request(method, path, json=body) if body is not None else self._http.request(method, path)
+        if r.status_code not in expect:
+            _raise_for(r.status_code, r.content, r.headers)
+        return r.json()
 
     def _call(self, kind, prompt, stream, params):
         body = _body(kind, prompt, stream, params)

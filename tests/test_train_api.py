@@ -6,6 +6,7 @@ file stays within a few minutes on two cores.
 """
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
@@ -316,3 +317,47 @@ def test_restart_while_a_job_runs_loses_nothing(tmp_path):
             done = wait_job(c, queued, finished)
             assert done["state"] == "done" and done["adapter"]["version"] == 1
             assert c.get("/train").json()["current"] is None
+
+
+# -- the Python client and the CLI ------------------------------------------------------------
+def test_client_trains_waits_with_a_progress_bar_and_lists_adapters(server):
+    from dreamstage.client import Client, DreamstageError
+
+    with Client(server.url) as c:
+        job = c.train(text=LESSON, window=32, chunk=32, rank=4, promote="never", out="client-made")
+        assert job["state"] == "queued"
+        bar = io.StringIO()
+        done = c.wait(job["id"], poll_s=0.1, out=bar)
+        assert done["state"] == "done", done["message"]
+        assert "[" + "#" * 24 + "] 100%" in bar.getvalue() and "done" in bar.getvalue()
+        assert c.train_state(job["id"])["adapter"]["name"] == "client-made"
+        assert any(a["name"] == "client-made" and not a["promoted"] for a in c.adapters()["adapters"])
+        with pytest.raises(DreamstageError) as e:
+            c.train(text=LESSON, windw=32)
+        assert e.value.status == 422 and e.value.param == "windw"
+        with pytest.raises(DreamstageError) as e:
+            c.promote("no-such-adapter")
+        assert e.value.status == 404
+
+
+def test_cli_train_wait_and_status(server, tmp_path, capsys):
+    from dreamstage import cli
+
+    lessons = tmp_path / "lessons.jsonl"
+    lessons.write_text("\n".join(json.dumps(x) for x in [
+        {"prompt": "What does dreamstage keep resident?", "completion": " One model."},
+        {"text": LESSON},
+    ]) + "\n")
+    rc = cli.main(["train", str(lessons), "--url", server.url, "--wait", "--promote", "never", "--out", "from-cli",
+                   "--set", "window=32", "--set", "rank=4"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "2 examples, window 32" in out.out and "done: saved adapter from-cli v1" in out.out
+    assert cli.main(["status", "--url", server.url]) == 0
+    assert "serving adapter version" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\nnot json\n')
+    assert cli.main(["train", str(bad), "--url", server.url]) == 2
+    assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
+    assert cli.main(["train", str(lessons), "--url", server.url, "--set", "context_cache_type=q2"]) == 2
+    assert "context_cache_type" in capsys.readouterr().err
