@@ -29,6 +29,8 @@ cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA
 cmake --build $B -j16 > "$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -30; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 rc=0
+# dream_init refuses GPU training until this check passes; these programs exist to debug it
+export DREAMSTAGE_ALLOW_GPU_TRAINING=1
 for m in .gpu/tiny-llama-f32-s1234.gguf .gpu/tiny-llama-q8_0-s1234.gguf; do
     $B/bin/dream_gpu_check $m > "$OUT/check_$(basename $m .gguf).txt" 2> "$OUT/check_$(basename $m .gguf).err" || rc=1
     grep -v '^{' "$OUT/check_$(basename $m .gguf).txt"
