@@ -562,21 +562,12 @@ class DreamScheduler:
             if swap.future is not None:
                 swap.future.set_exception(e)
             return
-        _forget_prefixes(engine)
+        engine.forget_cached_prefixes()         # their K/V came from the old weights
         engine.adapter_version = swap.version
         self.served_error = None
         if swap.future is not None:
             swap.future.set_result(True)
         log.info("serving adapter version %d (%s)", swap.version, swap.path or "base model")
-
-
-def _forget_prefixes(engine) -> None:
-    """Drop every idle slot's cached prefix: its K/V came from the old weights."""
-    lc, memory = engine.lc, engine.model.memory
-    for s in engine.slots:
-        if not s.busy and s.tokens:
-            lc.llama_memory_seq_rm(memory, s.seq_id, -1, -1)
-            s.tokens.clear()
 
 
 def _adapter_name_from(path: Path) -> str:

@@ -293,6 +293,18 @@ class Engine:
             })
         return out
 
+    def forget_cached_prefixes(self) -> int:
+        """Engine thread only: drop every idle slot's cached prefix, so no later
+        request reuses it. An adapter swap calls this: those K/V were computed
+        with the old weights. Returns the number of slots cleared."""
+        cleared = 0
+        for s in self.slots:
+            if not s.busy and s.tokens:
+                self.lc.llama_memory_seq_rm(self.model.memory, s.seq_id, -1, -1)
+                s.tokens.clear()
+                cleared += 1
+        return cleared
+
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify_all()

@@ -161,8 +161,11 @@ class FakeEngine:
         self.last_batch_decode_tokens = 0
         self.adapter_version = 0
         self.queue_depth = 0
-        self.model = type("Model", (), {"memory": None})()
-        self.lc = type("LC", (), {"llama_memory_seq_rm": staticmethod(lambda *a: True)})()
+
+    def forget_cached_prefixes(self):
+        for s in self.slots:
+            if not s.busy:
+                s.tokens.clear()
 
     def busy_slots(self):
         return sum(s.busy for s in self.slots)

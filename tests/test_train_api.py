@@ -249,6 +249,8 @@ def test_auto_promotion_teaches_a_made_up_fact(server, http):
     # rollback serves the base model again; promoting again gets a new number, same weights
     r = http.post("/adapters/rollback")
     assert r.status_code == 200 and r.json()["applied"]
+    # the swap dropped every cached prefix: its K/V came from the other weights
+    assert all(s["cached_tokens"] == 0 for s in http.get("/slots").json()["slots"])
     base = complete(http, FACT_PROMPT)
     assert base["adapter_version"] == 0 and base["choices"][0]["text"] == before["choices"][0]["text"]
     # promote again while a stream is mid-flight: the swap waits for it to drain,
