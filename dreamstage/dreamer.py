@@ -155,6 +155,7 @@ class DreamScheduler:
         self._pacer: Pacer | None = None
         self._figures_at = 0.0
         self._closing: list[Any] = []   # trainers of the job in progress (closed if the server stops)
+        self._stepping = False          # the engine thread is inside the job's next()
 
     # -- any thread ------------------------------------------------------------------
     def notify_submitted(self, job_id: int, rendered: RenderedJob | None = None) -> None:
@@ -225,8 +226,18 @@ class DreamScheduler:
         log.info("serving --adapter %s as %s v%d (served version %d)", src, name, version, engine.adapter_version)
         return view
 
-    def close(self) -> None:
-        """After the engine thread stopped: free the job's trainers and mark it interrupted."""
+    def close(self, wait_s: float = 60.0) -> None:
+        """After the engine thread stopped: free the job's trainers and mark it interrupted.
+
+        If the engine thread is still inside a micro-step (its join timed out),
+        wait for it; past `wait_s` leave the native state alone (freeing it under
+        a running step would crash) and let recovery mark the job at the next start."""
+        deadline = time.monotonic() + wait_s
+        while self._stepping and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._stepping:
+            log.error("a micro-step is still running after %.0f s; leaving the dream stage as it is", wait_s)
+            return
         job, jid = self._job, self._job_id
         self._job = self._job_id = None
         if job is not None:
@@ -311,6 +322,7 @@ class DreamScheduler:
         if pacer is not None and state == "running" and not pacer.should_dream(active_slots):
             return False
         t0 = self.clock()
+        self._stepping = True
         try:
             next(self._job)
         except StopIteration:
@@ -320,6 +332,7 @@ class DreamScheduler:
             self._fail(jid, f"internal error in the dream stage: {type(e).__name__}: {e}")
             self._end_job()
         finally:
+            self._stepping = False
             if pacer is not None:
                 pacer.record_dream(self.clock() - t0)   # the whole cost serving waited for, store writes included
         return True
