@@ -258,7 +258,7 @@ def test_nothing_fits_ends_refused_with_the_ladder_in_refusals(tmp_path):
     job = store.get(jid)
     assert [r["refused_chunk_tokens"] for r in job["refusals"]] == [32, 16, 8]
     assert "floor" in job["message"]
-    assert all(t.closed for t in FakeTrainer.live if t.spec is not None and t is FakeTrainer.live[0])
+    assert FakeTrainer.live[0].closed                # the refused job's trainer is freed
 
 
 def test_a_refusal_at_construction_is_a_receipt_not_a_crash(tmp_path):
@@ -386,7 +386,8 @@ def test_under_load_max_slowdown_waits_for_a_baseline_and_reports_figures(tmp_pa
     f = job["pacing"]
     assert f["decode_tok_s_without"] and f["decode_tok_s_with"] and f["micro_step_ms_p50"] is not None
     assert f["micro_step_ms_p95"] >= f["micro_step_ms_p50"] and f["micro_step_ms_max"] >= f["micro_step_ms_p95"]
-    assert f["decode_batches_with"] < f["decode_batches_without"] + f["decode_batches_with"]
+    # steps ran only between batches, after a baseline of undisturbed batches
+    assert f["decode_batches_with"] >= 1 and f["decode_batches_without"] >= 3
 
 
 def test_close_marks_the_active_job_interrupted_and_frees_its_trainer(tmp_path):
