@@ -13,11 +13,38 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 _NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight\.lora_([ab])$")
+
+
+@contextmanager
+def atomic_file(path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; when the block succeeds, fsync it,
+    rename it over `path` and fsync the directory. On any failure the
+    temporary file is removed and `path` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def save_lora(path, factors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]], *, alpha: float,
@@ -28,11 +55,8 @@ def save_lora(path, factors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]
     path = Path(path)
     if not factors:
         raise ValueError("an adapter needs at least one (A, B) pair")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, model_arch)
+    with atomic_file(path) as tmp:
+        w = gguf.GGUFWriter(str(tmp), model_arch)
         w.add_type("adapter")
         w.add_string("adapter.type", "lora")
         w.add_float32("adapter.lora.alpha", float(alpha))
@@ -47,18 +71,6 @@ def save_lora(path, factors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return path
 
 

@@ -34,13 +34,13 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from dreamstage.adapters import atomic_file
 from dreamstage.examples import RenderedJob, render_job
 from dreamstage.jobs import (
     TERMINAL,
@@ -609,20 +609,5 @@ def _same_bytes(a, b) -> bool:
 
 
 def _copy_atomic(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    try:
-        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
-            shutil.copyfileobj(inp, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, dst)
-        dfd = os.open(dst.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(dst) as tmp:
+        shutil.copyfile(src, tmp)
