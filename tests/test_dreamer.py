@@ -9,7 +9,6 @@ Trainer is exercised end to end in tests/test_train_api.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 
 from dreamstage.dreamer import DreamScheduler
 from dreamstage.jobs import RECEIPT_FIELDS, JobStore
+from dreamstage.receipts import Receipt
 from dreamstage.trainspec import parse_train_request
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 3   # 135 characters = 136 tokens with BOS
@@ -36,33 +36,6 @@ class CharTokenizer:
 
     def is_eog(self, t):
         return t == self.eos
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeReceipt:
-    status: str
-    step: int
-    window: int
-    chunk: int
-    chunk_pos: int
-    chunk_tokens: int
-    context_cache_type: str
-    recompute: bool
-    exact: bool
-    horizon: int
-    loss: float
-    tokens: int
-    ms: float
-    graph_mib: float
-    context_mib: float
-    adapter_mib: float
-    optimizer_mib: float
-    walk_mib: float
-    refused_chunk_pos: int
-    refused_chunk_tokens: int
-    refused_need_mib: float
-    refused_allowance_mib: float
-    message: str
 
 
 class FakeRefusal(RuntimeError):
@@ -90,7 +63,7 @@ class FakeTrainer:
 
     def _receipt(self, status, pos, n, loss, tokens, need=0.0, allowance=0.0, message=""):
         refused = status == "refused"
-        return FakeReceipt(status, self.steps, self.spec.window, self.chunk, pos, n, self.spec.context_cache_type,
+        return Receipt(status, self.steps, self.spec.window, self.chunk, pos, n, self.spec.context_cache_type,
                            False, False, -1, loss, tokens, 1.0, 2.0, 0.5, 0.25, 0.5, 0.0,
                            pos if refused else -1, n if refused else 0, need, allowance, message)
 
