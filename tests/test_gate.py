@@ -109,13 +109,14 @@ def test_training_never_touches_serving_compute_buffer(rm):
     before_text = rm.generate_greedy(prompt, max_tokens=8)
     serving = L.dream_serving_compute_bytes(rm.ctx)
     assert serving > 0
-    toks = rm.tokenize("Training graphs are planned on a twin and allocated once. " * 4)[:64]
+    toks = rm.tokenize("Training graphs are planned on a twin and allocated once. " * 12)[:128]
     mask = np.ones(len(toks), np.uint8)
-    with Trainer(rm, LoraConfig(top_layers=2), cache_type="q8_0", window=64, chunk=32,
+    with Trainer(rm, LoraConfig(top_layers=2), cache_type="q8_0", window=128, chunk=128,
                  optimizer=OptimizerConfig(lr=1e-3), slack_mib=0.0) as tr:
         recs = tr.train_window(toks, mask)
         assert all(r.ok for r in recs) and recs[0].graph_mib > 0
-        # the training graph is larger than serving's whole compute buffer
+        # the training graph is larger than serving's whole compute buffer:
+        # planned or allocated on serving's scheduler, it would have grown it
         assert recs[0].graph_mib * 2**20 > serving
         assert L.dream_serving_compute_bytes(rm.ctx) == serving
         assert L.dream_last_n_splits(tr._handle()) == 1   # CPU only: one split

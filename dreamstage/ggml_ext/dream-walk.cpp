@@ -179,9 +179,10 @@ static ggml_backend_dev_t dream_quantized_out_prod_device(dream_stage & ds, ggml
 // - OUT_PROD(W_q, dy^T), the input gradient through a frozen quantized weight:
 //   ggml's CPU kernel dequantizes a row of W for every (token, row) pair, n_tokens
 //   times the weight per step (measured 17 s for a 64-token micro-step of the
-//   default model). On the CPU, W is cast to F32 once per step right before its
-//   OUT_PROD (the allocator frees the copy after its single use; graph_mib sees
-//   it). On a GPU backend that takes the quantized op, W stays quantized and the
+//   default model). On the CPU the node becomes our blocked kernel
+//   (dream-cpu-backward.cpp), which dequantizes each weight once per step into
+//   cache-sized panels; a weight it cannot take is cast to F32 right before its
+//   OUT_PROD (the allocator frees the copy after its single use). On a GPU backend that takes the quantized op, W stays quantized and the
 //   backend expands it in its pool; *pool_need gets, per device, the largest
 //   such expansion (4 bytes per weight), which the allocator does not see.
 // - ACC whose added tensor is not contiguous (VIEW's backward fed by a permuted
@@ -209,7 +210,22 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 }
                 continue;
             }
-            n->src[0] = ggml_cast(ctx, n->src[0], GGML_TYPE_F32);
+            ggml_tensor * w = n->src[0];
+            ggml_tensor * dyt = n->src[1];
+            ggml_tensor * dy = dyt->op == GGML_OP_TRANSPOSE ? dyt->src[0] : ggml_transpose(ctx, dyt);
+            if (dream_cpu_wt_dy_supported(w, dy)) {
+                // the blocked kernel of dream-cpu-backward.cpp computes the same
+                // product with no F32 copy of W; the node becomes that op in
+                // place, so its users and shape stay
+                ggml_tensor * k = dream_cpu_wt_dy(ctx, w, dy);
+                n->op = k->op;
+                std::memcpy(n->op_params, k->op_params, sizeof(n->op_params));
+                for (int j = 0; j < GGML_MAX_SRC; ++j) {
+                    n->src[j] = k->src[j];
+                }
+            } else {
+                n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
+            }
             any = true;
         } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
             n->src[1] = ggml_cont(ctx, n->src[1]);
