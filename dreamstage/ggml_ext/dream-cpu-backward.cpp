@@ -10,9 +10,10 @@
 // This kernel computes the same product as a blocked GEMM with no F32 copy of
 // the model: each thread takes a slab of IB input columns, dequantizes that
 // slab of a few hundred rows of W at a time into a small panel (it stays in
-// L2), and multiplies the panel into a register tile of 32 columns x 4 tokens,
+// L2), and multiplies the panel into a register tile of 32 columns x 8 tokens
+// (4 without AVX-512),
 // so each weight value is dequantized once per step and read from cache once
-// per 4 tokens. The sums run over o in order, in float32, as OUT_PROD's do.
+// per tile of tokens. The sums run over o in order, in float32, as OUT_PROD's do.
 //
 // The forward y = W x uses the same panels and tile, transposed: a slab of 32
 // rows of W is dequantized and laid out input-major, and x is first rounded
@@ -20,7 +21,7 @@
 // (ggml-cpu's own quantizer, then back to float), so the training forward
 // computes what serving computes, up to float summation order. ggml's kernel
 // multiplies block by block with integer dot products; this one reads each
-// dequantized weight from cache once per 4 tokens.
+// dequantized weight from cache once per tile of tokens.
 #include "dream-stage.h"
 
 #include "ggml-cpu.h"
@@ -46,7 +47,6 @@ inline void store16(float * p, v16 v) {
 }
 
 constexpr int64_t TILE_I = 32;   // input columns per register tile (two 16-float vectors)
-constexpr int64_t TILE_T = 4;    // tokens per register tile
 
 struct product_shape {
     int64_t n_in, n_out, n_tok;
@@ -60,36 +60,37 @@ struct product_shape {
 // (later panels), else overwrite it (the first panel of the slab).
 // In general terms: out[t][c0 + c] (+)= sum_r P[r][c] in[t][r0 + r], with
 // in's rows in_stride apart and out's out_stride apart (per token).
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void panel_product(const float * P, int64_t ni, int64_t no, int64_t o0, const float * dy, float * dx,
-                   int64_t n_tok, int64_t in_stride, int64_t out_stride, int64_t i0, bool accumulate) {
+// TT tokens per register tile: 2 x TT accumulators of 16 floats.
+template <int TT>
+inline __attribute__((always_inline)) void panel_product_t(const float * P, int64_t ni, int64_t no, int64_t o0,
+                                                           const float * dy, float * dx, int64_t n_tok, int64_t in_stride,
+                                                           int64_t out_stride, int64_t i0, bool accumulate) {
     const int64_t n_out = in_stride;
-    for (int64_t t0 = 0; t0 < n_tok; t0 += TILE_T) {
-        const int64_t nt = std::min(TILE_T, n_tok - t0);
+    for (int64_t t0 = 0; t0 < n_tok; t0 += TT) {
+        const int64_t nt = std::min<int64_t>(TT, n_tok - t0);
         int64_t i = 0;
         for (; i + TILE_I <= ni; i += TILE_I) {
-            v16 acc[TILE_T][2] = {};
-            if (nt == TILE_T) {
-                const float * d0 = dy + (t0 + 0) * n_out + o0;
-                const float * d1 = dy + (t0 + 1) * n_out + o0;
-                const float * d2 = dy + (t0 + 2) * n_out + o0;
-                const float * d3 = dy + (t0 + 3) * n_out + o0;
+            v16 acc[TT][2] = {};
+            if (nt == TT) {
+                const float * d = dy + t0 * n_out + o0;
                 for (int64_t o = 0; o < no; ++o) {
                     const v16 w0 = load16(P + o * ni + i);
                     const v16 w1 = load16(P + o * ni + i + 16);
-                    acc[0][0] += w0 * d0[o]; acc[0][1] += w1 * d0[o];
-                    acc[1][0] += w0 * d1[o]; acc[1][1] += w1 * d1[o];
-                    acc[2][0] += w0 * d2[o]; acc[2][1] += w1 * d2[o];
-                    acc[3][0] += w0 * d3[o]; acc[3][1] += w1 * d3[o];
+#pragma GCC unroll 8
+                    for (int t = 0; t < TT; ++t) {
+                        const float b = d[t * n_out + o];
+                        acc[t][0] += w0 * b;
+                        acc[t][1] += w1 * b;
+                    }
                 }
             } else {
                 for (int64_t o = 0; o < no; ++o) {
                     const v16 w0 = load16(P + o * ni + i);
                     const v16 w1 = load16(P + o * ni + i + 16);
                     for (int64_t t = 0; t < nt; ++t) {
-                        const float d = dy[(t0 + t) * n_out + o0 + o];
-                        acc[t][0] += w0 * d;
-                        acc[t][1] += w1 * d;
+                        const float b = dy[(t0 + t) * n_out + o0 + o];
+                        acc[t][0] += w0 * b;
+                        acc[t][1] += w1 * b;
                     }
                 }
             }
@@ -116,6 +117,34 @@ void panel_product(const float * P, int64_t ni, int64_t no, int64_t o0, const fl
             }
         }
     }
+}
+
+using panel_fn = void (*)(const float *, int64_t, int64_t, int64_t, const float *, float *, int64_t, int64_t, int64_t,
+                          int64_t, bool);
+
+// One build for every x86-64 CPU: AVX-512 has 32 vector registers, room for
+// an 8-token tile (16 accumulators); AVX2 has 16, so 4 tokens.
+__attribute__((target("avx512f"))) void panel_product_avx512(const float * P, int64_t ni, int64_t no, int64_t o0,
+        const float * dy, float * dx, int64_t n_tok, int64_t in_stride, int64_t out_stride, int64_t i0, bool acc) {
+    panel_product_t<8>(P, ni, no, o0, dy, dx, n_tok, in_stride, out_stride, i0, acc);
+}
+
+__attribute__((target("avx2,fma"))) void panel_product_avx2(const float * P, int64_t ni, int64_t no, int64_t o0,
+        const float * dy, float * dx, int64_t n_tok, int64_t in_stride, int64_t out_stride, int64_t i0, bool acc) {
+    panel_product_t<4>(P, ni, no, o0, dy, dx, n_tok, in_stride, out_stride, i0, acc);
+}
+
+void panel_product_base(const float * P, int64_t ni, int64_t no, int64_t o0, const float * dy, float * dx,
+                        int64_t n_tok, int64_t in_stride, int64_t out_stride, int64_t i0, bool acc) {
+    panel_product_t<4>(P, ni, no, o0, dy, dx, n_tok, in_stride, out_stride, i0, acc);
+}
+
+void panel_product(const float * P, int64_t ni, int64_t no, int64_t o0, const float * dy, float * dx, int64_t n_tok,
+                   int64_t in_stride, int64_t out_stride, int64_t i0, bool accumulate) {
+    static const panel_fn fn = __builtin_cpu_supports("avx512f")                                  ? panel_product_avx512
+                               : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? panel_product_avx2
+                                                                                                 : panel_product_base;
+    fn(P, ni, no, o0, dy, dx, n_tok, in_stride, out_stride, i0, accumulate);
 }
 
 product_shape shape_of(ggml_type type, int64_t n_in, int64_t n_out, int64_t n_tok, size_t row_bytes) {
