@@ -575,7 +575,7 @@ class StepShaper:
     def figures(self) -> dict[str, Any]:
         p = self.predict(self.chunk)
         return {
-            "chunk": self.chunk,
+            "step_chunk": self.chunk,
             "dream_threads": self.threads,
             "thread_switches": self.switches,
             "step_ms_predicted": p * 1000.0 if p is not None else None,

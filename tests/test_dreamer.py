@@ -434,7 +434,7 @@ def test_the_pause_bound_picks_the_chunk_and_the_walk_follows(tmp_path):
     f = job["pacing"]
     # only the first step, before anything was measured, may reach the bound
     assert f["micro_step_ms_p95"] <= 100 and f["max_pause_ms"] == 100 and f["pauses_over_max"] <= 1
-    assert f["chunk"] == 4 and f["micro_steps"] >= len(sizes)    # the save and the first yield pause too
+    assert f["step_chunk"] == 4 and f["micro_steps"] >= len(sizes)    # the save and the first yield pause too
 
 
 def test_the_dream_step_runs_on_its_own_threads_and_serving_gets_them_back(tmp_path):
@@ -469,3 +469,18 @@ def test_an_idle_step_a_request_waited_for_is_charged_as_a_collision(tmp_path):
     f = sched.pacing()
     assert f["idle_collisions"] == 1 and engine.queue_depth == 1
     assert sched._pacer.credit == pytest.approx(before + 0.1 * 0.03 - 0.03, abs=1e-3)
+
+
+def test_the_job_view_shows_only_documented_fields(tmp_path):
+    """Issue 11: internal accumulators must not leak into GET /train/{id}."""
+    import re
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture" / "training-control.md").read_text()
+    documented = set(re.findall(r"`([a-z_0-9]+)`", doc))
+    store, sched, engine = timed(tmp_path)
+    jid = submit(store, sched, promote="never")
+    drive(sched, engine, lambda: store.state(jid) == "done")
+    job = store.get(jid)
+    progress = set(job["progress"])
+    assert not [k for k in progress if k.startswith("_")]
+    assert progress - documented == set() and set(job["pacing"]) - documented == set()
+    assert "train_loss_per_epoch" in progress and "pauses_over_max" in job["pacing"]
