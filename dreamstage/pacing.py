@@ -438,19 +438,24 @@ class StepShaper:
     `HOLD_STEPS` (a whole fit window) while the fit catches up with a machine
     that got slower.
 
-    Every `PROBE_EVERY` steps (and at once when the smallest rung is over the
-    bound) one step runs on another thread count, at a chunk that keeps the
-    bound even if it scales perfectly (the worst case for fewer threads). If
-    it was clearly faster than the current count's prediction for the same
-    chunk, the shaper switches. Before anything is measured the first step
-    runs at most `FIRST_CHUNK` tokens, so a slow machine overshoots once by
-    little. `rungs` is the chunk ladder; `threads` the counts the dream step
-    may use, the configured one first."""
+    Threads: it starts on the fewest (one thread has no barrier to spin at,
+    the safe choice on a machine shared with other programs; measured on the
+    project VM under load: 0.2-0.4 s per step on one thread, 1.5-4.7 s on
+    two). After `FIRST_PROBE` steps, and then every `PROBE_EVERY`, one step
+    probes another count, at a chunk that should keep the bound (what that
+    count last did, scaled; unseen: half). Two probes in a row that are
+    clearly faster per token switch to it; a probe that loses doubles that
+    count's interval (up to `MAX_PROBE_EVERY`), so a machine where more
+    threads spin is not probed often. Before anything is measured the first
+    step runs at most `FIRST_CHUNK` tokens. `rungs` is the chunk ladder;
+    `threads` the counts the dream step may use."""
 
     FIRST_CHUNK = 8
     SAMPLES = 16          # recent steps the fit uses
     HOLD_STEPS = SAMPLES  # after a step over the bound, stay at or below the rung it moved to
-    PROBE_EVERY = 48      # steps between probes of another thread count
+    FIRST_PROBE = 4       # steps before the first probe of another thread count
+    PROBE_EVERY = 48      # steps between probes of another thread count...
+    MAX_PROBE_EVERY = 768  # ...doubled after each probe that lost, up to this
     SWITCH_GAIN = 0.9     # switch when a probe took less than this fraction of the current prediction
     TARGET = 0.95         # aim a little inside the bound: rungs are coarse, the noise estimate is not exact
 
@@ -464,14 +469,15 @@ class StepShaper:
         self.max_pause_s = max_pause_ms / 1000.0
         self.rungs = sorted(set(rungs), reverse=True)
         self.thread_counts = list(dict.fromkeys(threads))
-        self.threads = self.thread_counts[0]
+        self.threads = min(self.thread_counts)
         first = [r for r in self.rungs if r <= self.FIRST_CHUNK]
         self.chunk = first[0] if first else self.rungs[-1]
         self._times = SizeTimes(window=self.SAMPLES)
         self._ratios: deque[float] = deque(maxlen=2 * self.SAMPLES)   # measured / predicted
-        self._since_probe = 0
+        self._step_no = 0
         self._probe: int | None = None        # the thread count the pending step probes
-        self._next_probe = 0                  # index into the other counts, round robin
+        self._probe_gap = {t: self.PROBE_EVERY for t in self.thread_counts}
+        self._probe_due = {t: self.FIRST_PROBE for t in self.thread_counts}   # step numbers
         self._hold: tuple[int, int] | None = None   # (rung cap, steps left) after a step over the bound
         self.switches = 0
         self._wins: dict[int, int] = {}       # probes in a row that beat the current count
@@ -511,11 +517,10 @@ class StepShaper:
             self.chunk = self._best_rung(cap)
         chunk = min(self.chunk, cap) if cap is not None else self.chunk
         self._probe = None
-        others = [t for t in self.thread_counts if t != self.threads]
-        if others and self._since_probe >= self.PROBE_EVERY and self._times:
-            other = others[self._next_probe % len(others)]
-            self._next_probe += 1
-            self._since_probe = 0
+        due = [t for t in self.thread_counts if t != self.threads and self._step_no >= self._probe_due[t]]
+        if due and self._times:
+            # the nearest count first (2 before 8 when on 1)
+            other = min(due, key=lambda t: abs(math.log(t / self.threads)))
             self._probe = other
             seen = self._last_seen.get(other)
             if seen is not None:
@@ -541,15 +546,19 @@ class StepShaper:
             now = self.predict(self.chunk)
             if now is None or seconds / chunk_tokens >= self.SWITCH_GAIN * now / self.chunk:
                 self._wins.pop(threads, None)
+                self._probe_gap[threads] = min(2 * self._probe_gap[threads], self.MAX_PROBE_EVERY)
+                self._probe_due[threads] = self._step_no + self._probe_gap[threads]
                 return
             # one lucky step is not enough on a noisy machine: probe again at
             # once, and switch on the second win in a row
             self._wins[threads] = self._wins.get(threads, 0) + 1
             if self._wins[threads] < 2:
-                self._since_probe = self.PROBE_EVERY
-                self._next_probe -= 1
+                self._probe_due[threads] = self._step_no
                 return
             self._wins.clear()
+            old = self.threads
+            self._probe_gap[old] = self._probe_gap[threads] = self.PROBE_EVERY
+            self._probe_due[old] = self._step_no + self.PROBE_EVERY
             self.threads = threads               # clearly faster: start over on this count
             self._times.clear()
             self._times.add(chunk_tokens, seconds)
@@ -560,7 +569,7 @@ class StepShaper:
         if predicted:
             self._ratios.append(seconds / predicted)
         self._times.add(chunk_tokens, seconds)
-        self._since_probe += 1
+        self._step_no += 1
         if self._hold is not None:
             self._hold = (self._hold[0], self._hold[1] - 1) if self._hold[1] > 1 else None
         if seconds > self.max_pause_s:
@@ -570,7 +579,10 @@ class StepShaper:
             self.chunk = self._rung_below(chunk_tokens * self.max_pause_s / seconds)
             self._hold = (self.chunk, self.HOLD_STEPS)
             if self.chunk == self.rungs[-1]:
-                self._since_probe = self.PROBE_EVERY   # at the smallest rung: try other threads next
+                # at the smallest rung: try fewer threads next (more would spin longer)
+                for t in self.thread_counts:
+                    if t < self.threads:
+                        self._probe_due[t] = self._step_no
 
     def figures(self) -> dict[str, Any]:
         p = self.predict(self.chunk)
