@@ -123,7 +123,8 @@ def load(url: str, shape: Shape, seconds: float) -> dict:
             "itl_ms_p95": (pct(gaps, 95) or 0) * 1000 if gaps else None}
 
 
-def with_job(http: httpx.Client, url: str, shape: Shape, seconds: float, pacing: dict) -> dict:
+def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: float, pacing: dict) -> dict:
+    url = srv.url
     r = http.post("/train", json={"text": LESSON, "window": 64, "chunk": 64, "epochs": 1000, "promote": "never",
                                   **pacing})
     r.raise_for_status()
@@ -135,10 +136,14 @@ def with_job(http: httpx.Client, url: str, shape: Shape, seconds: float, pacing:
     time.sleep(1.1)                                                     # the figures are flushed every second
     job = http.get(f"/train/{jid}").json()
     http.post(f"/train/{jid}/cancel")
+    # the native step time of each ok receipt, beside the pause the pacer measured around it
+    native = [r["ms"] for r in srv.service.jobs.receipts(jid, status="ok")]
     f = job["pacing"]
     active = f["active_s"]
     allowed = pacing.get("max_slowdown", 0.10) * active + max(0.0, f["wall_s"] - active)
     return {"client": client, "pacer": f,
+            "native_step_ms": {"p50": pct(native, 50), "p95": pct(native, 95), "max": max(native, default=None),
+                               "steps": len(native)},
             "job": {"walked_tok_s_wall": (job["progress"]["walked"] - walked0) / client["seconds"],
                     "train_tok_s": job["progress"]["train_tok_s"],
                     "dream_share_of_wall": f["job_share_of_wall"],
@@ -163,7 +168,7 @@ def main() -> None:
             for shape in shapes:
                 # interleaved: without, then with, on the same warm server
                 base = load(srv.url, shape, args.seconds)
-                job = with_job(http, srv.url, shape, args.seconds, pacing)
+                job = with_job(srv, http, shape, args.seconds, pacing)
                 out = {"without_job": base, "with_job": job}
                 if shape.clients and base["tok_s"]:
                     out["client_slowdown"] = 1.0 - job["client"]["tok_s"] / base["tok_s"]

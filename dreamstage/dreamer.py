@@ -109,9 +109,9 @@ class DreamThreads:
         self.serve = (int(lc.llama_n_threads(ctx)), int(lc.llama_n_threads_batch(ctx)))
         top = self.serve_batch = max(1, self.serve[1])
         counts = [top]
-        while counts[-1] > 1:                         # the configured count, then halves down to one
+        while counts[-1] > 1:                         # the configured count and its halves down to one
             counts.append(counts[-1] // 2)
-        self.counts = counts
+        self.counts = counts                          # the shaper starts on the fewest
 
     def run(self, threads: int, fn: Callable[[], Any]) -> Any:
         if self.serve is None or threads == self.serve[1] == self.serve[0]:
@@ -490,7 +490,8 @@ class DreamScheduler:
         # (min_chunk) too, since a small chunk is the only way to a short pause
         self._shaper = None
         if spec.pacing.max_pause_ms is not None:
-            self._shaper = StepShaper(spec.pacing.max_pause_ms, ladder(spec.chunk, 1), self._threads.counts)
+            self._shaper = StepShaper(spec.pacing.max_pause_ms, ladder(spec.chunk, 1), self._threads.counts,
+                                      other_load=_load_average, cores=os.cpu_count())
         self._figures_at = self.clock()
         store.transition(jid, "running")
         yield                                           # from here on the pacer decides each step
@@ -678,6 +679,14 @@ class DreamScheduler:
         if swap.future is not None:
             swap.future.set_result(True)
         log.info("serving adapter version %d (%s)", swap.version, swap.path or "base model")
+
+
+def _load_average() -> float:
+    """Runnable threads on this machine (1-minute load average; 0 where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
 
 
 def _adapter_name_from(path: Path) -> str:

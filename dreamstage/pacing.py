@@ -459,7 +459,11 @@ class StepShaper:
     SWITCH_GAIN = 0.9     # switch when a probe took less than this fraction of the current prediction
     TARGET = 0.95         # aim a little inside the bound: rungs are coarse, the noise estimate is not exact
 
-    def __init__(self, max_pause_ms: float, rungs: Sequence[int], threads: Sequence[int] = (1,)):
+    def __init__(self, max_pause_ms: float, rungs: Sequence[int], threads: Sequence[int] = (1,),
+                 other_load: Callable[[], float] | None = None, cores: int | None = None):
+        """`other_load` (optional) says how many cores other work keeps busy now
+        (the load average less our own threads); more threads are then probed
+        only when that many cores are free: a probe that spins costs seconds."""
         if not max_pause_ms > 0:
             raise ValueError(f"max_pause_ms {max_pause_ms!r} must be > 0")
         if not rungs or any(not isinstance(r, int) or r < 1 for r in rungs):
@@ -467,6 +471,7 @@ class StepShaper:
         if not threads or any(not isinstance(t, int) or t < 1 for t in threads):
             raise ValueError(f"thread counts {list(threads)!r} must be positive integers")
         self.max_pause_s = max_pause_ms / 1000.0
+        self.other_load, self.cores = other_load, cores
         self.rungs = sorted(set(rungs), reverse=True)
         self.thread_counts = list(dict.fromkeys(threads))
         self.threads = min(self.thread_counts)
@@ -517,7 +522,8 @@ class StepShaper:
             self.chunk = self._best_rung(cap)
         chunk = min(self.chunk, cap) if cap is not None else self.chunk
         self._probe = None
-        due = [t for t in self.thread_counts if t != self.threads and self._step_no >= self._probe_due[t]]
+        due = [t for t in self.thread_counts if t != self.threads and self._step_no >= self._probe_due[t]
+               and self._cores_free_for(t)]
         if due and self._times:
             # the nearest count first (2 before 8 when on 1)
             other = min(due, key=lambda t: abs(math.log(t / self.threads)))
@@ -532,6 +538,12 @@ class StepShaper:
                 want = chunk / 2                      # more threads may spin: half, to be safe
             return self._rung_below(want), other
         return chunk, self.threads
+
+    def _cores_free_for(self, threads: int) -> bool:
+        if threads <= self.threads or self.other_load is None or self.cores is None:
+            return True
+        others = max(0.0, self.other_load() - self.threads)
+        return others + threads <= self.cores + 0.5
 
     def record(self, seconds: float, chunk_tokens: int, threads: int) -> None:
         """After a micro-step: its whole time, the tokens it ran, the threads it used."""

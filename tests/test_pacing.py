@@ -281,6 +281,15 @@ def test_shaper_finds_the_faster_thread_count_and_keeps_probes_inside_the_bound(
     assert all(sec <= 0.25 for _, _, sec in steps)
 
 
+def test_more_threads_are_not_probed_while_other_programs_hold_the_cores():
+    load = [3.0]                                 # 1 of ours + 2 of others on a 2-core machine
+    sh = StepShaper(250, ladder(16, 1), [2, 1], other_load=lambda: load[0], cores=2)
+    cost = {2: lambda n: 0.02 + 0.010 * n, 1: lambda n: 0.02 + 0.025 * n}
+    assert all(t == 1 for _, t, _ in run_shaper(sh, cost, 100))
+    load[0] = 1.0                                # the others are gone: two threads are tried, and win
+    assert run_shaper(sh, cost, 100)[-1][1] == 2
+
+
 # -- the simulation ------------------------------------------------------------------
 @dataclass
 class Load:
