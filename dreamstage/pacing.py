@@ -25,34 +25,31 @@ refills s * W (or f * W) and is charged the job's cost:
 
 - a micro-step between two batches: its whole time;
 - with `max_slowdown`, the contention it caused: how much longer the next
-  batch took than the median batch of the same size without a step before it
-  (signed, so noise averages out, and at most the step's own time);
+  batch took than the median undisturbed batch of its size (signed, so noise
+  averages out, and within +-the step's own time);
 - an idle micro-step a request arrived during: the time that request waited.
 
 Nothing else is charged. In particular a slow batch with no micro-step
 before it (another process took the core) costs the job nothing: that was
-the machine, not the job. Debt comes only from a step's own cost, so it is
-bounded by one step (plus the collisions of idle steps, and those are
-floored at `debt_floor_s`; what a floor forgives is reported).
-
-A micro-step between batches is allowed when credit >= 0, at most one per
-decode batch. Credit is capped at one median micro-step, so quiet periods do
-not bank a burst.
+the machine, not the job. A step between batches starts only at credit >= 0,
+at most one per decode batch, so debt comes from one step's cost; idle
+collisions, the one charge a step started in debt can add, are floored at
+`debt_floor_s` and what the floor forgives is reported. Credit is capped at
+two pauses, so quiet periods do not bank a burst.
 
 **Idle.** With no busy slot a micro-step costs chat nothing unless a request
-arrives while it runs. With credit >= 0 the pacer dreams at once (the
-gaps between back-to-back requests are used, and a collision is paid for
-from the credit); in debt it waits `idle_grace_s`, or longer when recent gaps
-between requests were longer, so it does not step into the next request.
+arrives while it runs. With credit >= 0 the pacer dreams at once (the gaps
+between back-to-back requests are used; a collision is paid from the
+credit). In debt it waits `idle_grace_s` and then steps only when the recent
+gaps between requests say the next one is unlikely to arrive within a step.
 
-**The pause (`StepShaper`).** The chunk a micro-step runs comes from the
-chunk ladder (halving from the job's chunk); the shaper moves down a rung as
-soon as a step took longer than the bound and up a rung once recent steps
-say the bigger chunk fits with room to spare. Under load from other programs
-a step may be faster on fewer threads (ggml's workers wait for each other at
-every node, and a worker that lost its core stalls the rest), so the shaper
-also measures the per-token time of each thread count it may use and runs
-on the fastest one, probing the others now and then.
+**The pause (`StepShaper`).** The chunk of each step is a rung of the chunk
+ladder, the biggest whose predicted time (a fit of recent steps, times this
+machine's noise) fits `max_pause_ms`; a step over it moves down at once.
+Under load from other programs a step is faster on fewer threads (ggml's
+workers meet at a spinning barrier after every node, and one that lost its
+core stalls the rest), so the shaper starts on one thread and probes more
+only when cores are free, switching when they are clearly faster.
 """
 from __future__ import annotations
 
@@ -334,10 +331,6 @@ class Pacer:
         self._cap_credit()
 
     # -- the decision -----------------------------------------------------------------
-    def idle_grace(self) -> float:
-        """How long the slots must have been idle before an idle micro-step (plain rule)."""
-        return 0.0 if self.credit >= 0.0 else self.idle_grace_s
-
     def _idle_step_ok(self, idle_s: float) -> bool:
         """May an idle micro-step start after `idle_s` of idleness?
 
@@ -370,12 +363,6 @@ class Pacer:
         if self.mode == "max_slowdown" and self._baseline < MIN_BASELINE_BATCHES:
             return False                  # measure undisturbed batches first
         return self.credit >= 0.0
-
-    def idle_wait_s(self) -> float:
-        """How long an idle engine should wait before asking again."""
-        if self._idle_since is None:
-            return self.idle_grace()
-        return max(0.0, self._idle_since + self.idle_grace() - self.clock())
 
     # -- the report --------------------------------------------------------------------
     def figures(self) -> dict[str, Any]:
