@@ -103,14 +103,13 @@ class SizeTimes:
     """Recent times of some work by its size (a batch's tokens, a step's chunk),
     and a straight line through them: time = fixed + per_token * size.
 
-    Sizes that were measured answer from their own samples (`typical`: the
-    median, or the mean for an unbiased average when noise is skewed); other
+    A size measured three times or more answers with its own median; other
     sizes from the line through every size's typical time. With one size
     measured there is no line: a bigger size is scaled up linearly and a
     smaller one takes at most as long (both err on the slow side)."""
 
-    def __init__(self, per_size: int = 16, sizes: int = 32, typical: str = "median", window: int = 0):
-        self.per_size, self.max_sizes, self.typical = per_size, sizes, typical
+    def __init__(self, per_size: int = 16, sizes: int = 32, window: int = 0):
+        self.per_size, self.max_sizes = per_size, sizes
         self._by_size: dict[int, deque[float]] = {}
         # window > 0: only the last `window` samples of any size count, so the
         # whole picture follows a machine that got slower, not just one size
@@ -138,9 +137,8 @@ class SizeTimes:
     def __bool__(self) -> bool:
         return bool(self._by_size)
 
-    def _typical(self, v: Sequence[float]) -> float:
-        if self.typical == "mean":
-            return sum(v) / len(v)
+    @staticmethod
+    def _typical(v: Sequence[float]) -> float:
         # the median once a size has three samples; before that the fastest, so
         # one descheduled run does not condemn a size
         return statistics.median(v) if len(v) >= 3 else min(v)

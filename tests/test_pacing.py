@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from dreamstage.jobs import ladder
-from dreamstage.pacing import Pacer, StepShaper
+from dreamstage.pacing import Pacer, SizeTimes, StepShaper
 from dreamstage.trainspec import PacingSpec
 
 
@@ -227,6 +227,30 @@ def test_from_spec_and_bad_settings_are_named():
         StepShaper(250, [0])
     with pytest.raises(ValueError, match=r"thread counts \[\]"):
         StepShaper(250, [8], [])
+
+
+# -- SizeTimes: what a batch or a step of a size usually takes ----------------------------
+def test_size_times_answers_from_the_size_then_the_line_then_on_the_slow_side():
+    t = SizeTimes()
+    assert t.predict(8) is None
+    t.add(8, 0.10)
+    assert t.predict(16) == pytest.approx(0.20)   # one size: bigger scales up linearly...
+    assert t.predict(2) == pytest.approx(0.10)    # ...smaller takes at most as long
+    t.add(4, 0.06)
+    assert t.line() == pytest.approx((0.02, 0.01))
+    assert t.predict(32) == pytest.approx(0.34)
+    for sec in (0.30, 0.11, 0.12):                 # three samples of a size: its own median
+        t.add(8, sec)
+    assert t.predict(8) == pytest.approx(0.115)
+
+
+def test_size_times_in_window_mode_forgets_a_machine_that_changed():
+    t = SizeTimes(window=4)
+    for _ in range(4):
+        t.add(16, 0.18)
+    for _ in range(4):
+        t.add(4, 0.18)                             # slower now, at a smaller size
+    assert t.predict(16) == pytest.approx(0.72)   # the old 16-token steps are gone
 
 
 # -- the step shaper ------------------------------------------------------------------
