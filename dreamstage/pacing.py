@@ -420,8 +420,8 @@ class StepShaper:
     rung whose prediction, times this machine's noise (the 95th percentile
     of measured / predicted over recent steps), fits the bound. A step over
     the bound moves down at once, by the measured ratio, and holds there for
-    `HOLD_STEPS` (a whole fit window) while the fit catches up with a machine
-    that got slower.
+    `HOLD_STEPS` (a whole fit window) when the step before was slow too, while
+    the fit catches up with a machine that got slower.
 
     Threads: it starts on the fewest (one thread has no barrier to spin at,
     the safe choice on a machine shared with other programs; measured on the
@@ -443,6 +443,7 @@ class StepShaper:
     MAX_PROBE_EVERY = 768  # ...doubled after each probe that lost, up to this
     SWITCH_GAIN = 0.9     # switch when a probe took less than this fraction of the current prediction
     TARGET = 0.95         # aim a little inside the bound: rungs are coarse, the noise estimate is not exact
+    NOISE_CAP = 2.0       # the most room kept for noise (see noise())
 
     def __init__(self, max_pause_ms: float, rungs: Sequence[int], threads: Sequence[int] = (1,),
                  other_load: Callable[[], float] | None = None, cores: int | None = None):
@@ -469,6 +470,7 @@ class StepShaper:
         self._probe_gap = {t: self.PROBE_EVERY for t in self.thread_counts}
         self._probe_due = {t: self.FIRST_PROBE for t in self.thread_counts}   # step numbers
         self._hold: tuple[int, int] | None = None   # (rung cap, steps left) after a step over the bound
+        self._last_slow = False               # the last step took longer than predicted with noise
         self.switches = 0
         self._wins: dict[int, int] = {}       # probes in a row that beat the current count
         self._last_seen: dict[int, tuple[int, float]] = {}   # per count: its latest (chunk, seconds)
@@ -479,10 +481,14 @@ class StepShaper:
         return self._times.predict(chunk)
 
     def noise(self) -> float:
-        """95th percentile of measured / predicted step time (at least 1)."""
+        """95th percentile of measured / predicted step time, within [1, NOISE_CAP].
+
+        Capped: a tail longer than that is a thread another program
+        descheduled, which takes as long whatever the chunk; shrinking the
+        chunk for it would cost training and buy no shorter pause."""
         if len(self._ratios) < 4:
             return 1.25                      # until measured: a quarter of room
-        return max(1.0, _percentile(sorted(self._ratios), 95) or 1.0)
+        return min(self.NOISE_CAP, max(1.0, _percentile(sorted(self._ratios), 95) or 1.0))
 
     def _rung_below(self, tokens: float) -> int:
         fits = [r for r in self.rungs if r <= tokens]
@@ -563,6 +569,7 @@ class StepShaper:
             self.switches += 1
             return
         predicted = self.predict(chunk_tokens)
+        slow = predicted is not None and seconds > predicted * self.noise()
         if predicted:
             self._ratios.append(seconds / predicted)
         self._times.add(chunk_tokens, seconds)
@@ -570,16 +577,19 @@ class StepShaper:
         if self._hold is not None:
             self._hold = (self._hold[0], self._hold[1] - 1) if self._hold[1] > 1 else None
         if seconds > self.max_pause_s:
-            # Over the bound: the machine got slower (or this step was descheduled).
-            # Go down by the measured ratio at once and stay at most there until
-            # the fit's window holds only steps measured since.
+            # Over the bound: the machine got slower, or this one step was
+            # descheduled. Go down by the measured ratio at once; if the step
+            # before was slow too, the machine changed: stay at most there until
+            # the fit's window holds only steps measured since. A lone spike
+            # costs two small steps.
             self.chunk = self._rung_below(chunk_tokens * self.max_pause_s / seconds)
-            self._hold = (self.chunk, self.HOLD_STEPS)
+            self._hold = (self.chunk, self.HOLD_STEPS if self._last_slow else 2)
             if self.chunk == self.rungs[-1]:
                 # at the smallest rung: try fewer threads next (more would spin longer)
                 for t in self.thread_counts:
                     if t < self.threads:
                         self._probe_due[t] = self._step_no
+        self._last_slow = slow or seconds > self.max_pause_s
 
     def figures(self) -> dict[str, Any]:
         p = self.predict(self.chunk)

@@ -281,10 +281,26 @@ def test_shaper_moves_down_at_once_when_the_machine_gets_slower():
     run_shaper(sh, {1: lambda n: 0.02 + 0.01 * n}, 40)
     slow = run_shaper(sh, {1: lambda n: 0.06 + 0.03 * n}, 40)   # another program took the core
     over = [s for s in slow if s[2] > 0.25]
-    assert len(over) == 1 and slow[0] == over[0]  # one step finds out, the next is inside the bound
+    # the first slow step might have been a lone spike: one more step tells it from a slower machine
+    assert len(over) <= 2 and slow[0] == over[0]
     assert slow[-1][0] == 4                      # 0.18 s; 8 would take 0.30 s
     quiet = run_shaper(sh, {1: lambda n: 0.02 + 0.01 * n}, 60)  # and back up once it is quiet again
     assert quiet[-1][0] == 16 and all(sec <= 0.25 for _, _, sec in quiet)
+
+
+def test_a_descheduled_step_now_and_then_does_not_shrink_the_chunk():
+    # every 10th step loses 300 ms to another program, whatever its chunk
+    n = [0]
+
+    def cost(chunk):
+        n[0] += 1
+        return 0.02 + 0.01 * chunk + (0.3 if n[0] % 10 == 0 else 0.0)
+
+    sh = StepShaper(250, ladder(64, 1), [1])
+    steps = run_shaper(sh, {1: cost}, 200)
+    chunks = [c for c, _, _ in steps[100:]]
+    # 8 tokens take 0.10 s, twice that is inside the bound; the spikes are not the chunk's fault
+    assert sorted(chunks)[len(chunks) // 2] == 8 and sh.noise() == StepShaper.NOISE_CAP
 
 
 def test_shaper_finds_the_faster_thread_count_and_keeps_probes_inside_the_bound():
