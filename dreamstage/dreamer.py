@@ -198,7 +198,7 @@ class DreamScheduler:
         self._pacer: Pacer | None = None
         self._shaper: StepShaper | None = None
         self._threads: DreamThreads | None = None
-        self._step_ran: tuple[int, int] | None = None   # (chunk tokens, threads) of the step next() just ran
+        self._step_ran: tuple[int, int, bool] | None = None   # (chunk tokens, threads, trained) of next()'s step
         self._hook_done_at: float | None = None         # when after_batch last returned with a busy slot
         self._figures_at = 0.0
         self._closing: list[Any] = []   # trainers of the job in progress (closed if the server stops)
@@ -502,8 +502,8 @@ class DreamScheduler:
         begun = None
         memory_cap = spec.chunk                         # the memory ladder's chunk (halved on a refusal)
         while (cur := run.current()) is not None:
-            chunk, threads = (self._shaper.choose(memory_cap) if self._shaper is not None
-                              else (run.walk.chunk, self._threads.serve_batch))
+            chunk, threads = (self._shaper.choose(memory_cap, _trains_from(cur[0].mask, cur[1].chunk_pos))
+                              if self._shaper is not None else (run.walk.chunk, self._threads.serve_batch))
             if chunk != run.walk.chunk:
                 run.walk.chunk = chunk                  # the walk and the trainer move together
                 trainer.set_chunk(chunk)
@@ -513,7 +513,8 @@ class DreamScheduler:
                 trainer.begin_window(window.tokens, window.mask)
                 begun = (step.epoch, step.order_pos)
             receipt = clear_receipt(self._threads.run(threads, trainer.micro_step), spec)
-            self._step_ran = (receipt.chunk_tokens, threads) if receipt.status == "ok" else None   # for the shaper
+            self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0)   # for the shaper
+                              if receipt.status == "ok" else None)
             try:
                 event = run.record(receipt)
             except InvalidTransition:
@@ -557,13 +558,15 @@ class DreamScheduler:
             loss_sum, tokens = 0.0, 0
             for w in windows:
                 evaluator.begin_window(w.tokens, w.mask)
+                pos = 0
                 while evaluator.chunks_left:
-                    step_chunk, threads = (self._shaper.choose(chunk) if self._shaper is not None
-                                           else (chunk, self._threads.serve_batch))
+                    step_chunk, threads = (self._shaper.choose(chunk, _trains_from(w.mask, pos))
+                                           if self._shaper is not None else (chunk, self._threads.serve_batch))
                     if step_chunk != evaluator.chunk:
                         evaluator.set_chunk(step_chunk)   # an evaluation step pauses serving like any other
                     r = evaluator.micro_step() if self._threads is None else self._threads.run(threads, evaluator.micro_step)
-                    self._step_ran = (r.chunk_tokens, threads) if r.status == "ok" else None
+                    self._step_ran = (r.chunk_tokens, threads, r.tokens > 0) if r.status == "ok" else None
+                    pos += r.chunk_tokens
                     yield
                     if r.status != "ok":
                         notes.append(f"held-out loss not measured: {r.message}")
@@ -679,6 +682,12 @@ class DreamScheduler:
         if swap.future is not None:
             swap.future.set_result(True)
         log.info("serving adapter version %d (%s)", swap.version, swap.path or "base model")
+
+
+def _trains_from(mask, pos: int) -> Callable[[int], bool]:
+    """Whether a chunk of n tokens at `pos` would hold loss tokens: it predicts
+    tokens pos+1 .. pos+n (the mask convention of `dream_window_begin`)."""
+    return lambda n: any(mask[pos + 1:pos + n + 1])
 
 
 def _load_average() -> float:

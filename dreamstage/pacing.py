@@ -444,6 +444,7 @@ class StepShaper:
     SWITCH_GAIN = 0.9     # switch when a probe took less than this fraction of the current prediction
     TARGET = 0.95         # aim a little inside the bound: rungs are coarse, the noise estimate is not exact
     NOISE_CAP = 2.0       # the most room kept for noise (see noise())
+    FORWARD_TO_TRAIN = 4.0  # a training step over a forward-only one of the same chunk, until both are measured
 
     def __init__(self, max_pause_ms: float, rungs: Sequence[int], threads: Sequence[int] = (1,),
                  other_load: Callable[[], float] | None = None, cores: int | None = None):
@@ -463,7 +464,10 @@ class StepShaper:
         self.threads = min(self.thread_counts)
         first = [r for r in self.rungs if r <= self.FIRST_CHUNK]
         self.chunk = first[0] if first else self.rungs[-1]
-        self._times = SizeTimes(window=self.SAMPLES)
+        # per kind of step: True trains (forward and backward), False only runs
+        # forward (a chunk with no loss tokens: a prompt, earlier turns), several
+        # times cheaper; one fit for both would read the difference as noise
+        self._times = {True: SizeTimes(window=self.SAMPLES), False: SizeTimes(window=self.SAMPLES)}
         self._ratios: deque[float] = deque(maxlen=2 * self.SAMPLES)   # measured / predicted
         self._step_no = 0
         self._probe: int | None = None        # the thread count the pending step probes
@@ -476,9 +480,22 @@ class StepShaper:
         self._last_seen: dict[int, tuple[int, float]] = {}   # per count: its latest (chunk, seconds)
 
     # -- the model ----------------------------------------------------------------------
-    def predict(self, chunk: int) -> float | None:
-        """Seconds one step of `chunk` tokens is expected to take on the current threads."""
-        return self._times.predict(chunk)
+    def predict(self, chunk: int, trains: bool = True) -> float | None:
+        """Seconds one step of `chunk` tokens is expected to take on the current
+        threads; `trains`: the chunk has loss tokens (a backward pass too)."""
+        own = self._times[trains]
+        if own:
+            return own.predict(chunk)
+        other = self._times[not trains]
+        if not other:
+            return None
+        p = other.predict(chunk)
+        # from the other kind: a backward costs about 3x the forward (docs/benchmarks.md),
+        # so a training step is read as 4 forward steps; a forward step as a training one
+        return p * self.FORWARD_TO_TRAIN if trains else p
+
+    def _measured(self) -> bool:
+        return bool(self._times[True] or self._times[False])
 
     def noise(self) -> float:
         """95th percentile of measured / predicted step time, within [1, NOISE_CAP].
@@ -494,28 +511,30 @@ class StepShaper:
         fits = [r for r in self.rungs if r <= tokens]
         return fits[0] if fits else self.rungs[-1]
 
-    def _best_rung(self, cap: int | None) -> int:
+    def _best_rung(self, cap: int | None, trains: Callable[[int], bool] | None = None) -> int:
         noise = self.noise()
         for r in self.rungs:
             if cap is not None and r > cap:
                 continue
-            p = self.predict(r)
+            p = self.predict(r, trains(r) if trains is not None else True)
             if p is not None and p * noise <= self.TARGET * self.max_pause_s:
                 return r
         return self._rung_below(cap) if cap is not None else self.rungs[-1]
 
     # -- the choice -------------------------------------------------------------------------
-    def choose(self, cap: int | None = None) -> tuple[int, int]:
-        """(chunk, threads) for the next micro-step; `cap` is the memory ladder's chunk."""
+    def choose(self, cap: int | None = None, trains: Callable[[int], bool] | None = None) -> tuple[int, int]:
+        """(chunk, threads) for the next micro-step. `cap` is the memory
+        ladder's chunk; `trains(chunk)` says whether a step of that many
+        tokens from the walk's position would hold loss tokens (None: yes)."""
         if self._hold is not None:
             cap = self._hold[0] if cap is None else min(cap, self._hold[0])
-        if self._times:
-            self.chunk = self._best_rung(cap)
+        if self._measured():
+            self.chunk = self._best_rung(cap, trains)
         chunk = min(self.chunk, cap) if cap is not None else self.chunk
         self._probe = None
         due = [t for t in self.thread_counts if t != self.threads and self._step_no >= self._probe_due[t]
                and self._cores_free_for(t)]
-        if due and self._times:
+        if due and self._measured():
             # the nearest count first (2 before 8 when on 1)
             other = min(due, key=lambda t: abs(math.log(t / self.threads)))
             self._probe = other
@@ -536,8 +555,9 @@ class StepShaper:
         others = max(0.0, self.other_load() - self.threads)
         return others + threads <= self.cores + 0.5
 
-    def record(self, seconds: float, chunk_tokens: int, threads: int) -> None:
-        """After a micro-step: its whole time, the tokens it ran, the threads it used."""
+    def record(self, seconds: float, chunk_tokens: int, threads: int, trains: bool = True) -> None:
+        """After a micro-step: its whole time, the tokens it ran, the threads it
+        used, and whether it trained (had loss tokens) or only ran forward."""
         if chunk_tokens <= 0:
             return
         self._last_seen[threads] = (chunk_tokens, seconds)
@@ -546,7 +566,7 @@ class StepShaper:
             # per token against the current count at its own rung: the probe ran a
             # chunk no bigger, so its fixed cost weighs more, and a switch has to
             # win despite that (no flapping on a fit that knows one size only)
-            now = self.predict(self.chunk)
+            now = self.predict(self.chunk, trains)
             if now is None or seconds / chunk_tokens >= self.SWITCH_GAIN * now / self.chunk:
                 self._wins.pop(threads, None)
                 self._probe_gap[threads] = min(2 * self._probe_gap[threads], self.MAX_PROBE_EVERY)
@@ -563,16 +583,17 @@ class StepShaper:
             self._probe_gap[old] = self._probe_gap[threads] = self.PROBE_EVERY
             self._probe_due[old] = self._step_no + self.PROBE_EVERY
             self.threads = threads               # clearly faster: start over on this count
-            self._times.clear()
-            self._times.add(chunk_tokens, seconds)
+            for times in self._times.values():
+                times.clear()
+            self._times[trains].add(chunk_tokens, seconds)
             self._hold = None
             self.switches += 1
             return
-        predicted = self.predict(chunk_tokens)
+        predicted = self.predict(chunk_tokens, trains) if self._times[trains] else None
         slow = predicted is not None and seconds > predicted * self.noise()
         if predicted:
             self._ratios.append(seconds / predicted)
-        self._times.add(chunk_tokens, seconds)
+        self._times[trains].add(chunk_tokens, seconds)
         self._step_no += 1
         if self._hold is not None:
             self._hold = (self._hold[0], self._hold[1] - 1) if self._hold[1] > 1 else None

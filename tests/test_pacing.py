@@ -288,6 +288,28 @@ def test_shaper_moves_down_at_once_when_the_machine_gets_slower():
     assert quiet[-1][0] == 16 and all(sec <= 0.25 for _, _, sec in quiet)
 
 
+def test_context_without_loss_tokens_runs_in_bigger_chunks_than_the_reply():
+    # a forward-only step (no loss tokens: the prompt) costs a quarter of a training one
+    cost = {True: lambda n: 0.02 + 0.020 * n, False: lambda n: 0.01 + 0.005 * n}
+    mask = [0] * 33 + [1] * 31                   # 64 tokens: a 32-token prompt, then the reply
+    sh = StepShaper(250, ladder(64, 1), [1])
+    seen = {True: [], False: []}
+    for _ in range(20):                          # 20 passes over the window
+        pos = 0
+        while pos < 64:
+            def trains(n, p=pos):
+                return any(mask[p + 1:p + n + 1])
+            chunk, threads = sh.choose(trains=trains)
+            n = min(chunk, 64 - pos)
+            sec = cost[trains(n)](n)
+            sh.record(sec, n, threads, trains(n))
+            seen[trains(n)].append((n, sec))
+            pos += n
+    assert max(n for n, _ in seen[False][-5:]) == 32 and max(n for n, _ in seen[True][-5:]) == 8
+    assert all(sec <= 0.25 for kind in seen for _, sec in seen[kind][3:])
+    assert sh.noise() < 1.3                      # two kinds, two fits: no difference read as noise
+
+
 def test_a_descheduled_step_now_and_then_does_not_shrink_the_chunk():
     # every 10th step loses 300 ms to another program, whatever its chunk
     n = [0]
