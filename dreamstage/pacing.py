@@ -444,6 +444,9 @@ class StepShaper:
     SWITCH_GAIN = 0.9     # switch when a probe took less than this fraction of the current prediction
     TARGET = 0.95         # aim a little inside the bound: rungs are coarse, the noise estimate is not exact
     NOISE_CAP = 2.0       # the most room kept for noise (see noise())
+    OVER_SMALLEST = 1.25  # when the bound cannot be kept: the longest pause over the shortest possible one
+    EXPLORE_EVERY = 8     # steps between tries of an unmeasured rung above
+    RELAX_FOR = 64        # steps a measurement of the smallest rung stands for
     FORWARD_TO_TRAIN = 4.0  # a training step over a forward-only one of the same chunk, until both are measured
 
     def __init__(self, max_pause_ms: float, rungs: Sequence[int], threads: Sequence[int] = (1,),
@@ -475,6 +478,13 @@ class StepShaper:
         self._probe_due = {t: self.FIRST_PROBE for t in self.thread_counts}   # step numbers
         self._hold: tuple[int, int] | None = None   # (rung cap, steps left) after a step over the bound
         self._last_slow = False               # the last step took longer than predicted with noise
+        self._limit = 0.0                     # the pause the last choice aimed under (the bound, or above it)
+        self._explored = 0                    # step number of the last try of an unmeasured rung
+        self._exploring: int | None = None    # the rung the pending step tries
+        self._explore_failed: dict[int, int] = {}   # rung -> step number its try went over
+        # recent steps at the smallest rung, per kind, and when the last one ran
+        self._smallest: dict[bool, deque[float]] = {True: deque(maxlen=5), False: deque(maxlen=5)}
+        self._smallest_at = {True: 0, False: 0}
         self.switches = 0
         self._wins: dict[int, int] = {}       # probes in a row that beat the current count
         self._last_seen: dict[int, tuple[int, float]] = {}   # per count: its latest (chunk, seconds)
@@ -513,11 +523,23 @@ class StepShaper:
 
     def _best_rung(self, cap: int | None, trains: Callable[[int], bool] | None = None) -> int:
         noise = self.noise()
+        limit = self.TARGET * self.max_pause_s
+        # When steps at the smallest rung could not keep the bound either (a step's
+        # fixed cost is above it), 1-token steps would buy a pause hardly shorter
+        # at a fraction of the training: stay within OVER_SMALLEST of it. That
+        # measurement expires after RELAX_FOR steps; the shaper then runs the
+        # smallest rung again (the machine may have got faster).
+        kind = trains(self.rungs[-1]) if trains is not None else True
+        smallest = self._smallest[kind]
+        if (len(smallest) >= 3 and self._step_no - self._smallest_at[kind] <= self.RELAX_FOR
+                and statistics.median(smallest) * noise > limit):
+            limit = self.OVER_SMALLEST * statistics.median(smallest) * noise
+        self._limit = limit
         for r in self.rungs:
             if cap is not None and r > cap:
                 continue
             p = self.predict(r, trains(r) if trains is not None else True)
-            if p is not None and p * noise <= self.TARGET * self.max_pause_s:
+            if p is not None and p * noise <= limit:
                 return r
         return self._rung_below(cap) if cap is not None else self.rungs[-1]
 
@@ -530,6 +552,7 @@ class StepShaper:
             cap = self._hold[0] if cap is None else min(cap, self._hold[0])
         if self._measured():
             self.chunk = self._best_rung(cap, trains)
+            self._explore(cap, trains)
         chunk = min(self.chunk, cap) if cap is not None else self.chunk
         self._probe = None
         due = [t for t in self.thread_counts if t != self.threads and self._step_no >= self._probe_due[t]
@@ -548,6 +571,31 @@ class StepShaper:
                 want = chunk / 2                      # more threads may spin: half, to be safe
             return self._rung_below(want), other
         return chunk, self.threads
+
+    def _explore(self, cap: int | None, trains: Callable[[int], bool] | None) -> None:
+        """While no rung keeps the bound, now and then try the rung above when
+        nothing was measured there.
+
+        With one size in the window the fit scales a bigger chunk up linearly,
+        which is right when time is mostly per token and far too slow when it
+        is mostly the step's fixed cost; one step at the next rung settles it.
+        Only when that rung would fit even if it cost no more than this one."""
+        if (self._hold is not None or self._step_no - self._explored < self.EXPLORE_EVERY
+                or self._limit <= self.TARGET * self.max_pause_s):
+            return                            # only while the bound itself cannot be kept
+        up = [r for r in self.rungs if r > self.chunk and (cap is None or r <= cap)]
+        if not up:
+            return
+        nxt = up[-1]
+        kind = trains(nxt) if trains is not None else True
+        here = self.predict(self.chunk, kind)
+        if (self._times[kind].line() is not None or self._times[kind]._by_size.get(nxt)
+                or here is None or here * self.noise() > self._limit
+                or self._step_no - self._explore_failed.get(nxt, -self.RELAX_FOR) < self.RELAX_FOR):
+            return                            # the fit knows what bigger chunks cost, or a try just failed
+        self._explored = self._step_no
+        self._exploring = nxt
+        self.chunk = nxt
 
     def _cores_free_for(self, threads: int) -> bool:
         if threads <= self.threads or self.other_load is None or self.cores is None:
@@ -594,23 +642,29 @@ class StepShaper:
         if predicted:
             self._ratios.append(seconds / predicted)
         self._times[trains].add(chunk_tokens, seconds)
+        if chunk_tokens == self.rungs[-1]:
+            self._smallest[trains].append(seconds)
+            self._smallest_at[trains] = self._step_no
         self._step_no += 1
         if self._hold is not None:
             self._hold = (self._hold[0], self._hold[1] - 1) if self._hold[1] > 1 else None
-        if seconds > self.max_pause_s:
+        tried, self._exploring = self._exploring, None
+        if seconds > max(self.max_pause_s, self._limit) and tried == chunk_tokens:
+            self._explore_failed[tried] = self._step_no
+        if seconds > max(self.max_pause_s, self._limit):
             # Over the bound: the machine got slower, or this one step was
             # descheduled. Go down by the measured ratio at once; if the step
             # before was slow too, the machine changed: stay at most there until
             # the fit's window holds only steps measured since. A lone spike
             # costs two small steps.
-            self.chunk = self._rung_below(chunk_tokens * self.max_pause_s / seconds)
+            self.chunk = self._rung_below(chunk_tokens * max(self.max_pause_s, self._limit) / seconds)
             self._hold = (self.chunk, self.HOLD_STEPS if self._last_slow else 2)
             if self.chunk == self.rungs[-1]:
                 # at the smallest rung: try fewer threads next (more would spin longer)
                 for t in self.thread_counts:
                     if t < self.threads:
                         self._probe_due[t] = self._step_no
-        self._last_slow = slow or seconds > self.max_pause_s
+        self._last_slow = slow or seconds > max(self.max_pause_s, self._limit)
 
     def figures(self) -> dict[str, Any]:
         p = self.predict(self.chunk)
