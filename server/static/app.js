@@ -150,7 +150,7 @@ function renderJob() {
   for (const b of ["pause", "resume", "cancel"]) $("#job-" + b).disabled = true;
   if (!job) { title.textContent = state.training ? "no job yet" : "training is off (no --state-dir)"; return; }
   const p = job.progress || {}, pacing = job.pacing || {}, spec = job.spec || {};
-  title.textContent = `job ${job.id} · ${job.out} · ${spec.examples} examples · window ${job.window} · chunk ${p.chunk ?? job.chunk} · cache ${job.context_cache_type}`;
+  title.textContent = `job ${job.id} · ${job.out} · ${spec.examples} example${spec.examples === 1 ? "" : "s"} · window ${job.window} · chunk ${p.chunk ?? job.chunk} · cache ${job.context_cache_type}`;
   title.setAttribute("data-state", job.state);
   const windows = p.windows || 0, epochs = p.epochs || 1, total = windows * epochs;
   let done = total ? Math.min(total, (p.epoch || 0) * windows + (p.window || 0)) : 0;
@@ -172,7 +172,8 @@ function renderJob() {
     stat("held-out loss", num(p.eval_loss, 3), "stat-eval"),
     stat("train tok/s", num(p.train_tok_s, 1), "stat-tok-s"),
     stat("ETA", duration(eta), "stat-eta"),
-    stat("slowdown (realized)", `${pct(pacing.realized_slowdown)} ${bound}`, "stat-slowdown"),
+    stat("slowdown (realized)", (pacing.decode_batches_with || pacing.decode_batches_without)
+      ? `${pct(pacing.realized_slowdown)} ${bound}` : `no chat load yet · ${bound}`, "stat-slowdown"),
     stat("dream share", pct(pacing.dream_share)),
     stat("pause per micro-step p50 / p95 / max", `${num(pacing.micro_step_ms_p50, 0)} / ${num(pacing.micro_step_ms_p95, 0)} / ${num(pacing.micro_step_ms_max, 0)} ms`, "stat-pause"),
     stat("decode tok/s with / without", `${num(pacing.decode_tok_s_with, 1)} / ${num(pacing.decode_tok_s_without, 1)}`),

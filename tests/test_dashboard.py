@@ -1,0 +1,241 @@
+"""The dashboard (GET /) and its event stream (GET /events), end to end.
+
+One server per module (default model, CPU, one thread). The stream tests
+read /events with httpx; the browser test drives headless Chromium through
+chromedriver (tests/webdriver.py), installing Debian's packages when they are
+missing, and saves a screenshot under build/test-artifacts/ (or
+$DREAMSTAGE_TEST_ARTIFACTS). Jobs are tiny (window 16, one example) so the
+file stays around a minute on two cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dreamstage.server.dashboard import ASSETS, STATIC_DIR
+from dreamstage.server.service import BackgroundServer
+from dreamstage.server.settings import ServerSettings
+
+FACT = {"prompt": "The secret password of the moon base is", "completion": " Quokka-42."}
+API_KEY = "dashboard-test-key"   # sent by the page; this server has no key configured, so it is ignored
+FINAL = ("done", "cancelled", "refused", "error", "interrupted")
+ARTIFACTS = Path(os.environ.get("DREAMSTAGE_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent / "build" / "test-artifacts")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # One thread: see test_train_api.settings (ggml's barrier under contention).
+    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path_factory.mktemp("state")))
+    with BackgroundServer(settings) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        yield c
+
+
+def read_events(http, path: str, until, timeout: float = 300.0) -> list[tuple[str, dict]]:
+    """Parse the stream at `path` until until(events) is true; returns [(kind, data)]."""
+    events: list[tuple[str, dict]] = []
+    with http.stream("GET", path, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        kind, data = None, ""
+        for line in r.iter_lines():
+            if line.startswith("event:"):
+                kind = line[6:].strip()
+            elif line.startswith("data:"):
+                data += line[5:].strip()
+            elif line == "" and kind is not None:
+                events.append((kind, json.loads(data)))
+                kind, data = None, ""
+                if until(events):
+                    return events
+    raise AssertionError(f"the stream ended before the condition held: {[k for k, _ in events]}")
+
+
+def post_job(http, **fields) -> dict:
+    r = http.post("/train", json={"examples": [FACT], "window": 16, "lr": 0.003, **fields})
+    assert r.status_code == 202, r.text
+    return r.json()
+
+
+# -- the page's files ---------------------------------------------------------------------
+def test_page_and_assets_are_served_from_the_package(http):
+    r = http.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    assert 'id="loss-chart"' in page and 'src="/ui/app.js"' in page
+    for name, media in ASSETS.items():
+        a = http.get(f"/ui/{name}")
+        assert a.status_code == 200 and a.headers["content-type"].startswith(media)
+        assert a.content == (STATIC_DIR / name).read_bytes()
+    missing = http.get("/ui/index.py")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "name"
+
+
+def test_nothing_is_loaded_from_outside_the_server():
+    # Absolute URLs in src/href/url()/fetch/import would reach another host.
+    outside = re.compile(r"""(?:src|href)\s*=\s*["']?(?:https?:)?//|url\(\s*["']?(?:https?:)?//|"""
+                         r"""(?:fetch|import)\s*\(\s*["'`](?:https?:)?//|from\s+["'](?:https?:)?//""", re.I)
+    for name in ("index.html", *ASSETS):
+        text = (STATIC_DIR / name).read_text()
+        assert not outside.search(text), f"{name} loads something from outside: {outside.search(text).group(0)}"
+
+
+def test_the_event_stream_is_read_with_fetch_and_the_key():
+    js = (STATIC_DIR / "app.js").read_text()
+    assert "new EventSource" not in js   # it cannot send Authorization
+    assert re.search(r'fetch\("/events",\s*\{\s*headers:\s*headers\(false\)', js)
+
+
+# -- the stream without the page --------------------------------------------------------------
+@pytest.mark.parametrize("query, param, status", [
+    ("job=abc", "job", 400), ("job=0", "job", 400), ("backlog=-1", "backlog", 400),
+    ("backlog=x", "backlog", 400), ("job=987654", "job", 404),
+])
+def test_events_rejects_bad_parameters_naming_them(http, query, param, status):
+    r = http.get(f"/events?{query}")
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_stream_carries_the_receipts_of_get_train(server, http):
+    job = post_job(http, epochs=2, promote="never", out="streamed")
+    jid = job["id"]
+
+    def job_ended(events):
+        jobs = [d for k, d in events if k == "job" and d["id"] == jid]
+        got = sum(1 for k, d in events if k == "receipt" and d["job_id"] == jid)
+        saved = any(k == "adapters" and any(a["name"] == "streamed" for a in d["adapters"]) for k, d in events)
+        return bool(jobs) and jobs[-1]["state"] in FINAL and got == jobs[-1]["receipts"] and saved
+
+    events = read_events(http, f"/events?job={jid}", job_ended)
+    kinds = [k for k, _ in events]
+    assert kinds[0] == "hello" and {"slots", "adapters", "devices", "job", "receipt"} <= set(kinds)
+    last = [d for k, d in events if k == "job"][-1]
+    assert last["state"] == "done", last["message"]
+    assert last == http.get(f"/train/{jid}").json()
+    streamed = [d for k, d in events if k == "receipt"]
+    assert [d["seq"] for d in streamed] == list(range(1, last["receipts"] + 1))
+    stored = server.service.jobs.receipts(jid)
+    assert [d["receipt"] for d in streamed] == stored           # unchanged, canonical fields, in order
+    assert [r for r in stored if r["status"] == "refused"] == last["refusals"]
+    # A progress curve exists to draw: the job's losses per step are in the receipts.
+    assert sum(1 for r in stored if r["status"] == "ok" and r["tokens"]) == last["progress"]["step"]
+
+    # Reconnecting with a small backlog sends only the newest receipts.
+    again = read_events(http, f"/events?job={jid}&backlog=1", lambda ev: any(k == "receipt" for k, _ in ev))
+    assert [d["seq"] for k, d in again if k == "receipt"] == [last["receipts"]]
+
+    adapters = [d for k, d in events if k == "adapters"][-1]
+    assert adapters == http.get("/adapters").json()
+
+
+# -- the page in a real browser -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def browser():
+    from webdriver import Browser, NoBrowser, ensure_chromium  # noqa: PLC0415 - tests/ is on sys.path
+
+    try:
+        paths = ensure_chromium()
+    except NoBrowser as e:
+        pytest.skip(f"no headless Chromium: {e}")
+    b = Browser(*paths)
+    yield b
+    b.close()
+
+
+def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser):
+    b = browser
+    served_before = http.get("/adapters").json()["served_version"]
+    jobs_before = server.service.jobs.job_ids(1)
+    b.get(server.url + "/")
+    b.js("localStorage.setItem('dreamstage.apiKey', arguments[0])", API_KEY)
+    b.get(server.url + "/")
+    b.wait_for("return document.querySelector('#conn').textContent === 'live'", what="the event stream connecting")
+    assert b.js("return document.querySelector('#api-key').value") == API_KEY
+    # Record every call the page makes from here on: each must carry the key, each POST a JSON body.
+    b.js("window.calls = []; const real = window.fetch; window.fetch = (url, init) => {"
+         " window.calls.push({url: String(url), method: (init && init.method) || 'GET',"
+         " headers: (init && init.headers) || {}, body: (init && init.body) || null}); return real(url, init); };")
+    b.wait_for("return document.querySelector('#served').dataset.version === arguments[0]", str(served_before),
+               what="the served version showing")
+
+    # Ask before: the answer says which adapter served it.
+    b.js("document.querySelector('#chat-mode').value = 'completion'")
+    b.type("#chat-input", FACT["prompt"])
+    b.click("#chat-form button[type=submit]")
+    before = b.wait_for("const v = document.querySelector('#chat-log li.answered .v'); return v && v.dataset.version",
+                        what="the first answer")
+    assert int(before) == served_before
+
+    # A bad body comes back as the server's message naming the field.
+    b.type("#train-examples", '{"prompt": "no completion"}')
+    b.click("#train-form button[type=submit]")
+    err = b.wait_for("const e = document.querySelector('#train-result.error'); return e && e.textContent",
+                     what="the 422 message")
+    assert "examples[0]" in err, err
+
+    # Post a small job through the form.
+    b.type("#train-examples", json.dumps(FACT))
+    b.type("#train-window", "16")
+    b.type("#train-epochs", "12")
+    b.type("#train-out", "dashboard")
+    b.js("document.querySelector('#train-promote').value = 'manual'")
+    b.click("#train-form button[type=submit]")
+    posted = b.wait_for("const e = document.querySelector('#train-result'); "
+                        "return /^job \\d+ queued$/.test(e.textContent) && e.textContent", what="the 202")
+    jid = int(posted.split()[1])
+    assert jobs_before == [] or jid > jobs_before[0]
+    b.wait_for("return document.querySelector('#job-title').textContent.startsWith(arguments[0])", f"job {jid} ",
+               what="the page following the new job")
+
+    # The curve gains points while the job trains; pausing holds it, resuming finishes it.
+    b.wait_for("return +document.querySelector('#loss-chart').dataset.points >= 1 && "
+               "!document.querySelector('#job-pause').disabled", what="the first loss point")
+    b.click("#job-pause")
+    b.wait_for("return document.querySelector('#job-title').dataset.state === 'paused'", what="the pause")
+    held = int(b.js("return document.querySelector('#loss-chart').dataset.points"))
+    assert 1 <= held < 12
+    b.wait_for("return !!document.querySelector('#receipts tbody tr[data-seq]')", what="a receipt row")
+    b.click("#job-resume")
+    b.wait_for("return document.querySelector('#job-title').dataset.state === 'done'", timeout=300,
+               what="the job finishing")
+    job = http.get(f"/train/{jid}").json()
+    ok_losses = [r for r in server.service.jobs.receipts(jid) if r["status"] == "ok" and r["tokens"]]
+    points = b.wait_for("const n = +document.querySelector('#loss-chart').dataset.points; return n >= arguments[0] && n",
+                        len(ok_losses), what="every loss point drawn")
+    assert points == len(ok_losses) > held
+    rows = b.js("return [...document.querySelectorAll('#receipts tbody tr')].map(r => +r.dataset.seq)")
+    assert rows == list(range(job["receipts"], 0, -1))             # every receipt, newest first
+    assert int(b.js("return document.querySelector('#epoch-chart').dataset.points")) == 12
+
+    # Promote from the adapters table; the served version changes and the next answer reports it.
+    b.wait_for("return !!document.querySelector('button.promote[data-name=dashboard]')", what="the adapter row")
+    b.click("button.promote[data-name=dashboard]")
+    after = b.wait_for("const v = document.querySelector('#served').dataset.version; "
+                       "return v !== arguments[0] && v", str(served_before), what="the served version changing")
+    assert int(after) == http.get("/adapters").json()["served_version"] > served_before
+    b.click("#chat-form button[type=submit]")
+    answered = b.wait_for("const v = [...document.querySelectorAll('#chat-log li.answered .v')]; "
+                          "return v.length === 2 && v[0].dataset.version", what="the second answer")
+    assert int(answered) == int(after)
+
+    calls = b.js("return window.calls")
+    assert all(c["headers"].get("Authorization") == f"Bearer {API_KEY}" for c in calls), calls
+    posts = [c for c in calls if c["method"] == "POST"]
+    assert {"/v1/completions", "/train", f"/train/{jid}/pause", f"/train/{jid}/resume",
+            "/adapters/dashboard/promote"} <= {c["url"] for c in posts}
+    for c in posts:
+        assert c["headers"].get("content-type") == "application/json" and isinstance(json.loads(c["body"]), dict)
+
+    shot = b.screenshot(ARTIFACTS / "dashboard.png")
+    print(f"dashboard screenshot: {shot}")
