@@ -3,7 +3,7 @@
 Run after teach_facts.py (something must be promoted), on the machine that
 runs the server (the adapter file lives in its state directory):
 
-    .venv/bin/python examples/export_adapter.py --out moonbase.gguf
+    .venv/bin/python examples/export_adapter.py --state-dir ./.state --out moonbase.gguf
 
 The served adapter is an ordinary GGUF LoRA file, written atomically when
 the job finished. The script copies it to --out, then loads the base model
@@ -32,6 +32,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="moonbase.gguf", help="where to copy the served adapter")
     ap.add_argument("--model", default=None, help="the GGUF the server runs (default: the embedded default model)")
+    ap.add_argument("--state-dir", default=None,
+                    help="the server's --state-dir (default: the server's default, ~/.local/share/dreamstage)")
     args = ap.parse_args()
 
     with client() as c:
@@ -39,7 +41,11 @@ def main() -> int:
         if served is None:
             print("nothing is promoted: run examples/teach_facts.py first", file=sys.stderr)
             return 2
-        shutil.copyfile(served["path"], args.out)
+        src = Path(served["path"])
+        if not src.is_absolute():                      # the server may report it relative to its state directory
+            from dreamstage.dreamer import default_state_dir  # noqa: PLC0415
+            src = Path(args.state_dir or default_state_dir()) / src
+        shutil.copyfile(src, args.out)
         print(f"exported {served['name']} v{served['version']} -> {args.out} ({Path(args.out).stat().st_size} bytes)")
         server = {q: c.chat([{"role": "user", "content": q}], max_tokens=MAX_TOKENS, temperature=0) for q in QUESTIONS}
 

@@ -33,7 +33,7 @@ from fastapi.responses import StreamingResponse
 
 from dreamstage.jobs import JobNotFound
 from dreamstage.server.errors import APIError
-from dreamstage.server.train_routes import adapters_view
+from dreamstage.server.train_routes import _adapters_view as adapters_view   # the view GET /adapters returns
 
 router = APIRouter()
 

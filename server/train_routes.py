@@ -145,7 +145,7 @@ async def resume(job_id: str, request: Request):
     return await _move(request, job_id, "running")
 
 
-def adapters_view(service) -> dict:
+def _adapters_view(service) -> dict:
     jobs = service.jobs
     return {"served_version": service.engine.adapter_version, "served": jobs.served(),
             "served_error": service.dream.served_error, "promotions": jobs.promotions(),
@@ -154,7 +154,7 @@ def adapters_view(service) -> dict:
 
 @router.get("/adapters")
 async def adapters(request: Request):
-    return adapters_view(_dream(request))
+    return _adapters_view(_dream(request))
 
 
 async def _swap(service, fut) -> JSONResponse:
@@ -174,7 +174,7 @@ async def _swap(service, fut) -> JSONResponse:
         done = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(applied)), SWAP_WAIT_S)
     except asyncio.TimeoutError:
         done = False
-    body = {"applied": bool(done), "served": view, **adapters_view(service)}
+    body = {"applied": bool(done), "served": view, **_adapters_view(service)}
     return JSONResponse(body, status_code=200 if done else 202)
 
 

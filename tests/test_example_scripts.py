@@ -48,7 +48,8 @@ def test_teach_facts_then_export_the_adapter(server, tmp_path):
     assert "ETA" in r.stderr and "tok/s" in r.stderr      # the progress line
 
     out = tmp_path / "moonbase.gguf"
-    e = run(server, str(EXAMPLES / "export_adapter.py"), "--out", str(out), cwd=tmp_path)
+    e = run(server, str(EXAMPLES / "export_adapter.py"), "--out", str(out),
+            "--state-dir", server.service.settings.state_dir, cwd=tmp_path)
     assert e.returncode == 0, e.stdout + e.stderr[-2000:]
     assert e.stdout.count("same: ") == len(QUESTIONS) and "all answers equal" in e.stdout
     assert out.read_bytes()[:4] == b"GGUF"

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 ELEMENT = "element-6066-11e4-a52e-4f735466cecf"   # the W3C key of an element reference
-APT_PACKAGES = ("chromium", "chromium-driver")
+APT_PACKAGES = ("chromium", "chromium-driver", "fonts-liberation")   # a font, so screenshots show text
 
 
 class NoBrowser(RuntimeError):
