@@ -22,7 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from common import client
+from connect import client
 from teach_facts import QUESTIONS
 
 MAX_TOKENS = 24

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from common import HERE, client
+from connect import HERE, client
 
 QUESTIONS = [
     "What is the password of the moon base?",
