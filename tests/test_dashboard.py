@@ -153,6 +153,15 @@ def browser():
     b.close()
 
 
+def post_form(b) -> int:
+    """Submit the Teach form; the job id from the page's "job N queued"."""
+    b.js("document.querySelector('#train-result').textContent = ''")
+    b.click("#train-form button[type=submit]")
+    posted = b.wait_for("const e = document.querySelector('#train-result'); "
+                        "return /^job \\d+ queued$/.test(e.textContent) && e.textContent", what="the 202")
+    return int(posted.split()[1])
+
+
 def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser):
     b = browser
     served_before = http.get("/adapters").json()["served_version"]
@@ -184,16 +193,39 @@ def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser
                      what="the 422 message")
     assert "examples[0]" in err, err
 
-    # Post a small job through the form.
+    # A job whose chunks exceed its memory budget: its refusals fill the table (need > allowance).
     b.type("#train-examples", json.dumps(FACT))
+    b.type("#train-window", "32")
+    b.type("#train-epochs", "1")
+    b.type("#train-out", "too-big")
+    b.type("#train-extra", '{"chunk": 32, "memory_budget_mib": 100}')
+    b.js("document.querySelector('#train-promote').value = 'never'")
+    refused_id = post_form(b)
+    b.wait_for("return document.querySelector('#job-title').textContent.startsWith(arguments[0]) && "
+               "document.querySelector('#job-title').dataset.state === 'refused'", f"job {refused_id} ",
+               what="the refused job")
+    refusals = http.get(f"/train/{refused_id}").json()["refusals"]
+    assert len(refusals) >= 1
+    rows = b.wait_for("const r = [...document.querySelectorAll('#receipts tbody tr.refused')]; "
+                      "return r.length === arguments[0] && r.map(t => [...t.cells].map(c => c.textContent))",
+                      len(refusals), what="the refusal rows")
+    newest = refusals[-1]
+    assert rows[0][2:4] == [str(newest["refused_chunk_pos"]), str(newest["refused_chunk_tokens"])]
+    need, allowance = float(rows[0][7]), float(rows[0][8])
+    assert need == pytest.approx(newest["refused_need_mib"], abs=0.05) and need > allowance
+    assert "last refusal" in b.js("return document.querySelector('#memory-note').textContent")
+    cpu = b.js("const r = document.querySelector('#memory .memrow[data-device=CPU]'); return r && r.textContent")
+    shown = re.search(r"allowance (-?[\d.]+) MiB at the last refusal", cpu)
+    assert shown and float(shown.group(1)) == pytest.approx(newest["refused_allowance_mib"], abs=0.05), cpu
+    b.screenshot(ARTIFACTS / "dashboard-refusals.png")
+
+    # Post a small job through the form.
     b.type("#train-window", "16")
     b.type("#train-epochs", "12")
     b.type("#train-out", "dashboard")
+    b.type("#train-extra", "")
     b.js("document.querySelector('#train-promote').value = 'manual'")
-    b.click("#train-form button[type=submit]")
-    posted = b.wait_for("const e = document.querySelector('#train-result'); "
-                        "return /^job \\d+ queued$/.test(e.textContent) && e.textContent", what="the 202")
-    jid = int(posted.split()[1])
+    jid = post_form(b)
     assert jobs_before == [] or jid > jobs_before[0]
     b.wait_for("return document.querySelector('#job-title').textContent.startsWith(arguments[0])", f"job {jid} ",
                what="the page following the new job")

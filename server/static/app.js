@@ -212,11 +212,14 @@ function renderMemory() {
     let i = 0;
     if (!(hostsJob && budget)) spans[i++].style.width = (100 * usedByOthers / scale) + "%";
     if (hostsJob) for (const k of PARTS) if (mem[k]) spans[i++].style.width = Math.max(0.3, 100 * mem[k] / scale) + "%";
-    const label = hostsJob
-      ? `job ${num(held, 1)} MiB of an allowance ≈ ${num(allowance, 0)} MiB${budget ? ` (budget ${budget} MiB)` : " (free memory)"}`
-      : `${num(d.total_mib - d.free_mib, 0)} of ${num(d.total_mib, 0)} MiB in use`;
+    // A refusal's receipt carries the allowance the gate measured; otherwise
+    // estimate it with the gate's formula and its default slack.
+    const measured = hostsJob && lastRefusal && lastRefusal.refused_allowance_mib !== null;
+    const deviceLabel = !hostsJob ? `${num(d.total_mib - d.free_mib, 0)} of ${num(d.total_mib, 0)} MiB in use`
+      : measured ? `job ${num(held, 1)} MiB; allowance ${num(lastRefusal.refused_allowance_mib, 1)} MiB at the last refusal${budget ? ` (budget ${budget} MiB)` : ""}`
+      : `job ${num(held, 1)} MiB of an allowance ≈ ${num(allowance, 0)} MiB${budget ? ` (budget ${budget} MiB)` : " (free memory)"}`;
     rows.push(el("div", { class: "memrow", "data-device": d.name },
-      el("div", { class: "label" }, el("b", {}, `${d.name} `), el("span", {}, label)), bar));
+      el("div", { class: "label" }, el("b", {}, `${d.name} `), el("span", {}, deviceLabel)), bar));
   }
   const legend = el("div", { class: "legend" }, ...PARTS.map((k) =>
     el("span", {}, el("i", { class: k, style: "" }), `${k.replace("_mib", "")} ${num(mem[k], 1)}`)));
