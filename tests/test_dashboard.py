@@ -153,8 +153,12 @@ def browser():
     b.close()
 
 
-def post_form(b) -> int:
-    """Submit the Teach form; the job id from the page's "job N queued"."""
+def post_form(b, examples: str, *, window: int, epochs: int, out: str, promote: str, extra: str = "") -> int:
+    """Fill in and submit the Teach form; the job id from the page's "job N queued"."""
+    for field, value in (("examples", examples), ("window", window), ("epochs", epochs), ("out", out),
+                         ("extra", extra)):
+        b.type(f"#train-{field}", str(value))
+    b.js("document.querySelector('#train-promote').value = arguments[0]", promote)
     b.js("document.querySelector('#train-result').textContent = ''")
     b.click("#train-form button[type=submit]")
     posted = b.wait_for("const e = document.querySelector('#train-result'); "
@@ -194,13 +198,8 @@ def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser
     assert "examples[0]" in err, err
 
     # A job whose chunks exceed its memory budget: its refusals fill the table (need > allowance).
-    b.type("#train-examples", json.dumps(FACT))
-    b.type("#train-window", "32")
-    b.type("#train-epochs", "1")
-    b.type("#train-out", "too-big")
-    b.type("#train-extra", '{"chunk": 32, "memory_budget_mib": 100}')
-    b.js("document.querySelector('#train-promote').value = 'never'")
-    refused_id = post_form(b)
+    refused_id = post_form(b, json.dumps(FACT), window=32, epochs=1, out="too-big", promote="never",
+                           extra='{"chunk": 32, "memory_budget_mib": 100}')
     b.wait_for("return document.querySelector('#job-title').textContent.startsWith(arguments[0]) && "
                "document.querySelector('#job-title').dataset.state === 'refused'", f"job {refused_id} ",
                what="the refused job")
@@ -220,12 +219,7 @@ def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser
     b.screenshot(ARTIFACTS / "dashboard-refusals.png")
 
     # Post a small job through the form.
-    b.type("#train-window", "16")
-    b.type("#train-epochs", "12")
-    b.type("#train-out", "dashboard")
-    b.type("#train-extra", "")
-    b.js("document.querySelector('#train-promote').value = 'manual'")
-    jid = post_form(b)
+    jid = post_form(b, json.dumps(FACT), window=16, epochs=12, out="dashboard", promote="manual")
     assert jobs_before == [] or jid > jobs_before[0]
     b.wait_for("return document.querySelector('#job-title').textContent.startsWith(arguments[0])", f"job {jid} ",
                what="the page following the new job")
