@@ -97,8 +97,9 @@ class Follower:
         current = jobs.current_id()
         if current is not None:
             return current
-        if jobs.queue():
-            return jobs.queue()[0]
+        queued = jobs.next_queued()
+        if queued is not None:
+            return queued
         newest = jobs.job_ids(1)
         return newest[0] if newest else None
 

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from dreamstage.server.dashboard import ASSETS, STATIC_DIR
+from dreamstage.server.events import TICK_S
 from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
 
@@ -137,6 +138,17 @@ def test_stream_carries_the_receipts_of_get_train(server, http):
 
     adapters = [d for k, d in events if k == "adapters"][-1]
     assert adapters == http.get("/adapters").json()
+
+
+def test_without_training_the_page_and_stream_still_serve():
+    with BackgroundServer(ServerSettings(ctx=256, parallel=1, threads=1)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        assert c.get("/").status_code == 200
+        events = read_events(c, "/events", lambda ev: len(ev) >= 2)
+        assert events[0] == ("hello", {"training": False, "follow": None, "tick_s": TICK_S})
+        assert events[1][0] == "slots" and len(events[1][1]["slots"]) == 1
+        r = c.get("/events?job=1")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "training_off"
 
 
 # -- the page in a real browser -------------------------------------------------------------------
