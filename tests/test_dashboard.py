@@ -277,3 +277,24 @@ def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser
 
     shot = b.screenshot(ARTIFACTS / "dashboard.png")
     print(f"dashboard screenshot: {shot}")
+
+    # Roll back from the page: the previous version serves again.
+    b.click("#rollback")
+    b.wait_for("return document.querySelector('#served').dataset.version === arguments[0]", str(served_before),
+               what="the rollback")
+    assert http.get("/adapters").json()["served_version"] == served_before
+
+
+def test_the_form_reads_jsonl_and_chat_turns(server, browser):
+    b = browser
+    b.get(server.url + "/")
+    parse = "try { return parseExamples(arguments[0]); } catch (e) { return 'error: ' + e.message; }"
+    assert b.js(parse, '{"text": "a"}\n\n{"prompt": "b", "completion": " c"}\n') == [
+        {"text": "a"}, {"prompt": "b", "completion": " c"}]
+    turns = "system: Be brief.\nuser: Where is the base?\nassistant: On the moon,\nnear the pole.\n\nUSER: Hi\nassistant: Hello."
+    assert b.js(parse, turns) == [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the base?"},
+                      {"role": "assistant", "content": "On the moon,\nnear the pole."}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}]
+    assert b.js(parse, '{"text": "a"}\n{"text": oops}').startswith("error: line 2: not valid JSON")
+    assert b.js(parse, "hello there\nuser: hi") == 'error: line 1: a chat turn starts with "user:", "assistant:" or "system:"'
