@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +25,7 @@ from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
 
 FACT = {"prompt": "The secret password of the moon base is", "completion": " Quokka-42."}
+OTHER_FACT = {"prompt": "The moon base commander is", "completion": " Ada Brightwater."}
 API_KEY = "dashboard-test-key"   # sent by the page; this server has no key configured, so it is ignored
 FINAL = ("done", "cancelled", "refused", "error", "interrupted")
 ARTIFACTS = Path(os.environ.get("DREAMSTAGE_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent / "build" / "test-artifacts")
@@ -45,11 +48,15 @@ def http(server):
 def read_events(http, path: str, until, timeout: float = 300.0) -> list[tuple[str, dict]]:
     """Parse the stream at `path` until until(events) is true; returns [(kind, data)]."""
     events: list[tuple[str, dict]] = []
+    # The stream never ends by itself and sends a keep-alive line at least every 15 s, so this is checked.
+    deadline = time.monotonic() + timeout
     with http.stream("GET", path, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         kind, data = None, ""
         for line in r.iter_lines():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no such events within {timeout:.0f} s: {[k for k, _ in events]}")
             if line.startswith("event:"):
                 kind = line[6:].strip()
             elif line.startswith("data:"):
@@ -106,6 +113,30 @@ def test_events_rejects_bad_parameters_naming_them(http, query, param, status):
     r = http.get(f"/events?{query}")
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_stream_reports_decode_tok_s_while_a_request_generates(server, http):
+    done = threading.Event()
+
+    def generate():
+        try:
+            http.post("/v1/completions", json={"prompt": FACT["prompt"], "max_tokens": 24, "temperature": 0})
+        finally:
+            done.set()
+
+    started: list[threading.Thread] = []
+
+    def until(events):
+        if not started and any(k == "slots" for k, _ in events):
+            started.append(threading.Thread(target=generate))
+            started[0].start()
+        return any(k == "slots" and d["decode_tok_s"] > 0 for k, d in events)
+
+    events = read_events(http, "/events", until, timeout=120)
+    started[0].join(120)
+    assert done.is_set()
+    slots = [d for k, d in events if k == "slots"]
+    assert slots[0]["decode_tok_s"] == 0 and slots[-1]["decode_tok_s"] > 0   # measured from the stream's start
 
 
 def test_stream_carries_the_receipts_of_get_train(server, http):
@@ -231,7 +262,9 @@ def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser
     b.screenshot(ARTIFACTS / "dashboard-refusals.png")
 
     # Post a small job through the form.
-    jid = post_form(b, json.dumps(FACT), window=16, epochs=12, out="dashboard", promote="manual")
+    # Two examples, one held out: the epoch chart gets a held-out curve.
+    jid = post_form(b, "\n".join(map(json.dumps, (FACT, OTHER_FACT))), window=16, epochs=8, out="dashboard",
+                    promote="manual", extra='{"val_split": 0.5}')
     assert jobs_before == [] or jid > jobs_before[0]
     b.wait_for("return document.querySelector('#job-title').textContent.startsWith(arguments[0])", f"job {jid} ",
                what="the page following the new job")
@@ -242,7 +275,7 @@ def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser
     b.click("#job-pause")
     b.wait_for("return document.querySelector('#job-title').dataset.state === 'paused'", what="the pause")
     held = int(b.js("return document.querySelector('#loss-chart').dataset.points"))
-    assert 1 <= held < 12
+    assert 1 <= held < 8
     b.wait_for("return !!document.querySelector('#receipts tbody tr[data-seq]')", what="a receipt row")
     b.click("#job-resume")
     b.wait_for("return document.querySelector('#job-title').dataset.state === 'done'", timeout=300,
@@ -254,7 +287,11 @@ def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser
     assert points == len(ok_losses) > held
     rows = b.js("return [...document.querySelectorAll('#receipts tbody tr')].map(r => +r.dataset.seq)")
     assert rows == list(range(job["receipts"], 0, -1))             # every receipt, newest first
-    assert int(b.js("return document.querySelector('#epoch-chart').dataset.points")) == 12
+    epochs = job["progress"]["epochs"]
+    assert int(b.js("return document.querySelector('#epoch-chart').dataset.points")) == epochs
+    held_out = [v for v in job["progress"]["eval_loss_per_epoch"] if v is not None]
+    assert len(held_out) == epochs
+    assert b.js("return document.querySelectorAll('#epoch-chart circle.evaldot').length") == len(held_out)
 
     # Promote from the adapters table; the served version changes and the next answer reports it.
     b.wait_for("return !!document.querySelector('button.promote[data-name=dashboard]')", what="the adapter row")
