@@ -17,9 +17,10 @@ is `event: <kind>` plus one JSON `data:` line:
   few seconds (the memory the gate's allowance is taken from).
 
 The stream follows `?job=ID` if given, else the job training now (starting,
-running or paused), else the newest job, and moves on to a new job when one
-starts. It reads the job store and the engine's public counters every tick;
-it never calls into llama, and slow readers only delay their own stream.
+running or paused), else the next queued job, else the newest, and moves on
+to a new job when one starts. It reads the job store and the engine's public
+counters every tick; it never calls into llama, and slow readers only delay
+their own stream. It ends when the engine stops.
 """
 from __future__ import annotations
 
@@ -145,7 +146,9 @@ async def stream(request: Request, follower: Follower, tick_s: float = TICK_S) -
     yield sse("hello", {"training": service.jobs is not None, "follow": follower.pinned, "tick_s": tick_s})
     generated, at = engine.stats.generated_tokens, time.monotonic()
     devices_at = keepalive_at = -1e9
-    while not await request.is_disconnected():
+    # Ends when the engine stops: a shutdown that stops the engine first then
+    # need not wait out its graceful timeout for open dashboards.
+    while engine.running and not await request.is_disconnected():
         now = time.monotonic()
         g = engine.stats.generated_tokens
         rate = (g - generated) / (now - at) if now > at else 0.0

@@ -180,6 +180,20 @@ def test_without_training_the_page_and_stream_still_serve():
         assert events[1][0] == "slots" and len(events[1][1]["slots"]) == 1
         r = c.get("/events?job=1")
         assert r.status_code == 503 and r.json()["error"]["code"] == "training_off"
+        # The stream ends once the engine stops (what a shutdown does first).
+        ended = threading.Event()
+
+        def follow():
+            with c.stream("GET", "/events") as s:
+                for _ in s.iter_lines():
+                    pass
+            ended.set()
+
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        assert not ended.wait(3 * TICK_S)          # an open stream stays open
+        srv.service.engine.stop()
+        assert ended.wait(30), "the stream stayed open after the engine stopped"
 
 
 # -- the page in a real browser -------------------------------------------------------------------

@@ -158,11 +158,11 @@ function renderJob() {
   const frac = total ? done / total : 0;
   $("#progress-bar").style.width = (100 * frac).toFixed(1) + "%";
   $("#progress-text").textContent = `${job.state} · ${(100 * frac).toFixed(0)}% · epoch ${Math.min((p.epoch || 0) + 1, epochs)}/${epochs} · window ${job.state === "done" ? windows : p.window || 0}/${windows}`;
-  // ETA at the rate so far: windows done per second since the job started.
+  // ETA at the rate so far: windows done per second since the job started,
+  // both ends on the server's clock (the browser's may be set differently).
   let eta = null;
-  if (job.started && done > 0 && done < total && job.state === "running") {
-    const elapsed = Date.now() / 1000 - job.started;
-    eta = elapsed / done * (total - done);
+  if (job.started && job.updated && done > 0 && done < total && job.state === "running") {
+    eta = (job.updated - job.started) / done * (total - done);
   }
   const bound = pacing.mode === "max_slowdown" ? `bound ${pct(pacing.target)}` : pacing.mode ? `share ${pct(pacing.target)}` : "";
   $("#job-stats").replaceChildren(
