@@ -300,7 +300,7 @@ function onEvent(kind, data) {
       drawLoss();
       break;
     case "receipt":
-      if (state.job && ev_job_mismatch(data)) break;
+      if (state.job && state.job.id !== data.job_id) break;   // the stream moved on; its job event came first
       addReceipt(data);
       drawLoss();
       break;
@@ -308,8 +308,6 @@ function onEvent(kind, data) {
     case "devices": state.devices = data.devices; renderMemory(); break;
   }
 }
-// A receipt for another job than the one shown (the job event comes first, so this is rare).
-const ev_job_mismatch = (data) => state.job.id !== data.job_id;
 
 function setConn(ok, text) {
   const c = $("#conn");
