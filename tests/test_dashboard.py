@@ -196,6 +196,11 @@ def test_without_training_the_page_and_stream_still_serve():
         assert ended.wait(30), "the stream stayed open after the engine stopped"
 
 
+def native_devices() -> list[dict]:
+    from dreamstage import native  # noqa: PLC0415
+    return native.devices()
+
+
 # -- the page in a real browser -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def browser():
@@ -270,9 +275,11 @@ def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser
     need, allowance = float(rows[0][7]), float(rows[0][8])
     assert need == pytest.approx(newest["refused_need_mib"], abs=0.05) and need > allowance
     assert "last refusal" in b.js("return document.querySelector('#memory-note').textContent")
-    cpu = b.js("const r = document.querySelector('#memory .memrow[data-device=CPU]'); return r && r.textContent")
-    shown = re.search(r"allowance (-?[\d.]+) MiB at the last refusal", cpu)
-    assert shown and float(shown.group(1)) == pytest.approx(newest["refused_allowance_mib"], abs=0.05), cpu
+    row = b.js("const r = document.querySelector('#memory .memrow[data-row=job]'); return r && r.textContent")
+    shown = re.search(r"allowance (-?[\d.]+) MiB at the last refusal", row)
+    assert shown and float(shown.group(1)) == pytest.approx(newest["refused_allowance_mib"], abs=0.05), row
+    devices = b.js("return [...document.querySelectorAll('#memory .memrow')].map(r => r.dataset.row)")
+    assert devices == ["job", *(d["name"] for d in native_devices())]
     b.screenshot(ARTIFACTS / "dashboard-refusals.png")
 
     # Post a small job through the form.

@@ -187,42 +187,42 @@ function renderJob() {
 }
 
 const PARTS = ["graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "walk_mib"];
-const SLACK_MIB = 64;   // the gate's default slack (Trainer slack_mib)
 
+// Receipts carry the job's memory summed over devices, so the job gets one
+// row against its allowance, and each device a row of its own use.
 function renderMemory() {
   const job = state.job, box = $("#memory");
   const mem = (job && job.memory) || {};
   const held = PARTS.reduce((a, k) => a + (mem[k] || 0), 0);
   const budget = job && job.spec ? job.spec.memory_budget_mib : null;
   const lastRefusal = job && job.refusals && job.refusals.length ? job.refusals[job.refusals.length - 1] : null;
-  const rows = [];
+  // The allowance the gate measured at the last refusal, else the budget the job set.
+  const measured = lastRefusal && lastRefusal.refused_allowance_mib !== null ? lastRefusal.refused_allowance_mib : null;
+  const jobBar = el("div", { class: "bar" });
+  const scale = Math.max(held, budget || 0, measured !== null ? measured + held : 0) || 1;
+  for (const k of PARTS) {
+    if (!mem[k]) continue;
+    const part = el("span", { class: k, title: `${k}: ${num(mem[k], 1)} MiB` });
+    part.style.width = Math.max(0.3, 100 * mem[k] / scale) + "%";
+    jobBar.append(part);
+  }
+  const jobLabel = measured !== null
+    ? `${num(held, 1)} MiB; allowance ${num(measured, 1)} MiB at the last refusal${budget ? ` (budget ${budget} MiB)` : ""}`
+    : budget ? `${num(held, 1)} of a ${budget} MiB budget (less the gate's slack)`
+      : `${num(held, 1)} MiB; no budget: each device's free memory bounds it`;
+  const rows = [el("div", { class: "memrow", "data-row": "job" },
+    el("div", { class: "label" }, el("b", {}, "job "), el("span", {}, jobLabel)), jobBar)];
   for (const d of state.devices) {
-    // The gate runs on the host today (a GPU backend refuses training), so
-    // the job's parts are drawn on the CPU row; receipts carry totals, not a
-    // per-device split.
-    const hostsJob = d.name.toUpperCase() === "CPU";
-    const usedByOthers = Math.max(0, d.total_mib - d.free_mib - (hostsJob ? held : 0));
-    let allowance = d.free_mib - SLACK_MIB + (hostsJob ? held : 0);
-    if (hostsJob && budget) allowance = Math.min(allowance, budget - SLACK_MIB);
-    const scale = hostsJob && budget ? Math.max(budget, held) : d.total_mib;
+    const used = d.total_mib - d.free_mib;
     const bar = el("div", { class: "bar" });
-    if (!(hostsJob && budget)) bar.append(el("span", { class: "used", title: `in use by others: ${num(usedByOthers, 0)} MiB` }));
-    if (hostsJob) for (const k of PARTS) if (mem[k]) bar.append(el("span", { class: k, title: `${k}: ${num(mem[k], 1)} MiB` }));
-    const spans = [...bar.children];
-    let i = 0;
-    if (!(hostsJob && budget)) spans[i++].style.width = (100 * usedByOthers / scale) + "%";
-    if (hostsJob) for (const k of PARTS) if (mem[k]) spans[i++].style.width = Math.max(0.3, 100 * mem[k] / scale) + "%";
-    // A refusal's receipt carries the allowance the gate measured; otherwise
-    // estimate it with the gate's formula and its default slack.
-    const measured = hostsJob && lastRefusal && lastRefusal.refused_allowance_mib !== null;
-    const deviceLabel = !hostsJob ? `${num(d.total_mib - d.free_mib, 0)} of ${num(d.total_mib, 0)} MiB in use`
-      : measured ? `job ${num(held, 1)} MiB; allowance ${num(lastRefusal.refused_allowance_mib, 1)} MiB at the last refusal${budget ? ` (budget ${budget} MiB)` : ""}`
-      : `job ${num(held, 1)} MiB of an allowance ≈ ${num(allowance, 0)} MiB${budget ? ` (budget ${budget} MiB)` : " (free memory)"}`;
-    rows.push(el("div", { class: "memrow", "data-device": d.name },
-      el("div", { class: "label" }, el("b", {}, `${d.name} `), el("span", {}, deviceLabel)), bar));
+    const part = el("span", { class: "used", title: `in use: ${num(used, 0)} MiB` });
+    part.style.width = (100 * used / (d.total_mib || 1)) + "%";
+    bar.append(part);
+    rows.push(el("div", { class: "memrow", "data-row": d.name },
+      el("div", { class: "label" }, el("b", {}, `${d.name} `), el("span", {}, `${num(d.free_mib, 0)} MiB free of ${num(d.total_mib, 0)} MiB`)), bar));
   }
   const legend = el("div", { class: "legend" }, ...PARTS.map((k) =>
-    el("span", {}, el("i", { class: k, style: "" }), `${k.replace("_mib", "")} ${num(mem[k], 1)}`)));
+    el("span", {}, el("i", { class: k }), `${k.replace("_mib", "")} ${num(mem[k], 1)}`)));
   for (const i of legend.querySelectorAll("i")) i.style.background = `var(--${i.className.replace("_mib", "")})`;
   box.replaceChildren(...rows, legend);
   $("#memory-note").textContent = lastRefusal
