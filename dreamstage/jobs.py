@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import sqlite3
 import threading
 import time
@@ -176,9 +177,15 @@ class JobStore:
 
     def __init__(self, state_dir: str | Path, clock: Callable[[], float] = time.time):
         self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # The database holds every training example: owner-only, like the
+        # adapters. SQLite gives its -wal and -shm files the database's mode.
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.adapters_dir = self.state_dir / "adapters"
         self.path = self.state_dir / self.DB_NAME
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+        for p in (self.path, Path(f"{self.path}-wal"), Path(f"{self.path}-shm")):
+            if p.exists() and p.stat().st_mode & 0o077:
+                p.chmod(0o600)     # made by an older version with the umask's mode
         self.clock = clock
         self._local = threading.local()
         self._write_lock = threading.Lock()

@@ -14,10 +14,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dreamstage.engine import Delta, Failed, Finished, GenerationRequest
 from dreamstage.sampling import GrammarError, SamplingParams, json_schema_grammar
-from dreamstage.server import errors, metrics
+from dreamstage.server import errors, metrics, security
 from dreamstage.server.bridge import ClientGone, EngineRequest
 from dreamstage.server.errors import APIError
-from dreamstage.server.middleware import BodySizeLimit
+from dreamstage.server.middleware import BodyGuard
 from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
 from dreamstage.server.service import Service
 from dreamstage.server.train_routes import router as train_router
@@ -77,7 +77,10 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="dreamstage", version="0.1.0")
     app.state.service = service
     errors.install(app)
-    app.add_middleware(BodySizeLimit, max_bytes=service.settings.max_body_bytes)
+    # Outermost first when a request arrives: CORS (if allow-listed), the
+    # security guard (Host, key, content type), then the body checks.
+    app.add_middleware(BodyGuard, max_bytes=service.settings.max_body_bytes)
+    security.install(app, service.settings.security(), service.settings.cors_origins)
     engine = service.engine
     retry = service.settings.retry_after_s
 

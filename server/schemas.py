@@ -15,7 +15,8 @@ from dreamstage.chat import ROLES
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    # allow_inf_nan: Python's json reads Infinity and NaN, which no field means.
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class TextPart(_Strict):
@@ -61,12 +62,12 @@ class _Sampling(_Strict):
     model: str | None = None       # any id is accepted: one model is resident
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=2**31 - 1)   # llama.cpp's int32; larger values would wrap
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)   # llama.cpp's uint32; larger values would wrap
     stop: StopField = None
     stream: bool = False
     stream_options: StreamOptions | None = None
