@@ -126,12 +126,9 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
-        try:
-            prompt = service.chat.render(messages)
-        except ValueError as e:
-            raise APIError(400, f"messages: {e}", "messages") from None
-        gen = GenerationRequest(prompt, body.limit(), _sampling(body, _grammar(body)), body.stop_list(),
-                                add_special=not service.chat.starts_with_bos(prompt))
+        grammar = _grammar(body)
+        prompt = await service.prompts.chat(service.chat, messages)   # token ids, off the engine thread
+        gen = GenerationRequest(prompt, body.limit(), _sampling(body, grammar), body.stop_list())
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), service.model_id
         base = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
 
@@ -158,7 +155,10 @@ def create_app(service: Service) -> FastAPI:
         prompt = body.prompt_value()
         if isinstance(prompt, str) and not prompt:
             raise APIError(400, "prompt: must not be empty", "prompt")
-        gen = GenerationRequest(prompt, body.max_tokens, _sampling(body, _grammar(body)), body.stop_list())
+        grammar = _grammar(body)
+        if isinstance(prompt, str):
+            prompt = await service.prompts.text(prompt, body.parse_special)   # token ids, off the engine thread
+        gen = GenerationRequest(prompt, body.max_tokens, _sampling(body, grammar), body.stop_list())
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), service.model_id
         base = {"id": cid, "object": "text_completion", "created": created, "model": model}
 
@@ -189,10 +189,14 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        body = {"status": "ok" if engine.running else "stopped", "slots": engine.n_seq,
+        # "ok" only when the engine thread runs and its last iteration did not fail.
+        status = "stopped" if not engine.running else ("failing" if engine.failing else "ok")
+        body = {"status": status, "slots": engine.n_seq,
                 "slots_busy": engine.busy_slots(), "queue_depth": engine.queue_depth,
                 "adapter_version": engine.adapter_version}
-        return JSONResponse(body, status_code=200 if engine.running else 503)
+        if status == "failing":
+            body["error"] = engine.failing
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/slots")
     async def slots():

@@ -103,6 +103,10 @@ class CompletionRequest(_Sampling):
                   Annotated[list[int], Field(min_length=1)]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: Literal[False] = False
+    # A dreamstage extension: parse control-token text in the prompt (e.g. a
+    # hand-written "<|im_start|>") as control tokens. Off by default, so user
+    # text cannot forge turns; llama.cpp's special-token pass is also quadratic.
+    parse_special: bool = False
     logprobs: None = None
     suffix: None = None
 
