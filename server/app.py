@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dreamstage.engine import Delta, Failed, Finished, GenerationRequest
 from dreamstage.sampling import GrammarError, SamplingParams, json_schema_grammar
-from dreamstage.server import errors, metrics, security
+from dreamstage.server import errors, metrics, openapi, security
 from dreamstage.server.bridge import ClientGone, EngineRequest
 from dreamstage.server.errors import APIError
 from dreamstage.server.middleware import BodyGuard
@@ -202,8 +202,9 @@ def create_app(service: Service) -> FastAPI:
     async def slots():
         return {"slot_context": engine.slot_ctx, "n_ctx": service.model.n_ctx, "slots": engine.slots_info()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
         return PlainTextResponse(metrics.render(engine), media_type="text/plain; version=0.0.4")
 
+    openapi.install(app)
     return app
