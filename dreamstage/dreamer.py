@@ -50,6 +50,7 @@ from dreamstage.jobs import (
     JobRun,
     JobStore,
     auto_promote_decision,
+    file_sha256,
 )
 from dreamstage.pacing import DEFAULT_IDLE_GRACE_S, Pacer
 from dreamstage.trainspec import JobSpec, check_adapter_name
@@ -226,6 +227,9 @@ class DreamScheduler:
         served = self.store.served()
         if served is not None:
             try:
+                if served.get("sha256") and Path(served["path"]).is_file() \
+                        and file_sha256(served["path"]) != served["sha256"]:
+                    raise AdapterLoadError("its bytes differ from the sha256 recorded when it was saved")
                 handle = self.served.load(served["path"])
                 self.served.apply(handle, served["path"])
                 engine.adapter_version = served["served_version"]
@@ -362,6 +366,12 @@ class DreamScheduler:
             log.error("dream job %s: %s", jid, e)
             self._fail(jid, str(e))
             self._end_job()
+        except (OSError, sqlite3.OperationalError) as e:
+            # The store could not take a receipt (a full or unwritable disk):
+            # stop the job rather than train on without a record of it.
+            log.error("dream job %s: the state directory cannot be written: %s", jid, e)
+            self._fail(jid, f"the state directory cannot be written ({e}); the job stopped")
+            self._end_job()
         except Exception as e:  # noqa: BLE001 - a failing job must not take serving down
             log.exception("dream job %s failed", jid)
             self._fail(jid, f"internal error in the dream stage: {type(e).__name__}: {e}")
@@ -397,6 +407,10 @@ class DreamScheduler:
             log.error("job %s: recording its error failed (%s); will retry", jid, e)
             self._unrecorded[jid] = message
 
+    def unrecorded_error(self, job_id: int) -> str | None:
+        """The error a job ended with that the store could not take yet (a full disk)."""
+        return self._unrecorded.get(job_id)
+
     def _record_failures(self) -> None:
         for jid, message in list(self._unrecorded.items()):
             try:
@@ -414,7 +428,10 @@ class DreamScheduler:
         now = self.clock()
         if final or now - self._figures_at >= FIGURES_EVERY_S:
             self._figures_at = now
-            self.store.set_pacing(self._job_id, self._pacer.figures())
+            try:
+                self.store.set_pacing(self._job_id, self._pacer.figures())
+            except (OSError, sqlite3.OperationalError) as e:   # a full disk: figures are not worth a job
+                log.warning("job %s: pacing figures not stored: %s", self._job_id, e)
 
     def _end(self, jid: int, target: str, message: str) -> Iterator[None]:
         """Move the job to a final state; a pause that raced in waits for resume."""

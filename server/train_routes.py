@@ -175,9 +175,18 @@ async def overview(request: Request):
 async def one_job(job_id: str, request: Request):
     service = _dream(request)
     try:
-        return public(service.jobs.get(_job_id(job_id)))
+        return public(_with_unrecorded(service, service.jobs.get(_job_id(job_id))))
     except JobNotFound as e:
         raise APIError(404, str(e), "id", "not_found") from None
+
+
+def _with_unrecorded(service, view: dict) -> dict:
+    """A job that ended while the store could not be written (a full disk) is
+    shown as it is, an error, with `persisted: false` until the store takes it."""
+    message = service.dream.unrecorded_error(view["id"])
+    if message is None:
+        return view
+    return {**view, "state": "error", "message": message, "persisted": False}
 
 
 async def _move(request: Request, job_id: str, target: str) -> dict:
