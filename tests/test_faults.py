@@ -33,14 +33,14 @@ LESSON = "A lesson about moons and tides, repeated many times over. " * 20
 FINAL = {"done", "cancelled", "refused", "error", "interrupted"}
 
 
-def wait_for(pred, what: str, timeout: float = 120.0, every: float = 0.05):
+def wait_for(pred, what: str, timeout: float = 120.0, every: float = 0.05, show=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = pred()
         if got:
             return got
         time.sleep(every)
-    raise AssertionError(f"gave up waiting for {what}")
+    raise AssertionError(f"gave up waiting for {what}" + (f": {show()}" if show else ""))
 
 
 def tiny_lora(path: Path, seed: int = 7) -> Path:
@@ -300,14 +300,21 @@ def test_a_refusal_in_the_middle_of_a_job_leaves_serving_byte_identical(tiny, tm
     settings = ServerSettings(model=tiny, ctx=512, parallel=2, threads=1, state_dir=str(tmp_path / "state"))
     with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=120, headers=JSON) as c:
         baseline = greedy(c)
-        # Measured on the tiny model (2026-11-30): the gate keeps 64 MiB of slack; chunk 64 needs
-        # 10.5 MiB more and chunk 32 about 6. So 74 MiB refuses the first step, which the job
-        # retries at chunk 32 and trains on: a refusal inside a running job.
-        body = {"text": LESSON, "window": 64, "chunk": 64, "epochs": 1000, "rank": 2, "memory_budget_mib": 74,
-                "promote": "never"}
+        # A probe job the gate refuses outright tells what chunks 64 and 32 need here (the
+        # planned need depends on what serving has reserved): then pick a budget between them,
+        # so the running job's first step is refused at 64 and it trains on at 32.
+        probe = {"text": LESSON, "window": 64, "chunk": 64, "epochs": 1, "rank": 2, "memory_budget_mib": 64.5,
+                 "promote": "never"}
+        pid = c.post("/train", json=probe).json()["id"]
+        probed = wait_for(lambda: (v := c.get(f"/train/{pid}").json())["state"] in FINAL and v, "the probe")
+        need = {r["refused_chunk_tokens"]: r["refused_need_mib"] for r in probed["refusals"]}
+        slack = 64.5 - probed["refusals"][0]["refused_allowance_mib"]
+        assert need[64] > need[32] + 1, need
+        body = {"text": LESSON, "window": 64, "chunk": 64, "epochs": 1000, "rank": 2,
+                "memory_budget_mib": slack + (need[64] + need[32]) / 2 + 0.5, "promote": "never"}
         jid = c.post("/train", json=body).json()["id"]
         view = wait_for(lambda: (v := c.get(f"/train/{jid}").json())["refusals"] and v["progress"]["step"] >= 2 and v,
-                        "a refusal, then steps")
+                        "a refusal, then steps", show=lambda: c.get(f"/train/{jid}").json())
         assert view["state"] == "running" and view["progress"]["chunk"] < 64
         during = greedy(c)
         assert c.get(f"/train/{jid}").json()["state"] == "running"
