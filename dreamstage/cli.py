@@ -12,15 +12,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415
-
-    from dreamstage.server.app import create_app  # noqa: PLC0415
-    from dreamstage.server.service import Service  # noqa: PLC0415
-    from dreamstage.server.settings import ServerSettings  # noqa: PLC0415
-
     from dreamstage.dreamer import default_state_dir  # noqa: PLC0415
-
-    from dreamstage.server.settings import JobLimits  # noqa: PLC0415
+    from dreamstage.server.app import create_app  # noqa: PLC0415
+    from dreamstage.server.service import Service, run_uvicorn  # noqa: PLC0415
+    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
 
     state_dir = None if args.no_train else (args.state_dir or str(default_state_dir()))
     limits = JobLimits(**{k: getattr(args, k) for k in JobLimits.__dataclass_fields__})
@@ -29,7 +24,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               state_dir=state_dir, adapter=args.adapter, max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes, api_key=_api_key(args),
                               allowed_hosts=tuple(args.allowed_host or ()), cors_origins=tuple(args.cors_origin or ()),
-                              limits=limits)
+                              limits=limits, n_gpu_layers=args.n_gpu_layers)
     try:
         settings.validate()
         service = Service(settings)
@@ -45,7 +40,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{cfg.n_threads or 'all'} threads; {training}; "
           f"{'API key required' if settings.api_key else 'no API key'} "
           f"(adapter version {service.engine.adapter_version})", flush=True)
-    from dreamstage.server.service import run_uvicorn  # noqa: PLC0415
     run_uvicorn(service, create_app(service), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -178,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=4096, help="total context; each slot gets ctx/parallel (default 4096)")
     p.add_argument("--batch", type=int, default=512, help="tokens per decode batch (default 512)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=-1, metavar="N",
+                   help="layers stored on the GPU in a GPU build (default -1: all; 0: none)")
     p.add_argument("--kv-type", default="f16", help="serving K/V cache type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
     p.add_argument("--state-dir", default=None,
                    help="where the dream stage keeps jobs and adapters (default ~/.local/share/dreamstage)")

@@ -1,6 +1,6 @@
 // The plain walk: one micro-step = one chunk of the window, forward and (when
-// it has loss tokens) backward, on the resident context's own scheduler, with
-// the chunk attending to the training cache's prefix. The gradient stops at
+// it has loss tokens) backward, on the resident context's backends through the
+// stage's own schedulers (dream-sched.cpp), with the chunk attending to the training cache's prefix. The gradient stops at
 // chunk boundaries (the cached prefix is constant); gradients accumulate on
 // the host over the window and AdamW updates the shadow adapter at its end.
 #include "dream-stage.h"
@@ -152,27 +152,90 @@ static const ggml_tensor * dream_find_undifferentiable(ggml_cgraph * g, ggml_ten
     return nullptr;
 }
 
-// The backward of a frozen quantized matmul is OUT_PROD(W_q, grad^T), which
-// ggml's CPU kernel computes by dequantizing a row of W for every (token, row)
-// pair: n_tokens times the weight, per step (measured 17 s for a 64-token
-// micro-step of the default model). Dequantizing each W once per step into a
-// temporary F32 tensor right before its OUT_PROD does the same product with
-// one dequantization per weight; the allocator frees it after its single use,
-// and the gate sees it in graph_mib. Returns the rebuilt graph (the same one
-// when nothing was quantized).
-static ggml_cgraph * dream_dequantize_out_prods(ggml_context * ctx, ggml_cgraph * gb, size_t cap) {
+// The device whose backend would run an OUT_PROD reading this quantized weight
+// in place: a non-CPU backend of the stage's scheduler that holds the weight's
+// buffer and claims the op (ggml-cuda does through ggml_ext/cuda, expanding the
+// weight to F32 in its stream-ordered pool). Null: the node would run on the CPU.
+static ggml_backend_dev_t dream_quantized_out_prod_device(dream_stage & ds, ggml_tensor * node) {
+    const ggml_tensor * w = node->src[0];
+    if (!w->buffer || ggml_backend_buffer_is_host(w->buffer)) {
+        return nullptr;
+    }
+    ggml_backend_sched_t s = ds.sched_exec.get();
+    for (int b = 0; b < ggml_backend_sched_get_n_backends(s); ++b) {
+        ggml_backend_t be = ggml_backend_sched_get_backend(s, b);
+        ggml_backend_dev_t dev = ggml_backend_get_device(be);
+        if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+            continue;
+        }
+        if (ggml_backend_supports_buft(be, ggml_backend_buffer_get_type(w->buffer)) && ggml_backend_supports_op(be, node)) {
+            return dev;
+        }
+    }
+    return nullptr;
+}
+
+// Rewrites the backward graph so each node can run where its data lives:
+// - OUT_PROD(W_q, dy^T), the input gradient through a frozen quantized weight:
+//   ggml's CPU kernel dequantizes a row of W for every (token, row) pair, n_tokens
+//   times the weight per step (measured 17 s for a 64-token micro-step of the
+//   default model). On the CPU the node becomes our blocked kernel
+//   (dream-cpu-backward.cpp), which dequantizes each weight once per step into
+//   cache-sized panels; a weight it cannot take is cast to F32 right before its
+//   OUT_PROD (the allocator frees the copy after its single use). On a GPU backend that takes the quantized op, W stays quantized and the
+//   backend expands it in its pool; *pool_need gets, per device, the largest
+//   such expansion (4 bytes per weight), which the allocator does not see.
+// - ACC whose added tensor is not contiguous (VIEW's backward fed by a permuted
+//   gradient): ggml-cuda's ACC takes contiguous operands only, so the scheduler
+//   would run it on the CPU, one round trip per block. A CONT first keeps it on
+//   the device; the values are the same.
+// Returns the rebuilt graph (the same one when nothing changed).
+static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, ggml_cgraph * gb, size_t cap,
+                                        std::vector<std::pair<ggml_backend_dev_t, size_t>> & pool_need) {
     bool any = false;
     for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
         ggml_tensor * n = ggml_graph_node(gb, i);
         if (n->op == GGML_OP_OUT_PROD && ggml_is_quantized(n->src[0]->type)) {
-            n->src[0] = ggml_cast(ctx, n->src[0], GGML_TYPE_F32);
+            if (ggml_backend_dev_t dev = dream_quantized_out_prod_device(ds, n)) {
+                const size_t bytes = (size_t) ggml_nelements(n->src[0]) * sizeof(float);
+                bool found = false;
+                for (auto & [d, b] : pool_need) {
+                    if (d == dev) {
+                        b = std::max(b, bytes);
+                        found = true;
+                    }
+                }
+                if (!found) {
+                    pool_need.push_back({ dev, bytes });
+                }
+                continue;
+            }
+            ggml_tensor * w = n->src[0];
+            ggml_tensor * dyt = n->src[1];
+            ggml_tensor * dy = dyt->op == GGML_OP_TRANSPOSE ? dyt->src[0] : ggml_transpose(ctx, dyt);
+            if (dream_cpu_wt_dy_supported(w, dy)) {
+                // the blocked kernel of dream-cpu-backward.cpp computes the same
+                // product with no F32 copy of W; the node becomes that op in
+                // place, so its users and shape stay
+                ggml_tensor * k = dream_cpu_wt_dy(ctx, w, dy);
+                n->op = k->op;
+                std::memcpy(n->op_params, k->op_params, sizeof(n->op_params));
+                for (int j = 0; j < GGML_MAX_SRC; ++j) {
+                    n->src[j] = k->src[j];
+                }
+            } else {
+                n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
+            }
+            any = true;
+        } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
+            n->src[1] = ggml_cont(ctx, n->src[1]);
             any = true;
         }
     }
     if (!any) {
         return gb;
     }
-    // re-expand in the original order: each new cast lands just before its user
+    // re-expand in the original order: each new node lands just before its user
     ggml_cgraph * out = ggml_new_graph_custom(ctx, cap, false);
     for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
         ggml_build_forward_expand(out, ggml_graph_node(gb, i));
@@ -209,19 +272,15 @@ static void dream_adamw(dream_stage & ds) {
 }
 
 namespace {
-// Frees the backward context and leaves the scheduler clean for serving on every exit path.
+// Frees the backward context and ends the graph's use of the stage's scheduler on every exit path.
 struct dream_graph_scope {
     dream_stage & ds;
     ggml_context * ctx = nullptr;
-    bool touched_sched = false;
     int32_t revert_from = -1;   // training-cache cells to drop on failure
     explicit dream_graph_scope(dream_stage & d) : ds(d) {}
     ~dream_graph_scope() {
         g_building = nullptr;
-        if (touched_sched) {
-            ggml_backend_sched_reset(ds.lctx->get_sched());
-            dream_context_access::forget_serving_graph(*ds.lctx);
-        }
+        dream_sched_release(ds);
         if (revert_from >= 0) {
             ds.memory->seq_rm(0, revert_from, -1);
         }
@@ -274,7 +333,6 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
 
     dream_graph_scope scope(ds);
     llama_context & lctx = *ds.lctx;
-    ggml_backend_sched_t sched = lctx.get_sched();
 
     // the chunk's cells in the training cache (a refused earlier try left none)
     ds.memory->seq_rm(0, p, -1);
@@ -310,6 +368,15 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     cp.warmup = false;
 
     const uint32_t sched_nodes = lctx.graph_max_nodes(std::min(lctx.n_ctx(), lctx.n_ubatch()));
+    if (!dream_sched_ensure(ds, sched_nodes)) {
+        dream_receipt_message(r, "could not create the dream stage's schedulers");
+        return finish(DREAM_STATUS_ERROR);
+    }
+    // the graph build may pin nodes to a backend on the scheduler it is given
+    // (build_attn without offload_kqv): the exec scheduler, reset, so the pins
+    // hold until it allocates the graph
+    ggml_backend_sched_t sched = ds.sched_exec.get();
+    ggml_backend_sched_reset(sched);
     if (!ds.res) {
         ds.res.reset(new llm_graph_result(sched_nodes));
     }
@@ -375,6 +442,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     ggml_context * cbw = scope.ctx;
     ggml_tensor * labels = nullptr, * rows = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
     std::vector<ggml_tensor *> param_grads;   // canonical order, null where a parameter got no gradient
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_need;   // quantized OUT_PROD expansions, per device
     ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
     ggml_graph_cpy(gf, gb);
     if (train) {
@@ -407,7 +475,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 param_grads.push_back(g);
             }
         }
-        gb = dream_dequantize_out_prods(cbw, gb, cap);
+        gb = dream_fit_backward(ds, cbw, gb, cap, pool_need);
     }
     if (ggml_graph_n_nodes(gb) + gb->n_leafs > (int) sched_nodes) {
         dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
@@ -415,18 +483,20 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         return finish(DREAM_STATUS_ERROR);
     }
 
-    // the gate: plan this graph with the scheduler's own allocator
-    const int n_backends = ggml_backend_sched_get_n_backends(sched);
-    std::vector<size_t> planned(n_backends, 0);
-    scope.touched_sched = true;
-    ggml_backend_sched_reserve_size(sched, gb, planned.data());
-    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;
-    size_t graph_bytes = 0;
-    for (int b = 0; b < n_backends; ++b) {
-        ggml_backend_t be = ggml_backend_sched_get_backend(sched, b);
-        const size_t have = ggml_backend_sched_get_buffer_size(sched, be);
-        graph_bytes += planned[b];
-        needs.push_back({ ggml_backend_get_device(be), planned[b] > have ? planned[b] - have : 0 });
+    // the gate: plan a twin of this graph with ggml's allocator on the stage's planning scheduler
+    dream_graph_plan plan;
+    if (!dream_sched_plan(ds, gb, plan)) {
+        dream_receipt_message(r, "planning the training graph failed");
+        return finish(DREAM_STATUS_ERROR);
+    }
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs = plan.needs;
+    // a device pool grows to its largest quantized-weight expansion once and keeps it
+    for (const auto & [dev, bytes] : pool_need) {
+        size_t held = 0;
+        for (const auto & [d, b] : ds.pool_held) {
+            held = d == dev ? b : held;
+        }
+        needs.push_back({ dev, bytes > held ? bytes - held : 0 });
     }
     const bool need_opt_state = train && ds.grad_acc.empty();
     if (need_opt_state) {
@@ -434,7 +504,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     }
     // one-hot labels and the host copy of gradients are host allocations of this step
     needs.push_back({ dream_host_device(), (size_t) (train ? n_vocab * n_loss + ds.n_params : 0) * sizeof(float) });
-    r.graph_mib = (double) graph_bytes / DREAM_MIB;
+    r.graph_mib = (double) plan.graph_bytes / DREAM_MIB;
     const dream_gate_verdict verdict = dream_gate_check(ds, needs);
     if (!verdict.fits) {
         r.refused_chunk_pos = p;
@@ -449,44 +519,47 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         return finish(DREAM_STATUS_REFUSED);
     }
 
-    // ggml_backend_sched_reserve_size plans with no_alloc, and when the plan is
-    // larger than the current compute buffer it frees that buffer without
-    // allocating a new one; an alloc_graph straight after would write into
-    // the freed buffer. Reserve for real first (the gate said it fits).
-    if (!ggml_backend_sched_reserve(sched, gb)) {
-        dream_receipt_message(r, "reserving the training graph's compute buffer (%.2f MiB) failed", r.graph_mib);
-        return finish(DREAM_STATUS_ERROR);
-    }
-    ggml_backend_sched_reset(sched);
-    if (!ggml_backend_sched_alloc_graph(sched, gb)) {
+    // allocate the real graph once on the exec scheduler and compute it
+    const ggml_status st = dream_sched_compute(ds, gb, n > 1, [&] {
+        ds.res->set_inputs(&mctx.get_ubatch());
+        if (ds.build_unit) {
+            const float unit = 1.0f;
+            ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
+        }
+        if (train) {
+            std::vector<float> onehot((size_t) n_vocab * n_loss, 0.0f);
+            std::vector<int32_t> row_ids;
+            for (int32_t i = 0; i < n; ++i) {
+                if (targets[i] >= 0) {
+                    onehot[(size_t) row_ids.size() * n_vocab + targets[i]] = 1.0f;
+                    row_ids.push_back(i);
+                }
+            }
+            ggml_backend_tensor_set(rows, row_ids.data(), 0, ggml_nbytes(rows));
+            ggml_backend_tensor_set(labels, onehot.data(), 0, ggml_nbytes(labels));
+            const float one = 1.0f;
+            ggml_backend_tensor_set(loss_grad, &one, 0, sizeof(one));
+        }
+    });
+    if (st == GGML_STATUS_ALLOC_FAILED) {
         dream_receipt_message(r, "allocating the training graph (%.2f MiB) failed", r.graph_mib);
         return finish(DREAM_STATUS_ERROR);
     }
-    ds.res->set_inputs(&mctx.get_ubatch());
-    if (ds.build_unit) {
-        const float unit = 1.0f;
-        ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
-    }
-    std::vector<float> host;
-    if (train) {
-        host.assign((size_t) n_vocab * n_loss, 0.0f);
-        std::vector<int32_t> row_ids;
-        for (int32_t i = 0; i < n; ++i) {
-            if (targets[i] >= 0) {
-                host[(size_t) row_ids.size() * n_vocab + targets[i]] = 1.0f;
-                row_ids.push_back(i);
-            }
-        }
-        ggml_backend_tensor_set(rows, row_ids.data(), 0, ggml_nbytes(rows));
-        ggml_backend_tensor_set(labels, host.data(), 0, ggml_nbytes(labels));
-        const float one = 1.0f;
-        ggml_backend_tensor_set(loss_grad, &one, 0, sizeof(one));
-    }
-    const ggml_status st = lctx.graph_compute(gb, n > 1);
-    ggml_backend_sched_synchronize(sched);
     if (st != GGML_STATUS_SUCCESS) {
         dream_receipt_message(r, "computing the training graph failed (ggml status %d)", (int) st);
         return finish(DREAM_STATUS_ERROR);
+    }
+    for (const auto & [dev, bytes] : pool_need) {
+        bool found = false;
+        for (auto & [d, b] : ds.pool_held) {
+            if (d == dev) {
+                b = std::max(b, bytes);
+                found = true;
+            }
+        }
+        if (!found) {
+            ds.pool_held.push_back({ dev, bytes });
+        }
     }
 
     if (train) {
@@ -499,6 +572,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             ds.adam_v.assign(ds.n_params, 0.0f);
         }
         float * acc = ds.grad_acc.data();
+        std::vector<float> host;
         size_t ig = 0;
         for (auto & pr : ds.pairs) {
             for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
