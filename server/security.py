@@ -88,7 +88,8 @@ def key_matches(authorization: str | None, key: str) -> bool:
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer":
         return False
-    return hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key.encode("utf-8"))
+    # The header was decoded as latin-1 (ASGI): back to its bytes, against the key's UTF-8 bytes.
+    return hmac.compare_digest(token.strip().encode("latin-1"), key.encode("utf-8"))
 
 
 class SecurityGuard:

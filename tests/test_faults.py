@@ -256,6 +256,9 @@ def test_a_full_state_directory_fails_the_job_cleanly_and_serving_goes_on(tiny, 
             assert r.status_code in (503, 507) and r.json()["error"]["code"] in ("insufficient_storage",
                                                                                    "storage_unavailable"), r.text
             assert view.get("persisted") is False
+            r = c.post("/adapters/notes/promote")              # booking a promotion needs a write too
+            assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage", r.text
+            assert c.get("/adapters").json()["served_version"] == 1
             (small_disk / "ballast").unlink()                     # space again: the error is written
             wait_for(lambda: sqlite3.connect(state / "dreamstage.sqlite3").execute(
                 "SELECT state FROM jobs WHERE id=?", (jid,)).fetchone()[0] == "error", "the error on disk")

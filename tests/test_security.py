@@ -74,6 +74,13 @@ def test_the_key_opens_every_route_and_health_needs_none():
     assert call(app, "POST", "/adapters/rollback", headers=auth).json() == {"rolled": True}
 
 
+def test_a_non_ascii_key_works():
+    app = stub_app(SecurityPolicy.for_bind("127.0.0.1", "clé-ü"))
+    good = {"Authorization": "Bearer " + "clé-ü".encode().decode("latin-1")}   # the header's bytes are UTF-8
+    assert call(app, "GET", "/v1/models", headers={k: v.encode("latin-1") for k, v in good.items()}).status_code == 200
+    assert call(app, "GET", "/v1/models", headers={"Authorization": "Bearer cle-u"}).status_code == 401
+
+
 def test_keys_are_compared_in_constant_time(monkeypatch):
     seen = []
 
