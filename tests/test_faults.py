@@ -324,3 +324,28 @@ def test_a_refusal_in_the_middle_of_a_job_leaves_serving_byte_identical(tiny, tm
         c.post(f"/train/{jid}/cancel")
         after = greedy(c)
         assert during == baseline and after == baseline
+
+
+# -- a cancelled job gives its memory back ----------------------------------------------------------
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_cancelled_job_gives_the_trainers_memory_back(tmp_path):
+    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path / "state"))
+    with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=120, headers=JSON) as c:
+        c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        before = rss_mib()
+        for _ in range(2):       # twice: what one job left behind would add up
+            body = {"text": "Tides are caused by the moon. " * 40, "window": 128, "chunk": 64, "epochs": 1000,
+                    "rank": 8}
+            jid = c.post("/train", json=body).json()["id"]
+            wait_for(lambda: c.get(f"/train/{jid}").json()["progress"]["step"] >= 2, "two steps", timeout=300)
+            during = rss_mib()
+            assert c.post(f"/train/{jid}/cancel").json()["state"] == "cancelled"
+            # Measured 2026-11-30: 220 MiB before, 360-388 while training, 222-233 after (244-251
+            # without the malloc_trim). A trainer left alive would keep the whole difference.
+            assert during - before > 50, (before, during)
+            wait_for(lambda: rss_mib() - before < 0.25 * (during - before), "the memory to come back",
+                     timeout=60, show=lambda: (before, during, rss_mib()))
