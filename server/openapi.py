@@ -5,8 +5,9 @@ FastAPI's generated document was wrong in two ways (issue 15): it promised
 schema for `POST /train` and promote, which parse their own bodies (to answer
 422 naming `examples[i]...`). Here the generated document is corrected:
 request bodies from the pydantic models those routes validate with, every
-status a route can answer (the guards' 401/403/413/415 included), and one
-error schema for all of them. tests/test_fuzz.py holds the server to it.
+status a route can answer (the guards' 401/403/413/415 included), one error
+schema for all of them, and typed success bodies (the fields clients rely
+on). tests/test_fuzz.py holds the server to it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,44 @@ ERROR_SCHEMA = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
     }},
+}
+
+# What the success answers look like: the fields clients rely on, typed, so
+# the fuzzer checks every answer against them. Objects stay open (more fields
+# may come), but a listed field must have its type.
+_INT, _STR, _NUM = {"type": "integer"}, {"type": "string"}, {"type": "number"}
+_OPT_STR = {"type": ["string", "null"]}
+_JOB_STATES = ["queued", "starting", "running", "paused", "done", "cancelled", "refused", "error", "interrupted"]
+_JOB = {"type": "object", "required": ["id", "state", "message", "progress", "refusals"], "properties": {
+    "id": _INT, "state": {"enum": _JOB_STATES}, "message": _OPT_STR, "out": _OPT_STR,
+    "window": _INT, "chunk": _INT, "context_cache_type": _STR, "progress": {"type": "object"},
+    "refusals": {"type": "array", "items": {"type": "object"}}, "persisted": {"type": "boolean"}}}
+_ADAPTER = {"type": "object", "required": ["name", "version", "path"], "properties": {
+    "name": _STR, "version": _INT, "path": _STR, "sha256": _OPT_STR, "promoted": {"type": "boolean"}}}
+_ADAPTERS = {"type": "object", "required": ["served_version", "served", "adapters", "promotions"], "properties": {
+    "served_version": _INT, "served": {"anyOf": [_ADAPTER, {"type": "null"}]}, "served_error": _OPT_STR,
+    "adapters": {"type": "array", "items": _ADAPTER}, "promotions": {"type": "array"}}}
+_CHOICES = {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"]}}
+_COMPLETION = {"type": "object", "required": ["id", "object", "choices", "adapter_version"], "properties": {
+    "id": _STR, "object": {"enum": ["chat.completion", "text_completion"]}, "choices": _CHOICES,
+    "adapter_version": _INT, "usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens"]}}}
+_SUCCESS: dict[tuple[str, str], tuple[str, dict]] = {
+    ("post", "/v1/chat/completions"): ("200", _COMPLETION),
+    ("post", "/v1/completions"): ("200", _COMPLETION),
+    ("get", "/v1/models"): ("200", {"type": "object", "required": ["object", "data"], "properties": {
+        "data": {"type": "array", "items": {"type": "object", "required": ["id", "adapter_version"]}}}}),
+    ("get", "/health"): ("200", {"type": "object", "required": ["status", "slots", "slots_busy", "queue_depth"],
+                                 "properties": {"status": {"enum": ["ok"]}, "slots": _INT, "slots_busy": _INT,
+                                                "queue_depth": _INT, "adapter_version": _INT}}),
+    ("get", "/slots"): ("200", {"type": "object", "required": ["slot_context", "slots"]}),
+    ("post", "/train"): ("202", _JOB),
+    ("get", "/train"): ("200", {"type": "object", "required": ["current", "queue", "adapter_version"], "properties": {
+        "current": {"anyOf": [_JOB, {"type": "null"}]}, "queue": {"type": "array", "items": _JOB}}}),
+    ("get", "/train/{job_id}"): ("200", _JOB),
+    ("post", "/train/{job_id}/cancel"): ("200", _JOB),
+    ("post", "/train/{job_id}/pause"): ("200", _JOB),
+    ("post", "/train/{job_id}/resume"): ("200", _JOB),
+    ("get", "/adapters"): ("200", _ADAPTERS),
 }
 
 _WHY = {
@@ -82,6 +121,25 @@ def build(app) -> dict:
             codes = set(_COMMON) | set(extra) | (set(_WRITE) if method == "post" else set())
             for code in sorted(codes):
                 responses[str(code)] = {"description": _WHY[code], "content": error_ref}
+    for (method, path), (code, body) in _SUCCESS.items():
+        if path in doc["paths"]:
+            responses = doc["paths"][path][method]["responses"]
+            if code != "200":                     # FastAPI lists 200 for routes whose decorator says otherwise
+                responses.pop("200", None)
+            responses.setdefault(code, {"description": "success"})["content"] = {
+                "application/json": {"schema": body}}
+    if "/health" in doc["paths"]:                 # 503 carries the health body, not an error
+        doc["paths"]["/health"]["get"]["responses"]["503"] = {
+            "description": "the engine is stopped or its last iteration failed",
+            "content": {"application/json": {"schema": {"type": "object", "required": ["status"], "properties": {
+                "status": {"enum": ["stopped", "failing"]}, "error": _STR}}}}}
+    for path in ("/adapters/{name}/promote", "/adapters/rollback"):
+        if path in doc["paths"]:                  # 200 applied, 202 booked and pending (the same body)
+            responses = doc["paths"][path]["post"]["responses"]
+            swap = {"allOf": [_ADAPTERS, {"type": "object", "required": ["applied", "served"]}]}
+            for c in ("200", "202"):
+                responses[c] = {"description": "the swap applied (200) or pending (202)",
+                                "content": {"application/json": {"schema": swap}}}
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     # Completions stream as server-sent events when `stream` is true.

@@ -106,3 +106,5 @@ def test_the_document_declares_real_bodies_and_statuses(api_schema):
     chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert "422" not in chat and "400" in chat and "text/event-stream" in chat["200"]["content"]
     assert {"401", "413", "415", "422", "507"} <= set(train["responses"])
+    job = train["responses"]["202"]["content"]["application/json"]["schema"]
+    assert {"id", "state"} <= set(job["required"]) and "200" not in train["responses"]
