@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-train", action="store_true", help="serve only: no /train, no adapters, no state directory")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $DREAMSTAGE_API_KEY); "
-                        "needed for training on a non-loopback bind")
+                        "needed for training on a non-loopback bind; prefer the variable: "
+                        "a command line is visible to other local users")
     p.add_argument("--allowed-host", action="append", metavar="NAME",
                    help="a Host header name accepted besides localhost/127.0.0.1/::1 (repeatable)")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",

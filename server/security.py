@@ -68,7 +68,9 @@ class SecurityPolicy:
         extra = frozenset(h.lower() for h in extra_hosts)
         if is_loopback(host):
             return cls(api_key or None, LOOPBACK_NAMES | extra)
-        return cls(api_key or None, extra or None)
+        # A public bind checks Host only when names are given (then the
+        # loopback names too, so the machine itself can still call it).
+        return cls(api_key or None, (LOOPBACK_NAMES | extra) if extra else None)
 
 
 def _header(scope, name: bytes) -> str | None:

@@ -130,6 +130,10 @@ def test_allowed_hosts_extend_the_loopback_names_and_public_binds_do_not_check()
     assert call(app, "GET", "/health", headers={"Host": "other.lan"}).status_code == 403
     public = stub_app(SecurityPolicy.for_bind("0.0.0.0", KEY))
     assert call(public, "GET", "/health", headers={"Host": "anything.example"}).status_code == 200
+    named = stub_app(SecurityPolicy.for_bind("0.0.0.0", KEY, ["api.example"]))
+    assert call(named, "GET", "/health", headers={"Host": "api.example"}).status_code == 200
+    assert call(named, "GET", "/health", headers={"Host": "127.0.0.1:8080"}).status_code == 200
+    assert call(named, "GET", "/health", headers={"Host": "other.example"}).status_code == 403
 
 
 def test_no_cors_headers_unless_an_origin_is_allow_listed():
