@@ -325,6 +325,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     }
     r.tokens = n_loss;
     const bool train = n_loss > 0;
+    const int32_t n_out = train ? n_loss : 1;   // rows of logits the graph computes
 
     if (hp.n_pos_per_embd() != 1) {
         dream_receipt_message(r, "models with %u positions per token (M-RoPE) are not supported by the dream stage", hp.n_pos_per_embd());
@@ -343,7 +344,10 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         ub.pos[i] = p + i;
         ub.n_seq_id[i] = 1;
         ub.seq_id[i] = &ub.seq_id_unq[0];
-        ub.output[i] = 1;
+        // logits only for the rows that carry a loss (the output head is 49,152
+        // x n_embd per row, and its backward is a scatter over all of them);
+        // a chunk without loss tokens keeps its last row so the graph has one
+        ub.output[i] = train ? targets[i] >= 0 : i == n - 1;
     }
     auto sinfos = ds.memory->prepare({ ub });
     if (sinfos.empty()) {
@@ -396,7 +400,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         /*.cross       =*/ dream_context_access::cross(lctx),
         /*.prec_policy =*/ &ds.model->prec_policy,
         /*.samplers    =*/ {},
-        /*.n_outputs   =*/ (uint32_t) n,
+        /*.n_outputs   =*/ (uint32_t) n_out,
         /*.cb          =*/ [](const llama_ubatch &, ggml_tensor * cur, const char * name, int il) {
             if (il >= 0) {
                 ggml_format_name(cur, "%s-%d", name, il);
@@ -429,8 +433,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         return finish(DREAM_STATUS_ERROR);
     }
     ggml_tensor * logits = ds.res->get_logits();
-    if (!logits || logits->ne[0] != n_vocab || logits->ne[1] != n) {
-        dream_receipt_message(r, "the training graph has no [n_vocab, %d] logits", n);
+    if (!logits || logits->ne[0] != n_vocab || logits->ne[1] != n_out) {
+        dream_receipt_message(r, "the training graph has no [n_vocab, %d] logits", n_out);
         return finish(DREAM_STATUS_ERROR);
     }
 
@@ -440,20 +444,25 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
     scope.ctx = ggml_init(ip);
     ggml_context * cbw = scope.ctx;
-    ggml_tensor * labels = nullptr, * rows = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
+    ggml_tensor * target_ids = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
     std::vector<ggml_tensor *> param_grads;   // canonical order, null where a parameter got no gradient
     std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_need;   // quantized OUT_PROD expansions, per device
     ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
     ggml_graph_cpy(gf, gb);
     if (train) {
-        // only the rows with a target enter the loss: cross_entropy_loss's
+        // the logits hold only the rows with a target (ub.output): cross_entropy_loss's
         // backward assumes every row's labels sum to one, so an all-zero row
-        // would still push its softmax into the gradient
-        rows = ggml_new_tensor_1d(cbw, GGML_TYPE_I32, n_loss);
-        ggml_set_input(rows);
-        labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
-        ggml_set_input(labels);
-        ce = ggml_cross_entropy_loss(cbw, ggml_get_rows(cbw, logits, rows), labels);   // mean over loss rows
+        // would still push its softmax into the gradient.
+        // The one-hot labels are made on the device from the target ids,
+        // labels[v, r] = step(1 - |v - target[r]|) (exact: ids < 2^24 are exact
+        // in F32), so only n_loss floats cross from the host instead of a
+        // dense n_vocab x n_loss matrix (400 MB at 2048 tokens).
+        target_ids = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss);
+        ggml_set_name(target_ids, "dream_target_ids");
+        ggml_set_input(target_ids);
+        ggml_tensor * vocab_ids = ggml_repeat(cbw, ggml_arange(cbw, 0.0f, (float) n_vocab, 1.0f), logits);
+        ggml_tensor * labels = ggml_step(cbw, ggml_scale_bias(cbw, ggml_abs(cbw, ggml_sub(cbw, vocab_ids, target_ids)), -1.0f, 1.0f));
+        ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
         ggml_set_output(ce);
         // this chunk's share of the window's mean over its loss tokens
         loss = ggml_scale(cbw, ce, (float) n_loss / (float) ds.win_n_masked);
@@ -502,8 +511,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     if (need_opt_state) {
         needs.push_back({ dream_host_device(), (size_t) 3 * ds.n_params * sizeof(float) });
     }
-    // one-hot labels and the host copy of gradients are host allocations of this step
-    needs.push_back({ dream_host_device(), (size_t) (train ? n_vocab * n_loss + ds.n_params : 0) * sizeof(float) });
+    // the host copy of gradients is a host allocation of this step
+    needs.push_back({ dream_host_device(), (size_t) (train ? ds.n_params : 0) * sizeof(float) });
     r.graph_mib = (double) plan.graph_bytes / DREAM_MIB;
     const dream_gate_verdict verdict = dream_gate_check(ds, needs);
     if (!verdict.fits) {
@@ -527,16 +536,13 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
         }
         if (train) {
-            std::vector<float> onehot((size_t) n_vocab * n_loss, 0.0f);
-            std::vector<int32_t> row_ids;
+            std::vector<float> ids;
             for (int32_t i = 0; i < n; ++i) {
                 if (targets[i] >= 0) {
-                    onehot[(size_t) row_ids.size() * n_vocab + targets[i]] = 1.0f;
-                    row_ids.push_back(i);
+                    ids.push_back((float) targets[i]);
                 }
             }
-            ggml_backend_tensor_set(rows, row_ids.data(), 0, ggml_nbytes(rows));
-            ggml_backend_tensor_set(labels, onehot.data(), 0, ggml_nbytes(labels));
+            ggml_backend_tensor_set(target_ids, ids.data(), 0, ggml_nbytes(target_ids));
             const float one = 1.0f;
             ggml_backend_tensor_set(loss_grad, &one, 0, sizeof(one));
         }
