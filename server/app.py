@@ -158,6 +158,9 @@ def create_app(service: Service) -> FastAPI:
         grammar = _grammar(body)
         if isinstance(prompt, str):
             prompt = await service.prompts.text(prompt, body.parse_special)   # token ids, off the engine thread
+        elif len(prompt) > engine.slot_ctx:       # refused here, not by a scan on the engine thread
+            raise APIError(400, f"prompt: {len(prompt)} tokens exceed the per-slot context of {engine.slot_ctx} "
+                                "tokens", "prompt", "context_length_exceeded")
         gen = GenerationRequest(prompt, body.max_tokens, _sampling(body, grammar), body.stop_list())
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), service.model_id
         base = {"id": cid, "object": "text_completion", "created": created, "model": model}

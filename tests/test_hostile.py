@@ -130,6 +130,14 @@ def test_a_huge_special_token_prompt_is_refused_before_tokenizing(http, server, 
     still_serves(http)
 
 
+def test_a_huge_token_id_prompt_is_refused_at_the_edge(http, server):
+    n = server.service.engine.slot_ctx + 1
+    msg = refused(http.post("/v1/completions", json={"prompt": [1] * 500_000, "max_tokens": 1}), 400, "prompt")
+    assert "500000 tokens" in msg
+    refused(http.post("/v1/completions", json={"prompt": [1] * n, "max_tokens": 1}), 400, "prompt")
+    still_serves(http)
+
+
 def test_streams_finish_while_hostile_requests_are_refused(http, server):
     body = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 48, "temperature": 0,
             "stream": True}
