@@ -114,6 +114,21 @@ def _too_big(limit: str, value: int, what: str, param: str = "examples") -> APIE
     return APIError(413, f"{what} is more than the server's limit {limit} = {value}", param, "limit_exceeded")
 
 
+def _submit_lock(app) -> asyncio.Lock:
+    lock = getattr(app.state, "train_submit_lock", None)
+    if lock is None:                       # made on the app's own event loop, at first use
+        lock = app.state.train_submit_lock = asyncio.Lock()
+    return lock
+
+
+def _check_queue(service) -> None:
+    limits = service.settings.limits
+    queued = len(service.jobs.overview()["queue"])
+    if queued >= limits.max_queued_jobs:
+        raise APIError(422, f"{queued} jobs are queued, the server's limit max_queued_jobs = "
+                            f"{limits.max_queued_jobs}; wait for one to start or cancel one", None, "limit_exceeded")
+
+
 def _check_limits(service, spec, rendered) -> None:
     """Count what will run: expanded examples, rendered tokens, the queue."""
     limits = service.settings.limits
@@ -148,20 +163,21 @@ async def submit(request: Request):
     if len(spec.examples) > limits.max_job_examples:   # counted after groups expand: one per completion
         raise _too_big("max_job_examples", limits.max_job_examples,
                        f"the job has {len(spec.examples)} examples (groups expanded), which")
-    queued = len(service.jobs.overview()["queue"])
-    if queued >= limits.max_queued_jobs:
-        raise APIError(422, f"{queued} jobs are queued, the server's limit max_queued_jobs = "
-                            f"{limits.max_queued_jobs}; wait for one to start or cancel one", None, "limit_exceeded")
+    _check_queue(service)                  # early: a full queue costs no rendering
     try:
         rendered = await asyncio.to_thread(render_job, spec, service.model)
     except ExampleErrors as e:
         raise _invalid([(field_path(err.loc), err.message) for err in e.errors]) from None
-    _check_limits(service, spec, rendered)
-    try:
-        job = await asyncio.to_thread(service.jobs.submit, req)   # committed (fsynced) before the 202
-    except (OSError, sqlite3.Error) as e:
-        raise _storage_error(e, "POST /train") from None
-    service.dream.notify_submitted(job["id"], rendered)
+    # Checked again and committed under one lock: two posts rendering at once
+    # must not both take the queue's last place.
+    async with _submit_lock(request.app):
+        _check_queue(service)
+        _check_limits(service, spec, rendered)
+        try:
+            job = await asyncio.to_thread(service.jobs.submit, req)   # committed (fsynced) before the 202
+        except (OSError, sqlite3.Error) as e:
+            raise _storage_error(e, "POST /train") from None
+        service.dream.notify_submitted(job["id"], rendered)
     return JSONResponse(public(job), status_code=202, headers={"Location": f"/train/{job['id']}"})
 
 

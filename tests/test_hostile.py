@@ -266,6 +266,28 @@ def test_the_queue_of_jobs_is_capped_and_a_cancelled_job_lets_go_of_its_memory(h
     still_serves(http)
 
 
+def test_concurrent_posts_cannot_overfill_the_queue(http, server):
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    lesson = {"text": "A lesson about moons and tides, repeated. " * 4, "window": 32, "chunk": 32, "epochs": 1000,
+              "rank": 2}
+    first = http.post("/train", json=lesson).json()["id"]
+    while server.service.jobs.state(first) == "queued":
+        time.sleep(0.05)
+
+    def post(_):
+        with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as c:
+            return c.post("/train", json=lesson)
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(post, range(6)))
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [202] + [422] * 5, codes          # max_queued_jobs = 1: one place, one winner
+    for r in answers:
+        if r.status_code == 202:
+            http.post(f"/train/{r.json()['id']}/cancel")
+    http.post(f"/train/{first}/cancel")
+
+
 def test_the_state_database_is_private_and_responses_carry_no_absolute_paths(http, server):
     state = server.service.settings.state_dir
     for name in os.listdir(state):
