@@ -197,7 +197,9 @@ def test_two_chat_streams_finish_while_a_job_trains(server, http):
 
 
 def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering(http):
-    body = {"text": LESSON * 3, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never"}
+    # max_pause_ms 0: no pause bound, so every step asks for the job's own chunk and the memory ladder decides
+    body = {"text": LESSON * 3, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never",
+            "max_pause_ms": 0}
     r = http.post("/train", json={**body, "memory_budget_mib": 84})
     assert r.status_code == 202
     job = wait_job(http, r.json()["id"], finished)
