@@ -235,7 +235,8 @@ def run(args, url: str, server: subprocess.Popen, state: Path) -> int:
           f"inter-token p50/p95/p99/max {result['inter_token_s']['p50']}/{result['inter_token_s']['p95']}/"
           f"{result['inter_token_s']['p99']}/{result['inter_token_s']['max']} s; max stall {soak.max_stall:.1f} s; "
           f"RSS {base} -> {result['rss_mib']['end']} MiB ({'n/a' if growth is None else f'{growth:+.1%}'}); "
-          f"{len(jobs)} jobs, {steps} micro-steps -> {out} [{'PASS' if ok else 'FAIL'}]")
+          f"{len(jobs)} jobs, {steps} micro-steps -> {out} [{'PASS' if ok else 'FAIL'}]; "
+          f"server log and state in {state}")
     return 0 if ok else 1
 
 
