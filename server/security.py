@@ -5,7 +5,8 @@ and that change survives a restart. So the guard sits in front of every route
 as plain ASGI middleware (routes added later, the dashboard's included, are
 covered without touching them):
 
-- **API key.** With a key set, every request except `GET /health` must carry
+- **API key.** With a key set, every request except `GET /health` and the
+  dashboard's static page and assets (`GET /`, `/ui/*`) must carry
   `Authorization: Bearer <key>` (what the openai SDK sends). The comparison
   is constant time (`hmac.compare_digest`), so timing does not leak a prefix.
 - **No cross-site writes.** A browser page may send a "simple" request (no
@@ -30,8 +31,12 @@ from dataclasses import dataclass
 
 from dreamstage.server.errors import send_error
 
-# Routes a probe may reach without the key: liveness only, it changes nothing.
-OPEN_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health")})
+# Routes reachable without the key: liveness, which changes nothing, and the
+# dashboard's static page and assets, which hold no data. A browser cannot
+# send a header with its first page load; the page asks for the key and sends
+# it on every call it makes (/events and the API stay guarded).
+OPEN_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health"),
+                         ("GET", "/"), ("GET", "/ui/app.js"), ("GET", "/ui/style.css")})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 

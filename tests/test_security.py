@@ -31,6 +31,14 @@ def stub_app(policy: SecurityPolicy, cors=()) -> FastAPI:
     async def models():
         return {"data": []}
 
+    @app.get("/")
+    async def page():
+        return {"page": True}
+
+    @app.get("/events")
+    async def events():
+        return {"events": True}
+
     @app.post("/train")
     async def train(request: Request):
         return {"got": (await request.body()).decode()}
@@ -72,6 +80,16 @@ def test_the_key_opens_every_route_and_health_needs_none():
     assert call(app, "POST", "/train", headers={**auth, **JSON}, content=b'{"a": 1}').json() == {"got": '{"a": 1}'}
     # with the key, an empty-body state change needs no content type
     assert call(app, "POST", "/adapters/rollback", headers=auth).json() == {"rolled": True}
+
+
+def test_the_dashboard_page_loads_without_the_key_but_its_data_does_not():
+    """A browser's first load of the page cannot carry a header; the page holds
+    no data and asks for the key, which every call it makes then carries."""
+    app = stub_app(LOOPBACK_KEYED)
+    assert call(app, "GET", "/").status_code == 200
+    assert call(app, "GET", "/events").status_code == 401
+    assert call(app, "POST", "/", headers=JSON, content=b"{}").status_code in (401, 405)
+    assert call(app, "GET", "/", headers={"Host": "evil.example"}).status_code == 403   # the Host check still applies
 
 
 def test_a_non_ascii_key_works():
