@@ -39,6 +39,7 @@ class Receipt:
     recompute: bool = False
     exact: bool = False
     horizon: int | None = None
+    walk_pass: str = "backward"
     loss: float | None = 2.5
     tokens: int = 30
     ms: float = 15.0

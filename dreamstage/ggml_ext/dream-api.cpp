@@ -52,9 +52,8 @@ static bool dream_validate(dream_stage & ds, std::string & err) {
     if (!(p.alpha > 0) || !std::isfinite(p.alpha)) return bad("alpha must be positive, got %g", (double) p.alpha);
     if (p.window <= 0) return bad("window must be positive, got %d", p.window);
     if (p.chunk <= 0 || p.chunk > p.window) return bad("chunk must be in 1..window, got %d", p.chunk);
-    if (p.exact) return bad("exact=%s: the exact walk is not implemented yet (plain walk only)", "true");
     if (p.recompute) return bad("recompute=%s: recompute is not implemented yet", "true");
-    if (p.horizon != -1) return bad("horizon=%d: only the plain walk (horizon -1) exists yet", p.horizon);
+    if (!p.exact && p.horizon > 0) return bad("horizon=%d applies to the exact walk only (exact=false)", p.horizon);
     if (!(p.lr >= 0) || !std::isfinite(p.lr)) return bad("lr must be >= 0, got %g", (double) p.lr);
     if (!(p.beta1 >= 0 && p.beta1 < 1)) return bad("beta1 must be in [0, 1), got %g", (double) p.beta1);
     if (!(p.beta2 >= 0 && p.beta2 < 1)) return bad("beta2 must be in [0, 1), got %g", (double) p.beta2);
@@ -110,8 +109,10 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
         dream_receipt_message(r, "%s", err.c_str());
         return nullptr;
     }
+    ds->horizon = params.exact && params.horizon > 0 ? params.horizon : 0;
     // gate the job's standing memory before anything exists
     const size_t cache_bytes = dream_memory_bytes_planned(*ds);
+    const size_t walk_bytes = dream_walk_bytes_planned(*ds);
     const size_t adapter_bytes = dream_adapter_bytes_planned(*ds);
     std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;
     for (auto & pr : ds->pairs) {
@@ -126,21 +127,29 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
         const size_t per_layer = (ggml_row_size(ds->cache_type, ds->model->hparams.n_embd_k_gqa(il)) +
                                   ggml_row_size(ds->cache_type, ds->model->hparams.n_embd_v_gqa(il))) * (size_t) ds->params.window;
         needs.push_back({ ds->model->dev_layer(il), per_layer });
+        // the exact walk's adjoint buffers live with the layer too (F32 rows)
+        if (walk_bytes > 0) {
+            needs.push_back({ ds->model->dev_layer(il), (ggml_row_size(GGML_TYPE_F32, ds->model->hparams.n_embd_k_gqa(il)) +
+                                                         ggml_row_size(GGML_TYPE_F32, ds->model->hparams.n_embd_v_gqa(il))) *
+                                                        (size_t) ds->params.window });
+        }
     }
     const dream_gate_verdict v = dream_gate_check(*ds, needs);
     r.context_mib = (double) cache_bytes / DREAM_MIB;
     r.adapter_mib = (double) adapter_bytes / DREAM_MIB;
+    r.walk_mib = (double) walk_bytes / DREAM_MIB;
     if (!v.fits) {
         r.status = DREAM_STATUS_REFUSED;
         r.refused_chunk_pos = -1;
         r.refused_need_mib = v.need_mib;
         r.refused_allowance_mib = v.allowance_mib;
-        dream_receipt_message(r, "the job's training cache (%.2f MiB, %s, %d tokens) and adapters (%.2f MiB) need %.2f MiB on %s; "
-                              "allowance %.2f MiB", r.context_mib, ds->cache_type_str.c_str(), ds->params.window,
-                              r.adapter_mib, v.need_mib, v.device.c_str(), v.allowance_mib);
+        dream_receipt_message(r, "the job's training cache (%.2f MiB, %s, %d tokens), adapters (%.2f MiB) and exact-walk "
+                              "adjoint buffers (walk_mib %.2f) need %.2f MiB on %s; allowance %.2f MiB", r.context_mib,
+                              ds->cache_type_str.c_str(), ds->params.window, r.adapter_mib, r.walk_mib, v.need_mib,
+                              v.device.c_str(), v.allowance_mib);
         return nullptr;
     }
-    if (!dream_adapter_create(*ds, err) || !dream_memory_create(*ds, err)) {
+    if (!dream_adapter_create(*ds, err) || !dream_memory_create(*ds, err) || !dream_walk_create(*ds, err)) {
         r.status = DREAM_STATUS_ERROR;
         dream_receipt_message(r, "%s", err.c_str());
         return nullptr;
@@ -187,6 +196,17 @@ int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, 
     ds->win_pos = 0;
     ds->win_active = true;
     ds->memory->clear(false);
+    // the exact walk: the last loss token is predicted from inputs [0, j)
+    ds->win_loss_end = 0;
+    for (int32_t j = 1; j < n; ++j) {
+        if (ds->win_mask[j]) {
+            ds->win_loss_end = j;
+        }
+    }
+    ds->win_reverse = false;
+    ds->rev_end = 0;
+    ds->win_adj.assign(ds->params.exact ? n : 0, 0);
+    dream_walk_clear(*ds);
     // a fresh gradient for every optimizer step
     if (ds->windows_pending == 0) {
         std::fill(ds->grad_acc.begin(), ds->grad_acc.end(), 0.0f);
@@ -201,11 +221,7 @@ int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt
 }
 
 int32_t dream_chunks_left(const struct dream_stage * ds) {
-    if (!ds->win_active) {
-        return 0;
-    }
-    const int32_t left = ds->win_n - ds->win_pos;
-    return (left + ds->params.chunk - 1) / ds->params.chunk;
+    return dream_walk_chunks_left(*ds);
 }
 
 int64_t dream_n_params(const struct dream_stage * ds) {
@@ -276,6 +292,14 @@ struct llama_adapter_lora * dream_served_adapter(struct dream_stage * ds) {
 
 void dream_set_budget(struct dream_stage * ds, double memory_budget_mib) {
     ds->params.memory_budget_mib = memory_budget_mib;
+}
+
+int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon) {
+    if (!ds->params.exact) {
+        return -1;
+    }
+    ds->horizon = horizon > 0 ? horizon : 0;
+    return ds->horizon;
 }
 
 bool dream_set_chunk(struct dream_stage * ds, int32_t chunk) {

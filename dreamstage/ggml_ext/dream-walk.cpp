@@ -39,12 +39,34 @@ static ggml_tensor * dream_unit_mul(ggml_context * ctx, dream_stage & ds, ggml_t
     return ggml_mul(ctx, t, dream_unit(ctx, ds));
 }
 
+// The exact walk's gradient leaves: the cached cells [lo, pos) cast to F32.
+// ggml_set_param only takes op-less tensors, and the cast is a CPY node, so
+// the flag is set directly: ggml_build_backward_expand treats any flagged node
+// as needing a gradient, and the CPY's own backward stops at the cache (which
+// needs none). Its gradient is the adjoint of those cells' K (or V).
+static ggml_tensor * dream_leaf(ggml_context * ctx, ggml_tensor * cached, int32_t lo, int32_t pos, const char * name,
+                                int32_t il) {
+    ggml_tensor * cells = ggml_view_3d(ctx, cached, cached->ne[0], cached->ne[1], pos - lo, cached->nb[1], cached->nb[2],
+                                       (size_t) lo * cached->nb[2]);
+    ggml_tensor * leaf = ggml_cast(ctx, cells, GGML_TYPE_F32);
+    leaf->flags |= GGML_TENSOR_FLAG_PARAM;
+    ggml_format_name(leaf, "%s-%d", name, il);
+    return leaf;
+}
+
 // K for attention: the cache's cells [0, n_kv) cast to F32 (constants), with
 // the chunk's own F32 K written over cells [pos, pos + n) so its gradient flows.
-// Layout [head_dim, n_head_kv, n_kv], as the cache's own view.
+// In the exact walk's reverse pass cells [lo, pos) are set in as gradient
+// leaves too. Layout [head_dim, n_head_kv, n_kv], as the cache's own view.
 static ggml_tensor * dream_join_k(ggml_context * ctx, dream_stage & ds, ggml_tensor * cached, ggml_tensor * k_cur,
-                                  int32_t pos) {
+                                  int32_t pos, int32_t il) {
     ggml_tensor * base = ggml_cast(ctx, cached, GGML_TYPE_F32);
+    const int32_t lo = ds.build_leaf_lo;
+    if (lo >= 0 && lo < pos) {
+        ggml_tensor * leaf = dream_leaf(ctx, cached, lo, pos, "dream_leaf_k", il);
+        ds.build_leaf_k[il] = leaf;
+        base = ggml_set(ctx, base, leaf, base->nb[1], base->nb[2], base->nb[3], (size_t) lo * base->nb[2]);
+    }
     ggml_tensor * own = ggml_is_contiguous(k_cur) ? k_cur : ggml_cont(ctx, k_cur);
     ggml_tensor * joined = ggml_set(ctx, base, own, base->nb[1], base->nb[2], base->nb[3], (size_t) pos * base->nb[2]);
     return dream_unit_mul(ctx, ds, joined);
@@ -55,12 +77,38 @@ static ggml_tensor * dream_join_k(ggml_context * ctx, dream_stage & ds, ggml_ten
 // multiplies it without its own transpose, whose backward would give a
 // gradient no CPU binary op accepts.
 static ggml_tensor * dream_join_v(ggml_context * ctx, dream_stage & ds, ggml_tensor * cached, ggml_tensor * v_cur,
-                                  int32_t pos) {
+                                  int32_t pos, int32_t il) {
     // [head_dim, n_head_kv, cells] -> contiguous [cells, head_dim, n_head_kv]
     ggml_tensor * base = ggml_cont(ctx, ggml_permute(ctx, ggml_cast(ctx, cached, GGML_TYPE_F32), 1, 2, 0, 3));
+    const int32_t lo = ds.build_leaf_lo;
+    if (lo >= 0 && lo < pos) {
+        ggml_tensor * leaf = dream_leaf(ctx, cached, lo, pos, "dream_leaf_v", il);
+        ds.build_leaf_v[il] = leaf;
+        ggml_tensor * leaf_t = ggml_cont(ctx, ggml_permute(ctx, leaf, 1, 2, 0, 3));
+        base = ggml_set(ctx, base, leaf_t, base->nb[1], base->nb[2], base->nb[3], (size_t) lo * base->nb[0]);
+    }
     ggml_tensor * own = ggml_cont(ctx, ggml_permute(ctx, v_cur, 1, 2, 0, 3));
     ggml_tensor * joined = ggml_set(ctx, base, own, base->nb[1], base->nb[2], base->nb[3], (size_t) pos * base->nb[0]);
     return ggml_permute(ctx, dream_unit_mul(ctx, ds, joined), 0, 2, 1, 3);
+}
+
+// The exact walk's surrogate for layer il: sum(k_cur * gK) + sum(v_cur * gV)
+// over the chunk's own cells, gK and gV constant. Its gradient with respect to
+// k_cur and v_cur is the adjoint the later chunks sent back, so backward
+// carries their loss into this chunk's parameters and its own ancestors.
+static void dream_add_surrogate(ggml_context * ctx, dream_stage & ds, ggml_tensor * k_cur, ggml_tensor * v_cur,
+                                int32_t pos, int32_t il) {
+    ggml_tensor * terms[2] = { nullptr, nullptr };
+    ggml_tensor * cur[2] = { k_cur, v_cur };
+    ggml_tensor * adj[2] = { ds.adj_k[il], ds.adj_v[il] };
+    for (int i = 0; i < 2; ++i) {
+        ggml_tensor * own = ggml_is_contiguous(cur[i]) ? cur[i] : ggml_cont(ctx, cur[i]);
+        ggml_tensor * g = ggml_view_3d(ctx, adj[i], adj[i]->ne[0], adj[i]->ne[1], own->ne[2], adj[i]->nb[1],
+                                       adj[i]->nb[2], (size_t) pos * adj[i]->nb[2]);
+        terms[i] = ggml_sum(ctx, ggml_mul(ctx, own, g));
+    }
+    ggml_tensor * layer = ggml_add(ctx, terms[0], terms[1]);
+    ds.build_sur = ds.build_sur ? ggml_add(ctx, ds.build_sur, layer) : layer;
 }
 
 bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv_cache_context * mctx, int32_t il,
@@ -74,13 +122,16 @@ bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv
     // the chunk's K/V become constants for the chunks after it
     ggml_build_forward_expand(gf, mctx->cpy_k(ctx, k_cur, k_idxs, il));
     ggml_build_forward_expand(gf, mctx->cpy_v(ctx, v_cur, v_idxs, il));
+    if (ds->build_surrogate) {
+        dream_add_surrogate(ctx, *ds, k_cur, v_cur, ds->build_pos, il);
+    }
     if (ds->build_pos == 0 && mctx->get_n_kv() == (uint32_t) k_cur->ne[2]) {
         *k = k_cur;
         *v = v_cur;
         return true;
     }
-    *k = dream_join_k(ctx, *ds, mctx->get_k(ctx, il), k_cur, ds->build_pos);
-    *v = dream_join_v(ctx, *ds, mctx->get_v(ctx, il), v_cur, ds->build_pos);
+    *k = dream_join_k(ctx, *ds, mctx->get_k(ctx, il), k_cur, ds->build_pos, il);
+    *v = dream_join_v(ctx, *ds, mctx->get_v(ctx, il), v_cur, ds->build_pos, il);
     return true;
 }
 
@@ -232,32 +283,152 @@ struct dream_graph_scope {
 };
 }
 
+// One micro-step's chunk [p, p + n) of the window, and what its graph carries.
+struct dream_chunk {
+    int32_t p = 0, n = 0;
+    bool    backward_pass = false;  // exact walk: a reverse-pass chunk (backward even without loss rows)
+    int32_t leaf_lo = -1;           // exact walk: cells [leaf_lo, p) are gradient leaves; -1: none
+    bool    surrogate = false;      // exact walk: later chunks left adjoints on this chunk's cells
+};
+
+// Rows in [p, e) whose next token carries loss.
+static int32_t dream_loss_rows(const dream_stage & ds, int32_t p, int32_t e) {
+    int32_t n = 0;
+    for (int32_t i = p; i < e; ++i) {
+        n += (i + 1 < ds.win_n && ds.win_mask[i + 1]) ? 1 : 0;
+    }
+    return n;
+}
+
+static bool dream_has_adjoint(const dream_stage & ds, int32_t p, int32_t e) {
+    for (int32_t i = p; i < e; ++i) {
+        if (ds.win_adj[i]) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// A window the exact walk runs (one without loss tokens is forward only, as in the plain walk).
+static bool dream_exact_window(const dream_stage & ds) {
+    return ds.params.exact && ds.win_n_masked > 0;
+}
+
+// The reverse pass's chunk that ends at e starts on the chunk grid (which
+// follows the chunk in use, so a smaller chunk after a refusal just continues).
+static int32_t dream_rev_start(const dream_stage & ds, int32_t e) {
+    return ((e - 1) / ds.params.chunk) * ds.params.chunk;
+}
+
+// Moves rev_end past chunks with nothing to carry back (no loss rows, no adjoint).
+static void dream_rev_skip(dream_stage & ds) {
+    while (ds.rev_end > 0) {
+        const int32_t s = dream_rev_start(ds, ds.rev_end);
+        if (dream_loss_rows(ds, s, ds.rev_end) > 0 || dream_has_adjoint(ds, s, ds.rev_end)) {
+            return;
+        }
+        ds.rev_end = s;
+    }
+}
+
+// The exact walk: the forward sweep fills the cache up to where the reverse
+// pass's next chunk starts (that chunk runs forward and backward in one
+// graph); the reverse pass then walks back from the last loss token to 0. The
+// cache holds [0, win_pos): a reverse chunk gives up its own cells, so a
+// smaller chunk after a refusal first refills the cells it now needs.
+static dream_chunk dream_next_chunk(dream_stage & ds) {
+    dream_chunk c;
+    if (!dream_exact_window(ds)) {
+        c.p = ds.win_pos;
+        c.n = std::min(ds.params.chunk, ds.win_n - c.p);
+        return c;
+    }
+    const int32_t end = ds.win_reverse ? ds.rev_end : ds.win_loss_end;
+    const int32_t start = dream_rev_start(ds, end);
+    if (ds.win_pos < start) {
+        c.p = ds.win_pos;
+        c.n = std::min(ds.params.chunk, start - c.p);
+        return c;
+    }
+    ds.win_reverse = true;
+    ds.rev_end = end;
+    c.backward_pass = true;
+    c.p = start;
+    c.n = end - start;
+    c.surrogate = dream_has_adjoint(ds, c.p, end);
+    if (c.p > 0) {
+        c.leaf_lo = ds.horizon > 0 ? std::max(0, c.p - ds.horizon) : 0;
+    }
+    return c;
+}
+
+int32_t dream_walk_chunks_left(const dream_stage & ds) {
+    if (!ds.win_active) {
+        return 0;
+    }
+    const int32_t ch = ds.params.chunk;
+    if (!dream_exact_window(ds)) {
+        return (ds.win_n - ds.win_pos + ch - 1) / ch;
+    }
+    // an upper bound: the forward chunks still to fill, then every reverse chunk
+    const int32_t end = ds.win_reverse ? ds.rev_end : ds.win_loss_end;
+    const int32_t fwd = (std::max(0, dream_rev_start(ds, end) - ds.win_pos) + ch - 1) / ch;
+    return std::max(1, fwd + (end + ch - 1) / ch);
+}
+
+// After a refused reverse-pass chunk: halve the horizon in whole chunks (not
+// below one chunk), so the retry builds fewer gradient leaves. Returns the new
+// horizon, or 0 when it cannot shrink.
+static int32_t dream_halve_horizon(dream_stage & ds, int32_t p, int32_t leaf_lo) {
+    const int32_t ch = ds.params.chunk;
+    const int32_t in_use = p - leaf_lo;
+    if (leaf_lo < 0 || in_use <= ch) {
+        return 0;
+    }
+    ds.horizon = std::max(ch, (in_use / 2) / ch * ch);
+    return ds.horizon;
+}
+
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     const auto t_start = std::chrono::steady_clock::now();
     dream_receipt_start(ds, r);
     r.step = ds.step + 1;
+    dream_chunk chunk;
     auto finish = [&](int32_t status) {
         r.status = status;
+        if (status == DREAM_STATUS_REFUSED && chunk.backward_pass) {
+            const int32_t was = r.horizon;
+            if (const int32_t h = dream_halve_horizon(ds, chunk.p, chunk.leaf_lo)) {
+                const size_t len = std::strlen(r.message);
+                std::snprintf(r.message + len, sizeof(r.message) - len, "; horizon halved from %d to %d, the chunk retries",
+                              was > 0 ? was : chunk.p - chunk.leaf_lo, h);
+            }
+        }
         r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
         r.optimizer_mib = (double) ((ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float)) / DREAM_MIB;
         return status;
     };
-    if (!ds.win_active || ds.win_pos >= ds.win_n) {
+    if (!ds.win_active || (!dream_exact_window(ds) && ds.win_pos >= ds.win_n)) {
         dream_receipt_message(r, "no window in progress: call dream_window_begin first");
         return finish(DREAM_STATUS_ERROR);
     }
 
     const auto & hp = ds.model->hparams;
-    const int32_t p = ds.win_pos;
-    const int32_t n = std::min(ds.params.chunk, ds.win_n - p);
+    chunk = dream_next_chunk(ds);
+    const int32_t p = chunk.p;
+    const int32_t n = chunk.n;
     const int64_t n_vocab = ds.model->vocab.n_tokens();
     r.chunk_pos = p;
     r.chunk_tokens = n;
+    r.horizon = ds.params.exact ? ds.horizon : -1;
 
     // row i (input token p+i) predicts token p+i+1 when that token carries loss
+    // (the exact walk's forward sweep only fills the cache: its loss rows are
+    // trained when the reverse pass comes back to them)
     std::vector<int32_t> targets(n, -1);
     int32_t n_loss = 0;
-    for (int32_t i = 0; i < n; ++i) {
+    const bool forward_sweep = dream_exact_window(ds) && !chunk.backward_pass;
+    for (int32_t i = 0; i < n && !forward_sweep; ++i) {
         const int32_t j = p + i + 1;
         if (j < ds.win_n && ds.win_mask[j]) {
             targets[i] = ds.win_tokens[j];
@@ -265,7 +436,10 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         }
     }
     r.tokens = n_loss;
-    const bool train = n_loss > 0;
+    // the plain walk (and the exact walk's forward sweep) goes backward only
+    // for loss rows; a reverse-pass chunk also for the adjoints it carries
+    const bool train = n_loss > 0 || (chunk.backward_pass && chunk.surrogate);
+    std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", train ? "backward" : "forward");
 
     if (hp.n_pos_per_embd() != 1) {
         dream_receipt_message(r, "models with %u positions per token (M-RoPE) are not supported by the dream stage", hp.n_pos_per_embd());
@@ -278,6 +452,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
 
     // the chunk's cells in the training cache (a refused earlier try left none)
     ds.memory->seq_rm(0, p, -1);
+    ds.win_pos = std::min(ds.win_pos, p);
     llama_batch_allocr balloc(hp.n_pos_per_embd());
     llama_ubatch ub = balloc.ubatch_reserve(n, 1);
     for (int32_t i = 0; i < n; ++i) {
@@ -345,6 +520,11 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     g_hook_calls = 0;
     ds.build_pos = p;
     ds.build_unit = nullptr;
+    ds.build_leaf_lo = chunk.leaf_lo;
+    ds.build_surrogate = chunk.surrogate;
+    ds.build_leaf_k.assign(hp.n_layer(), nullptr);
+    ds.build_leaf_v.assign(hp.n_layer(), nullptr);
+    ds.build_sur = nullptr;
     try {
         gf = ds.model->build_graph(gp);
     } catch (const std::exception & e) {
@@ -378,17 +558,23 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
     ggml_graph_cpy(gf, gb);
     if (train) {
-        // only the rows with a target enter the loss: cross_entropy_loss's
-        // backward assumes every row's labels sum to one, so an all-zero row
-        // would still push its softmax into the gradient
-        rows = ggml_new_tensor_1d(cbw, GGML_TYPE_I32, n_loss);
-        ggml_set_input(rows);
-        labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
-        ggml_set_input(labels);
-        ce = ggml_cross_entropy_loss(cbw, ggml_get_rows(cbw, logits, rows), labels);   // mean over loss rows
-        ggml_set_output(ce);
-        // this chunk's share of the window's mean over its loss tokens
-        loss = ggml_scale(cbw, ce, (float) n_loss / (float) ds.win_n_masked);
+        if (n_loss > 0) {
+            // only the rows with a target enter the loss: cross_entropy_loss's
+            // backward assumes every row's labels sum to one, so an all-zero row
+            // would still push its softmax into the gradient
+            rows = ggml_new_tensor_1d(cbw, GGML_TYPE_I32, n_loss);
+            ggml_set_input(rows);
+            labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
+            ggml_set_input(labels);
+            ce = ggml_cross_entropy_loss(cbw, ggml_get_rows(cbw, logits, rows), labels);   // mean over loss rows
+            ggml_set_output(ce);
+            // this chunk's share of the window's mean over its loss tokens
+            loss = ggml_scale(cbw, ce, (float) n_loss / (float) ds.win_n_masked);
+        }
+        // the exact walk: the later chunks' adjoints enter through the surrogate
+        if (ds.build_sur) {
+            loss = loss ? ggml_add(cbw, loss, ds.build_sur) : ds.build_sur;
+        }
         ggml_set_loss(loss);
         ggml_build_forward_expand(gb, loss);
         if (const ggml_tensor * bad = dream_find_undifferentiable(gb, loss)) {
@@ -405,6 +591,24 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                     ggml_set_output(g);
                 }
                 param_grads.push_back(g);
+            }
+        }
+        // the exact walk: add each leaf's gradient into gK/gV at its cells, in
+        // this graph (the buffers are the stage's, so it persists to the chunks before)
+        for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+            ggml_tensor * leaves[2] = { ds.build_leaf_k[il], ds.build_leaf_v[il] };
+            ggml_tensor * adj[2] = { ds.adj_k.empty() ? nullptr : ds.adj_k[il], ds.adj_v.empty() ? nullptr : ds.adj_v[il] };
+            for (int i = 0; i < 2; ++i) {
+                ggml_tensor * g = leaves[i] ? ggml_graph_get_grad(gb, leaves[i]) : nullptr;
+                if (!g) {
+                    continue;
+                }
+                if (!ggml_is_contiguous(g)) {
+                    g = ggml_cont(cbw, g);
+                }
+                ggml_tensor * cells = ggml_view_3d(cbw, adj[i], adj[i]->ne[0], adj[i]->ne[1], leaves[i]->ne[2],
+                                                   adj[i]->nb[1], adj[i]->nb[2], (size_t) chunk.leaf_lo * adj[i]->nb[2]);
+                ggml_build_forward_expand(gb, ggml_cpy(cbw, ggml_add(cbw, cells, ggml_reshape(cbw, g, cells)), cells));
             }
         }
         gb = dream_dequantize_out_prods(cbw, gb, cap);
@@ -468,7 +672,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
     }
     std::vector<float> host;
-    if (train) {
+    if (rows) {
         host.assign((size_t) n_vocab * n_loss, 0.0f);
         std::vector<int32_t> row_ids;
         for (int32_t i = 0; i < n; ++i) {
@@ -479,6 +683,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         }
         ggml_backend_tensor_set(rows, row_ids.data(), 0, ggml_nbytes(rows));
         ggml_backend_tensor_set(labels, host.data(), 0, ggml_nbytes(labels));
+    }
+    if (loss_grad) {
         const float one = 1.0f;
         ggml_backend_tensor_set(loss_grad, &one, 0, sizeof(one));
     }
@@ -491,7 +697,9 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
 
     if (train) {
         float ce_val = 0.0f;
-        ggml_backend_tensor_get(ce, &ce_val, 0, sizeof(ce_val));
+        if (ce) {
+            ggml_backend_tensor_get(ce, &ce_val, 0, sizeof(ce_val));
+        }
         r.loss = (double) ce_val;
         if (need_opt_state) {
             ds.grad_acc.assign(ds.n_params, 0.0f);
@@ -518,7 +726,17 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     scope.revert_from = -1;     // the chunk's K/V stay as constants for later chunks
     ds.step += 1;
     ds.win_pos = p + n;
-    if (ds.win_pos >= ds.win_n) {
+    bool window_done = !dream_exact_window(ds) && ds.win_pos >= ds.win_n;
+    if (chunk.backward_pass) {
+        // the leaves' cells now hold adjoints; walk on to the next chunk with work
+        for (int32_t i = std::max(chunk.leaf_lo, 0); chunk.leaf_lo >= 0 && i < p; ++i) {
+            ds.win_adj[i] = 1;
+        }
+        ds.rev_end = p;
+        dream_rev_skip(ds);
+        window_done = ds.rev_end == 0;
+    }
+    if (window_done) {
         ds.win_active = false;
         if (ds.win_n_masked > 0 && !ds.grad_acc.empty()) {
             ds.windows_pending += 1;
