@@ -105,11 +105,13 @@ def test_exact_walk_equals_the_one_chunk_gradient(tiny_resident, one_chunk, n_ch
     passes = [(r.walk_pass, r.chunk_pos) for r in receipts]
     assert passes == [("forward", p) for p in range(0, last, chunk)] + \
                      [("backward", p) for p in range(last, -1, -chunk)]
-    assert all(r.exact and r.horizon == 0 and r.walk_mib > 0 for r in receipts)
+    assert all(r.exact and r.horizon == 0 for r in receipts)
+    # the adjoint buffers exist from the first backward chunk on: the whole window, F32 K and V rows
+    assert {r.walk_mib for r in receipts if r.walk_pass == "backward"} == {WINDOW * 2 * 2 * 32 * 4 / 2**20}
     err, err_upd = rel_l2(g, g1), rel_l2(upd, upd1)
     report(f"f32 cache, {n_chunks} chunks of {chunk}, {context} unlabelled in front: gradient rel L2 {err:.2e} "
            f"(cosine {cosine(g, g1):.8f}), update rel L2 {err_upd:.2e}, loss |d| {abs(loss - loss1):.1e}, "
-           f"walk_mib {receipts[0].walk_mib:.4f}")
+           f"walk_mib {receipts[-1].walk_mib:.4f}")
     assert abs(loss - loss1) <= 1e-5 * loss1
     assert err <= 1e-5
     assert np.count_nonzero(upd) == upd.size and np.count_nonzero(upd1) == upd1.size
@@ -170,9 +172,89 @@ def test_exact_walk_refuses_nothing_by_name_and_plain_walk_horizon_is_refused(ti
     with pytest.raises(ValueError, match="horizon"):
         _trainer(tiny_resident, chunk=8, horizon=16)
     with _trainer(tiny_resident, chunk=8, exact=True, horizon=16) as tr:
-        assert tr.init_receipt.walk_mib > 0 and tr.init_receipt.horizon == 16
+        assert tr.init_receipt.walk_mib == 0 and tr.init_receipt.horizon == 16   # allocated at the first backward chunk
         assert tr.set_horizon(0) == 0
     with _trainer(tiny_resident, chunk=8) as tr:
         assert tr.init_receipt.walk_mib == 0 and tr.init_receipt.horizon == -1
         with pytest.raises(ValueError, match="exact walk only"):
             tr.set_horizon(8)
+
+
+def test_horizon_adjoint_slots_and_a_refusal_halves_the_horizon(tiny_resident, tiny_ref):
+    """With a horizon the adjoint buffers hold H + chunk positions (slots reused
+    around a ring). A budget that fits the buffers for H/2 but not for H: the
+    first backward chunk is refused, H halves, the chunk retries and the window
+    completes with the H/2 gradient (against the detached reference).
+
+    49 tokens in chunks of 6: the first backward chunk [42, 48) has the most
+    loss rows, so no later chunk needs more host memory than it did."""
+    n = WINDOW + 1
+    tokens = tiny_resident.tokenize(TEXT)[:n]
+    mask = np.ones(n, np.uint8)
+    chunk, horizon = 6, 24
+    row = 2 * 2 * 32 * 4 / 2**20          # K and V rows of both layers, F32
+    g_h, _, _, receipts, _, _ = _run(tiny_resident, tokens, mask, chunk=chunk, exact=True, horizon=horizon, window=n)
+    assert {r.walk_mib for r in receipts if r.walk_pass == "backward"} == {(horizon + chunk) * row}
+    with _trainer(tiny_resident, chunk=chunk, exact=True, horizon=horizon, lr=1e-2, window=n) as tr:
+        theta = _with_random_b(tr)
+        tr.begin_window(tokens, mask)
+        got = [tr.micro_step() for _ in range((n - 2) // chunk)]
+        assert [r.walk_pass for r in got] == ["forward"] * len(got) and all(r.ok for r in got)
+        # measure: a budget below what the job holds refuses and names the need
+        tr.set_budget(1e-3)
+        probe = tr.micro_step()
+        assert probe.status == "refused" and "adjoint buffers" in probe.message
+        held_plus_slack = 1e-3 - probe.refused_allowance_mib
+        need_h = probe.refused_need_mib                     # buffers for H + the step's host memory
+        assert tr.set_horizon(horizon) == horizon           # the probe halved it; undo
+        # room for the buffers of H/2 (and two rows to spare), not for those of H
+        tr.set_budget(held_plus_slack + need_h - (horizon // 2 - 2) * row)
+        refused = tr.micro_step()
+        assert refused.status == "refused" and refused.horizon == horizon // 2
+        assert f"horizon halved from {horizon} to {horizon // 2}" in refused.message
+        rest = []
+        while tr.chunks_left:
+            rest.append(tr.micro_step())
+            assert rest[-1].ok, rest[-1].message
+        assert {r.horizon for r in rest} == {horizon // 2}
+        assert {r.walk_mib for r in rest} == {(horizon // 2 + chunk) * row}
+        g_half = tr.gradients()
+        order = tr.parameter_order()
+        lora = ref.Lora(scale=ALPHA / RANK, factors={k: (a.copy(), b.copy()) for k, (a, b) in tr.unflatten(theta).items()})
+    _, hz = ref.horizon_walk_grad(tiny_ref, tokens, ref.positions_from_mask(mask), lora, chunk, horizon // 2)
+    err = rel_l2(g_half, ref.flat_grad(hz, order))
+    report(f"budget fits H/2 only: refused at H={horizon} (need {need_h:.4f} MiB), completed with H={horizon // 2}: "
+           f"vs detached reference rel L2 {err:.2e}")
+    assert err <= 1e-4
+    assert rel_l2(g_half, g_h) > 1e-3      # a different horizon, a different gradient
+
+
+def test_default_model_exact_walk_equals_the_one_chunk_gradient(dream_resident):
+    """The default model (SmolLM2-135M Q4_1), 64 tokens with 16 unlabelled in
+    front, rank 8 on attn_q, attn_v: the exact walk over 2 and 4 chunks against
+    the one-chunk gradient; q8_0 and the plain walk reported beside."""
+    from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+    n = 64
+    tokens = dream_resident.tokenize(TEXT * 2)[:n]
+    mask = np.ones(n, np.uint8)
+    mask[:16] = 0
+
+    def grad(chunk, exact=False, cache="f32"):
+        with Trainer(dream_resident, LoraConfig(seed=3), cache_type=cache, window=n, chunk=chunk, exact=exact,
+                     optimizer=OptimizerConfig(lr=0.0)) as tr:
+            _with_random_b(tr, std=0.02)
+            assert all(r.ok for r in tr.train_window(tokens, mask))
+            return tr.gradients()
+
+    g1 = grad(n)
+    found = {}
+    for chunk in (32, 16):
+        g = grad(chunk, exact=True)
+        found[chunk] = (rel_l2(g, g1), cosine(g, g1))
+    q8 = cosine(grad(16, exact=True, cache="q8_0"), g1)
+    plain = cosine(grad(16), g1)
+    report("default model, 64 tokens, 16 unlabelled in front: " +
+           ", ".join(f"{n // c} chunks rel L2 {e:.2e} (cosine {cs:.8f})" for c, (e, cs) in found.items()) +
+           f"; 4 chunks q8_0 cosine {q8:.6f}; plain walk 4 chunks cosine {plain:.6f}")
+    assert all(e <= 1e-5 for e, _ in found.values())
+    assert q8 >= 0.99

@@ -1,6 +1,7 @@
 // dream.h's C functions: validation, then thin calls into the concern files.
 #include "dream-stage.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -112,7 +113,6 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
     ds->horizon = params.exact && params.horizon > 0 ? params.horizon : 0;
     // gate the job's standing memory before anything exists
     const size_t cache_bytes = dream_memory_bytes_planned(*ds);
-    const size_t walk_bytes = dream_walk_bytes_planned(*ds);
     const size_t adapter_bytes = dream_adapter_bytes_planned(*ds);
     std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;
     for (auto & pr : ds->pairs) {
@@ -127,29 +127,21 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
         const size_t per_layer = (ggml_row_size(ds->cache_type, ds->model->hparams.n_embd_k_gqa(il)) +
                                   ggml_row_size(ds->cache_type, ds->model->hparams.n_embd_v_gqa(il))) * (size_t) ds->params.window;
         needs.push_back({ ds->model->dev_layer(il), per_layer });
-        // the exact walk's adjoint buffers live with the layer too (F32 rows)
-        if (walk_bytes > 0) {
-            needs.push_back({ ds->model->dev_layer(il), (ggml_row_size(GGML_TYPE_F32, ds->model->hparams.n_embd_k_gqa(il)) +
-                                                         ggml_row_size(GGML_TYPE_F32, ds->model->hparams.n_embd_v_gqa(il))) *
-                                                        (size_t) ds->params.window });
-        }
     }
     const dream_gate_verdict v = dream_gate_check(*ds, needs);
     r.context_mib = (double) cache_bytes / DREAM_MIB;
     r.adapter_mib = (double) adapter_bytes / DREAM_MIB;
-    r.walk_mib = (double) walk_bytes / DREAM_MIB;
     if (!v.fits) {
         r.status = DREAM_STATUS_REFUSED;
         r.refused_chunk_pos = -1;
         r.refused_need_mib = v.need_mib;
         r.refused_allowance_mib = v.allowance_mib;
-        dream_receipt_message(r, "the job's training cache (%.2f MiB, %s, %d tokens), adapters (%.2f MiB) and exact-walk "
-                              "adjoint buffers (walk_mib %.2f) need %.2f MiB on %s; allowance %.2f MiB", r.context_mib,
-                              ds->cache_type_str.c_str(), ds->params.window, r.adapter_mib, r.walk_mib, v.need_mib,
-                              v.device.c_str(), v.allowance_mib);
+        dream_receipt_message(r, "the job's training cache (%.2f MiB, %s, %d tokens) and adapters (%.2f MiB) need %.2f MiB on %s; "
+                              "allowance %.2f MiB", r.context_mib, ds->cache_type_str.c_str(), ds->params.window,
+                              r.adapter_mib, v.need_mib, v.device.c_str(), v.allowance_mib);
         return nullptr;
     }
-    if (!dream_adapter_create(*ds, err) || !dream_memory_create(*ds, err) || !dream_walk_create(*ds, err)) {
+    if (!dream_adapter_create(*ds, err) || !dream_memory_create(*ds, err)) {
         r.status = DREAM_STATUS_ERROR;
         dream_receipt_message(r, "%s", err.c_str());
         return nullptr;
@@ -299,6 +291,11 @@ int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon) {
         return -1;
     }
     ds->horizon = horizon > 0 ? horizon : 0;
+    // adjoint buffers already sized for a shorter horizon bound it
+    if (ds->adj_rows > 0 && ds->adj_rows < ds->params.window &&
+        (ds->horizon == 0 || ds->horizon + ds->params.chunk > ds->adj_rows)) {
+        ds->horizon = std::max(1, ds->adj_rows - ds->params.chunk);
+    }
     return ds->horizon;
 }
 

@@ -11,7 +11,7 @@
 
 double dream_held_mib(const dream_stage & ds) {
     const size_t opt = (ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float);
-    return (double) (ds.adapter_bytes + ds.context_bytes + opt) / DREAM_MIB;
+    return (double) (ds.adapter_bytes + ds.context_bytes + ds.walk_bytes + opt) / DREAM_MIB;
 }
 
 static ggml_backend_dev_t dream_cpu_device() {

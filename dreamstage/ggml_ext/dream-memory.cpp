@@ -64,31 +64,26 @@ bool dream_memory_create(dream_stage & ds, std::string & err) {
     return true;
 }
 
-// The exact walk's adjoint buffers gK, gV: F32, one row per cell, like the
-// cache's own rows, so position q's adjoint sits at the same offset as its
-// cached K/V. They are sized to the window (the reverse pass writes anywhere
-// below the chunk it is on). Zero for the plain walk.
-size_t dream_walk_bytes_planned(const dream_stage & ds) {
-    if (!ds.params.exact) {
-        return 0;
-    }
+// The exact walk's adjoint buffers gK, gV: F32, one row per slot, like the
+// cache's own rows. Position q's adjoint lives in slot q % rows: with a
+// horizon H the reverse pass only ever holds adjoints for the H positions
+// before its chunk and the chunk itself, so rows = min(window, H + chunk),
+// and the whole window without one. Allocated at the first backward chunk,
+// through the gate; the plain walk has none.
+std::vector<std::pair<ggml_backend_dev_t, size_t>> dream_walk_bytes_planned(const dream_stage & ds, int32_t rows) {
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> out;
     const auto & hp = ds.model->hparams;
-    size_t total = 0;
     for (uint32_t il = 0; il < hp.n_layer(); ++il) {
-        if (!hp.has_kv(il)) {
-            continue;
+        if (hp.has_kv(il)) {
+            out.push_back({ ds.model->dev_layer(il), (ggml_row_size(GGML_TYPE_F32, hp.n_embd_k_gqa(il)) +
+                                                      ggml_row_size(GGML_TYPE_F32, hp.n_embd_v_gqa(il))) * (size_t) rows });
         }
-        total += ggml_row_size(GGML_TYPE_F32, hp.n_embd_k_gqa(il)) * (size_t) ds.params.window;
-        total += ggml_row_size(GGML_TYPE_F32, hp.n_embd_v_gqa(il)) * (size_t) ds.params.window;
     }
-    return total;
+    return out;
 }
 
-bool dream_walk_create(dream_stage & ds, std::string & err) {
-    ds.walk_bytes = 0;
-    if (!ds.params.exact) {
-        return true;
-    }
+bool dream_walk_create(dream_stage & ds, int32_t rows, std::string & err) {
+    dream_walk_free(ds);
     const auto & hp = ds.model->hparams;
     ds.adj_k.assign(hp.n_layer(), nullptr);
     ds.adj_v.assign(hp.n_layer(), nullptr);
@@ -106,8 +101,8 @@ bool dream_walk_create(dream_stage & ds, std::string & err) {
             ds.adj_ctxs.emplace_back(ggml_init(ip));
             ctx = ds.adj_ctxs.back().get();
         }
-        ds.adj_k[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, hp.n_embd_head_k(il), hp.n_head_kv(il), ds.params.window);
-        ds.adj_v[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, hp.n_embd_head_v(il), hp.n_head_kv(il), ds.params.window);
+        ds.adj_k[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, hp.n_embd_head_k(il), hp.n_head_kv(il), rows);
+        ds.adj_v[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, hp.n_embd_head_v(il), hp.n_head_kv(il), rows);
         ggml_format_name(ds.adj_k[il], "dream_adj_k-%u", il);
         ggml_format_name(ds.adj_v[il], "dream_adj_v-%u", il);
     }
@@ -115,13 +110,24 @@ bool dream_walk_create(dream_stage & ds, std::string & err) {
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
         if (!buf) {
             err = std::string("could not allocate the exact walk's adjoint buffers on ") + ggml_backend_buft_name(buft);
+            dream_walk_free(ds);
             return false;
         }
         ds.adj_bufs.emplace_back(buf);
         ds.walk_bytes += ggml_backend_buffer_get_size(buf);
     }
+    ds.adj_rows = rows;
     dream_walk_clear(ds);
     return true;
+}
+
+void dream_walk_free(dream_stage & ds) {
+    ds.adj_k.clear();
+    ds.adj_v.clear();
+    ds.adj_bufs.clear();
+    ds.adj_ctxs.clear();
+    ds.walk_bytes = 0;
+    ds.adj_rows = 0;
 }
 
 void dream_walk_clear(dream_stage & ds) {

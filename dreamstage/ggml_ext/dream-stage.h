@@ -73,9 +73,11 @@ struct dream_stage {
     size_t context_bytes = 0;
 
     // exact walk (dream-memory.cpp allocates, dream-walk.cpp uses): the F32
-    // adjoint buffers gK, gV per layer, ne = [head_dim, n_head_kv, window] like
-    // the cache's rows, on the layer's device; null for layers without K/V.
+    // adjoint buffers gK, gV per layer, ne = [head_dim, n_head_kv, adj_rows]
+    // like the cache's rows (position q in slot q % adj_rows), on the layer's
+    // device; null for layers without K/V. Empty until the first backward chunk.
     std::vector<ggml_tensor *> adj_k, adj_v;
+    int32_t adj_rows = 0;
     std::vector<ggml_context_ptr> adj_ctxs;
     std::vector<ggml_backend_buffer_ptr> adj_bufs;
     size_t walk_bytes = 0;
@@ -119,9 +121,11 @@ bool dream_plan(dream_stage & ds, std::string & err);  // resolves targets/layer
 bool dream_cache_type_from_name(const char * name, ggml_type & out);
 size_t dream_memory_bytes_planned(const dream_stage & ds);
 bool dream_memory_create(dream_stage & ds, std::string & err);
-size_t dream_walk_bytes_planned(const dream_stage & ds);
-bool dream_walk_create(dream_stage & ds, std::string & err);   // exact walk's adjoint buffers, zeroed
-void dream_walk_clear(dream_stage & ds);                         // zero gK, gV
+// the exact walk's adjoint buffers of `rows` slots: bytes per device, create (zeroed), free, zero
+std::vector<std::pair<ggml_backend_dev_t, size_t>> dream_walk_bytes_planned(const dream_stage & ds, int32_t rows);
+bool dream_walk_create(dream_stage & ds, int32_t rows, std::string & err);
+void dream_walk_free(dream_stage & ds);
+void dream_walk_clear(dream_stage & ds);
 
 // dream-gate.cpp: per-device comparison of need against allowance.
 struct dream_gate_verdict {

@@ -92,23 +92,48 @@ static ggml_tensor * dream_join_v(ggml_context * ctx, dream_stage & ds, ggml_ten
     return ggml_permute(ctx, dream_unit_mul(ctx, ds, joined), 0, 2, 1, 3);
 }
 
+// [a, b) cut where it wraps around the adjoint buffers' slots (q % adj_rows).
+struct dream_ring_piece {
+    int32_t pos, slot, len;
+};
+
+static std::vector<dream_ring_piece> dream_ring_pieces(const dream_stage & ds, int32_t a, int32_t b) {
+    std::vector<dream_ring_piece> out;
+    while (a < b) {
+        const int32_t slot = a % ds.adj_rows;
+        const int32_t len = std::min(b - a, ds.adj_rows - slot);
+        out.push_back({ a, slot, len });
+        a += len;
+    }
+    return out;
+}
+
+// The slots of [pos, pos + len) in one layer's adjoint buffer.
+static ggml_tensor * dream_adj_view(ggml_context * ctx, ggml_tensor * adj, int32_t slot, int32_t len) {
+    return ggml_view_3d(ctx, adj, adj->ne[0], adj->ne[1], len, adj->nb[1], adj->nb[2], (size_t) slot * adj->nb[2]);
+}
+
+// Positions [from, from + len) of a contiguous [.., .., cells] tensor whose first cell is `first`.
+static ggml_tensor * dream_cells_view(ggml_context * ctx, ggml_tensor * t, int32_t first, int32_t from, int32_t len) {
+    return ggml_view_3d(ctx, t, t->ne[0], t->ne[1], len, t->nb[1], t->nb[2], (size_t) (from - first) * t->nb[2]);
+}
+
 // The exact walk's surrogate for layer il: sum(k_cur * gK) + sum(v_cur * gV)
 // over the chunk's own cells, gK and gV constant. Its gradient with respect to
 // k_cur and v_cur is the adjoint the later chunks sent back, so backward
 // carries their loss into this chunk's parameters and its own ancestors.
 static void dream_add_surrogate(ggml_context * ctx, dream_stage & ds, ggml_tensor * k_cur, ggml_tensor * v_cur,
                                 int32_t pos, int32_t il) {
-    ggml_tensor * terms[2] = { nullptr, nullptr };
     ggml_tensor * cur[2] = { k_cur, v_cur };
     ggml_tensor * adj[2] = { ds.adj_k[il], ds.adj_v[il] };
     for (int i = 0; i < 2; ++i) {
         ggml_tensor * own = ggml_is_contiguous(cur[i]) ? cur[i] : ggml_cont(ctx, cur[i]);
-        ggml_tensor * g = ggml_view_3d(ctx, adj[i], adj[i]->ne[0], adj[i]->ne[1], own->ne[2], adj[i]->nb[1],
-                                       adj[i]->nb[2], (size_t) pos * adj[i]->nb[2]);
-        terms[i] = ggml_sum(ctx, ggml_mul(ctx, own, g));
+        for (const auto & pc : dream_ring_pieces(ds, pos, pos + (int32_t) own->ne[2])) {
+            ggml_tensor * term = ggml_sum(ctx, ggml_mul(ctx, dream_cells_view(ctx, own, pos, pc.pos, pc.len),
+                                                        dream_adj_view(ctx, adj[i], pc.slot, pc.len)));
+            ds.build_sur = ds.build_sur ? ggml_add(ctx, ds.build_sur, term) : term;
+        }
     }
-    ggml_tensor * layer = ggml_add(ctx, terms[0], terms[1]);
-    ds.build_sur = ds.build_sur ? ggml_add(ctx, ds.build_sur, layer) : layer;
 }
 
 bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv_cache_context * mctx, int32_t il,
@@ -357,9 +382,21 @@ static dream_chunk dream_next_chunk(dream_stage & ds) {
     c.n = end - start;
     c.surrogate = dream_has_adjoint(ds, c.p, end);
     if (c.p > 0) {
-        c.leaf_lo = ds.horizon > 0 ? std::max(0, c.p - ds.horizon) : 0;
+        int32_t h = ds.horizon > 0 ? std::min(ds.horizon, c.p) : c.p;
+        if (ds.adj_rows > 0) {
+            h = std::min(h, ds.adj_rows - c.n);   // the live adjoints must fit the slots
+        }
+        c.leaf_lo = h > 0 ? c.p - h : -1;
     }
     return c;
+}
+
+// What a micro-step allocates on the host besides its graph: the optimizer
+// state at the first training step, the one-hot labels and the gradient copy.
+static size_t dream_step_host_bytes(const dream_stage & ds, bool train, int32_t n_loss) {
+    const size_t opt = train && ds.grad_acc.empty() ? (size_t) 3 * ds.n_params : 0;
+    const size_t step = train ? (size_t) ds.model->vocab.n_tokens() * n_loss + ds.n_params : 0;
+    return (opt + step) * sizeof(float);
 }
 
 int32_t dream_walk_chunks_left(const dream_stage & ds) {
@@ -394,16 +431,21 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     dream_receipt_start(ds, r);
     r.step = ds.step + 1;
     dream_chunk chunk;
+    bool walk_new = false;   // the adjoint buffers were allocated by this micro-step
     auto finish = [&](int32_t status) {
         r.status = status;
+        if (status == DREAM_STATUS_REFUSED && walk_new) {
+            dream_walk_free(ds);   // a refusal leaves nothing allocated
+        }
         if (status == DREAM_STATUS_REFUSED && chunk.backward_pass) {
-            const int32_t was = r.horizon;
             if (const int32_t h = dream_halve_horizon(ds, chunk.p, chunk.leaf_lo)) {
                 const size_t len = std::strlen(r.message);
                 std::snprintf(r.message + len, sizeof(r.message) - len, "; horizon halved from %d to %d, the chunk retries",
-                              was > 0 ? was : chunk.p - chunk.leaf_lo, h);
+                              chunk.p - chunk.leaf_lo, h);
+                r.horizon = h;   // the receipt names the horizon the retry uses
             }
         }
+        r.walk_mib = (double) ds.walk_bytes / DREAM_MIB;
         r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
         r.optimizer_mib = (double) ((ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float)) / DREAM_MIB;
         return status;
@@ -444,6 +486,39 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     if (hp.n_pos_per_embd() != 1) {
         dream_receipt_message(r, "models with %u positions per token (M-RoPE) are not supported by the dream stage", hp.n_pos_per_embd());
         return finish(DREAM_STATUS_ERROR);
+    }
+
+    // the exact walk's adjoint buffers, at its first backward chunk: gated
+    // before the graph is built (the graph reads and writes them)
+    if (train && chunk.backward_pass && ds.adj_rows == 0) {
+        const int32_t rows = ds.horizon > 0 ? std::min(ds.params.window, ds.horizon + ds.params.chunk) : ds.params.window;
+        auto needs = dream_walk_bytes_planned(ds, rows);
+        double total = 0;
+        for (const auto & nd : needs) {
+            total += (double) nd.second / DREAM_MIB;
+        }
+        // with the step's own host needs, which its graph's gate counts again
+        needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train, n_loss) });
+        const dream_gate_verdict v = dream_gate_check(ds, needs);
+        if (!v.fits) {
+            r.refused_chunk_pos = p;
+            r.refused_chunk_tokens = n;
+            r.refused_need_mib = v.need_mib;
+            r.refused_allowance_mib = v.allowance_mib;
+            dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
+                                  "memory need %.2f MiB on %s, "
+                                  "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)", rows, total,
+                                  v.need_mib, v.device.c_str(), v.allowance_mib, ds.params.memory_budget_mib,
+                                  dream_held_mib(ds), ds.params.slack_mib);
+            return finish(DREAM_STATUS_REFUSED);
+        }
+        std::string err;
+        if (!dream_walk_create(ds, rows, err)) {
+            dream_receipt_message(r, "%s", err.c_str());
+            return finish(DREAM_STATUS_ERROR);
+        }
+        walk_new = true;
+        chunk = dream_next_chunk(ds);   // the same chunk, its leaves bounded by the slots
     }
 
     dream_graph_scope scope(ds);
@@ -603,12 +678,12 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 if (!g) {
                     continue;
                 }
-                if (!ggml_is_contiguous(g)) {
-                    g = ggml_cont(cbw, g);
+                g = ggml_reshape(cbw, ggml_is_contiguous(g) ? g : ggml_cont(cbw, g), leaves[i]);
+                for (const auto & pc : dream_ring_pieces(ds, chunk.leaf_lo, p)) {
+                    ggml_tensor * slots = dream_adj_view(cbw, adj[i], pc.slot, pc.len);
+                    ggml_tensor * sum = ggml_add(cbw, slots, dream_cells_view(cbw, g, chunk.leaf_lo, pc.pos, pc.len));
+                    ggml_build_forward_expand(gb, ggml_cpy(cbw, sum, slots));
                 }
-                ggml_tensor * cells = ggml_view_3d(cbw, adj[i], adj[i]->ne[0], adj[i]->ne[1], leaves[i]->ne[2],
-                                                   adj[i]->nb[1], adj[i]->nb[2], (size_t) chunk.leaf_lo * adj[i]->nb[2]);
-                ggml_build_forward_expand(gb, ggml_cpy(cbw, ggml_add(cbw, cells, ggml_reshape(cbw, g, cells)), cells));
             }
         }
         gb = dream_dequantize_out_prods(cbw, gb, cap);
@@ -633,11 +708,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         needs.push_back({ ggml_backend_get_device(be), planned[b] > have ? planned[b] - have : 0 });
     }
     const bool need_opt_state = train && ds.grad_acc.empty();
-    if (need_opt_state) {
-        needs.push_back({ dream_host_device(), (size_t) 3 * ds.n_params * sizeof(float) });
-    }
-    // one-hot labels and the host copy of gradients are host allocations of this step
-    needs.push_back({ dream_host_device(), (size_t) (train ? n_vocab * n_loss + ds.n_params : 0) * sizeof(float) });
+    needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train, n_loss) });
     r.graph_mib = (double) graph_bytes / DREAM_MIB;
     const dream_gate_verdict verdict = dream_gate_check(ds, needs);
     if (!verdict.fits) {
@@ -728,9 +799,21 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     ds.win_pos = p + n;
     bool window_done = !dream_exact_window(ds) && ds.win_pos >= ds.win_n;
     if (chunk.backward_pass) {
-        // the leaves' cells now hold adjoints; walk on to the next chunk with work
+        // the leaves' cells now hold adjoints; this chunk's own slots are
+        // spent and must read zero when lower positions wrap onto them
         for (int32_t i = std::max(chunk.leaf_lo, 0); chunk.leaf_lo >= 0 && i < p; ++i) {
             ds.win_adj[i] = 1;
+        }
+        if (ds.adj_rows > 0 && ds.adj_rows < ds.win_n) {
+            for (const auto & pc : dream_ring_pieces(ds, p, p + n)) {
+                for (auto * adj : { &ds.adj_k, &ds.adj_v }) {
+                    for (ggml_tensor * t : *adj) {
+                        if (t) {
+                            ggml_backend_tensor_memset(t, 0, (size_t) pc.slot * t->nb[2], (size_t) pc.len * t->nb[2]);
+                        }
+                    }
+                }
+            }
         }
         ds.rev_end = p;
         dream_rev_skip(ds);
