@@ -121,6 +121,8 @@ def progress_line(job: dict, width: int = 24) -> str:
         parts.append(f"loss {loss:.3f}")
     if p.get("eval_loss") is not None:
         parts.append(f"eval {p['eval_loss']:.3f}")
+    if p.get("horizon") is not None:
+        parts.append(f"exact horizon {p['horizon'] or 'all'}")
     if p.get("refusals"):
         parts.append(f"refusals {p['refusals']}")
     return "  ".join(parts)

@@ -35,7 +35,7 @@ ROLES = ("system", "user", "assistant", "tool")
 # other walks (the design has them), but accepting a value that would be
 # silently ignored misleads users, so an unsupported value is refused by name.
 # Widen these sets when the native core lands the exact walk or recompute.
-SUPPORTED_WALKS = {"recompute": frozenset({False}), "exact": frozenset({False})}
+SUPPORTED_WALKS = {"recompute": frozenset({False}), "exact": frozenset({False, True})}
 
 DEFAULT_WINDOW = 512
 DEFAULT_CHUNK = 128          # clipped to the window

@@ -76,7 +76,8 @@ BAD_BODIES = [
     ({"text": "hello there", "share": 0.2, "max_slowdown": 0.1}, "max_slowdown", "exclusive"),
     ({"text": "hello there", "out": "../escape"}, "out", "bare adapter name"),
     ({"text": "hello there", "promote": "sometimes"}, "promote", ""),
-    ({"text": "hello there", "exact": True}, "exact", "not supported"),
+    ({"text": "hello there", "recompute": True}, "recompute", "not supported"),
+    ({"text": "hello there", "horizon": 8}, "horizon", "exact=true"),
     ({"examples": [{"prompt": "a"}]}, "examples[0]", "completion"),
     ({"examples": [{"colour": "blue"}]}, "examples[0]", "one of"),
     ({"examples": [{"messages": [{"role": "user", "content": "hi"}]}]}, "examples[0]", "no trained assistant"),
@@ -212,6 +213,24 @@ def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering
     assert job["state"] == "done", job["message"]
     assert [x["chunk"] for x in job["refusals"]] == [64]
     assert job["progress"]["chunk"] == 32 and job["progress"]["step"] >= 2
+
+
+def test_an_exact_job_reports_its_horizon_pass_and_walk_memory(http):
+    """exact and horizon travel from the body to the native step; the job's
+    state reports the horizon in use, the last pass and walk_mib."""
+    body = {"text": LESSON * 2, "window": 64, "chunk": 16, "rank": 4, "promote": "never", "epochs": 1,
+            "exact": True, "horizon": 32}
+    r = http.post("/train", json=body)
+    assert r.status_code == 202
+    job = wait_job(http, r.json()["id"], finished)
+    assert job["state"] == "done", job["message"]
+    assert job["exact"] is True and job["horizon"] == 32
+    p = job["progress"]
+    assert p["horizon"] == 32 and p["walk_pass"] == "backward"
+    # F32 K and V rows of 30 layers x 192 for H + chunk = 48 positions
+    assert job["memory"]["walk_mib"] == 48 * 30 * 2 * 192 * 4 / 2**20
+    # one forward sweep of 3 chunks and a reverse pass of 4 per window
+    assert p["step"] == 7 * p["windows"] and job["receipts"] == p["step"]
 
 
 def test_auto_promotion_teaches_a_made_up_fact(server, http):

@@ -32,3 +32,10 @@ void dream_receipt_message(dream_receipt & r, const char * fmt, ...) {
     std::vsnprintf(r.message, sizeof(r.message), fmt, ap);
     va_end(ap);
 }
+
+void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, double need_mib, double allowance_mib) {
+    r.refused_chunk_pos = pos;
+    r.refused_chunk_tokens = tokens;
+    r.refused_need_mib = need_mib;
+    r.refused_allowance_mib = allowance_mib;
+}

@@ -141,6 +141,7 @@ double dream_held_mib(const dream_stage & ds);
 // dream-receipt.cpp
 void dream_receipt_start(const dream_stage & ds, dream_receipt & r);
 void dream_receipt_message(dream_receipt & r, const char * fmt, ...);
+void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, double need_mib, double allowance_mib);
 
 // dream-walk.cpp
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);

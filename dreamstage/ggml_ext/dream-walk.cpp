@@ -501,10 +501,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train, n_loss) });
         const dream_gate_verdict v = dream_gate_check(ds, needs);
         if (!v.fits) {
-            r.refused_chunk_pos = p;
-            r.refused_chunk_tokens = n;
-            r.refused_need_mib = v.need_mib;
-            r.refused_allowance_mib = v.allowance_mib;
+            dream_receipt_refused(r, p, n, v.need_mib, v.allowance_mib);
             dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
                                   "memory need %.2f MiB on %s, "
                                   "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)", rows, total,
