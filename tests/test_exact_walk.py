@@ -118,6 +118,59 @@ def test_exact_walk_equals_the_one_chunk_gradient(tiny_resident, one_chunk, n_ch
     assert err_upd <= 1e-5
 
 
+@pytest.mark.parametrize("chunks", [(7,), (5,), (13,), (16, 8, 8, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3)],
+                         ids=["ragged-7", "ragged-5", "ragged-13", "ladder-16-8-3"])
+def test_exact_walk_is_exact_for_any_chunking(tiny_resident, one_chunk, chunks):
+    """Chunks that do not divide the window, and a chunk that shrinks while
+    the window is walked (the ladder after refusals: set_chunk between
+    micro-steps, here in the forward sweep and in the reverse pass)."""
+    tokens, mask = _window(tiny_resident, 20)
+    g1 = one_chunk[20][0]
+    with _trainer(tiny_resident, chunk=chunks[0], exact=True) as tr:
+        _with_random_b(tr)
+        tr.begin_window(tokens, mask)
+        receipts = []
+        while tr.chunks_left:
+            k = chunks[min(len(receipts), len(chunks) - 1)]
+            if k != tr.chunk:
+                tr.set_chunk(k)
+            receipts.append(tr.micro_step())
+            assert receipts[-1].ok, receipts[-1].message
+        g = tr.gradients()
+    err = rel_l2(g, g1)
+    report(f"chunks {chunks[0]}" + (f" shrinking to {chunks[-1]}" if len(chunks) > 1 else "") +
+           f": {len(receipts)} micro-steps, gradient vs one chunk rel L2 {err:.2e}")
+    assert any(r.walk_pass == "backward" and r.chunk_pos > 0 for r in receipts)
+    assert err <= 1e-5
+
+
+def test_a_refused_reverse_chunk_retried_smaller_refills_the_cache(tiny_resident, one_chunk):
+    """A reverse-pass chunk gives up its own cache cells when it starts; refused
+    there and retried with a smaller chunk, the walk first re-runs forward the
+    cells the smaller chunk now reads, and the gradient stays exact."""
+    tokens, mask = _window(tiny_resident, 20)
+    with _trainer(tiny_resident, chunk=12, exact=True) as tr:
+        _with_random_b(tr)
+        tr.begin_window(tokens, mask)
+        first = [tr.micro_step() for _ in range(4)]       # 3 forward, then the backward chunk at 36
+        assert [(r.walk_pass, r.chunk_pos) for r in first][-1] == ("backward", 36) and all(r.ok for r in first)
+        tr.set_budget(1e-3)
+        refused = tr.micro_step()
+        assert refused.status == "refused" and refused.chunk_pos == 24 and "horizon halved" in refused.message
+        assert tr.set_horizon(0) == 0
+        tr.set_budget(0.0)
+        tr.set_chunk(6)
+        rest = []
+        while tr.chunks_left:
+            rest.append(tr.micro_step())
+            assert rest[-1].ok, rest[-1].message
+        g = tr.gradients()
+    assert [(r.walk_pass, r.chunk_pos) for r in rest][:2] == [("forward", 24), ("backward", 30)]
+    err = rel_l2(g, one_chunk[20][0])
+    report(f"reverse chunk refused at 24, retried with chunk 6 after a refill: gradient vs one chunk rel L2 {err:.2e}")
+    assert err <= 1e-5
+
+
 def test_exact_walk_matches_the_float64_reference(tiny_resident, tiny_ref):
     """The same claim against the independent NumPy gradient of the whole window."""
     tokens, mask = _window(tiny_resident, 20)
