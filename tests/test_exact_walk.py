@@ -37,16 +37,6 @@ def report(msg: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_resident(tiny_model_path):
-    """The tiny model, F32 serving cache, no flash attention, one thread (see test_oracle.py)."""
-    from dreamstage.resident import ResidentConfig, ResidentModel
-    m = ResidentModel(ResidentConfig(model_path=str(tiny_model_path), n_ctx=256, n_seq=1,
-                                     n_threads=1, kv_type="f32", flash_attn="off"))
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
 def tiny_ref(tiny_model_path):
     return ref.LlamaRef.from_gguf(tiny_model_path)
 

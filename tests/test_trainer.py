@@ -144,9 +144,7 @@ def test_unlabelled_window_is_decode_only(rm):
         assert tr.optimizer_state()[2] == 0
 
 
-def test_recompute_and_a_plain_walk_horizon_are_refused_by_name(rm):
-    with pytest.raises(ValueError, match="recompute"):
-        Trainer(rm, recompute=True)
+def test_a_plain_walk_horizon_and_bad_values_are_refused_by_name(rm):
     with pytest.raises(ValueError, match="horizon"):
         Trainer(rm, horizon=16)
     with pytest.raises(ValueError, match="'attn_z'"):

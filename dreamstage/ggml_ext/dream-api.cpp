@@ -53,7 +53,6 @@ static bool dream_validate(dream_stage & ds, std::string & err) {
     if (!(p.alpha > 0) || !std::isfinite(p.alpha)) return bad("alpha must be positive, got %g", (double) p.alpha);
     if (p.window <= 0) return bad("window must be positive, got %d", p.window);
     if (p.chunk <= 0 || p.chunk > p.window) return bad("chunk must be in 1..window, got %d", p.chunk);
-    if (p.recompute) return bad("recompute=%s: recompute is not implemented yet", "true");
     if (!p.exact && p.horizon > 0) return bad("horizon=%d applies to the exact walk only (exact=false)", p.horizon);
     if (!(p.lr >= 0) || !std::isfinite(p.lr)) return bad("lr must be >= 0, got %g", (double) p.lr);
     if (!(p.beta1 >= 0 && p.beta1 < 1)) return bad("beta1 must be in [0, 1), got %g", (double) p.beta1);

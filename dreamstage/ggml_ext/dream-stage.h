@@ -143,6 +143,11 @@ void dream_receipt_start(const dream_stage & ds, dream_receipt & r);
 void dream_receipt_message(dream_receipt & r, const char * fmt, ...);
 void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, double need_mib, double allowance_mib);
 
+// dream-recompute.cpp: the combined graph with layer activations rematerialized
+// in the backward from the layers' outputs; null with err when it cannot apply.
+// n_forward: the graph's first n_forward nodes are the forward pass (and loss).
+ggml_cgraph * dream_recompute(ggml_context * ctx, ggml_cgraph * gb, int n_forward, size_t cap, std::string & err);
+
 // dream-walk.cpp
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);
 int32_t dream_walk_chunks_left(const dream_stage & ds);

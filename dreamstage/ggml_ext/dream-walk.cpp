@@ -236,14 +236,48 @@ static const ggml_tensor * dream_find_undifferentiable(ggml_cgraph * g, ggml_ten
 // one dequantization per weight; the allocator frees it after its single use,
 // and the gate sees it in graph_mib. Returns the rebuilt graph (the same one
 // when nothing was quantized).
+// A weight whose F32 copy would exceed DREAM_DEQUANT_SLICE (the tied output
+// head of the default model: 49152 x 576, 108 MiB) is dequantized in row
+// slices instead, each slice's OUT_PROD summed: the same product, with one
+// slice's copy alive at a time (the gate measured the whole copy at the peak
+// of the head's backward).
+constexpr size_t DREAM_DEQUANT_SLICE = 16u << 20;
+
+static ggml_tensor * dream_sliced_out_prod(ggml_context * ctx, ggml_tensor * w, ggml_tensor * grad_t) {
+    ggml_tensor * g = grad_t->src[0];   // grad_t = transpose(g), g: [rows of w, n]
+    const int64_t per = std::max<int64_t>(1, (int64_t) (DREAM_DEQUANT_SLICE / (w->ne[0] * sizeof(float))));
+    ggml_tensor * sum = nullptr;
+    for (int64_t r0 = 0; r0 < w->ne[1]; r0 += per) {
+        const int64_t rows = std::min(per, w->ne[1] - r0);
+        ggml_tensor * w_rows = ggml_view_2d(ctx, w, w->ne[0], rows, w->nb[1], (size_t) r0 * w->nb[1]);
+        ggml_tensor * g_rows = ggml_view_2d(ctx, g, rows, g->ne[1], g->nb[1], (size_t) r0 * g->nb[0]);
+        ggml_tensor * part = ggml_out_prod(ctx, ggml_cast(ctx, w_rows, GGML_TYPE_F32), ggml_transpose(ctx, g_rows));
+        sum = sum ? ggml_add(ctx, sum, part) : part;
+    }
+    return sum;
+}
+
 static ggml_cgraph * dream_dequantize_out_prods(ggml_context * ctx, ggml_cgraph * gb, size_t cap) {
     bool any = false;
     for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
         ggml_tensor * n = ggml_graph_node(gb, i);
-        if (n->op == GGML_OP_OUT_PROD && ggml_is_quantized(n->src[0]->type)) {
-            n->src[0] = ggml_cast(ctx, n->src[0], GGML_TYPE_F32);
-            any = true;
+        if (n->op != GGML_OP_OUT_PROD || !ggml_is_quantized(n->src[0]->type)) {
+            continue;
         }
+        ggml_tensor * w = n->src[0], * b = n->src[1];
+        const bool slice = (size_t) ggml_nelements(w) * sizeof(float) > DREAM_DEQUANT_SLICE && ggml_n_dims(w) == 2 &&
+                           b->op == GGML_OP_TRANSPOSE && ggml_is_contiguous(b->src[0]) && ggml_n_dims(b) == 2;
+        ggml_tensor * sum = slice ? dream_sliced_out_prod(ctx, w, b) : nullptr;
+        if (sum && sum->op == GGML_OP_ADD) {
+            // n becomes the last partial sum's ADD, so its readers are unchanged
+            n->op = GGML_OP_ADD;
+            std::memset(n->op_params, 0, sizeof(n->op_params));
+            n->src[0] = sum->src[0];
+            n->src[1] = sum->src[1];
+        } else {
+            n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
+        }
+        any = true;
     }
     if (!any) {
         return gb;
@@ -478,6 +512,11 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         }
     }
     r.tokens = n_loss;
+    // only the rows with a target get logits (the graph gathers their hidden
+    // states before the head, as serving does for its output rows): the head
+    // is a [n_vocab, rows] product and tensor, and its rows without a target
+    // would be computed for nothing; a chunk without loss rows keeps one
+    const int32_t n_out = std::max(n_loss, 1);
     // the plain walk (and the exact walk's forward sweep) goes backward only
     // for loss rows; a reverse-pass chunk also for the adjoints it carries
     const bool train = n_loss > 0 || (chunk.backward_pass && chunk.surrogate);
@@ -532,7 +571,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         ub.pos[i] = p + i;
         ub.n_seq_id[i] = 1;
         ub.seq_id[i] = &ub.seq_id_unq[0];
-        ub.output[i] = 1;
+        ub.output[i] = targets[i] >= 0 || (n_loss == 0 && i == n - 1);
     }
     auto sinfos = ds.memory->prepare({ ub });
     if (sinfos.empty()) {
@@ -576,7 +615,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         /*.cross       =*/ dream_context_access::cross(lctx),
         /*.prec_policy =*/ &ds.model->prec_policy,
         /*.samplers    =*/ {},
-        /*.n_outputs   =*/ (uint32_t) n,
+        /*.n_outputs   =*/ (uint32_t) n_out,
         /*.cb          =*/ [](const llama_ubatch &, ggml_tensor * cur, const char * name, int il) {
             if (il >= 0) {
                 ggml_format_name(cur, "%s-%d", name, il);
@@ -614,8 +653,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         return finish(DREAM_STATUS_ERROR);
     }
     ggml_tensor * logits = ds.res->get_logits();
-    if (!logits || logits->ne[0] != n_vocab || logits->ne[1] != n) {
-        dream_receipt_message(r, "the training graph has no [n_vocab, %d] logits", n);
+    if (!logits || logits->ne[0] != n_vocab || logits->ne[1] != n_out) {
+        dream_receipt_message(r, "the training graph has no [n_vocab, %d] logits", n_out);
         return finish(DREAM_STATUS_ERROR);
     }
 
@@ -625,20 +664,18 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
     scope.ctx = ggml_init(ip);
     ggml_context * cbw = scope.ctx;
-    ggml_tensor * labels = nullptr, * rows = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
+    ggml_tensor * labels = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
     std::vector<ggml_tensor *> param_grads;   // canonical order, null where a parameter got no gradient
     ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
     ggml_graph_cpy(gf, gb);
     if (train) {
         if (n_loss > 0) {
-            // only the rows with a target enter the loss: cross_entropy_loss's
+            // the logits are the target rows only (n_out above): cross_entropy_loss's
             // backward assumes every row's labels sum to one, so an all-zero row
             // would still push its softmax into the gradient
-            rows = ggml_new_tensor_1d(cbw, GGML_TYPE_I32, n_loss);
-            ggml_set_input(rows);
             labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
             ggml_set_input(labels);
-            ce = ggml_cross_entropy_loss(cbw, ggml_get_rows(cbw, logits, rows), labels);   // mean over loss rows
+            ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
             ggml_set_output(ce);
             // this chunk's share of the window's mean over its loss tokens
             loss = ggml_scale(cbw, ce, (float) n_loss / (float) ds.win_n_masked);
@@ -654,6 +691,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                                   ggml_op_name(bad->op), bad->name);
             return finish(DREAM_STATUS_ERROR);
         }
+        const int n_forward = ggml_graph_n_nodes(gb);
         ggml_build_backward_expand(cbw, gb, nullptr);
         loss_grad = ggml_graph_get_grad(gb, loss);
         for (auto & pr : ds.pairs) {
@@ -681,6 +719,14 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                     ggml_tensor * sum = ggml_add(cbw, slots, dream_cells_view(cbw, g, chunk.leaf_lo, pc.pos, pc.len));
                     ggml_build_forward_expand(gb, ggml_cpy(cbw, sum, slots));
                 }
+            }
+        }
+        if (ds.params.recompute) {
+            std::string err;
+            gb = dream_recompute(cbw, gb, n_forward, cap, err);
+            if (!gb) {
+                dream_receipt_message(r, "%s", err.c_str());
+                return finish(DREAM_STATUS_ERROR);
             }
         }
         gb = dream_dequantize_out_prods(cbw, gb, cap);
@@ -740,16 +786,15 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
     }
     std::vector<float> host;
-    if (rows) {
+    if (labels) {
+        // one-hot rows in the order of the logits' rows (the target rows)
         host.assign((size_t) n_vocab * n_loss, 0.0f);
-        std::vector<int32_t> row_ids;
+        size_t k = 0;
         for (int32_t i = 0; i < n; ++i) {
             if (targets[i] >= 0) {
-                host[(size_t) row_ids.size() * n_vocab + targets[i]] = 1.0f;
-                row_ids.push_back(i);
+                host[k++ * n_vocab + targets[i]] = 1.0f;
             }
         }
-        ggml_backend_tensor_set(rows, row_ids.data(), 0, ggml_nbytes(rows));
         ggml_backend_tensor_set(labels, host.data(), 0, ggml_nbytes(labels));
     }
     if (loss_grad) {

@@ -69,7 +69,7 @@ struct dream_params {
     int32_t      window;              // tokens per window (training cache size)
     int32_t      chunk;               // tokens per micro-step
     bool         exact;               // exact walk: forward sweep, then a reverse pass carrying K/V adjoints (one update per window)
-    bool         recompute;           // must be false (recompute not built yet)
+    bool         recompute;           // rematerialize each layer's activations in the backward (lower graph_mib, same gradient)
     int32_t      horizon;             // exact walk: only the last H positions before a chunk receive gradient; <= 0: all
     float        lr, beta1, beta2, eps, weight_decay;
     float        grad_clip;           // global L2 norm clip; <= 0: off
