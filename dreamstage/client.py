@@ -165,6 +165,10 @@ class Client:
         """One job: state, progress, memory, pacing, adapter, refusals."""
         return self._json("GET", f"/train/{job_id}")
 
+    def train_receipts(self, job_id: int, after: int = 0) -> list[dict]:
+        """A job's micro-step receipts in order (those after seq `after`)."""
+        return self._json("GET", f"/train/{job_id}/receipts?after={int(after)}")["receipts"]
+
     def train_overview(self) -> dict:
         """The job training now (or None) and the queue."""
         return self._json("GET", "/train")

@@ -118,6 +118,16 @@ async def one_job(job_id: str, request: Request):
         raise APIError(404, str(e), "id", "not_found") from None
 
 
+@router.get("/train/{job_id}/receipts")
+async def job_receipts(job_id: str, request: Request, after: int = 0):
+    """Every micro-step's receipt (after seq `after`): its pass, horizon, memory, refusal."""
+    service = _dream(request)
+    try:
+        return {"receipts": service.jobs.receipts(_job_id(job_id), after_seq=after)}
+    except JobNotFound as e:
+        raise APIError(404, str(e), "id", "not_found") from None
+
+
 async def _move(request: Request, job_id: str, target: str) -> dict:
     service = _dream(request)
     jid = _job_id(job_id)

@@ -219,7 +219,7 @@ def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering
     assert job["progress"]["chunk"] == 32 and job["progress"]["step"] >= 2
 
 
-def test_an_exact_job_reports_its_horizon_pass_and_walk_memory(http):
+def test_an_exact_job_reports_its_horizon_pass_and_walk_memory(server, http):
     """exact, horizon and recompute travel from the body to the native step; the job's
     state reports the horizon in use, the last pass and walk_mib."""
     body = {"text": LESSON * 2, "window": 64, "chunk": 16, "rank": 4, "promote": "never", "epochs": 1,
@@ -235,6 +235,13 @@ def test_an_exact_job_reports_its_horizon_pass_and_walk_memory(http):
     assert job["memory"]["walk_mib"] == 48 * 30 * 2 * 192 * 4 / 2**20
     # one forward sweep of 3 chunks and a reverse pass of 4 per window
     assert p["step"] == 7 * p["windows"] and job["receipts"] == p["step"]
+    receipts = http.get(f"/train/{job['id']}/receipts").json()["receipts"]
+    assert [r["walk_pass"] for r in receipts[:7]] == ["forward"] * 3 + ["backward"] * 4
+    assert [r["chunk_pos"] for r in receipts[:7]] == [0, 16, 32, 48, 32, 16, 0]
+    assert {r["horizon"] for r in receipts} == {32} and receipts[-1]["walk_mib"] == job["memory"]["walk_mib"]
+    from dreamstage.client import Client
+    with Client(server.url) as c:
+        assert c.train_receipts(job["id"], after=5) == receipts[5:]
 
 
 def test_auto_promotion_teaches_a_made_up_fact(server, http):
