@@ -23,7 +23,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state_dir = args.state_dir or str(default_state_dir())
     settings = ServerSettings(model=args.model, host=args.host, port=args.port, parallel=args.parallel,
                               ctx=args.ctx, batch=args.batch, threads=args.threads, kv_type=args.kv_type,
-                              state_dir=state_dir, adapter=args.adapter, max_queue=args.max_queue)
+                              state_dir=state_dir, adapter=args.adapter, max_queue=args.max_queue,
+                              n_gpu_layers=args.n_gpu_layers)
     try:
         settings.validate()
         service = Service(settings)
@@ -170,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=4096, help="total context; each slot gets ctx/parallel (default 4096)")
     p.add_argument("--batch", type=int, default=512, help="tokens per decode batch (default 512)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=-1, metavar="N",
+                   help="layers stored on the GPU in a GPU build (default -1: all; 0: none)")
     p.add_argument("--kv-type", default="f16", help="serving K/V cache type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
     p.add_argument("--state-dir", default=None,
                    help="where the dream stage keeps jobs and adapters (default ~/.local/share/dreamstage)")

@@ -230,6 +230,12 @@ def _declare(L: ctypes.CDLL) -> None:
     # bool dream_set_chunk(struct dream_stage * ds, int32_t chunk);
     L.dream_set_chunk.argtypes = [p, ctypes.c_int32]
     L.dream_set_chunk.restype = ctypes.c_bool
+    # int32_t dream_last_n_splits(const struct dream_stage * ds);
+    L.dream_last_n_splits.argtypes = [p]
+    L.dream_last_n_splits.restype = ctypes.c_int32
+    # size_t dream_serving_compute_bytes(struct llama_context * ctx);
+    L.dream_serving_compute_bytes.argtypes = [p]
+    L.dream_serving_compute_bytes.restype = ctypes.c_size_t
 
 
 @lru_cache(maxsize=1)

@@ -62,6 +62,10 @@ class ResidentConfig:
     # training backward (OUT_PROD) does not read; the dream stage refuses to
     # train on them, so they are off unless serving-only speed is wanted.
     use_extra_bufts: bool = False
+    # Layers stored on a GPU when the build has a GPU backend, llama-server's
+    # -ngl: negative means every layer, 0 keeps the model on the CPU. Ignored
+    # by CPU-only builds.
+    n_gpu_layers: int = -1
 
     def validate(self) -> None:
         for name in ("n_ctx", "n_seq", "n_batch"):
@@ -70,6 +74,8 @@ class ResidentConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.n_threads < 0:
             raise ValueError(f"n_threads must be >= 0, got {self.n_threads!r}")
+        if not isinstance(self.n_gpu_layers, int):
+            raise ValueError(f"n_gpu_layers must be an integer, got {self.n_gpu_layers!r}")
         if self.kv_type not in KV_TYPES:
             raise ValueError(f"kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         if self.flash_attn not in ("auto", "on", "off"):
@@ -94,6 +100,7 @@ class ResidentModel(NativeOwner):
         # training needs the plain layout, so the resident model loads without
         # extra buffer types. See docs/architecture/dream-stage.md.
         mparams.use_extra_bufts = cfg.use_extra_bufts
+        mparams.n_gpu_layers = cfg.n_gpu_layers
         self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")

@@ -22,6 +22,7 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20     # larger request bodies get 413
     retry_after_s: int = 1            # Retry-After on 503
     model_alias: str | None = None    # the id /v1/models reports; default: the file's stem
+    n_gpu_layers: int = -1            # layers on the GPU (-ngl); negative: all; 0: none
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -42,4 +43,4 @@ class ServerSettings:
         # its neighbours are doing (see docs/architecture/serving.md).
         return ResidentConfig(model_path=self.model, n_ctx=self.ctx, n_seq=self.parallel,
                               n_batch=self.batch, n_threads=self.threads, kv_type=self.kv_type,
-                              kv_unified=False)
+                              kv_unified=False, n_gpu_layers=self.n_gpu_layers)

@@ -16,3 +16,18 @@ def test_special_tokens_parse_as_one_token(resident):
     toks = resident.tokenize("<|im_start|>", add_special=False, parse_special=True)
     assert len(toks) == 1
     assert resident.tokenize("<|im_start|>", add_special=False, parse_special=False) != toks
+
+
+def test_n_gpu_layers_reaches_the_model_config_and_is_validated():
+    import pytest
+
+    from dreamstage.server.settings import ServerSettings
+
+    from dreamstage.cli import build_parser
+    from dreamstage.resident import ResidentConfig
+    args = build_parser().parse_args(["serve", "-ngl", "99"])
+    assert args.n_gpu_layers == 99
+    assert ServerSettings(n_gpu_layers=args.n_gpu_layers).resident_config().n_gpu_layers == 99
+    assert build_parser().parse_args(["serve"]).n_gpu_layers == -1   # every layer, as llama-server
+    with pytest.raises(ValueError, match="n_gpu_layers"):
+        ResidentConfig(n_gpu_layers="all").validate()

@@ -1,11 +1,14 @@
 // GPU throughput of the dream stage on the resident context, without Python.
-//   dream_gpu_bench MODEL.gguf [n_gpu_layers=99] [chunks=128,512,2048] [reps=7]
-// One model, one llama_context. For each chunk size C (one stage per size, window
-// = C, so every micro-step is one chunk forward + backward + one AdamW update of
-// rank-8 LoRA on attn_q,attn_v), interleaved with serving prefill of 512 tokens:
+//   dream_gpu_bench MODEL.gguf [n_gpu_layers=99] [chunks=128,512,2048] [reps=7] [ranks=8] [targets=attn_q,attn_v]
+// targets: sets separated by ';' ("all" = the seven linear targets).
+// One model, one llama_context. For each rank R, target set T and chunk size C
+// (one stage each, window = C, so every micro-step is one chunk forward +
+// backward + one AdamW update), interleaved with serving prefill of 512 tokens:
 //   prefill(A) x reps, micro-step(B) x reps, prefill(A) x reps
 // Reports median / min / max of each, trained tok/s from the receipt's ms and from
 // wall time around dream_micro_step, graph_mib and context_mib from the receipts,
+// the GPU's free memory before the job, with it, and after it is freed, serving's
+// compute buffer and the training graph's scheduler splits,
 // then promotes the adapter, serves with it (prefill + greedy decode) and checks
 // the logits are finite and differ from the base model's. Prints one JSON object.
 #include "dream.h"
@@ -109,6 +112,30 @@ int main(int argc, char ** argv) {
         }
     }
     const int reps = argc > 4 ? std::max(3, std::atoi(argv[4])) : 7;
+    std::vector<int> ranks;
+    {
+        std::string s = argc > 5 ? argv[5] : "8";
+        for (size_t p = 0; p < s.size();) {
+            size_t q = s.find(',', p);
+            if (q == std::string::npos) q = s.size();
+            ranks.push_back(std::atoi(s.substr(p, q - p).c_str()));
+            p = q + 1;
+        }
+    }
+    std::vector<std::string> target_sets;
+    {
+        std::string s = argc > 6 ? argv[6] : "attn_q,attn_v";
+        for (size_t p = 0; p < s.size();) {
+            size_t q = s.find(';', p);
+            if (q == std::string::npos) q = s.size();
+            std::string t = s.substr(p, q - p);
+            target_sets.push_back(t == "all" ? "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down" : t);
+            p = q + 1;
+        }
+    }
+    struct config { int rank; std::string targets; int chunk; };
+    std::vector<config> configs;
+    for (int R : ranks) for (const auto & T : target_sets) for (int C : chunks) configs.push_back({ R, T, C });
     const int n_prefill = 512;
     const int max_chunk = *std::max_element(chunks.begin(), chunks.end());
 
@@ -140,20 +167,33 @@ int main(int argc, char ** argv) {
     if (rc) return fail("prefill warm-up");
 
     std::string out = "{\n";
-    char buf[1024];
+    char buf[4096];
     std::snprintf(buf, sizeof buf, "  \"build\": \"%s\",\n  \"model\": \"%s\",\n  \"n_gpu_layers\": %d,\n  \"n_ctx\": %u, \"n_batch\": %u, \"n_ubatch\": %u,\n"
                   "  \"load_ms\": %.0f,\n  \"reps\": %d,\n  \"decode_tok_s_before_training\": %.1f,\n  \"runs\": [\n",
                   dream_build_info(), argv[1], ngl, llama_n_ctx(ctx), llama_n_batch(ctx), llama_n_ubatch(ctx), load_ms, reps, decode_before);
     out += buf;
 
+    // the GPU (the first non-CPU device) and its free memory
+    ggml_backend_dev_t gpu = nullptr;
+    for (size_t i = 0; i < ggml_backend_dev_count() && !gpu; ++i) {
+        if (ggml_backend_dev_type(ggml_backend_dev_get(i)) == GGML_BACKEND_DEVICE_TYPE_GPU) gpu = ggml_backend_dev_get(i);
+    }
+    auto free_mib = [&]() {
+        size_t f = 0, t = 0;
+        if (gpu) ggml_backend_dev_memory(gpu, &f, &t);
+        return f / 1048576.0;
+    };
+    const size_t serving_bytes_before = dream_serving_compute_bytes(ctx);
+
     dream_stage * last = nullptr;
     bool all_loss_fell = true;
     std::vector<double> all_prefill;
-    for (size_t ci = 0; ci < chunks.size(); ++ci) {
-        const int C = chunks[ci];
+    for (size_t ci = 0; ci < configs.size(); ++ci) {
+        const int C = configs[ci].chunk;
         if (last) { dream_free(last); last = nullptr; }   // one stage on the context at a time
+        const double free_before = free_mib();
         dream_params p = dream_default_params();
-        p.rank = 8; p.alpha = 16; p.targets = "attn_q,attn_v"; p.context_cache_type = "q8_0";
+        p.rank = configs[ci].rank; p.alpha = 2.0f * p.rank; p.targets = configs[ci].targets.c_str(); p.context_cache_type = "q8_0";
         p.window = C; p.chunk = C; p.lr = 1e-3f;
         dream_receipt r{};
         dream_stage * ds = dream_init(ctx, p, &r);
@@ -188,6 +228,8 @@ int main(int argc, char ** argv) {
             wall_ms.push_back(wall);
             graph_mib = r.graph_mib; context_mib = r.context_mib; adapter_mib = r.adapter_mib; optimizer_mib = r.optimizer_mib;
         }
+        const double free_during = free_mib();
+        const int n_splits = dream_last_n_splits(ds);
         if (!do_prefill(pre)) return fail("prefill after steps");
         all_prefill.insert(all_prefill.end(), pre.begin(), pre.end());
         std::vector<double> tps, tps_wall;
@@ -196,19 +238,21 @@ int main(int argc, char ** argv) {
         // same window every step at lr 1e-3: the loss must fall
         const bool loss_fell = loss.back() < loss.front();
         std::snprintf(buf, sizeof buf,
-                      "    {\"chunk\": %d, \"window\": %d, \"rank\": 8, \"targets\": \"attn_q,attn_v\", \"context_cache_type\": \"q8_0\",\n"
+                      "    {\"chunk\": %d, \"window\": %d, \"rank\": %d, \"targets\": \"%s\", \"context_cache_type\": \"q8_0\",\n"
+                      "     \"n_splits\": %d, \"gpu_free_mib_before\": %.0f, \"gpu_free_mib_during\": %.0f,\n"
                       "     \"prefill512_tok_s\": %s,\n     \"step_ms\": %s,\n     \"step_wall_ms\": %s,\n"
                       "     \"train_tok_s\": %s,\n     \"train_tok_s_wall\": %s,\n"
                       "     \"graph_mib\": %.1f, \"context_mib\": %.2f, \"adapter_mib\": %.2f, \"optimizer_mib\": %.2f,\n"
                       "     \"loss_first\": %.4f, \"loss_last\": %.4f, \"loss_fell\": %s}%s\n",
-                      C, C, js(summarize(pre)).c_str(), js(summarize(step_ms)).c_str(), js(summarize(wall_ms)).c_str(),
+                      C, C, configs[ci].rank, configs[ci].targets.c_str(), n_splits, free_before, free_during, js(summarize(pre)).c_str(), js(summarize(step_ms)).c_str(), js(summarize(wall_ms)).c_str(),
                       js(summarize(tps)).c_str(), js(summarize(tps_wall)).c_str(), graph_mib, context_mib, adapter_mib, optimizer_mib,
-                      loss.front(), loss.back(), loss_fell ? "true" : "false", ci + 1 < chunks.size() ? "," : "");
+                      loss.front(), loss.back(), loss_fell ? "true" : "false", ci + 1 < configs.size() ? "," : "");
         out += buf;
         all_loss_fell = all_loss_fell && loss_fell;
         last = ds;
     }
     out += "  ],\n";
+    const size_t serving_bytes_after = dream_serving_compute_bytes(ctx);
 
     // serving after training, with the trained adapter promoted and applied
     const int64_t version = dream_promote(last);
@@ -231,9 +275,15 @@ int main(int argc, char ** argv) {
         if (rc) return fail("prefill with the served adapter");
         pre_after.push_back(n_prefill / (ms / 1000.0));
     }
+    dream_free(last);
+    last = nullptr;
+    const double free_after_job = free_mib();
     std::snprintf(buf, sizeof buf,
+                  "  \"serving_compute_bytes_before\": %zu, \"serving_compute_bytes_after\": %zu, \"gpu_free_mib_after_job\": %.0f,\n"
+                  "  \"served_rank\": %d, \"served_targets\": \"%s\",\n"
                   "  \"prefill512_tok_s_all\": %s,\n  \"served_version\": %lld,\n  \"decode_tok_s_after_training_with_adapter\": %.1f,\n"
                   "  \"prefill512_tok_s_with_adapter\": %s,\n  \"served_logits_rel_change\": %.4e,\n  \"served_logits_finite\": %s\n}\n",
+                  serving_bytes_before, serving_bytes_after, free_after_job, configs.back().rank, configs.back().targets.c_str(),
                   js(summarize(all_prefill)).c_str(), (long long) version, decode_after, js(summarize(pre_after)).c_str(),
                   std::sqrt(diff / norm), finite ? "true" : "false");
     out += buf;
@@ -242,7 +292,6 @@ int main(int argc, char ** argv) {
     if (!finite) return fail("served logits not finite");
     if (!(diff > 0)) return fail("the served adapter did not change the logits");
     llama_set_adapters_lora(ctx, nullptr, 0, nullptr);
-    dream_free(last);
     llama_free(ctx);
     llama_model_free(model);
     return 0;

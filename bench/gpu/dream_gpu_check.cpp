@@ -4,20 +4,37 @@
 // after training to show serving still works.
 //   dream_gpu_check MODEL.gguf
 // Exit status 1 when a run fails, or when the GPU disagrees with the CPU beyond
-// tolerances fixed before the first GPU run: losses within 1e-3 relative, the
-// gradient within 1e-2 relative L2 (ggml-cuda runs F32 products in TF32 and
-// quantizes activations for Q8_0 products its own way), and on each device the
-// chunked walk's loss within 1e-5 relative of the one-chunk loss (same forward).
+// tolerances set from the arithmetic (docs/architecture/gpu.md, "Precision"):
+//   - TF32 (ggml-cuda's default for F32 products: 10-bit mantissa, unit
+//     roundoff 2^-11 = 4.9e-4): losses within 1e-3 relative, gradient within
+//     1e-2 relative L2, and the GPU's chunked loss within 1e-3 of its one-chunk
+//     loss (the two sum different products);
+//   - FP32 (NVIDIA_TF32_OVERRIDE=0 in the environment): on an F32 model, losses
+//     within 1e-5 and gradient within 1e-4; on a quantized model ggml-cuda still
+//     quantizes activations its own way (q8_1) for integer products, so the TF32
+//     bounds stay;
+//   - on the CPU the chunked loss stays within 1e-5 of the one-chunk loss.
+// With every layer offloaded, the training graph must run in at most 2 scheduler
+// splits (the host-side token-embedding read, then the GPU), and serving's
+// compute buffer must be the same size before and after training.
 #include "dream.h"
 #include "llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
-struct run_result { double loss_one = 0, loss_chunked = 0; std::vector<float> grad; bool ok = false; };
+struct run_result {
+    double loss_one = 0, loss_chunked = 0;
+    std::vector<float> grad;
+    int max_splits = 0;
+    size_t serving_before = 0, serving_after = 0;
+    bool ok = false;
+};
 
 static run_result run(const char * path, int n_gpu_layers) {
     run_result out;
@@ -33,15 +50,19 @@ static run_result run(const char * path, int n_gpu_layers) {
     cp.op_offload = n_gpu_layers > 0;
     cp.offload_kqv = n_gpu_layers > 0;
     llama_context * ctx = llama_init_from_model(model, cp);
+    out.serving_before = dream_serving_compute_bytes(ctx);
     std::vector<llama_token> toks;
-    for (int i = 0; i < 24; ++i) toks.push_back(100 + 37 * i % 5000);
+    // 72 tokens in chunks of 24: every product has more than 16 rows, so
+    // ggml-cuda takes cuBLAS (whose math mode NVIDIA_TF32_OVERRIDE sets) and not
+    // its small-batch mmf kernel, which multiplies F32 in TF32 either way
+    for (int i = 0; i < 72; ++i) toks.push_back(100 + 37 * i % 5000);
     std::vector<uint8_t> mask(toks.size(), 1);
     mask[3] = 0;
-    for (int chunk : {32, 8}) {
+    for (int chunk : {96, 24}) {
         dream_params p = dream_default_params();
         p.targets = "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down";
         p.rank = 2; p.alpha = 4; p.seed = 11; p.context_cache_type = "f32";
-        p.window = 32; p.chunk = chunk; p.lr = 0; p.slack_mib = 0;
+        p.window = 96; p.chunk = chunk; p.lr = 0; p.slack_mib = 0;
         dream_receipt r{};
         dream_stage * ds = dream_init(ctx, p, &r);
         if (!ds) { std::fprintf(stderr, "dream_init: %s\n", r.message); return out; }
@@ -59,12 +80,14 @@ static run_result run(const char * path, int n_gpu_layers) {
             std::printf("  gpu_layers=%d chunk=%d pos=%d status=%d loss=%.7f tokens=%d ms=%.1f graph_mib=%.2f context_mib=%.3f %s\n",
                         n_gpu_layers, chunk, r.chunk_pos, r.status, r.loss, r.tokens, r.ms, r.graph_mib, r.context_mib, r.message);
             if (r.status != 0) return out;
+            out.max_splits = std::max(out.max_splits, (int) dream_last_n_splits(ds));
             sum += r.loss * r.tokens; cnt += r.tokens;
         }
-        (chunk == 32 ? out.loss_one : out.loss_chunked) = sum / cnt;
-        if (chunk == 32) { out.grad.resize(n); dream_gradients(ds, out.grad.data(), n); }
+        (chunk == 96 ? out.loss_one : out.loss_chunked) = sum / cnt;
+        if (chunk == 96) { out.grad.resize(n); dream_gradients(ds, out.grad.data(), n); }
         dream_free(ds);
     }
+    out.serving_after = dream_serving_compute_bytes(ctx);
     // serving after training: one decode
     llama_batch b = llama_batch_get_one(toks.data(), (int) toks.size());
     const int rc = llama_decode(ctx, b);
@@ -75,29 +98,82 @@ static run_result run(const char * path, int n_gpu_layers) {
     return out;
 }
 
+static double rel_l2(const std::vector<float> & a, const std::vector<float> & ref) {
+    double d = 0, g = 0;
+    for (size_t i = 0; i < ref.size(); ++i) { d += std::pow((double) a[i] - ref[i], 2); g += std::pow((double) ref[i], 2); }
+    return std::sqrt(d / g);
+}
+
 int main(int argc, char ** argv) {
-    if (argc < 2) return 2;
+    if (argc < 2) { std::fprintf(stderr, "usage: %s MODEL.gguf [f32|KIND TWIN_F32.gguf]\n", argv[0]); return 2; }
     llama_backend_init();
     std::printf("%s\n", dream_build_info());
     run_result cpu = run(argv[1], 0), gpu = run(argv[1], 99);
     if (!cpu.ok || !gpu.ok || cpu.grad.size() != gpu.grad.size() || cpu.grad.empty()) { std::printf("FAILED\n"); return 1; }
-    double d = 0, g = 0;
-    for (size_t i = 0; i < cpu.grad.size(); ++i) { d += std::pow(gpu.grad[i] - cpu.grad[i], 2); g += std::pow(cpu.grad[i], 2); }
-    const double rel = std::sqrt(d / g);
+    // a quantized model is also run on the CPU as its dequantized F32 twin: the
+    // same weight values in exact arithmetic (no activation quantization)
+    const bool quantized = argc > 3;
+    run_result twin;
+    if (quantized) {
+        twin = run(argv[3], 0);
+        if (!twin.ok || twin.grad.size() != cpu.grad.size()) { std::printf("FAILED: the F32 twin did not run\n"); return 1; }
+    }
+    const double rel = rel_l2(gpu.grad, cpu.grad);
+    double g = 0;
+    for (float x : cpu.grad) g += (double) x * x;
     std::printf("loss one chunk cpu %.7f gpu %.7f | chunked cpu %.7f gpu %.7f | grad rel L2 gpu vs cpu %.3e (%zu params)\n",
                 cpu.loss_one, gpu.loss_one, cpu.loss_chunked, gpu.loss_chunked, rel, cpu.grad.size());
-    std::printf("{\"model\": \"%s\", \"loss_one_cpu\": %.7f, \"loss_one_gpu\": %.7f, \"loss_chunked_cpu\": %.7f, "
-                "\"loss_chunked_gpu\": %.7f, \"grad_rel_l2\": %.4e, \"grad_norm_cpu\": %.4e, \"n_params\": %zu}\n",
-                argv[1], cpu.loss_one, gpu.loss_one, cpu.loss_chunked, gpu.loss_chunked, rel, std::sqrt(g), cpu.grad.size());
+    const char * tf = std::getenv("NVIDIA_TF32_OVERRIDE");
+    const bool fp32 = tf && std::strcmp(tf, "0") == 0;
+    const double tol_loss = fp32 ? 1e-5 : 1e-3, tol_grad = fp32 ? 1e-4 : 1e-2;
+    double gg = 0;
+    for (float x : gpu.grad) gg += (double) x * x;
+    const double cpu_twin = quantized ? rel_l2(cpu.grad, twin.grad) : 0, gpu_twin = quantized ? rel_l2(gpu.grad, twin.grad) : 0;
+    std::printf("{\"model\": \"%s\", \"math\": \"%s\", \"loss_one_cpu\": %.7f, \"loss_one_gpu\": %.7f, \"loss_chunked_cpu\": %.7f, "
+                "\"loss_chunked_gpu\": %.7f, \"grad_rel_l2\": %.4e, \"grad_norm_cpu\": %.4e, \"grad_norm_gpu\": %.4e, \"n_params\": %zu, "
+                "\"gpu_max_splits\": %d, \"cpu_max_splits\": %d, \"gpu_serving_compute_bytes\": [%zu, %zu], \"tol_loss\": %.0e, \"tol_grad\": %.0e",
+                argv[1], fp32 ? "fp32" : "tf32", cpu.loss_one, gpu.loss_one, cpu.loss_chunked, gpu.loss_chunked, rel, std::sqrt(g),
+                std::sqrt(gg), cpu.grad.size(), gpu.max_splits, cpu.max_splits, gpu.serving_before, gpu.serving_after, tol_loss, tol_grad);
+    if (quantized) {
+        std::printf(", \"loss_one_f32_twin\": %.7f, \"loss_chunked_f32_twin\": %.7f, \"grad_rel_l2_cpu_vs_twin\": %.4e, \"grad_rel_l2_gpu_vs_twin\": %.4e",
+                    twin.loss_one, twin.loss_chunked, cpu_twin, gpu_twin);
+    }
+    std::printf("}\n");
     auto close = [](double a, double b, double tol) { return std::fabs(a - b) <= tol * std::fabs(b); };
     bool ok = true;
-    if (!(g > 0)) { std::printf("FAILED: the CPU gradient is zero\n"); ok = false; }
-    if (!close(gpu.loss_one, cpu.loss_one, 1e-3) || !close(gpu.loss_chunked, cpu.loss_chunked, 1e-3)) {
-        std::printf("FAILED: GPU loss differs from CPU by more than 1e-3 relative\n"); ok = false;
+    if (!(g > 0) || !(gg > 0)) { std::printf("FAILED: a gradient is zero\n"); ok = false; }
+    if (!quantized) {
+        if (!close(gpu.loss_one, cpu.loss_one, tol_loss) || !close(gpu.loss_chunked, cpu.loss_chunked, tol_loss)) {
+            std::printf("FAILED: GPU loss differs from CPU by more than %.0e relative\n", tol_loss); ok = false;
+        }
+        if (!(rel <= tol_grad)) { std::printf("FAILED: gradient rel L2 %.3e > %.0e\n", rel, tol_grad); ok = false; }
+        if (!close(gpu.loss_chunked, gpu.loss_one, tol_loss)) {
+            std::printf("FAILED: GPU chunked loss differs from its one-chunk loss by more than %.0e\n", tol_loss); ok = false;
+        }
+    } else {
+        // Both backends quantize a quantized product's activations to 8 bits
+        // (CPU q8_0 / q8_K, CUDA q8_1), which moves the result from exact
+        // arithmetic by far more than float rounding (the NumPy oracle: CPU
+        // Q8_0 gradient 7e-2 from exact activations). Bound: the GPU is no
+        // further from the F32 twin than 1.5x the CPU's own distance, plus the
+        // F32 path's tolerance.
+        auto bound = [&](double gpu_v, double cpu_v, double ref) {
+            return std::fabs(gpu_v - ref) <= 1.5 * std::fabs(cpu_v - ref) + tol_loss * std::fabs(ref);
+        };
+        if (!bound(gpu.loss_one, cpu.loss_one, twin.loss_one) || !bound(gpu.loss_chunked, cpu.loss_chunked, twin.loss_chunked)) {
+            std::printf("FAILED: GPU loss further from the F32 twin than 1.5x the CPU's distance + %.0e\n", tol_loss); ok = false;
+        }
+        if (!(gpu_twin <= 1.5 * cpu_twin + tol_grad)) {
+            std::printf("FAILED: GPU gradient %.3e from the F32 twin, CPU %.3e: more than 1.5x + %.0e\n", gpu_twin, cpu_twin, tol_grad);
+            ok = false;
+        }
     }
-    if (!(rel <= 1e-2)) { std::printf("FAILED: gradient rel L2 %.3e > 1e-2\n", rel); ok = false; }
-    if (!close(cpu.loss_chunked, cpu.loss_one, 1e-5) || !close(gpu.loss_chunked, gpu.loss_one, 1e-5)) {
-        std::printf("FAILED: chunked loss differs from one-chunk loss by more than 1e-5 relative\n"); ok = false;
+    if (!close(cpu.loss_chunked, cpu.loss_one, 1e-5)) {
+        std::printf("FAILED: CPU chunked loss differs from its one-chunk loss by more than 1e-5\n"); ok = false;
+    }
+    if (gpu.max_splits > 2) { std::printf("FAILED: the GPU training graph ran in %d splits (at most 2)\n", gpu.max_splits); ok = false; }
+    if (gpu.serving_before != gpu.serving_after) {
+        std::printf("FAILED: serving's compute buffer changed (%zu -> %zu bytes)\n", gpu.serving_before, gpu.serving_after); ok = false;
     }
     std::printf("%s\n", ok ? "PASS" : "FAILED");
     return ok ? 0 : 1;

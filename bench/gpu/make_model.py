@@ -10,7 +10,9 @@ ids directly. Weights follow tests/tiny_model.py's scaling (std 1/sqrt(n_in),
 Q/K gain 2; norms near 1; the head tied to the embeddings).
 
 quant: q8_0 (default; every 2-D matrix, the embeddings included, as a Q8_0
-conversion would store them), q4_0, or f16. The `gguf` package quantizes only
+conversion would store them), q4_0, f16 or f32. --shape small writes a
+256-wide, 2-block model (rows a multiple of 256, so K-quants apply) for the
+GPU check's Q4_K case. The `gguf` package quantizes only
 the legacy block types (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0) in NumPy; there is no K-quant
 (Q4_K_M) quantizer in it, so the anchors' Q4_K_M row needs llama-quantize.
 
@@ -33,6 +35,7 @@ from tiny_model import ARCH, TinyShape, _layer_matrices  # noqa: E402
 
 LLAMA_1B = TinyShape(n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_ff=8192, n_ctx=8192,
                      rope_freq_base=500000.0)
+SMALL = TinyShape(n_embd=256, n_layer=2, n_head=4, n_head_kv=2, n_ff=512, n_ctx=512)
 
 
 def dump_tokenizer(out: Path) -> None:
@@ -53,7 +56,7 @@ def write_model(out: Path, tokenizer: Path, quant: str, seed: int, shape: TinySh
 
     qtypes = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
     ftypes = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-              "f16": gguf.LlamaFileType.MOSTLY_F16}
+              "f16": gguf.LlamaFileType.MOSTLY_F16, "f32": gguf.LlamaFileType.ALL_F32}
     if quant not in ftypes:
         raise SystemExit(f"quant {quant!r} is not one of {sorted(ftypes)}")
     fields = json.loads(tokenizer.read_text())
@@ -81,7 +84,7 @@ def write_model(out: Path, tokenizer: Path, quant: str, seed: int, shape: TinySh
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if arr.ndim == 2 and quant in qtypes:
             w.add_tensor(name, gguf.quants.quantize(arr, qtypes[quant]), raw_dtype=qtypes[quant])
-        elif arr.ndim == 2:
+        elif arr.ndim == 2 and quant == "f16":
             w.add_tensor(name, arr.astype(np.float16))
         else:
             w.add_tensor(name, arr)
@@ -112,14 +115,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quant", default="q8_0")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--layers", type=int, default=LLAMA_1B.n_layer, help="fewer blocks for a quick try")
+    ap.add_argument("--layers", type=int, default=None, help="fewer blocks for a quick try")
+    ap.add_argument("--shape", choices=("llama-1b", "small"), default="llama-1b")
     a = ap.parse_args()
     if a.dump_tokenizer:
         dump_tokenizer(a.dump_tokenizer)
         return 0
     if not (a.tokenizer and a.out):
         ap.error("--tokenizer and --out are required")
-    shape = TinyShape(**{**LLAMA_1B.__dict__, "n_layer": a.layers})
+    base = SMALL if a.shape == "small" else LLAMA_1B
+    shape = TinyShape(**{**base.__dict__, "n_layer": a.layers or base.n_layer})
     t0 = time.time()
     write_model(a.out, a.tokenizer, a.quant, a.seed, shape)
     print(f"[make_model] {a.out}: {a.out.stat().st_size / 2**20:.0f} MiB, {a.quant}, {time.time() - t0:.1f} s")

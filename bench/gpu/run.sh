@@ -1,43 +1,84 @@
 #!/usr/bin/env bash
-# The dream stage on a CUDA GPU, without Python in the programs: build the
-# top-level CMake project with -DDREAMSTAGE_BUILD_CHECKS=ON, then
-#   1. dream_gpu_check on the tiny models (F32 and Q8_0): CPU vs CUDA losses,
-#      gradient rel L2, decode after training (exit 1 on a disagreement);
-#   2. dream_gpu_bench on a random Llama-3.2-1B-shape Q8_0 model generated here
-#      (bench/gpu/make_model.py): prefill 512 tok/s and dream micro-step tok/s.
+# The dream stage on a CUDA GPU in one command: build the top-level CMake project
+# with -DDREAMSTAGE_BUILD_CHECKS=ON, then
+#   1. dream_gpu_check (CPU vs CUDA: losses, gradient rel L2, scheduler splits,
+#      serving's compute buffer) on the tiny F32 and Q8_0 models and a small
+#      Q4_K_M model, in TF32 (ggml-cuda's default) and FP32 (NVIDIA_TF32_OVERRIDE=0);
+#   2. dream_gpu_bench on random Llama-3.2-1B-shape models (Q8_0, Q4_K_M, Q4_0,
+#      quantized here from one generated F16 model): prefill 512 beside dream
+#      micro-steps for each rank x target set x chunk;
+#   3. bench/gpu/peft_bench.py (PyTorch + PEFT) on the same shapes, same run.
 # Prepared on the dev machine (the tree travels, models do not, except the tiny ones):
 #   python3 bench/gpu/trim_tree.py                    # .gpu/llama.cpp (~18 MiB)
 #   python3 bench/gpu/make_model.py --dump-tokenizer .gpu/tokenizer_kv.json
 #   tiny models: tests/tiny_model.write_tiny_model(Path('.gpu'), quant='f32'|'q8_0')
 #   cp -r <venv>/site-packages/gguf .gpu/site/        # pure Python, for make_model.py
 # then, on the device machine, from the repository root with .gpu carried:
-#   bash bench/gpu/run.sh OUTDIR [chunks] [reps]
+#   bash bench/gpu/run.sh OUTDIR [phases=check,bench,peft] [chunks=512,2048] [reps=5] [ranks=8,16] [targets="attn_q,attn_v;all"] [bases=q8_0,q4_k_m,q4_0]
+# Writes OUTDIR/check_*.txt, OUTDIR/bench_<base>.json, OUTDIR/peft.json. Exit 1 when a check fails.
 set -uo pipefail
-OUT=${1:-/tmp/dream_gpu}; CHUNKS=${2:-128,512,2048}; REPS=${3:-7}
+OUT=${1:-/tmp/dream_gpu}; PHASES=${2:-check,bench,peft}; CHUNKS=${3:-512,2048}; REPS=${4:-5}
+RANKS=${5:-8,16}; TARGETS=${6:-"attn_q,attn_v;all"}; BASES=${7:-q8_0,q4_k_m,q4_0}
 mkdir -p "$OUT"
 export DREAMSTAGE_LLAMA_TREE=$PWD/.gpu/llama.cpp PYTHONPATH=$PWD/.gpu/site
-B=build/cuda
+B=${DREAMSTAGE_GPU_BUILD:-/tmp/dream_cuda_build}
+M=/tmp/dream_models; mkdir -p $M
+has() { [[ ",$PHASES," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-# the bench model is written by the CPU while the CUDA build runs
-MODEL=/tmp/dream_bench_q8_0.gguf
-( [ -s $MODEL ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $MODEL --quant q8_0 ) \
-    > "$OUT/make_model.log" 2>&1 &
+# PyTorch + PEFT uses the idle GPU while the CUDA build runs; it is done before our benchmark starts
+if has peft; then
+    ( python3 bench/gpu/peft_bench.py --seqs "$CHUNKS" --ranks "$RANKS" --targets qv,all > "$OUT/peft_runs.json" 2> "$OUT/peft.err"
+      tail -1 "$OUT/peft_runs.json" > "$OUT/peft.json" ) &
+    PEFT=$!
+fi
+# models are written by the CPU while the CUDA build runs
+( python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/small_f32.gguf --quant f32 --shape small
+  if has bench; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
+) > "$OUT/make_model.log" 2>&1 &
 GEN=$!
 t0=$(date +%s)
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DDREAMSTAGE_BUILD_CHECKS=ON > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
 cmake --build $B -j16 > "$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -30; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
-rc=0
-# dream_init refuses GPU training until this check passes; these programs exist to debug it
-export DREAMSTAGE_ALLOW_GPU_TRAINING=1
-for m in .gpu/tiny-llama-f32-s1234.gguf .gpu/tiny-llama-q8_0-s1234.gguf; do
-    $B/bin/dream_gpu_check $m > "$OUT/check_$(basename $m .gguf).txt" 2> "$OUT/check_$(basename $m .gguf).err" || rc=1
-    grep -v '^{' "$OUT/check_$(basename $m .gguf).txt"
-done
 wait $GEN || { cat "$OUT/make_model.log"; exit 1; }
 cat "$OUT/make_model.log"
-$B/bin/dream_gpu_bench $MODEL 99 "$CHUNKS" "$REPS" > "$OUT/bench.json" 2> "$OUT/bench.err" || rc=1
-grep -E "^chunk|FAILED|fallback|CPU" "$OUT/bench.err" | tail -40
-cat "$OUT/bench.json"
+rc=0
+if has check; then
+    Q=$B/bin/dream_quantize
+    { $Q $M/small_f32.gguf $M/small_q4_k_m.gguf q4_k_m && $Q $M/small_q4_k_m.gguf $M/small_q4_k_m_twin.gguf f32 &&
+      $Q .gpu/tiny-llama-q8_0-s1234.gguf $M/tiny_q8_0_twin.gguf f32; } > "$OUT/quantize_small.log" 2>&1 || { tail "$OUT/quantize_small.log"; exit 1; }
+    for math in tf32 fp32; do
+        # a quantized model is checked against its dequantized F32 twin too (dream_gpu_check.cpp says why)
+        for m in ".gpu/tiny-llama-f32-s1234.gguf f32" ".gpu/tiny-llama-q8_0-s1234.gguf q8_0 $M/tiny_q8_0_twin.gguf" \
+                 "$M/small_q4_k_m.gguf q4_k_m $M/small_q4_k_m_twin.gguf"; do
+            set -- $m; kind=$2; name=check_${kind}_$math
+            ( [ $math = fp32 ] && export NVIDIA_TF32_OVERRIDE=0; $B/bin/dream_gpu_check "$@" ) > "$OUT/$name.txt" 2> "$OUT/$name.err" || rc=1
+            echo "== $name"; grep -v "^  gpu_layers" "$OUT/$name.txt"
+        done
+    done
+fi
+if has bench; then
+    if has peft; then wait $PEFT; fi
+    for base in ${BASES//,/ }; do
+        $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_$base.gguf $base > "$OUT/quantize_$base.log" 2>&1 || { tail "$OUT/quantize_$base.log"; exit 1; }
+        $B/bin/dream_gpu_bench $M/llama1b_$base.gguf 99 "$CHUNKS" "$REPS" "$RANKS" "$TARGETS" > "$OUT/bench_$base.json" 2> "$OUT/bench_$base.err" || rc=1
+        echo "== bench $base"; grep -E "FAILED" "$OUT/bench_$base.err" | tail -5
+        python3 - "$OUT/bench_$base.json" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    print("no JSON:", e); sys.exit(0)
+for r in d["runs"]:
+    print(f'  r{r["rank"]} {("all" if r["targets"].count(",") == 6 else r["targets"]):14s} chunk {r["chunk"]:5d}: train {r["train_tok_s"]["median"]:9.0f} tok/s, '
+          f'prefill512 {r["prefill512_tok_s"]["median"]:8.0f}, splits {r["n_splits"]}, graph {r["graph_mib"]:.0f} MiB')
+print(f'  decode before {d["decode_tok_s_before_training"]:.0f}, with adapter {d["decode_tok_s_after_training_with_adapter"]:.0f} tok/s; serving bytes {d["serving_compute_bytes_before"]} -> {d["serving_compute_bytes_after"]}')
+PY
+    done
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader > "$OUT/nvidia_smi_after.txt"
+fi
+if has peft; then
+    wait $PEFT; cat "$OUT/peft.json"
+fi
 exit $rc

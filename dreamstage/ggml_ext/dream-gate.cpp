@@ -11,7 +11,13 @@
 
 double dream_held_mib(const dream_stage & ds) {
     const size_t opt = (ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float);
-    return (double) (ds.adapter_bytes + ds.context_bytes + ds.walk_bytes + opt) / DREAM_MIB;
+    size_t pools = 0;
+    for (const auto & [dev, bytes] : ds.pool_held) {
+        pools += bytes;
+    }
+    // the training graph's own compute buffers are the job's memory too
+    return (double) (ds.adapter_bytes + ds.context_bytes + ds.walk_bytes + opt + dream_sched_held_bytes(ds) + pools) /
+           DREAM_MIB;
 }
 
 static ggml_backend_dev_t dream_cpu_device() {

@@ -4,11 +4,14 @@
 #include "dream.h"
 #include "dream-hooks.h"
 
+#include "ggml-cpu.h"
+
 #include "llama-adapter.h"
 #include "llama-context.h"
 #include "llama-kv-cache.h"
 #include "llama-model.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,9 +25,22 @@ struct dream_context_access {
     static llama_adapter_loras * loras(llama_context & c) { return c.loras.get(); }
     static const llama_cross * cross(const llama_context & c) { return &c.cross; }
     static ggml_backend_t backend_cpu(const llama_context & c) { return c.backend_cpu; }
-    // serving's next decode must rebuild and re-allocate its graph: the
-    // scheduler's buffers were used by a training graph in between.
-    static void forget_serving_graph(llama_context & c) { c.gf_res_prev_active = nullptr; }
+    // the CPU threadpool and thread counts serving's graph_compute would use
+    // (batched: the prompt-batch settings), applied before a training graph runs
+    static void set_compute_threads(llama_context & c, bool batched) {
+        if (c.backend_cpu != nullptr) {
+            auto * reg = ggml_backend_dev_backend_reg(ggml_backend_get_device(c.backend_cpu));
+            auto * set_tp = (decltype(ggml_backend_cpu_set_threadpool) *) ggml_backend_reg_get_proc_address(
+                reg, "ggml_backend_cpu_set_threadpool");
+            if (set_tp) {
+                set_tp(c.backend_cpu, batched ? c.threadpool_batch : c.threadpool);
+            }
+        }
+        const int n = batched ? c.cparams.n_threads_batch : c.cparams.n_threads;
+        for (const auto & [backend, set_n_threads] : c.set_n_threads_fns) {
+            set_n_threads(backend, n);
+        }
+    }
     // removes an adapter the stage is about to free from serving's set
     static void detach_lora(llama_context & c, llama_adapter_lora * a) {
         if (c.loras && c.loras->erase(a)) {
@@ -32,6 +48,12 @@ struct dream_context_access {
         }
     }
 };
+
+// ggml_backend_sched_free as a unique_ptr deleter
+struct dream_sched_deleter {
+    void operator()(ggml_backend_sched * s) const;
+};
+using dream_sched_ptr = std::unique_ptr<ggml_backend_sched, dream_sched_deleter>;
 
 enum dream_target { DT_ATTN_Q, DT_ATTN_K, DT_ATTN_V, DT_ATTN_OUT, DT_FFN_GATE, DT_FFN_UP, DT_FFN_DOWN, DT_COUNT };
 
@@ -97,6 +119,14 @@ struct dream_stage {
     int32_t rev_end      = 0;       // the reverse pass's next chunk ends here
     std::vector<uint8_t> win_adj;   // per position: an adjoint was added to gK/gV
 
+    // the stage's own schedulers (dream-sched.cpp): plan measures, exec allocates and computes
+    dream_sched_ptr sched_plan, sched_exec;
+    size_t  sched_capacity = 0;    // graph size both were made for
+    std::vector<uint8_t> twin_arena;   // metadata of the graph twin the plan measures
+    int32_t last_n_splits  = 0;    // scheduler splits of the last computed training graph
+    // bytes each device's ggml-cuda pool already grew to for quantized OUT_PROD expansions
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_held;
+
     int64_t step = 0;
     std::unique_ptr<llm_graph_result> res;  // training graph storage, rebuilt every micro-step
 
@@ -147,6 +177,18 @@ void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, doubl
 // in the backward from the layers' outputs; null with err when it cannot apply.
 // n_forward: the graph's first n_forward nodes are the forward pass (and loss).
 ggml_cgraph * dream_recompute(ggml_context * ctx, ggml_cgraph * gb, int n_forward, size_t cap, std::string & err);
+
+// dream-sched.cpp
+struct dream_graph_plan {
+    size_t graph_bytes = 0;   // compute buffers the graph plans, all devices
+    int32_t n_splits = 0;     // scheduler splits of the plan
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;   // growth of the stage's own buffers, per device
+};
+bool   dream_sched_ensure(dream_stage & ds, size_t graph_size);   // makes plan/exec for graphs up to graph_size
+bool   dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan);   // measures a twin of g
+ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, const std::function<void()> & set_inputs);
+void   dream_sched_release(dream_stage & ds);         // ends the exec scheduler's use of the last graph
+size_t dream_sched_held_bytes(const dream_stage & ds); // the exec scheduler's compute buffers, all devices
 
 // dream-walk.cpp
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);

@@ -1,6 +1,6 @@
 // The plain walk: one micro-step = one chunk of the window, forward and (when
-// it has loss tokens) backward, on the resident context's own scheduler, with
-// the chunk attending to the training cache's prefix. The gradient stops at
+// it has loss tokens) backward, on the resident context's backends through the
+// stage's own schedulers (dream-sched.cpp), with the chunk attending to the training cache's prefix. The gradient stops at
 // chunk boundaries (the cached prefix is constant); gradients accumulate on
 // the host over the window and AdamW updates the shadow adapter at its end.
 #include "dream-stage.h"
@@ -228,22 +228,42 @@ static const ggml_tensor * dream_find_undifferentiable(ggml_cgraph * g, ggml_ten
     return nullptr;
 }
 
-// The backward of a frozen quantized matmul is OUT_PROD(W_q, grad^T), which
-// ggml's CPU kernel computes by dequantizing a row of W for every (token, row)
-// pair: n_tokens times the weight, per step (measured 17 s for a 64-token
-// micro-step of the default model). Dequantizing each W once per step into a
-// temporary F32 tensor right before its OUT_PROD does the same product with
-// one dequantization per weight; the allocator frees it after its single use,
-// and the gate sees it in graph_mib. Returns the rebuilt graph (the same one
-// when nothing was quantized).
-// A weight whose F32 copy would exceed DREAM_DEQUANT_SLICE (the tied output
-// head of the default model: 49152 x 576, 108 MiB) is dequantized in row
-// slices instead, each slice's OUT_PROD summed: the same product, with one
-// slice's copy alive at a time (the gate measured the whole copy at the peak
-// of the head's backward).
+// The device whose backend would run an OUT_PROD reading this quantized weight
+// in place: a non-CPU backend of the stage's scheduler that holds the weight's
+// buffer and claims the op (ggml-cuda does through ggml_ext/cuda, expanding the
+// weight to F32 in its stream-ordered pool). Null: the node would run on the CPU.
+static ggml_backend_dev_t dream_quantized_out_prod_device(dream_stage & ds, ggml_tensor * node) {
+    const ggml_tensor * w = node->src[0];
+    if (!w->buffer || ggml_backend_buffer_is_host(w->buffer)) {
+        return nullptr;
+    }
+    ggml_backend_sched_t s = ds.sched_exec.get();
+    for (int b = 0; b < ggml_backend_sched_get_n_backends(s); ++b) {
+        ggml_backend_t be = ggml_backend_sched_get_backend(s, b);
+        ggml_backend_dev_t dev = ggml_backend_get_device(be);
+        if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+            continue;
+        }
+        if (ggml_backend_supports_buft(be, ggml_backend_buffer_get_type(w->buffer)) && ggml_backend_supports_op(be, node)) {
+            return dev;
+        }
+    }
+    return nullptr;
+}
+
+// On the CPU, a weight whose F32 copy would exceed DREAM_DEQUANT_SLICE (the
+// tied output head of the default model: 49152 x 576, 108 MiB) is dequantized
+// in row slices instead, each slice's OUT_PROD summed: the same product, with
+// one slice's copy alive at a time (the gate measured the whole copy at the
+// peak of the head's backward). Returns the sum (an ADD), or null when the
+// operands are not the plain 2-D weight and transposed gradient it expects.
 constexpr size_t DREAM_DEQUANT_SLICE = 16u << 20;
 
 static ggml_tensor * dream_sliced_out_prod(ggml_context * ctx, ggml_tensor * w, ggml_tensor * grad_t) {
+    if ((size_t) ggml_nelements(w) * sizeof(float) <= DREAM_DEQUANT_SLICE || ggml_n_dims(w) != 2 ||
+        grad_t->op != GGML_OP_TRANSPOSE || !ggml_is_contiguous(grad_t->src[0]) || ggml_n_dims(grad_t) != 2) {
+        return nullptr;
+    }
     ggml_tensor * g = grad_t->src[0];   // grad_t = transpose(g), g: [rows of w, n]
     const int64_t per = std::max<int64_t>(1, (int64_t) (DREAM_DEQUANT_SLICE / (w->ne[0] * sizeof(float))));
     ggml_tensor * sum = nullptr;
@@ -254,35 +274,63 @@ static ggml_tensor * dream_sliced_out_prod(ggml_context * ctx, ggml_tensor * w, 
         ggml_tensor * part = ggml_out_prod(ctx, ggml_cast(ctx, w_rows, GGML_TYPE_F32), ggml_transpose(ctx, g_rows));
         sum = sum ? ggml_add(ctx, sum, part) : part;
     }
-    return sum;
+    return sum && sum->op == GGML_OP_ADD ? sum : nullptr;
 }
 
-static ggml_cgraph * dream_dequantize_out_prods(ggml_context * ctx, ggml_cgraph * gb, size_t cap) {
+// Rewrites the backward graph so each node can run where its data lives:
+// - OUT_PROD(W_q, dy^T), the input gradient through a frozen quantized weight:
+//   ggml's CPU kernel dequantizes a row of W for every (token, row) pair, n_tokens
+//   times the weight per step (measured 17 s for a 64-token micro-step of the
+//   default model). On the CPU, W is cast to F32 once per step right before its
+//   OUT_PROD (the allocator frees the copy after its single use; graph_mib sees
+//   it), in slices for a large W (dream_sliced_out_prod). On a GPU backend that
+//   takes the quantized op, W stays quantized and the
+//   backend expands it in its pool; *pool_need gets, per device, the largest
+//   such expansion (4 bytes per weight), which the allocator does not see.
+// - ACC whose added tensor is not contiguous (VIEW's backward fed by a permuted
+//   gradient): ggml-cuda's ACC takes contiguous operands only, so the scheduler
+//   would run it on the CPU, one round trip per block. A CONT first keeps it on
+//   the device; the values are the same.
+// Returns the rebuilt graph (the same one when nothing changed).
+static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, ggml_cgraph * gb, size_t cap,
+                                        std::vector<std::pair<ggml_backend_dev_t, size_t>> & pool_need) {
     bool any = false;
     for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
         ggml_tensor * n = ggml_graph_node(gb, i);
-        if (n->op != GGML_OP_OUT_PROD || !ggml_is_quantized(n->src[0]->type)) {
-            continue;
+        if (n->op == GGML_OP_OUT_PROD && ggml_is_quantized(n->src[0]->type)) {
+            if (ggml_backend_dev_t dev = dream_quantized_out_prod_device(ds, n)) {
+                const size_t bytes = (size_t) ggml_nelements(n->src[0]) * sizeof(float);
+                bool found = false;
+                for (auto & [d, b] : pool_need) {
+                    if (d == dev) {
+                        b = std::max(b, bytes);
+                        found = true;
+                    }
+                }
+                if (!found) {
+                    pool_need.push_back({ dev, bytes });
+                }
+                continue;
+            }
+            if (ggml_tensor * sum = dream_sliced_out_prod(ctx, n->src[0], n->src[1])) {
+                // n becomes the last partial sum's ADD, so its readers are unchanged
+                n->op = GGML_OP_ADD;
+                std::memset(n->op_params, 0, sizeof(n->op_params));
+                n->src[0] = sum->src[0];
+                n->src[1] = sum->src[1];
+            } else {
+                n->src[0] = ggml_cast(ctx, n->src[0], GGML_TYPE_F32);
+            }
+            any = true;
+        } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
+            n->src[1] = ggml_cont(ctx, n->src[1]);
+            any = true;
         }
-        ggml_tensor * w = n->src[0], * b = n->src[1];
-        const bool slice = (size_t) ggml_nelements(w) * sizeof(float) > DREAM_DEQUANT_SLICE && ggml_n_dims(w) == 2 &&
-                           b->op == GGML_OP_TRANSPOSE && ggml_is_contiguous(b->src[0]) && ggml_n_dims(b) == 2;
-        ggml_tensor * sum = slice ? dream_sliced_out_prod(ctx, w, b) : nullptr;
-        if (sum && sum->op == GGML_OP_ADD) {
-            // n becomes the last partial sum's ADD, so its readers are unchanged
-            n->op = GGML_OP_ADD;
-            std::memset(n->op_params, 0, sizeof(n->op_params));
-            n->src[0] = sum->src[0];
-            n->src[1] = sum->src[1];
-        } else {
-            n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
-        }
-        any = true;
     }
     if (!any) {
         return gb;
     }
-    // re-expand in the original order: each new cast lands just before its user
+    // re-expand in the original order: each new node lands just before its user
     ggml_cgraph * out = ggml_new_graph_custom(ctx, cap, false);
     for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
         ggml_build_forward_expand(out, ggml_graph_node(gb, i));
@@ -319,19 +367,15 @@ static void dream_adamw(dream_stage & ds) {
 }
 
 namespace {
-// Frees the backward context and leaves the scheduler clean for serving on every exit path.
+// Frees the backward context and ends the graph's use of the stage's scheduler on every exit path.
 struct dream_graph_scope {
     dream_stage & ds;
     ggml_context * ctx = nullptr;
-    bool touched_sched = false;
     int32_t revert_from = -1;   // training-cache cells to drop on failure
     explicit dream_graph_scope(dream_stage & d) : ds(d) {}
     ~dream_graph_scope() {
         g_building = nullptr;
-        if (touched_sched) {
-            ggml_backend_sched_reset(ds.lctx->get_sched());
-            dream_context_access::forget_serving_graph(*ds.lctx);
-        }
+        dream_sched_release(ds);
         if (revert_from >= 0) {
             ds.memory->seq_rm(0, revert_from, -1);
         }
@@ -468,8 +512,14 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     bool walk_new = false;   // the adjoint buffers were allocated by this micro-step
     auto finish = [&](int32_t status) {
         r.status = status;
-        if (status == DREAM_STATUS_REFUSED && walk_new) {
-            dream_walk_free(ds);   // a refusal leaves nothing allocated
+        if (status != DREAM_STATUS_OK && walk_new) {
+            if (status == DREAM_STATUS_REFUSED) {
+                const size_t len = std::strlen(r.message);
+                std::snprintf(r.message + len, sizeof(r.message) - len,
+                              "; the job held the exact walk's adjoint buffers for it (%d positions, walk_mib %.2f), freed again",
+                              ds.adj_rows, (double) ds.walk_bytes / DREAM_MIB);
+            }
+            dream_walk_free(ds);   // a refused or failed step leaves nothing allocated
         }
         if (status == DREAM_STATUS_REFUSED && chunk.backward_pass) {
             if (const int32_t h = dream_halve_horizon(ds, chunk.p, chunk.leaf_lo)) {
@@ -527,8 +577,11 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         return finish(DREAM_STATUS_ERROR);
     }
 
-    // the exact walk's adjoint buffers, at its first backward chunk: gated
-    // before the graph is built (the graph reads and writes them)
+    // the exact walk's adjoint buffers, at its first backward chunk. The graph
+    // reads and writes them, so they exist before it is built: first their own
+    // gate (with the step's host memory, which the graph's gate counts again),
+    // then, held by the job, the graph's gate below sees the rest of the need;
+    // a refusal there frees them again.
     if (train && chunk.backward_pass && ds.adj_rows == 0) {
         const int32_t rows = ds.horizon > 0 ? std::min(ds.params.window, ds.horizon + ds.params.chunk) : ds.params.window;
         auto needs = dream_walk_bytes_planned(ds, rows);
@@ -536,16 +589,14 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         for (const auto & nd : needs) {
             total += (double) nd.second / DREAM_MIB;
         }
-        // with the step's own host needs, which its graph's gate counts again
         needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train, n_loss) });
         const dream_gate_verdict v = dream_gate_check(ds, needs);
         if (!v.fits) {
             dream_receipt_refused(r, p, n, v.need_mib, v.allowance_mib);
             dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
-                                  "memory need %.2f MiB on %s, "
-                                  "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)", rows, total,
-                                  v.need_mib, v.device.c_str(), v.allowance_mib, ds.params.memory_budget_mib,
-                                  dream_held_mib(ds), ds.params.slack_mib);
+                                  "memory need %.2f MiB on %s, allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, "
+                                  "slack %.2f MiB)", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
+                                  ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib);
             return finish(DREAM_STATUS_REFUSED);
         }
         std::string err;
@@ -559,7 +610,6 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
 
     dream_graph_scope scope(ds);
     llama_context & lctx = *ds.lctx;
-    ggml_backend_sched_t sched = lctx.get_sched();
 
     // the chunk's cells in the training cache (a refused earlier try left none)
     ds.memory->seq_rm(0, p, -1);
@@ -596,6 +646,15 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     cp.warmup = false;
 
     const uint32_t sched_nodes = lctx.graph_max_nodes(std::min(lctx.n_ctx(), lctx.n_ubatch()));
+    if (!dream_sched_ensure(ds, sched_nodes)) {
+        dream_receipt_message(r, "could not create the dream stage's schedulers");
+        return finish(DREAM_STATUS_ERROR);
+    }
+    // the graph build may pin nodes to a backend on the scheduler it is given
+    // (build_attn without offload_kqv): the exec scheduler, reset, so the pins
+    // hold until it allocates the graph
+    ggml_backend_sched_t sched = ds.sched_exec.get();
+    ggml_backend_sched_reset(sched);
     if (!ds.res) {
         ds.res.reset(new llm_graph_result(sched_nodes));
     }
@@ -666,6 +725,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     ggml_context * cbw = scope.ctx;
     ggml_tensor * labels = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
     std::vector<ggml_tensor *> param_grads;   // canonical order, null where a parameter got no gradient
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_need;   // quantized OUT_PROD expansions, per device
     ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
     ggml_graph_cpy(gf, gb);
     if (train) {
@@ -729,7 +789,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 return finish(DREAM_STATUS_ERROR);
             }
         }
-        gb = dream_dequantize_out_prods(cbw, gb, cap);
+        gb = dream_fit_backward(ds, cbw, gb, cap, pool_need);
     }
     if (ggml_graph_n_nodes(gb) + gb->n_leafs > (int) sched_nodes) {
         dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
@@ -737,22 +797,24 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         return finish(DREAM_STATUS_ERROR);
     }
 
-    // the gate: plan this graph with the scheduler's own allocator
-    const int n_backends = ggml_backend_sched_get_n_backends(sched);
-    std::vector<size_t> planned(n_backends, 0);
-    scope.touched_sched = true;
-    ggml_backend_sched_reserve_size(sched, gb, planned.data());
-    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;
-    size_t graph_bytes = 0;
-    for (int b = 0; b < n_backends; ++b) {
-        ggml_backend_t be = ggml_backend_sched_get_backend(sched, b);
-        const size_t have = ggml_backend_sched_get_buffer_size(sched, be);
-        graph_bytes += planned[b];
-        needs.push_back({ ggml_backend_get_device(be), planned[b] > have ? planned[b] - have : 0 });
+    // the gate: plan a twin of this graph with ggml's allocator on the stage's planning scheduler
+    dream_graph_plan plan;
+    if (!dream_sched_plan(ds, gb, plan)) {
+        dream_receipt_message(r, "planning the training graph failed");
+        return finish(DREAM_STATUS_ERROR);
+    }
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs = plan.needs;
+    // a device pool grows to its largest quantized-weight expansion once and keeps it
+    for (const auto & [dev, bytes] : pool_need) {
+        size_t held = 0;
+        for (const auto & [d, b] : ds.pool_held) {
+            held = d == dev ? b : held;
+        }
+        needs.push_back({ dev, bytes > held ? bytes - held : 0 });
     }
     const bool need_opt_state = train && ds.grad_acc.empty();
     needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train, n_loss) });
-    r.graph_mib = (double) graph_bytes / DREAM_MIB;
+    r.graph_mib = (double) plan.graph_bytes / DREAM_MIB;
     const dream_gate_verdict verdict = dream_gate_check(ds, needs);
     if (!verdict.fits) {
         r.refused_chunk_pos = p;
@@ -767,45 +829,48 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         return finish(DREAM_STATUS_REFUSED);
     }
 
-    // ggml_backend_sched_reserve_size plans with no_alloc, and when the plan is
-    // larger than the current compute buffer it frees that buffer without
-    // allocating a new one; an alloc_graph straight after would write into
-    // the freed buffer. Reserve for real first (the gate said it fits).
-    if (!ggml_backend_sched_reserve(sched, gb)) {
-        dream_receipt_message(r, "reserving the training graph's compute buffer (%.2f MiB) failed", r.graph_mib);
-        return finish(DREAM_STATUS_ERROR);
-    }
-    ggml_backend_sched_reset(sched);
-    if (!ggml_backend_sched_alloc_graph(sched, gb)) {
+    // allocate the real graph once on the exec scheduler and compute it
+    const ggml_status st = dream_sched_compute(ds, gb, n > 1, [&] {
+        ds.res->set_inputs(&mctx.get_ubatch());
+        if (ds.build_unit) {
+            const float unit = 1.0f;
+            ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
+        }
+        if (labels) {
+            // one-hot rows in the order of the logits' rows (the target rows)
+            std::vector<float> onehot((size_t) n_vocab * n_loss, 0.0f);
+            size_t k = 0;
+            for (int32_t i = 0; i < n; ++i) {
+                if (targets[i] >= 0) {
+                    onehot[k++ * n_vocab + targets[i]] = 1.0f;
+                }
+            }
+            ggml_backend_tensor_set(labels, onehot.data(), 0, ggml_nbytes(labels));
+        }
+        if (loss_grad) {
+            const float one = 1.0f;
+            ggml_backend_tensor_set(loss_grad, &one, 0, sizeof(one));
+        }
+    });
+    if (st == GGML_STATUS_ALLOC_FAILED) {
         dream_receipt_message(r, "allocating the training graph (%.2f MiB) failed", r.graph_mib);
         return finish(DREAM_STATUS_ERROR);
     }
-    ds.res->set_inputs(&mctx.get_ubatch());
-    if (ds.build_unit) {
-        const float unit = 1.0f;
-        ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
-    }
-    std::vector<float> host;
-    if (labels) {
-        // one-hot rows in the order of the logits' rows (the target rows)
-        host.assign((size_t) n_vocab * n_loss, 0.0f);
-        size_t k = 0;
-        for (int32_t i = 0; i < n; ++i) {
-            if (targets[i] >= 0) {
-                host[k++ * n_vocab + targets[i]] = 1.0f;
-            }
-        }
-        ggml_backend_tensor_set(labels, host.data(), 0, ggml_nbytes(labels));
-    }
-    if (loss_grad) {
-        const float one = 1.0f;
-        ggml_backend_tensor_set(loss_grad, &one, 0, sizeof(one));
-    }
-    const ggml_status st = lctx.graph_compute(gb, n > 1);
-    ggml_backend_sched_synchronize(sched);
     if (st != GGML_STATUS_SUCCESS) {
         dream_receipt_message(r, "computing the training graph failed (ggml status %d)", (int) st);
         return finish(DREAM_STATUS_ERROR);
+    }
+    for (const auto & [dev, bytes] : pool_need) {
+        bool found = false;
+        for (auto & [d, b] : ds.pool_held) {
+            if (d == dev) {
+                b = std::max(b, bytes);
+                found = true;
+            }
+        }
+        if (!found) {
+            ds.pool_held.push_back({ dev, bytes });
+        }
     }
 
     if (train) {
@@ -820,6 +885,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             ds.adam_v.assign(ds.n_params, 0.0f);
         }
         float * acc = ds.grad_acc.data();
+        std::vector<float> host;
         size_t ig = 0;
         for (auto & pr : ds.pairs) {
             for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {

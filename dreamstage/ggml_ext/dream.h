@@ -160,6 +160,15 @@ LLAMA_API int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon);
 // changed) for a value out of range.
 LLAMA_API bool dream_set_chunk(struct dream_stage * ds, int32_t chunk);
 
+// Scheduler splits of the stage's last computed training graph (0 before the
+// first). 1 means the whole graph ran on one backend; with every layer on a
+// GPU, 2 means only the host-side input reads (the token embedding) ran apart.
+LLAMA_API int32_t dream_last_n_splits(const struct dream_stage * ds);
+
+// Bytes of serving's compute buffers on ctx, all devices. Training graphs run
+// on the stage's own schedulers, so a micro-step or a refusal never changes it.
+LLAMA_API size_t dream_serving_compute_bytes(struct llama_context * ctx);
+
 #ifdef __cplusplus
 }
 #endif

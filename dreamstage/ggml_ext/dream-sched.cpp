@@ -1,0 +1,167 @@
+// The dream stage's schedulers. A training graph is planned, gated, allocated
+// and computed on two schedulers the stage owns, over the resident context's
+// own backends and buffer types:
+//   - `plan` only ever measures (ggml_backend_sched_reserve_size) and holds no
+//     compute buffer, so measuring can never free or grow anything;
+//   - `exec` allocates the graph once and computes it; its compute buffers are
+//     the job's own and go when the stage is freed.
+// Serving's scheduler, its compute buffer and its graph-reuse state are never
+// touched, so a refusal leaves serving exactly as it was and serving's buffer
+// keeps its own size after a job.
+//
+// Why a twin: splitting a graph rewrites its nodes' sources to the scheduler's
+// copy tensors, and those live in a context the next split frees. A graph
+// split twice (once to measure, once to allocate) therefore loses its
+// cross-backend inputs on the second split; on CUDA the nodes then read
+// memory nobody wrote (measured on the H200: loss 0, gradient 0). The plan is
+// made on a deep copy of the graph, and the real graph is split exactly once.
+#include "dream-stage.h"
+
+#include "ggml-backend.h"
+#include "ggml-impl.h"
+
+#include <cstring>
+#include <unordered_map>
+
+void dream_sched_deleter::operator()(ggml_backend_sched * s) const {
+    if (s) {
+        ggml_backend_sched_free(s);
+    }
+}
+
+// A tensor of the twin graph: same shape, strides, op, parameters, flags and
+// storage as t (so allocated tensors keep their buffers and the scheduler
+// places them the same way), with its sources mapped into the twin.
+static ggml_tensor * dream_twin_tensor(std::unordered_map<const ggml_tensor *, ggml_tensor *> & map, ggml_context * ctx,
+                                       ggml_tensor * t) {
+    if (!t) {
+        return nullptr;
+    }
+    auto it = map.find(t);
+    if (it != map.end()) {
+        return it->second;
+    }
+    ggml_tensor * c = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, t->ne);
+    map[t] = c;
+    std::memcpy(c->nb, t->nb, sizeof(t->nb));
+    c->op = t->op;
+    std::memcpy(c->op_params, t->op_params, sizeof(t->op_params));
+    c->flags = t->flags;
+    c->data = t->data;
+    c->buffer = t->buffer;
+    c->extra = t->extra;
+    c->view_offs = t->view_offs;
+    c->view_src = dream_twin_tensor(map, ctx, t->view_src);
+    for (int j = 0; j < GGML_MAX_SRC; ++j) {
+        c->src[j] = dream_twin_tensor(map, ctx, t->src[j]);
+    }
+    std::memcpy(c->name, t->name, sizeof(t->name));
+    return c;
+}
+
+// The twin of g in ctx, nodes and leaves in g's order.
+static ggml_cgraph * dream_twin_graph(ggml_context * ctx, ggml_cgraph * g) {
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> map;
+    map.reserve((size_t) (g->n_nodes + g->n_leafs) * 2);
+    ggml_cgraph * twin = ggml_new_graph_custom(ctx, g->size, false);
+    for (int i = 0; i < g->n_leafs; ++i) {
+        ggml_build_forward_expand(twin, dream_twin_tensor(map, ctx, g->leafs[i]));
+    }
+    for (int i = 0; i < g->n_nodes; ++i) {
+        ggml_build_forward_expand(twin, dream_twin_tensor(map, ctx, g->nodes[i]));
+    }
+    return twin;
+}
+
+static ggml_backend_sched_t dream_new_sched(llama_context & lctx, size_t graph_size) {
+    ggml_backend_sched_t serving = lctx.get_sched();
+    const int n = ggml_backend_sched_get_n_backends(serving);
+    std::vector<ggml_backend_t> backends(n);
+    std::vector<ggml_backend_buffer_type_t> bufts(n);
+    for (int i = 0; i < n; ++i) {
+        backends[i] = ggml_backend_sched_get_backend(serving, i);
+        bufts[i] = ggml_backend_sched_get_buffer_type(serving, backends[i]);
+    }
+    // no pipeline parallelism: one copy of each input, one graph in flight
+    return ggml_backend_sched_new(backends.data(), bufts.data(), n, graph_size, /*parallel*/ false,
+                                  dream_context_access::cparams(lctx).op_offload);
+}
+
+bool dream_sched_ensure(dream_stage & ds, size_t graph_size) {
+    if (ds.sched_plan && ds.sched_capacity >= graph_size) {
+        return true;
+    }
+    // a larger graph than any before: both schedulers are made anew (the
+    // exec buffers go with the old one; the gate then counts them in full)
+    ds.sched_plan.reset();
+    ds.sched_exec.reset();
+    ds.sched_plan.reset(dream_new_sched(*ds.lctx, graph_size));
+    ds.sched_exec.reset(dream_new_sched(*ds.lctx, graph_size));
+    ds.sched_capacity = graph_size;
+    return ds.sched_plan && ds.sched_exec;
+}
+
+size_t dream_sched_held_bytes(const dream_stage & ds) {
+    if (!ds.sched_exec) {
+        return 0;
+    }
+    size_t total = 0;
+    ggml_backend_sched_t s = ds.sched_exec.get();
+    for (int b = 0; b < ggml_backend_sched_get_n_backends(s); ++b) {
+        total += ggml_backend_sched_get_buffer_size(s, ggml_backend_sched_get_backend(s, b));
+    }
+    return total;
+}
+
+bool dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan) {
+    ggml_backend_sched_t sp = ds.sched_plan.get();
+    ggml_backend_sched_t se = ds.sched_exec.get();
+    const size_t cap = (size_t) g->n_nodes + g->n_leafs + 16;
+    const size_t arena = ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(g->size, false);
+    // the twin's metadata lives in an arena the stage keeps, so measuring a
+    // chunk (a refused one too) allocates nothing once the first plan is made
+    if (ds.twin_arena.size() < arena) {
+        ds.twin_arena.resize(arena);
+    }
+    ggml_init_params ip = { ds.twin_arena.size(), ds.twin_arena.data(), true };
+    ggml_context * ctx = ggml_init(ip);
+    if (!ctx) {
+        return false;
+    }
+    ggml_cgraph * twin = dream_twin_graph(ctx, g);
+    const int n = ggml_backend_sched_get_n_backends(sp);
+    std::vector<size_t> sizes(n, 0);
+    ggml_backend_sched_reserve_size(sp, twin, sizes.data());
+    plan.n_splits = ggml_backend_sched_get_n_splits(sp);
+    ggml_backend_sched_reset(sp);
+    ggml_free(ctx);
+    plan.graph_bytes = 0;
+    plan.needs.clear();
+    for (int b = 0; b < n; ++b) {
+        ggml_backend_t be = ggml_backend_sched_get_backend(se, b);
+        const size_t have = ggml_backend_sched_get_buffer_size(se, be);
+        plan.graph_bytes += sizes[b];
+        plan.needs.push_back({ ggml_backend_get_device(be), sizes[b] > have ? sizes[b] - have : 0 });
+    }
+    return true;
+}
+
+ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, const std::function<void()> & set_inputs) {
+    ggml_backend_sched_t se = ds.sched_exec.get();
+    ggml_backend_sched_reset(se);
+    if (!ggml_backend_sched_alloc_graph(se, g)) {
+        return GGML_STATUS_ALLOC_FAILED;
+    }
+    set_inputs();
+    dream_context_access::set_compute_threads(*ds.lctx, batched);
+    const ggml_status st = ggml_backend_sched_graph_compute_async(se, g);
+    ggml_backend_sched_synchronize(se);
+    ds.last_n_splits = ggml_backend_sched_get_n_splits(se);
+    return st;
+}
+
+void dream_sched_release(dream_stage & ds) {
+    if (ds.sched_exec) {
+        ggml_backend_sched_reset(ds.sched_exec.get());
+    }
+}
