@@ -100,32 +100,31 @@ def test_over_budget_chunk_is_refused_and_changes_nothing(rm):
         assert again.status == "ok" and again.chunk_pos == 0
 
 
-def test_training_never_touches_serving_compute_buffer(rm):
+def test_training_never_touches_serving_compute_buffer():
     """Training graphs run on the stage's own schedulers: a step, a refusal and
     the end of a job leave serving's compute buffer at its own size, and
     serving's output is the same as before the job."""
+    from dreamstage.resident import ResidentConfig, ResidentModel
     L = native.lib()
     prompt = "The memory gate keeps serving's buffers"
-    before_text = rm.generate_greedy(prompt, max_tokens=8)
-    serving = L.dream_serving_compute_bytes(rm.ctx)
-    assert serving > 0
-    # one chunk of 256 tokens: since the logits are the target rows only and
-    # the head is dequantized in slices (issue 9), a chunk of 32 plans 36 MiB
-    # and one of 128 81 MiB, less than serving's buffer; 256 rows of logits,
-    # labels and their gradient make the graph larger than it again
-    toks = rm.tokenize("Training graphs are planned on a twin and allocated once. " * 24)[:256]
-    mask = np.ones(len(toks), np.uint8)
-    with Trainer(rm, LoraConfig(top_layers=2), cache_type="q8_0", window=256, chunk=256,
-                 optimizer=OptimizerConfig(lr=1e-3), slack_mib=0.0) as tr:
-        recs = tr.train_window(toks, mask)
-        assert all(r.ok for r in recs) and recs[0].graph_mib > 0
-        # the training graph is larger than serving's whole compute buffer
-        assert recs[0].graph_mib * 2**20 > serving
+    # a small serving batch, so the training graph is larger than serving's buffer
+    with ResidentModel(ResidentConfig(n_ctx=256, n_batch=64, n_seq=1, n_threads=1)) as rm:
+        before_text = rm.generate_greedy(prompt, max_tokens=8)
+        serving = L.dream_serving_compute_bytes(rm.ctx)
+        assert serving > 0
+        toks = rm.tokenize("Training graphs are planned on a twin and allocated once. " * 12)[:128]
+        mask = np.ones(len(toks), np.uint8)
+        with Trainer(rm, LoraConfig(top_layers=2), cache_type="q8_0", window=128, chunk=128,
+                     optimizer=OptimizerConfig(lr=1e-3), slack_mib=0.0) as tr:
+            recs = tr.train_window(toks, mask)
+            assert all(r.ok for r in recs) and recs[0].graph_mib > 0
+            # planned or allocated on serving's scheduler, this graph would have grown its buffer
+            assert recs[0].graph_mib * 2**20 > serving
+            assert L.dream_serving_compute_bytes(rm.ctx) == serving
+            assert L.dream_last_n_splits(tr._handle()) == 1   # CPU only: one split
+            tr.set_budget(tr.init_receipt.adapter_mib + tr.init_receipt.context_mib + 0.25)
+            tr.begin_window(toks, mask)
+            assert tr.micro_step().status == "refused"
+            assert L.dream_serving_compute_bytes(rm.ctx) == serving
         assert L.dream_serving_compute_bytes(rm.ctx) == serving
-        assert L.dream_last_n_splits(tr._handle()) == 1   # CPU only: one split
-        tr.set_budget(tr.init_receipt.adapter_mib + tr.init_receipt.context_mib + 0.25)
-        tr.begin_window(toks, mask)
-        assert tr.micro_step().status == "refused"
-        assert L.dream_serving_compute_bytes(rm.ctx) == serving
-    assert L.dream_serving_compute_bytes(rm.ctx) == serving
-    assert rm.generate_greedy(prompt, max_tokens=8) == before_text
+        assert rm.generate_greedy(prompt, max_tokens=8) == before_text

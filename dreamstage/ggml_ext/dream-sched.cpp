@@ -20,7 +20,13 @@
 #include "ggml-backend.h"
 #include "ggml-impl.h"
 
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <string>
 #include <unordered_map>
 
 void dream_sched_deleter::operator()(ggml_backend_sched * s) const {
@@ -113,7 +119,42 @@ size_t dream_sched_held_bytes(const dream_stage & ds) {
     return total;
 }
 
+// DREAMSTAGE_PROFILE=1: time every node of each training graph (the scheduler
+// stops and synchronizes after each one, so the step itself gets slower and
+// loses ggml-cuda's graphs and fusion) and print the time per op to stderr.
+// A profile, not a benchmark: it says where a step's time goes.
+namespace {
+struct dream_profile {
+    std::chrono::steady_clock::time_point last;
+    std::map<std::string, std::pair<double, int>> per_op;   // ms, count
+};
+
+bool dream_profile_eval(ggml_tensor * t, bool ask, void * ud) {
+    if (ask) {
+        return true;
+    }
+    auto & p = *(dream_profile *) ud;
+    const auto now = std::chrono::steady_clock::now();
+    char key[96];
+    std::snprintf(key, sizeof(key), "%s %s", ggml_op_desc(t), ggml_type_name(t->src[0] ? t->src[0]->type : t->type));
+    auto & e = p.per_op[key];
+    e.first += std::chrono::duration<double, std::milli>(now - p.last).count();
+    e.second += 1;
+    p.last = now;
+    return true;
+}
+
+bool dream_profile_on() {
+    static const bool on = [] {
+        const char * v = std::getenv("DREAMSTAGE_PROFILE");
+        return v && std::strcmp(v, "1") == 0;
+    }();
+    return on;
+}
+}
+
 bool dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan) {
+    const auto t0 = std::chrono::steady_clock::now();
     ggml_backend_sched_t sp = ds.sched_plan.get();
     ggml_backend_sched_t se = ds.sched_exec.get();
     const size_t cap = (size_t) g->n_nodes + g->n_leafs + 16;
@@ -143,20 +184,45 @@ bool dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan
         plan.graph_bytes += sizes[b];
         plan.needs.push_back({ ggml_backend_get_device(be), sizes[b] > have ? sizes[b] - have : 0 });
     }
+    if (dream_profile_on()) {
+        std::fprintf(stderr, "dream profile: plan (twin + split + allocator) %.2f ms, %d nodes\n",
+                     std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+                     ggml_graph_n_nodes(g));
+    }
     return true;
 }
 
 ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, const std::function<void()> & set_inputs) {
     ggml_backend_sched_t se = ds.sched_exec.get();
-    ggml_backend_sched_reset(se);
+    // (the exec scheduler was reset before the graph was built; a reset here
+    // would drop the backend pins the build set)
     if (!ggml_backend_sched_alloc_graph(se, g)) {
         return GGML_STATUS_ALLOC_FAILED;
     }
     set_inputs();
     dream_context_access::set_compute_threads(*ds.lctx, batched);
+    dream_profile prof;
+    if (dream_profile_on()) {
+        ggml_backend_sched_synchronize(se);
+        prof.last = std::chrono::steady_clock::now();
+        ggml_backend_sched_set_eval_callback(se, dream_profile_eval, &prof);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
     const ggml_status st = ggml_backend_sched_graph_compute_async(se, g);
     ggml_backend_sched_synchronize(se);
     ds.last_n_splits = ggml_backend_sched_get_n_splits(se);
+    if (dream_profile_on()) {
+        ggml_backend_sched_set_eval_callback(se, nullptr, nullptr);
+        const double total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        std::vector<std::pair<std::string, std::pair<double, int>>> rows(prof.per_op.begin(), prof.per_op.end());
+        std::sort(rows.begin(), rows.end(), [](const auto & a, const auto & b) { return a.second.first > b.second.first; });
+        std::fprintf(stderr, "dream profile: %d nodes, %.1f ms computed, %d splits\n", ggml_graph_n_nodes(g), total,
+                     ds.last_n_splits);
+        for (size_t i = 0; i < rows.size() && i < 16; ++i) {
+            std::fprintf(stderr, "  %-36s %9.2f ms %5.1f%% x%d\n", rows[i].first.c_str(), rows[i].second.first,
+                         100.0 * rows[i].second.first / total, rows[i].second.second);
+        }
+    }
     return st;
 }
 

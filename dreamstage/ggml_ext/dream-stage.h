@@ -190,6 +190,10 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
 void   dream_sched_release(dream_stage & ds);         // ends the exec scheduler's use of the last graph
 size_t dream_sched_held_bytes(const dream_stage & ds); // the exec scheduler's compute buffers, all devices
 
+// dream-cpu-backward.cpp: dx = W^T dy for a frozen quantized W on the CPU, no F32 copy of W
+bool dream_cpu_wt_dy_supported(const ggml_tensor * w, const ggml_tensor * dy);
+ggml_tensor * dream_cpu_wt_dy(ggml_context * ctx, ggml_tensor * w, ggml_tensor * dy);   // [n_in, n_tok] F32
+
 // dream-walk.cpp
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);
 int32_t dream_walk_chunks_left(const dream_stage & ds);

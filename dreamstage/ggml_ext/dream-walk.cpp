@@ -281,9 +281,11 @@ static ggml_tensor * dream_sliced_out_prod(ggml_context * ctx, ggml_tensor * w, 
 // - OUT_PROD(W_q, dy^T), the input gradient through a frozen quantized weight:
 //   ggml's CPU kernel dequantizes a row of W for every (token, row) pair, n_tokens
 //   times the weight per step (measured 17 s for a 64-token micro-step of the
-//   default model). On the CPU, W is cast to F32 once per step right before its
-//   OUT_PROD (the allocator frees the copy after its single use; graph_mib sees
-//   it), in slices for a large W (dream_sliced_out_prod). On a GPU backend that
+//   default model). On the CPU the node becomes our blocked kernel
+//   (dream-cpu-backward.cpp), which dequantizes each weight once per step into
+//   cache-sized panels; a weight it cannot take is cast to F32 right before its
+//   OUT_PROD (the allocator frees the copy after its single use), in row slices
+//   when the copy would be large (dream_sliced_out_prod). On a GPU backend that
 //   takes the quantized op, W stays quantized and the
 //   backend expands it in its pool; *pool_need gets, per device, the largest
 //   such expansion (4 bytes per weight), which the allocator does not see.
@@ -312,14 +314,27 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 }
                 continue;
             }
-            if (ggml_tensor * sum = dream_sliced_out_prod(ctx, n->src[0], n->src[1])) {
+            ggml_tensor * w = n->src[0];
+            ggml_tensor * dyt = n->src[1];
+            ggml_tensor * dy = dyt->op == GGML_OP_TRANSPOSE ? dyt->src[0] : ggml_transpose(ctx, dyt);
+            if (dream_cpu_wt_dy_supported(w, dy)) {
+                // the blocked kernel of dream-cpu-backward.cpp computes the same
+                // product with no F32 copy of W; the node becomes that op in
+                // place, so its users and shape stay
+                ggml_tensor * k = dream_cpu_wt_dy(ctx, w, dy);
+                n->op = k->op;
+                std::memcpy(n->op_params, k->op_params, sizeof(n->op_params));
+                for (int j = 0; j < GGML_MAX_SRC; ++j) {
+                    n->src[j] = k->src[j];
+                }
+            } else if (ggml_tensor * sum = dream_sliced_out_prod(ctx, w, dyt)) {
                 // n becomes the last partial sum's ADD, so its readers are unchanged
                 n->op = GGML_OP_ADD;
                 std::memset(n->op_params, 0, sizeof(n->op_params));
                 n->src[0] = sum->src[0];
                 n->src[1] = sum->src[1];
             } else {
-                n->src[0] = ggml_cast(ctx, n->src[0], GGML_TYPE_F32);
+                n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
             }
             any = true;
         } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
@@ -470,11 +485,10 @@ static dream_chunk dream_next_chunk(dream_stage & ds) {
 }
 
 // What a micro-step allocates on the host besides its graph: the optimizer
-// state at the first training step, the one-hot labels and the gradient copy.
-static size_t dream_step_host_bytes(const dream_stage & ds, bool train, int32_t n_loss) {
+// state at the first training step and the host copy of the gradients.
+static size_t dream_step_host_bytes(const dream_stage & ds, bool train) {
     const size_t opt = train && ds.grad_acc.empty() ? (size_t) 3 * ds.n_params : 0;
-    const size_t step = train ? (size_t) ds.model->vocab.n_tokens() * n_loss + ds.n_params : 0;
-    return (opt + step) * sizeof(float);
+    return (opt + (train ? (size_t) ds.n_params : 0)) * sizeof(float);
 }
 
 int32_t dream_walk_chunks_left(const dream_stage & ds) {
@@ -589,7 +603,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         for (const auto & nd : needs) {
             total += (double) nd.second / DREAM_MIB;
         }
-        needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train, n_loss) });
+        needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train) });
         const dream_gate_verdict v = dream_gate_check(ds, needs);
         if (!v.fits) {
             dream_receipt_refused(r, p, n, v.need_mib, v.allowance_mib);
@@ -621,7 +635,10 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         ub.pos[i] = p + i;
         ub.n_seq_id[i] = 1;
         ub.seq_id[i] = &ub.seq_id_unq[0];
-        ub.output[i] = targets[i] >= 0 || (n_loss == 0 && i == n - 1);
+        // logits only for the rows that carry a loss (the output head is 49,152
+        // x n_embd per row, and its backward is a scatter over all of them);
+        // a chunk without loss tokens keeps its last row so the graph has one
+        ub.output[i] = n_loss > 0 ? targets[i] >= 0 : i == n - 1;
     }
     auto sinfos = ds.memory->prepare({ ub });
     if (sinfos.empty()) {
@@ -723,18 +740,25 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
     scope.ctx = ggml_init(ip);
     ggml_context * cbw = scope.ctx;
-    ggml_tensor * labels = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
+    ggml_tensor * target_ids = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
     std::vector<ggml_tensor *> param_grads;   // canonical order, null where a parameter got no gradient
     std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_need;   // quantized OUT_PROD expansions, per device
     ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
     ggml_graph_cpy(gf, gb);
     if (train) {
         if (n_loss > 0) {
-            // the logits are the target rows only (n_out above): cross_entropy_loss's
+            // the logits hold only the rows with a target (ub.output): cross_entropy_loss's
             // backward assumes every row's labels sum to one, so an all-zero row
-            // would still push its softmax into the gradient
-            labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
-            ggml_set_input(labels);
+            // would still push its softmax into the gradient.
+            // The one-hot labels are made on the device from the target ids,
+            // labels[v, r] = step(1 - |v - target[r]|) (exact: ids < 2^24 are exact
+            // in F32), so only n_loss floats cross from the host instead of a
+            // dense n_vocab x n_loss matrix (400 MB at 2048 tokens).
+            target_ids = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss);
+            ggml_set_name(target_ids, "dream_target_ids");
+            ggml_set_input(target_ids);
+            ggml_tensor * vocab_ids = ggml_repeat(cbw, ggml_arange(cbw, 0.0f, (float) n_vocab, 1.0f), logits);
+            ggml_tensor * labels = ggml_step(cbw, ggml_scale_bias(cbw, ggml_abs(cbw, ggml_sub(cbw, vocab_ids, target_ids)), -1.0f, 1.0f));
             ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
             ggml_set_output(ce);
             // this chunk's share of the window's mean over its loss tokens
@@ -813,7 +837,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         needs.push_back({ dev, bytes > held ? bytes - held : 0 });
     }
     const bool need_opt_state = train && ds.grad_acc.empty();
-    needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train, n_loss) });
+    needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train) });
     r.graph_mib = (double) plan.graph_bytes / DREAM_MIB;
     const dream_gate_verdict verdict = dream_gate_check(ds, needs);
     if (!verdict.fits) {
@@ -836,16 +860,14 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             const float unit = 1.0f;
             ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
         }
-        if (labels) {
-            // one-hot rows in the order of the logits' rows (the target rows)
-            std::vector<float> onehot((size_t) n_vocab * n_loss, 0.0f);
-            size_t k = 0;
+        if (target_ids) {
+            std::vector<float> ids;
             for (int32_t i = 0; i < n; ++i) {
                 if (targets[i] >= 0) {
-                    onehot[k++ * n_vocab + targets[i]] = 1.0f;
+                    ids.push_back((float) targets[i]);
                 }
             }
-            ggml_backend_tensor_set(labels, onehot.data(), 0, ggml_nbytes(labels));
+            ggml_backend_tensor_set(target_ids, ids.data(), 0, ggml_nbytes(target_ids));
         }
         if (loss_grad) {
             const float one = 1.0f;

@@ -165,6 +165,14 @@ LLAMA_API bool dream_set_chunk(struct dream_stage * ds, int32_t chunk);
 // GPU, 2 means only the host-side input reads (the token embedding) ran apart.
 LLAMA_API int32_t dream_last_n_splits(const struct dream_stage * ds);
 
+// The CPU kernel of the backward through a frozen quantized weight, on plain
+// buffers (for tests against an independent implementation): dx[n_tok][n_in]
+// = W^T dy, W = n_out rows of n_in values of ggml type `type` (as stored in a
+// GGUF), dy[n_tok][n_out] F32. One thread. Returns false (dx untouched) for a
+// type without a dequantizer or n_in not a multiple of its block size.
+LLAMA_API bool dream_backward_product(int32_t type, const void * w, int64_t n_in, int64_t n_out, const float * dy,
+                                      int64_t n_tok, float * dx);
+
 // Bytes of serving's compute buffers on ctx, all devices. Training graphs run
 // on the stage's own schedulers, so a micro-step or a refusal never changes it.
 LLAMA_API size_t dream_serving_compute_bytes(struct llama_context * ctx);

@@ -1,0 +1,72 @@
+"""The CPU kernel of the backward through a frozen quantized weight
+(dreamstage/ggml_ext/dream-cpu-backward.cpp) against an independent reference:
+weights quantized by ggml, dequantized by the `gguf` package's NumPy code, and
+dx = W^T dy computed in float64."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from dreamstage import native
+
+LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL]
+KQUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+
+
+def _quantize(qtype: Q, w: np.ndarray) -> np.ndarray:
+    """ggml's own quantizer (libggml-base), row by row; returns the GGUF bytes."""
+    base = ctypes.CDLL(str(native.lib_dir() / "libggml-base.so"))
+    base.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    base.ggml_row_size.restype = ctypes.c_size_t
+    base.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    base.ggml_quantize_chunk.restype = ctypes.c_size_t
+    n_out, n_in = w.shape
+    out = np.zeros(n_out * base.ggml_row_size(int(qtype), n_in), np.uint8)
+    src = np.ascontiguousarray(w, np.float32)
+    written = base.ggml_quantize_chunk(int(qtype), src.ctypes.data, out.ctypes.data, 0, n_out, n_in, None)
+    assert written == out.size
+    return out
+
+
+def _product(qtype: Q, wq: np.ndarray, n_in: int, n_out: int, dy: np.ndarray) -> np.ndarray:
+    L = native.lib()
+    dx = np.full((dy.shape[0], n_in), np.nan, np.float32)
+    f32p = ctypes.POINTER(ctypes.c_float)
+    ok = L.dream_backward_product(int(qtype), wq.ctypes.data, n_in, n_out, dy.ctypes.data_as(f32p), dy.shape[0],
+                                  dx.ctypes.data_as(f32p))
+    assert ok
+    return dx
+
+
+@pytest.mark.parametrize("qtype,n_in,n_out,n_tok", [(t, 576, 96, 7) for t in LEGACY] +
+                         [(t, 512, 80, 9) for t in KQUANTS] + [(Q.Q4_1, 64, 1000, 4), (Q.Q8_0, 1536, 33, 1)])
+def test_backward_product_matches_float64_reference(qtype, n_in, n_out, n_tok):
+    rng = np.random.default_rng(int(qtype) * 7 + n_in)
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32) / np.sqrt(n_in)
+    dy = rng.standard_normal((n_tok, n_out)).astype(np.float32)
+    wq = _quantize(qtype, w)
+    w_deq = dequantize(wq.reshape(n_out, -1), qtype).astype(np.float64)   # the gguf package's own dequantizer
+    ref = dy.astype(np.float64) @ w_deq                                    # dx[t, i] = sum_o dy[t, o] W[o, i]
+    dx = _product(qtype, wq, n_in, n_out, dy)
+    rel = np.linalg.norm(dx - ref) / np.linalg.norm(ref)
+    # float32 sums over n_out products: a few ulps of the row norm
+    assert rel < 5e-6, f"{qtype.name}: rel L2 {rel:.2e}"
+    assert np.all(np.isfinite(dx))
+
+
+def test_backward_product_refuses_what_it_cannot_take():
+    L = native.lib()
+    dy = np.ones((2, 4), np.float32)
+    dx = np.zeros((2, 40), np.float32)
+    f32p = ctypes.POINTER(ctypes.c_float)
+    w = np.zeros(1024, np.uint8)
+    # F32 is not a quantized type; 40 columns are not whole Q8_0 blocks of 32
+    assert not L.dream_backward_product(0, w.ctypes.data, 40, 4, dy.ctypes.data_as(f32p), 2, dx.ctypes.data_as(f32p))
+    assert not L.dream_backward_product(int(Q.Q8_0), w.ctypes.data, 40, 4, dy.ctypes.data_as(f32p), 2,
+                                        dx.ctypes.data_as(f32p))
+    assert not dx.any()
