@@ -10,7 +10,10 @@
 
 All with the same thread count. Each measurement is its own process, and the
 order is interleaved (dream finetune peft peft finetune dream, per round), so
-drift in a shared machine's load spreads over all three. Writes JSON.
+drift in a shared machine's load spreads over all three. Besides wall-clock
+tok/s, each reports tokens per CPU-second of the training steps (for
+llama-finetune: the slope between a short and a longer run, so loading is not
+counted), the fairer figure when other programs share the cores. Writes JSON.
 
   .venv/bin/python bench/bench_cpu_train.py --finetune PATH/llama-finetune \\
       --peft-python PATH/venv/bin/python [--threads 2] [--seq 256] [--steps 6] [--rounds 2]
@@ -26,6 +29,7 @@ import json
 import os
 import platform
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -83,8 +87,8 @@ def one_dream(threads: int, seq: int, steps: int) -> dict:
         assert r.ok, r.message
     tr.close()
     rm.close()
-    return {"tok_s": seq * steps / sum(walls), "step_ms_median": 1000 * statistics.median(walls),
-            "cpu_ms_median": 1000 * statistics.median(cpu)}
+    return {"tok_s": seq * steps / sum(walls), "tok_per_cpu_s": seq * steps / sum(cpu),
+            "step_ms_median": 1000 * statistics.median(walls), "cpu_ms_median": 1000 * statistics.median(cpu)}
 
 
 PEFT_SCRIPT = r"""
@@ -103,11 +107,12 @@ def step():
     loss = m(input_ids=ids, labels=ids).loss
     loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 step()
-walls = []
+walls, cpu = [], []
 for _ in range(steps):
-    t0 = time.perf_counter(); step(); walls.append(time.perf_counter() - t0)
-print(json.dumps({"tok_s": seq * steps / sum(walls), "step_ms_median": 1000 * statistics.median(walls),
-                  "torch": torch.__version__}))
+    t0, c0 = time.perf_counter(), time.process_time(); step()
+    walls.append(time.perf_counter() - t0); cpu.append(time.process_time() - c0)
+print(json.dumps({"tok_s": seq * steps / sum(walls), "tok_per_cpu_s": seq * steps / sum(cpu),
+                  "step_ms_median": 1000 * statistics.median(walls), "torch": torch.__version__}))
 """
 
 
@@ -119,18 +124,19 @@ def one_peft(python: str, threads: int, seq: int, steps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def one_finetune(binary: str, f32: Path, threads: int, seq: int, steps: int) -> dict:
-    """llama-finetune over a text of (steps + 1) windows of seq tokens at stride
-    seq / 2 (its own dataset layout); the epoch's training time comes from its
-    progress line (t=hh:mm:ss), so load time is not counted."""
-    text = WORK / f"finetune-{seq}.txt"
-    text.write_text(TEXT * (12 * (steps + 3) * seq // 256 + 4))
+def _finetune_run(binary: str, f32: Path, threads: int, seq: int, n_data: int) -> tuple[int, int, float]:
+    """One llama-finetune epoch over about n_data windows of seq tokens (its
+    dataset steps by seq / 2); returns (windows trained, seconds from its
+    progress line, CPU seconds of the process)."""
+    text = WORK / f"finetune-{seq}-{n_data}.txt"
+    # TEXT is about 30 tokens; seq + (n_data - 1) * seq / 2 tokens are needed
+    text.write_text(TEXT * ((seq + (n_data - 1) * seq // 2) // 25 + 2))
     cmd = [binary, "-m", str(f32), "-f", str(text), "-c", str(seq), "-b", str(seq), "-ub", str(seq),
-           "-t", str(threads), "-tb", str(threads), "--epochs", "1", "-ngl", "0", "-val", "0",
+           "-t", str(threads), "-tb", str(threads), "-epochs", "1", "-ngl", "0", "-val-split", "0",
            "-o", str(WORK / "finetuned.gguf")]
-    t0 = time.perf_counter()
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     log = out.stdout + out.stderr
     if out.returncode != 0:
         raise SystemExit(f"llama-finetune failed: {log[-2000:]}")
@@ -138,8 +144,17 @@ def one_finetune(binary: str, f32: Path, threads: int, seq: int, steps: int) -> 
     if not m:
         raise SystemExit(f"no progress line in llama-finetune's output: {log[-1500:]}")
     done, _total, hh, mm, ss = (int(x) for x in m[-1])
-    secs = max(1, 3600 * hh + 60 * mm + ss)
-    return {"tok_s": done * seq / secs, "datapoints": done, "train_s": secs, "process_s": wall}
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return done, max(1, 3600 * hh + 60 * mm + ss), cpu
+
+
+def one_finetune(binary: str, f32: Path, threads: int, seq: int, steps: int) -> dict:
+    """Wall tok/s from the longer run's progress line (whole seconds, loading
+    excluded); CPU tok/s from the difference of a short and a longer run."""
+    d1, _s1, c1 = _finetune_run(binary, f32, threads, seq, 2)
+    d2, s2, c2 = _finetune_run(binary, f32, threads, seq, 2 + steps)
+    return {"tok_s": d2 * seq / s2, "tok_per_cpu_s": (d2 - d1) * seq / max(1e-9, c2 - c1),
+            "datapoints": [d1, d2], "train_s": s2, "cpu_s": [c1, c2]}
 
 
 def main() -> None:
@@ -178,9 +193,14 @@ def main() -> None:
             runs[name].append(res)
             print(name, json.dumps(res), flush=True)
     summary = {k: {"tok_s_median": statistics.median(x["tok_s"] for x in v), "tok_s_min": min(x["tok_s"] for x in v),
-                   "tok_s_max": max(x["tok_s"] for x in v), "n": len(v)} for k, v in runs.items() if v}
-    ratios = {f"dream_over_{k}": summary["dream"]["tok_s_median"] / summary[k]["tok_s_median"]
-              for k in ("finetune", "peft") if k in summary}
+                   "tok_s_max": max(x["tok_s"] for x in v),
+                   "tok_per_cpu_s_median": statistics.median(x["tok_per_cpu_s"] for x in v), "n": len(v)}
+               for k, v in runs.items() if v}
+    ratios = {}
+    for k in ("finetune", "peft"):
+        if k in summary:
+            ratios[f"dream_over_{k}_wall"] = summary["dream"]["tok_s_median"] / summary[k]["tok_s_median"]
+            ratios[f"dream_over_{k}_cpu"] = summary["dream"]["tok_per_cpu_s_median"] / summary[k]["tok_per_cpu_s_median"]
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": f"{platform.node()} {os.cpu_count()} cores",
            "threads": a.threads, "seq": a.seq, "steps": a.steps, "rounds": a.rounds, "summary": summary,
            "ratios": ratios, "runs": runs}

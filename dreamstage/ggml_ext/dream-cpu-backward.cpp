@@ -1,4 +1,5 @@
-// The CPU kernel for the backward through a frozen quantized weight.
+// The CPU kernels for products with a frozen quantized weight in training graphs:
+// the backward dx = W^T dy, and the forward y = W x.
 //
 // For y = W x (W stored as ggml does: n_out rows of n_in values), the input
 // gradient is dx = W^T dy: dx[i, t] = sum_o W[i, o] dy[o, t]. ggml's backward
@@ -9,12 +10,23 @@
 // This kernel computes the same product as a blocked GEMM with no F32 copy of
 // the model: each thread takes a slab of IB input columns, dequantizes that
 // slab of a few hundred rows of W at a time into a small panel (it stays in
-// L2), and multiplies the panel into a register tile of 32 columns x 4 tokens,
+// L2), and multiplies the panel into a register tile of 32 columns x 8 tokens
+// (4 without AVX-512),
 // so each weight value is dequantized once per step and read from cache once
-// per 4 tokens. The sums run over o in order, in float32, as OUT_PROD's do.
+// per tile of tokens. The sums run over o in order, in float32, as OUT_PROD's do.
+//
+// The forward y = W x uses the same panels and tile, transposed: a slab of 32
+// rows of W is dequantized and laid out input-major, and x is first rounded
+// to the weight's activation type exactly as ggml's quantized MUL_MAT rounds it
+// (ggml-cpu's own quantizer, then back to float), so the training forward
+// computes what serving computes, up to float summation order. ggml's kernel
+// multiplies block by block with integer dot products; this one reads each
+// dequantized weight from cache once per tile of tokens.
 #include "dream-stage.h"
 
 #include "ggml-cpu.h"
+#define GGML_COMMON_DECL_CPP
+#include "ggml-common.h"
 
 #include <algorithm>
 #include <cstring>
@@ -35,7 +47,6 @@ inline void store16(float * p, v16 v) {
 }
 
 constexpr int64_t TILE_I = 32;   // input columns per register tile (two 16-float vectors)
-constexpr int64_t TILE_T = 4;    // tokens per register tile
 
 struct product_shape {
     int64_t n_in, n_out, n_tok;
@@ -47,41 +58,44 @@ struct product_shape {
 // dx[i0 .. i0+ni, t] (+)= sum over the panel's rows o0 .. o0+no of P[o][i] dy[o, t].
 // P holds the slab dequantized: row r at P + r*ni. accumulate: add to dx
 // (later panels), else overwrite it (the first panel of the slab).
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void panel_product(const float * P, int64_t ni, int64_t no, int64_t o0, const float * dy, float * dx,
-                   const product_shape & s, int64_t i0, bool accumulate) {
-    const int64_t n_out = s.n_out;
-    for (int64_t t0 = 0; t0 < s.n_tok; t0 += TILE_T) {
-        const int64_t nt = std::min(TILE_T, s.n_tok - t0);
+// In general terms: out[t][c0 + c] (+)= sum_r P[r][c] in[t][r0 + r], with
+// in's rows in_stride apart and out's out_stride apart (per token).
+// TT tokens per register tile: 2 x TT accumulators of 16 floats.
+template <int TT>
+inline __attribute__((always_inline)) void panel_product_t(const float * P, int64_t ni, int64_t no, int64_t o0,
+                                                           const float * dy, float * dx, int64_t n_tok, int64_t in_stride,
+                                                           int64_t out_stride, int64_t i0, bool accumulate) {
+    const int64_t n_out = in_stride;
+    for (int64_t t0 = 0; t0 < n_tok; t0 += TT) {
+        const int64_t nt = std::min<int64_t>(TT, n_tok - t0);
         int64_t i = 0;
         for (; i + TILE_I <= ni; i += TILE_I) {
-            v16 acc[TILE_T][2] = {};
-            if (nt == TILE_T) {
-                const float * d0 = dy + (t0 + 0) * n_out + o0;
-                const float * d1 = dy + (t0 + 1) * n_out + o0;
-                const float * d2 = dy + (t0 + 2) * n_out + o0;
-                const float * d3 = dy + (t0 + 3) * n_out + o0;
+            v16 acc[TT][2] = {};
+            if (nt == TT) {
+                const float * d = dy + t0 * n_out + o0;
                 for (int64_t o = 0; o < no; ++o) {
                     const v16 w0 = load16(P + o * ni + i);
                     const v16 w1 = load16(P + o * ni + i + 16);
-                    acc[0][0] += w0 * d0[o]; acc[0][1] += w1 * d0[o];
-                    acc[1][0] += w0 * d1[o]; acc[1][1] += w1 * d1[o];
-                    acc[2][0] += w0 * d2[o]; acc[2][1] += w1 * d2[o];
-                    acc[3][0] += w0 * d3[o]; acc[3][1] += w1 * d3[o];
+#pragma GCC unroll 8
+                    for (int t = 0; t < TT; ++t) {
+                        const float b = d[t * n_out + o];
+                        acc[t][0] += w0 * b;
+                        acc[t][1] += w1 * b;
+                    }
                 }
             } else {
                 for (int64_t o = 0; o < no; ++o) {
                     const v16 w0 = load16(P + o * ni + i);
                     const v16 w1 = load16(P + o * ni + i + 16);
                     for (int64_t t = 0; t < nt; ++t) {
-                        const float d = dy[(t0 + t) * n_out + o0 + o];
-                        acc[t][0] += w0 * d;
-                        acc[t][1] += w1 * d;
+                        const float b = dy[(t0 + t) * n_out + o0 + o];
+                        acc[t][0] += w0 * b;
+                        acc[t][1] += w1 * b;
                     }
                 }
             }
             for (int64_t t = 0; t < nt; ++t) {
-                float * out = dx + (t0 + t) * s.n_in + i0 + i;
+                float * out = dx + (t0 + t) * out_stride + i0 + i;
                 if (accumulate) {
                     store16(out, load16(out) + acc[t][0]);
                     store16(out + 16, load16(out + 16) + acc[t][1]);
@@ -98,11 +112,39 @@ void panel_product(const float * P, int64_t ni, int64_t no, int64_t o0, const fl
                 for (int64_t o = 0; o < no; ++o) {
                     sum += P[o * ni + i] * dy[(t0 + t) * n_out + o0 + o];
                 }
-                float * out = dx + (t0 + t) * s.n_in + i0 + i;
+                float * out = dx + (t0 + t) * out_stride + i0 + i;
                 *out = accumulate ? *out + sum : sum;
             }
         }
     }
+}
+
+using panel_fn = void (*)(const float *, int64_t, int64_t, int64_t, const float *, float *, int64_t, int64_t, int64_t,
+                          int64_t, bool);
+
+// One build for every x86-64 CPU: AVX-512 has 32 vector registers, room for
+// an 8-token tile (16 accumulators); AVX2 has 16, so 4 tokens.
+__attribute__((target("avx512f"))) void panel_product_avx512(const float * P, int64_t ni, int64_t no, int64_t o0,
+        const float * dy, float * dx, int64_t n_tok, int64_t in_stride, int64_t out_stride, int64_t i0, bool acc) {
+    panel_product_t<8>(P, ni, no, o0, dy, dx, n_tok, in_stride, out_stride, i0, acc);
+}
+
+__attribute__((target("avx2,fma"))) void panel_product_avx2(const float * P, int64_t ni, int64_t no, int64_t o0,
+        const float * dy, float * dx, int64_t n_tok, int64_t in_stride, int64_t out_stride, int64_t i0, bool acc) {
+    panel_product_t<4>(P, ni, no, o0, dy, dx, n_tok, in_stride, out_stride, i0, acc);
+}
+
+void panel_product_base(const float * P, int64_t ni, int64_t no, int64_t o0, const float * dy, float * dx,
+                        int64_t n_tok, int64_t in_stride, int64_t out_stride, int64_t i0, bool acc) {
+    panel_product_t<4>(P, ni, no, o0, dy, dx, n_tok, in_stride, out_stride, i0, acc);
+}
+
+void panel_product(const float * P, int64_t ni, int64_t no, int64_t o0, const float * dy, float * dx, int64_t n_tok,
+                   int64_t in_stride, int64_t out_stride, int64_t i0, bool accumulate) {
+    static const panel_fn fn = __builtin_cpu_supports("avx512f")                                  ? panel_product_avx512
+                               : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? panel_product_avx2
+                                                                                                 : panel_product_base;
+    fn(P, ni, no, o0, dy, dx, n_tok, in_stride, out_stride, i0, accumulate);
 }
 
 product_shape shape_of(ggml_type type, int64_t n_in, int64_t n_out, int64_t n_tok, size_t row_bytes) {
@@ -133,7 +175,7 @@ void product_slabs(ggml_type type, const uint8_t * w, const float * dy, float * 
             for (int64_t o = 0; o < no; ++o) {
                 to_float(w + (size_t) (o0 + o) * s.row_bytes + col_bytes, panel.data() + o * ni, ni);
             }
-            panel_product(panel.data(), ni, no, o0, dy, dx, s, i0, o0 > 0);
+            panel_product(panel.data(), ni, no, o0, dy, dx, s.n_tok, s.n_out, s.n_in, i0, o0 > 0);
         }
     }
 }
@@ -146,7 +188,119 @@ void dream_wt_dy_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     product_slabs(w->type, (const uint8_t *) w->data, (const float *) dy->data, (float *) dst->data, s, ith, nth);
 }
 
+// Activations rounded as ggml's quantized MUL_MAT rounds them: quantized to
+// the weight's vec_dot_type by ggml-cpu's own quantizer, then read back.
+// Returns false for a type this does not know how to read back.
+bool round_activations(ggml_type vdt, const float * x, float * out, int64_t n, std::vector<uint8_t> & buf) {
+    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(vdt)->from_float;
+    if (!quantize) {
+        return false;
+    }
+    buf.resize(ggml_row_size(vdt, n));
+    quantize(x, buf.data(), n);
+    switch (vdt) {
+        case GGML_TYPE_Q8_0:
+            ggml_get_type_traits(vdt)->to_float(buf.data(), out, n);
+            return true;
+        case GGML_TYPE_Q8_1: {
+            const auto * b = (const block_q8_1 *) buf.data();
+            for (int64_t k = 0; k < n / QK8_1; ++k) {
+                ggml_fp16_t dh;   // the block's first field is its scale d (then s, d * sum)
+                std::memcpy(&dh, &b[k], sizeof(dh));
+                const float d = ggml_fp16_to_fp32(dh);
+                for (int j = 0; j < QK8_1; ++j) {
+                    out[k * QK8_1 + j] = d * b[k].qs[j];
+                }
+            }
+            return true;
+        }
+        case GGML_TYPE_Q8_K: {
+            const auto * b = (const block_q8_K *) buf.data();
+            for (int64_t k = 0; k < n / QK_K; ++k) {
+                for (int j = 0; j < QK_K; ++j) {
+                    out[k * QK_K + j] = b[k].d * b[k].qs[j];
+                }
+            }
+            return true;
+        }
+        default:
+            return false;
+    }
+}
+
+ggml_type activation_type(ggml_type wtype) {
+    return ggml_get_type_traits_cpu(wtype)->vec_dot_type;
+}
+
+bool activation_type_known(ggml_type vdt) {
+    return vdt == GGML_TYPE_Q8_0 || vdt == GGML_TYPE_Q8_1 || vdt == GGML_TYPE_Q8_K;
+}
+
+// x [n_tok][n_in] -> rounded copy, token t on thread t % nth
+void round_rows(ggml_type vdt, const float * x, float * out, int64_t n_in, int64_t n_tok, int ith, int nth) {
+    thread_local std::vector<uint8_t> buf;
+    for (int64_t t = ith; t < n_tok; t += nth) {
+        round_activations(vdt, x + t * n_in, out + t * n_in, n_in, buf);
+    }
+}
+
+// y [n_tok][n_out] = W x: slabs of TILE_I rows of W, slab ith, ith + nth, ...
+void forward_slabs(ggml_type type, const uint8_t * w, size_t row_bytes, const float * x, float * y, int64_t n_in,
+                   int64_t n_out, int64_t n_tok, int ith, int nth) {
+    const ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
+    thread_local std::vector<float> rows, panel;
+    rows.resize((size_t) (TILE_I * n_in));
+    panel.resize((size_t) (TILE_I * n_in));
+    const int64_t n_slabs = (n_out + TILE_I - 1) / TILE_I;
+    for (int64_t slab = ith; slab < n_slabs; slab += nth) {
+        const int64_t o0 = slab * TILE_I;
+        const int64_t no = std::min(TILE_I, n_out - o0);
+        for (int64_t o = 0; o < no; ++o) {
+            to_float(w + (size_t) (o0 + o) * row_bytes, rows.data() + o * n_in, n_in);
+        }
+        // input-major: panel[i][o]
+        for (int64_t i = 0; i < n_in; ++i) {
+            for (int64_t o = 0; o < no; ++o) {
+                panel[i * no + o] = rows[o * n_in + i];
+            }
+        }
+        panel_product(panel.data(), no, n_in, 0, x, y, n_tok, n_in, n_out, o0, false);
+    }
+}
+
+void dream_round_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * x = dst->src[0];
+    const ggml_type vdt = activation_type(dst->src[1]->type);
+    round_rows(vdt, (const float *) x->data, (float *) dst->data, x->ne[0], x->ne[1], ith, nth);
+}
+
+void dream_wx_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * w = dst->src[0];
+    const ggml_tensor * x = dst->src[1];
+    forward_slabs(w->type, (const uint8_t *) w->data, w->nb[1], (const float *) x->data, (float *) dst->data,
+                  w->ne[0], w->ne[1], x->ne[1], ith, nth);
+}
+
 } // namespace
+
+bool dream_cpu_wx_supported(const ggml_tensor * w, const ggml_tensor * x) {
+    if (!ggml_is_quantized(w->type) || !ggml_get_type_traits(w->type)->to_float) {
+        return false;
+    }
+    const ggml_type vdt = activation_type(w->type);
+    return activation_type_known(vdt) && x->type == GGML_TYPE_F32 && ggml_is_contiguous(x) &&
+           ggml_n_dims(w) <= 2 && ggml_n_dims(x) <= 2 && w->nb[0] == ggml_type_size(w->type) &&
+           x->ne[0] == w->ne[0] && w->ne[0] % ggml_blck_size(vdt) == 0 && w->ne[0] % ggml_blck_size(w->type) == 0;
+}
+
+ggml_tensor * dream_cpu_wx(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x) {
+    // the rounded activations carry the weight as a second source only to know its type
+    ggml_tensor * rargs[2] = { x, w };
+    ggml_tensor * xr = ggml_custom_4d(ctx, GGML_TYPE_F32, x->ne[0], x->ne[1], 1, 1, rargs, 2, dream_round_op,
+                                      GGML_N_TASKS_MAX, nullptr);
+    ggml_tensor * args[2] = { w, xr };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, dream_wx_op, GGML_N_TASKS_MAX, nullptr);
+}
 
 bool dream_cpu_wt_dy_supported(const ggml_tensor * w, const ggml_tensor * dy) {
     if (!ggml_is_quantized(w->type) || !ggml_get_type_traits(w->type)->to_float) {
@@ -163,6 +317,41 @@ ggml_tensor * dream_cpu_wt_dy(ggml_context * ctx, ggml_tensor * w, ggml_tensor *
     }
     ggml_tensor * args[2] = { w, dy };
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[0], dy->ne[1], 1, 1, args, 2, dream_wt_dy_op, GGML_N_TASKS_MAX, nullptr);
+}
+
+bool dream_forward_product(int32_t type, const void * w, int64_t n_in, int64_t n_out, const float * x, int64_t n_tok,
+                           float * y, bool reference) {
+    const ggml_type t = (ggml_type) type;
+    if (type < 0 || type >= GGML_TYPE_COUNT || !ggml_is_quantized(t) || !ggml_get_type_traits(t)->to_float ||
+        n_in <= 0 || n_out <= 0 || n_tok <= 0 || n_in % ggml_blck_size(t) != 0 ||
+        !activation_type_known(activation_type(t)) || n_in % ggml_blck_size(activation_type(t)) != 0) {
+        return false;
+    }
+    if (!reference) {
+        std::vector<float> xr((size_t) (n_in * n_tok));
+        round_rows(activation_type(t), x, xr.data(), n_in, n_tok, 0, 1);
+        forward_slabs(t, (const uint8_t *) w, ggml_row_size(t, n_in), xr.data(), y, n_in, n_out, n_tok, 0, 1);
+        return true;
+    }
+    // ggml's own quantized MUL_MAT on the CPU backend, one thread
+    // tensors, graph, and the work buffer ggml_graph_compute_with_ctx takes from
+    // the same context (the activations converted to the weight's dot type)
+    ggml_init_params ip = { 8 * ggml_tensor_overhead() + ggml_graph_overhead() + ggml_row_size(t, n_in) * n_out +
+                            sizeof(float) * (size_t) (3 * n_in + n_out) * n_tok + (1 << 20), nullptr, false };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * tw = ggml_new_tensor_2d(ctx, t, n_in, n_out);
+    ggml_tensor * tx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_in, n_tok);
+    std::memcpy(tw->data, w, ggml_nbytes(tw));
+    std::memcpy(tx->data, x, ggml_nbytes(tx));
+    ggml_tensor * ty = ggml_mul_mat(ctx, tw, tx);
+    ggml_cgraph * g = ggml_new_graph(ctx);
+    ggml_build_forward_expand(g, ty);
+    const ggml_status st = ggml_graph_compute_with_ctx(ctx, g, 1);
+    if (st == GGML_STATUS_SUCCESS) {
+        std::memcpy(y, ty->data, ggml_nbytes(ty));
+    }
+    ggml_free(ctx);
+    return st == GGML_STATUS_SUCCESS;
 }
 
 bool dream_backward_product(int32_t type, const void * w, int64_t n_in, int64_t n_out, const float * dy,

@@ -337,6 +337,18 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
             }
             any = true;
+        } else if (n->op == GGML_OP_MUL_MAT && ggml_is_quantized(n->src[0]->type) && n->src[0]->buffer &&
+                   ggml_backend_buffer_is_host(n->src[0]->buffer) && dream_cpu_wx_supported(n->src[0], n->src[1])) {
+            // a forward product with a frozen quantized weight in host memory:
+            // the blocked kernel (dream-cpu-backward.cpp), same activation
+            // rounding as ggml's MUL_MAT, the node rewritten in place
+            ggml_tensor * k = dream_cpu_wx(ctx, n->src[0], n->src[1]);
+            n->op = k->op;
+            std::memcpy(n->op_params, k->op_params, sizeof(n->op_params));
+            for (int j = 0; j < GGML_MAX_SRC; ++j) {
+                n->src[j] = k->src[j];
+            }
+            any = true;
         } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
             n->src[1] = ggml_cont(ctx, n->src[1]);
             any = true;
@@ -813,8 +825,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 return finish(DREAM_STATUS_ERROR);
             }
         }
-        gb = dream_fit_backward(ds, cbw, gb, cap, pool_need);
     }
+    gb = dream_fit_backward(ds, cbw, gb, cap, pool_need);
     if (ggml_graph_n_nodes(gb) + gb->n_leafs > (int) sched_nodes) {
         dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
                               ggml_graph_n_nodes(gb) + gb->n_leafs, sched_nodes);
