@@ -49,9 +49,11 @@ from dreamstage.jobs import (
     JobRun,
     JobStore,
     auto_promote_decision,
+    ladder,
 )
-from dreamstage.pacing import DEFAULT_IDLE_GRACE_S, Pacer
-from dreamstage.trainspec import JobSpec, check_adapter_name
+from dreamstage.pacing import DEFAULT_IDLE_GRACE_S, Pacer, StepShaper
+from dreamstage.receipts import Receipt
+from dreamstage.trainspec import GATE_SLACK_MIB, JobSpec, check_adapter_name
 
 log = logging.getLogger("dreamstage.dreamer")
 
@@ -82,8 +84,49 @@ def native_trainer(resident, spec: JobSpec, chunk: int, lr: float | None = None)
     exact = spec.exact and lr is None
     return Trainer(resident, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
                    window=spec.window, chunk=chunk, budget_mib=spec.memory_budget_mib or 0.0,
-                   optimizer=OptimizerConfig(lr=spec.lr if lr is None else lr), exact=exact,
+                   slack_mib=GATE_SLACK_MIB, optimizer=OptimizerConfig(lr=spec.lr if lr is None else lr), exact=exact,
                    horizon=(spec.horizon or 0) if exact else -1, recompute=spec.recompute)
+
+
+def clear_receipt(receipt: Any, spec: JobSpec) -> Any:
+    """A receipt as the job stores it: a negative allowance becomes 0 with a message that says why."""
+    if isinstance(receipt, Receipt):
+        return receipt.with_clear_allowance(spec.memory_budget_mib, GATE_SLACK_MIB)
+    return receipt
+
+
+class DreamThreads:
+    """The thread count a micro-step computes with, set on the resident context
+    just for the step and restored for serving afterwards.
+
+    The dream graph runs through `llama_context::graph_compute`, which takes
+    `n_threads_batch` (or `n_threads` for a one-token chunk) from the context's
+    cparams; `llama_set_n_threads` only stores them, so switching per step is
+    free. Engine thread only."""
+
+    def __init__(self, resident):
+        lc, ctx = getattr(resident, "lc", None), getattr(resident, "ctx", None)
+        self.lc, self.ctx = lc, ctx
+        if lc is None or ctx is None or not hasattr(lc, "llama_set_n_threads"):
+            self.serve = None
+            self.counts = [1]
+            self.serve_batch = 1
+            return
+        self.serve = (int(lc.llama_n_threads(ctx)), int(lc.llama_n_threads_batch(ctx)))
+        top = self.serve_batch = max(1, self.serve[1])
+        counts = [top]
+        while counts[-1] > 1:                         # the configured count and its halves down to one
+            counts.append(counts[-1] // 2)
+        self.counts = counts                          # the shaper starts on the fewest
+
+    def run(self, threads: int, fn: Callable[[], Any]) -> Any:
+        if self.serve is None or threads == self.serve[1] == self.serve[0]:
+            return fn()
+        self.lc.llama_set_n_threads(self.ctx, threads, threads)
+        try:
+            return fn()
+        finally:
+            self.lc.llama_set_n_threads(self.ctx, *self.serve)
 
 
 class AdapterLoadError(ValueError):
@@ -159,6 +202,10 @@ class DreamScheduler:
         self._job_id: int | None = None
         self._job: Iterator[None] | None = None
         self._pacer: Pacer | None = None
+        self._shaper: StepShaper | None = None
+        self._threads: DreamThreads | None = None
+        self._step_ran: tuple[int, int, bool] | None = None   # (chunk tokens, threads, trained) of next()'s step
+        self._hook_done_at: float | None = None         # when after_batch last returned with a busy slot
         self._figures_at = 0.0
         self._closing: list[Any] = []   # trainers of the job in progress (closed if the server stops)
         self._stepping = False          # the engine thread is inside the job's next()
@@ -191,7 +238,9 @@ class DreamScheduler:
 
     def pacing(self) -> dict | None:
         p = self._pacer
-        return p.figures() if p is not None else None
+        if p is None:
+            return None
+        return {**p.figures(), **(self._shaper.figures() if self._shaper is not None else {})}
 
     # -- startup (before the engine thread runs) ---------------------------------------
     def startup(self, engine, adapter_path: str | None = None) -> None:
@@ -288,17 +337,34 @@ class DreamScheduler:
         if self._swap is not None and not engine.busy_slots():
             self._apply_swap(engine)
         if not idle and self._pacer is not None:
-            self._pacer.record_decode(engine.last_batch_decode_tokens)
-        if self._job is None and not self._pick(engine):
-            return
-        if idle:
-            deadline = self.clock() + IDLE_BURST_S
-            while self._job is not None and engine.queue_depth == 0 and self.clock() < deadline:
-                if not self._advance(engine, 0):
-                    break
-        else:
-            self._advance(engine, engine.busy_slots())
-        self._flush_figures(final=False)
+            self._pacer.record_batch(engine.last_batch_decode_tokens, self._batch_seconds(engine),
+                                     getattr(engine, "last_batch_tokens", None))
+        try:
+            if self._job is None and not self._pick(engine):
+                return
+            if idle or not engine.busy_slots():
+                # the batch that just ended freed the last slot: the gap before the
+                # next request is idle time, used at once when the pacer allows
+                deadline = self.clock() + IDLE_BURST_S
+                while self._job is not None and engine.queue_depth == 0 and self.clock() < deadline:
+                    if not self._advance(engine, 0):
+                        break
+            else:
+                self._advance(engine, engine.busy_slots())
+            self._flush_figures(final=False)
+        finally:
+            self._hook_done_at = self.clock() if engine.busy_slots() else None
+
+    def _batch_seconds(self, engine) -> float | None:
+        """The engine's time for the batch just decoded. An engine that does not
+        say (`last_batch_s`) is timed from the hook's last return, which is only
+        batch work when a slot was busy then (an idle engine waits in between)."""
+        measured = getattr(engine, "last_batch_s", None)
+        if measured is not None:
+            return float(measured)
+        if self._hook_done_at is None:
+            return None
+        return max(0.0, self.clock() - self._hook_done_at)
 
     # -- jobs -------------------------------------------------------------------------------
     def _pick(self, engine) -> bool:
@@ -329,6 +395,7 @@ class DreamScheduler:
             return False
         t0 = self.clock()
         self._stepping = True
+        self._step_ran = None
         try:
             next(self._job)
         except StopIteration:
@@ -339,15 +406,24 @@ class DreamScheduler:
             self._end_job()
         finally:
             self._stepping = False
+            seconds = self.clock() - t0             # the whole pause serving saw, store writes included
             if pacer is not None:
-                pacer.record_dream(self.clock() - t0)   # the whole cost serving waited for, store writes included
+                waited = 0.0
+                if active_slots == 0 and engine.queue_depth:
+                    # a request arrived during an idle step; an engine that cannot say
+                    # when is charged the whole step (the most it can have waited)
+                    oldest = getattr(engine, "oldest_wait_s", None)
+                    waited = oldest() if oldest is not None else seconds
+                pacer.record_dream(seconds, waited)
+            if self._shaper is not None and self._step_ran is not None:
+                self._shaper.record(seconds, *self._step_ran)
         return True
 
     def _end_job(self) -> None:
         job, jid = self._job, self._job_id
         self._flush_figures(final=True)
         self._job = self._job_id = None
-        self._pacer = None
+        self._pacer = self._shaper = None
         if job is not None:
             job.close()                                 # runs the generator's finally: trainers closed
         with self._lock:
@@ -367,7 +443,7 @@ class DreamScheduler:
         now = self.clock()
         if final or now - self._figures_at >= FIGURES_EVERY_S:
             self._figures_at = now
-            self.store.set_pacing(self._job_id, self._pacer.figures())
+            self.store.set_pacing(self._job_id, self.pacing())
 
     def _end(self, jid: int, target: str, message: str) -> Iterator[None]:
         """Move the job to a final state; a pause that raced in waits for resume."""
@@ -399,6 +475,7 @@ class DreamScheduler:
         except Exception as e:  # noqa: BLE001 - the gate's refusal (DreamError) or a bad value
             receipt = getattr(e, "receipt", None)
             if receipt is not None:
+                receipt = clear_receipt(receipt, spec)
                 store.append_receipt(jid, receipt)
             state = "refused" if receipt is not None and getattr(receipt, "status", "") == "refused" else "error"
             yield from self._end(jid, state, f"the dream stage could not start: {getattr(receipt, 'message', '') or e}")
@@ -414,20 +491,36 @@ class DreamScheduler:
         store = self.store
         run = JobRun(store, jid, spec, rendered.train)
         self._pacer = Pacer.from_spec(spec.pacing, idle_grace_s=self.idle_grace_s, clock=self.clock)
+        self._threads = DreamThreads(self.resident)
+        # the pause ladder halves down to one token: below the memory floor
+        # (min_chunk) too, since a small chunk is the only way to a short pause
+        self._shaper = None
+        if spec.pacing.max_pause_ms is not None:
+            self._shaper = StepShaper(spec.pacing.max_pause_ms, ladder(spec.chunk, 1), self._threads.counts,
+                                      other_load=_load_average, cores=os.cpu_count())
         self._figures_at = self.clock()
         store.transition(jid, "running")
         yield                                           # from here on the pacer decides each step
         notes: list[str] = []
         eval_before = None
         if rendered.held_out and spec.promote == "auto":
-            eval_before = yield from self._evaluate(spec, trainer, rendered.held_out, run.chunk, notes)
+            eval_before = yield from self._evaluate(spec, trainer, rendered.held_out, spec.chunk, notes)
         begun = None
+        memory_cap = spec.chunk                         # the memory ladder's chunk (halved on a refusal)
         while (cur := run.current()) is not None:
+            chunk, threads = (self._shaper.choose(memory_cap, _trains_from(cur[0].mask, cur[1].chunk_pos))
+                              if self._shaper is not None else (run.walk.chunk, self._threads.serve_batch))
+            if chunk != run.walk.chunk:
+                run.walk.chunk = chunk                  # the walk and the trainer move together
+                trainer.set_chunk(chunk)
+                cur = run.current()
             window, step = cur
             if step.chunk_pos == 0 and begun != (step.epoch, step.order_pos):
                 trainer.begin_window(window.tokens, window.mask)
                 begun = (step.epoch, step.order_pos)
-            receipt = trainer.micro_step()
+            receipt = clear_receipt(self._threads.run(threads, trainer.micro_step), spec)
+            self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0)   # for the shaper
+                              if receipt.status == "ok" else None)
             try:
                 event = run.record(receipt, window_done=trainer.chunks_left == 0)
             except InvalidTransition:
@@ -437,13 +530,14 @@ class DreamScheduler:
                 yield from self._end(jid, target, receipt.message or f"the micro-step was {receipt.status}")
                 return
             if event == "retry":
+                memory_cap = run.chunk
                 trainer.set_chunk(run.chunk)            # same position, smaller chunk (nothing was allocated)
             elif event in ("refused", "error"):
                 return                                  # JobRun moved the job and kept every receipt
             elif event in ("epoch", "done"):
                 ev = None
                 if rendered.held_out:
-                    ev = yield from self._evaluate(spec, trainer, rendered.held_out, run.chunk, notes)
+                    ev = yield from self._evaluate(spec, trainer, rendered.held_out, memory_cap, notes)
                 run.end_epoch(ev)
             yield
         progress = store.get(jid)["progress"]
@@ -470,8 +564,15 @@ class DreamScheduler:
             loss_sum, tokens = 0.0, 0
             for w in windows:
                 evaluator.begin_window(w.tokens, w.mask)
+                pos = 0
                 while evaluator.chunks_left:
-                    r = evaluator.micro_step()
+                    step_chunk, threads = (self._shaper.choose(chunk, _trains_from(w.mask, pos))
+                                           if self._shaper is not None else (chunk, self._threads.serve_batch))
+                    if step_chunk != evaluator.chunk:
+                        evaluator.set_chunk(step_chunk)   # an evaluation step pauses serving like any other
+                    r = evaluator.micro_step() if self._threads is None else self._threads.run(threads, evaluator.micro_step)
+                    self._step_ran = (r.chunk_tokens, threads, r.tokens > 0) if r.status == "ok" else None
+                    pos += r.chunk_tokens
                     yield
                     if r.status != "ok":
                         notes.append(f"held-out loss not measured: {r.message}")
@@ -587,6 +688,20 @@ class DreamScheduler:
         if swap.future is not None:
             swap.future.set_result(True)
         log.info("serving adapter version %d (%s)", swap.version, swap.path or "base model")
+
+
+def _trains_from(mask, pos: int) -> Callable[[int], bool]:
+    """Whether a chunk of n tokens at `pos` would hold loss tokens: it predicts
+    tokens pos+1 .. pos+n (the mask convention of `dream_window_begin`)."""
+    return lambda n: any(mask[pos + 1:pos + n + 1])
+
+
+def _load_average() -> float:
+    """Runnable threads on this machine (1-minute load average; 0 where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
 
 
 def _adapter_name_from(path: Path) -> str:

@@ -225,6 +225,9 @@ class Engine:
         # how many of them were single decode tokens of generating slots.
         self.last_batch_tokens = 0
         self.last_batch_decode_tokens = 0
+        # The engine's own time for that batch (build, decode, sample, stream):
+        # the pacer measures chat speed from this, not from gaps between batches.
+        self.last_batch_s = 0.0
 
     # -- public, any thread -------------------------------------------------------
     def start(self) -> "Engine":
@@ -271,6 +274,13 @@ class Engine:
     def queue_depth(self) -> int:
         """Requests submitted but not yet in a slot."""
         return len(self._inbox) + len(self._waiting)
+
+    def oldest_wait_s(self) -> float:
+        """Seconds the oldest request not yet in a slot has waited (0.0 when none).
+        The pacer charges an idle micro-step this much when a request arrived during it."""
+        with self._cond:
+            oldest = min((j.submitted for j in (*self._inbox, *self._waiting)), default=None)
+        return 0.0 if oldest is None else max(0.0, time.perf_counter() - oldest)
 
     def busy_slots(self) -> int:
         """Slots serving a request (the dream stage's pacer asks this in the hook)."""
@@ -465,6 +475,7 @@ class Engine:
 
     def _step(self) -> bool:
         """Build and decode one batch; sample and stream. False when there was nothing to decode."""
+        t_start = time.perf_counter()
         lc, batch = self.lc, self._batch
         tok, pos, nseq, seq, logits = batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
         n = 0
@@ -503,6 +514,7 @@ class Engine:
         self.stats.decode_batches += 1
         if rc != 0:
             self._decode_failed(rc, outputs)
+            self.last_batch_s = time.perf_counter() - t_start
             return True
         now = time.perf_counter()
         eog = self.model.is_eog
@@ -529,6 +541,7 @@ class Engine:
                 self._release(s, "length")
             else:
                 s.next_token = token
+        self.last_batch_s = time.perf_counter() - t_start
         return True
 
     def _decode_failed(self, rc: int, outputs) -> None:

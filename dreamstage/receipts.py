@@ -6,7 +6,7 @@ unchanged into JSON, the job store and the HTTP API. Sizes are MiB, times ms.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from dreamstage.native import DreamReceiptC
 
@@ -61,6 +61,22 @@ class Receipt:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=False)
+
+    def with_clear_allowance(self, budget_mib: float | None, slack_mib: float) -> Receipt:
+        """This receipt, or, when the gate computed a negative allowance, a copy
+        whose allowance is 0 and whose message says why.
+
+        The native gate subtracts its slack from min(budget left, device free);
+        when that is below the slack the difference is negative, and "allowance
+        -63 MiB" explains nothing. The measured need and every other field stay."""
+        if self.refused_allowance_mib >= 0:
+            return self
+        short = -self.refused_allowance_mib
+        source = (f"min(memory_budget_mib {budget_mib:g} MiB less what the job already holds, the device's free memory)"
+                  if budget_mib else "the device's free memory")
+        why = (f"nothing is left for the job: the memory gate keeps {slack_mib:g} MiB free, and {source} "
+               f"is {short:.2f} MiB below that slack, so the allowance is 0 MiB")
+        return replace(self, refused_allowance_mib=0.0, message=f"{why}; {self.message}" if self.message else why)
 
 
 class DreamError(RuntimeError):

@@ -40,6 +40,10 @@ SUPPORTED_WALKS = {"recompute": frozenset({False, True}), "exact": frozenset({Fa
 DEFAULT_WINDOW = 512
 DEFAULT_CHUNK = 128          # clipped to the window
 DEFAULT_MAX_SLOWDOWN = 0.10
+DEFAULT_MAX_PAUSE_MS = 250.0   # the longest one micro-step may hold a chat turn up
+# The memory gate keeps this much free on every device beyond the job's
+# allowance (the Trainer's slack_mib). A budget at or below it leaves nothing.
+GATE_SLACK_MIB = 64.0
 MIN_WINDOW = 16
 MAX_WINDOW = 65536
 MAX_EXAMPLES = 100_000
@@ -214,6 +218,7 @@ class PacingSpec:
 
     mode: Literal["share", "max_slowdown"]
     value: float
+    max_pause_ms: float | None = DEFAULT_MAX_PAUSE_MS   # one micro-step stays inside this; None: no bound
 
 
 @dataclass(frozen=True)
@@ -309,6 +314,8 @@ class TrainRequest(BaseModel):
 
     share: float | None = Field(default=None, gt=0.0, lt=1.0)
     max_slowdown: float | None = Field(default=None, gt=0.0, lt=1.0)
+    # 0: no pause bound, every step runs the job's chunk (a machine nobody chats with)
+    max_pause_ms: float = Field(default=DEFAULT_MAX_PAUSE_MS, ge=0.0, le=600_000.0)
 
     promote: Literal["never", "manual", "auto"] = "manual"
     out: str | None = None
@@ -380,6 +387,15 @@ class TrainRequest(BaseModel):
             raise ValueError(f"horizon {v} is larger than window {window}")
         return v
 
+    @field_validator("memory_budget_mib")
+    @classmethod
+    def _budget_above_slack(cls, v: float | None) -> float | None:
+        if v is not None and v <= GATE_SLACK_MIB:
+            raise ValueError(f"memory_budget_mib {v:g} is not above the memory gate's slack of {GATE_SLACK_MIB:g} MiB, "
+                             "which it keeps free on top of every allowance, so nothing could ever be allocated; "
+                             f"give more than {GATE_SLACK_MIB:g} or leave it out (device free memory only)")
+        return v
+
     @field_validator("max_slowdown")
     @classmethod
     def _pacing(cls, v: float | None, info: ValidationInfo) -> float | None:
@@ -407,9 +423,10 @@ class TrainRequest(BaseModel):
                 examples.append(SourcedExample(base + i, f"examples[{i}]", ex))
         chunk = self.chunk if self.chunk is not None else min(DEFAULT_CHUNK, self.window)
         if self.share is not None:
-            pacing = PacingSpec("share", self.share)
+            pacing = PacingSpec("share", self.share, self.max_pause_ms or None)
         else:
-            pacing = PacingSpec("max_slowdown", self.max_slowdown if self.max_slowdown is not None else DEFAULT_MAX_SLOWDOWN)
+            pacing = PacingSpec("max_slowdown", self.max_slowdown if self.max_slowdown is not None else DEFAULT_MAX_SLOWDOWN,
+                                self.max_pause_ms or None)
         return JobSpec(
             examples=tuple(examples),
             window=self.window,

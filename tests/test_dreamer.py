@@ -145,11 +145,13 @@ class FakeEngine:
 
 
 class Clock:
-    def __init__(self):
-        self.t = 1000.0
+    """The scheduler's clock: every reading moves it by `tick` (a timed fake trainer moves it more)."""
+
+    def __init__(self, tick=0.01):
+        self.t, self.tick = 1000.0, tick
 
     def __call__(self):
-        self.t += 0.01
+        self.t += self.tick
         return self.t
 
 
@@ -182,8 +184,9 @@ def drive(sched, engine, until, calls=5000, idle=True):
 
 def test_jobs_train_fifo_one_at_a_time_and_save_a_new_adapter_version(tmp_path):
     store, sched, engine = make(tmp_path)
-    a = submit(store, sched, out="notes", promote="never")
-    b = submit(store, sched, out="notes", promote="never")
+    # no pause bound: every step runs the job's chunk, so the walk below is exact
+    a = submit(store, sched, out="notes", promote="never", max_pause_ms=0)
+    b = submit(store, sched, out="notes", promote="never", max_pause_ms=0)
     seen_together = []
 
     def both_done():
@@ -210,7 +213,7 @@ def test_jobs_train_fifo_one_at_a_time_and_save_a_new_adapter_version(tmp_path):
 
 def test_chunk_ladder_halves_on_refusal_and_keeps_every_receipt(tmp_path):
     store, sched, engine = make(tmp_path, refuse_above=16)
-    jid = submit(store, sched, chunk=64, min_chunk=8)
+    jid = submit(store, sched, chunk=64, min_chunk=8, max_pause_ms=0)
     drive(sched, engine, lambda: store.state(jid) in ("done", "refused", "error"))
     job = store.get(jid)
     assert job["state"] == "done", job["message"]
@@ -225,7 +228,7 @@ def test_chunk_ladder_halves_on_refusal_and_keeps_every_receipt(tmp_path):
 
 def test_nothing_fits_ends_refused_with_the_ladder_in_refusals(tmp_path):
     store, sched, engine = make(tmp_path, refuse_above=4)
-    jid = submit(store, sched, chunk=32, min_chunk=8)
+    jid = submit(store, sched, chunk=32, min_chunk=8, max_pause_ms=0)
     nxt = submit(store, sched)
     drive(sched, engine, lambda: store.state(jid) == "refused" and store.state(nxt) != "queued")
     job = store.get(jid)
@@ -369,3 +372,115 @@ def test_close_marks_the_active_job_interrupted_and_frees_its_trainer(tmp_path):
     drive(sched, engine, lambda: store.get(jid)["progress"]["step"] >= 1)
     sched.close()
     assert store.state(jid) == "interrupted" and FakeTrainer.live[0].closed
+
+
+# -- pacing wiring: the pause bound, the dream step's threads, idle collisions ----------------
+class TimedTrainer(FakeTrainer):
+    """A micro-step takes 20 ms + 10 ms per chunk token on the scheduler's clock."""
+
+    clock: Clock | None = None
+
+    def micro_step(self):
+        r = super().micro_step()
+        if r.status == "ok":
+            TimedTrainer.clock.t += 0.020 + 0.010 * r.chunk_tokens
+        return r
+
+
+class FakeThreadsLlama:
+    """The three llama.cpp thread calls DreamThreads uses, recorded."""
+
+    def __init__(self):
+        self.n, self.nb, self.calls = 2, 2, []
+
+    def llama_n_threads(self, ctx):
+        return self.n
+
+    def llama_n_threads_batch(self, ctx):
+        return self.nb
+
+    def llama_set_n_threads(self, ctx, n, nb):
+        self.n, self.nb = n, nb
+        self.calls.append((n, nb))
+
+
+class ThreadedTokenizer(CharTokenizer):
+    def __init__(self):
+        self.lc, self.ctx = FakeThreadsLlama(), object()
+
+
+def timed(tmp_path, resident=None):
+    store = JobStore(tmp_path / "state")
+    FakeTrainer.live = []
+    TimedTrainer.clock = Clock(tick=0.0001)
+    sched = DreamScheduler(store, resident or CharTokenizer(), served=FakeServed(), clock=TimedTrainer.clock,
+                           idle_grace_s=0.05,
+                           make_trainer=lambda rm, spec, chunk, lr=None: TimedTrainer(spec, chunk, lr))
+    engine = FakeEngine()
+    sched.startup(engine)
+    return store, sched, engine
+
+
+def test_the_pause_bound_picks_the_chunk_and_the_walk_follows(tmp_path):
+    store, sched, engine = timed(tmp_path)
+    jid = submit(store, sched, chunk=64, max_pause_ms=100, epochs=3, promote="never")
+    drive(sched, engine, lambda: store.state(jid) in ("done", "error"))
+    job = store.get(jid)
+    assert job["state"] == "done", job["message"]
+    sizes = [r["chunk_tokens"] for r in store.receipts(jid)]
+    # 16 tokens would take 180 ms; the first step is at most 8 (nothing measured yet)
+    assert max(sizes) <= 8 and sizes.count(4) > len(sizes) / 2
+    assert job["progress"]["tokens"] == 3 * 135        # the walk followed every chunk change
+    f = job["pacing"]
+    # only the first step, before anything was measured, may reach the bound
+    assert f["micro_step_ms_p95"] <= 100 and f["max_pause_ms"] == 100 and f["pauses_over_max"] <= 1
+    assert f["step_chunk"] == 4 and f["micro_steps"] >= len(sizes)    # the save and the first yield pause too
+
+
+def test_the_dream_step_runs_on_its_own_threads_and_serving_gets_them_back(tmp_path):
+    resident = ThreadedTokenizer()
+    store, sched, engine = timed(tmp_path, resident)
+    jid = submit(store, sched, chunk=16, max_pause_ms=100, promote="never")
+    drive(sched, engine, lambda: store.state(jid) == "done")
+    calls = resident.lc.calls
+    # the configured 2 threads need no call; a probe on 1 thread sets it and restores 2
+    assert (resident.lc.n, resident.lc.nb) == (2, 2)
+    assert all(c == (2, 2) for c in calls[1::2]) and all(c != (2, 2) for c in calls[0::2])
+    assert store.get(jid)["pacing"]["dream_threads"] in (1, 2)
+
+
+def test_an_idle_step_a_request_waited_for_is_charged_as_a_collision(tmp_path):
+    store, sched, engine = timed(tmp_path)
+    jid = submit(store, sched, epochs=50, max_pause_ms=100)
+    drive(sched, engine, lambda: store.get(jid)["progress"]["step"] >= 2)
+    trainer = FakeTrainer.live[-1]
+    step = trainer.micro_step
+
+    def arrives_during_the_step():
+        r = step()
+        engine.queue_depth = 1                       # a request came in while this step ran...
+        return r
+
+    trainer.micro_step = arrives_during_the_step
+    engine.oldest_wait_s = lambda: 0.03              # ...30 ms before it ended
+    sched._pacer.credit = 0.0
+    before = sched._pacer.credit
+    sched.after_batch(engine, False)                 # no slot busy: the idle path, one step, then stop
+    f = sched.pacing()
+    assert f["idle_collisions"] == 1 and engine.queue_depth == 1
+    assert sched._pacer.credit == pytest.approx(before + 0.1 * 0.03 - 0.03, abs=1e-3)
+
+
+def test_the_job_view_shows_only_documented_fields(tmp_path):
+    """Issue 11: internal accumulators must not leak into GET /train/{id}."""
+    import re
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture" / "training-control.md").read_text()
+    documented = set(re.findall(r"`([a-z_0-9]+)`", doc))
+    store, sched, engine = timed(tmp_path)
+    jid = submit(store, sched, promote="never")
+    drive(sched, engine, lambda: store.state(jid) == "done")
+    job = store.get(jid)
+    progress = set(job["progress"])
+    assert not [k for k in progress if k.startswith("_")]
+    assert progress - documented == set() and set(job["pacing"]) - documented == set()
+    assert "train_loss_per_epoch" in progress and "pauses_over_max" in job["pacing"]

@@ -190,7 +190,9 @@ def test_two_chat_streams_finish_while_a_job_trains(server, http):
 
 
 def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering(http):
-    body = {"text": LESSON * 3, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never"}
+    # max_pause_ms 0: no pause bound, so every step asks for the job's own chunk and the memory ladder decides
+    body = {"text": LESSON * 3, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never",
+            "max_pause_ms": 0}
     # the 64 MiB slack, the job's 2.5 MiB (cache and adapters), and 2 MiB: below
     # what even chunk 16's graph plans (graphs hold only the target rows'
     # logits since issues 8 and 9, so the former 84 MiB fitted chunk 16)

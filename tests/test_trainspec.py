@@ -104,6 +104,11 @@ def test_the_exact_walk_its_horizon_and_recompute_are_accepted():
     ({"val_split": -0.1}, "val_split", "greater than or equal to 0"),
     ({"seed": -1}, "seed", "greater than or equal to 0"),
     ({"memory_budget_mib": 0}, "memory_budget_mib", "greater than 0"),
+    ({"memory_budget_mib": 1}, "memory_budget_mib", "not above the memory gate's slack of 64 MiB"),
+    ({"memory_budget_mib": 64}, "memory_budget_mib", "give more than 64"),
+    ({"max_pause_ms": -1}, "max_pause_ms", "greater than or equal to 0"),
+    ({"max_pause_ms": 1e7}, "max_pause_ms", "less than or equal to 600000"),
+    ({"max_pause_ms": "fast"}, "max_pause_ms", "valid number"),
     ({"top_layers": 0}, "top_layers", "greater than or equal to 1"),
     ({"share": 1.0}, "share", "less than 1"),
     ({"max_slowdown": 0}, "max_slowdown", "greater than 0"),
@@ -191,3 +196,10 @@ def test_unsafe_adapter_names_fail(name):
 def test_python_callers_may_pass_models():
     req = TrainRequest(examples=[PromptCompletion(prompt="p", completion="c")])
     assert isinstance(req.to_job_spec().examples[0].example, PromptCompletion)
+
+
+def test_max_pause_ms_defaults_to_250_and_zero_means_no_bound():
+    assert parse_train_request({"text": "x"}).to_job_spec().pacing.max_pause_ms == 250.0
+    assert parse_train_request({"text": "x", "max_pause_ms": 80}).to_job_spec().pacing.max_pause_ms == 80.0
+    spec = parse_train_request({"text": "x", "share": 0.2, "max_pause_ms": 0}).to_job_spec()
+    assert spec.pacing.mode == "share" and spec.pacing.max_pause_ms is None

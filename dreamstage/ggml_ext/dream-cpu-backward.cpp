@@ -203,14 +203,18 @@ bool round_activations(ggml_type vdt, const float * x, float * out, int64_t n, s
             ggml_get_type_traits(vdt)->to_float(buf.data(), out, n);
             return true;
         case GGML_TYPE_Q8_1: {
+            // the block starts with its scale d and s = d * sum(q), both fp16;
+            // s goes after the row (out[n + k]): ggml multiplies it by the
+            // weight block's min instead of summing the values themselves
             const auto * b = (const block_q8_1 *) buf.data();
             for (int64_t k = 0; k < n / QK8_1; ++k) {
-                ggml_fp16_t dh;   // the block's first field is its scale d (then s, d * sum)
-                std::memcpy(&dh, &b[k], sizeof(dh));
-                const float d = ggml_fp16_to_fp32(dh);
+                ggml_fp16_t ds[2];
+                std::memcpy(ds, &b[k], sizeof(ds));
+                const float d = ggml_fp16_to_fp32(ds[0]);
                 for (int j = 0; j < QK8_1; ++j) {
                     out[k * QK8_1 + j] = d * b[k].qs[j];
                 }
+                out[n + k] = ggml_fp16_to_fp32(ds[1]);
             }
             return true;
         }
@@ -232,31 +236,66 @@ ggml_type activation_type(ggml_type wtype) {
     return ggml_get_type_traits_cpu(wtype)->vec_dot_type;
 }
 
-bool activation_type_known(ggml_type vdt) {
-    return vdt == GGML_TYPE_Q8_0 || vdt == GGML_TYPE_Q8_1 || vdt == GGML_TYPE_Q8_K;
+// Weights with a per-block min (Q4_1, Q5_1) meet Q8_1 activations: ggml
+// computes a block as d_w d_x sum(q_w q_x) + m_w s_x, with s_x the fp16 block
+// sum. The kernel follows it: the panel holds d_w q_w, and the mins multiply
+// the block sums separately.
+bool weight_has_mins(ggml_type wtype) {
+    return wtype == GGML_TYPE_Q4_1 || wtype == GGML_TYPE_Q5_1;
 }
 
-// x [n_tok][n_in] -> rounded copy, token t on thread t % nth
-void round_rows(ggml_type vdt, const float * x, float * out, int64_t n_in, int64_t n_tok, int ith, int nth) {
+bool activation_type_known(ggml_type wtype) {
+    const ggml_type vdt = activation_type(wtype);
+    return vdt == GGML_TYPE_Q8_0 || vdt == GGML_TYPE_Q8_K || (vdt == GGML_TYPE_Q8_1 && weight_has_mins(wtype));
+}
+
+// floats per token of the rounded activations: the row, then (Q8_1) its block sums
+int64_t rounded_row(ggml_type wtype, int64_t n_in) {
+    return n_in + (activation_type(wtype) == GGML_TYPE_Q8_1 ? n_in / QK8_1 : 0);
+}
+
+// x [n_tok][n_in] -> rounded rows [n_tok][rounded_row], token t on thread t % nth
+void round_rows(ggml_type wtype, const float * x, float * out, int64_t n_in, int64_t n_tok, int ith, int nth) {
     thread_local std::vector<uint8_t> buf;
+    const int64_t stride = rounded_row(wtype, n_in);
     for (int64_t t = ith; t < n_tok; t += nth) {
-        round_activations(vdt, x + t * n_in, out + t * n_in, n_in, buf);
+        round_activations(activation_type(wtype), x + t * n_in, out + t * stride, n_in, buf);
     }
 }
 
 // y [n_tok][n_out] = W x: slabs of TILE_I rows of W, slab ith, ith + nth, ...
+// x holds the rounded activations, rounded_row floats per token.
 void forward_slabs(ggml_type type, const uint8_t * w, size_t row_bytes, const float * x, float * y, int64_t n_in,
                    int64_t n_out, int64_t n_tok, int ith, int nth) {
     const ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
-    thread_local std::vector<float> rows, panel;
+    const bool mins = weight_has_mins(type);
+    const int64_t n_blk = n_in / QK8_1;
+    const int64_t x_stride = rounded_row(type, n_in);
+    const size_t blk_bytes = ggml_type_size(type);
+    thread_local std::vector<float> rows, panel, m;
     rows.resize((size_t) (TILE_I * n_in));
     panel.resize((size_t) (TILE_I * n_in));
+    m.resize((size_t) (TILE_I * n_blk));
     const int64_t n_slabs = (n_out + TILE_I - 1) / TILE_I;
     for (int64_t slab = ith; slab < n_slabs; slab += nth) {
         const int64_t o0 = slab * TILE_I;
         const int64_t no = std::min(TILE_I, n_out - o0);
         for (int64_t o = 0; o < no; ++o) {
-            to_float(w + (size_t) (o0 + o) * row_bytes, rows.data() + o * n_in, n_in);
+            const uint8_t * row = w + (size_t) (o0 + o) * row_bytes;
+            float * r = rows.data() + o * n_in;
+            to_float(row, r, n_in);
+            if (mins) {
+                // the block's second fp16 field is its min; the panel keeps d q only
+                for (int64_t k = 0; k < n_blk; ++k) {
+                    ggml_fp16_t dm[2];
+                    std::memcpy(dm, row + k * blk_bytes, sizeof(dm));
+                    const float mk = ggml_fp16_to_fp32(dm[1]);
+                    m[o * n_blk + k] = mk;
+                    for (int j = 0; j < QK8_1; ++j) {
+                        r[k * QK8_1 + j] -= mk;
+                    }
+                }
+            }
         }
         // input-major: panel[i][o]
         for (int64_t i = 0; i < n_in; ++i) {
@@ -264,21 +303,32 @@ void forward_slabs(ggml_type type, const uint8_t * w, size_t row_bytes, const fl
                 panel[i * no + o] = rows[o * n_in + i];
             }
         }
-        panel_product(panel.data(), no, n_in, 0, x, y, n_tok, n_in, n_out, o0, false);
+        panel_product(panel.data(), no, n_in, 0, x, y, n_tok, x_stride, n_out, o0, false);
+        if (mins) {
+            for (int64_t t = 0; t < n_tok; ++t) {
+                const float * sums = x + t * x_stride + n_in;
+                for (int64_t o = 0; o < no; ++o) {
+                    float acc = 0.0f;
+                    for (int64_t k = 0; k < n_blk; ++k) {
+                        acc += m[o * n_blk + k] * sums[k];
+                    }
+                    y[t * n_out + o0 + o] += acc;
+                }
+            }
+        }
     }
 }
 
 void dream_round_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     const ggml_tensor * x = dst->src[0];
-    const ggml_type vdt = activation_type(dst->src[1]->type);
-    round_rows(vdt, (const float *) x->data, (float *) dst->data, x->ne[0], x->ne[1], ith, nth);
+    round_rows(dst->src[1]->type, (const float *) x->data, (float *) dst->data, x->ne[0], x->ne[1], ith, nth);
 }
 
 void dream_wx_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     const ggml_tensor * w = dst->src[0];
     const ggml_tensor * x = dst->src[1];
     forward_slabs(w->type, (const uint8_t *) w->data, w->nb[1], (const float *) x->data, (float *) dst->data,
-                  w->ne[0], w->ne[1], x->ne[1], ith, nth);
+                  w->ne[0], w->ne[1], dst->ne[1], ith, nth);
 }
 
 } // namespace
@@ -288,7 +338,7 @@ bool dream_cpu_wx_supported(const ggml_tensor * w, const ggml_tensor * x) {
         return false;
     }
     const ggml_type vdt = activation_type(w->type);
-    return activation_type_known(vdt) && x->type == GGML_TYPE_F32 && ggml_is_contiguous(x) &&
+    return activation_type_known(w->type) && x->type == GGML_TYPE_F32 && ggml_is_contiguous(x) &&
            ggml_n_dims(w) <= 2 && ggml_n_dims(x) <= 2 && w->nb[0] == ggml_type_size(w->type) &&
            x->ne[0] == w->ne[0] && w->ne[0] % ggml_blck_size(vdt) == 0 && w->ne[0] % ggml_blck_size(w->type) == 0;
 }
@@ -296,7 +346,7 @@ bool dream_cpu_wx_supported(const ggml_tensor * w, const ggml_tensor * x) {
 ggml_tensor * dream_cpu_wx(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x) {
     // the rounded activations carry the weight as a second source only to know its type
     ggml_tensor * rargs[2] = { x, w };
-    ggml_tensor * xr = ggml_custom_4d(ctx, GGML_TYPE_F32, x->ne[0], x->ne[1], 1, 1, rargs, 2, dream_round_op,
+    ggml_tensor * xr = ggml_custom_4d(ctx, GGML_TYPE_F32, rounded_row(w->type, x->ne[0]), x->ne[1], 1, 1, rargs, 2, dream_round_op,
                                       GGML_N_TASKS_MAX, nullptr);
     ggml_tensor * args[2] = { w, xr };
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, dream_wx_op, GGML_N_TASKS_MAX, nullptr);
@@ -324,12 +374,12 @@ bool dream_forward_product(int32_t type, const void * w, int64_t n_in, int64_t n
     const ggml_type t = (ggml_type) type;
     if (type < 0 || type >= GGML_TYPE_COUNT || !ggml_is_quantized(t) || !ggml_get_type_traits(t)->to_float ||
         n_in <= 0 || n_out <= 0 || n_tok <= 0 || n_in % ggml_blck_size(t) != 0 ||
-        !activation_type_known(activation_type(t)) || n_in % ggml_blck_size(activation_type(t)) != 0) {
+        !activation_type_known(t) || n_in % ggml_blck_size(activation_type(t)) != 0) {
         return false;
     }
     if (!reference) {
-        std::vector<float> xr((size_t) (n_in * n_tok));
-        round_rows(activation_type(t), x, xr.data(), n_in, n_tok, 0, 1);
+        std::vector<float> xr((size_t) (rounded_row(t, n_in) * n_tok));
+        round_rows(t, x, xr.data(), n_in, n_tok, 0, 1);
         forward_slabs(t, (const uint8_t *) w, ggml_row_size(t, n_in), xr.data(), y, n_in, n_out, n_tok, 0, 1);
         return true;
     }

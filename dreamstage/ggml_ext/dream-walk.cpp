@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <unordered_set>
 
@@ -277,6 +278,15 @@ static ggml_tensor * dream_sliced_out_prod(ggml_context * ctx, ggml_tensor * w, 
     return sum && sum->op == GGML_OP_ADD ? sum : nullptr;
 }
 
+// Below this many tokens the forward kernel's one pass of dequantization per
+// weight costs more than ggml's block-by-block integer products save
+// (default model, one thread, forward CPU ms: 8 tokens 58 with ggml's MUL_MAT
+// against 190-245 with the kernel; 32 tokens 196-273 against 238-288; 64 tokens
+// 453-511 against 297-323).
+static int64_t dream_cpu_wx_min_tokens() {
+    return 48;
+}
+
 // Rewrites the backward graph so each node can run where its data lives:
 // - OUT_PROD(W_q, dy^T), the input gradient through a frozen quantized weight:
 //   ggml's CPU kernel dequantizes a row of W for every (token, row) pair, n_tokens
@@ -337,7 +347,8 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
             }
             any = true;
-        } else if (n->op == GGML_OP_MUL_MAT && ggml_is_quantized(n->src[0]->type) && n->src[0]->buffer &&
+        } else if (n->op == GGML_OP_MUL_MAT && n->src[1]->ne[1] >= dream_cpu_wx_min_tokens() &&
+                   ggml_is_quantized(n->src[0]->type) && n->src[0]->buffer &&
                    ggml_backend_buffer_is_host(n->src[0]->buffer) && dream_cpu_wx_supported(n->src[0], n->src[1])) {
             // a forward product with a frozen quantized weight in host memory:
             // the blocked kernel (dream-cpu-backward.cpp), same activation
