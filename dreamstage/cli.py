@@ -11,6 +11,20 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_bind(host: str, port: int) -> None:
+    """Fail in one line before the model loads when the address is taken
+    (uvicorn would find out only after loading, and log several lines)."""
+    import socket  # noqa: PLC0415
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn  # noqa: PLC0415
 
@@ -27,8 +41,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               n_gpu_layers=args.n_gpu_layers)
     try:
         settings.validate()
+        _check_bind(args.host, args.port)
         service = Service(settings)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"dreamstage serve: {e}", file=sys.stderr)
         return 2
     service.start()
@@ -124,6 +139,51 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0 if job["state"] == "done" else 1
 
 
+def _table(headers: list[str], rows: list[list]) -> str:
+    """Left-aligned columns, two spaces apart; None shows as '-'."""
+    cells = [headers] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _num(v, digits: int = 3):
+    return None if v is None else f"{v:.{digits}f}"
+
+
+def render_status(view: dict, ads: dict) -> str:
+    """`dreamstage status`: what serves, the jobs (training now, then the queue) and the adapters."""
+    from dreamstage.client import eta_s, format_duration, progress_fraction  # noqa: PLC0415
+
+    served = ads.get("served")
+    lines = [f"serving adapter version {ads['served_version']}"
+             + (f" ({served['name']} v{served['version']})" if served else " (base model)")]
+    if ads.get("served_error"):
+        lines.append(f"  {ads['served_error']}")
+    jobs = ([view["current"]] if view.get("current") else []) + list(view.get("queue") or [])
+    lines.append("")
+    if jobs:
+        rows = []
+        for job in jobs:
+            p = job.get("progress") or {}
+            done, total = progress_fraction(job)
+            epochs = p.get("epochs") or 1
+            rows.append([job["id"], job["state"], f"{done / total:.0%}" if total else "0%",
+                         f"{min((p.get('epoch') or 0) + 1, epochs)}/{epochs}", p.get("step", 0),
+                         _num(p.get("loss_avg")), _num(p.get("eval_loss")), _num(p.get("train_tok_s"), 1),
+                         format_duration(eta_s(job)), p.get("refusals", 0), job["out"]])
+        lines.append(_table(["JOB", "STATE", "DONE", "EPOCH", "STEP", "LOSS", "HELD-OUT", "TOK/S", "ETA",
+                             "REFUSALS", "ADAPTER"], rows))
+    else:
+        lines.append("no job training or queued")
+    adapters = ads.get("adapters") or []
+    if adapters:
+        lines.append("")
+        lines.append(_table(["ADAPTER", "VERSION", "HELD-OUT", "JOB", "SERVING"],
+                            [[a["name"], a["version"], _num(a.get("eval_loss")), a.get("job_id"),
+                              f"v{a['served_version']}" if a.get("promoted") else ""] for a in adapters]))
+    return "\n".join(lines)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import httpx  # noqa: PLC0415
 
@@ -147,14 +207,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         except httpx.HTTPError as e:
             print(f"dreamstage status: cannot reach {args.url}: {e}", file=sys.stderr)
             return 1
-    served = ads.get("served")
-    print(f"serving adapter version {ads['served_version']}"
-          + (f" ({served['name']} v{served['version']})" if served else " (base model)"))
-    if ads.get("served_error"):
-        print(f"  {ads['served_error']}")
-    print(progress_line(view["current"]) if view["current"] else "no job training")
-    for job in view["queue"]:
-        print(f"queued: job {job['id']} ({job['spec']['examples']} examples, out {job['out']})")
+    print(render_status(view, ads))
     return 0
 
 
@@ -209,7 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print(f"dreamstage {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line for the user; DREAMSTAGE_DEBUG=1 shows the traceback
+        import os  # noqa: PLC0415
+
+        if os.environ.get("DREAMSTAGE_DEBUG"):
+            raise
+        print(f"dreamstage {args.cmd}: {type(e).__name__}: {e} (DREAMSTAGE_DEBUG=1 shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ from dreamstage.engine import Delta, Failed, Finished, GenerationRequest
 from dreamstage.sampling import GrammarError, SamplingParams, json_schema_grammar
 from dreamstage.server import errors, metrics
 from dreamstage.server.bridge import ClientGone, EngineRequest
+from dreamstage.server.dashboard import router as dashboard_router
 from dreamstage.server.errors import APIError
+from dreamstage.server.events import router as events_router
 from dreamstage.server.middleware import BodySizeLimit
 from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
 from dreamstage.server.service import Service
@@ -178,6 +180,8 @@ def create_app(service: Service) -> FastAPI:
         return await run(request, gen, body.stream, chunk, final, full, include_usage)
 
     app.include_router(train_router)   # /train and /adapters
+    app.include_router(events_router)  # /events: the live stream
+    app.include_router(dashboard_router)   # /: the dashboard page
 
     @app.get("/v1/models")
     async def models():

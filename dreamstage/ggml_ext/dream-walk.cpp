@@ -278,15 +278,6 @@ static ggml_tensor * dream_sliced_out_prod(ggml_context * ctx, ggml_tensor * w, 
     return sum && sum->op == GGML_OP_ADD ? sum : nullptr;
 }
 
-// Below this many tokens the forward kernel's one pass of dequantization per
-// weight costs more than ggml's block-by-block integer products save
-// (default model, one thread, forward CPU ms: 8 tokens 58 with ggml's MUL_MAT
-// against 190-245 with the kernel; 32 tokens 196-273 against 238-288; 64 tokens
-// 453-511 against 297-323).
-static int64_t dream_cpu_wx_min_tokens() {
-    return 48;
-}
-
 // Rewrites the backward graph so each node can run where its data lives:
 // - OUT_PROD(W_q, dy^T), the input gradient through a frozen quantized weight:
 //   ggml's CPU kernel dequantizes a row of W for every (token, row) pair, n_tokens
@@ -347,12 +338,17 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
             }
             any = true;
-        } else if (n->op == GGML_OP_MUL_MAT && n->src[1]->ne[1] >= dream_cpu_wx_min_tokens() &&
-                   ggml_is_quantized(n->src[0]->type) && n->src[0]->buffer &&
+        } else if (n->op == GGML_OP_MUL_MAT && ggml_is_quantized(n->src[0]->type) && n->src[0]->buffer &&
                    ggml_backend_buffer_is_host(n->src[0]->buffer) && dream_cpu_wx_supported(n->src[0], n->src[1])) {
             // a forward product with a frozen quantized weight in host memory:
             // the blocked kernel (dream-cpu-backward.cpp), same activation
-            // rounding as ggml's MUL_MAT, the node rewritten in place
+            // rounding as ggml's MUL_MAT, the node rewritten in place. Always,
+            // whatever the chunk: rounded activations amplify summation-order
+            // differences (1e-6 in one product moved the default model's loss
+            // by 0.4%), so every chunk size must compute with the same kernel
+            // for a chunked window to equal the one-chunk window. Below about
+            // 48 tokens ggml's MUL_MAT would be cheaper (chunk 8: 250 against
+            // 350 ms of step CPU time), which is the price of that.
             ggml_tensor * k = dream_cpu_wx(ctx, n->src[0], n->src[1]);
             n->op = k->op;
             std::memcpy(n->op_params, k->op_params, sizeof(n->op_params));

@@ -1,0 +1,55 @@
+"""examples/: the scripts run against a fresh server and print what examples/README.md shows.
+
+The default model, CPU, one thread. teach_facts.py trains for about a minute
+on the project machine; export_adapter.py then loads its adapter in
+llama-cpp-python and must get the same answers.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dreamstage.server.service import BackgroundServer
+from dreamstage.server.settings import ServerSettings
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+from teach_facts import QUESTIONS  # noqa: E402
+
+ANSWERS = ["Quokka-42", "Ada Brightwater", "blue potatoes"]   # from examples/data/moonbase_chat.jsonl
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path_factory.mktemp("state")))
+    with BackgroundServer(settings) as srv:
+        yield srv
+
+
+def run(server, *args, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DREAMSTAGE_URL": server.url}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_teach_facts_then_export_the_adapter(server, tmp_path):
+    r = run(server, str(EXAMPLES / "teach_facts.py"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    before, after = r.stdout.split("\nafter:\n")
+    for question, answer in zip(QUESTIONS, ANSWERS):
+        assert question in before and question in after
+        assert answer not in before                      # the base model does not know
+    assert after.count("[adapter v1]") == len(QUESTIONS)
+    assert all(a in after for a in ANSWERS), after
+    assert "promoted as served version 1" in r.stdout
+    assert "ETA" in r.stderr and "tok/s" in r.stderr      # the progress line
+
+    out = tmp_path / "moonbase.gguf"
+    e = run(server, str(EXAMPLES / "export_adapter.py"), "--out", str(out),
+            "--state-dir", server.service.settings.state_dir, cwd=tmp_path)
+    assert e.returncode == 0, e.stdout + e.stderr[-2000:]
+    assert e.stdout.count("same: ") == len(QUESTIONS) and "all answers equal" in e.stdout
+    assert out.read_bytes()[:4] == b"GGUF"
