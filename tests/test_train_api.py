@@ -223,8 +223,9 @@ def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering
 def test_an_exact_job_reports_its_horizon_pass_and_walk_memory(server, http):
     """exact, horizon and recompute travel from the body to the native step; the job's
     state reports the horizon in use, the last pass and walk_mib."""
+    # max_pause_ms 0: every step asks for the job's own chunk, so the walk's shape is known
     body = {"text": LESSON * 2, "window": 64, "chunk": 16, "rank": 4, "promote": "never", "epochs": 1,
-            "exact": True, "horizon": 32, "recompute": True}
+            "exact": True, "horizon": 32, "recompute": True, "max_pause_ms": 0}
     r = http.post("/train", json=body)
     assert r.status_code == 202
     job = wait_job(http, r.json()["id"], finished)
@@ -243,6 +244,12 @@ def test_an_exact_job_reports_its_horizon_pass_and_walk_memory(server, http):
     from dreamstage.client import Client
     with Client(server.url) as c:
         assert c.train_receipts(job["id"], after=5) == receipts[5:]
+    # with the pacer shaping chunks (smaller at first), the walk still ends its
+    # windows and sizes the adjoint slots for the job's own chunk
+    r = http.post("/train", json={k: v for k, v in body.items() if k != "max_pause_ms"})
+    job = wait_job(http, r.json()["id"], finished)
+    assert job["state"] == "done", job["message"]
+    assert job["memory"]["walk_mib"] == 48 * 30 * 2 * 192 * 4 / 2**20 and job["progress"]["horizon"] == 32
 
 
 def test_auto_promotion_teaches_a_made_up_fact(server, http):

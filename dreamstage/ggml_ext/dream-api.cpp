@@ -88,6 +88,7 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
         return nullptr;
     }
     ds->horizon = params.exact && params.horizon > 0 ? params.horizon : 0;
+    ds->chunk_max = params.chunk;
     // gate the job's standing memory before anything exists
     const size_t cache_bytes = dream_memory_bytes_planned(*ds);
     const size_t adapter_bytes = dream_adapter_bytes_planned(*ds);
@@ -284,6 +285,7 @@ bool dream_set_chunk(struct dream_stage * ds, int32_t chunk) {
         return false;
     }
     ds->params.chunk = chunk;
+    ds->chunk_max = std::max(ds->chunk_max, chunk);
     return true;
 }
 

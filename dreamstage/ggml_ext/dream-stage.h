@@ -104,6 +104,7 @@ struct dream_stage {
     std::vector<ggml_backend_buffer_ptr> adj_bufs;
     size_t walk_bytes = 0;
     int32_t horizon = 0;            // ancestors (positions) that receive gradient; 0: the whole window
+    int32_t chunk_max = 0;          // the largest chunk set so far (sizes the adjoint slots with a horizon)
 
     // the current window
     std::vector<llama_token> win_tokens;

@@ -580,6 +580,11 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     r.chunk_pos = p;
     r.chunk_tokens = n;
     r.horizon = ds.params.exact ? ds.horizon : -1;
+    // a chunk larger than the adjoint slots were sized for gets fewer leaves:
+    // the receipt says how many positions it actually gave gradient
+    if (chunk.leaf_lo >= 0 && ds.horizon > 0 && chunk.p - chunk.leaf_lo < std::min(ds.horizon, chunk.p)) {
+        r.horizon = chunk.p - chunk.leaf_lo;
+    }
 
     // row i (input token p+i) predicts token p+i+1 when that token carries loss
     // (the exact walk's forward sweep only fills the cache: its loss rows are
@@ -616,7 +621,9 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     // then, held by the job, the graph's gate below sees the rest of the need;
     // a refusal there frees them again.
     if (train && chunk.backward_pass && ds.adj_rows == 0) {
-        const int32_t rows = ds.horizon > 0 ? std::min(ds.params.window, ds.horizon + ds.params.chunk) : ds.params.window;
+        // (the job's largest chunk, not this one: a pacer may start small)
+        const int32_t rows = ds.horizon > 0 ? std::min(ds.params.window, ds.horizon + std::max(ds.chunk_max, ds.params.chunk))
+                                            : ds.params.window;
         auto needs = dream_walk_bytes_planned(ds, rows);
         double total = 0;
         for (const auto & nd : needs) {
