@@ -10,6 +10,7 @@ fsync, rename, fsync of the directory.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -57,21 +58,27 @@ def save_lora(path, factors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]
         raise ValueError("an adapter needs at least one (A, B) pair")
     with atomic_file(path) as tmp:
         w = gguf.GGUFWriter(str(tmp), model_arch)
-        w.add_type("adapter")
-        w.add_string("adapter.type", "lora")
-        w.add_float32("adapter.lora.alpha", float(alpha))
-        for (layer, target), (a, b) in sorted(factors.items()):
-            a = np.ascontiguousarray(a, dtype=np.float32)
-            b = np.ascontiguousarray(b, dtype=np.float32)
-            if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-                raise ValueError(f"blk.{layer}.{target}: A {a.shape} and B {b.shape} are not (rank, n_in), (n_out, rank)")
-            w.add_tensor(f"blk.{layer}.{target}.weight.lora_a", a)
-            w.add_tensor(f"blk.{layer}.{target}.weight.lora_b", b)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        # A failed write (a full disk) must still close the file: an open
+        # handle on the deleted temp file would keep its space taken.
+        with contextlib.closing(w):
+            _write_lora(w, factors, alpha)
     return path
+
+
+def _write_lora(w, factors, alpha: float) -> None:
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(alpha))
+    for (layer, target), (a, b) in sorted(factors.items()):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        b = np.ascontiguousarray(b, dtype=np.float32)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"blk.{layer}.{target}: A {a.shape} and B {b.shape} are not (rank, n_in), (n_out, rank)")
+        w.add_tensor(f"blk.{layer}.{target}.weight.lora_a", a)
+        w.add_tensor(f"blk.{layer}.{target}.weight.lora_b", b)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
 
 
 def load_lora(path) -> tuple[dict[tuple[int, str], tuple[np.ndarray, np.ndarray]], float]:

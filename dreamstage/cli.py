@@ -26,19 +26,19 @@ def _check_bind(host: str, port: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415
-
-    from dreamstage.server.app import create_app  # noqa: PLC0415
-    from dreamstage.server.service import Service  # noqa: PLC0415
-    from dreamstage.server.settings import ServerSettings  # noqa: PLC0415
-
     from dreamstage.dreamer import default_state_dir  # noqa: PLC0415
+    from dreamstage.server.app import create_app  # noqa: PLC0415
+    from dreamstage.server.service import Service, run_uvicorn  # noqa: PLC0415
+    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
 
-    state_dir = args.state_dir or str(default_state_dir())
+    state_dir = None if args.no_train else (args.state_dir or str(default_state_dir()))
+    limits = JobLimits(**{k: getattr(args, k) for k in JobLimits.__dataclass_fields__})
     settings = ServerSettings(model=args.model, host=args.host, port=args.port, parallel=args.parallel,
                               ctx=args.ctx, batch=args.batch, threads=args.threads, kv_type=args.kv_type,
                               state_dir=state_dir, adapter=args.adapter, max_queue=args.max_queue,
-                              n_gpu_layers=args.n_gpu_layers)
+                              max_body_bytes=args.max_body_bytes, api_key=_api_key(args),
+                              allowed_hosts=tuple(args.allowed_host or ()), cors_origins=tuple(args.cors_origin or ()),
+                              limits=limits, n_gpu_layers=args.n_gpu_layers)
     try:
         settings.validate()
         _check_bind(args.host, args.port)
@@ -49,21 +49,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service.start()
     cfg = service.model.config
     host = f"[{args.host}]" if ":" in args.host else args.host
+    training = f"jobs and adapters in {state_dir}" if state_dir else "training off"
     print(f"dreamstage: serving {service.model_id} ({service.model.model_path}) at http://{host}:{args.port}/v1 "
           f"- {cfg.n_seq} slots x {service.engine.slot_ctx} tokens, kv {cfg.kv_type}, "
-          f"{cfg.n_threads or 'all'} threads; jobs and adapters in {state_dir} "
+          f"{cfg.n_threads or 'all'} threads; {training}; "
+          f"{'API key required' if settings.api_key else 'no API key'} "
           f"(adapter version {service.engine.adapter_version})", flush=True)
-    try:
-        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
-    finally:
-        service.close()
+    run_uvicorn(service, create_app(service), host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _api_key(args) -> str | None:
+    import os  # noqa: PLC0415
+
+    return getattr(args, "api_key", None) or os.environ.get("DREAMSTAGE_API_KEY") or None
 
 
 def _client(args):
     from dreamstage.client import Client  # noqa: PLC0415
-    return Client(args.url, timeout=60)
+    return Client(args.url, timeout=60, api_key=_api_key(args))
 
 
 def _read_examples(path: str) -> list[dict]:
@@ -232,11 +236,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default=None, metavar="PATH",
                    help="a GGUF LoRA to serve from startup (imported into the state directory as a new version)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
+    p.add_argument("--no-train", action="store_true", help="serve only: no /train, no adapters, no state directory")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $DREAMSTAGE_API_KEY); "
+                        "needed for training on a non-loopback bind; prefer the variable: "
+                        "a command line is visible to other local users")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a Host header name accepted besides localhost/127.0.0.1/::1 (repeatable)")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="an origin (https://app.example) that gets CORS headers (repeatable; default none)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 (default 4 MiB)")
+    from dreamstage.server.settings import JobLimits  # noqa: PLC0415
+    for name, f in JobLimits.__dataclass_fields__.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=f.default,
+                       help=f"training limit (default {f.default})")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("train", help="post a JSONL file of examples to POST /train")
     p.add_argument("file", help="JSONL: one example per line (text, prompt/completion, messages, or a group)")
     p.add_argument("--url", default="http://127.0.0.1:8080")
+    p.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
     p.add_argument("--wait", action="store_true", help="poll until the job ends, with a progress bar on stderr")
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--lr", type=float, default=None)
@@ -256,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="the served adapter, the job training now and the queue (or one job)")
     p.add_argument("job", nargs="?", type=int, help="a job id: its progress, message and refusals")
     p.add_argument("--url", default="http://127.0.0.1:8080")
+    p.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
     p.set_defaults(fn=cmd_status)
     return ap
 

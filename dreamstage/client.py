@@ -162,9 +162,18 @@ def progress_line(job: dict, width: int = 24) -> str:
     return "  ".join(parts)
 
 
+def _auth_headers(api_key: str | None, headers=None) -> dict:
+    out = dict(headers or {})
+    if api_key:
+        out["Authorization"] = f"Bearer {api_key}"
+    return out
+
+
 class Client:
-    def __init__(self, base_url: str = "http://127.0.0.1:8080", timeout: float | None = 600.0, **httpx_kwargs):
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, **httpx_kwargs)
+    def __init__(self, base_url: str = "http://127.0.0.1:8080", timeout: float | None = 600.0, *,
+                 api_key: str | None = None, **httpx_kwargs):
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout,
+                                 headers=_auth_headers(api_key, httpx_kwargs.pop("headers", None)), **httpx_kwargs)
 
     def close(self) -> None:
         self._http.close()
@@ -252,7 +261,12 @@ class Client:
         return self._json("POST", "/adapters/rollback", None, expect=(200, 202))
 
     def _json(self, method: str, path: str, body: dict | None = None, expect: tuple[int, ...] = (200,)) -> dict:
-        r = self._http.request(method, path, json=body) if body is not None else self._http.request(method, path)
+        # A state change without a body still says application/json: the server
+        # refuses body-less POSTs without it (or the key), as a cross-site guard.
+        if body is None and method == "POST":
+            r = self._http.request(method, path, headers={"Content-Type": "application/json"})
+        else:
+            r = self._http.request(method, path, json=body) if body is not None else self._http.request(method, path)
         if r.status_code not in expect:
             _raise_for(r.status_code, r.content, r.headers)
         return r.json()
@@ -280,8 +294,10 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8080", timeout: float | None = 600.0, **httpx_kwargs):
-        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, **httpx_kwargs)
+    def __init__(self, base_url: str = "http://127.0.0.1:8080", timeout: float | None = 600.0, *,
+                 api_key: str | None = None, **httpx_kwargs):
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout,
+                                 headers=_auth_headers(api_key, httpx_kwargs.pop("headers", None)), **httpx_kwargs)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+import sqlite3
 import threading
 import time
 from collections import deque
@@ -49,6 +50,7 @@ from dreamstage.jobs import (
     JobRun,
     JobStore,
     auto_promote_decision,
+    file_sha256,
     ladder,
 )
 from dreamstage.pacing import DEFAULT_IDLE_GRACE_S, Pacer, StepShaper
@@ -65,6 +67,21 @@ IDLE_BURST_S = 0.5
 FIGURES_EVERY_S = 1.0
 # How often the queue is polled when nobody said a job was submitted.
 QUEUE_POLL_S = 0.5
+
+
+class AdapterSaveError(RuntimeError):
+    """The finished job's adapter could not be written; the job ends `error` with this message."""
+
+
+def release_freed_memory() -> None:
+    """Give freed heap back to the OS after a job's trainers are closed.
+
+    glibc keeps freed chunks in its arenas, so a trainer's few hundred MB
+    stayed in the process's RSS after a cancel although nothing used them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass                    # not glibc: nothing to trim
 
 
 def default_state_dir() -> Path:
@@ -208,6 +225,7 @@ class DreamScheduler:
         self._hook_done_at: float | None = None         # when after_batch last returned with a busy slot
         self._figures_at = 0.0
         self._closing: list[Any] = []   # trainers of the job in progress (closed if the server stops)
+        self._unrecorded: dict[int, str] = {}   # job -> error message the store could not take yet
         self._stepping = False          # the engine thread is inside the job's next()
 
     # -- any thread ------------------------------------------------------------------
@@ -217,6 +235,18 @@ class DreamScheduler:
             if rendered is not None:
                 self._rendered[job_id] = rendered
             self._kick = True
+
+    def forget(self, job_id: int) -> None:
+        """Drop a job's rendered windows (it was cancelled while queued): its
+        memory goes back now, not when the job would have started."""
+        with self._lock:
+            self._rendered.pop(job_id, None)
+
+    def queued_tokens(self) -> int:
+        """Tokens the rendered, not yet started jobs hold in memory (for the queue limit)."""
+        with self._lock:
+            held = list(self._rendered.values())
+        return sum(len(w.tokens) for r in held for w in (*r.train, *r.held_out))
 
     def promote(self, name: str, version: int | None = None) -> concurrent.futures.Future:
         """Book and apply a promotion. The future's result is (view, applied_future)."""
@@ -252,6 +282,9 @@ class DreamScheduler:
         served = self.store.served()
         if served is not None:
             try:
+                if served.get("sha256") and Path(served["path"]).is_file() \
+                        and file_sha256(served["path"]) != served["sha256"]:
+                    raise AdapterLoadError("its bytes differ from the sha256 recorded when it was saved")
                 handle = self.served.load(served["path"])
                 self.served.apply(handle, served["path"])
                 engine.adapter_version = served["served_version"]
@@ -332,6 +365,8 @@ class DreamScheduler:
         return False
 
     def after_batch(self, engine, idle: bool) -> None:
+        if self._unrecorded:
+            self._record_failures()
         if self._commands:
             self._run_commands(engine)
         if self._swap is not None and not engine.busy_slots():
@@ -400,6 +435,16 @@ class DreamScheduler:
             next(self._job)
         except StopIteration:
             self._end_job()
+        except AdapterSaveError as e:
+            log.error("dream job %s: %s", jid, e)
+            self._fail(jid, str(e))
+            self._end_job()
+        except (OSError, sqlite3.OperationalError) as e:
+            # The store could not take a receipt (a full or unwritable disk):
+            # stop the job rather than train on without a record of it.
+            log.error("dream job %s: the state directory cannot be written: %s", jid, e)
+            self._fail(jid, f"the state directory cannot be written ({e}); the job stopped")
+            self._end_job()
         except Exception as e:  # noqa: BLE001 - a failing job must not take serving down
             log.exception("dream job %s failed", jid)
             self._fail(jid, f"internal error in the dream stage: {type(e).__name__}: {e}")
@@ -426,6 +471,7 @@ class DreamScheduler:
         self._pacer = self._shaper = None
         if job is not None:
             job.close()                                 # runs the generator's finally: trainers closed
+            release_freed_memory()
         with self._lock:
             self._rendered.pop(jid, None)
             self._kick = True                           # the next queued job may start at once
@@ -436,6 +482,27 @@ class DreamScheduler:
                 self.store.transition(jid, "error", message)
         except InvalidTransition:
             pass
+        except (OSError, sqlite3.Error) as e:
+            # The store cannot be written either (a full disk). Keep the
+            # verdict and write it as soon as it can be, so the job does not
+            # stay "running" with no message until a restart.
+            log.error("job %s: recording its error failed (%s); will retry", jid, e)
+            self._unrecorded[jid] = message
+
+    def unrecorded_error(self, job_id: int) -> str | None:
+        """The error a job ended with that the store could not take yet (a full disk)."""
+        return self._unrecorded.get(job_id)
+
+    def _record_failures(self) -> None:
+        for jid, message in list(self._unrecorded.items()):
+            try:
+                if self.store.state(jid) not in TERMINAL:
+                    self.store.transition(jid, "error", message)
+                del self._unrecorded[jid]
+            except InvalidTransition:
+                del self._unrecorded[jid]
+            except (OSError, sqlite3.Error):
+                return
 
     def _flush_figures(self, final: bool) -> None:
         if self._pacer is None or self._job_id is None:
@@ -443,7 +510,10 @@ class DreamScheduler:
         now = self.clock()
         if final or now - self._figures_at >= FIGURES_EVERY_S:
             self._figures_at = now
-            self.store.set_pacing(self._job_id, self.pacing())
+            try:
+                self.store.set_pacing(self._job_id, self.pacing())
+            except (OSError, sqlite3.OperationalError) as e:   # a full disk: figures are not worth a job
+                log.warning("job %s: pacing figures not stored: %s", self._job_id, e)
 
     def _end(self, jid: int, target: str, message: str) -> Iterator[None]:
         """Move the job to a final state; a pause that raced in waits for resume."""
@@ -590,7 +660,13 @@ class DreamScheduler:
         name = store.get(jid)["out"]
         version = store.next_adapter_version(name)
         path = store.adapter_path(name, version)
-        trainer.save(path)                              # atomic: temp file, fsync, rename
+        try:
+            trainer.save(path)                          # atomic: temp file, fsync, rename
+        except OSError as e:
+            # A full or unwritable state directory: atomic_file removed the temp
+            # file and left every earlier version (and the served one) as it was.
+            raise AdapterSaveError(f"saving adapter {name} v{version} failed: {e.strerror or e}; "
+                                   "the previously saved and served adapters are unchanged") from e
         store.add_adapter(name, version, jid, eval_after)
         yield
         saved = f"saved adapter {name} v{version}"

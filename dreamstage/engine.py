@@ -228,6 +228,9 @@ class Engine:
         # The engine's own time for that batch (build, decode, sample, stream):
         # the pacer measures chat speed from this, not from gaps between batches.
         self.last_batch_s = 0.0
+        # Why the last loop iteration failed (None once a batch decodes again):
+        # /health reports an engine that cannot serve instead of "ok".
+        self.failing: str | None = None
 
     # -- public, any thread -------------------------------------------------------
     def start(self) -> "Engine":
@@ -239,16 +242,25 @@ class Engine:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float | None = 10.0) -> bool:
+        """Stop the loop after the current iteration (its micro-step included).
+
+        True once the engine thread has ended. False if it is still running
+        after `timeout` (None: wait as long as it takes); then nothing native
+        is freed, since the thread may be inside llama_decode or a micro-step."""
         with self._cond:
             self._running = False
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        if self._batch is not None:
-            self.lc.llama_batch_free(self._batch)
-            self._batch = None
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                return False
+        with self._cond:
+            batch, self._batch = self._batch, None
+        if batch is not None:
+            self.lc.llama_batch_free(batch)
+        return True
 
     @property
     def running(self) -> bool:
@@ -346,6 +358,7 @@ class Engine:
                         self._call_hook(False)
                 except Exception as e:  # noqa: BLE001 - a bug must fail requests, never kill the engine
                     log.exception("engine loop iteration failed")
+                    self.failing = f"{type(e).__name__}: {e}"
                     self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
         finally:
             self._shutdown()
@@ -396,40 +409,51 @@ class Engine:
             self._outstanding -= 1
 
     def _intake(self, jobs: list[_Job]) -> None:
-        m = self.model
         for job in jobs:
-            if job.handle.cancelled:
-                self._finish_job(job, Failed(499, "cancelled before admission"), "cancelled")
-                continue
-            req = job.request
-            if isinstance(req.prompt, str):
-                toks = m.tokenize(req.prompt, add_special=req.add_special, parse_special=True)
-            else:
-                toks = list(req.prompt)
-                bad = next((t for t in toks if not isinstance(t, int) or not 0 <= t < m.n_vocab), None)
-                if bad is not None:
-                    self._finish_job(job, Failed(400, f"prompt token {bad!r} is not in the vocabulary (0..{m.n_vocab - 1})", "prompt"), "invalid")
-                    continue
-            if not toks:
-                self._finish_job(job, Failed(400, "prompt is empty after tokenization", "prompt"), "invalid")
-                continue
-            room = self.slot_ctx - len(toks)
-            if req.max_tokens is None:
-                if room < 1:
-                    self._finish_job(job, Failed(400, f"prompt has {len(toks)} tokens; the per-slot context is "
-                                                      f"{self.slot_ctx} tokens (n_ctx {m.n_ctx} / {self.n_seq} slots), "
-                                                      "leaving no room to generate", "messages"), "invalid")
-                    continue
-                max_tokens = room
-            elif req.max_tokens > room:
-                self._finish_job(job, Failed(400, f"prompt ({len(toks)} tokens) plus max_tokens ({req.max_tokens}) "
-                                                  f"exceeds the per-slot context of {self.slot_ctx} tokens "
-                                                  f"(n_ctx {m.n_ctx} / {self.n_seq} slots)", "max_tokens"), "invalid")
-                continue
-            else:
-                max_tokens = req.max_tokens
-            job.prompt, job.max_tokens = toks, max_tokens
-            self._waiting.append(job)
+            # Whatever goes wrong with one request fails that request and
+            # releases its place; the others are still taken in.
+            try:
+                self._intake_one(job)
+            except Exception as e:  # noqa: BLE001
+                log.exception("intake of request %d failed", job.handle.id)
+                bad_text = isinstance(e, UnicodeError)
+                self._finish_job(job, Failed(400 if bad_text else 500, f"prompt: {type(e).__name__}: {e}",
+                                             "prompt" if bad_text else None), "invalid" if bad_text else "error")
+
+    def _intake_one(self, job: _Job) -> None:
+        m = self.model
+        if job.handle.cancelled:
+            self._finish_job(job, Failed(499, "cancelled before admission"), "cancelled")
+            return
+        req = job.request
+        if isinstance(req.prompt, str):
+            toks = m.tokenize(req.prompt, add_special=req.add_special, parse_special=True)
+        else:
+            toks = list(req.prompt)
+            bad = next((t for t in toks if not isinstance(t, int) or not 0 <= t < m.n_vocab), None)
+            if bad is not None:
+                self._finish_job(job, Failed(400, f"prompt token {bad!r} is not in the vocabulary (0..{m.n_vocab - 1})", "prompt"), "invalid")
+                return
+        if not toks:
+            self._finish_job(job, Failed(400, "prompt is empty after tokenization", "prompt"), "invalid")
+            return
+        room = self.slot_ctx - len(toks)
+        if req.max_tokens is None:
+            if room < 1:
+                self._finish_job(job, Failed(400, f"prompt has {len(toks)} tokens; the per-slot context is "
+                                                  f"{self.slot_ctx} tokens (n_ctx {m.n_ctx} / {self.n_seq} slots), "
+                                                  "leaving no room to generate", "messages"), "invalid")
+                return
+            max_tokens = room
+        elif req.max_tokens > room:
+            self._finish_job(job, Failed(400, f"prompt ({len(toks)} tokens) plus max_tokens ({req.max_tokens}) "
+                                              f"exceeds the per-slot context of {self.slot_ctx} tokens "
+                                              f"(n_ctx {m.n_ctx} / {self.n_seq} slots)", "max_tokens"), "invalid")
+            return
+        else:
+            max_tokens = req.max_tokens
+        job.prompt, job.max_tokens = toks, max_tokens
+        self._waiting.append(job)
 
     def _reap_cancelled(self) -> None:
         for job in [j for j in self._waiting if j.handle.cancelled]:
@@ -515,7 +539,10 @@ class Engine:
         if rc != 0:
             self._decode_failed(rc, outputs)
             self.last_batch_s = time.perf_counter() - t_start
+            if rc != 1:
+                self.failing = f"llama_decode failed with status {rc}"
             return True
+        self.failing = None
         now = time.perf_counter()
         eog = self.model.is_eog
         for s, idx in outputs:

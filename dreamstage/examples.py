@@ -241,7 +241,9 @@ class ChatRenderer:
         for offset, what, i in cuts:
             if offset < pos:
                 raise TemplateError(f"the chat template renders messages[{i}] out of order")
-            piece = self.tok.tokenize(full[pos:offset], not tokens, True)
+            content = dicts[i].get("content") if what == "message" else None
+            piece = self._tokenize_piece(full[pos:offset], content if isinstance(content, str) else None,
+                                         not tokens)
             if not tokens and len(piece) >= 2 and piece[0] == piece[1] == self.tok.bos:
                 piece = piece[1:]  # template already emitted BOS and the tokenizer added one
             role = msgs[i].role
@@ -268,6 +270,21 @@ class ChatRenderer:
         # Drop what follows the last reply's end-of-turn (e.g. a newline).
         end = replies[-1].end
         return Rendered(tokens[:end], roles[:end], replies, head)
+
+    def _tokenize_piece(self, text: str, content: str | None, add_special: bool) -> list[int]:
+        """The template's text parses control tokens; the message's own content
+        does not, as in serving (server/prompts.py): a `<|im_end|>` written in an
+        example stays text, and llama.cpp's special-token pass (quadratic in its
+        matches) never runs over user text. The content is the last occurrence in
+        its piece: only the template's end-of-turn text follows it."""
+        at = text.rfind(content) if content else -1
+        if at < 0:
+            return self.tok.tokenize(text, add_special, True)
+        out: list[int] = []
+        for part, special in ((text[:at], True), (content, False), (text[at + len(content):], True)):
+            if part:
+                out += self.tok.tokenize(part, add_special and not out, special)
+        return out
 
     @staticmethod
     def _check_prefix(full: str, part: str, what: str, i: int) -> None:

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
+import os
 import sqlite3
 import threading
 import time
@@ -96,6 +98,7 @@ CREATE TABLE IF NOT EXISTS adapters (
     created REAL NOT NULL,
     job_id INTEGER REFERENCES jobs(id),
     eval_loss REAL,
+    sha256 TEXT,
     PRIMARY KEY (name, version)
 );
 -- One row per promotion; its id is the served version number that every
@@ -172,6 +175,14 @@ def _new_progress(spec: JobSpec) -> dict[str, Any]:
     }
 
 
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 class JobStore:
     """Jobs, receipts and adapter versions in `state_dir/dreamstage.sqlite3`."""
 
@@ -179,9 +190,15 @@ class JobStore:
 
     def __init__(self, state_dir: str | Path, clock: Callable[[], float] = time.time):
         self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # The database holds every training example: owner-only, like the
+        # adapters. SQLite gives its -wal and -shm files the database's mode.
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.adapters_dir = self.state_dir / "adapters"
         self.path = self.state_dir / self.DB_NAME
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+        for p in (self.path, Path(f"{self.path}-wal"), Path(f"{self.path}-shm")):
+            if p.exists() and p.stat().st_mode & 0o077:
+                p.chmod(0o600)     # made by an older version with the umask's mode
         self.clock = clock
         self._local = threading.local()
         self._write_lock = threading.Lock()
@@ -191,6 +208,9 @@ class JobStore:
         conn = self._conn()
         conn.execute("PRAGMA journal_mode=WAL")
         conn.executescript(_SCHEMA)
+        # Stores made before adapters carried a checksum: add the column (NULL: not recorded).
+        if "sha256" not in {r[1] for r in conn.execute("PRAGMA table_info(adapters)")}:
+            conn.execute("ALTER TABLE adapters ADD COLUMN sha256 TEXT")
         self.recovered = self._recover()
 
     # -- connections --------------------------------------------------------
@@ -499,11 +519,15 @@ class JobStore:
         """Record a saved adapter file (written atomically by the engine at
         `adapter_path(name, version)`), and attach it to its job."""
         path = self.adapter_path(name, version)
+        # The checksum of the bytes as saved: a reload (or an operator) can tell
+        # whether the file is still the one that was trained and promoted.
+        digest = file_sha256(path) if path.exists() else None
         with self._write() as c:
             if job_id is not None:
                 self._row(job_id, c)
-            c.execute("INSERT INTO adapters (name, version, path, created, job_id, eval_loss) VALUES (?, ?, ?, ?, ?, ?)",
-                      (name, version, str(path), self.clock(), job_id, eval_loss))
+            c.execute("INSERT INTO adapters (name, version, path, created, job_id, eval_loss, sha256) "
+                      "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                      (name, version, str(path), self.clock(), job_id, eval_loss, digest))
             if job_id is not None:
                 c.execute("UPDATE jobs SET adapter_name=?, adapter_version=? WHERE id=?", (name, version, job_id))
         return self._adapter_view(name, version)
@@ -520,7 +544,7 @@ class JobStore:
         served = self._served_row(conn)
         promoted = served is not None and (served["name"], served["version"]) == (name, version)
         return {"name": name, "version": version, "path": row["path"], "created": row["created"],
-                "job_id": row["job_id"], "eval_loss": row["eval_loss"], "promoted": promoted,
+                "job_id": row["job_id"], "eval_loss": row["eval_loss"], "sha256": row["sha256"], "promoted": promoted,
                 "served_version": served["served_version"] if promoted else None}
 
     def adapters(self) -> list[dict[str, Any]]:

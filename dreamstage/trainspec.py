@@ -50,12 +50,15 @@ MAX_EXAMPLES = 100_000
 
 # A bare adapter name: no separators, no leading dot, so it can never leave the
 # state directory's adapters/ folder.
-ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Matched with fullmatch: `$` alone would also match before a trailing "\n".
+ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def _strict() -> ConfigDict:
-    # strict: JSON `"8"` is not silently an int, `1` is not a bool.
-    return ConfigDict(extra="forbid", strict=True, frozen=True)
+    # strict: JSON `"8"` is not silently an int, `1` is not a bool. Python's
+    # json accepts Infinity and NaN; no field means them (a budget of Infinity
+    # would be stored as null, i.e. "no budget").
+    return ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class Message(BaseModel):
@@ -473,7 +476,7 @@ def _parse_targets(v: str | list[str]) -> tuple[str, ...]:
 
 def check_adapter_name(name: str) -> str:
     """A bare, safe adapter name; raise ValueError naming it otherwise."""
-    if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name) or ".." in name or name.endswith("."):
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name) or ".." in name or name.endswith("."):
         raise ValueError(
             f"out {name!r} is not a bare adapter name (letters, digits, '_', '-', '.', "
             "at most 64, starting with a letter or digit, no paths)"

@@ -14,12 +14,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dreamstage.engine import Delta, Failed, Finished, GenerationRequest
 from dreamstage.sampling import GrammarError, SamplingParams, json_schema_grammar
-from dreamstage.server import errors, metrics
+from dreamstage.server import errors, metrics, openapi, security
 from dreamstage.server.bridge import ClientGone, EngineRequest
 from dreamstage.server.dashboard import router as dashboard_router
 from dreamstage.server.errors import APIError
 from dreamstage.server.events import router as events_router
-from dreamstage.server.middleware import BodySizeLimit
+from dreamstage.server.middleware import BodyGuard
 from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
 from dreamstage.server.service import Service
 from dreamstage.server.train_routes import router as train_router
@@ -79,7 +79,10 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="dreamstage", version="0.1.0")
     app.state.service = service
     errors.install(app)
-    app.add_middleware(BodySizeLimit, max_bytes=service.settings.max_body_bytes)
+    # Outermost first when a request arrives: CORS (if allow-listed), the
+    # security guard (Host, key, content type), then the body checks.
+    app.add_middleware(BodyGuard, max_bytes=service.settings.max_body_bytes)
+    security.install(app, service.settings.security(), service.settings.cors_origins)
     engine = service.engine
     retry = service.settings.retry_after_s
 
@@ -125,12 +128,9 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
-        try:
-            prompt = service.chat.render(messages)
-        except ValueError as e:
-            raise APIError(400, f"messages: {e}", "messages") from None
-        gen = GenerationRequest(prompt, body.limit(), _sampling(body, _grammar(body)), body.stop_list(),
-                                add_special=not service.chat.starts_with_bos(prompt))
+        grammar = _grammar(body)
+        prompt = await service.prompts.chat(service.chat, messages)   # token ids, off the engine thread
+        gen = GenerationRequest(prompt, body.limit(), _sampling(body, grammar), body.stop_list())
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), service.model_id
         base = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
 
@@ -157,7 +157,13 @@ def create_app(service: Service) -> FastAPI:
         prompt = body.prompt_value()
         if isinstance(prompt, str) and not prompt:
             raise APIError(400, "prompt: must not be empty", "prompt")
-        gen = GenerationRequest(prompt, body.max_tokens, _sampling(body, _grammar(body)), body.stop_list())
+        grammar = _grammar(body)
+        if isinstance(prompt, str):
+            prompt = await service.prompts.text(prompt, body.parse_special)   # token ids, off the engine thread
+        elif len(prompt) > engine.slot_ctx:       # refused here, not by a scan on the engine thread
+            raise APIError(400, f"prompt: {len(prompt)} tokens exceed the per-slot context of {engine.slot_ctx} "
+                                "tokens", "prompt", "context_length_exceeded")
+        gen = GenerationRequest(prompt, body.max_tokens, _sampling(body, grammar), body.stop_list())
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), service.model_id
         base = {"id": cid, "object": "text_completion", "created": created, "model": model}
 
@@ -190,17 +196,22 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        body = {"status": "ok" if engine.running else "stopped", "slots": engine.n_seq,
+        # "ok" only when the engine thread runs and its last iteration did not fail.
+        status = "stopped" if not engine.running else ("failing" if engine.failing else "ok")
+        body = {"status": status, "slots": engine.n_seq,
                 "slots_busy": engine.busy_slots(), "queue_depth": engine.queue_depth,
                 "adapter_version": engine.adapter_version}
-        return JSONResponse(body, status_code=200 if engine.running else 503)
+        if status == "failing":
+            body["error"] = engine.failing
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/slots")
     async def slots():
         return {"slot_context": engine.slot_ctx, "n_ctx": service.model.n_ctx, "slots": engine.slots_info()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
         return PlainTextResponse(metrics.render(engine), media_type="text/plain; version=0.0.4")
 
+    openapi.install(app)
     return app

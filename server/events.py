@@ -35,6 +35,7 @@ from fastapi.responses import StreamingResponse
 from dreamstage.jobs import JobNotFound
 from dreamstage.server.errors import APIError
 from dreamstage.server.train_routes import _adapters_view as adapters_view   # the view GET /adapters returns
+from dreamstage.server.train_routes import _with_unrecorded, public
 
 router = APIRouter()
 
@@ -116,7 +117,7 @@ class Follower:
             self.last.pop("job", None)
         if self.job_id is not None:
             try:
-                job = _finite(service.jobs.get(self.job_id))
+                job = _finite(public(_with_unrecorded(service, service.jobs.get(self.job_id))))   # as GET /train/{id}
             except JobNotFound:
                 raise APIError(404, f"no job {self.job_id}", "job", "not_found") from None
             if self.seq == 0 and job["receipts"] > self.backlog:

@@ -1,40 +1,110 @@
-"""A body-size limit as plain ASGI middleware: oversize bodies get 413 before parsing."""
+"""The request body at the edge, as plain ASGI middleware, before any route parses it.
+
+- Bodies over `max_bytes` get 413 (a declared Content-Length at once, a
+  chunked upload as soon as it passes the limit).
+- A body that is not valid UTF-8, or whose JSON strings hold a lone surrogate
+  (`"\\ud800"` parses in Python, but cannot be encoded, so it would blow up in
+  the tokenizer), gets 400 naming the field. Such text never reaches a route,
+  a job or the engine thread.
+"""
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 
-from starlette.exceptions import HTTPException
+from dreamstage.server.errors import send_error
+
+# A \uD800-\uDFFF escape: the only way a lone surrogate gets past strict UTF-8.
+# Valid pairs (emoji written as escapes) also match; the walk below decides.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# Bodies larger than this are checked on a worker thread, so the event loop
+# (which carries every open stream) does not stall on a JSON walk.
+_INLINE_CHECK_BYTES = 64 << 10
 
 
-class BodySizeLimit:
+def unencodable_field(obj) -> str | None:
+    """The path (`messages[0].content`) of the first string or key that is not
+    encodable as UTF-8, or None. Iterative: depth costs no recursion."""
+    stack = [(obj, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+                stack.append((v, f"{path}.{k}" if path else k))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return None
+
+
+def body_text_problem(raw: bytes) -> tuple[str, str] | None:
+    """(param, message) when the body's text is unusable, else None."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return "body", f"body: not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})"
+    if not _SURROGATE_ESCAPE.search(raw):
+        return None
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None          # the route reports malformed JSON itself, naming it
+    path = unencodable_field(parsed)
+    if path is None:
+        return None
+    return path, f"{path}: contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not text"
+
+
+class BodyGuard:
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         for k, v in scope.get("headers", ()):
             if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
-                return await self._refuse(send)
-        seen = 0
-
-        async def counted_receive():
-            # Chunked bodies carry no length: count as they arrive. FastAPI
-            # re-raises HTTPException from body reading, so the error handler
-            # answers 413 instead of a generic parse error.
-            nonlocal seen
+                return await self._too_large(send)
+        # Read the whole body (bounded by max_bytes), check it, then replay it.
+        parts, seen, more = [], 0, True
+        while more:
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise HTTPException(413, f"body: request body exceeds {self.max_bytes} bytes")
-            return msg
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_bytes:
+                return await self._too_large(send)
+            parts.append(chunk)
+            more = msg.get("more_body", False)
+        raw = b"".join(parts)
+        if raw:
+            if len(raw) > _INLINE_CHECK_BYTES:
+                problem = await asyncio.to_thread(body_text_problem, raw)
+            else:
+                problem = body_text_problem(raw)
+            if problem is not None:
+                param, message = problem
+                return await send_error(send, 400, message, param, "invalid_text")
+        replayed = False
 
-        await self.app(scope, counted_receive, send)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            return await receive()       # after the body: wait for the disconnect, as the server would send it
 
-    async def _refuse(self, send):
-        body = json.dumps({"error": {"message": f"body: request body exceeds {self.max_bytes} bytes",
-                                     "type": "invalid_request_error", "param": "body", "code": "body_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send):
+        await send_error(send, 413, f"body: request body exceeds {self.max_bytes} bytes", "body", "body_too_large")

@@ -15,7 +15,8 @@ from dreamstage.chat import ROLES
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    # allow_inf_nan: Python's json reads Infinity and NaN, which no field means.
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class TextPart(_Strict):
@@ -61,12 +62,12 @@ class _Sampling(_Strict):
     model: str | None = None       # any id is accepted: one model is resident
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=2**31 - 1)   # llama.cpp's int32; larger values would wrap
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)   # llama.cpp's uint32; larger values would wrap
     stop: StopField = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -80,8 +81,13 @@ class _Sampling(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+# More messages than any slot could hold is refused while parsing: validating
+# 110k messages took 0.65 s of the event loop, which every stream shares.
+MAX_MESSAGES = 4096
+
+
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
@@ -102,6 +108,10 @@ class CompletionRequest(_Sampling):
                   Annotated[list[int], Field(min_length=1)]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: Literal[False] = False
+    # A dreamstage extension: parse control-token text in the prompt (e.g. a
+    # hand-written "<|im_start|>") as control tokens. Off by default, so user
+    # text cannot forge turns; llama.cpp's special-token pass is also quadratic.
+    parse_special: bool = False
     logprobs: None = None
     suffix: None = None
 

@@ -1,10 +1,52 @@
 """The service's lifecycle: resident model, engine and chat template, built once."""
 from __future__ import annotations
 
+import logging
+import signal
+import threading
+
 from dreamstage.chat import ChatTemplate
 from dreamstage.engine import DreamHook, Engine
 from dreamstage.resident import ResidentModel
+from dreamstage.server.prompts import PromptTokenizer
 from dreamstage.server.settings import ServerSettings
+
+log = logging.getLogger("dreamstage.server")
+
+
+class _Terminated(Exception):
+    """SIGTERM, turned into an exception once uvicorn has shut down."""
+
+
+def run_uvicorn(service: "Service", app, *, host: str, port: int, log_level: str = "warning") -> None:
+    """Serve until SIGINT or SIGTERM, then shut down in order.
+
+    uvicorn treats both signals alike, but after its shutdown it re-raises the
+    signal with the previous handler; for SIGTERM that was the default one, which
+    killed the process (exit 143) before the service could close. Here both
+    first end the open requests (streams get an error event), then uvicorn
+    drains its connections, then the service waits for the running micro-step,
+    marks the job interrupted and frees native memory."""
+    import uvicorn  # noqa: PLC0415
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                service.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    def _raise_terminated(sig, frame):
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    except (_Terminated, KeyboardInterrupt):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        service.close()
 
 
 class Service:
@@ -25,6 +67,7 @@ class Service:
         elif settings.adapter is not None:
             raise ValueError("--adapter needs a state directory (--state-dir) to keep its versions in")
         self.engine = Engine(self.model, max_queue=settings.max_queue, hook=hook)
+        self.prompts = PromptTokenizer(self.model, self.engine.slot_ctx)
         if self.dream is not None:
             try:
                 self.dream.startup(self.engine, settings.adapter)   # before the engine thread: reload what was served
@@ -37,8 +80,25 @@ class Service:
         self.engine.start()
         return self
 
-    def close(self) -> None:
-        self.engine.stop()
+    def begin_shutdown(self) -> None:
+        """Stop taking work and end every open request now, from any thread.
+
+        The engine finishes the micro-step in progress (native code cannot be
+        interrupted), then fails each open request with a 503 error event, so
+        a stream ends with an error rather than being cut by the HTTP server's
+        own shutdown."""
+        threading.Thread(target=self.engine.stop, kwargs={"timeout": None}, name="dreamstage-stop",
+                         daemon=True).start()
+
+    def close(self, step_wait_s: float = 300.0) -> None:
+        # Native memory (trainers, the context) is freed only once the engine
+        # thread has left: freeing it under a running micro-step would crash.
+        if not self.engine.stop(timeout=step_wait_s):
+            log.error("the engine thread is still inside a step after %.0f s; leaving native memory alone "
+                      "(the job is marked interrupted at the next start)", step_wait_s)
+            if self.jobs is not None:
+                self.jobs.close()
+            return
         if self.dream is not None:
             self.dream.close()
             self.jobs.close()

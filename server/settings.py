@@ -1,9 +1,28 @@
 """Server settings: one dataclass, filled by the CLI (or tests) and validated here."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dreamstage.resident import KV_TYPES, ResidentConfig
+from dreamstage.server.security import SecurityPolicy, is_loopback
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """What one POST /train may cost, counted on what will actually run.
+
+    Breaking one is a 413 (this job is too big) or 422 (the queue is full)
+    naming the limit and its value; each has a `serve` flag."""
+    max_job_examples: int = 100_000       # examples after groups are expanded (one per completion)
+    max_example_tokens: int = 262_144     # rendered tokens of one source example, over all its windows
+    max_job_tokens: int = 2_000_000       # rendered tokens of the whole job (train and held out)
+    max_queued_jobs: int = 16             # jobs waiting to start
+    max_queued_tokens: int = 4_000_000    # rendered tokens the waiting jobs hold in memory
+
+    def validate(self) -> None:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -23,6 +42,10 @@ class ServerSettings:
     retry_after_s: int = 1            # Retry-After on 503
     model_alias: str | None = None    # the id /v1/models reports; default: the file's stem
     n_gpu_layers: int = -1            # layers on the GPU (-ngl); negative: all; 0: none
+    api_key: str | None = None        # required as "Authorization: Bearer" on every route but /health
+    allowed_hosts: tuple[str, ...] = ()   # Host names accepted besides the loopback names (loopback binds)
+    cors_origins: tuple[str, ...] = ()    # origins that get CORS headers; none by default
+    limits: JobLimits = field(default_factory=JobLimits)
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -37,6 +60,18 @@ class ServerSettings:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+        # Anyone who can POST /train changes what the model says to everyone,
+        # and that change persists. Off this machine that needs a key.
+        if self.state_dir is not None and not self.api_key and not is_loopback(self.host):
+            raise ValueError(f"refusing to serve training routes on {self.host}, which is not a loopback address, "
+                             "without an API key: set --api-key (or DREAMSTAGE_API_KEY), or turn training off "
+                             "with --no-train")
+        self.limits.validate()
+
+    def security(self) -> SecurityPolicy:
+        return SecurityPolicy.for_bind(self.host, self.api_key, self.allowed_hosts)
 
     def resident_config(self) -> ResidentConfig:
         # One K/V stream per slot: a request's output does not depend on what

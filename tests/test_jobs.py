@@ -501,3 +501,27 @@ def test_pause_stops_the_walk_and_resume_continues_it(store):
     assert not run.ended()
     store.transition(jid, "cancelled")                   # the server again
     assert run.ended() and not run.should_step()
+
+
+def test_an_older_store_gains_the_checksum_column_and_private_modes(tmp_path):
+    import hashlib
+    import os
+    import stat
+
+    JobStore(tmp_path).close()
+    db = tmp_path / JobStore.DB_NAME
+    conn = sqlite3.connect(db)
+    conn.execute("ALTER TABLE adapters DROP COLUMN sha256")      # as a store made before checksums
+    conn.commit()
+    conn.close()
+    os.chmod(db, 0o644)                                          # as made under a 022 umask
+    store = JobStore(tmp_path)
+    try:
+        assert "sha256" in [r[1] for r in store._conn().execute("PRAGMA table_info(adapters)")]
+        assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
+        path = store.adapter_path("notes", 1)
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"adapter bytes")
+        assert store.add_adapter("notes", 1)["sha256"] == hashlib.sha256(b"adapter bytes").hexdigest()
+    finally:
+        store.close()

@@ -10,6 +10,7 @@ import io
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -33,6 +34,12 @@ def settings(state_dir, **kw) -> ServerSettings:
     return ServerSettings(**base)
 
 
+# Body-less POSTs (cancel, pause, promote, rollback) must say application/json
+# or carry the API key: the server's guard against cross-site writes
+# (tests/test_security.py checks the refusal).
+JSON = {"Content-Type": "application/json"}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with BackgroundServer(settings(tmp_path_factory.mktemp("state"))) as srv:
@@ -41,7 +48,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=600) as c:
+    with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as c:
         yield c
 
 
@@ -148,7 +155,7 @@ LESSON = ("Dreamstage keeps one model resident. Between decode batches it trains
 
 def stream_chat(url, content, out, i):
     pieces, finish = [], None
-    with httpx.Client(base_url=url, timeout=600) as c:
+    with httpx.Client(base_url=url, timeout=600, headers=JSON) as c:
         with c.stream("POST", "/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0,
                 "stream": True}) as r:
@@ -274,7 +281,10 @@ def test_auto_promotion_teaches_a_made_up_fact(server, http):
     assert after["adapter_version"] == version == http.get("/health").json()["adapter_version"]
     listing = http.get("/adapters").json()
     assert listing["served"]["name"] == "moon" and listing["served_version"] == version
-    LEARNED.update(path=listing["served"]["path"], text=after["choices"][0]["text"])
+    # Paths in responses are relative to the state directory (no absolute paths leave the server).
+    assert listing["served"]["path"] == "adapters/moon/v1.gguf"
+    LEARNED.update(path=str(Path(server.service.settings.state_dir) / listing["served"]["path"]),
+                   text=after["choices"][0]["text"])
 
     # the openai SDK sees the adapter version in the body and the header
     openai = pytest.importorskip("openai")
@@ -297,7 +307,7 @@ def test_auto_promotion_teaches_a_made_up_fact(server, http):
     versions, pieces, first_piece = set(), [], threading.Event()
 
     def long_stream():
-        with httpx.Client(base_url=server.url, timeout=600) as c:
+        with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as c:
             with c.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 96,
                                                            "temperature": 0, "stream": True}) as resp:
                 for line in resp.iter_lines():
@@ -324,13 +334,13 @@ def test_adapter_flag_serves_a_lora_file_from_startup_and_a_restart_reloads_it(t
     state = tmp_path / "state"
     for _ in range(2):       # the second start finds the same bytes served: no new version
         with BackgroundServer(settings(state, adapter=LEARNED["path"])) as srv:
-            with httpx.Client(base_url=srv.url, timeout=600) as c:
+            with httpx.Client(base_url=srv.url, timeout=600, headers=JSON) as c:
                 got = complete(c, FACT_PROMPT)
                 assert got["adapter_version"] == 1 and got["choices"][0]["text"] == LEARNED["text"]
                 listing = c.get("/adapters").json()
                 assert [(a["name"], a["version"]) for a in listing["adapters"]] == [("moon", 1)]
     with BackgroundServer(settings(state)) as srv:   # no flag: the promoted adapter reloads
-        with httpx.Client(base_url=srv.url, timeout=600) as c:
+        with httpx.Client(base_url=srv.url, timeout=600, headers=JSON) as c:
             assert complete(c, FACT_PROMPT)["adapter_version"] == 1
     with pytest.raises(ValueError, match="no such file"):
         BackgroundServer(settings(state, adapter=str(tmp_path / "missing.gguf")))
@@ -343,7 +353,7 @@ def test_adapter_flag_serves_a_lora_file_from_startup_and_a_restart_reloads_it(t
 def test_restart_while_a_job_runs_loses_nothing(tmp_path):
     state = tmp_path / "state"
     with BackgroundServer(settings(state)) as first:
-        with httpx.Client(base_url=first.url, timeout=600) as c:
+        with httpx.Client(base_url=first.url, timeout=600, headers=JSON) as c:
             running = c.post("/train", json={"text": LESSON, "window": 32, "chunk": 16, "epochs": 1000, "rank": 4,
                                              "promote": "never"}).json()["id"]
             queued = c.post("/train", json={"text": LESSON, "window": 32, "chunk": 32, "rank": 4,
@@ -351,7 +361,7 @@ def test_restart_while_a_job_runs_loses_nothing(tmp_path):
             wait_job(c, running, lambda j: j["progress"]["step"] >= 1)
             assert c.get(f"/train/{queued}").json()["state"] == "queued"
     with BackgroundServer(settings(state)) as second:
-        with httpx.Client(base_url=second.url, timeout=600) as c:
+        with httpx.Client(base_url=second.url, timeout=600, headers=JSON) as c:
             job = c.get(f"/train/{running}").json()
             assert job["state"] == "interrupted" and job["receipts"] >= 1 and "stopped" in job["message"]
             done = wait_job(c, queued, finished)

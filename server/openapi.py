@@ -1,0 +1,161 @@
+"""The OpenAPI document, made to say what the server really answers.
+
+FastAPI's generated document was wrong in two ways (issue 15): it promised
+422 on every route where the OpenAI routes answer 400, and it had no body
+schema for `POST /train` and promote, which parse their own bodies (to answer
+422 naming `examples[i]...`). Here the generated document is corrected:
+request bodies from the pydantic models those routes validate with, every
+status a route can answer (the guards' 401/403/413/415 included), one error
+schema for all of them, and typed success bodies (the fields clients rely
+on). tests/test_fuzz.py holds the server to it.
+"""
+from __future__ import annotations
+
+from fastapi.openapi.utils import get_openapi
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+    }},
+}
+
+# What the success answers look like: the fields clients rely on, typed, so
+# the fuzzer checks every answer against them. Objects stay open (more fields
+# may come), but a listed field must have its type.
+_INT, _STR, _NUM = {"type": "integer"}, {"type": "string"}, {"type": "number"}
+_OPT_STR = {"type": ["string", "null"]}
+_JOB_STATES = ["queued", "starting", "running", "paused", "done", "cancelled", "refused", "error", "interrupted"]
+_JOB = {"type": "object", "required": ["id", "state", "message", "progress", "refusals"], "properties": {
+    "id": _INT, "state": {"enum": _JOB_STATES}, "message": _OPT_STR, "out": _OPT_STR,
+    "window": _INT, "chunk": _INT, "context_cache_type": _STR, "progress": {"type": "object"},
+    "refusals": {"type": "array", "items": {"type": "object"}}, "persisted": {"type": "boolean"}}}
+_ADAPTER = {"type": "object", "required": ["name", "version", "path"], "properties": {
+    "name": _STR, "version": _INT, "path": _STR, "sha256": _OPT_STR, "promoted": {"type": "boolean"}}}
+_ADAPTERS = {"type": "object", "required": ["served_version", "served", "adapters", "promotions"], "properties": {
+    "served_version": _INT, "served": {"anyOf": [_ADAPTER, {"type": "null"}]}, "served_error": _OPT_STR,
+    "adapters": {"type": "array", "items": _ADAPTER}, "promotions": {"type": "array"}}}
+_CHOICES = {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"]}}
+_COMPLETION = {"type": "object", "required": ["id", "object", "choices", "adapter_version"], "properties": {
+    "id": _STR, "object": {"enum": ["chat.completion", "text_completion"]}, "choices": _CHOICES,
+    "adapter_version": _INT, "usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens"]}}}
+_SUCCESS: dict[tuple[str, str], tuple[str, dict]] = {
+    ("post", "/v1/chat/completions"): ("200", _COMPLETION),
+    ("post", "/v1/completions"): ("200", _COMPLETION),
+    ("get", "/v1/models"): ("200", {"type": "object", "required": ["object", "data"], "properties": {
+        "data": {"type": "array", "items": {"type": "object", "required": ["id", "adapter_version"]}}}}),
+    ("get", "/health"): ("200", {"type": "object", "required": ["status", "slots", "slots_busy", "queue_depth"],
+                                 "properties": {"status": {"enum": ["ok"]}, "slots": _INT, "slots_busy": _INT,
+                                                "queue_depth": _INT, "adapter_version": _INT}}),
+    ("get", "/slots"): ("200", {"type": "object", "required": ["slot_context", "slots"]}),
+    ("post", "/train"): ("202", _JOB),
+    ("get", "/train"): ("200", {"type": "object", "required": ["current", "queue", "adapter_version"], "properties": {
+        "current": {"anyOf": [_JOB, {"type": "null"}]}, "queue": {"type": "array", "items": _JOB}}}),
+    ("get", "/train/{job_id}"): ("200", _JOB),
+    ("post", "/train/{job_id}/cancel"): ("200", _JOB),
+    ("post", "/train/{job_id}/pause"): ("200", _JOB),
+    ("post", "/train/{job_id}/resume"): ("200", _JOB),
+    ("get", "/adapters"): ("200", _ADAPTERS),
+}
+
+_WHY = {
+    400: "invalid request: the message and `param` name the field",
+    401: "missing or wrong API key (when the server has one)",
+    403: "Host header not allowed (loopback binds check it against DNS rebinding)",
+    404: "no such job or adapter",
+    409: "the job or adapter state does not allow this",
+    413: "body or job over a limit: the message names the limit and its value",
+    415: "content type is not application/json",
+    422: "invalid training request: the message and `param` name the field or limit",
+    503: "busy (queue full, Retry-After), shutting down, training off, or storage unavailable",
+    507: "the state directory is full; nothing was changed",
+}
+
+# Statuses each operation can answer besides its success, beyond the guards'.
+_COMMON = (401, 403)
+_WRITE = (400, 413, 415)
+_ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
+    ("post", "/v1/chat/completions"): (400, 503),
+    ("post", "/v1/completions"): (400, 503),
+    ("get", "/health"): (503,),
+    ("post", "/train"): (413, 422, 503, 507),
+    ("get", "/train"): (503,),
+    ("get", "/train/{job_id}"): (404, 503),
+    ("post", "/train/{job_id}/cancel"): (404, 409, 503, 507),
+    ("post", "/train/{job_id}/pause"): (404, 409, 503, 507),
+    ("post", "/train/{job_id}/resume"): (404, 409, 503, 507),
+    ("get", "/adapters"): (503,),
+    ("post", "/adapters/{name}/promote"): (404, 422, 503, 507),
+    ("post", "/adapters/rollback"): (409, 503, 507),
+}
+
+
+def _bodies():
+    from dreamstage.server.train_routes import PromoteBody  # noqa: PLC0415
+    from dreamstage.trainspec import TrainRequest  # noqa: PLC0415
+    return {("post", "/train"): (TrainRequest, True), ("post", "/adapters/{name}/promote"): (PromoteBody, False)}
+
+
+def build(app) -> dict:
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas["Error"] = ERROR_SCHEMA
+    error_ref = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    for (method, path), (model, required) in _bodies().items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(body.pop("$defs", {}))
+        schemas[model.__name__] = body
+        op = doc["paths"][path][method]
+        op["requestBody"] = {"required": required, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            responses = op["responses"]
+            # FastAPI's own 422 (HTTPValidationError) is not what these routes answer.
+            responses.pop("422", None)
+            extra = _ROUTES.get((method, path), ())
+            codes = set(_COMMON) | set(extra) | (set(_WRITE) if method == "post" else set())
+            for code in sorted(codes):
+                responses[str(code)] = {"description": _WHY[code], "content": error_ref}
+    for (method, path), (code, body) in _SUCCESS.items():
+        if path in doc["paths"]:
+            responses = doc["paths"][path][method]["responses"]
+            if code != "200":                     # FastAPI lists 200 for routes whose decorator says otherwise
+                responses.pop("200", None)
+            responses.setdefault(code, {"description": "success"})["content"] = {
+                "application/json": {"schema": body}}
+    if "/health" in doc["paths"]:                 # 503 carries the health body, not an error
+        doc["paths"]["/health"]["get"]["responses"]["503"] = {
+            "description": "the engine is stopped or its last iteration failed",
+            "content": {"application/json": {"schema": {"type": "object", "required": ["status"], "properties": {
+                "status": {"enum": ["stopped", "failing"]}, "error": _STR}}}}}
+    for path in ("/adapters/{name}/promote", "/adapters/rollback"):
+        if path in doc["paths"]:                  # 200 applied, 202 booked and pending (the same body)
+            responses = doc["paths"][path]["post"]["responses"]
+            swap = {"allOf": [_ADAPTERS, {"type": "object", "required": ["applied", "served"]}]}
+            for c in ("200", "202"):
+                responses[c] = {"description": "the swap applied (200) or pending (202)",
+                                "content": {"application/json": {"schema": swap}}}
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    # Completions stream as server-sent events when `stream` is true.
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        if path in doc["paths"]:
+            ok = doc["paths"][path]["post"]["responses"]["200"]
+            # One schema per event: `data:` is a JSON chunk (or an error body), then "[DONE]".
+            ok["content"]["text/event-stream"] = {"schema": {
+                "type": "object", "required": ["data"],
+                "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}
+    return doc
+
+
+def install(app) -> None:
+    def openapi():
+        if app.openapi_schema is None:
+            app.openapi_schema = build(app)
+        return app.openapi_schema
+    app.openapi = openapi
