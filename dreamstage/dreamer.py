@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import hashlib
 import logging
 import os
 import re
@@ -793,14 +792,8 @@ def _adapter_name_from(path: Path) -> str:
 
 
 def _same_bytes(a, b) -> bool:
-    def digest(p) -> str:
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()
     try:
-        return os.path.getsize(a) == os.path.getsize(b) and digest(a) == digest(b)
+        return os.path.getsize(a) == os.path.getsize(b) and file_sha256(a) == file_sha256(b)
     except OSError:
         return False
 

@@ -234,11 +234,6 @@ def _declare(L: ctypes.CDLL) -> None:
     #                             int64_t n_tok, float * dx);
     L.dream_backward_product.argtypes = [ctypes.c_int32, p, ctypes.c_int64, ctypes.c_int64, f32p, ctypes.c_int64, f32p]
     L.dream_backward_product.restype = ctypes.c_bool
-    # bool dream_forward_product(int32_t type, const void * w, int64_t n_in, int64_t n_out, const float * x,
-    #                            int64_t n_tok, float * y, bool reference);
-    L.dream_forward_product.argtypes = [ctypes.c_int32, p, ctypes.c_int64, ctypes.c_int64, f32p, ctypes.c_int64, f32p,
-                                        ctypes.c_bool]
-    L.dream_forward_product.restype = ctypes.c_bool
     # int32_t dream_last_n_splits(const struct dream_stage * ds);
     L.dream_last_n_splits.argtypes = [p]
     L.dream_last_n_splits.restype = ctypes.c_int32

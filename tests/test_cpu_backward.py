@@ -71,32 +71,3 @@ def test_backward_product_refuses_what_it_cannot_take():
                                         dx.ctypes.data_as(f32p))
     assert not dx.any()
 
-
-def _forward(qtype: Q, wq: np.ndarray, n_in: int, n_out: int, x: np.ndarray, reference: bool) -> np.ndarray:
-    L = native.lib()
-    y = np.full((x.shape[0], n_out), np.nan, np.float32)
-    f32p = ctypes.POINTER(ctypes.c_float)
-    assert L.dream_forward_product(int(qtype), wq.ctypes.data, n_in, n_out, x.ctypes.data_as(f32p), x.shape[0],
-                                   y.ctypes.data_as(f32p), reference)
-    return y
-
-
-@pytest.mark.parametrize("qtype,n_in,n_out,n_tok", [(t, 576, 96, 7) for t in LEGACY] +
-                         [(t, 512, 80, 9) for t in KQUANTS] + [(Q.Q4_1, 64, 1000, 4), (Q.Q8_0, 1536, 33, 1)])
-def test_forward_product_matches_ggml_mul_mat(qtype, n_in, n_out, n_tok):
-    """The training forward computes what serving's quantized MUL_MAT computes
-    (activations rounded the same way), up to float summation order."""
-    rng = np.random.default_rng(int(qtype) * 11 + n_in)
-    w = rng.standard_normal((n_out, n_in)).astype(np.float32) / np.sqrt(n_in)
-    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
-    wq = _quantize(qtype, w)
-    ours = _forward(qtype, wq, n_in, n_out, x, reference=False)
-    ggml = _forward(qtype, wq, n_in, n_out, x, reference=True)
-    rel = np.linalg.norm(ours - ggml) / np.linalg.norm(ggml)
-    # and both far closer to each other than to the product with unrounded activations
-    exact = x.astype(np.float64) @ dequantize(wq.reshape(n_out, -1), qtype).astype(np.float64).T
-    rounding = np.linalg.norm(ggml - exact) / np.linalg.norm(exact)
-    print(f"{qtype.name}: ours vs ggml {rel:.1e}, ggml vs exact activations {rounding:.1e}")
-    # the same products, summed in another order (Q4_1/Q5_1: ggml's fp16 block
-    # sums of the Q8_1 activations times the weight's block mins, as ggml does)
-    assert rel < 1e-5 and rel < rounding / 100, (rel, rounding)

@@ -95,43 +95,31 @@ static double serve(llama_context * ctx, const llama_vocab * vocab, std::vector<
     return n / (ms_since(t0) / 1000.0);
 }
 
+// "a,b,c" -> {"a", "b", "c"}
+static std::vector<std::string> split(const std::string & s, char sep) {
+    std::vector<std::string> out;
+    for (size_t p = 0; p < s.size();) {
+        size_t q = s.find(sep, p);
+        if (q == std::string::npos) q = s.size();
+        out.push_back(s.substr(p, q - p));
+        p = q + 1;
+    }
+    return out;
+}
+
 int main(int argc, char ** argv) {
     if (argc < 2) {
-        std::fprintf(stderr, "usage: %s MODEL.gguf [n_gpu_layers] [chunks] [reps]\n", argv[0]);
+        std::fprintf(stderr, "usage: %s MODEL.gguf [n_gpu_layers] [chunks] [reps] [ranks] [targets]\n", argv[0]);
         return 2;
     }
     const int ngl = argc > 2 ? std::atoi(argv[2]) : 99;
-    std::vector<int> chunks;
-    {
-        std::string s = argc > 3 ? argv[3] : "128,512,2048";
-        for (size_t p = 0; p < s.size();) {
-            size_t q = s.find(',', p);
-            if (q == std::string::npos) q = s.size();
-            chunks.push_back(std::atoi(s.substr(p, q - p).c_str()));
-            p = q + 1;
-        }
-    }
+    std::vector<int> chunks, ranks;
+    for (const auto & c : split(argc > 3 ? argv[3] : "128,512,2048", ',')) chunks.push_back(std::atoi(c.c_str()));
     const int reps = argc > 4 ? std::max(3, std::atoi(argv[4])) : 7;
-    std::vector<int> ranks;
-    {
-        std::string s = argc > 5 ? argv[5] : "8";
-        for (size_t p = 0; p < s.size();) {
-            size_t q = s.find(',', p);
-            if (q == std::string::npos) q = s.size();
-            ranks.push_back(std::atoi(s.substr(p, q - p).c_str()));
-            p = q + 1;
-        }
-    }
+    for (const auto & r : split(argc > 5 ? argv[5] : "8", ',')) ranks.push_back(std::atoi(r.c_str()));
     std::vector<std::string> target_sets;
-    {
-        std::string s = argc > 6 ? argv[6] : "attn_q,attn_v";
-        for (size_t p = 0; p < s.size();) {
-            size_t q = s.find(';', p);
-            if (q == std::string::npos) q = s.size();
-            std::string t = s.substr(p, q - p);
-            target_sets.push_back(t == "all" ? "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down" : t);
-            p = q + 1;
-        }
+    for (const auto & t : split(argc > 6 ? argv[6] : "attn_q,attn_v", ';')) {
+        target_sets.push_back(t == "all" ? "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down" : t);
     }
     struct config { int rank; std::string targets; int chunk; };
     std::vector<config> configs;

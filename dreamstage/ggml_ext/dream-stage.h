@@ -194,9 +194,6 @@ size_t dream_sched_held_bytes(const dream_stage & ds); // the exec scheduler's c
 // dream-cpu-backward.cpp: dx = W^T dy for a frozen quantized W on the CPU, no F32 copy of W
 bool dream_cpu_wt_dy_supported(const ggml_tensor * w, const ggml_tensor * dy);
 ggml_tensor * dream_cpu_wt_dy(ggml_context * ctx, ggml_tensor * w, ggml_tensor * dy);   // [n_in, n_tok] F32
-// the forward y = W x with serving's activation rounding, no F32 copy of W
-bool dream_cpu_wx_supported(const ggml_tensor * w, const ggml_tensor * x);
-ggml_tensor * dream_cpu_wx(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x);       // [n_out, n_tok] F32
 
 // dream-walk.cpp
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);

@@ -338,24 +338,6 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
             }
             any = true;
-        } else if (n->op == GGML_OP_MUL_MAT && ggml_is_quantized(n->src[0]->type) && n->src[0]->buffer &&
-                   ggml_backend_buffer_is_host(n->src[0]->buffer) && dream_cpu_wx_supported(n->src[0], n->src[1])) {
-            // a forward product with a frozen quantized weight in host memory:
-            // the blocked kernel (dream-cpu-backward.cpp), same activation
-            // rounding as ggml's MUL_MAT, the node rewritten in place. Always,
-            // whatever the chunk: rounded activations amplify summation-order
-            // differences (1e-6 in one product moved the default model's loss
-            // by 0.4%), so every chunk size must compute with the same kernel
-            // for a chunked window to equal the one-chunk window. Below about
-            // 48 tokens ggml's MUL_MAT would be cheaper (chunk 8: 250 against
-            // 350 ms of step CPU time), which is the price of that.
-            ggml_tensor * k = dream_cpu_wx(ctx, n->src[0], n->src[1]);
-            n->op = k->op;
-            std::memcpy(n->op_params, k->op_params, sizeof(n->op_params));
-            for (int j = 0; j < GGML_MAX_SRC; ++j) {
-                n->src[j] = k->src[j];
-            }
-            any = true;
         } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
             n->src[1] = ggml_cont(ctx, n->src[1]);
             any = true;

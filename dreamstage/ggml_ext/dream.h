@@ -173,14 +173,6 @@ LLAMA_API int32_t dream_last_n_splits(const struct dream_stage * ds);
 LLAMA_API bool dream_backward_product(int32_t type, const void * w, int64_t n_in, int64_t n_out, const float * dy,
                                       int64_t n_tok, float * dx);
 
-// The CPU kernel of the training forward through a frozen quantized weight,
-// on plain buffers: y[n_tok][n_out] = W x, x[n_tok][n_in] F32 rounded to the
-// weight's activation type as ggml's quantized MUL_MAT rounds it. reference:
-// compute it with ggml's own MUL_MAT instead (for tests). One thread. Returns
-// false for a type it does not take.
-LLAMA_API bool dream_forward_product(int32_t type, const void * w, int64_t n_in, int64_t n_out, const float * x,
-                                     int64_t n_tok, float * y, bool reference);
-
 // Bytes of serving's compute buffers on ctx, all devices. Training graphs run
 // on the stage's own schedulers, so a micro-step or a refusal never changes it.
 LLAMA_API size_t dream_serving_compute_bytes(struct llama_context * ctx);
