@@ -118,9 +118,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"dreamstage train: {e}", file=sys.stderr)
         return 2
-    for key in ("epochs", "lr", "promote", "out", "window", "val_split"):
+    for key in ("epochs", "lr", "promote", "out", "window", "val_split", "chunk", "horizon"):
         if getattr(args, key) is not None:
             fields[key] = getattr(args, key)
+    for key in ("exact", "recompute"):
+        if getattr(args, key):
+            fields[key] = True
     with _client(args) as c:
         try:
             job = c.train(examples, **fields)
@@ -260,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-split", dest="val_split", type=float, default=None)
     p.add_argument("--promote", choices=["never", "manual", "auto"], default=None)
     p.add_argument("--out", default=None, help="the adapter's name")
+    p.add_argument("--chunk", type=int, default=None, help="tokens per micro-step")
+    p.add_argument("--exact", action="store_true",
+                   help="the exact walk: the whole-window gradient through the cached K/V (a reverse pass per window)")
+    p.add_argument("--horizon", type=int, default=None,
+                   help="with --exact: only the last H positions before a chunk receive its gradient (default: all)")
+    p.add_argument("--recompute", action="store_true", help="activation checkpointing inside a chunk")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="any other /train field, the value as JSON when it parses (e.g. --set rank=16)")
     p.set_defaults(fn=cmd_train)

@@ -155,6 +155,8 @@ def progress_line(job: dict, width: int = 24) -> str:
     eta = eta_s(job)
     if eta is not None:
         parts.append(f"ETA {format_duration(eta)}")
+    if p.get("horizon") is not None:
+        parts.append(f"exact horizon {p['horizon'] or 'all'}")
     if p.get("refusals"):
         parts.append(f"refusals {p['refusals']}")
     return "  ".join(parts)
@@ -205,6 +207,10 @@ class Client:
     def train_state(self, job_id: int) -> dict:
         """One job: state, progress, memory, pacing, adapter, refusals."""
         return self._json("GET", f"/train/{job_id}")
+
+    def train_receipts(self, job_id: int, after: int = 0) -> list[dict]:
+        """A job's micro-step receipts in order (those after seq `after`)."""
+        return self._json("GET", f"/train/{job_id}/receipts?after={int(after)}")["receipts"]
 
     def train_overview(self) -> dict:
         """The job training now (or None) and the queue."""

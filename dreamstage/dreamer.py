@@ -90,12 +90,18 @@ def default_state_dir() -> Path:
 
 
 def native_trainer(resident, spec: JobSpec, chunk: int, lr: float | None = None):
-    """The native Trainer for a job (lr=0 makes an evaluator that never moves)."""
+    """The native Trainer for a job (lr=0 makes an evaluator that never moves).
+
+    An evaluator (lr given) runs the plain walk: it needs only the forward
+    loss, which both walks compute alike, and the exact walk would add a
+    reverse pass and adjoint buffers for nothing."""
     from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer  # noqa: PLC0415 - needs the native core
 
+    exact = spec.exact and lr is None
     return Trainer(resident, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
                    window=spec.window, chunk=chunk, budget_mib=spec.memory_budget_mib or 0.0,
-                   slack_mib=GATE_SLACK_MIB, optimizer=OptimizerConfig(lr=spec.lr if lr is None else lr))
+                   slack_mib=GATE_SLACK_MIB, optimizer=OptimizerConfig(lr=spec.lr if lr is None else lr), exact=exact,
+                   horizon=(spec.horizon or 0) if exact else -1, recompute=spec.recompute)
 
 
 def clear_receipt(receipt: Any, spec: JobSpec) -> Any:
@@ -585,7 +591,7 @@ class DreamScheduler:
             self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0)   # for the shaper
                               if receipt.status == "ok" else None)
             try:
-                event = run.record(receipt)
+                event = run.record(receipt, window_done=trainer.chunks_left == 0)
             except InvalidTransition:
                 # a pause raced the end JobRun recorded (refused at the floor, or an
                 # error receipt): the receipt is stored; end the job once resumed

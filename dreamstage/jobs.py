@@ -51,7 +51,7 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 RECEIPT_FIELDS = (
     "status", "step", "window", "chunk", "chunk_pos", "chunk_tokens", "context_cache_type", "recompute", "exact",
-    "horizon", "loss", "tokens", "ms", "graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "walk_mib",
+    "horizon", "walk_pass", "loss", "tokens", "ms", "graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "walk_mib",
     "refused_chunk_pos", "refused_chunk_tokens", "refused_need_mib", "refused_allowance_mib", "message",
 )
 RECEIPT_STATUSES = ("ok", "refused", "error")
@@ -163,6 +163,9 @@ def _new_progress(spec: JobSpec) -> dict[str, Any]:
         # tokens: loss tokens trained; walked: tokens run forward+backward
         # (chunk_tokens); train_tok_s = walked per second of micro-step time.
         "tokens": 0, "walked": 0, "train_ms": 0.0, "train_tok_s": None, "chunk": spec.chunk, "refusals": 0,
+        # the exact walk: the horizon in use (0: whole window; None: plain walk)
+        # and the last micro-step's pass (forward | backward)
+        "horizon": (spec.horizon or 0) if spec.exact else None, "walk_pass": None,
         "loss": None, "loss_avg": None, "train_loss": None, "eval_loss": None,
         "train_loss_per_epoch": [], "eval_loss_per_epoch": [],
         "memory": {k: None for k in MEMORY_FIELDS},
@@ -606,8 +609,12 @@ def _fold_receipt(p: dict[str, Any], d: Mapping[str, Any]) -> None:
         for k in MEMORY_FIELDS:
             if d.get(k) is not None:
                 p["memory"][k] = d[k]
+        if d.get("walk_pass"):
+            p["walk_pass"] = d["walk_pass"]
     elif d["status"] == "refused":
         p["refusals"] += 1
+    if d.get("exact") and d.get("horizon") is not None:
+        p["horizon"] = d["horizon"]      # in use (0: the whole window); a halving refusal names the new one
     if d.get("chunk") is not None:
         p["chunk"] = d["chunk"]
 
@@ -677,6 +684,14 @@ class Walk:
     position), "refused" (refused at the floor), "error".
     A refusal allocated nothing and changed nothing (issue 4), so the walk
     retries at the same chunk_pos with the smaller chunk.
+
+    The exact walk (exact=True) runs a window as a forward sweep and a reverse
+    pass whose chunks the native core chooses, so its positions are not
+    predicted here: each step is the window's next micro-step (chunk_pos 0,
+    chunk_tokens 0 in `current()`), and the engine says when the trainer has
+    no chunks left (`advance(..., window_done=)`). A refusal that halved the
+    horizon (the receipt's horizon differs from the one in use) retries with
+    the same chunk; any other refusal goes down the chunk ladder.
     """
 
     window_lengths: list[int]
@@ -687,6 +702,8 @@ class Walk:
     epoch: int = 0
     order_pos: int = 0
     chunk_pos: int = 0
+    exact: bool = False
+    horizon: int = 0       # exact walk: the horizon in use (0: the whole window), as the receipts report it
     _order: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
@@ -702,15 +719,22 @@ class Walk:
         if self.finished:
             return None
         w = self._order[self.order_pos]
+        if self.exact:
+            return MicroStep(self.epoch, w, self.order_pos, 0, 0, self.chunk, False)
         n = self.window_lengths[w]
         k = min(self.chunk, n - self.chunk_pos)
         return MicroStep(self.epoch, w, self.order_pos, self.chunk_pos, k, self.chunk, self.chunk_pos + k >= n)
 
-    def advance(self, receipt: Mapping[str, Any]) -> str:
+    def advance(self, receipt: Mapping[str, Any], window_done: bool | None = None) -> str:
         step = self.current()
         if step is None:
             raise ValueError("the walk is finished")
         status = receipt.get("status")
+        horizon = receipt.get("horizon")
+        if self.exact and status in ("ok", "refused") and horizon is not None and horizon != self.horizon:
+            self.horizon = horizon
+            if status == "refused":
+                return "retry"          # the native core halved the horizon; the chunk stays
         if status == "refused":
             nxt = next_chunk(self.chunk, self.floor)
             if nxt is None:
@@ -719,6 +743,10 @@ class Walk:
             return "retry"
         if status != "ok":
             return "error"
+        if self.exact:
+            if window_done is None:
+                raise ValueError("the exact walk's windows end when the trainer says so: pass window_done")
+            return self._next_window() if window_done else "step"
         got = (receipt.get("chunk_pos"), receipt.get("chunk_tokens"))
         if None not in got and got != (step.chunk_pos, step.chunk_tokens):
             raise ValueError(f"the trainer ran chunk_pos {got[0]} x {got[1]} tokens but the walk expected "
@@ -726,6 +754,9 @@ class Walk:
         self.chunk_pos += step.chunk_tokens
         if not step.last_in_window:
             return "step"
+        return self._next_window()
+
+    def _next_window(self) -> str:
         self.chunk_pos = 0
         self.order_pos += 1
         if self.order_pos < len(self._order):
@@ -754,7 +785,8 @@ class JobRun:
 
     def __init__(self, store: JobStore, job_id: int, spec: JobSpec, windows: Sequence[Any]):
         self.store, self.job_id, self.windows = store, job_id, windows
-        self.walk = Walk([len(w) for w in windows], spec.epochs, spec.seed, spec.chunk, spec.min_chunk)
+        self.walk = Walk([len(w) for w in windows], spec.epochs, spec.seed, spec.chunk, spec.min_chunk,
+                         exact=spec.exact, horizon=spec.horizon or 0)
         store.update_progress(job_id, windows=len(windows), window=0, epoch=0)
 
     @property
@@ -774,10 +806,11 @@ class JobRun:
         refused, ...): the engine then frees its Trainer and picks the next job."""
         return self.store.state(self.job_id) in TERMINAL
 
-    def record(self, receipt: Any) -> str:
+    def record(self, receipt: Any, window_done: bool | None = None) -> str:
+        """window_done: the trainer has no chunks left (the exact walk's window end)."""
         d = receipt_dict(receipt)
         self.store.append_receipt(self.job_id, d)
-        event = self.walk.advance(d)
+        event = self.walk.advance(d, window_done)
         if event in ("window", "epoch", "done"):
             self.store.end_window(self.job_id)
             self.store.update_progress(self.job_id, window=self.walk.order_pos)

@@ -127,6 +127,7 @@ class DreamReceiptC(ctypes.Structure):
         ("recompute", ctypes.c_bool),
         ("exact", ctypes.c_bool),
         ("horizon", ctypes.c_int32),
+        ("walk_pass", ctypes.c_char * 12),
         ("loss", ctypes.c_double),
         ("tokens", ctypes.c_int32),
         ("ms", ctypes.c_double),
@@ -223,6 +224,9 @@ def _declare(L: ctypes.CDLL) -> None:
     # void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
     L.dream_set_budget.argtypes = [p, ctypes.c_double]
     L.dream_set_budget.restype = None
+    # int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon);
+    L.dream_set_horizon.argtypes = [p, ctypes.c_int32]
+    L.dream_set_horizon.restype = ctypes.c_int32
     # bool dream_set_chunk(struct dream_stage * ds, int32_t chunk);
     L.dream_set_chunk.argtypes = [p, ctypes.c_int32]
     L.dream_set_chunk.restype = ctypes.c_bool

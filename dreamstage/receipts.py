@@ -24,7 +24,8 @@ class Receipt:
     context_cache_type: str
     recompute: bool
     exact: bool
-    horizon: int
+    horizon: int                # exact walk: ancestors in use that receive gradient (0: whole window); -1: plain walk
+    walk_pass: str              # "forward" (cache filled only) | "backward" (forward and backward)
     loss: float                 # mean CE over this chunk's loss tokens (0.0 when tokens == 0)
     tokens: int                 # loss tokens in this chunk
     ms: float

@@ -282,6 +282,16 @@ class Trainer(NativeOwner):
             raise ValueError(f"chunk must be an integer in 1..{self.window}, got {chunk!r}")
         self.chunk = chunk
 
+    def set_horizon(self, horizon: int) -> int:
+        """Exact walk: the positions before a chunk that receive gradient from the next micro-step on
+        (<= 0: the whole window). Returns the horizon now in use."""
+        if not isinstance(horizon, int):
+            raise ValueError(f"horizon must be an integer, got {horizon!r}")
+        h = int(self.L.dream_set_horizon(self._handle(), horizon))
+        if h < 0:
+            raise ValueError("horizon applies to the exact walk only (this Trainer has exact=False)")
+        return h
+
     def set_budget(self, budget_mib: float) -> None:
         """Replace the job's memory budget (MiB; <= 0: device free memory only)."""
         self.L.dream_set_budget(self._handle(), float(budget_mib))

@@ -34,8 +34,8 @@ ROLES = ("system", "user", "assistant", "tool")
 # What this build's native dream step implements. The body still names the
 # other walks (the design has them), but accepting a value that would be
 # silently ignored misleads users, so an unsupported value is refused by name.
-# Widen these sets when the native core lands the exact walk or recompute.
-SUPPORTED_WALKS = {"recompute": frozenset({False}), "exact": frozenset({False})}
+# Both walks and recompute are built (issue 9); a future walk starts here narrow.
+SUPPORTED_WALKS = {"recompute": frozenset({False, True}), "exact": frozenset({False, True})}
 
 DEFAULT_WINDOW = 512
 DEFAULT_CHUNK = 128          # clipped to the window

@@ -196,6 +196,16 @@ async def one_job(job_id: str, request: Request):
         raise APIError(404, str(e), "id", "not_found") from None
 
 
+@router.get("/train/{job_id}/receipts")
+async def job_receipts(job_id: str, request: Request, after: int = 0):
+    """Every micro-step's receipt (after seq `after`): its pass, horizon, memory, refusal."""
+    service = _dream(request)
+    try:
+        return public({"receipts": service.jobs.receipts(_job_id(job_id), after_seq=after)})
+    except JobNotFound as e:
+        raise APIError(404, str(e), "id", "not_found") from None
+
+
 def _with_unrecorded(service, view: dict) -> dict:
     """A job that ended while the store could not be written (a full disk) is
     shown as it is, an error, with `persisted: false` until the store takes it."""

@@ -42,3 +42,17 @@ def tiny_model_q8_path(tiny_model_dir):
     """The same tiny model with its block matrices in Q8_0, generated once per session."""
     from tiny_model import write_tiny_model
     return write_tiny_model(tiny_model_dir, quant="q8_0")
+
+
+@pytest.fixture(scope="module")
+def tiny_resident(tiny_model_path):
+    """The tiny model resident with an F32 K/V cache and no flash attention (a pure F32 forward).
+
+    One thread, as dream_resident explains: ggml's spinning barrier
+    collapses when the two shared cores are contended.
+    """
+    from dreamstage.resident import ResidentConfig, ResidentModel
+    m = ResidentModel(ResidentConfig(model_path=str(tiny_model_path), n_ctx=256, n_seq=1,
+                                     n_threads=1, kv_type="f32", flash_attn="off"))
+    yield m
+    m.close()

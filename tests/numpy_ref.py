@@ -387,13 +387,17 @@ class Forward:
         dz[idx] = (self.model.output_t @ (d / n).T).T
         return loss, dz
 
-    def backward(self, dz, kv_constant_before: int = 0) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+    def backward(self, dz, kv_constant_before: int = 0, kv_edges=None) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
         """LoRA gradients (dA, dB) for every adapted (layer, target), given dL/dz.
 
         kv_constant_before: K/V at positions < this are treated as constants
         (no gradient flows into them), as the plain chunked walk reads its
         cached prefix. Positions before it then receive no gradient at all:
         their only path to later positions is attention's K/V.
+
+        kv_edges: optional bool (T, T); where kv_edges[t, u] is False, query t
+        reads K/V of position u as a constant (the edge is detached, in every
+        layer); the query side keeps its gradient. The exact walk's horizon.
         """
         m = self.model
         T = len(self.tokens)
@@ -414,10 +418,11 @@ class Forward:
             do = self._lin_back(il, "attn_output", dh, c, grads).reshape(T, H, hd)
             p = c["p"]
             dp = np.einsum("thd,uhd->htu", do, c["vv"])
-            dvv = np.einsum("htu,thd->uhd", p, do)
+            edges = np.ones((T, T)) if kv_edges is None else np.asarray(kv_edges, dtype=np.float64)
+            dvv = np.einsum("htu,thd->uhd", p * edges[None], do)
             ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True)) * self.scale
             dq = np.einsum("htu,uhd->thd", ds, c["kk"])
-            dkk = np.einsum("htu,thd->uhd", ds, c["q"])
+            dkk = np.einsum("htu,thd->uhd", ds * edges[None], c["q"])
             group = H // Hkv
             dk = dkk.reshape(T, Hkv, group, hd).sum(axis=2)
             dv = dvv.reshape(T, Hkv, group, hd).sum(axis=2)
@@ -462,6 +467,26 @@ def plain_walk_grad(model: LlamaRef, tokens, loss_positions, lora: Lora, chunk: 
             else:
                 total[k] = (da, db)
     return value, total
+
+
+def horizon_edges(n_tokens: int, chunk: int, horizon: int) -> np.ndarray:
+    """The exact walk's horizon as attention edges: query t (in the chunk that
+    starts at (t // chunk) * chunk) reads K/V of positions older than
+    horizon before its chunk's start as constants. horizon <= 0: every edge
+    carries gradient (the whole-window gradient)."""
+    t = np.arange(n_tokens)
+    start = (t // chunk) * chunk
+    if horizon <= 0:
+        return np.ones((n_tokens, n_tokens), dtype=bool)
+    return t[None, :] >= (start - horizon)[:, None]
+
+
+def horizon_walk_grad(model: LlamaRef, tokens, loss_positions, lora: Lora, chunk: int, horizon: int):
+    """Loss and gradient of the whole window with the edges older than the
+    horizon detached (horizon_edges); horizon <= 0 is the one-chunk gradient."""
+    fw = Forward(model, tokens, lora)
+    value, dz = fw.loss_and_dz(np.asarray(loss_positions, dtype=bool))
+    return value, fw.backward(dz, kv_edges=horizon_edges(len(fw.tokens), chunk, horizon))
 
 
 def loss(model: LlamaRef, tokens, loss_positions, lora: Lora | None = None) -> float:

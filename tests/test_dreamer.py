@@ -64,7 +64,7 @@ class FakeTrainer:
     def _receipt(self, status, pos, n, loss, tokens, need=0.0, allowance=0.0, message=""):
         refused = status == "refused"
         return Receipt(status, self.steps, self.spec.window, self.chunk, pos, n, self.spec.context_cache_type,
-                           False, False, -1, loss, tokens, 1.0, 2.0, 0.5, 0.25, 0.5, 0.0,
+                           False, False, -1, "backward" if tokens else "forward", loss, tokens, 1.0, 2.0, 0.5, 0.25, 0.5, 0.0,
                            pos if refused else -1, n if refused else 0, need, allowance, message)
 
     def begin_window(self, tokens, mask):

@@ -39,6 +39,7 @@ class Receipt:
     recompute: bool = False
     exact: bool = False
     horizon: int | None = None
+    walk_pass: str = "backward"
     loss: float | None = 2.5
     tokens: int = 30
     ms: float = 15.0
@@ -394,6 +395,23 @@ def test_a_refusal_retries_the_same_position_with_half_the_chunk_until_the_floor
     assert walk.advance({"status": "refused"}) == "refused"
     assert walk.advance({"status": "error"}) == "error"
     assert walk.current().chunk_pos == 32
+
+
+def test_the_exact_walk_ends_windows_when_the_trainer_says_and_a_halved_horizon_keeps_the_chunk():
+    walk = Walk([64, 64], epochs=1, seed=0, chunk=32, floor=8, exact=True, horizon=0)
+    ok = {"status": "ok", "exact": True, "horizon": 0}
+    assert walk.current().chunk_pos == 0
+    with pytest.raises(ValueError, match="window_done"):
+        walk.advance(ok)
+    assert walk.advance(ok, window_done=False) == "step"
+    # the native core halved the horizon: same chunk, the horizon the receipt names is in use
+    assert walk.advance({"status": "refused", "exact": True, "horizon": 32}, window_done=False) == "retry"
+    assert (walk.chunk, walk.horizon) == (32, 32)
+    # a refusal that did not change the horizon walks the chunk ladder
+    assert walk.advance({"status": "refused", "exact": True, "horizon": 32}, window_done=False) == "retry"
+    assert walk.chunk == 16
+    assert walk.advance({**ok, "horizon": 32}, window_done=True) == "window"
+    assert walk.advance({**ok, "horizon": 32}, window_done=True) == "done"
 
 
 # -- a job driven end to end, the way the engine will ----------------------------------------

@@ -35,20 +35,6 @@ def tiny_ref(tiny_model_path):
     return ref.LlamaRef.from_gguf(tiny_model_path)
 
 
-@pytest.fixture(scope="module")
-def tiny_resident(tiny_model_path):
-    """The tiny model resident with an F32 K/V cache and no flash attention (a pure F32 forward).
-
-    One thread, as conftest.dream_resident explains: ggml's spinning barrier
-    collapses when the two shared cores are contended.
-    """
-    from dreamstage.resident import ResidentConfig, ResidentModel
-    m = ResidentModel(ResidentConfig(model_path=str(tiny_model_path), n_ctx=256, n_seq=1,
-                                     n_threads=1, kv_type="f32", flash_attn="off"))
-    yield m
-    m.close()
-
-
 def native_all_logits(m, tokens) -> np.ndarray:
     """llama.cpp's logits at every position of one fresh sequence, (T, n_vocab) float32."""
     lc = m.lc

@@ -3,7 +3,7 @@ from dreamstage.receipts import Receipt
 
 
 def refused(allowance, message="chunk at 0 (32 tokens) needs 40.00 MiB more on CPU"):
-    return Receipt("refused", 0, 64, 32, 0, 32, "q8_0", False, False, -1, 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+    return Receipt("refused", 0, 64, 32, 0, 32, "q8_0", False, False, -1, "forward", 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
                    0, 32, 40.0, allowance, message)
 
 

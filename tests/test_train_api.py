@@ -83,7 +83,7 @@ BAD_BODIES = [
     ({"text": "hello there", "share": 0.2, "max_slowdown": 0.1}, "max_slowdown", "exclusive"),
     ({"text": "hello there", "out": "../escape"}, "out", "bare adapter name"),
     ({"text": "hello there", "promote": "sometimes"}, "promote", ""),
-    ({"text": "hello there", "exact": True}, "exact", "not supported"),
+    ({"text": "hello there", "horizon": 8}, "horizon", "exact=true"),
     ({"examples": [{"prompt": "a"}]}, "examples[0]", "completion"),
     ({"examples": [{"colour": "blue"}]}, "examples[0]", "one of"),
     ({"examples": [{"messages": [{"role": "user", "content": "hi"}]}]}, "examples[0]", "no trained assistant"),
@@ -200,12 +200,16 @@ def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering
     # max_pause_ms 0: no pause bound, so every step asks for the job's own chunk and the memory ladder decides
     body = {"text": LESSON * 3, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never",
             "max_pause_ms": 0}
-    r = http.post("/train", json={**body, "memory_budget_mib": 84})
+    # the 64 MiB slack, the job's 2.5 MiB (cache and adapters), and 2 MiB: below
+    # what even chunk 16's graph plans (graphs hold only the target rows'
+    # logits since issues 8 and 9, so the former 84 MiB fitted chunk 16)
+    tight = 68.5
+    r = http.post("/train", json={**body, "memory_budget_mib": tight})
     assert r.status_code == 202
     job = wait_job(http, r.json()["id"], finished)
     assert job["state"] == "refused", job["message"]
     refusals = job["refusals"]
-    assert [x["chunk"] for x in refusals] == [64, 32, 16]
+    assert [x["chunk"] for x in refusals] == [64, 32, 16], (job["message"], refusals)
     for x in refusals:
         assert 0 < x["refused_chunk_tokens"] <= x["chunk"]
         assert set(RECEIPT_FIELDS) <= set(x) and x["status"] == "refused"
@@ -215,12 +219,44 @@ def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering
     assert complete(http, "The capital of France is")["choices"][0]["text"].strip()
     # a budget between the needs of chunk 64 and chunk 32: one refusal, then the job trains at 32
     need = {x["chunk"]: x["refused_need_mib"] for x in refusals}
-    budget = 84 + (need[64] + need[32]) / 2 - refusals[0]["refused_allowance_mib"]
+    budget = tight + (need[64] + need[32]) / 2 - refusals[0]["refused_allowance_mib"]
     r = http.post("/train", json={**body, "memory_budget_mib": budget})
     job = wait_job(http, r.json()["id"], finished)
     assert job["state"] == "done", job["message"]
     assert [x["chunk"] for x in job["refusals"]] == [64]
     assert job["progress"]["chunk"] == 32 and job["progress"]["step"] >= 2
+
+
+def test_an_exact_job_reports_its_horizon_pass_and_walk_memory(server, http):
+    """exact, horizon and recompute travel from the body to the native step; the job's
+    state reports the horizon in use, the last pass and walk_mib."""
+    # max_pause_ms 0: every step asks for the job's own chunk, so the walk's shape is known
+    body = {"text": LESSON * 2, "window": 64, "chunk": 16, "rank": 4, "promote": "never", "epochs": 1,
+            "exact": True, "horizon": 32, "recompute": True, "max_pause_ms": 0}
+    r = http.post("/train", json=body)
+    assert r.status_code == 202
+    job = wait_job(http, r.json()["id"], finished)
+    assert job["state"] == "done", job["message"]
+    assert job["exact"] is True and job["horizon"] == 32 and job["recompute"] is True
+    p = job["progress"]
+    assert p["horizon"] == 32 and p["walk_pass"] == "backward"
+    # F32 K and V rows of 30 layers x 192 for H + chunk = 48 positions
+    assert job["memory"]["walk_mib"] == 48 * 30 * 2 * 192 * 4 / 2**20
+    # one forward sweep of 3 chunks and a reverse pass of 4 per window
+    assert p["step"] == 7 * p["windows"] and job["receipts"] == p["step"]
+    receipts = http.get(f"/train/{job['id']}/receipts").json()["receipts"]
+    assert [r["walk_pass"] for r in receipts[:7]] == ["forward"] * 3 + ["backward"] * 4
+    assert [r["chunk_pos"] for r in receipts[:7]] == [0, 16, 32, 48, 32, 16, 0]
+    assert {r["horizon"] for r in receipts} == {32} and receipts[-1]["walk_mib"] == job["memory"]["walk_mib"]
+    from dreamstage.client import Client
+    with Client(server.url) as c:
+        assert c.train_receipts(job["id"], after=5) == receipts[5:]
+    # with the pacer shaping chunks (smaller at first), the walk still ends its
+    # windows and sizes the adjoint slots for the job's own chunk
+    r = http.post("/train", json={k: v for k, v in body.items() if k != "max_pause_ms"})
+    job = wait_job(http, r.json()["id"], finished)
+    assert job["state"] == "done", job["message"]
+    assert job["memory"]["walk_mib"] == 48 * 30 * 2 * 192 * 4 / 2**20 and job["progress"]["horizon"] == 32
 
 
 def test_auto_promotion_teaches_a_made_up_fact(server, http):

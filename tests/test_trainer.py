@@ -62,12 +62,12 @@ def test_receipt_fields_and_json(rm):
     for r in recs:
         assert r.status == "ok" and r.message == ""
         assert r.window == 32 and r.chunk == 16 and r.context_cache_type == "q4_0"
-        assert not r.exact and not r.recompute and r.horizon == -1
+        assert not r.exact and not r.recompute and r.horizon == -1 and r.walk_pass == "backward" and r.walk_mib == 0
         assert r.loss > 0 and r.ms > 0 and r.graph_mib > 0 and r.context_mib > 0 and r.adapter_mib > 0
         assert r.refused_chunk_pos == -1
         d = json.loads(r.to_json())
         assert list(d) == ["status", "step", "window", "chunk", "chunk_pos", "chunk_tokens", "context_cache_type",
-                           "recompute", "exact", "horizon", "loss", "tokens", "ms", "graph_mib", "context_mib",
+                           "recompute", "exact", "horizon", "walk_pass", "loss", "tokens", "ms", "graph_mib", "context_mib",
                            "adapter_mib", "optimizer_mib", "walk_mib", "refused_chunk_pos", "refused_chunk_tokens",
                            "refused_need_mib", "refused_allowance_mib", "message"]
     assert recs[1].step == recs[0].step + 1
@@ -148,11 +148,7 @@ def test_unlabelled_window_is_decode_only(rm):
         assert tr.optimizer_state()[2] == 0
 
 
-def test_exact_and_recompute_are_refused_by_name(rm):
-    with pytest.raises(ValueError, match="exact"):
-        Trainer(rm, exact=True)
-    with pytest.raises(ValueError, match="recompute"):
-        Trainer(rm, recompute=True)
+def test_a_plain_walk_horizon_and_bad_values_are_refused_by_name(rm):
     with pytest.raises(ValueError, match="horizon"):
         Trainer(rm, horizon=16)
     with pytest.raises(ValueError, match="'attn_z'"):

@@ -81,10 +81,11 @@ def test_unknown_context_cache_type_is_refused_naming_the_value():
         assert parse_train_request({"text": "x", "context_cache_type": ok}).context_cache_type == ok
 
 
-@pytest.mark.parametrize("field", ["recompute", "exact"])
-def test_unsupported_walks_are_refused_not_silently_ignored(field):
-    (loc, msg), = refusal({"text": "x", field: True})
-    assert loc == (field,) and "not supported" in msg
+def test_the_exact_walk_its_horizon_and_recompute_are_accepted():
+    spec = parse_train_request({"text": "x", "exact": True, "window": 64, "horizon": 32, "recompute": True}).to_job_spec()
+    assert spec.exact is True and spec.horizon == 32 and spec.recompute is True
+    assert spec.starting_fields()["exact"] is True and spec.starting_fields()["horizon"] == 32
+    assert parse_train_request({"text": "x", "exact": True}).horizon is None   # the whole window
 
 
 @pytest.mark.parametrize("body, field, words", [

@@ -1,6 +1,7 @@
 // dream.h's C functions: validation, then thin calls into the concern files.
 #include "dream-stage.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -50,9 +51,7 @@ static bool dream_validate(dream_stage & ds, std::string & err) {
     if (!(p.alpha > 0) || !std::isfinite(p.alpha)) return bad("alpha must be positive, got %g", (double) p.alpha);
     if (p.window <= 0) return bad("window must be positive, got %d", p.window);
     if (p.chunk <= 0 || p.chunk > p.window) return bad("chunk must be in 1..window, got %d", p.chunk);
-    if (p.exact) return bad("exact=%s: the exact walk is not implemented yet (plain walk only)", "true");
-    if (p.recompute) return bad("recompute=%s: recompute is not implemented yet", "true");
-    if (p.horizon != -1) return bad("horizon=%d: only the plain walk (horizon -1) exists yet", p.horizon);
+    if (!p.exact && p.horizon > 0) return bad("horizon=%d applies to the exact walk only (exact=false)", p.horizon);
     if (!(p.lr >= 0) || !std::isfinite(p.lr)) return bad("lr must be >= 0, got %g", (double) p.lr);
     if (!(p.beta1 >= 0 && p.beta1 < 1)) return bad("beta1 must be in [0, 1), got %g", (double) p.beta1);
     if (!(p.beta2 >= 0 && p.beta2 < 1)) return bad("beta2 must be in [0, 1), got %g", (double) p.beta2);
@@ -88,6 +87,8 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
         dream_receipt_message(r, "%s", err.c_str());
         return nullptr;
     }
+    ds->horizon = params.exact && params.horizon > 0 ? params.horizon : 0;
+    ds->chunk_max = params.chunk;
     // gate the job's standing memory before anything exists
     const size_t cache_bytes = dream_memory_bytes_planned(*ds);
     const size_t adapter_bytes = dream_adapter_bytes_planned(*ds);
@@ -165,6 +166,17 @@ int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, 
     ds->win_pos = 0;
     ds->win_active = true;
     ds->memory->clear(false);
+    // the exact walk: the last loss token is predicted from inputs [0, j)
+    ds->win_loss_end = 0;
+    for (int32_t j = 1; j < n; ++j) {
+        if (ds->win_mask[j]) {
+            ds->win_loss_end = j;
+        }
+    }
+    ds->win_reverse = false;
+    ds->rev_end = 0;
+    ds->win_adj.assign(ds->params.exact ? n : 0, 0);
+    dream_walk_clear(*ds);
     // a fresh gradient for every optimizer step
     if (ds->windows_pending == 0) {
         std::fill(ds->grad_acc.begin(), ds->grad_acc.end(), 0.0f);
@@ -179,11 +191,7 @@ int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt
 }
 
 int32_t dream_chunks_left(const struct dream_stage * ds) {
-    if (!ds->win_active) {
-        return 0;
-    }
-    const int32_t left = ds->win_n - ds->win_pos;
-    return (left + ds->params.chunk - 1) / ds->params.chunk;
+    return dream_walk_chunks_left(*ds);
 }
 
 int64_t dream_n_params(const struct dream_stage * ds) {
@@ -256,6 +264,19 @@ void dream_set_budget(struct dream_stage * ds, double memory_budget_mib) {
     ds->params.memory_budget_mib = memory_budget_mib;
 }
 
+int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon) {
+    if (!ds->params.exact) {
+        return -1;
+    }
+    ds->horizon = horizon > 0 ? horizon : 0;
+    // adjoint buffers already sized for a shorter horizon bound it
+    if (ds->adj_rows > 0 && ds->adj_rows < ds->params.window &&
+        (ds->horizon == 0 || ds->horizon + ds->params.chunk > ds->adj_rows)) {
+        ds->horizon = std::max(1, ds->adj_rows - ds->params.chunk);
+    }
+    return ds->horizon;
+}
+
 bool dream_set_chunk(struct dream_stage * ds, int32_t chunk) {
     // Graphs are built per micro-step from params.chunk, and nothing is sized by
     // it at init (the training cache is sized by the window), so a new value
@@ -264,6 +285,7 @@ bool dream_set_chunk(struct dream_stage * ds, int32_t chunk) {
         return false;
     }
     ds->params.chunk = chunk;
+    ds->chunk_max = std::max(ds->chunk_max, chunk);
     return true;
 }
 

@@ -16,7 +16,8 @@ double dream_held_mib(const dream_stage & ds) {
         pools += bytes;
     }
     // the training graph's own compute buffers are the job's memory too
-    return (double) (ds.adapter_bytes + ds.context_bytes + opt + dream_sched_held_bytes(ds) + pools) / DREAM_MIB;
+    return (double) (ds.adapter_bytes + ds.context_bytes + ds.walk_bytes + opt + dream_sched_held_bytes(ds) + pools) /
+           DREAM_MIB;
 }
 
 static ggml_backend_dev_t dream_cpu_device() {

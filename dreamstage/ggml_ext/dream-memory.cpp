@@ -4,6 +4,9 @@
 #include "dream-stage.h"
 
 #include <cstring>
+#include <map>
+
+#include "ggml-backend.h"
 
 bool dream_cache_type_from_name(const char * name, ggml_type & out) {
     static const struct { const char * name; ggml_type type; } known[] = {
@@ -59,4 +62,76 @@ bool dream_memory_create(dream_stage & ds, std::string & err) {
         ds.context_bytes += size;
     }
     return true;
+}
+
+// The exact walk's adjoint buffers gK, gV: F32, one row per slot, like the
+// cache's own rows. Position q's adjoint lives in slot q % rows: with a
+// horizon H the reverse pass only ever holds adjoints for the H positions
+// before its chunk and the chunk itself, so rows = min(window, H + chunk),
+// and the whole window without one. Allocated at the first backward chunk,
+// through the gate (dream-walk.cpp); the plain walk has none.
+std::vector<std::pair<ggml_backend_dev_t, size_t>> dream_walk_bytes_planned(const dream_stage & ds, int32_t rows) {
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> out;
+    const auto & hp = ds.model->hparams;
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        if (hp.has_kv(il)) {
+            out.push_back({ ds.model->dev_layer(il), (ggml_row_size(GGML_TYPE_F32, hp.n_embd_k_gqa(il)) +
+                                                      ggml_row_size(GGML_TYPE_F32, hp.n_embd_v_gqa(il))) * (size_t) rows });
+        }
+    }
+    return out;
+}
+
+bool dream_walk_create(dream_stage & ds, int32_t rows, std::string & err) {
+    dream_walk_free(ds);
+    const auto & hp = ds.model->hparams;
+    ds.adj_k.assign(hp.n_layer(), nullptr);
+    ds.adj_v.assign(hp.n_layer(), nullptr);
+    // one context and buffer per buffer type, as the cache places its layers
+    std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        if (!hp.has_kv(il)) {
+            continue;
+        }
+        ggml_backend_dev_t dev = ds.model->dev_layer(il);
+        ggml_backend_buffer_type_t buft = dev ? ggml_backend_dev_buffer_type(dev) : ggml_backend_cpu_buffer_type();
+        ggml_context *& ctx = ctx_of[buft];
+        if (!ctx) {
+            ggml_init_params ip = { 2 * hp.n_layer() * ggml_tensor_overhead(), nullptr, true };
+            ds.adj_ctxs.emplace_back(ggml_init(ip));
+            ctx = ds.adj_ctxs.back().get();
+        }
+        ds.adj_k[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, hp.n_embd_head_k(il), hp.n_head_kv(il), rows);
+        ds.adj_v[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, hp.n_embd_head_v(il), hp.n_head_kv(il), rows);
+        ggml_format_name(ds.adj_k[il], "dream_adj_k-%u", il);
+        ggml_format_name(ds.adj_v[il], "dream_adj_v-%u", il);
+    }
+    for (const auto & [buft, ctx] : ctx_of) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+        if (!buf) {
+            err = std::string("could not allocate the exact walk's adjoint buffers on ") + ggml_backend_buft_name(buft);
+            dream_walk_free(ds);
+            return false;
+        }
+        ds.adj_bufs.emplace_back(buf);
+        ds.walk_bytes += ggml_backend_buffer_get_size(buf);
+    }
+    ds.adj_rows = rows;
+    dream_walk_clear(ds);
+    return true;
+}
+
+void dream_walk_free(dream_stage & ds) {
+    ds.adj_k.clear();
+    ds.adj_v.clear();
+    ds.adj_bufs.clear();
+    ds.adj_ctxs.clear();
+    ds.walk_bytes = 0;
+    ds.adj_rows = 0;
+}
+
+void dream_walk_clear(dream_stage & ds) {
+    for (auto & buf : ds.adj_bufs) {
+        ggml_backend_buffer_clear(buf.get(), 0);
+    }
 }

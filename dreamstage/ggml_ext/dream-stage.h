@@ -94,6 +94,18 @@ struct dream_stage {
     std::unique_ptr<llama_kv_cache> memory;
     size_t context_bytes = 0;
 
+    // exact walk (dream-memory.cpp allocates, dream-walk.cpp uses): the F32
+    // adjoint buffers gK, gV per layer, ne = [head_dim, n_head_kv, adj_rows]
+    // like the cache's rows (position q in slot q % adj_rows), on the layer's
+    // device; null for layers without K/V. Empty until the first backward chunk.
+    std::vector<ggml_tensor *> adj_k, adj_v;
+    int32_t adj_rows = 0;
+    std::vector<ggml_context_ptr> adj_ctxs;
+    std::vector<ggml_backend_buffer_ptr> adj_bufs;
+    size_t walk_bytes = 0;
+    int32_t horizon = 0;            // ancestors (positions) that receive gradient; 0: the whole window
+    int32_t chunk_max = 0;          // the largest chunk set so far (sizes the adjoint slots with a horizon)
+
     // the current window
     std::vector<llama_token> win_tokens;
     std::vector<uint8_t>     win_mask;
@@ -101,6 +113,12 @@ struct dream_stage {
     int32_t win_n        = 0;
     int32_t win_n_masked = 0;   // loss tokens in the whole window
     bool    win_active   = false;
+    // exact walk: the forward sweep fills the cache up to where the reverse
+    // pass starts; the reverse pass then walks [0, rev_end) back to 0
+    bool    win_reverse  = false;
+    int32_t win_loss_end = 0;       // inputs [0, win_loss_end) feed every loss token
+    int32_t rev_end      = 0;       // the reverse pass's next chunk ends here
+    std::vector<uint8_t> win_adj;   // per position: an adjoint was added to gK/gV
 
     // the stage's own schedulers (dream-sched.cpp): plan measures, exec allocates and computes
     dream_sched_ptr sched_plan, sched_exec;
@@ -116,6 +134,10 @@ struct dream_stage {
     // set while a training graph is being built (read by the attention hook)
     int32_t build_pos = 0;
     ggml_tensor * build_unit = nullptr;   // the unit scalar input of dream_join_prefix
+    int32_t build_leaf_lo = -1;           // exact walk: cells [lo, build_pos) are gradient leaves; -1: none
+    bool build_surrogate = false;         // exact walk: add sum(k*gK) + sum(v*gV) of the chunk's own K/V
+    std::vector<ggml_tensor *> build_leaf_k, build_leaf_v;   // per layer, the leaves built (or null)
+    ggml_tensor * build_sur = nullptr;    // the surrogate's sum over layers
 };
 
 // dream-adapter.cpp
@@ -130,6 +152,11 @@ bool dream_plan(dream_stage & ds, std::string & err);  // resolves targets/layer
 bool dream_cache_type_from_name(const char * name, ggml_type & out);
 size_t dream_memory_bytes_planned(const dream_stage & ds);
 bool dream_memory_create(dream_stage & ds, std::string & err);
+// the exact walk's adjoint buffers of `rows` slots: bytes per device, create (zeroed), free, zero
+std::vector<std::pair<ggml_backend_dev_t, size_t>> dream_walk_bytes_planned(const dream_stage & ds, int32_t rows);
+bool dream_walk_create(dream_stage & ds, int32_t rows, std::string & err);
+void dream_walk_free(dream_stage & ds);
+void dream_walk_clear(dream_stage & ds);
 
 // dream-gate.cpp: per-device comparison of need against allowance.
 struct dream_gate_verdict {
@@ -145,6 +172,12 @@ double dream_held_mib(const dream_stage & ds);
 // dream-receipt.cpp
 void dream_receipt_start(const dream_stage & ds, dream_receipt & r);
 void dream_receipt_message(dream_receipt & r, const char * fmt, ...);
+void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, double need_mib, double allowance_mib);
+
+// dream-recompute.cpp: the combined graph with layer activations rematerialized
+// in the backward from the layers' outputs; null with err when it cannot apply.
+// n_forward: the graph's first n_forward nodes are the forward pass (and loss).
+ggml_cgraph * dream_recompute(ggml_context * ctx, ggml_cgraph * gb, int n_forward, size_t cap, std::string & err);
 
 // dream-sched.cpp
 struct dream_graph_plan {
@@ -164,5 +197,6 @@ ggml_tensor * dream_cpu_wt_dy(ggml_context * ctx, ggml_tensor * w, ggml_tensor *
 
 // dream-walk.cpp
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);
+int32_t dream_walk_chunks_left(const dream_stage & ds);
 
 constexpr double DREAM_MIB = 1024.0 * 1024.0;

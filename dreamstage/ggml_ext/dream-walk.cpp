@@ -40,12 +40,34 @@ static ggml_tensor * dream_unit_mul(ggml_context * ctx, dream_stage & ds, ggml_t
     return ggml_mul(ctx, t, dream_unit(ctx, ds));
 }
 
+// The exact walk's gradient leaves: the cached cells [lo, pos) cast to F32.
+// ggml_set_param only takes op-less tensors, and the cast is a CPY node, so
+// the flag is set directly: ggml_build_backward_expand treats any flagged node
+// as needing a gradient, and the CPY's own backward stops at the cache (which
+// needs none). Its gradient is the adjoint of those cells' K (or V).
+static ggml_tensor * dream_leaf(ggml_context * ctx, ggml_tensor * cached, int32_t lo, int32_t pos, const char * name,
+                                int32_t il) {
+    ggml_tensor * cells = ggml_view_3d(ctx, cached, cached->ne[0], cached->ne[1], pos - lo, cached->nb[1], cached->nb[2],
+                                       (size_t) lo * cached->nb[2]);
+    ggml_tensor * leaf = ggml_cast(ctx, cells, GGML_TYPE_F32);
+    leaf->flags |= GGML_TENSOR_FLAG_PARAM;
+    ggml_format_name(leaf, "%s-%d", name, il);
+    return leaf;
+}
+
 // K for attention: the cache's cells [0, n_kv) cast to F32 (constants), with
 // the chunk's own F32 K written over cells [pos, pos + n) so its gradient flows.
-// Layout [head_dim, n_head_kv, n_kv], as the cache's own view.
+// In the exact walk's reverse pass cells [lo, pos) are set in as gradient
+// leaves too. Layout [head_dim, n_head_kv, n_kv], as the cache's own view.
 static ggml_tensor * dream_join_k(ggml_context * ctx, dream_stage & ds, ggml_tensor * cached, ggml_tensor * k_cur,
-                                  int32_t pos) {
+                                  int32_t pos, int32_t il) {
     ggml_tensor * base = ggml_cast(ctx, cached, GGML_TYPE_F32);
+    const int32_t lo = ds.build_leaf_lo;
+    if (lo >= 0 && lo < pos) {
+        ggml_tensor * leaf = dream_leaf(ctx, cached, lo, pos, "dream_leaf_k", il);
+        ds.build_leaf_k[il] = leaf;
+        base = ggml_set(ctx, base, leaf, base->nb[1], base->nb[2], base->nb[3], (size_t) lo * base->nb[2]);
+    }
     ggml_tensor * own = ggml_is_contiguous(k_cur) ? k_cur : ggml_cont(ctx, k_cur);
     ggml_tensor * joined = ggml_set(ctx, base, own, base->nb[1], base->nb[2], base->nb[3], (size_t) pos * base->nb[2]);
     return dream_unit_mul(ctx, ds, joined);
@@ -56,12 +78,63 @@ static ggml_tensor * dream_join_k(ggml_context * ctx, dream_stage & ds, ggml_ten
 // multiplies it without its own transpose, whose backward would give a
 // gradient no CPU binary op accepts.
 static ggml_tensor * dream_join_v(ggml_context * ctx, dream_stage & ds, ggml_tensor * cached, ggml_tensor * v_cur,
-                                  int32_t pos) {
+                                  int32_t pos, int32_t il) {
     // [head_dim, n_head_kv, cells] -> contiguous [cells, head_dim, n_head_kv]
     ggml_tensor * base = ggml_cont(ctx, ggml_permute(ctx, ggml_cast(ctx, cached, GGML_TYPE_F32), 1, 2, 0, 3));
+    const int32_t lo = ds.build_leaf_lo;
+    if (lo >= 0 && lo < pos) {
+        ggml_tensor * leaf = dream_leaf(ctx, cached, lo, pos, "dream_leaf_v", il);
+        ds.build_leaf_v[il] = leaf;
+        ggml_tensor * leaf_t = ggml_cont(ctx, ggml_permute(ctx, leaf, 1, 2, 0, 3));
+        base = ggml_set(ctx, base, leaf_t, base->nb[1], base->nb[2], base->nb[3], (size_t) lo * base->nb[0]);
+    }
     ggml_tensor * own = ggml_cont(ctx, ggml_permute(ctx, v_cur, 1, 2, 0, 3));
     ggml_tensor * joined = ggml_set(ctx, base, own, base->nb[1], base->nb[2], base->nb[3], (size_t) pos * base->nb[0]);
     return ggml_permute(ctx, dream_unit_mul(ctx, ds, joined), 0, 2, 1, 3);
+}
+
+// [a, b) cut where it wraps around the adjoint buffers' slots (q % adj_rows).
+struct dream_ring_piece {
+    int32_t pos, slot, len;
+};
+
+static std::vector<dream_ring_piece> dream_ring_pieces(const dream_stage & ds, int32_t a, int32_t b) {
+    std::vector<dream_ring_piece> out;
+    while (a < b) {
+        const int32_t slot = a % ds.adj_rows;
+        const int32_t len = std::min(b - a, ds.adj_rows - slot);
+        out.push_back({ a, slot, len });
+        a += len;
+    }
+    return out;
+}
+
+// The slots of [pos, pos + len) in one layer's adjoint buffer.
+static ggml_tensor * dream_adj_view(ggml_context * ctx, ggml_tensor * adj, int32_t slot, int32_t len) {
+    return ggml_view_3d(ctx, adj, adj->ne[0], adj->ne[1], len, adj->nb[1], adj->nb[2], (size_t) slot * adj->nb[2]);
+}
+
+// Positions [from, from + len) of a contiguous [.., .., cells] tensor whose first cell is `first`.
+static ggml_tensor * dream_cells_view(ggml_context * ctx, ggml_tensor * t, int32_t first, int32_t from, int32_t len) {
+    return ggml_view_3d(ctx, t, t->ne[0], t->ne[1], len, t->nb[1], t->nb[2], (size_t) (from - first) * t->nb[2]);
+}
+
+// The exact walk's surrogate for layer il: sum(k_cur * gK) + sum(v_cur * gV)
+// over the chunk's own cells, gK and gV constant. Its gradient with respect to
+// k_cur and v_cur is the adjoint the later chunks sent back, so backward
+// carries their loss into this chunk's parameters and its own ancestors.
+static void dream_add_surrogate(ggml_context * ctx, dream_stage & ds, ggml_tensor * k_cur, ggml_tensor * v_cur,
+                                int32_t pos, int32_t il) {
+    ggml_tensor * cur[2] = { k_cur, v_cur };
+    ggml_tensor * adj[2] = { ds.adj_k[il], ds.adj_v[il] };
+    for (int i = 0; i < 2; ++i) {
+        ggml_tensor * own = ggml_is_contiguous(cur[i]) ? cur[i] : ggml_cont(ctx, cur[i]);
+        for (const auto & pc : dream_ring_pieces(ds, pos, pos + (int32_t) own->ne[2])) {
+            ggml_tensor * term = ggml_sum(ctx, ggml_mul(ctx, dream_cells_view(ctx, own, pos, pc.pos, pc.len),
+                                                        dream_adj_view(ctx, adj[i], pc.slot, pc.len)));
+            ds.build_sur = ds.build_sur ? ggml_add(ctx, ds.build_sur, term) : term;
+        }
+    }
 }
 
 bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv_cache_context * mctx, int32_t il,
@@ -75,13 +148,16 @@ bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv
     // the chunk's K/V become constants for the chunks after it
     ggml_build_forward_expand(gf, mctx->cpy_k(ctx, k_cur, k_idxs, il));
     ggml_build_forward_expand(gf, mctx->cpy_v(ctx, v_cur, v_idxs, il));
+    if (ds->build_surrogate) {
+        dream_add_surrogate(ctx, *ds, k_cur, v_cur, ds->build_pos, il);
+    }
     if (ds->build_pos == 0 && mctx->get_n_kv() == (uint32_t) k_cur->ne[2]) {
         *k = k_cur;
         *v = v_cur;
         return true;
     }
-    *k = dream_join_k(ctx, *ds, mctx->get_k(ctx, il), k_cur, ds->build_pos);
-    *v = dream_join_v(ctx, *ds, mctx->get_v(ctx, il), v_cur, ds->build_pos);
+    *k = dream_join_k(ctx, *ds, mctx->get_k(ctx, il), k_cur, ds->build_pos, il);
+    *v = dream_join_v(ctx, *ds, mctx->get_v(ctx, il), v_cur, ds->build_pos, il);
     return true;
 }
 
@@ -176,6 +252,31 @@ static ggml_backend_dev_t dream_quantized_out_prod_device(dream_stage & ds, ggml
     return nullptr;
 }
 
+// On the CPU, a weight whose F32 copy would exceed DREAM_DEQUANT_SLICE (the
+// tied output head of the default model: 49152 x 576, 108 MiB) is dequantized
+// in row slices instead, each slice's OUT_PROD summed: the same product, with
+// one slice's copy alive at a time (the gate measured the whole copy at the
+// peak of the head's backward). Returns the sum (an ADD), or null when the
+// operands are not the plain 2-D weight and transposed gradient it expects.
+constexpr size_t DREAM_DEQUANT_SLICE = 16u << 20;
+
+static ggml_tensor * dream_sliced_out_prod(ggml_context * ctx, ggml_tensor * w, ggml_tensor * grad_t) {
+    if ((size_t) ggml_nelements(w) * sizeof(float) <= DREAM_DEQUANT_SLICE || ggml_n_dims(w) != 2 ||
+        grad_t->op != GGML_OP_TRANSPOSE || !ggml_is_contiguous(grad_t->src[0]) || ggml_n_dims(grad_t) != 2) {
+        return nullptr;
+    }
+    ggml_tensor * g = grad_t->src[0];   // grad_t = transpose(g), g: [rows of w, n]
+    const int64_t per = std::max<int64_t>(1, (int64_t) (DREAM_DEQUANT_SLICE / (w->ne[0] * sizeof(float))));
+    ggml_tensor * sum = nullptr;
+    for (int64_t r0 = 0; r0 < w->ne[1]; r0 += per) {
+        const int64_t rows = std::min(per, w->ne[1] - r0);
+        ggml_tensor * w_rows = ggml_view_2d(ctx, w, w->ne[0], rows, w->nb[1], (size_t) r0 * w->nb[1]);
+        ggml_tensor * g_rows = ggml_view_2d(ctx, g, rows, g->ne[1], g->nb[1], (size_t) r0 * g->nb[0]);
+        ggml_tensor * part = ggml_out_prod(ctx, ggml_cast(ctx, w_rows, GGML_TYPE_F32), ggml_transpose(ctx, g_rows));
+        sum = sum ? ggml_add(ctx, sum, part) : part;
+    }
+    return sum && sum->op == GGML_OP_ADD ? sum : nullptr;
+}
 
 // Rewrites the backward graph so each node can run where its data lives:
 // - OUT_PROD(W_q, dy^T), the input gradient through a frozen quantized weight:
@@ -184,7 +285,9 @@ static ggml_backend_dev_t dream_quantized_out_prod_device(dream_stage & ds, ggml
 //   default model). On the CPU the node becomes our blocked kernel
 //   (dream-cpu-backward.cpp), which dequantizes each weight once per step into
 //   cache-sized panels; a weight it cannot take is cast to F32 right before its
-//   OUT_PROD (the allocator frees the copy after its single use). On a GPU backend that takes the quantized op, W stays quantized and the
+//   OUT_PROD (the allocator frees the copy after its single use), in row slices
+//   when the copy would be large (dream_sliced_out_prod). On a GPU backend that
+//   takes the quantized op, W stays quantized and the
 //   backend expands it in its pool; *pool_need gets, per device, the largest
 //   such expansion (4 bytes per weight), which the allocator does not see.
 // - ACC whose added tensor is not contiguous (VIEW's backward fed by a permuted
@@ -225,6 +328,12 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 for (int j = 0; j < GGML_MAX_SRC; ++j) {
                     n->src[j] = k->src[j];
                 }
+            } else if (ggml_tensor * sum = dream_sliced_out_prod(ctx, w, dyt)) {
+                // n becomes the last partial sum's ADD, so its readers are unchanged
+                n->op = GGML_OP_ADD;
+                std::memset(n->op_params, 0, sizeof(n->op_params));
+                n->src[0] = sum->src[0];
+                n->src[1] = sum->src[1];
             } else {
                 n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
             }
@@ -293,32 +402,179 @@ struct dream_graph_scope {
 };
 }
 
+// One micro-step's chunk [p, p + n) of the window, and what its graph carries.
+struct dream_chunk {
+    int32_t p = 0, n = 0;
+    bool    backward_pass = false;  // exact walk: a reverse-pass chunk (backward even without loss rows)
+    int32_t leaf_lo = -1;           // exact walk: cells [leaf_lo, p) are gradient leaves; -1: none
+    bool    surrogate = false;      // exact walk: later chunks left adjoints on this chunk's cells
+};
+
+// Rows in [p, e) whose next token carries loss.
+static int32_t dream_loss_rows(const dream_stage & ds, int32_t p, int32_t e) {
+    int32_t n = 0;
+    for (int32_t i = p; i < e; ++i) {
+        n += (i + 1 < ds.win_n && ds.win_mask[i + 1]) ? 1 : 0;
+    }
+    return n;
+}
+
+static bool dream_has_adjoint(const dream_stage & ds, int32_t p, int32_t e) {
+    for (int32_t i = p; i < e; ++i) {
+        if (ds.win_adj[i]) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// A window the exact walk runs (one without loss tokens is forward only, as in the plain walk).
+static bool dream_exact_window(const dream_stage & ds) {
+    return ds.params.exact && ds.win_n_masked > 0;
+}
+
+// The reverse pass's chunk that ends at e starts on the chunk grid (which
+// follows the chunk in use, so a smaller chunk after a refusal just continues).
+static int32_t dream_rev_start(const dream_stage & ds, int32_t e) {
+    return ((e - 1) / ds.params.chunk) * ds.params.chunk;
+}
+
+// Moves rev_end past chunks with nothing to carry back (no loss rows, no adjoint).
+static void dream_rev_skip(dream_stage & ds) {
+    while (ds.rev_end > 0) {
+        const int32_t s = dream_rev_start(ds, ds.rev_end);
+        if (dream_loss_rows(ds, s, ds.rev_end) > 0 || dream_has_adjoint(ds, s, ds.rev_end)) {
+            return;
+        }
+        ds.rev_end = s;
+    }
+}
+
+// The exact walk: the forward sweep fills the cache up to where the reverse
+// pass's next chunk starts (that chunk runs forward and backward in one
+// graph); the reverse pass then walks back from the last loss token to 0. The
+// cache holds [0, win_pos): a reverse chunk gives up its own cells, so a
+// smaller chunk after a refusal first refills the cells it now needs.
+static dream_chunk dream_next_chunk(dream_stage & ds) {
+    dream_chunk c;
+    if (!dream_exact_window(ds)) {
+        c.p = ds.win_pos;
+        c.n = std::min(ds.params.chunk, ds.win_n - c.p);
+        return c;
+    }
+    const int32_t end = ds.win_reverse ? ds.rev_end : ds.win_loss_end;
+    const int32_t start = dream_rev_start(ds, end);
+    if (ds.win_pos < start) {
+        c.p = ds.win_pos;
+        c.n = std::min(ds.params.chunk, start - c.p);
+        return c;
+    }
+    ds.win_reverse = true;
+    ds.rev_end = end;
+    c.backward_pass = true;
+    c.p = start;
+    c.n = end - start;
+    c.surrogate = dream_has_adjoint(ds, c.p, end);
+    if (c.p > 0) {
+        int32_t h = ds.horizon > 0 ? std::min(ds.horizon, c.p) : c.p;
+        if (ds.adj_rows > 0) {
+            h = std::min(h, ds.adj_rows - c.n);   // the live adjoints must fit the slots
+        }
+        c.leaf_lo = h > 0 ? c.p - h : -1;
+    }
+    return c;
+}
+
+// What a micro-step allocates on the host besides its graph: the optimizer
+// state at the first training step and the host copy of the gradients.
+static size_t dream_step_host_bytes(const dream_stage & ds, bool train) {
+    const size_t opt = train && ds.grad_acc.empty() ? (size_t) 3 * ds.n_params : 0;
+    return (opt + (train ? (size_t) ds.n_params : 0)) * sizeof(float);
+}
+
+int32_t dream_walk_chunks_left(const dream_stage & ds) {
+    if (!ds.win_active) {
+        return 0;
+    }
+    const int32_t ch = ds.params.chunk;
+    if (!dream_exact_window(ds)) {
+        return (ds.win_n - ds.win_pos + ch - 1) / ch;
+    }
+    // an upper bound: the forward chunks still to fill, then every reverse chunk
+    const int32_t end = ds.win_reverse ? ds.rev_end : ds.win_loss_end;
+    const int32_t fwd = (std::max(0, dream_rev_start(ds, end) - ds.win_pos) + ch - 1) / ch;
+    return std::max(1, fwd + (end + ch - 1) / ch);
+}
+
+// After a refused reverse-pass chunk: halve the horizon in whole chunks (not
+// below one chunk), so the retry builds fewer gradient leaves. Returns the new
+// horizon, or 0 when it cannot shrink.
+static int32_t dream_halve_horizon(dream_stage & ds, int32_t p, int32_t leaf_lo) {
+    const int32_t ch = ds.params.chunk;
+    const int32_t in_use = p - leaf_lo;
+    if (leaf_lo < 0 || in_use <= ch) {
+        return 0;
+    }
+    ds.horizon = std::max(ch, (in_use / 2) / ch * ch);
+    return ds.horizon;
+}
+
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     const auto t_start = std::chrono::steady_clock::now();
     dream_receipt_start(ds, r);
     r.step = ds.step + 1;
+    dream_chunk chunk;
+    bool walk_new = false;   // the adjoint buffers were allocated by this micro-step
     auto finish = [&](int32_t status) {
         r.status = status;
+        if (status != DREAM_STATUS_OK && walk_new) {
+            if (status == DREAM_STATUS_REFUSED) {
+                const size_t len = std::strlen(r.message);
+                std::snprintf(r.message + len, sizeof(r.message) - len,
+                              "; the job held the exact walk's adjoint buffers for it (%d positions, walk_mib %.2f), freed again",
+                              ds.adj_rows, (double) ds.walk_bytes / DREAM_MIB);
+            }
+            dream_walk_free(ds);   // a refused or failed step leaves nothing allocated
+        }
+        if (status == DREAM_STATUS_REFUSED && chunk.backward_pass) {
+            if (const int32_t h = dream_halve_horizon(ds, chunk.p, chunk.leaf_lo)) {
+                const size_t len = std::strlen(r.message);
+                std::snprintf(r.message + len, sizeof(r.message) - len, "; horizon halved from %d to %d, the chunk retries",
+                              chunk.p - chunk.leaf_lo, h);
+                r.horizon = h;   // the receipt names the horizon the retry uses
+            }
+        }
+        r.walk_mib = (double) ds.walk_bytes / DREAM_MIB;
         r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
         r.optimizer_mib = (double) ((ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float)) / DREAM_MIB;
         return status;
     };
-    if (!ds.win_active || ds.win_pos >= ds.win_n) {
+    if (!ds.win_active || (!dream_exact_window(ds) && ds.win_pos >= ds.win_n)) {
         dream_receipt_message(r, "no window in progress: call dream_window_begin first");
         return finish(DREAM_STATUS_ERROR);
     }
 
     const auto & hp = ds.model->hparams;
-    const int32_t p = ds.win_pos;
-    const int32_t n = std::min(ds.params.chunk, ds.win_n - p);
+    chunk = dream_next_chunk(ds);
+    const int32_t p = chunk.p;
+    const int32_t n = chunk.n;
     const int64_t n_vocab = ds.model->vocab.n_tokens();
     r.chunk_pos = p;
     r.chunk_tokens = n;
+    r.horizon = ds.params.exact ? ds.horizon : -1;
+    // a chunk larger than the adjoint slots were sized for gets fewer leaves:
+    // the receipt says how many positions it actually gave gradient
+    if (chunk.leaf_lo >= 0 && ds.horizon > 0 && chunk.p - chunk.leaf_lo < std::min(ds.horizon, chunk.p)) {
+        r.horizon = chunk.p - chunk.leaf_lo;
+    }
 
     // row i (input token p+i) predicts token p+i+1 when that token carries loss
+    // (the exact walk's forward sweep only fills the cache: its loss rows are
+    // trained when the reverse pass comes back to them)
     std::vector<int32_t> targets(n, -1);
     int32_t n_loss = 0;
-    for (int32_t i = 0; i < n; ++i) {
+    const bool forward_sweep = dream_exact_window(ds) && !chunk.backward_pass;
+    for (int32_t i = 0; i < n && !forward_sweep; ++i) {
         const int32_t j = p + i + 1;
         if (j < ds.win_n && ds.win_mask[j]) {
             targets[i] = ds.win_tokens[j];
@@ -326,12 +582,52 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         }
     }
     r.tokens = n_loss;
-    const bool train = n_loss > 0;
-    const int32_t n_out = train ? n_loss : 1;   // rows of logits the graph computes
+    // only the rows with a target get logits (the graph gathers their hidden
+    // states before the head, as serving does for its output rows): the head
+    // is a [n_vocab, rows] product and tensor, and its rows without a target
+    // would be computed for nothing; a chunk without loss rows keeps one
+    const int32_t n_out = std::max(n_loss, 1);
+    // the plain walk (and the exact walk's forward sweep) goes backward only
+    // for loss rows; a reverse-pass chunk also for the adjoints it carries
+    const bool train = n_loss > 0 || (chunk.backward_pass && chunk.surrogate);
+    std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", train ? "backward" : "forward");
 
     if (hp.n_pos_per_embd() != 1) {
         dream_receipt_message(r, "models with %u positions per token (M-RoPE) are not supported by the dream stage", hp.n_pos_per_embd());
         return finish(DREAM_STATUS_ERROR);
+    }
+
+    // the exact walk's adjoint buffers, at its first backward chunk. The graph
+    // reads and writes them, so they exist before it is built: first their own
+    // gate (with the step's host memory, which the graph's gate counts again),
+    // then, held by the job, the graph's gate below sees the rest of the need;
+    // a refusal there frees them again.
+    if (train && chunk.backward_pass && ds.adj_rows == 0) {
+        // (the job's largest chunk, not this one: a pacer may start small)
+        const int32_t rows = ds.horizon > 0 ? std::min(ds.params.window, ds.horizon + std::max(ds.chunk_max, ds.params.chunk))
+                                            : ds.params.window;
+        auto needs = dream_walk_bytes_planned(ds, rows);
+        double total = 0;
+        for (const auto & nd : needs) {
+            total += (double) nd.second / DREAM_MIB;
+        }
+        needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train) });
+        const dream_gate_verdict v = dream_gate_check(ds, needs);
+        if (!v.fits) {
+            dream_receipt_refused(r, p, n, v.need_mib, v.allowance_mib);
+            dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
+                                  "memory need %.2f MiB on %s, allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, "
+                                  "slack %.2f MiB)", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
+                                  ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib);
+            return finish(DREAM_STATUS_REFUSED);
+        }
+        std::string err;
+        if (!dream_walk_create(ds, rows, err)) {
+            dream_receipt_message(r, "%s", err.c_str());
+            return finish(DREAM_STATUS_ERROR);
+        }
+        walk_new = true;
+        chunk = dream_next_chunk(ds);   // the same chunk, its leaves bounded by the slots
     }
 
     dream_graph_scope scope(ds);
@@ -339,6 +635,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
 
     // the chunk's cells in the training cache (a refused earlier try left none)
     ds.memory->seq_rm(0, p, -1);
+    ds.win_pos = std::min(ds.win_pos, p);
     llama_batch_allocr balloc(hp.n_pos_per_embd());
     llama_ubatch ub = balloc.ubatch_reserve(n, 1);
     for (int32_t i = 0; i < n; ++i) {
@@ -349,7 +646,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         // logits only for the rows that carry a loss (the output head is 49,152
         // x n_embd per row, and its backward is a scatter over all of them);
         // a chunk without loss tokens keeps its last row so the graph has one
-        ub.output[i] = train ? targets[i] >= 0 : i == n - 1;
+        ub.output[i] = n_loss > 0 ? targets[i] >= 0 : i == n - 1;
     }
     auto sinfos = ds.memory->prepare({ ub });
     if (sinfos.empty()) {
@@ -418,6 +715,11 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     g_hook_calls = 0;
     ds.build_pos = p;
     ds.build_unit = nullptr;
+    ds.build_leaf_lo = chunk.leaf_lo;
+    ds.build_surrogate = chunk.surrogate;
+    ds.build_leaf_k.assign(hp.n_layer(), nullptr);
+    ds.build_leaf_v.assign(hp.n_layer(), nullptr);
+    ds.build_sur = nullptr;
     try {
         gf = ds.model->build_graph(gp);
     } catch (const std::exception & e) {
@@ -452,22 +754,28 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
     ggml_graph_cpy(gf, gb);
     if (train) {
-        // the logits hold only the rows with a target (ub.output): cross_entropy_loss's
-        // backward assumes every row's labels sum to one, so an all-zero row
-        // would still push its softmax into the gradient.
-        // The one-hot labels are made on the device from the target ids,
-        // labels[v, r] = step(1 - |v - target[r]|) (exact: ids < 2^24 are exact
-        // in F32), so only n_loss floats cross from the host instead of a
-        // dense n_vocab x n_loss matrix (400 MB at 2048 tokens).
-        target_ids = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss);
-        ggml_set_name(target_ids, "dream_target_ids");
-        ggml_set_input(target_ids);
-        ggml_tensor * vocab_ids = ggml_repeat(cbw, ggml_arange(cbw, 0.0f, (float) n_vocab, 1.0f), logits);
-        ggml_tensor * labels = ggml_step(cbw, ggml_scale_bias(cbw, ggml_abs(cbw, ggml_sub(cbw, vocab_ids, target_ids)), -1.0f, 1.0f));
-        ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
-        ggml_set_output(ce);
-        // this chunk's share of the window's mean over its loss tokens
-        loss = ggml_scale(cbw, ce, (float) n_loss / (float) ds.win_n_masked);
+        if (n_loss > 0) {
+            // the logits hold only the rows with a target (ub.output): cross_entropy_loss's
+            // backward assumes every row's labels sum to one, so an all-zero row
+            // would still push its softmax into the gradient.
+            // The one-hot labels are made on the device from the target ids,
+            // labels[v, r] = step(1 - |v - target[r]|) (exact: ids < 2^24 are exact
+            // in F32), so only n_loss floats cross from the host instead of a
+            // dense n_vocab x n_loss matrix (400 MB at 2048 tokens).
+            target_ids = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss);
+            ggml_set_name(target_ids, "dream_target_ids");
+            ggml_set_input(target_ids);
+            ggml_tensor * vocab_ids = ggml_repeat(cbw, ggml_arange(cbw, 0.0f, (float) n_vocab, 1.0f), logits);
+            ggml_tensor * labels = ggml_step(cbw, ggml_scale_bias(cbw, ggml_abs(cbw, ggml_sub(cbw, vocab_ids, target_ids)), -1.0f, 1.0f));
+            ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
+            ggml_set_output(ce);
+            // this chunk's share of the window's mean over its loss tokens
+            loss = ggml_scale(cbw, ce, (float) n_loss / (float) ds.win_n_masked);
+        }
+        // the exact walk: the later chunks' adjoints enter through the surrogate
+        if (ds.build_sur) {
+            loss = loss ? ggml_add(cbw, loss, ds.build_sur) : ds.build_sur;
+        }
         ggml_set_loss(loss);
         ggml_build_forward_expand(gb, loss);
         if (const ggml_tensor * bad = dream_find_undifferentiable(gb, loss)) {
@@ -475,6 +783,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                                   ggml_op_name(bad->op), bad->name);
             return finish(DREAM_STATUS_ERROR);
         }
+        const int n_forward = ggml_graph_n_nodes(gb);
         ggml_build_backward_expand(cbw, gb, nullptr);
         loss_grad = ggml_graph_get_grad(gb, loss);
         for (auto & pr : ds.pairs) {
@@ -484,6 +793,32 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                     ggml_set_output(g);
                 }
                 param_grads.push_back(g);
+            }
+        }
+        // the exact walk: add each leaf's gradient into gK/gV at its cells, in
+        // this graph (the buffers are the stage's, so it persists to the chunks before)
+        for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+            ggml_tensor * leaves[2] = { ds.build_leaf_k[il], ds.build_leaf_v[il] };
+            ggml_tensor * adj[2] = { ds.adj_k.empty() ? nullptr : ds.adj_k[il], ds.adj_v.empty() ? nullptr : ds.adj_v[il] };
+            for (int i = 0; i < 2; ++i) {
+                ggml_tensor * g = leaves[i] ? ggml_graph_get_grad(gb, leaves[i]) : nullptr;
+                if (!g) {
+                    continue;
+                }
+                g = ggml_reshape(cbw, ggml_is_contiguous(g) ? g : ggml_cont(cbw, g), leaves[i]);
+                for (const auto & pc : dream_ring_pieces(ds, chunk.leaf_lo, p)) {
+                    ggml_tensor * slots = dream_adj_view(cbw, adj[i], pc.slot, pc.len);
+                    ggml_tensor * sum = ggml_add(cbw, slots, dream_cells_view(cbw, g, chunk.leaf_lo, pc.pos, pc.len));
+                    ggml_build_forward_expand(gb, ggml_cpy(cbw, sum, slots));
+                }
+            }
+        }
+        if (ds.params.recompute) {
+            std::string err;
+            gb = dream_recompute(cbw, gb, n_forward, cap, err);
+            if (!gb) {
+                dream_receipt_message(r, "%s", err.c_str());
+                return finish(DREAM_STATUS_ERROR);
             }
         }
     }
@@ -510,11 +845,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         needs.push_back({ dev, bytes > held ? bytes - held : 0 });
     }
     const bool need_opt_state = train && ds.grad_acc.empty();
-    if (need_opt_state) {
-        needs.push_back({ dream_host_device(), (size_t) 3 * ds.n_params * sizeof(float) });
-    }
-    // the host copy of gradients is a host allocation of this step
-    needs.push_back({ dream_host_device(), (size_t) (train ? ds.n_params : 0) * sizeof(float) });
+    needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train) });
     r.graph_mib = (double) plan.graph_bytes / DREAM_MIB;
     const dream_gate_verdict verdict = dream_gate_check(ds, needs);
     if (!verdict.fits) {
@@ -537,7 +868,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             const float unit = 1.0f;
             ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
         }
-        if (train) {
+        if (target_ids) {
             std::vector<float> ids;
             for (int32_t i = 0; i < n; ++i) {
                 if (targets[i] >= 0) {
@@ -545,6 +876,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 }
             }
             ggml_backend_tensor_set(target_ids, ids.data(), 0, ggml_nbytes(target_ids));
+        }
+        if (loss_grad) {
             const float one = 1.0f;
             ggml_backend_tensor_set(loss_grad, &one, 0, sizeof(one));
         }
@@ -572,7 +905,9 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
 
     if (train) {
         float ce_val = 0.0f;
-        ggml_backend_tensor_get(ce, &ce_val, 0, sizeof(ce_val));
+        if (ce) {
+            ggml_backend_tensor_get(ce, &ce_val, 0, sizeof(ce_val));
+        }
         r.loss = (double) ce_val;
         if (need_opt_state) {
             ds.grad_acc.assign(ds.n_params, 0.0f);
@@ -600,7 +935,29 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     scope.revert_from = -1;     // the chunk's K/V stay as constants for later chunks
     ds.step += 1;
     ds.win_pos = p + n;
-    if (ds.win_pos >= ds.win_n) {
+    bool window_done = !dream_exact_window(ds) && ds.win_pos >= ds.win_n;
+    if (chunk.backward_pass) {
+        // the leaves' cells now hold adjoints; this chunk's own slots are
+        // spent and must read zero when lower positions wrap onto them
+        for (int32_t i = std::max(chunk.leaf_lo, 0); chunk.leaf_lo >= 0 && i < p; ++i) {
+            ds.win_adj[i] = 1;
+        }
+        if (ds.adj_rows > 0 && ds.adj_rows < ds.win_n) {
+            for (const auto & pc : dream_ring_pieces(ds, p, p + n)) {
+                for (auto * adj : { &ds.adj_k, &ds.adj_v }) {
+                    for (ggml_tensor * t : *adj) {
+                        if (t) {
+                            ggml_backend_tensor_memset(t, 0, (size_t) pc.slot * t->nb[2], (size_t) pc.len * t->nb[2]);
+                        }
+                    }
+                }
+            }
+        }
+        ds.rev_end = p;
+        dream_rev_skip(ds);
+        window_done = ds.rev_end == 0;
+    }
+    if (window_done) {
         ds.win_active = false;
         if (ds.win_n_masked > 0 && !ds.grad_acc.empty()) {
             ds.windows_pending += 1;

@@ -40,8 +40,9 @@ struct dream_receipt {
     int32_t chunk_tokens;           // input tokens in this chunk
     char    context_cache_type[16]; // training cache type: q8_0, q4_0, f16, f32
     bool    recompute;
-    bool    exact;
-    int32_t horizon;                // -1: unlimited (only the plain walk exists today)
+    bool    exact;                  // the exact walk (whole-window gradient through the cached K/V)
+    int32_t horizon;                // exact walk: ancestors in use that receive gradient, 0 = the whole window; -1: plain walk
+    char    walk_pass[12];          // "forward" (the chunk filled the cache only) or "backward" (forward and backward)
     double  loss;                   // mean cross-entropy over this chunk's loss tokens (0 when tokens == 0)
     int32_t tokens;                 // loss tokens in this chunk
     double  ms;                     // wall time of the micro-step
@@ -49,7 +50,7 @@ struct dream_receipt {
     double  context_mib;            // training K/V cache, allocated bytes
     double  adapter_mib;            // shadow + served LoRA tensors
     double  optimizer_mib;          // AdamW moments + gradient accumulator
-    double  walk_mib;               // exact-walk adjoint buffers (0: plain walk)
+    double  walk_mib;               // exact-walk adjoint buffers gK, gV, allocated bytes (0: plain walk)
     int32_t refused_chunk_pos;      // -1 unless refused
     int32_t refused_chunk_tokens;
     double  refused_need_mib;
@@ -67,9 +68,9 @@ struct dream_params {
     const char * context_cache_type;  // q8_0 | q4_0 | f16 | f32
     int32_t      window;              // tokens per window (training cache size)
     int32_t      chunk;               // tokens per micro-step
-    bool         exact;               // must be false (exact walk not built yet)
-    bool         recompute;           // must be false (recompute not built yet)
-    int32_t      horizon;             // must be -1
+    bool         exact;               // exact walk: forward sweep, then a reverse pass carrying K/V adjoints (one update per window)
+    bool         recompute;           // rematerialize each layer's activations in the backward (lower graph_mib, same gradient)
+    int32_t      horizon;             // exact walk: only the last H positions before a chunk receive gradient; <= 0: all
     float        lr, beta1, beta2, eps, weight_decay;
     float        grad_clip;           // global L2 norm clip; <= 0: off
     int32_t      accumulate_windows;  // windows per AdamW update (1); their gradients are averaged
@@ -105,8 +106,12 @@ LLAMA_API int32_t dream_window_begin(struct dream_stage * ds, const llama_token 
 // One micro-step: the next chunk of the current window, forward (+ backward when
 // it has loss tokens), gradient accumulated; at the last chunk of every
 // accumulate_windows-th window one AdamW update of the shadow adapter with the
-// windows' mean gradient. Fills *receipt; returns its status. A
-// refused chunk changes nothing and may be retried.
+// windows' mean gradient. The exact walk first runs the chunks forward only
+// (filling the cache), then walks them back from the last loss token, one
+// backward chunk per call, carrying the K/V adjoints. Fills *receipt; returns
+// its status. A refused chunk changes nothing and may be retried; in the
+// exact walk's reverse pass a refusal also halves the horizon (in whole chunks,
+// not below one) when that can shrink the graph, and the receipt says so.
 LLAMA_API int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt);
 
 // Chunks left in the current window (0: window done or none begun).
@@ -142,6 +147,11 @@ LLAMA_API struct llama_adapter_lora * dream_served_adapter(struct dream_stage * 
 
 // Replaces the job's memory budget (MiB; <= 0: unlimited). Takes effect at the next micro-step.
 LLAMA_API void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
+
+// Sets the exact walk's horizon (positions before a chunk that receive gradient;
+// <= 0: the whole window) from the next micro-step on. Returns the horizon now
+// in use, or -1 (nothing changed) for a plain-walk stage.
+LLAMA_API int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon);
 
 // Replaces the chunk (tokens per micro-step, 1..window) from the next micro-step on,
 // e.g. after a refusal (the chunk ladder). The walk's position, the gradient
