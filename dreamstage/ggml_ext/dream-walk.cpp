@@ -748,7 +748,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
     scope.ctx = ggml_init(ip);
     ggml_context * cbw = scope.ctx;
-    ggml_tensor * target_ids = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
+    ggml_tensor * target_ids = nullptr, * host_labels = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
     std::vector<ggml_tensor *> param_grads;   // canonical order, null where a parameter got no gradient
     std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_need;   // quantized OUT_PROD expansions, per device
     ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
@@ -758,15 +758,27 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             // the logits hold only the rows with a target (ub.output): cross_entropy_loss's
             // backward assumes every row's labels sum to one, so an all-zero row
             // would still push its softmax into the gradient.
-            // The one-hot labels are made on the device from the target ids,
-            // labels[v, r] = step(1 - |v - target[r]|) (exact: ids < 2^24 are exact
-            // in F32), so only n_loss floats cross from the host instead of a
-            // dense n_vocab x n_loss matrix (400 MB at 2048 tokens).
-            target_ids = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss);
-            ggml_set_name(target_ids, "dream_target_ids");
-            ggml_set_input(target_ids);
-            ggml_tensor * vocab_ids = ggml_repeat(cbw, ggml_arange(cbw, 0.0f, (float) n_vocab, 1.0f), logits);
-            ggml_tensor * labels = ggml_step(cbw, ggml_scale_bias(cbw, ggml_abs(cbw, ggml_sub(cbw, vocab_ids, target_ids)), -1.0f, 1.0f));
+            // With a GPU in the scheduler the one-hot labels are made on the
+            // device from the target ids, labels[v, r] = step(1 - |v - target[r]|)
+            // (exact: ids < 2^24 are exact in F32), so only n_loss floats cross
+            // from the host instead of a dense n_vocab x n_loss matrix (400 MB at
+            // 2048 tokens, most of a step's host time on the H200). On the CPU
+            // alone the host fills the matrix in place: no transfer to save, and
+            // the device-side chain's temporaries would double the head's part
+            // of graph_mib (about 100 MiB at chunk 256 on the default model).
+            ggml_tensor * labels = nullptr;
+            if (ggml_backend_sched_get_n_backends(sched) > 1) {
+                target_ids = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss);
+                ggml_set_name(target_ids, "dream_target_ids");
+                ggml_set_input(target_ids);
+                ggml_tensor * vocab_ids = ggml_repeat(cbw, ggml_arange(cbw, 0.0f, (float) n_vocab, 1.0f), logits);
+                labels = ggml_step(cbw, ggml_scale_bias(cbw, ggml_abs(cbw, ggml_sub(cbw, vocab_ids, target_ids)), -1.0f, 1.0f));
+            } else {
+                host_labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
+                ggml_set_name(host_labels, "dream_labels");
+                ggml_set_input(host_labels);
+                labels = host_labels;
+            }
             ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
             ggml_set_output(ce);
             // this chunk's share of the window's mean over its loss tokens
@@ -876,6 +888,18 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 }
             }
             ggml_backend_tensor_set(target_ids, ids.data(), 0, ggml_nbytes(target_ids));
+        }
+        if (host_labels) {
+            // a tensor of the CPU backend: filled where it lies
+            GGML_ASSERT(ggml_backend_buffer_is_host(host_labels->buffer));
+            float * lab = (float *) host_labels->data;
+            std::memset(lab, 0, ggml_nbytes(host_labels));
+            int64_t row = 0;
+            for (int32_t i = 0; i < n; ++i) {
+                if (targets[i] >= 0) {
+                    lab[row++ * n_vocab + targets[i]] = 1.0f;
+                }
+            }
         }
         if (loss_grad) {
             const float one = 1.0f;
