@@ -11,6 +11,7 @@
 // is 1e-3, the products' roundoff), or recompute changes the gradient by more
 // than 1e-6.
 #include "dream.h"
+#include "check_stage.h"
 #include "llama.h"
 
 #include <cmath>
@@ -31,21 +32,10 @@ struct walk_run {
 
 static bool run_walk(llama_context * ctx, const std::vector<llama_token> & toks, const std::vector<uint8_t> & mask,
                      int gpu_layers, walk_run & w) {
-    dream_params p = dream_default_params();
-    p.targets = "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down";
-    p.rank = 2; p.alpha = 4; p.seed = 11; p.context_cache_type = "f32";
-    p.window = 96; p.chunk = w.chunk; p.lr = 0; p.slack_mib = 0;
-    p.exact = w.exact; p.recompute = w.recompute; p.horizon = w.exact ? 0 : -1;
     dream_receipt r{};
-    dream_stage * ds = dream_init(ctx, p, &r);
-    if (!ds) { std::fprintf(stderr, "dream_init: %s\n", r.message); return false; }
+    dream_stage * ds = check_stage(ctx, w.chunk, w.exact, w.recompute, r);
+    if (!ds) return false;
     const int64_t n = dream_n_params(ds);
-    std::vector<float> theta(n);
-    dream_get_parameters(ds, theta.data(), n);
-    std::mt19937 rng(5);
-    std::normal_distribution<float> N(0.0f, 0.1f);
-    for (auto & x : theta) if (x == 0.0f) x = N(rng);
-    dream_set_parameters(ds, theta.data(), n);
     dream_window_begin(ds, toks.data(), mask.data(), (int) toks.size(), &r);
     while (dream_chunks_left(ds) > 0) {
         dream_micro_step(ds, &r);

@@ -18,6 +18,7 @@
 // splits (the host-side token-embedding read, then the GPU), and serving's
 // compute buffer must be the same size before and after training.
 #include "dream.h"
+#include "check_stage.h"
 #include "llama.h"
 
 #include <algorithm>
@@ -59,20 +60,10 @@ static run_result run(const char * path, int n_gpu_layers) {
     std::vector<uint8_t> mask(toks.size(), 1);
     mask[3] = 0;
     for (int chunk : {96, 24}) {
-        dream_params p = dream_default_params();
-        p.targets = "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down";
-        p.rank = 2; p.alpha = 4; p.seed = 11; p.context_cache_type = "f32";
-        p.window = 96; p.chunk = chunk; p.lr = 0; p.slack_mib = 0;
         dream_receipt r{};
-        dream_stage * ds = dream_init(ctx, p, &r);
-        if (!ds) { std::fprintf(stderr, "dream_init: %s\n", r.message); return out; }
+        dream_stage * ds = check_stage(ctx, chunk, false, false, r);
+        if (!ds) return out;
         const int64_t n = dream_n_params(ds);
-        std::vector<float> theta(n);
-        dream_get_parameters(ds, theta.data(), n);
-        std::mt19937 rng(5);
-        std::normal_distribution<float> N(0.0f, 0.1f);
-        for (auto & x : theta) if (x == 0.0f) x = N(rng);
-        dream_set_parameters(ds, theta.data(), n);
         dream_window_begin(ds, toks.data(), mask.data(), (int) toks.size(), &r);
         double sum = 0; int cnt = 0;
         while (dream_chunks_left(ds) > 0) {
