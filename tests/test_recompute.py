@@ -47,12 +47,6 @@ def test_recompute_gives_the_same_gradient_on_the_tiny_model(tiny_resident, chun
     assert peak(r_on) <= peak(r_off)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 9's bound (graph_mib at least 2x lower at chunk 256) held on branch exact before its second merge "
-    "with main (585 -> 381 MiB without recompute, 161 with it: 2.37x); after main's training-graph change "
-    "(03698f1: logits only for loss rows) recompute gives 381 -> 259 MiB, 1.47x (2026-11-30). Filling the "
-    "one-hot labels on the host again (CPU) did not change it, so the cause is elsewhere (likely how the "
-    "recompute rewrite treats the output rows' GET_ROWS). The bound is kept; see docs/architecture/dream-stage.md"))
 def test_recompute_halves_graph_mib_at_chunk_256_on_the_default_model(dream_resident):
     """The default model, one chunk of 256 tokens, rank 8 on attn_q, attn_v."""
     from dreamstage.trainer import LoraConfig
