@@ -1,4 +1,4 @@
-// The dream stage the GPU check programs share: rank 2 on all seven targets,
+// What the GPU check programs share. The dream stage: rank 2 on all seven targets,
 // an f32 training cache, window 96, lr 0, and B's zeros filled from N(0, 0.1)
 // (seeded) so that every LoRA factor has a gradient. Returns null with r filled
 // when dream_init refuses.
@@ -9,6 +9,28 @@
 #include <cstdio>
 #include <random>
 #include <vector>
+
+// The model and context the check programs use: n_gpu_layers as given, no
+// extra buffer types (CPU_REPACK), 256 cells, one sequence. The CPU reference
+// (n_gpu_layers 0) keeps every op on the CPU: no offload of large-batch ops or
+// of the K/V cache to a GPU that a CUDA build would otherwise use. Returns
+// false (nothing to free) when the model does not load.
+inline bool check_context(const char * path, int n_gpu_layers, llama_model ** model, llama_context ** ctx) {
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = n_gpu_layers;
+    mp.use_extra_bufts = false;
+    *model = llama_model_load_from_file(path, mp);
+    if (!*model) {
+        std::fprintf(stderr, "load failed\n");
+        return false;
+    }
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = 256; cp.n_batch = 256; cp.n_ubatch = 256; cp.n_seq_max = 1;
+    cp.op_offload = n_gpu_layers > 0;
+    cp.offload_kqv = n_gpu_layers > 0;
+    *ctx = llama_init_from_model(*model, cp);
+    return true;
+}
 
 inline dream_stage * check_stage(llama_context * ctx, int chunk, bool exact, bool recompute, dream_receipt & r) {
     dream_params p = dream_default_params();

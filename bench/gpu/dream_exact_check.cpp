@@ -67,16 +67,9 @@ static double cosine(const std::vector<float> & a, const std::vector<float> & b)
 }
 
 static bool run_device(const char * path, int gpu_layers, std::vector<walk_run> & runs) {
-    llama_model_params mp = llama_model_default_params();
-    mp.n_gpu_layers = gpu_layers;
-    mp.use_extra_bufts = false;
-    llama_model * model = llama_model_load_from_file(path, mp);
-    if (!model) { std::fprintf(stderr, "load failed\n"); return false; }
-    llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = 256; cp.n_batch = 256; cp.n_ubatch = 256; cp.n_seq_max = 1;
-    cp.op_offload = gpu_layers > 0;
-    cp.offload_kqv = gpu_layers > 0;
-    llama_context * ctx = llama_init_from_model(model, cp);
+    llama_model * model = nullptr;
+    llama_context * ctx = nullptr;
+    if (!check_context(path, gpu_layers, &model, &ctx)) return false;
     std::vector<llama_token> toks;
     for (int i = 0; i < 72; ++i) toks.push_back(100 + 37 * i % 5000);
     std::vector<uint8_t> mask(toks.size(), 1);

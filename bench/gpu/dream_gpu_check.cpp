@@ -39,18 +39,9 @@ struct run_result {
 
 static run_result run(const char * path, int n_gpu_layers) {
     run_result out;
-    llama_model_params mp = llama_model_default_params();
-    mp.n_gpu_layers = n_gpu_layers;
-    mp.use_extra_bufts = false;
-    llama_model * model = llama_model_load_from_file(path, mp);
-    if (!model) { std::fprintf(stderr, "load failed\n"); return out; }
-    llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = 256; cp.n_batch = 256; cp.n_ubatch = 256; cp.n_seq_max = 1;
-    // the CPU reference keeps every op on the CPU: no offload of large-batch ops
-    // or of the K/V cache to a GPU that a CUDA build would otherwise use
-    cp.op_offload = n_gpu_layers > 0;
-    cp.offload_kqv = n_gpu_layers > 0;
-    llama_context * ctx = llama_init_from_model(model, cp);
+    llama_model * model = nullptr;
+    llama_context * ctx = nullptr;
+    if (!check_context(path, n_gpu_layers, &model, &ctx)) return out;
     out.serving_before = dream_serving_compute_bytes(ctx);
     std::vector<llama_token> toks;
     // 72 tokens in chunks of 24: every product has more than 16 rows, so
