@@ -38,7 +38,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               state_dir=state_dir, adapter=args.adapter, max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes, api_key=_api_key(args),
                               allowed_hosts=tuple(args.allowed_host or ()), cors_origins=tuple(args.cors_origin or ()),
-                              limits=limits, n_gpu_layers=args.n_gpu_layers)
+                              limits=limits, n_gpu_layers=args.n_gpu_layers,
+                              drift_guard=not args.no_drift_guard)
     try:
         settings.validate()
         _check_bind(args.host, args.port)
@@ -237,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a GGUF LoRA to serve from startup (imported into the state directory as a new version)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
     p.add_argument("--no-train", action="store_true", help="serve only: no /train, no adapters, no state directory")
+    p.add_argument("--no-drift-guard", action="store_true",
+                   help="train without the drift guard: no anchor regularizer, no drift figures, and promote=auto "
+                        "checks the held-out loss only (docs/architecture/drift.md)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $DREAMSTAGE_API_KEY); "
                         "needed for training on a non-loopback bind; prefer the variable: "

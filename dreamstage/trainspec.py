@@ -44,6 +44,12 @@ DEFAULT_MAX_PAUSE_MS = 250.0   # the longest one micro-step may hold a chat turn
 # The memory gate keeps this much free on every device beyond the job's
 # allowance (the Trainer's slack_mib). A budget at or below it leaves nothing.
 GATE_SLACK_MIB = 64.0
+# The drift guard (docs/architecture/drift.md; measured in bench/bench_drift.py).
+DEFAULT_ANCHOR_RATIO = 2.0     # anchor windows per job window, each epoch
+DEFAULT_MAX_DRIFT = 0.05       # auto promotion: at most this fraction of anchor answers changed
+DEFAULT_STOP_LOSS = 0.1        # end training after an epoch whose own-window loss is below this
+MAX_EXTRA_ANCHORS = 64
+MAX_ANCHOR_CHARS = 1000
 MIN_WINDOW = 16
 MAX_WINDOW = 65536
 MAX_EXAMPLES = 100_000
@@ -260,6 +266,11 @@ class JobSpec:
     pacing: PacingSpec
     promote: Literal["never", "manual", "auto"]
     out: str | None
+    regularizer: bool = True
+    anchor_ratio: float = DEFAULT_ANCHOR_RATIO
+    anchors: tuple[str, ...] = ()
+    max_drift: float = DEFAULT_MAX_DRIFT
+    stop_loss: float | None = DEFAULT_STOP_LOSS
 
     def starting_fields(self) -> dict[str, Any]:
         """The shape a job records from its `starting` moment on."""
@@ -322,6 +333,24 @@ class TrainRequest(BaseModel):
 
     promote: Literal["never", "manual", "auto"] = "manual"
     out: str | None = None
+
+    # the drift guard (docs/architecture/drift.md)
+    regularizer: bool = True
+    anchor_ratio: float = Field(default=DEFAULT_ANCHOR_RATIO, gt=0.0, le=64.0)
+    anchors: list[str] | None = Field(default=None, max_length=MAX_EXTRA_ANCHORS)
+    max_drift: float = Field(default=DEFAULT_MAX_DRIFT, ge=0.0, le=1.0)
+    # null: train every epoch
+    stop_loss: float | None = Field(default=DEFAULT_STOP_LOSS, gt=0.0, le=100.0)
+
+    @field_validator("anchors")
+    @classmethod
+    def _anchors(cls, v: list[str] | None) -> list[str] | None:
+        for i, a in enumerate(v or []):
+            if not a.strip():
+                raise ValueError(f"anchors[{i}] is empty")
+            if len(a) > MAX_ANCHOR_CHARS:
+                raise ValueError(f"anchors[{i}] has {len(a)} characters, more than {MAX_ANCHOR_CHARS}")
+        return v
 
     @field_validator("context_cache_type")
     @classmethod
@@ -453,6 +482,11 @@ class TrainRequest(BaseModel):
             pacing=pacing,
             promote=self.promote,
             out=self.out,
+            regularizer=self.regularizer,
+            anchor_ratio=self.anchor_ratio,
+            anchors=tuple(self.anchors or ()),
+            max_drift=self.max_drift,
+            stop_loss=self.stop_loss,
         )
 
 

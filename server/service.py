@@ -63,7 +63,7 @@ class Service:
             from dreamstage.dreamer import DreamScheduler  # noqa: PLC0415
             from dreamstage.jobs import JobStore  # noqa: PLC0415
             self.jobs = JobStore(settings.state_dir)
-            self.dream = hook = DreamScheduler(self.jobs, self.model)
+            self.dream = hook = DreamScheduler(self.jobs, self.model, drift_guard=settings.drift_guard)
         elif settings.adapter is not None:
             raise ValueError("--adapter needs a state directory (--state-dir) to keep its versions in")
         self.engine = Engine(self.model, max_queue=settings.max_queue, hook=hook)

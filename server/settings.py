@@ -1,6 +1,7 @@
 """Server settings: one dataclass, filled by the CLI (or tests) and validated here."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from dreamstage.resident import KV_TYPES, ResidentConfig
@@ -46,6 +47,11 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()   # Host names accepted besides the loopback names (loopback binds)
     cors_origins: tuple[str, ...] = ()    # origins that get CORS headers; none by default
     limits: JobLimits = field(default_factory=JobLimits)
+    # The drift guard (docs/architecture/drift.md): anchor records, the
+    # regularizer, drift figures and the auto-promotion check. Off
+    # (--no-drift-guard, or DREAMSTAGE_DRIFT_GUARD=off, which the test suite
+    # sets for the tests that are not about drift) jobs train without them.
+    drift_guard: bool = field(default_factory=lambda: os.environ.get("DREAMSTAGE_DRIFT_GUARD", "on") != "off")
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:

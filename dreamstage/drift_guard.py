@@ -1,0 +1,118 @@
+"""A job's drift guard: the anchor records, the regularizer's windows, the
+drift figures, and the promotion rule that reads them.
+
+The scheduler (dreamer.py) owns the engine-thread calls; this module decides
+what they are. One guard per job:
+
+1. `record()` (steps): the base's answers on the shipped anchors plus the
+   job's own (`anchors`), adapter off; cached across jobs by prompt, since the
+   base model does not change while the process lives.
+2. `windows` / `order(epoch)`: the job's windows followed by one window per
+   anchor; each epoch visits every job window and `anchor_ratio` x as many
+   anchor windows (a rotating slice of the anchors, `drift.anchor_schedule`),
+   shuffled together. With the regularizer off no anchor window is visited.
+3. `note(window, receipt)` / `converged()`: the early stop on the job's own
+   windows' epoch loss (anchor windows do not count: they start near zero).
+4. `measure(trainer)` (steps): the shadow adapter's drift, copied to the
+   stage's served adapter (`Trainer.promote`, never set on the context for
+   serving) and decoded against the records.
+5. `promotion_decision`: promote="auto" needs the held-out loss no worse
+   and anchors_changed <= max_drift.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+from dreamstage.drift import Drift, DriftProbe, anchor_schedule, anchor_windows, load_anchors
+from dreamstage.examples import epoch_order
+
+
+class DriftGuard:
+    def __init__(self, resident, spec, train_windows: Sequence[Any], *, seq_id: Callable[[], int | None],
+                 restore: Callable[[], None], cache: dict | None = None):
+        self.spec = spec
+        self.n_train = len(train_windows)
+        self.train_windows = list(train_windows)
+        self.probe = DriftProbe(resident, load_anchors(spec.anchors), seq_id=seq_id, restore=restore)
+        self.cache = cache
+        self.windows: list[Any] = list(train_windows)
+        self._anchor_pos: dict[int, int] = {}    # anchor index -> position in self.windows
+        self._loss = [0.0, 0]                    # the epoch's job-window loss sum and tokens
+        self.last_epoch_loss: float | None = None
+        self.drift: Drift | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.spec.anchor_ratio if self.spec.regularizer else 0.0
+
+    def record(self) -> Iterator[None]:
+        yield from self.probe.record(self.cache)
+        if self.ratio > 0:
+            self._anchor_pos = {}
+            fitting = anchor_windows(self.probe.bases, range(len(self.probe.bases)), self.spec.window)
+            for w in fitting:
+                self._anchor_pos[-1 - w.source] = len(self.windows)
+                self.windows.append(w)
+
+    def order(self, epoch: int) -> list[int]:
+        """Window indices (into `windows`) visited in `epoch`, in order."""
+        picked = [self._anchor_pos[a] for a in anchor_schedule(len(self.probe.bases), self.n_train, self.ratio,
+                                                              epoch, self.spec.seed) if a in self._anchor_pos]
+        visit = list(range(self.n_train)) + picked
+        return [visit[i] for i in epoch_order(len(visit), epoch, self.spec.seed)]
+
+    def anchor_windows_per_epoch(self) -> int:
+        return len(self.order(0)) - self.n_train
+
+    # -- early stop -----------------------------------------------------------------
+    def note(self, window_index: int, receipt: Any) -> None:
+        if window_index < self.n_train and getattr(receipt, "status", None) == "ok" and receipt.tokens:
+            self._loss[0] += receipt.loss * receipt.tokens
+            self._loss[1] += receipt.tokens
+
+    def converged(self) -> bool:
+        """At an epoch's end: whether the job's own windows' loss is below stop_loss. Starts the next epoch's sum."""
+        total, tokens = self._loss
+        self._loss = [0.0, 0]
+        self.last_epoch_loss = total / tokens if tokens else None
+        stop = self.spec.stop_loss
+        return stop is not None and self.last_epoch_loss is not None and self.last_epoch_loss < stop
+
+    # -- measurement ---------------------------------------------------------------
+    def measure(self, trainer) -> Iterator[None]:
+        """The shadow adapter's drift now (a Drift), one anchor per step."""
+        trainer.promote()                     # shadow -> the stage's own served copy, a llama_adapter_lora
+        self.drift = yield from self.probe.measure(trainer.served_adapter)
+        return self.drift
+
+
+def drift_figures(drift: Drift | None, max_drift: float, epoch: int | None = None) -> dict[str, Any] | None:
+    """The figures a job, its receipt and its adapter report."""
+    if drift is None:
+        return None
+    out = {**drift.as_dict(), "max_drift": max_drift}
+    if epoch is not None:
+        out["epoch"] = epoch
+    return out
+
+
+def drift_receipt(figures: dict[str, Any]) -> dict[str, Any]:
+    """The drift measurement as a job receipt (kind "drift"; not a micro-step)."""
+    return {"status": "ok", "kind": "drift", **figures, "message": ""}
+
+
+def promotion_decision(held_out: tuple[bool, str], drift: Drift | None, max_drift: float,
+                       measured_why: str | None = None) -> tuple[bool, str]:
+    """promote="auto": the held-out rule's verdict (jobs.auto_promote_decision)
+    and the drift rule together. When the measurement failed auto promotion
+    is refused: the guard exists so that unmeasured damage is not served."""
+    ok, why = held_out
+    if drift is None:
+        return False, f"{why}; drift not measured ({measured_why or 'no anchors'}); not promoted"
+    figures = (f"anchors_changed {drift.anchors_changed:.3f} ({drift.changed}/{drift.anchors}), "
+               f"drift_kl {drift.drift_kl:.4f}")
+    if drift.anchors_changed > max_drift + 1e-12:
+        return False, f"{why}; {figures} exceeds max_drift {max_drift:g}; not promoted"
+    if not ok:
+        return False, f"{why}; {figures}"
+    return True, f"{why}; {figures} within max_drift {max_drift:g}"
