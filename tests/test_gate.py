@@ -23,6 +23,12 @@ def rm(dream_resident):
 
 
 def _rss_kib() -> int:
+    """Resident memory in KiB, after glibc returned its freed heap pages: what
+    the planning step frees (the twin graph's metadata) must not count as kept."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc
+        pass
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
