@@ -26,6 +26,13 @@ def _check_bind(host: str, port: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # libllama first, before anything imports numpy: on the H200 machine's image
+    # (numpy 2.5.2 with its bundled OpenBLAS and libgfortran), a process that had
+    # imported numpy first crashed (SIGSEGV) in llama_model_load_from_file, even
+    # with no layer offloaded; loading our libraries first did not. The cause is
+    # not identified; docs/architecture/gpu.md records the experiment.
+    from dreamstage import native  # noqa: PLC0415
+    native.lib()
     from dreamstage.dreamer import default_state_dir  # noqa: PLC0415
     from dreamstage.server.app import create_app  # noqa: PLC0415
     from dreamstage.server.service import Service, run_uvicorn  # noqa: PLC0415
