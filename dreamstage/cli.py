@@ -26,7 +26,7 @@ def _check_bind(host: str, port: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from dreamstage.dreamer import default_state_dir  # noqa: PLC0415
+    from dreamstage.training.store import default_state_dir  # noqa: PLC0415
     from dreamstage.server.app import create_app  # noqa: PLC0415
     from dreamstage.server.service import Service, run_uvicorn  # noqa: PLC0415
     from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415

@@ -109,7 +109,7 @@ def progress_fraction(job: dict) -> tuple[int, int]:
     p = job.get("progress") or {}
     windows, epochs = p.get("windows") or 0, p.get("epochs") or 1
     total = windows * epochs
-    done = min(total, (p.get("epoch") or 0) * windows + (p.get("window") or 0)) if total else 0
+    done = min(total, (p.get("epoch") or 0) * windows + (p.get("window_in_epoch") or 0)) if total else 0
     if job.get("state") == "done":
         done = total
     return done, total

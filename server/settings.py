@@ -5,24 +5,7 @@ from dataclasses import dataclass, field
 
 from dreamstage.resident import KV_TYPES, ResidentConfig
 from dreamstage.server.security import SecurityPolicy, is_loopback
-
-
-@dataclass(frozen=True)
-class JobLimits:
-    """What one POST /train may cost, counted on what will actually run.
-
-    Breaking one is a 413 (this job is too big) or 422 (the queue is full)
-    naming the limit and its value; each has a `serve` flag."""
-    max_job_examples: int = 100_000       # examples after groups are expanded (one per completion)
-    max_example_tokens: int = 262_144     # rendered tokens of one source example, over all its windows
-    max_job_tokens: int = 2_000_000       # rendered tokens of the whole job (train and held out)
-    max_queued_jobs: int = 16             # jobs waiting to start
-    max_queued_tokens: int = 4_000_000    # rendered tokens the waiting jobs hold in memory
-
-    def validate(self) -> None:
-        for name, value in vars(self).items():
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+from dreamstage.training.submit import JobLimits
 
 
 @dataclass(frozen=True)

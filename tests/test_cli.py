@@ -12,8 +12,8 @@ import pytest
 
 from dreamstage import cli
 from dreamstage.client import eta_s, format_duration, progress_line
-from dreamstage.jobs import JobStore
-from dreamstage.trainspec import parse_train_request
+from dreamstage.training.spec import parse_train_request
+from dreamstage.training.store import JobStore
 
 
 class Clock:
@@ -38,7 +38,7 @@ def running_job(store, windows: int = 4, epochs: int = 5, epoch: int = 1, window
     store.transition(jid, "starting")
     store.transition(jid, "running")
     store.clock_.t += elapsed
-    store.update_progress(jid, windows=windows, epoch=epoch, window=window)
+    store.update_progress(jid, windows=windows, epoch=epoch, window_in_epoch=window)
     return store.get(jid)
 
 
@@ -52,7 +52,7 @@ def test_eta_is_the_rate_so_far_on_the_servers_clock(store):
 def test_no_eta_before_the_first_window_or_when_not_running(store):
     job = running_job(store, epoch=0, window=0)
     assert eta_s(job) is None and "ETA" not in progress_line(job)
-    store.update_progress(job["id"], window=2)
+    store.update_progress(job["id"], window_in_epoch=2)
     assert eta_s(store.get(job["id"])) is not None
     store.transition(job["id"], "paused")
     assert eta_s(store.get(job["id"])) is None

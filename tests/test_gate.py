@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dreamstage import native
-from dreamstage.receipts import DreamError, Receipt
-from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.training.receipts import DreamError, Receipt
+from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 

@@ -5,25 +5,21 @@ import threading
 
 import pytest
 
-from dreamstage.jobs import (
-    RECEIPT_FIELDS,
+from dreamstage.training.examples import TrainWindow
+from dreamstage.training.receipts import RECEIPT_FIELDS
+from dreamstage.training.served import auto_promote_decision
+from dreamstage.training.spec import parse_train_request
+from dreamstage.training.store import (
     STATES,
     TERMINAL,
     TRANSITIONS,
     AdapterNotFound,
     InvalidTransition,
     JobNotFound,
-    JobRun,
     JobStore,
-    Walk,
-    auto_promote_decision,
     check_transition,
-    chunk_after_refusal,
-    ladder,
-    next_chunk,
 )
-from dreamstage.examples import TrainWindow
-from dreamstage.trainspec import parse_train_request
+from dreamstage.training.walk import JobRun, Walk, chunk_after_refusal, ladder, next_chunk
 
 
 @dataclasses.dataclass
@@ -213,7 +209,7 @@ def test_receipts_are_stored_unchanged_and_refusals_carry_their_figures(store):
         assert r["refused_need_mib"] > r["refused_allowance_mib"] and r["refused_chunk_pos"] is not None
         assert r["message"]
     p = job["progress"]
-    assert (p["step"], p["tokens"], p["refusals"], p["chunk"]) == (2, 32, 2, 16)
+    assert (p["step"], p["tokens"], p["refusals"], p["current_chunk"]) == (2, 32, 2, 16)
     assert p["train_tok_s"] == pytest.approx(32 / 0.016)
     assert job["memory"] == {"graph_mib": 3.0, "context_mib": 1.25, "adapter_mib": 0.5,
                              "optimizer_mib": 1.0, "walk_mib": 0.0}
@@ -248,8 +244,11 @@ def test_window_and_epoch_losses_come_from_the_receipts(store):
     assert p["train_loss_per_epoch"] == [pytest.approx(2.55), 1.0] and p["eval_loss_per_epoch"] == [None, 1.5]
     assert p["train_loss"] == 1.0 and p["eval_loss"] == 1.5
     assert store.end_window(jid) is None                         # an empty window changes no loss
-    store.update_progress(jid, window=3, windows=9)
-    assert store.get(jid)["progress"]["windows"] == 9
+    store.update_progress(jid, window_in_epoch=3, windows=9)
+    assert store.get(jid)["progress"]["windows"] == 9 and store.get(jid)["progress"]["window_in_epoch"] == 3
+    with pytest.raises(ValueError, match=r"unknown progress fields \['window'\]"):
+        store.update_progress(jid, window=4)                     # the old name of window_in_epoch
+    assert "window" not in store.get(jid)["progress"]
     with pytest.raises(ValueError, match="not set directly"):
         store.update_progress(jid, _ema=1.0)
 
@@ -437,7 +436,7 @@ class FakeTrainer:
 
 
 def drive(store, jid, trainer, text_tokens):
-    from dreamstage.examples import render_job
+    from dreamstage.training.examples import render_job
 
     class Tok:  # text needs tokenize only
         bos, eos = 0, 1
@@ -472,7 +471,7 @@ def test_a_job_runs_through_the_ladder_to_done(store):
     assert job["state"] == "done" and events[-1] == "done"
     assert [r["refused_chunk_tokens"] for r in job["refusals"]] == [64, 32]   # 64 -> 32 -> 16 fits
     p = job["progress"]
-    assert p["chunk"] == 16 and p["windows"] == 3 and p["epoch"] == 2 and p["windows_done"] == 6
+    assert p["current_chunk"] == 16 and p["windows"] == 3 and p["epoch"] == 2 and p["windows_done"] == 6
     assert p["tokens"] == 2 * 149 and len(p["train_loss_per_epoch"]) == 2 and p["eval_loss"] is None
 
 

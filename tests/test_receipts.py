@@ -1,5 +1,5 @@
 """Receipts as the job stores them: a negative allowance is explained, never shown."""
-from dreamstage.receipts import Receipt
+from dreamstage.training.receipts import Receipt
 
 
 def refused(allowance, message="chunk at 0 (32 tokens) needs 40.00 MiB more on CPU"):

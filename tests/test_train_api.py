@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dreamstage.examples import held_out_sources
-from dreamstage.jobs import RECEIPT_FIELDS
 from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
+from dreamstage.training.examples import held_out_sources
+from dreamstage.training.receipts import RECEIPT_FIELDS
 
 FACT_PROMPT = "The secret password of the moon base is"
 FACT = " Quokka-42."
@@ -224,7 +224,7 @@ def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering
     job = wait_job(http, r.json()["id"], finished)
     assert job["state"] == "done", job["message"]
     assert [x["chunk"] for x in job["refusals"]] == [64]
-    assert job["progress"]["chunk"] == 32 and job["progress"]["step"] >= 2
+    assert job["progress"]["current_chunk"] == 32 and job["progress"]["step"] >= 2
 
 
 def test_an_exact_job_reports_its_horizon_pass_and_walk_memory(server, http):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
 
 TEXT = "The dream stage trains a small adapter between decode batches, on the same context. "
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"

@@ -4,7 +4,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from dreamstage.trainspec import (
+from dreamstage.training.spec import (
     CONTEXT_CACHE_TYPES,
     ChatExample,
     PromptCompletion,

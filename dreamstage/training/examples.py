@@ -43,7 +43,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
-from dreamstage.trainspec import ChatExample, JobSpec, PromptCompletion, SourcedExample, TextExample
+from dreamstage.training.spec import ChatExample, JobSpec, PromptCompletion, SourcedExample, TextExample
 
 # llama.cpp's own fallback when a GGUF carries no template.
 CHATML_TEMPLATE = (

@@ -5,12 +5,16 @@ unchanged into JSON, the job store and the HTTP API. Sizes are MiB, times ms.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
 
-from dreamstage.native import DreamReceiptC
+if TYPE_CHECKING:               # the job store reads receipts without loading the native library
+    from dreamstage.native import DreamReceiptC
 
 STATUS_NAMES = {0: "ok", 1: "refused", 2: "error"}
+RECEIPT_STATUSES = tuple(STATUS_NAMES.values())
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,21 @@ class Receipt:
         why = (f"nothing is left for the job: the memory gate keeps {slack_mib:g} MiB free, and {source} "
                f"is {short:.2f} MiB below that slack, so the allowance is 0 MiB")
         return replace(self, refused_allowance_mib=0.0, message=f"{why}; {self.message}" if self.message else why)
+
+
+# The canonical field names, in the C struct's order: the one list in Python.
+RECEIPT_FIELDS = tuple(f.name for f in fields(Receipt))
+MEMORY_FIELDS = ("graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "walk_mib")
+
+
+def receipt_dict(receipt: Any) -> dict[str, Any]:
+    """A receipt (dataclass or mapping) as the JSON dict we store, unchanged."""
+    d = dataclasses.asdict(receipt) if dataclasses.is_dataclass(receipt) else dict(receipt)
+    status = d.get("status")
+    if status not in RECEIPT_STATUSES:
+        raise ValueError(f"receipt status {status!r} is not one of {', '.join(RECEIPT_STATUSES)}")
+    json.dumps(d, allow_nan=True)  # refuse what cannot be stored, here and not mid-transaction
+    return d
 
 
 class DreamError(RuntimeError):
