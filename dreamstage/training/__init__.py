@@ -7,6 +7,7 @@ One module per concern (the serving half is `dreamstage.engine`,
 - `examples`: examples into token windows and loss masks (chat template, fit);
 - `submit`: the submit use case (validate, render, limits, commit, enqueue);
 - `store`: the job state machine and its SQLite store (jobs, receipts, adapter versions);
+- `schema`: the store's SQLite schema and its migrations;
 - `progress`: receipts folded into a job's progress figures;
 - `walk`: the walk over a job's windows and the chunk ladder;
 - `scheduler`: `DreamScheduler`, the engine's hook that runs the queue;

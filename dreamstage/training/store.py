@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterator, Mapping
 from dreamstage.training.adapters import file_sha256
 from dreamstage.training.progress import close_epoch, close_window, fold_receipt, new_progress, public_progress
 from dreamstage.training.receipts import receipt_dict
-from dreamstage.training.spec import JobSpec, TrainRequest, check_adapter_name
+from dreamstage.training.schema import SCHEMA, SchemaTooNew, migrate
+from dreamstage.training.spec import SPEC_VERSION, JobSpec, TrainRequest, check_adapter_name
 
 STATES = ("queued", "starting", "running", "paused", "done", "cancelled", "refused", "error", "interrupted")
 ACTIVE = ("starting", "running", "paused")
@@ -51,60 +52,6 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 STARTING_FIELDS = ("context_cache_type", "chunk", "recompute", "exact", "horizon", "window")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    state TEXT NOT NULL,
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
-    started REAL,
-    finished REAL,
-    message TEXT,
-    request TEXT NOT NULL,
-    out TEXT NOT NULL,
-    context_cache_type TEXT NOT NULL,
-    chunk INTEGER NOT NULL,
-    recompute INTEGER NOT NULL,
-    exact INTEGER NOT NULL,
-    horizon INTEGER,
-    window INTEGER NOT NULL,
-    progress TEXT NOT NULL,
-    pacing TEXT,
-    adapter_name TEXT,
-    adapter_version INTEGER
-);
-CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, id);
-CREATE TABLE IF NOT EXISTS receipts (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id INTEGER NOT NULL REFERENCES jobs(id),
-    seq INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    at REAL NOT NULL,
-    body TEXT NOT NULL,
-    UNIQUE(job_id, seq)
-);
-CREATE TABLE IF NOT EXISTS adapters (
-    name TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    path TEXT NOT NULL,
-    created REAL NOT NULL,
-    job_id INTEGER REFERENCES jobs(id),
-    eval_loss REAL,
-    sha256 TEXT,
-    PRIMARY KEY (name, version)
-);
--- One row per promotion; its id is the served version number that every
--- completion reports. Rollback marks the current row rolled back, which makes
--- the previous live row (or the base model, version 0) current again.
-CREATE TABLE IF NOT EXISTS promotions (
-    served_version INTEGER PRIMARY KEY AUTOINCREMENT,
-    name TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    at REAL NOT NULL,
-    rolled_back_at REAL,
-    FOREIGN KEY (name, version) REFERENCES adapters(name, version)
-);
-"""
 
 
 def default_state_dir() -> Path:
@@ -170,10 +117,13 @@ class JobStore:
         self._closed = False
         conn = self._conn()
         conn.execute("PRAGMA journal_mode=WAL")
-        conn.executescript(_SCHEMA)
-        # Stores made before adapters carried a checksum: add the column (NULL: not recorded).
-        if "sha256" not in {r[1] for r in conn.execute("PRAGMA table_info(adapters)")}:
-            conn.execute("ALTER TABLE adapters ADD COLUMN sha256 TEXT")
+        conn.executescript(SCHEMA)
+        try:
+            with self._write() as c:
+                self.schema_found = migrate(c, str(self.path), self.clock())
+        except SchemaTooNew as e:
+            self.close()
+            raise JobError(str(e)) from None
         self.recovered = self._recover()
 
     # -- connections --------------------------------------------------------
@@ -265,17 +215,19 @@ class JobStore:
         return [r["id"] for r in rows]
 
     # -- jobs ----------------------------------------------------------------
-    def submit(self, request: TrainRequest) -> dict[str, Any]:
-        """Store a validated request as a queued job, committed durably."""
-        spec = request.to_job_spec()
+    def submit(self, request: TrainRequest, spec: JobSpec | None = None) -> dict[str, Any]:
+        """Store a validated request as a queued job, committed durably, with
+        its spec (`request.to_job_spec()` unless given) as the job will run."""
+        spec = spec if spec is not None else request.to_job_spec()
         now = self.clock()
         body = request.model_dump_json(exclude_none=True)
         with self._write() as c:
             cur = c.execute(
                 "INSERT INTO jobs (state, created, updated, request, out, context_cache_type, chunk, recompute,"
-                " exact, horizon, window, progress) VALUES ('queued', ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?)",
+                " exact, horizon, window, progress, spec, spec_version)"
+                " VALUES ('queued', ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (now, now, body, spec.context_cache_type, spec.chunk, int(spec.recompute), int(spec.exact),
-                 spec.horizon, spec.window, json.dumps(new_progress(spec))),
+                 spec.horizon, spec.window, json.dumps(new_progress(spec)), spec.to_stored(), SPEC_VERSION),
             )
             job_id = cur.lastrowid
             c.execute("UPDATE jobs SET out=? WHERE id=?", (spec.out or f"job-{job_id}", job_id))
@@ -294,8 +246,16 @@ class JobStore:
         return TrainRequest.model_validate_json(self._row(job_id)["request"])
 
     def spec(self, job_id: int) -> JobSpec:
-        """The job's spec, re-derived from the stored request."""
-        return self.request(job_id).to_job_spec()
+        """The job's spec as it was derived at submit (never re-derived: a
+        changed default does not change a job already accepted)."""
+        row = self._row(job_id)
+        if row["spec"] is None:
+            raise JobError(f"job {job_id} has no stored spec (its request no longer validated when the store "
+                           "was upgraded)")
+        try:
+            return JobSpec.from_stored(row["spec"], row["spec_version"])
+        except ValueError as e:
+            raise JobError(f"job {job_id}: {e}") from None
 
     def transition(self, job_id: int, target: str, message: str | None = None) -> str:
         """Move a job to `target` if the table allows it; returns the prior state."""

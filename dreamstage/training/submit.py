@@ -90,7 +90,7 @@ class JobSubmitter:
         with self._lock:
             self._check_queue()
             self._check_tokens(rendered)
-            job = self.store.submit(req)             # committed (fsynced) before it returns
+            job = self.store.submit(req, spec)       # committed (fsynced) before it returns, spec and all
             self.scheduler.notify_submitted(job["id"], rendered)
         return job
 

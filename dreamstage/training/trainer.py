@@ -55,7 +55,6 @@ from dreamstage.owner import NativeOwner
 from dreamstage.training.receipts import DreamError, Receipt
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-CACHE_TYPES = ("q8_0", "q4_0", "f16", "f32")
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,8 @@ class Trainer(NativeOwner):
         self.lora = lora = lora or LoraConfig()
         self.optimizer = opt = optimizer or OptimizerConfig()
         lora.validate()
-        if cache_type not in CACHE_TYPES:
-            raise ValueError(f"context_cache_type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
+        if cache_type not in native.context_cache_types():
+            raise ValueError(f"context_cache_type {cache_type!r} is not one of {', '.join(native.context_cache_types())}")
         self.resident = resident
         self.cache_type = cache_type
         self.L = L = native.lib()
