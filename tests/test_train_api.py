@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -22,7 +23,6 @@ from dreamstage.training.receipts import RECEIPT_FIELDS
 
 FACT_PROMPT = "The secret password of the moon base is"
 FACT = " Quokka-42."
-LEARNED: dict = {}   # the adapter the auto-promotion test trained, for the --adapter test
 
 
 def settings(state_dir, **kw) -> ServerSettings:
@@ -259,9 +259,12 @@ def test_an_exact_job_reports_its_horizon_pass_and_walk_memory(server, http):
     assert job["memory"]["walk_mib"] == 48 * 30 * 2 * 192 * 4 / 2**20 and job["progress"]["horizon"] == 32
 
 
-def test_auto_promotion_teaches_a_made_up_fact(server, http):
+@pytest.fixture(scope="module")
+def moon(server, http, tmp_path_factory):
+    """The made-up fact taught by one auto-promoted job on the module's server,
+    once, for whichever test asks first; its adapter file is copied aside so the
+    --adapter test has it however it is run (alone, or after the others)."""
     before = complete(http, FACT_PROMPT)
-    assert "Quokka" not in before["choices"][0]["text"] and before["adapter_version"] == 0
     # two sources, one held out: the paraphrase; the held-out loss decides the promotion
     seed = next(s for s in range(100) if held_out_sources([0, 1], 0.5, s) == {1})
     examples = [{"prompt": FACT_PROMPT, "completion": FACT},
@@ -271,20 +274,27 @@ def test_auto_promotion_teaches_a_made_up_fact(server, http):
     assert r.status_code == 202, r.text
     job = wait_job(http, r.json()["id"], finished, timeout=900)
     assert job["state"] == "done", job["message"]
+    after = complete(http, FACT_PROMPT)
+    listing = http.get("/adapters").json()
+    saved = tmp_path_factory.mktemp("moon") / "moon.gguf"
+    shutil.copyfile(Path(server.service.settings.state_dir) / listing["served"]["path"], saved)
+    return {"before": before, "job": job, "after": after, "listing": listing, "path": str(saved),
+            "text": after["choices"][0]["text"]}
+
+
+def test_auto_promotion_teaches_a_made_up_fact(server, http, moon):
+    before, job, after, listing = moon["before"], moon["job"], moon["after"], moon["listing"]
+    assert "Quokka" not in before["choices"][0]["text"] and before["adapter_version"] == 0
     p = job["progress"]
     assert len(p["eval_loss_per_epoch"]) == 10 and p["eval_loss"] < p["eval_loss_per_epoch"][0]
     assert p["train_loss_per_epoch"][-1] < p["train_loss_per_epoch"][0] / 2
     assert job["adapter"]["promoted"] and "promoted as served version" in job["message"]
     version = job["adapter"]["served_version"]
-    after = complete(http, FACT_PROMPT)
     assert "Quokka-42" in after["choices"][0]["text"], after
     assert after["adapter_version"] == version == http.get("/health").json()["adapter_version"]
-    listing = http.get("/adapters").json()
     assert listing["served"]["name"] == "moon" and listing["served_version"] == version
     # Paths in responses are relative to the state directory (no absolute paths leave the server).
     assert listing["served"]["path"] == "adapters/moon/v1.gguf"
-    LEARNED.update(path=str(Path(server.service.settings.state_dir) / listing["served"]["path"]),
-                   text=after["choices"][0]["text"])
 
     # the openai SDK sees the adapter version in the body and the header
     openai = pytest.importorskip("openai")
@@ -328,15 +338,13 @@ def test_auto_promotion_teaches_a_made_up_fact(server, http):
     assert again["adapter_version"] == version + 1 and again["choices"][0]["text"] == after["choices"][0]["text"]
 
 
-def test_adapter_flag_serves_a_lora_file_from_startup_and_a_restart_reloads_it(tmp_path):
-    if not LEARNED:
-        pytest.skip("needs the adapter the auto-promotion test trained")
+def test_adapter_flag_serves_a_lora_file_from_startup_and_a_restart_reloads_it(tmp_path, moon):
     state = tmp_path / "state"
     for _ in range(2):       # the second start finds the same bytes served: no new version
-        with BackgroundServer(settings(state, adapter=LEARNED["path"])) as srv:
+        with BackgroundServer(settings(state, adapter=moon["path"])) as srv:
             with httpx.Client(base_url=srv.url, timeout=600, headers=JSON) as c:
                 got = complete(c, FACT_PROMPT)
-                assert got["adapter_version"] == 1 and got["choices"][0]["text"] == LEARNED["text"]
+                assert got["adapter_version"] == 1 and got["choices"][0]["text"] == moon["text"]
                 listing = c.get("/adapters").json()
                 assert [(a["name"], a["version"]) for a in listing["adapters"]] == [("moon", 1)]
     with BackgroundServer(settings(state)) as srv:   # no flag: the promoted adapter reloads
