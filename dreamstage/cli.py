@@ -26,10 +26,10 @@ def _check_bind(host: str, port: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from dreamstage.training.store import default_state_dir  # noqa: PLC0415
     from dreamstage.server.app import create_app  # noqa: PLC0415
     from dreamstage.server.service import Service, run_uvicorn  # noqa: PLC0415
     from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
+    from dreamstage.training.store import default_state_dir  # noqa: PLC0415
 
     state_dir = None if args.no_train else (args.state_dir or str(default_state_dir()))
     limits = JobLimits(**{k: getattr(args, k) for k in JobLimits.__dataclass_fields__})

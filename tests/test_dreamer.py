@@ -208,6 +208,12 @@ def test_chunk_ladder_halves_on_refusal_and_keeps_every_receipt(tmp_path):
         assert r["refused_chunk_pos"] == 0 and r["refused_need_mib"] > r["refused_allowance_mib"]
     assert job["progress"]["current_chunk"] == 16 and job["progress"]["refusals"] == 2
     assert job["progress"]["tokens"] == 135          # nothing lost by the retries
+    # the process's figures for /metrics agree with the job's own
+    p, st = job["progress"], sched.stats
+    assert st.steps == {"refused": 2, "ok": p["step"]} and st.refusals == {"memory_gate": 2}
+    assert (st.walked_tokens, st.loss_tokens, st.step.n) == (p["walked"], p["tokens"], p["step"])
+    assert st.pause.n >= p["step"] + 2 and st.memory_mib["graph"] == job["memory"]["graph_mib"]
+    assert st.train_tok_s == pytest.approx(p["train_tok_s"])
 
 
 def test_nothing_fits_ends_refused_with_the_ladder_in_refusals(tmp_path):
@@ -228,6 +234,7 @@ def test_a_refusal_at_construction_is_a_receipt_not_a_crash(tmp_path):
     job = store.get(jid)
     assert job["state"] == "refused"
     assert job["refusals"][0]["refused_need_mib"] == 9.0 and "allowance" in job["message"]
+    assert sched.stats.refusals == {"memory_gate": 1} and sched.stats.steps == {}
 
 
 def test_pause_stops_micro_steps_resume_continues_cancel_frees_the_trainer(tmp_path):

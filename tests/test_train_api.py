@@ -196,6 +196,44 @@ def test_two_chat_streams_finish_while_a_job_trains(server, http):
     assert http.post(f"/train/{jid}/cancel").json()["state"] == "cancelled"
 
 
+def scrape(http) -> dict[str, float]:
+    """GET /metrics as {'name{labels}': value}."""
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_metrics_report_the_dream_stage(http):
+    before = scrape(http)
+    assert http.post("/train", json={"text": LESSON, "windw": 32}).status_code == 422
+    r = http.post("/train", json={"text": LESSON, "window": 32, "chunk": 16, "rank": 4, "promote": "never",
+                                  "max_pause_ms": 0})
+    job = wait_job(http, r.json()["id"], finished)
+    assert job["state"] == "done", job["message"]
+    after = scrape(http)
+    p = job["progress"]
+
+    def moved(key):
+        return after[key] - before.get(key, 0.0)
+
+    assert moved('dreamstage_dream_steps_total{status="ok"}') == p["step"] > 0
+    assert moved("dreamstage_dream_tokens_total") == p["walked"]
+    assert moved("dreamstage_dream_loss_tokens_total") == p["tokens"]
+    assert moved("dreamstage_dream_step_seconds_count") == p["step"]
+    assert moved("dreamstage_dream_step_seconds_sum") == pytest.approx(p["train_ms"] / 1000.0)
+    assert moved("dreamstage_dream_pause_seconds_count") >= p["step"]
+    assert after["dreamstage_dream_train_tokens_per_second"] == pytest.approx(p["train_tok_s"])
+    assert 0 < after["dreamstage_dream_loss"] < 20
+    for part in ("graph", "context", "adapter", "optimizer", "walk"):
+        assert after[f'dreamstage_dream_memory_mib{{part="{part}"}}'] == job["memory"][f"{part}_mib"]
+    assert moved('dreamstage_train_submissions_refused_total{code="invalid_value"}') == 1
+    assert after["dreamstage_adapter_version"] == http.get("/health").json()["adapter_version"]
+    assert after["dreamstage_dream_active_job"] == 0
+
+
 def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering(http):
     # max_pause_ms 0: no pause bound, so every step asks for the job's own chunk and the memory ladder decides
     body = {"text": LESSON * 3, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never",

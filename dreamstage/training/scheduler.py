@@ -31,6 +31,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterator
 
+from dreamstage.stats import DreamStats
 from dreamstage.training.examples import RenderedJob, render_job
 from dreamstage.training.pacing import DEFAULT_IDLE_GRACE_S, Pacer
 from dreamstage.training.receipts import Receipt
@@ -122,6 +123,7 @@ class DreamScheduler:
         self._closing: list[Any] = []   # trainers of the job in progress (closed if the server stops)
         self._unrecorded: dict[int, str] = {}   # job -> error message the store could not take yet
         self._stepping = False          # the engine thread is inside the job's next()
+        self.stats = DreamStats()       # engine thread writes; /metrics reads
 
     # -- any thread ------------------------------------------------------------------
     def notify_submitted(self, job_id: int, rendered: RenderedJob | None = None) -> None:
@@ -321,6 +323,7 @@ class DreamScheduler:
         finally:
             self._stepping = False
             seconds = self.clock() - t0             # the whole pause serving saw, store writes included
+            self.stats.pause.observe(seconds)
             if pacer is not None:
                 waited = 0.0
                 if active_slots == 0 and engine.queue_depth:
@@ -415,6 +418,8 @@ class DreamScheduler:
             receipt = getattr(e, "receipt", None)
             if receipt is not None:
                 receipt = clear_receipt(receipt, spec)
+                if getattr(receipt, "status", "") == "refused":
+                    self.stats.count_refusal("memory_gate")   # the job's training cache did not fit
                 store.append_receipt(jid, receipt)
             state = "refused" if receipt is not None and getattr(receipt, "status", "") == "refused" else "error"
             yield from self._end(jid, state, f"the dream stage could not start: {getattr(receipt, 'message', '') or e}")
@@ -439,6 +444,7 @@ class DreamScheduler:
                                       other_load=load_average, cores=os.cpu_count())
         self._figures_at = self.clock()
         store.transition(jid, "running")
+        self.stats.job_started()
         yield                                           # from here on the pacer decides each step
         notes: list[str] = []
         eval_before = None
@@ -458,6 +464,7 @@ class DreamScheduler:
                 trainer.begin_window(window.tokens, window.mask)
                 begun = (step.epoch, step.order_pos)
             receipt = clear_receipt(self._threads.run(threads, trainer.micro_step), spec)
+            self.stats.record(receipt)
             self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0)   # for the shaper
                               if receipt.status == "ok" else None)
             try:

@@ -71,12 +71,21 @@ class JobSubmitter:
         self.store, self.scheduler, self.tokenizer = store, scheduler, tokenizer
         self.limits = limits or JobLimits()
         self._lock = threading.Lock()
+        self.refused: dict[str, int] = {}      # bodies refused, by SubmitRefused.code (for /metrics)
 
     def submit(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Accept one POST /train body; returns the committed job's view.
 
         Raises SubmitRefused (nothing stored), or OSError / sqlite3.Error when
         the state directory cannot take the job (nothing stored either)."""
+        try:
+            return self._submit(body)
+        except SubmitRefused as e:
+            with self._lock:
+                self.refused[e.code] = self.refused.get(e.code, 0) + 1
+            raise
+
+    def _submit(self, body: Mapping[str, Any]) -> dict[str, Any]:
         try:
             req = parse_train_request(body)
         except ValidationError as e:
