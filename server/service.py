@@ -51,8 +51,7 @@ def run_uvicorn(service: "Service", app, *, host: str, port: int, log_level: str
 
 class Service:
     def __init__(self, settings: ServerSettings, hook: DreamHook | None = None):
-        settings.validate()
-        self.settings = settings
+        self.settings = settings      # checked when it was made (ServerSettings validates itself)
         self.model = ResidentModel(settings.resident_config())
         # Built before the engine thread starts: after that, only it calls llama.
         self.chat = ChatTemplate.for_model(self.model)
