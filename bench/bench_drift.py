@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from drift_facts import EVAL_FACTS, UNSEEN_PROMPTS, chat_examples  # noqa: E402
 
-from dreamstage.dreamer import native_trainer  # noqa: E402
-from dreamstage.drift import (  # noqa: E402
+from dreamstage.training.scheduler import native_trainer  # noqa: E402
+from dreamstage.training.drift import (  # noqa: E402
     DriftProbe, _Decoder, anchor_schedule, anchor_windows, load_anchors, prompt_tokens, run_steps, set_context_adapter,
 )
-from dreamstage.examples import epoch_order, render_job  # noqa: E402
+from dreamstage.training.examples import epoch_order, render_job  # noqa: E402
 from dreamstage.resident import ResidentConfig, ResidentModel  # noqa: E402
-from dreamstage.trainspec import parse_train_request  # noqa: E402
+from dreamstage.training.spec import parse_train_request  # noqa: E402
 
 ALL_ATTN = "attn_q,attn_k,attn_v,attn_output"
 # name: (lr, epochs, rank, targets, anchor_ratio, stop_loss)

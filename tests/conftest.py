@@ -1,12 +1,40 @@
+import json
 import os
+from pathlib import Path
 
 import pytest
+
+# The drift guard records the base's answers on the anchor prompts once per
+# server, measures every finished job against them (tens of seconds on two
+# cores) and its regularizer adds anchor windows to each epoch. The tests that
+# are not about drift run without it; tests/test_drift.py turns it on.
+os.environ.setdefault("DREAMSTAGE_DRIFT_GUARD", "false")
 
 # The drift guard records the base's answers on the anchor prompts once per
 # server and measures every finished job against them (tens of seconds on two
 # cores) and its regularizer adds anchor windows to each epoch. The tests that
 # are not about drift run without it; tests/test_drift.py turns it on.
 os.environ.setdefault("DREAMSTAGE_DRIFT_GUARD", "off")
+
+
+@pytest.fixture
+def record_result(tmp_path):
+    """Write a test's measured figures as JSON (name -> path written).
+
+    Into tmp_path: a test run never rewrites the tracked files under
+    bench/results/. To refresh those, name the directory explicitly:
+    DREAMSTAGE_RECORD_RESULTS=bench/results pytest tests/test_trainer.py
+    """
+    out = Path(os.environ.get("DREAMSTAGE_RECORD_RESULTS") or tmp_path / "results")
+
+    def record(name: str, data: dict) -> Path:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{name}.json"
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        assert json.loads(path.read_text()) == data      # what a reader of the file gets is what was measured
+        return path
+
+    return record
 
 
 @pytest.fixture(scope="session")

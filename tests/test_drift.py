@@ -10,14 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dreamstage.dreamer import DreamScheduler, ServedAdapters
-from dreamstage.drift import (
-    DriftProbe, _Decoder, _log_softmax, anchor_schedule, load_anchors, prompt_tokens, run_steps, set_context_adapter,
+from dreamstage.training.drift import (
+    Drift, DriftProbe, _Decoder, _log_softmax, anchor_schedule, load_anchors, prompt_tokens, run_steps,
+    set_context_adapter,
 )
-from dreamstage.drift_guard import promotion_decision
-from dreamstage.drift import Drift
-from dreamstage.jobs import TERMINAL, JobStore
-from dreamstage.trainspec import parse_train_request
+from dreamstage.training.drift_guard import promotion_decision
+from dreamstage.training.scheduler import DreamScheduler
+from dreamstage.training.served import ServedAdapters
+from dreamstage.training.spec import parse_train_request
+from dreamstage.training.store import TERMINAL, JobStore
 
 TEST_FACTS = [
     ("What is the capital of Brenholt?", "The capital of Brenholt is Varnesse.", "Varnesse"),
@@ -41,7 +42,7 @@ def small_probe(dream_resident):
 
 
 def test_adapter_off_and_a_zero_adapter_measure_no_drift(dream_resident, small_probe):
-    from dreamstage.trainer import LoraConfig, Trainer
+    from dreamstage.training.trainer import LoraConfig, Trainer
     off = run_steps(small_probe.measure(None))
     assert off.anchors_changed == 0 and off.drift_kl < 1e-6 and off.tokens > 0
     tr = Trainer(dream_resident, LoraConfig(rank=4, targets="attn_q,attn_v"), window=128, chunk=128)
@@ -56,7 +57,7 @@ def test_adapter_off_and_a_zero_adapter_measure_no_drift(dream_resident, small_p
 def test_drift_matches_a_full_vocabulary_reference(dream_resident, small_probe):
     """KL from the top-K records against the exact KL over the whole vocabulary
     (both sides' full logits, NumPy), and `changed` against the argmax directly."""
-    from dreamstage.trainer import LoraConfig, Trainer
+    from dreamstage.training.trainer import LoraConfig, Trainer
     tr = Trainer(dream_resident, LoraConfig(rank=4, targets="attn_q,attn_v"), window=128, chunk=128)
     try:
         v = tr.lora_parameters()

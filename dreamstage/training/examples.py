@@ -43,13 +43,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
-from dreamstage.trainspec import ChatExample, JobSpec, PromptCompletion, SourcedExample, TextExample
-
-# llama.cpp's own fallback when a GGUF carries no template.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+from dreamstage.chat import FALLBACK_TEMPLATE
+from dreamstage.training.spec import ChatExample, JobSpec, PromptCompletion, SourcedExample, TextExample
 
 
 class Tokenizer(Protocol):
@@ -196,7 +191,7 @@ class ChatRenderer:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
 
         self.tok = tok
-        source = template if template is not None else (tok.chat_template() or CHATML_TEMPLATE)
+        source = template if template is not None else (tok.chat_template() or FALLBACK_TEMPLATE)
         bos_text = tok.detokenize([tok.bos], special=True) if tok.bos >= 0 else ""
         eos_text = tok.detokenize([tok.eos], special=True) if tok.eos >= 0 else ""
         try:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Sequence
 
-from dreamstage.drift import Drift, DriftProbe, anchor_schedule, anchor_windows, load_anchors
-from dreamstage.examples import epoch_order
+from dreamstage.training.drift import Drift, DriftProbe, anchor_schedule, anchor_windows, load_anchors
+from dreamstage.training.examples import epoch_order
 
 
 class DriftGuard:

@@ -34,8 +34,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from dreamstage.examples import ChatRenderer, TrainWindow
-from dreamstage.trainspec import ChatExample, Message
+from dreamstage.training.examples import ChatRenderer, TrainWindow
+from dreamstage.training.spec import ChatExample, Message
 
 # Tokens of each base answer recorded: long enough that a changed fact or a
 # changed wording shows, short enough that one anchor is one short decode.
