@@ -107,13 +107,16 @@ def test_guard_fields_are_validated_by_name():
 
 
 def test_promotion_rule_needs_held_out_and_drift():
-    d = lambda changed: Drift(drift_kl=0.01, anchors_changed=changed / 40, changed=changed, anchors=40, tokens=900)
-    assert promotion_decision((True, "nothing held out"), d(1), 0.05)[0]
-    ok, why = promotion_decision((True, "nothing held out"), d(3), 0.05)
-    assert not ok and "anchors_changed 0.075 (3/40)" in why and "max_drift 0.05" in why
-    assert not promotion_decision((False, "held-out loss worse"), d(0), 0.05)[0]
-    ok, why = promotion_decision((True, "x"), None, 0.05, "the probe failed")
-    assert not ok and "not measured" in why
+    def d(changed):
+        return Drift(drift_kl=0.01, anchors_changed=changed / 40, changed=changed, anchors=40, tokens=900)
+    assert promotion_decision(None, None, d(2), 0.05)[0]                 # 2/40 = 0.05: within
+    ok, why = promotion_decision(None, None, d(3), 0.05)
+    assert not ok and "anchors_changed 0.075 (3/40)" in why and "exceeds max_drift 0.05" in why
+    ok, why = promotion_decision(1.0, 1.2, d(0), 0.05)
+    assert not ok and "held-out loss 1.2000 is worse than 1.0000" in why
+    assert promotion_decision(1.0, 0.9, d(0), 0.05)[0]
+    ok, why = promotion_decision(None, None, None, 0.05, "the probe failed")
+    assert not ok and "drift not measured (the probe failed)" in why
 
 
 # -- jobs on the default model ----------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """A job's drift guard: the anchor records, the regularizer's windows, the
 drift figures, and the promotion rule that reads them.
 
-The scheduler (dreamer.py) owns the engine-thread calls; this module decides
-what they are. One guard per job:
+The scheduler (scheduler.py) owns the engine-thread calls; this module
+decides what they are. One guard per job:
 
 1. `record()` (steps): the base's answers on the shipped anchors plus the
    job's own (`anchors`), adapter off; cached across jobs by prompt, since the
@@ -11,13 +11,15 @@ what they are. One guard per job:
    anchor; each epoch visits every job window and `anchor_ratio` x as many
    anchor windows (a rotating slice of the anchors, `drift.anchor_schedule`),
    shuffled together. With the regularizer off no anchor window is visited.
-3. `note(window, receipt)` / `converged()`: the early stop on the job's own
-   windows' epoch loss (anchor windows do not count: they start near zero).
-4. `measure(trainer)` (steps): the shadow adapter's drift, copied to the
-   stage's served adapter (`Trainer.promote`, never set on the context for
-   serving) and decoded against the records.
-5. `promotion_decision`: promote="auto" needs the held-out loss no worse
+3. `measure(trainer)` (steps): the shadow adapter's drift, copied to the
+   stage's own served adapter (`Trainer.promote`; never set on the context
+   for serving) and decoded against the records.
+4. `promotion_decision`: promote="auto" needs the held-out loss no worse
    and anchors_changed <= max_drift.
+
+`OwnLoss` is the early stop: the job's own windows' epoch loss below
+`stop_loss` ends training (anchor windows do not count: their loss starts
+near zero, being the base's own answers).
 """
 from __future__ import annotations
 
@@ -37,9 +39,8 @@ class DriftGuard:
         self.cache = cache
         self.windows: list[Any] = list(train_windows)
         self._anchor_pos: dict[int, int] = {}    # anchor index -> position in self.windows
-        self._loss = [0.0, 0]                    # the epoch's job-window loss sum and tokens
-        self.last_epoch_loss: float | None = None
         self.drift: Drift | None = None
+        self.failure: str | None = None          # why the measurement failed, if it did
 
     @property
     def ratio(self) -> float:
@@ -64,20 +65,6 @@ class DriftGuard:
     def anchor_windows_per_epoch(self) -> int:
         return len(self.order(0)) - self.n_train
 
-    # -- early stop -----------------------------------------------------------------
-    def note(self, window_index: int, receipt: Any) -> None:
-        if window_index < self.n_train and getattr(receipt, "status", None) == "ok" and receipt.tokens:
-            self._loss[0] += receipt.loss * receipt.tokens
-            self._loss[1] += receipt.tokens
-
-    def converged(self) -> bool:
-        """At an epoch's end: whether the job's own windows' loss is below stop_loss. Starts the next epoch's sum."""
-        total, tokens = self._loss
-        self._loss = [0.0, 0]
-        self.last_epoch_loss = total / tokens if tokens else None
-        stop = self.spec.stop_loss
-        return stop is not None and self.last_epoch_loss is not None and self.last_epoch_loss < stop
-
     # -- measurement ---------------------------------------------------------------
     def measure(self, trainer) -> Iterator[None]:
         """The shadow adapter's drift now (a Drift), one anchor per step."""
@@ -101,18 +88,50 @@ def drift_receipt(figures: dict[str, Any]) -> dict[str, Any]:
     return {"status": "ok", "kind": "drift", **figures, "message": ""}
 
 
-def promotion_decision(held_out: tuple[bool, str], drift: Drift | None, max_drift: float,
-                       measured_why: str | None = None) -> tuple[bool, str]:
-    """promote="auto": the held-out rule's verdict (jobs.auto_promote_decision)
-    and the drift rule together. When the measurement failed auto promotion
-    is refused: the guard exists so that unmeasured damage is not served."""
-    ok, why = held_out
+def summary(drift: Drift) -> str:
+    return (f"anchors_changed {drift.anchors_changed:.3f} ({drift.changed}/{drift.anchors}), "
+            f"drift_kl {drift.drift_kl:.4f}")
+
+
+def promotion_decision(eval_before: float | None, eval_after: float | None, drift: Drift | None,
+                       max_drift: float, failure: str | None = None) -> tuple[bool, str]:
+    """promote="auto" with the guard on: the held-out loss no worse than before
+    training (when something is held out) and anchors_changed <= max_drift.
+    An unmeasured drift refuses: the guard exists so that unmeasured damage is
+    not served."""
+    if eval_before is None or eval_after is None:
+        held, held_ok = "nothing held out", True
+    else:
+        held_ok = eval_after <= eval_before
+        held = f"held-out loss {eval_after:.4f} {'is no worse than' if held_ok else 'is worse than'} {eval_before:.4f}"
     if drift is None:
-        return False, f"{why}; drift not measured ({measured_why or 'no anchors'}); not promoted"
-    figures = (f"anchors_changed {drift.anchors_changed:.3f} ({drift.changed}/{drift.anchors}), "
-               f"drift_kl {drift.drift_kl:.4f}")
+        return False, f"{held}; drift not measured ({failure or 'no anchors'}); not promoted"
     if drift.anchors_changed > max_drift + 1e-12:
-        return False, f"{why}; {figures} exceeds max_drift {max_drift:g}; not promoted"
-    if not ok:
-        return False, f"{why}; {figures}"
-    return True, f"{why}; {figures} within max_drift {max_drift:g}"
+        return False, f"{held}; {summary(drift)} exceeds max_drift {max_drift:g}; not promoted"
+    if not held_ok:
+        return False, f"{held}; {summary(drift)}; not promoted"
+    return True, f"{held}; {summary(drift)} within max_drift {max_drift:g}"
+
+
+class OwnLoss:
+    """The early stop on the job's own windows (indices below n_job_windows)."""
+
+    def __init__(self, n_job_windows: int, stop_loss: float | None):
+        self.n_job, self.stop_loss = n_job_windows, stop_loss
+        self._sum, self._tokens = 0.0, 0
+        self.last: float | None = None
+
+    def note(self, window_index: int, receipt: Any) -> None:
+        if window_index < self.n_job and getattr(receipt, "status", None) == "ok" and receipt.tokens:
+            self._sum += receipt.loss * receipt.tokens
+            self._tokens += receipt.tokens
+
+    def converged(self) -> bool:
+        """At an epoch's end: whether its loss is below stop_loss. Starts the next epoch's sum."""
+        self.last = self._sum / self._tokens if self._tokens else None
+        self._sum, self._tokens = 0.0, 0
+        return self.stop_loss is not None and self.last is not None and self.last < self.stop_loss
+
+    def stop_note(self, epochs_done: int) -> str:
+        return (f"stopped after epoch {epochs_done}: the examples' training loss {self.last:.4f} "
+                f"is below stop_loss {self.stop_loss:g}")
