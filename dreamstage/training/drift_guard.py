@@ -23,10 +23,13 @@ near zero, being the base's own answers).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterator, Sequence
 
 from dreamstage.training.drift import Drift, DriftProbe, anchor_schedule, anchor_windows, load_anchors
 from dreamstage.training.examples import epoch_order
+
+log = logging.getLogger("dreamstage.drift")
 
 
 class DriftGuard:
@@ -64,6 +67,27 @@ class DriftGuard:
 
     def anchor_windows_per_epoch(self) -> int:
         return len(self.order(0)) - self.n_train
+
+    def record_or_fail(self) -> Iterator[None]:
+        """record(); a failure is kept (`failure`) and the job trains on without
+        anchor windows: auto promotion then refuses, naming it."""
+        try:
+            yield from self.record()
+        except Exception as e:  # noqa: BLE001 - a failed record must not cost the job
+            log.exception("recording the anchors failed")
+            self.failure = f"recording the anchors failed: {type(e).__name__}: {e}"
+
+    def measure_or_fail(self, trainer) -> Iterator[None]:
+        """measure() (a Drift), or None after a failure (kept in `failure`):
+        the trained adapter is saved either way."""
+        if self.failure is not None:
+            return None
+        try:
+            return (yield from self.measure(trainer))
+        except Exception as e:  # noqa: BLE001
+            log.exception("the drift measurement failed")
+            self.failure = f"the drift measurement failed: {type(e).__name__}: {e}"
+            return None
 
     # -- measurement ---------------------------------------------------------------
     def measure(self, trainer) -> Iterator[None]:

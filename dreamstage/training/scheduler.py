@@ -453,11 +453,7 @@ class DreamScheduler:
         yield                                           # from here on the pacer decides each step
         guard = self._drift_guard(spec, rendered, engine)
         if guard is not None:
-            try:
-                yield from guard.record()               # the base's anchor answers, one anchor per step
-            except Exception as e:  # noqa: BLE001 - the job trains on; auto promotion will refuse, naming this
-                log.exception("job %s: recording the anchors failed", jid)
-                guard.failure = f"recording the anchors failed: {type(e).__name__}: {e}"
+            yield from guard.record_or_fail()           # the base's anchor answers, one anchor per step
         run = JobRun(store, jid, spec, guard.windows if guard else rendered.train, guard.order if guard else None)
         own = OwnLoss(len(rendered.train), spec.stop_loss)
         notes: list[str] = []
@@ -505,8 +501,9 @@ class DreamScheduler:
                     yield
                     break
             yield
-        if guard is not None:
-            yield from self._measure_drift(jid, spec, guard, trainer, run.walk.epoch)
+        if guard is not None and (drift := (yield from guard.measure_or_fail(trainer))) is not None:
+            store.append_receipt(jid, drift_receipt(drift_figures(drift, spec.max_drift, run.walk.epoch)))
+            self.stats.record_drift(jid, drift)
         progress = store.get(jid)["progress"]
         message = yield from self._finish(jid, spec, trainer, progress["eval_loss"], eval_before, guard)
         yield from self._end(jid, "done", "; ".join([message, *notes]))
@@ -560,21 +557,6 @@ class DreamScheduler:
         served = self.switch.served
         return DriftGuard(self.resident, spec, rendered.train, seq_id=lend, cache=self._anchor_records,
                           restore=lambda: set_context_adapter(self.resident, served.handle))
-
-    def _measure_drift(self, jid: int, spec: JobSpec, guard: DriftGuard, trainer, epoch: int) -> Iterator[None]:
-        """The shadow adapter's drift, stored as a receipt (kind "drift") that
-        also sets the job's progress.drift. A failure is kept on the guard: auto
-        promotion then refuses, naming it."""
-        if guard.failure is not None:
-            return
-        try:
-            drift = yield from guard.measure(trainer)
-        except Exception as e:  # noqa: BLE001 - a failed measurement must not lose the trained adapter
-            log.exception("job %s: drift measurement failed", jid)
-            guard.failure = f"{type(e).__name__}: {e}"
-            return
-        self.store.append_receipt(jid, drift_receipt(drift_figures(drift, spec.max_drift, epoch)))
-        self.stats.record_drift(jid, drift)
 
     def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before, guard=None) -> Iterator[None]:
         """Save the shadow adapter as a new version; promote per the job's rule. Returns the message."""
