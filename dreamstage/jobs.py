@@ -53,6 +53,7 @@ RECEIPT_FIELDS = (
     "status", "step", "window", "chunk", "chunk_pos", "chunk_tokens", "context_cache_type", "recompute", "exact",
     "horizon", "walk_pass", "loss", "tokens", "ms", "graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "walk_mib",
     "refused_chunk_pos", "refused_chunk_tokens", "refused_need_mib", "refused_allowance_mib", "message",
+    "group_reply",
 )
 RECEIPT_STATUSES = ("ok", "refused", "error")
 MEMORY_FIELDS = ("graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "walk_mib")

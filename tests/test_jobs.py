@@ -53,6 +53,7 @@ class Receipt:
     refused_need_mib: float | None = None
     refused_allowance_mib: float | None = None
     message: str | None = None
+    group_reply: int = -1
 
 
 def refused(chunk, pos=0):

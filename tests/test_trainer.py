@@ -69,7 +69,8 @@ def test_receipt_fields_and_json(rm):
         assert list(d) == ["status", "step", "window", "chunk", "chunk_pos", "chunk_tokens", "context_cache_type",
                            "recompute", "exact", "horizon", "walk_pass", "loss", "tokens", "ms", "graph_mib", "context_mib",
                            "adapter_mib", "optimizer_mib", "walk_mib", "refused_chunk_pos", "refused_chunk_tokens",
-                           "refused_need_mib", "refused_allowance_mib", "message"]
+                           "refused_need_mib", "refused_allowance_mib", "message", "group_reply"]
+        assert r.group_reply == -1
     assert recs[1].step == recs[0].step + 1
     assert recs[1].optimizer_mib > 0
 

@@ -24,6 +24,7 @@ void dream_receipt_start(const dream_stage & ds, dream_receipt & r) {
     r.walk_mib = (double) ds.walk_bytes / DREAM_MIB;
     r.refused_chunk_pos = -1;
     r.refused_chunk_tokens = 0;
+    r.group_reply = -1;
 }
 
 void dream_receipt_message(dream_receipt & r, const char * fmt, ...) {
