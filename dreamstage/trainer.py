@@ -221,28 +221,38 @@ class Trainer(NativeOwner):
                 break
         return out
 
-    def begin_group(self, prefix, replies) -> None:
+    def begin_group(self, prefix, replies, share_prefix: bool = True) -> None:
         """Start a shared-prefix group instead of a window (dream_group_begin).
 
         ``prefix``: the prompt's tokens; ``replies``: ``[(tokens, loss_mask, weight), ...]``,
         ``loss_mask[i]`` truthy trains the prediction of the reply's token i (its first
         token is predicted from the prompt's last). The group's loss is
         ``sum_g weight_g * mean CE(reply g) / G``: the mean of G separate windows
-        (prompt + reply g), each window's loss times its weight, in one update."""
+        (prompt + reply g), each window's loss times its weight, in one update.
+
+        ``share_prefix=False`` computes the same loss as G separate exact windows: the
+        native group then shares only the prompt's first token (its cells never
+        need a second pass), and each reply re-runs the rest of the prompt
+        (faster for one reply or a short prompt: dreamstage.groups.prefer_group)."""
         pre = np.ascontiguousarray(prefix, dtype=np.int32)
-        if pre.ndim != 1:
-            raise ValueError(f"prefix must be 1-D, got shape {pre.shape}")
+        if pre.ndim != 1 or len(pre) < 1:
+            raise ValueError(f"prefix must be 1-D with at least one token, got shape {pre.shape}")
         toks, masks, lens, weights = [], [], [], []
         for i, (t, m, w) in enumerate(replies):
             t, m = np.asarray(t, dtype=np.int32), np.asarray(m, dtype=np.uint8)
             if t.ndim != 1 or m.shape != t.shape:
                 raise ValueError(f"reply {i}: tokens {t.shape} and loss_mask {m.shape} must be 1-D of one length")
+            if not share_prefix:
+                t = np.concatenate([pre[1:], t]).astype(np.int32)
+                m = np.concatenate([np.zeros(len(pre) - 1, np.uint8), m])
             toks.append(t)
             masks.append(m)
             lens.append(len(t))
             weights.append(float(w))
         if not toks:
             raise ValueError("a group needs at least one reply")
+        if not share_prefix:
+            pre = np.ascontiguousarray(pre[:1])
         tok = np.ascontiguousarray(np.concatenate(toks), dtype=np.int32)
         msk = np.ascontiguousarray(np.concatenate(masks), dtype=np.uint8)
         ln = np.ascontiguousarray(lens, dtype=np.int32)
@@ -255,9 +265,9 @@ class Trainer(NativeOwner):
         if st != native.DREAM_STATUS_OK:
             raise ValueError(Receipt.from_c(r).message)
 
-    def train_group(self, prefix, replies) -> list[Receipt]:
+    def train_group(self, prefix, replies, share_prefix: bool = True) -> list[Receipt]:
         """begin_group, then micro-steps until the group ends or a step is not ok."""
-        self.begin_group(prefix, replies)
+        self.begin_group(prefix, replies, share_prefix)
         return self._steps_to_end()
 
     def group_reply_losses(self) -> list[float]:

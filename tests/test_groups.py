@@ -248,3 +248,33 @@ def test_a_horizon_stage_refuses_groups(tiny_resident, material):
     with _trainer(tiny_resident, chunk=8, window=len(prompt) + 40, exact=True, horizon=8) as tr:
         with pytest.raises(ValueError, match="horizon 8"):
             tr.begin_group(prompt, replies[:2])
+
+
+@pytest.mark.parametrize("chunk", [7, 16])
+def test_both_paths_and_the_cost_model_schedule(tiny_resident, material, chunk):
+    """share_prefix=False (G separate exact windows in one update) gives the same
+    gradient; each path's micro-steps are exactly what dreamstage.groups predicts
+    for it (the cost model prices those lists)."""
+    from dreamstage.groups import group_steps, prefer_group, separate_steps
+    prompt, replies = material
+    replies = [(t, np.ones_like(m), w) for t, m, w in replies[:4]]
+    lens = [len(t) for t, _, _ in replies]
+    window = len(prompt) + max(lens)
+    out = {}
+    for share in (True, False):
+        with _trainer(tiny_resident, chunk=chunk, window=window) as tr:
+            _with_random_b(tr)
+            receipts = tr.train_group(prompt, replies, share_prefix=share)
+            assert all(r.ok for r in receipts)
+            out[share] = (tr.gradients(), [(r.walk_pass, r.chunk_tokens) for r in receipts], tr.group_reply_losses())
+    assert out[True][1] == group_steps(len(prompt), lens, chunk)
+    assert out[False][1] == separate_steps(len(prompt), lens, chunk, exact=True)
+    err = rel_l2(out[False][0], out[True][0])
+    report(f"share_prefix off vs on, chunk {chunk}: gradient rel L2 {err:.2e}; steps {len(out[False][1])} vs "
+           f"{len(out[True][1])}")
+    assert err <= 1e-5
+    assert np.allclose(out[False][2], out[True][2], rtol=1e-5)
+    # the measured model: one reply never pays, a long prompt with many replies does
+    assert not prefer_group(512, [16], 256, exact=True)
+    assert prefer_group(512, [16] * 8, 256, exact=True)
+    assert not prefer_group(2, [64] * 4, 256, exact=True)

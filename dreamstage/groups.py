@@ -1,0 +1,112 @@
+"""When a shared-prefix group pays: the micro-steps of each path and a measured cost model.
+
+A group of G replies to one prompt of P tokens can train as one group walk
+(`Trainer.train_group`: the shared P - 1 cells forward once and backward once,
+each reply a child chunk) or as G separate windows (prompt + reply). Both give
+the same gradient in the exact walk; the group does P + G*D tokens of work
+instead of G*(P + D), but takes more micro-steps than one short window, and the
+shared cells run forward twice (once before the replies, once in their
+backward). So it loses for G = 1 and for short prompts, and wins big for long
+prompts (docs/benchmarks.md, bench/bench_groups.py).
+
+The choice is a cost model fitted to the micro-steps' own receipts: a step
+costs `fixed + per_token * tokens` ms, one line for forward-only steps and one
+for forward-and-backward steps. `prefer_group` lists each path's micro-steps
+exactly as the native walks schedule them and picks the cheaper.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """ms per micro-step: fixed + per_token * tokens, for forward-only and backward steps."""
+
+    fwd_fixed_ms: float
+    fwd_ms_per_token: float
+    bwd_fixed_ms: float
+    bwd_ms_per_token: float
+
+    def step_ms(self, kind: str, tokens: int) -> float:
+        if kind == "forward":
+            return self.fwd_fixed_ms + self.fwd_ms_per_token * tokens
+        return self.bwd_fixed_ms + self.bwd_ms_per_token * tokens
+
+
+# Fitted by fit_cost to every micro-step of bench/results/groups.json (default
+# model, rank 8 on attn_q/attn_v, q8_0 cache, one thread, the 2-core project
+# machine). Only the ratio of the two paths matters for the choice, so a faster
+# machine with the same shape of costs picks the same way.
+DEFAULT_COST = StepCost(fwd_fixed_ms=40.0, fwd_ms_per_token=6.6, bwd_fixed_ms=230.0, bwd_ms_per_token=13.7)
+
+
+def _chunks(lo: int, hi: int, chunk: int) -> list[int]:
+    """Sizes of the chunks covering [lo, hi) from lo."""
+    return [min(chunk, hi - p) for p in range(lo, hi, chunk)]
+
+
+def _reverse(lo: int, end: int, chunk: int) -> list[tuple[str, int]]:
+    """An exact reverse pass over [lo, end) on the chunk grid from lo: the forward
+    sweep up to the last chunk's start, then every chunk back to lo."""
+    if end <= lo:
+        return []
+    start = lo + ((end - 1 - lo) // chunk) * chunk
+    steps = [("forward", n) for n in _chunks(lo, start, chunk)]
+    return steps + [("backward", end - start)] + [("backward", n) for n in reversed(_chunks(lo, start, chunk))]
+
+
+def group_steps(n_prefix: int, reply_lengths: Sequence[int], chunk: int) -> list[tuple[str, int]]:
+    """The group walk's micro-steps (dream-groups.cpp) for fully labelled replies."""
+    shared = n_prefix - 1
+    steps = [("forward", n) for n in _chunks(0, shared, chunk)]
+    for d in reply_lengths:
+        steps += _reverse(shared, shared + d, chunk)
+    return steps + [("backward", n) for n in reversed(_chunks(0, shared, chunk))]
+
+
+def separate_steps(n_prefix: int, reply_lengths: Sequence[int], chunk: int, exact: bool) -> list[tuple[str, int]]:
+    """The micro-steps of G separate windows (prompt + reply, the prompt unlabelled)."""
+    steps: list[tuple[str, int]] = []
+    for d in reply_lengths:
+        n = n_prefix + d
+        if exact:
+            steps += _reverse(0, n - 1, chunk)   # the last token is never an input
+        else:
+            # the plain walk trains a chunk only when it has loss rows (rows >= n_prefix - 1)
+            steps += [("backward" if p + size > n_prefix - 1 else "forward", size)
+                      for p, size in zip(range(0, n, chunk), _chunks(0, n, chunk))]
+    return steps
+
+
+def predicted_ms(steps: Iterable[tuple[str, int]], cost: StepCost = DEFAULT_COST) -> float:
+    return sum(cost.step_ms(kind, n) for kind, n in steps)
+
+
+def prefer_group(n_prefix: int, reply_lengths: Sequence[int], chunk: int, exact: bool,
+                 cost: StepCost = DEFAULT_COST) -> bool:
+    """True when the group walk is predicted faster than separate windows (never for one reply)."""
+    if len(reply_lengths) < 2:
+        return False
+    return predicted_ms(group_steps(n_prefix, reply_lengths, chunk), cost) < \
+        predicted_ms(separate_steps(n_prefix, reply_lengths, chunk, exact), cost)
+
+
+def fit_cost(steps: Iterable[dict]) -> StepCost:
+    """Least squares of ms on tokens, per pass, over receipts' {"pass", "tokens", "ms"}."""
+    out = []
+    for kind in ("forward", "backward"):
+        rows = [(s["tokens"], s["ms"]) for s in steps if s["pass"] == kind]
+        if len(rows) < 2:
+            raise ValueError(f"fit_cost needs at least two {kind} steps, got {len(rows)}")
+        x, y = np.array(rows, dtype=np.float64).T
+        if x.max() < 2 * x.min():
+            # one size of step: no lever for a fixed cost, so the line goes through 0
+            slope, fixed = float(x @ y / (x @ x)), 0.0
+        else:
+            slope, fixed = np.polyfit(x, y, 1)
+        out += [max(float(fixed), 0.0), float(slope)]
+    return StepCost(*out)
