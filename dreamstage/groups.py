@@ -110,3 +110,87 @@ def fit_cost(steps: Iterable[dict]) -> StepCost:
             slope, fixed = np.polyfit(x, y, 1)
         out += [max(float(fixed), 0.0), float(slope)]
     return StepCost(*out)
+
+
+# -- rendered groups ---------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainGroup:
+    """One prompt and its weighted replies, ready for `Trainer.begin_group`.
+
+    `prefix` holds no loss token; reply g is `replies[g] = (tokens, mask, weight)`
+    with the mask convention of TrainWindow (mask[i] trains the prediction of
+    tokens[i]; a reply's first token is predicted from the prefix's last).
+    `share_prefix` is the cost model's pick (prefer_group) for the job's chunk."""
+
+    prefix: tuple[int, ...]
+    replies: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...]
+    source: int = 0
+    label: str = ""
+    share_prefix: bool = True
+
+    def __len__(self) -> int:
+        """Tokens the group holds (prompt once, every reply)."""
+        return len(self.prefix) + sum(len(t) for t, _, _ in self.replies)
+
+    @property
+    def n_targets(self) -> int:
+        return sum(sum(m) for _, m, _ in self.replies)
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest window (prompt + reply): what the training cache must hold."""
+        return len(self.prefix) + max(len(t) for t, _, _ in self.replies)
+
+    def structure(self) -> dict:
+        """What a receipt says about the group: prompt tokens, G, reply tokens, weights, the path."""
+        return {"label": self.label, "prefix_tokens": len(self.prefix), "G": len(self.replies),
+                "reply_tokens": [len(t) for t, _, _ in self.replies], "weights": [w for _, _, w in self.replies],
+                "shared_prefix": self.share_prefix}
+
+    def windows(self) -> list:
+        """The G separate windows (prompt + reply), e.g. for held-out loss."""
+        from dreamstage.examples import TrainWindow  # noqa: PLC0415 - examples imports this module
+        return [TrainWindow(self.prefix + t, (0,) * len(self.prefix) + m, self.source, self.label)
+                for t, m, _ in self.replies]
+
+
+def assemble_group(windows: Sequence, weights: Sequence[float], chunk: int, source: int = 0,
+                   label: str = "") -> TrainGroup:
+    """A group from G rendered windows of one prompt: the prefix is their common
+    first tokens up to the first trained one (so it carries no loss)."""
+    if not windows or len(windows) != len(weights):
+        raise ValueError(f"a group needs one weight per window, got {len(windows)} windows, {len(weights)} weights")
+    first = min(m.index(1) if 1 in m else len(m) for m in (tuple(w.mask) for w in windows))
+    toks = [tuple(w.tokens) for w in windows]
+    p = 0
+    while p < first and all(len(t) > p and t[p] == toks[0][p] for t in toks):
+        p += 1
+    if p < 1:
+        raise ValueError(f"{label or 'group'}: the windows share no first token")
+    replies = tuple((t[p:], tuple(w.mask)[p:], float(wt)) for t, w, wt in zip(toks, windows, weights))
+    lens = [len(t) for t, _, _ in replies]
+    return TrainGroup(toks[0][:p], replies, source, label, prefer_group(p, lens, chunk, exact=True))
+
+
+def group_by_prefix(windows: Sequence, chunk: int, min_prefix: int = 2) -> list:
+    """Plain windows whose rendered prefix (the tokens before their first trained
+    token) is the same, at least `min_prefix` long, become one group of unit
+    weights (in first-seen order); the others stay as they are."""
+    by_key: dict[tuple, list[int]] = {}
+    for i, w in enumerate(windows):
+        mask = tuple(w.mask)
+        first = mask.index(1) if 1 in mask else len(mask)
+        if first >= min_prefix:
+            by_key.setdefault(tuple(w.tokens[:first]), []).append(i)
+    grouped = {idx[0]: idx for idx in by_key.values() if len(idx) > 1}
+    members = {i for idx in grouped.values() for i in idx}
+    out = []
+    for i, w in enumerate(windows):
+        if i in grouped:
+            idx = grouped[i]
+            labels = sorted({windows[j].label for j in idx})
+            out.append(assemble_group([windows[j] for j in idx], [1.0] * len(idx), chunk, w.source,
+                                      labels[0] if len(labels) == 1 else f"{labels[0]} + {len(idx) - 1} sharing its prompt"))
+        elif i not in members:
+            out.append(w)
+    return out

@@ -278,3 +278,27 @@ def test_both_paths_and_the_cost_model_schedule(tiny_resident, material, chunk):
     assert not prefer_group(512, [16], 256, exact=True)
     assert prefer_group(512, [16] * 8, 256, exact=True)
     assert not prefer_group(2, [64] * 4, 256, exact=True)
+
+
+def test_rendered_windows_assemble_into_groups():
+    """Pure bookkeeping: the prefix stops before the first trained token of any
+    window, windows() gives the separate windows back, group_by_prefix joins
+    only windows with one rendered prompt of at least two tokens."""
+    from dreamstage.examples import TrainWindow
+    from dreamstage.groups import assemble_group, group_by_prefix
+    a = TrainWindow((1, 2, 3, 4, 5), (0, 0, 0, 1, 1), 0, "a")
+    b = TrainWindow((1, 2, 3, 7), (0, 0, 0, 1), 1, "b")
+    c = TrainWindow((1, 2, 9, 9), (0, 0, 1, 1), 2, "c")      # shares 2 tokens, trains from the third
+    d = TrainWindow((8, 2, 3), (0, 1, 1), 3, "d")           # a 1-token prompt: never grouped
+    g = assemble_group([a, b, c], [1.0, -2.0, 0.5], chunk=64, source=0, label="x")
+    assert g.prefix == (1, 2)
+    assert [r[0] for r in g.replies] == [(3, 4, 5), (3, 7), (9, 9)]
+    assert [r[2] for r in g.replies] == [1.0, -2.0, 0.5]
+    assert [(w.tokens, w.mask) for w in g.windows()] == [(x.tokens, x.mask) for x in (a, b, c)]
+    assert g.structure() == {"label": "x", "prefix_tokens": 2, "G": 3, "reply_tokens": [3, 2, 2],
+                             "weights": [1.0, -2.0, 0.5], "shared_prefix": False}
+    out = group_by_prefix([a, d, b, c], chunk=64)
+    assert [type(x).__name__ for x in out] == ["TrainGroup", "TrainWindow", "TrainWindow"]
+    assert out[0].prefix == (1, 2, 3) and len(out[0].replies) == 2 and out[1] is d and out[2] is c
+    with pytest.raises(ValueError, match="one weight per window"):
+        assemble_group([a, b], [1.0], chunk=64)
