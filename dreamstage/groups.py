@@ -133,6 +133,11 @@ class TrainGroup:
         return len(self.prefix) + sum(len(t) for t, _, _ in self.replies)
 
     @property
+    def tokens(self) -> tuple[int, ...]:
+        """The prompt once, then every reply (what the group holds in memory; limits count these)."""
+        return self.prefix + tuple(t for toks, _, _ in self.replies for t in toks)
+
+    @property
     def n_targets(self) -> int:
         return sum(sum(m) for _, m, _ in self.replies)
 
@@ -175,9 +180,11 @@ def assemble_group(windows: Sequence, weights: Sequence[float], chunk: int, sour
 def group_by_prefix(windows: Sequence, chunk: int, min_prefix: int = 2) -> list:
     """Plain windows whose rendered prefix (the tokens before their first trained
     token) is the same, at least `min_prefix` long, become one group of unit
-    weights (in first-seen order); the others stay as they are."""
+    weights (in first-seen order); the others, and groups, stay as they are."""
     by_key: dict[tuple, list[int]] = {}
     for i, w in enumerate(windows):
+        if isinstance(w, TrainGroup):
+            continue            # already a group: passes through
         mask = tuple(w.mask)
         first = mask.index(1) if 1 in mask else len(mask)
         if first >= min_prefix:

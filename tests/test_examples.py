@@ -373,15 +373,19 @@ def test_default_model_job_of_every_form(resident):
     by_label = {}
     for w in job.train:
         by_label.setdefault(w.label, []).append(w)
-        assert len(w) <= 48 and w.mask[0] == 0
+        for win in (w.windows() if hasattr(w, "replies") else [w]):
+            assert len(win) <= 48 and win.mask[0] == 0
     text = by_label["examples[0]"]
     n_text = len(resident.tokenize(spec.examples[0].example.text, True, False))
     assert len(text) > 1 and sum(w.n_targets for w in text) == n_text - 1
     (pc,) = by_label["examples[1]"]
     assert resident.detokenize([t for t, m in zip(pc.tokens, pc.mask) if m], True) == " plum" + resident.token_text(resident.eos)
-    group = by_label["examples[2].completions[0]"] + by_label["examples[2].completions[1]"]
-    assert [resident.detokenize([t for t, m in zip(w.tokens, w.mask) if m], True) for w in group] == \
+    # a group of completions is one shared-prefix group: the rendered prompt once, each reply after it
+    (group,) = by_label["examples[2]"]
+    assert [resident.detokenize([t for t, m in zip(w.tokens, w.mask) if m], True) for w in group.windows()] == \
         ["hello<|im_end|>", "hey<|im_end|>"]
+    assert resident.detokenize(list(group.prefix), True).endswith("<|im_start|>assistant\n")
+    assert [w for _, _, w in group.replies] == [1.0, 1.0] and all(m[0] == 1 for _, m, _ in group.replies)
 
 
 def test_examples_with_nothing_to_train_are_named():
