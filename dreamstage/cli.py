@@ -25,37 +25,71 @@ def _check_bind(host: str, port: int) -> None:
             raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+# `serve` flags that set a ServerSettings field of the same name. A flag not
+# given leaves the field to DREAMSTAGE_<FIELD>, else to ServerSettings' default.
+SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "batch", "threads", "kv_type", "adapter", "max_queue",
+                "max_body_bytes", "n_gpu_layers", "api_key")
+
+
+def serve_settings(args: argparse.Namespace):
+    """The ServerSettings `serve` runs with: flags, then the environment, then the defaults."""
+    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
+    from dreamstage.training.store import default_state_dir  # noqa: PLC0415
+
+    given = {k: getattr(args, k) for k in SERVE_FIELDS if getattr(args, k, None) is not None}
+    if args.allowed_host:
+        given["allowed_hosts"] = tuple(args.allowed_host)
+    if args.cors_origin:
+        given["cors_origins"] = tuple(args.cors_origin)
+    limits = {k: getattr(args, k) for k in JobLimits.__dataclass_fields__ if getattr(args, k) is not None}
+    if limits:
+        given["limits"] = limits
+    if args.no_train:
+        given["state_dir"] = None
+    elif args.state_dir:
+        given["state_dir"] = args.state_dir
+    settings = ServerSettings(**given)
+    if settings.state_dir is None and not args.no_train:      # neither a flag nor DREAMSTAGE_STATE_DIR
+        settings = ServerSettings(**given, state_dir=str(default_state_dir()))
+    return settings
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from dreamstage.dreamer import default_state_dir  # noqa: PLC0415
+    # libllama first, before anything imports numpy: on the H200 machine's image
+    # (numpy 2.5.2 with its bundled OpenBLAS and libgfortran), a process that had
+    # imported numpy first crashed (SIGSEGV) in llama_model_load_from_file, even
+    # with no layer offloaded; loading our libraries first did not. The cause is
+    # not identified; docs/architecture/gpu.md records the experiment.
+    from dreamstage import native  # noqa: PLC0415
+    native.lib()
+    from pydantic import ValidationError  # noqa: PLC0415
+
     from dreamstage.server.app import create_app  # noqa: PLC0415
     from dreamstage.server.service import Service, run_uvicorn  # noqa: PLC0415
-    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
+    from dreamstage.validation import field_errors  # noqa: PLC0415
 
-    state_dir = None if args.no_train else (args.state_dir or str(default_state_dir()))
-    limits = JobLimits(**{k: getattr(args, k) for k in JobLimits.__dataclass_fields__})
-    settings = ServerSettings(model=args.model, host=args.host, port=args.port, parallel=args.parallel,
-                              ctx=args.ctx, batch=args.batch, threads=args.threads, kv_type=args.kv_type,
-                              state_dir=state_dir, adapter=args.adapter, max_queue=args.max_queue,
-                              max_body_bytes=args.max_body_bytes, api_key=_api_key(args),
-                              allowed_hosts=tuple(args.allowed_host or ()), cors_origins=tuple(args.cors_origin or ()),
-                              limits=limits, n_gpu_layers=args.n_gpu_layers)
     try:
-        settings.validate()
-        _check_bind(args.host, args.port)
+        settings = serve_settings(args)
+        _check_bind(settings.host, settings.port)
         service = Service(settings)
+    except ValidationError as e:
+        print("dreamstage serve: " + "; ".join(m if p == "body" else f"{p}: {m}" for p, m in field_errors(e)),
+              file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
         print(f"dreamstage serve: {e}", file=sys.stderr)
         return 2
+    state_dir = settings.state_dir
     service.start()
     cfg = service.model.config
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
     training = f"jobs and adapters in {state_dir}" if state_dir else "training off"
-    print(f"dreamstage: serving {service.model_id} ({service.model.model_path}) at http://{host}:{args.port}/v1 "
+    print(f"dreamstage: serving {service.model_id} ({service.model.model_path}) at http://{host}:{settings.port}/v1 "
           f"- {cfg.n_seq} slots x {service.engine.slot_ctx} tokens, kv {cfg.kv_type}, "
           f"{cfg.n_threads or 'all'} threads; {training}; "
           f"{'API key required' if settings.api_key else 'no API key'} "
           f"(adapter version {service.engine.adapter_version})", flush=True)
-    run_uvicorn(service, create_app(service), host=args.host, port=args.port, log_level=args.log_level)
+    run_uvicorn(service, create_app(service), host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
 
 
@@ -121,7 +155,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     for key in ("epochs", "lr", "promote", "out", "window", "val_split", "chunk", "horizon"):
         if getattr(args, key) is not None:
             fields[key] = getattr(args, key)
-    for key in ("exact", "recompute"):
+    for key in ("exact", "recompute", "group_prefix"):
         if getattr(args, key):
             fields[key] = True
     with _client(args) as c:
@@ -188,6 +222,14 @@ def render_status(view: dict, ads: dict) -> str:
     return "\n".join(lines)
 
 
+def group_line(label: str, g: dict) -> str:
+    """One shared-prefix group of a job: its shape and each reply's loss (weight in brackets)."""
+    losses = ", ".join(f"{'-' if x is None else f'{x:.3f}'} [{w:g}]" for x, w in zip(g["reply_losses"], g["weights"]))
+    path = "prompt shared" if g.get("shared_prefix") else "prompt per reply (faster here)"
+    return (f"group {label}: prompt {g['prefix_tokens']} tokens, {g['G']} replies of {g['reply_tokens']} tokens, "
+            f"{path}; reply losses {losses}")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import httpx  # noqa: PLC0415
 
@@ -203,6 +245,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 for r in job.get("refusals", []):
                     print(f"  refused: chunk at {r['refused_chunk_pos']} ({r['refused_chunk_tokens']} tokens) "
                           f"needs {r['refused_need_mib']:.1f} MiB, allowance {r['refused_allowance_mib']:.1f} MiB")
+                for label, g in (job.get("progress") or {}).get("groups", {}).items():
+                    print(f"  {group_line(label, g)}")
                 return 0
             view, ads = c.train_overview(), c.adapters()
         except DreamstageError as e:
@@ -220,22 +264,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="version, pinned llama.cpp, patches, backends and devices")
     p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("serve", help="serve the resident model")
+    p = sub.add_parser("serve", help="serve the resident model",
+                       description="Each option may also be set as DREAMSTAGE_<OPTION> (e.g. DREAMSTAGE_PORT=9000, "
+                                   "DREAMSTAGE_LIMITS__MAX_QUEUED_JOBS=4); a flag wins over the environment.")
+    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
+    default = {k: f.default for k, f in ServerSettings.model_fields.items()}
     p.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--parallel", type=int, default=4, help="slots decoded together (default 4)")
-    p.add_argument("--ctx", type=int, default=4096, help="total context; each slot gets ctx/parallel (default 4096)")
-    p.add_argument("--batch", type=int, default=512, help="tokens per decode batch (default 512)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all cores)")
-    p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=-1, metavar="N",
-                   help="layers stored on the GPU in a GPU build (default -1: all; 0: none)")
-    p.add_argument("--kv-type", default="f16", help="serving K/V cache type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
+    p.add_argument("--host", default=None, help=f"bind address (default {default['host']}: loopback only)")
+    p.add_argument("--port", type=int, default=None, help=f"(default {default['port']})")
+    p.add_argument("--parallel", type=int, default=None, help=f"slots decoded together (default {default['parallel']})")
+    p.add_argument("--ctx", type=int, default=None,
+                   help=f"total context; each slot gets ctx/parallel (default {default['ctx']})")
+    p.add_argument("--batch", type=int, default=None, help=f"tokens per decode batch (default {default['batch']})")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=None, metavar="N",
+                   help=f"layers stored on the GPU in a GPU build (default {default['n_gpu_layers']}: all; 0: none)")
+    p.add_argument("--kv-type", default=None, help=f"serving K/V cache type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, "
+                                                   f"q4_0 (default {default['kv_type']})")
     p.add_argument("--state-dir", default=None,
                    help="where the dream stage keeps jobs and adapters (default ~/.local/share/dreamstage)")
     p.add_argument("--adapter", default=None, metavar="PATH",
                    help="a GGUF LoRA to serve from startup (imported into the state directory as a new version)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help=f"requests waiting for a slot before 503 (default {default['max_queue']})")
     p.add_argument("--no-train", action="store_true", help="serve only: no /train, no adapters, no state directory")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $DREAMSTAGE_API_KEY); "
@@ -245,15 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Host header name accepted besides localhost/127.0.0.1/::1 (repeatable)")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="an origin (https://app.example) that gets CORS headers (repeatable; default none)")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 (default 4 MiB)")
-    from dreamstage.server.settings import JobLimits  # noqa: PLC0415
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help=f"larger request bodies get 413 (default {default['max_body_bytes']})")
     for name, f in JobLimits.__dataclass_fields__.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=f.default,
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None,
                        help=f"training limit (default {f.default})")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("train", help="post a JSONL file of examples to POST /train")
-    p.add_argument("file", help="JSONL: one example per line (text, prompt/completion, messages, or a group)")
+    p.add_argument("file", help="JSONL: one example per line (text, prompt/completion, messages, or a group: "
+                                "{prompt | messages, completions: [text or {text | message, weight}]})")
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
     p.add_argument("--wait", action="store_true", help="poll until the job ends, with a progress bar on stderr")
@@ -269,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--horizon", type=int, default=None,
                    help="with --exact: only the last H positions before a chunk receive its gradient (default: all)")
     p.add_argument("--recompute", action="store_true", help="activation checkpointing inside a chunk")
+    p.add_argument("--group-prefix", dest="group_prefix", action="store_true",
+                   help="examples with one rendered prompt train as one shared-prefix group (the prompt once)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="any other /train field, the value as JSON when it parses (e.g. --set rank=16)")
     p.set_defaults(fn=cmd_train)

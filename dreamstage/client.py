@@ -12,6 +12,12 @@ adapter_version and usage. Training: `train(examples, **fields)` posts a job,
 `train_state(id)` reads its receipts, `wait(id)` polls with a progress bar,
 `adapters()`, `promote(name)` and `rollback()` manage what serves. Errors come back as DreamstageError with the
 server's status, message and the field it names.
+
+Weighted replies to one prompt train as one shared-prefix group:
+
+    c.train([group_example(prompt="Q: 2+2?\nA:", completions=[(" 4", 1.0), (" 5", -0.5)])])
+
+`train_state(id)["progress"]["groups"]` then gives each group's per-reply losses.
 """
 from __future__ import annotations
 
@@ -22,8 +28,21 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
 import httpx
+from httpx_sse import EventSource
 
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
+
+
+def group_example(*, prompt: str | None = None, messages: list[dict] | None = None,
+                  completions: list, tools: list[dict] | None = None) -> dict:
+    """A group example for `train`: one prompt (text or chat messages) and its
+    completions, each a string (weight 1), a (text, weight) pair, or a dict
+    `{text | message, weight}` as POST /train takes it."""
+    out: dict = {"prompt": prompt} if prompt is not None else {"messages": messages}
+    if tools is not None:
+        out["tools"] = tools
+    out["completions"] = [{"text": c[0], "weight": float(c[1])} if isinstance(c, tuple) else c for c in completions]
+    return out
 
 
 class DreamstageError(RuntimeError):
@@ -89,14 +108,12 @@ def _completion(kind: str, obj: dict) -> Completion:
     return Completion(text, ch.get("finish_reason"), obj.get("adapter_version", 0), obj.get("usage", {}), obj)
 
 
-def _sse_payloads(lines) -> Iterator[dict]:
-    for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+def _payloads(events) -> Iterator[dict]:
+    """The JSON objects of an OpenAI-style token stream (httpx-sse parses the SSE framing)."""
+    for ev in events:
+        if ev.data == "[DONE]":
             return
-        yield json.loads(data)
+        yield json.loads(ev.data)
 
 
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -109,7 +126,7 @@ def progress_fraction(job: dict) -> tuple[int, int]:
     p = job.get("progress") or {}
     windows, epochs = p.get("windows") or 0, p.get("epochs") or 1
     total = windows * epochs
-    done = min(total, (p.get("epoch") or 0) * windows + (p.get("window") or 0)) if total else 0
+    done = min(total, (p.get("epoch") or 0) * windows + (p.get("window_in_epoch") or 0)) if total else 0
     if job.get("state") == "done":
         done = total
     return done, total
@@ -286,7 +303,7 @@ class Client:
             if r.status_code != 200:
                 r.read()
                 _raise_for(r.status_code, r.content, r.headers)
-            for obj in _sse_payloads(r.iter_lines()):
+            for obj in _payloads(EventSource(r).iter_sse()):
                 piece = state._piece(obj, kind)
                 if piece:
                     yield piece
@@ -335,13 +352,10 @@ class AsyncClient:
             if r.status_code != 200:
                 await r.aread()
                 _raise_for(r.status_code, r.content, r.headers)
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for ev in EventSource(r).aiter_sse():
+                if ev.data == "[DONE]":
                     break
-                piece = state._piece(json.loads(data), kind)
+                piece = state._piece(json.loads(ev.data), kind)
                 if piece:
                     yield piece
         self.last_stream = state

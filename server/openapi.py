@@ -96,7 +96,7 @@ _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
 
 def _bodies():
     from dreamstage.server.train_routes import PromoteBody  # noqa: PLC0415
-    from dreamstage.trainspec import TrainRequest  # noqa: PLC0415
+    from dreamstage.training.spec import TrainRequest  # noqa: PLC0415
     return {("post", "/train"): (TrainRequest, True), ("post", "/adapters/{name}/promote"): (PromoteBody, False)}
 
 

@@ -51,19 +51,20 @@ def run_uvicorn(service: "Service", app, *, host: str, port: int, log_level: str
 
 class Service:
     def __init__(self, settings: ServerSettings, hook: DreamHook | None = None):
-        settings.validate()
-        self.settings = settings
+        self.settings = settings      # checked when it was made (ServerSettings validates itself)
         self.model = ResidentModel(settings.resident_config())
         # Built before the engine thread starts: after that, only it calls llama.
         self.chat = ChatTemplate.for_model(self.model)
         self.model_id = settings.model_alias or self.model.model_path.stem
         # The dream stage (POST /train) needs a state directory for its jobs and adapters.
-        self.jobs = self.dream = None
+        self.jobs = self.dream = self.submitter = None
         if settings.state_dir is not None and hook is None:
-            from dreamstage.dreamer import DreamScheduler  # noqa: PLC0415
-            from dreamstage.jobs import JobStore  # noqa: PLC0415
+            from dreamstage.training.scheduler import DreamScheduler  # noqa: PLC0415
+            from dreamstage.training.store import JobStore  # noqa: PLC0415
+            from dreamstage.training.submit import JobSubmitter  # noqa: PLC0415
             self.jobs = JobStore(settings.state_dir)
             self.dream = hook = DreamScheduler(self.jobs, self.model)
+            self.submitter = JobSubmitter(self.jobs, self.dream, self.model, settings.limits)
         elif settings.adapter is not None:
             raise ValueError("--adapter needs a state directory (--state-dir) to keep its versions in")
         self.engine = Engine(self.model, max_queue=settings.max_queue, hook=hook)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dreamstage.examples import (
+from dreamstage.training.examples import (
     ChatRenderer,
     ExampleError,
     ExampleErrors,
@@ -20,7 +20,7 @@ from dreamstage.examples import (
     render_prompt_completion,
     text_windows,
 )
-from dreamstage.trainspec import ChatExample, Message, PromptCompletion, parse_train_request
+from dreamstage.training.spec import ChatExample, Message, PromptCompletion, parse_train_request
 
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -394,3 +394,21 @@ def test_examples_with_nothing_to_train_are_named():
         render_job(spec, FakeTokenizer(add_bos=False))
     (err,) = e.value.errors
     assert err.loc == ("examples", 1) and "fewer than 2 tokens" in err.message
+
+
+def test_group_prefix_joins_plain_examples_with_one_rendered_prompt(resident):
+    """group_prefix: plain examples whose rendered prompt is the same train as one
+    group of unit weights; without it (or with a different prompt) they stay windows."""
+    body = {"window": 64, "examples": [
+        {"prompt": "The capital of France is", "completion": " Paris."},
+        {"prompt": "The capital of France is", "completion": " a city on the Seine."},
+        {"prompt": "The capital of Spain is", "completion": " Madrid."},
+    ]}
+    plain = render_job(parse_train_request(body).to_job_spec(), resident)
+    assert [type(w).__name__ for w in plain.train] == ["TrainWindow"] * 3
+    joined = render_job(parse_train_request({**body, "group_prefix": True}).to_job_spec(), resident)
+    group, spain = joined.train
+    assert type(group).__name__ == "TrainGroup" and spain == plain.train[2]
+    assert [(w.tokens, w.mask) for w in group.windows()] == [(w.tokens, w.mask) for w in plain.train[:2]]
+    assert [w for _, _, w in group.replies] == [1.0, 1.0]
+    assert resident.detokenize(list(group.prefix), True).endswith("The capital of France is")

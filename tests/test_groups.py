@@ -39,7 +39,7 @@ def report(msg: str) -> None:
 
 
 def _trainer(resident, *, chunk, window, lr=0.0, accumulate=1, exact=False, horizon=-1):
-    from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
     # eps = 1: the AdamW step is a smooth function of g (see test_exact_walk.py)
     return Trainer(resident, LoraConfig(rank=RANK, alpha=ALPHA, targets=ref.TARGETS, seed=11),
                    cache_type="f32", window=window, chunk=chunk, exact=exact, horizon=horizon,
@@ -225,17 +225,21 @@ def test_bad_groups_are_refused_by_name(tiny_resident, material, case, needle):
         "bad_token": (prompt, [(np.array([10**7], np.int32), np.ones(1, np.uint8), 1.0)]),
     }[case]
     with _trainer(tiny_resident, chunk=16, window=len(prompt) + 40) as tr:
-        if case == "no_replies":
-            with pytest.raises(ValueError, match="at least one reply"):
+        if case in ("no_replies", "empty_prompt"):
+            with pytest.raises(ValueError, match="at least one reply" if case == "no_replies" else "at least one token"):
                 tr.begin_group(*args)
             # the native check too, past the Python one
             import ctypes
             from dreamstage import native
             r = native.DreamReceiptC()
-            p = np.ascontiguousarray(prompt, np.int32)
+            p = np.ascontiguousarray(prompt if case == "no_replies" else [1], np.int32)
+            t, m = np.ascontiguousarray(toks, np.int32), np.ascontiguousarray(mask, np.uint8)
+            n, w = np.array([len(toks)], np.int32), np.array([1.0], np.float32)
             i32 = ctypes.POINTER(ctypes.c_int32)
-            st = tr.L.dream_group_begin(tr._handle(), p.ctypes.data_as(i32), len(p), None, None, None, None, 0,
-                                        ctypes.byref(r))
+            args = (p.ctypes.data_as(i32), len(p), None, None, None, None, 0) if case == "no_replies" else \
+                (p.ctypes.data_as(i32), 0, t.ctypes.data_as(i32), m.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                 n.ctypes.data_as(i32), w.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1)
+            st = tr.L.dream_group_begin(tr._handle(), *args, ctypes.byref(r))
             assert st == native.DREAM_STATUS_ERROR and needle in r.message.decode()
             return
         with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
@@ -253,9 +257,9 @@ def test_a_horizon_stage_refuses_groups(tiny_resident, material):
 @pytest.mark.parametrize("chunk", [7, 16])
 def test_both_paths_and_the_cost_model_schedule(tiny_resident, material, chunk):
     """share_prefix=False (G separate exact windows in one update) gives the same
-    gradient; each path's micro-steps are exactly what dreamstage.groups predicts
+    gradient; each path's micro-steps are exactly what dreamstage.training.groups predicts
     for it (the cost model prices those lists)."""
-    from dreamstage.groups import group_steps, prefer_group, separate_steps
+    from dreamstage.training.groups import group_steps, prefer_group, separate_steps
     prompt, replies = material
     replies = [(t, np.ones_like(m), w) for t, m, w in replies[:4]]
     lens = [len(t) for t, _, _ in replies]
@@ -284,8 +288,8 @@ def test_rendered_windows_assemble_into_groups():
     """Pure bookkeeping: the prefix stops before the first trained token of any
     window, windows() gives the separate windows back, group_by_prefix joins
     only windows with one rendered prompt of at least two tokens."""
-    from dreamstage.examples import TrainWindow
-    from dreamstage.groups import assemble_group, group_by_prefix
+    from dreamstage.training.examples import TrainWindow
+    from dreamstage.training.groups import assemble_group, group_by_prefix
     a = TrainWindow((1, 2, 3, 4, 5), (0, 0, 0, 1, 1), 0, "a")
     b = TrainWindow((1, 2, 3, 7), (0, 0, 0, 1), 1, "b")
     c = TrainWindow((1, 2, 9, 9), (0, 0, 1, 1), 2, "c")      # shares 2 tokens, trains from the third

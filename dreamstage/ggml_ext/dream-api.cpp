@@ -45,7 +45,10 @@ static bool dream_validate(dream_stage & ds, std::string & err) {
         return false;
     };
     if (!dream_cache_type_from_name(p.context_cache_type, ds.cache_type)) {
-        return bad("context_cache_type '%s' is not one of q8_0, q4_0, f16, f32", p.context_cache_type ? p.context_cache_type : "(null)");
+        std::snprintf(buf, sizeof(buf), "context_cache_type '%s' is not one of %s",
+                      p.context_cache_type ? p.context_cache_type : "(null)", dream_context_cache_types());
+        err = buf;
+        return false;
     }
     if (p.rank <= 0) return bad("rank must be positive, got %d", p.rank);
     if (!(p.alpha > 0) || !std::isfinite(p.alpha)) return bad("alpha must be positive, got %g", (double) p.alpha);

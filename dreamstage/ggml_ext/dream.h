@@ -59,6 +59,24 @@ struct dream_receipt {
     int32_t group_reply;            // shared-prefix group: the reply this chunk walked, G for the shared prefix; -1: no group
 };
 
+// One member of a struct as this library was compiled: a binding compares
+// its own mirror of the struct with these, so a field added on one side only
+// fails when the library loads instead of shifting every later field.
+struct dream_field_layout {
+    const char * name;      // the member's name in this header
+    size_t       offset;    // offsetof(struct, member), bytes
+    size_t       size;      // sizeof(member), bytes
+};
+
+// The members of struct dream_receipt in declaration order. Returns their
+// count; *fields points at a static array owned by the library (never freed)
+// and *struct_size is sizeof(struct dream_receipt). Either pointer may be NULL.
+LLAMA_API int32_t dream_receipt_layout(const struct dream_field_layout ** fields, size_t * struct_size);
+
+// The training cache types dream_params.context_cache_type accepts, comma
+// separated in the order of preference ("q8_0,q4_0,f16,f32"); a static string.
+LLAMA_API const char * dream_context_cache_types(void);
+
 // Configuration of one dream stage (one training job on one context).
 struct dream_params {
     int32_t      rank;                // LoRA rank (8)

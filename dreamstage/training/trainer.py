@@ -1,7 +1,7 @@
 """The dream stage from Python: LoRA micro-steps on the resident context.
 
     from dreamstage.resident import ResidentModel
-    from dreamstage.trainer import Trainer, LoraConfig, OptimizerConfig
+    from dreamstage.training.trainer import Trainer, LoraConfig, OptimizerConfig
 
     rm = ResidentModel()
     tr = Trainer(rm, LoraConfig(rank=8, alpha=16, targets="attn_q,attn_v"),
@@ -46,16 +46,15 @@ Conventions the gradient oracle (tests/test_oracle.py) relies on:
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from dreamstage import native
 from dreamstage.owner import NativeOwner
-from dreamstage.receipts import DreamError, Receipt
+from dreamstage.training.receipts import DreamError, Receipt
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-CACHE_TYPES = ("q8_0", "q4_0", "f16", "f32")
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,8 @@ class Trainer(NativeOwner):
         self.lora = lora = lora or LoraConfig()
         self.optimizer = opt = optimizer or OptimizerConfig()
         lora.validate()
-        if cache_type not in CACHE_TYPES:
-            raise ValueError(f"context_cache_type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
+        if cache_type not in native.context_cache_types():
+            raise ValueError(f"context_cache_type {cache_type!r} is not one of {', '.join(native.context_cache_types())}")
         self.resident = resident
         self.cache_type = cache_type
         self.L = L = native.lib()
@@ -233,7 +232,7 @@ class Trainer(NativeOwner):
         ``share_prefix=False`` computes the same loss as G separate exact windows: the
         native group then shares only the prompt's first token (its cells never
         need a second pass), and each reply re-runs the rest of the prompt
-        (faster for one reply or a short prompt: dreamstage.groups.prefer_group)."""
+        (faster for one reply or a short prompt: dreamstage.training.groups.prefer_group)."""
         pre = np.ascontiguousarray(prefix, dtype=np.int32)
         if pre.ndim != 1 or len(pre) < 1:
             raise ValueError(f"prefix must be 1-D with at least one token, got shape {pre.shape}")
@@ -359,13 +358,13 @@ class Trainer(NativeOwner):
     # -- files ----------------------------------------------------------------------
     def save(self, path) -> None:
         """Write the shadow adapter as a standard GGUF LoRA (atomically)."""
-        from dreamstage.adapters import save_lora  # noqa: PLC0415
+        from dreamstage.training.adapters import save_lora  # noqa: PLC0415
         save_lora(path, self.unflatten(self.lora_parameters()), alpha=self.lora.alpha,
                   model_arch=self.resident.meta("general.architecture") or "llama")
 
     def load(self, path) -> None:
         """Replace the shadow adapter's parameters by a GGUF LoRA file of the same layout."""
-        from dreamstage.adapters import load_lora  # noqa: PLC0415
+        from dreamstage.training.adapters import load_lora  # noqa: PLC0415
         factors, alpha = load_lora(path)
         if abs(alpha - self.lora.alpha) > 1e-6:
             raise ValueError(f"{path}: alpha {alpha} differs from this trainer's {self.lora.alpha}")

@@ -10,8 +10,9 @@ and re-derives the spec on recovery, so there is one source of truth.
 """
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
@@ -25,11 +26,11 @@ from pydantic import (
     model_validator,
 )
 
-# Types the dream stage can store its training K/V cache in (issue 4).
-CONTEXT_CACHE_TYPES = ("q8_0", "q4_0", "f16", "f32")
+from dreamstage.chat import ROLES  # one list for chat requests and training examples
+
+DEFAULT_CONTEXT_CACHE_TYPE = "q8_0"
 LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 DEFAULT_TARGETS = ("attn_q", "attn_v")
-ROLES = ("system", "user", "assistant", "tool")
 
 # What this build's native dream step implements. The body still names the
 # other walks (the design has them), but accepting a value that would be
@@ -177,7 +178,7 @@ class GroupExample(BaseModel):
 
     The prompt is context only; each completion is one trained reply, a plain
     string (weight 1) or `{text | message, weight}`. The job trains the group as
-    one shared-prefix group (`dreamstage.groups`): the prompt once, every reply
+    one shared-prefix group (`dreamstage.training.groups`): the prompt once, every reply
     against it, one update for the group.
     """
 
@@ -260,6 +261,8 @@ Example = Annotated[
 
 # Normalized examples the renderer consumes (groups flattened).
 PlainExample = Union[TextExample, PromptCompletion, ChatExample]
+_PLAIN_FORMS: dict[str, type[BaseModel]] = {"text": TextExample, "prompt_completion": PromptCompletion,
+                                            "chat": ChatExample}
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,10 @@ class SourcedExample:
     example: PlainExample
     group: str | None = None   # a group's completion: the group's label ("examples[3]")
     weight: float = 1.0        # a group's completion: its weight
+
+
+# The stored form of a JobSpec (JobSpec.to_stored); bump on any change to it.
+SPEC_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -336,6 +343,41 @@ class JobSpec:
         d["examples"] = len(self.examples)
         return d
 
+    # -- stored form ------------------------------------------------------------
+    # A job's spec is derived once, at submit, and stored with SPEC_VERSION: a
+    # queued job keeps the defaults it was accepted with when a later version
+    # changes them, and a stored form this code does not know is refused by
+    # name rather than misread.
+    def to_stored(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("examples", "pacing")}
+        d["targets"] = list(self.targets)
+        d["pacing"] = asdict(self.pacing)
+        d["examples"] = [{"source": e.source, "label": e.label, "form": _FORM_OF_MODEL[type(e.example).__name__],
+                          "example": e.example.model_dump(mode="json", exclude_none=True)} for e in self.examples]
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_stored(cls, text: str, version: int) -> "JobSpec":
+        if version != SPEC_VERSION:
+            raise ValueError(f"a job spec stored in form {version}; this dreamstage reads form {SPEC_VERSION} only")
+        d = json.loads(text)
+        d["targets"] = tuple(d["targets"])
+        d["pacing"] = PacingSpec(**d["pacing"])
+        d["examples"] = tuple(SourcedExample(e["source"], e["label"], _PLAIN_FORMS[e["form"]].model_validate(e["example"]))
+                              for e in d["examples"])
+        return cls(**d)
+
+
+def context_cache_types() -> tuple[str, ...]:
+    """The training cache types the native core supports (loads the library on first use)."""
+    from dreamstage import native  # noqa: PLC0415 - importing the spec must not load the library
+
+    return native.context_cache_types()
+
+
+def _cache_type_schema(schema: dict[str, Any]) -> None:
+    schema["enum"] = list(context_cache_types())
+
 
 class TrainRequest(BaseModel):
     """The POST /train body."""
@@ -350,7 +392,9 @@ class TrainRequest(BaseModel):
     fit: Literal["middle", "left"] = "middle"
     chunk: int | None = Field(default=None, ge=1)
     min_chunk: int = Field(default=16, ge=1)
-    context_cache_type: str = "q8_0"
+    # The types the training K/V cache may use are the native core's to say
+    # (dream_context_cache_types): read when a body is validated, not listed here.
+    context_cache_type: str = Field(default=DEFAULT_CONTEXT_CACHE_TYPE, json_schema_extra=_cache_type_schema)
     recompute: bool = False
     exact: bool = False
     horizon: int | None = Field(default=None, ge=1)
@@ -381,8 +425,9 @@ class TrainRequest(BaseModel):
     @field_validator("context_cache_type")
     @classmethod
     def _cache_type(cls, v: str) -> str:
-        if v not in CONTEXT_CACHE_TYPES:
-            raise ValueError(f"context_cache_type {v!r} is not one of {', '.join(CONTEXT_CACHE_TYPES)}")
+        supported = context_cache_types()
+        if v not in supported:
+            raise ValueError(f"context_cache_type {v!r} is not one of {', '.join(supported)}")
         return v
 
     @field_validator("recompute", "exact")

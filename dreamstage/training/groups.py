@@ -154,7 +154,7 @@ class TrainGroup:
 
     def windows(self) -> list:
         """The G separate windows (prompt + reply), e.g. for held-out loss."""
-        from dreamstage.examples import TrainWindow  # noqa: PLC0415 - examples imports this module
+        from dreamstage.training.examples import TrainWindow  # noqa: PLC0415 - examples imports this module
         return [TrainWindow(self.prefix + t, (0,) * len(self.prefix) + m, self.source, self.label)
                 for t, m, _ in self.replies]
 

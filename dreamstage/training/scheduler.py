@@ -9,21 +9,15 @@ command queue (promote, rollback) whose results come back as futures.
 
 One job trains at a time, FIFO. The job's whole life (render, starting,
 trainer construction through the memory gate, the walk with its chunk
-ladder, held-out evaluation, save, promotion) is one generator, `_job`; each
-`next()` runs at most one native micro-step. After a decode batch the
+ladder, held-out evaluation, save, promotion) is one generator, `_job_steps`;
+each `next()` runs at most one native micro-step. After a decode batch the
 scheduler advances it once when the Pacer allows; with no active slot it
 advances it repeatedly (after the idle grace) until a request arrives, so a
 directed request waits at most one micro-step.
 
-Served adapters are files: a finished job's shadow adapter is saved as a
-GGUF LoRA (atomically) and promotion loads that file with llama.cpp's own
-loader (`llama_adapter_lora_init`), the same path stock llama.cpp takes. So
-what serves survives the job's Trainer and a restart. A swap needs no slot
-mid-request: while one is pending, `hold_admission` keeps new requests
-waiting until the busy slots finish, then swaps between two batches, drops
-the idle slots' cached prefixes (their K/V were computed with the old
-weights), and bumps `engine.adapter_version`. Every completion therefore ran
-on exactly one adapter version, the one it reports.
+What serves, and how a promotion or rollback becomes a swap between two
+batches, is `served.py` (`AdapterSwitch`); this module only decides when
+the pending swap may be applied (no busy slot).
 """
 from __future__ import annotations
 
@@ -31,32 +25,29 @@ import concurrent.futures
 import ctypes
 import logging
 import os
-import re
-import shutil
 import sqlite3
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from dreamstage.adapters import atomic_file
-from dreamstage.examples import RenderedJob, render_job
-from dreamstage.jobs import (
-    TERMINAL,
-    AdapterNotFound,
-    InvalidTransition,
-    JobRun,
-    JobStore,
+from dreamstage.stats import DreamStats
+from dreamstage.training.examples import RenderedJob, render_job
+from dreamstage.training.groups import TrainGroup
+from dreamstage.training.pacing import DEFAULT_IDLE_GRACE_S, Pacer
+from dreamstage.training.receipts import Receipt
+from dreamstage.training.served import (
+    AdapterLoadError,
+    AdapterSwitch,
+    ServedAdapters,
     auto_promote_decision,
-    file_sha256,
-    ladder,
 )
-from dreamstage.pacing import DEFAULT_IDLE_GRACE_S, Pacer, StepShaper
-from dreamstage.receipts import Receipt
-from dreamstage.trainspec import GATE_SLACK_MIB, JobSpec, check_adapter_name
+from dreamstage.training.shaper import DreamThreads, StepShaper, load_average, trains_from
+from dreamstage.training.spec import GATE_SLACK_MIB, JobSpec, check_adapter_name
+from dreamstage.training.store import TERMINAL, AdapterNotFound, InvalidTransition, JobStore
+from dreamstage.training.walk import JobRun, ladder
 
-log = logging.getLogger("dreamstage.dreamer")
+log = logging.getLogger("dreamstage.scheduler")
 
 # How long one idle call may keep training before it returns to the engine
 # loop (which then waits idle_interval and calls again). A request arriving
@@ -83,19 +74,13 @@ def release_freed_memory() -> None:
         pass                    # not glibc: nothing to trim
 
 
-def default_state_dir() -> Path:
-    """$XDG_DATA_HOME/dreamstage, else ~/.local/share/dreamstage."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "dreamstage"
-
-
 def native_trainer(resident, spec: JobSpec, chunk: int, lr: float | None = None):
     """The native Trainer for a job (lr=0 makes an evaluator that never moves).
 
     An evaluator (lr given) runs the plain walk: it needs only the forward
     loss, which both walks compute alike, and the exact walk would add a
     reverse pass and adjoint buffers for nothing."""
-    from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer  # noqa: PLC0415 - needs the native core
+    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer  # noqa: PLC0415 - needs the native core
 
     exact = spec.exact and lr is None
     return Trainer(resident, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
@@ -111,91 +96,6 @@ def clear_receipt(receipt: Any, spec: JobSpec) -> Any:
     return receipt
 
 
-class DreamThreads:
-    """The thread count a micro-step computes with, set on the resident context
-    just for the step and restored for serving afterwards.
-
-    The dream graph runs through `llama_context::graph_compute`, which takes
-    `n_threads_batch` (or `n_threads` for a one-token chunk) from the context's
-    cparams; `llama_set_n_threads` only stores them, so switching per step is
-    free. Engine thread only."""
-
-    def __init__(self, resident):
-        lc, ctx = getattr(resident, "lc", None), getattr(resident, "ctx", None)
-        self.lc, self.ctx = lc, ctx
-        if lc is None or ctx is None or not hasattr(lc, "llama_set_n_threads"):
-            self.serve = None
-            self.counts = [1]
-            self.serve_batch = 1
-            return
-        self.serve = (int(lc.llama_n_threads(ctx)), int(lc.llama_n_threads_batch(ctx)))
-        top = self.serve_batch = max(1, self.serve[1])
-        counts = [top]
-        while counts[-1] > 1:                         # the configured count and its halves down to one
-            counts.append(counts[-1] // 2)
-        self.counts = counts                          # the shaper starts on the fewest
-
-    def run(self, threads: int, fn: Callable[[], Any]) -> Any:
-        if self.serve is None or threads == self.serve[1] == self.serve[0]:
-            return fn()
-        self.lc.llama_set_n_threads(self.ctx, threads, threads)
-        try:
-            return fn()
-        finally:
-            self.lc.llama_set_n_threads(self.ctx, *self.serve)
-
-
-class AdapterLoadError(ValueError):
-    """llama.cpp could not load an adapter file for serving."""
-
-
-class ServedAdapters:
-    """The adapter serving runs with: one GGUF LoRA loaded by llama.cpp, or none (the base model).
-
-    Engine thread only (or before the engine starts)."""
-
-    def __init__(self, resident):
-        self.resident = resident
-        self.lc = resident.lc
-        self.handle = None          # the llama_adapter_lora set on the context now
-        self.path: str | None = None
-
-    def load(self, path) -> Any:
-        path = str(path)
-        if not os.path.isfile(path):
-            raise AdapterLoadError(f"adapter file {path!r} does not exist")
-        handle = self.lc.llama_adapter_lora_init(self.resident.model, path.encode())
-        if not handle:
-            raise AdapterLoadError(f"llama.cpp could not load {path!r} as a LoRA adapter for this model")
-        return handle
-
-    def apply(self, handle, path: str | None) -> None:
-        lc = self.lc
-        if handle is None:
-            lc.llama_set_adapters_lora(self.resident.ctx, None, 0, None)
-        else:
-            arr = (lc.llama_adapter_lora_p_ctypes * 1)(handle)
-            scales = (ctypes.c_float * 1)(1.0)
-            rc = lc.llama_set_adapters_lora(self.resident.ctx, arr, 1, scales)
-            if rc != 0:
-                raise AdapterLoadError(f"llama_set_adapters_lora failed with {rc}")
-        old, self.handle, self.path = self.handle, handle, path
-        if old is not None and old != handle:
-            lc.llama_adapter_lora_free(old)
-
-    def discard(self, handle) -> None:
-        """Free a loaded adapter that never became the served one."""
-        if handle is not None and handle != self.handle:
-            self.lc.llama_adapter_lora_free(handle)
-
-
-class _Swap:
-    """A promotion or rollback booked in the store, waiting to be applied."""
-
-    def __init__(self, handle, path: str | None, version: int, view: Any, future: concurrent.futures.Future | None):
-        self.handle, self.path, self.version, self.view, self.future = handle, path, version, view, future
-
-
 class DreamScheduler:
     """The DreamHook: runs the job queue on the engine thread, paced."""
 
@@ -205,16 +105,14 @@ class DreamScheduler:
         self.store = store
         self.resident = resident
         self.make_trainer = make_trainer or native_trainer
-        self.served = served if served is not None else ServedAdapters(resident)
+        self.switch = AdapterSwitch(store, served if served is not None else ServedAdapters(resident))
         self.idle_grace_s = idle_grace_s
         self.clock = clock
-        self.served_error: str | None = None   # why the stored served adapter could not be reloaded
         self._lock = threading.Lock()
         self._commands: deque[tuple[str, tuple, concurrent.futures.Future]] = deque()
         self._rendered: dict[int, RenderedJob] = {}
         self._kick = True
         self._last_poll = -1e9
-        self._swap: _Swap | None = None
         self._job_id: int | None = None
         self._job: Iterator[None] | None = None
         self._pacer: Pacer | None = None
@@ -226,6 +124,7 @@ class DreamScheduler:
         self._closing: list[Any] = []   # trainers of the job in progress (closed if the server stops)
         self._unrecorded: dict[int, str] = {}   # job -> error message the store could not take yet
         self._stepping = False          # the engine thread is inside the job's next()
+        self.stats = DreamStats()       # engine thread writes; /metrics reads
 
     # -- any thread ------------------------------------------------------------------
     def notify_submitted(self, job_id: int, rendered: RenderedJob | None = None) -> None:
@@ -271,47 +170,21 @@ class DreamScheduler:
             return None
         return {**p.figures(), **(self._shaper.figures() if self._shaper is not None else {})}
 
-    # -- startup (before the engine thread runs) ---------------------------------------
+    @property
+    def served(self):
+        """The llama handles of the adapter serving runs with (`served.ServedAdapters`)."""
+        return self.switch.served
+
+    @property
+    def served_error(self) -> str | None:
+        """Why the stored served adapter could not be reloaded (None: it was, or there is none)."""
+        return self.switch.served_error
+
+    # -- startup and shutdown (the engine thread is not running) ----------------------------
     def startup(self, engine, adapter_path: str | None = None) -> None:
-        """Reload the served adapter the store names; import and promote `adapter_path` (--adapter).
-
-        Call before the engine starts. A bad --adapter raises ValueError; a
-        stored adapter that no longer loads is reported (`served_error`) and
-        the base model serves, version 0."""
-        served = self.store.served()
-        if served is not None:
-            try:
-                if served.get("sha256") and Path(served["path"]).is_file() \
-                        and file_sha256(served["path"]) != served["sha256"]:
-                    raise AdapterLoadError("its bytes differ from the sha256 recorded when it was saved")
-                handle = self.served.load(served["path"])
-                self.served.apply(handle, served["path"])
-                engine.adapter_version = served["served_version"]
-            except AdapterLoadError as e:
-                self.served_error = (f"the promoted adapter {served['name']} v{served['version']} "
-                                     f"could not be reloaded: {e}; serving the base model")
-                log.error("%s", self.served_error)
-                engine.adapter_version = 0
-        if adapter_path is not None:
-            self._import_startup_adapter(engine, Path(adapter_path))
-
-    def _import_startup_adapter(self, engine, src: Path) -> None:
-        if not src.is_file():
-            raise ValueError(f"--adapter {str(src)!r}: no such file")
-        if self.served.path and _same_bytes(self.served.path, src):
-            return                                         # already served (a restart with the same flag)
-        handle = self.served.load(src)                      # AdapterLoadError is a ValueError
-        name = _adapter_name_from(src)
-        version = self.store.next_adapter_version(name)
-        dst = self.store.adapter_path(name, version)
-        _copy_atomic(src, dst)
-        self.store.add_adapter(name, version)
-        view = self.store.promote(name, version)
-        self.served.apply(handle, str(dst))
-        engine.adapter_version = self.store.served_version()
-        self.served_error = None
-        log.info("serving --adapter %s as %s v%d (served version %d)", src, name, version, engine.adapter_version)
-        return view
+        """Reload the served adapter the store names; import and promote
+        `adapter_path` (--adapter). Call before the engine starts."""
+        self.switch.reload(engine, adapter_path)
 
     def close(self, wait_s: float = 60.0) -> None:
         """After the engine thread stopped: free the job's trainers and mark it interrupted.
@@ -356,11 +229,11 @@ class DreamScheduler:
         then is applied here, between two batches."""
         if self._commands:
             self._run_commands(engine)
-        if self._swap is None:
+        if self.switch.pending is None:
             return False
         if engine.busy_slots():
             return True
-        self._apply_swap(engine)
+        self.switch.apply_pending(engine)
         return False
 
     def after_batch(self, engine, idle: bool) -> None:
@@ -368,8 +241,8 @@ class DreamScheduler:
             self._record_failures()
         if self._commands:
             self._run_commands(engine)
-        if self._swap is not None and not engine.busy_slots():
-            self._apply_swap(engine)
+        if self.switch.pending is not None and not engine.busy_slots():
+            self.switch.apply_pending(engine)
         if not idle and self._pacer is not None:
             self._pacer.record_batch(engine.last_batch_decode_tokens, self._batch_seconds(engine),
                                      getattr(engine, "last_batch_tokens", None))
@@ -451,6 +324,7 @@ class DreamScheduler:
         finally:
             self._stepping = False
             seconds = self.clock() - t0             # the whole pause serving saw, store writes included
+            self.stats.pause.observe(seconds)
             if pacer is not None:
                 waited = 0.0
                 if active_slots == 0 and engine.queue_depth:
@@ -545,6 +419,8 @@ class DreamScheduler:
             receipt = getattr(e, "receipt", None)
             if receipt is not None:
                 receipt = clear_receipt(receipt, spec)
+                if getattr(receipt, "status", "") == "refused":
+                    self.stats.count_refusal("memory_gate")   # the job's training cache did not fit
                 store.append_receipt(jid, receipt)
             state = "refused" if receipt is not None and getattr(receipt, "status", "") == "refused" else "error"
             yield from self._end(jid, state, f"the dream stage could not start: {getattr(receipt, 'message', '') or e}")
@@ -566,9 +442,10 @@ class DreamScheduler:
         self._shaper = None
         if spec.pacing.max_pause_ms is not None:
             self._shaper = StepShaper(spec.pacing.max_pause_ms, ladder(spec.chunk, 1), self._threads.counts,
-                                      other_load=_load_average, cores=os.cpu_count())
+                                      other_load=load_average, cores=os.cpu_count())
         self._figures_at = self.clock()
         store.transition(jid, "running")
+        self.stats.job_started()
         yield                                           # from here on the pacer decides each step
         notes: list[str] = []
         eval_before = None
@@ -577,7 +454,8 @@ class DreamScheduler:
         begun = None
         memory_cap = spec.chunk                         # the memory ladder's chunk (halved on a refusal)
         while (cur := run.current()) is not None:
-            chunk, threads = (self._shaper.choose(memory_cap, _trains_from(cur[0].mask, cur[1].chunk_pos))
+            group = isinstance(cur[0], TrainGroup)      # the native core picks a group's steps
+            chunk, threads = (self._shaper.choose(memory_cap, None if group else trains_from(cur[0].mask, cur[1].chunk_pos))
                               if self._shaper is not None else (run.walk.chunk, self._threads.serve_batch))
             if chunk != run.walk.chunk:
                 run.walk.chunk = chunk                  # the walk and the trainer move together
@@ -585,13 +463,19 @@ class DreamScheduler:
                 cur = run.current()
             window, step = cur
             if step.chunk_pos == 0 and begun != (step.epoch, step.order_pos):
-                trainer.begin_window(window.tokens, window.mask)
+                if group:
+                    trainer.begin_group(window.prefix, window.replies, window.share_prefix)
+                else:
+                    trainer.begin_window(window.tokens, window.mask)
                 begun = (step.epoch, step.order_pos)
             receipt = clear_receipt(self._threads.run(threads, trainer.micro_step), spec)
+            self.stats.record(receipt)
             self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0)   # for the shaper
                               if receipt.status == "ok" else None)
             try:
-                event = run.record(receipt, window_done=trainer.chunks_left == 0)
+                done = trainer.chunks_left == 0
+                event = run.record(receipt, window_done=done,
+                                   reply_losses=trainer.group_reply_losses() if group and done else None)
             except InvalidTransition:
                 # a pause raced the end JobRun recorded (refused at the floor, or an
                 # error receipt): the receipt is stored; end the job once resumed
@@ -635,7 +519,7 @@ class DreamScheduler:
                 evaluator.begin_window(w.tokens, w.mask)
                 pos = 0
                 while evaluator.chunks_left:
-                    step_chunk, threads = (self._shaper.choose(chunk, _trains_from(w.mask, pos))
+                    step_chunk, threads = (self._shaper.choose(chunk, trains_from(w.mask, pos))
                                            if self._shaper is not None else (chunk, self._threads.serve_batch))
                     if step_chunk != evaluator.chunk:
                         evaluator.set_chunk(step_chunk)   # an evaluation step pauses serving like any other
@@ -677,7 +561,7 @@ class DreamScheduler:
         if not ok:
             return f"{saved}; {why}"
         try:
-            view = self._book_promotion(name, version, None)
+            view = self.switch.book_promotion(name, version, None)
         except (AdapterLoadError, AdapterNotFound) as e:
             return f"{saved}; auto promotion failed: {e}"
         return f"{saved}; promoted as served version {view['served_version']} ({why})"
@@ -694,110 +578,10 @@ class DreamScheduler:
             try:
                 if kind == "promote":
                     applied: concurrent.futures.Future = concurrent.futures.Future()
-                    view = self._book_promotion(*args, applied)
+                    view = self.switch.book_promotion(*args, applied)
                 else:
                     applied = concurrent.futures.Future()
-                    view = self._book_rollback(applied)
+                    view = self.switch.book_rollback(applied)
                 fut.set_result((view, applied))
             except Exception as e:  # noqa: BLE001 - reported to the caller, never raised into the engine
                 fut.set_exception(e)
-
-    def _queue_swap(self, swap: _Swap) -> None:
-        old = self._swap
-        if old is not None:                             # superseded before it was applied
-            self.served.discard(old.handle)
-            if old.future is not None:
-                old.future.set_result(False)
-        self._swap = swap
-
-    def _book_promotion(self, name: str, version: int | None, applied) -> dict:
-        store = self.store
-        versions = [a["version"] for a in store.adapters() if a["name"] == name]
-        if not versions:
-            raise AdapterNotFound(f"no adapter {name!r}")
-        if version is None:
-            version = max(versions)
-        elif version not in versions:
-            raise AdapterNotFound(f"no adapter {name!r} version {version}")
-        path = str(store.adapter_path(name, version))
-        handle = self.served.load(path)                 # refuse a file llama.cpp cannot load: nothing booked
-        try:
-            view = store.promote(name, version)
-        except BaseException:
-            self.served.discard(handle)
-            raise
-        self._queue_swap(_Swap(handle, path, store.served_version(), view, applied))
-        return view
-
-    def _book_rollback(self, applied) -> dict | None:
-        store = self.store
-        stack = store.promotions()
-        if not stack:
-            raise AdapterNotFound("nothing to roll back: the base model is served")
-        handle = path = None
-        if len(stack) >= 2:
-            prev = stack[-2]
-            path = str(store.adapter_path(prev["name"], prev["version"]))
-            handle = self.served.load(path)
-        try:
-            view = store.rollback()
-        except BaseException:
-            self.served.discard(handle)
-            raise
-        self._queue_swap(_Swap(handle, path, store.served_version(), view, applied))
-        return view
-
-    def _apply_swap(self, engine) -> None:
-        swap, self._swap = self._swap, None
-        try:
-            self.served.apply(swap.handle, swap.path)
-        except Exception as e:  # noqa: BLE001
-            log.exception("adapter swap failed")
-            self.served.discard(swap.handle)
-            if swap.future is not None:
-                swap.future.set_exception(e)
-            return
-        engine.forget_cached_prefixes()         # their K/V came from the old weights
-        engine.adapter_version = swap.version
-        self.served_error = None
-        if swap.future is not None:
-            swap.future.set_result(True)
-        log.info("serving adapter version %d (%s)", swap.version, swap.path or "base model")
-
-
-def _trains_from(mask, pos: int) -> Callable[[int], bool]:
-    """Whether a chunk of n tokens at `pos` would hold loss tokens: it predicts
-    tokens pos+1 .. pos+n (the mask convention of `dream_window_begin`)."""
-    return lambda n: any(mask[pos + 1:pos + n + 1])
-
-
-def _load_average() -> float:
-    """Runnable threads on this machine (1-minute load average; 0 where the OS has none)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return 0.0
-
-
-def _adapter_name_from(path: Path) -> str:
-    """An adapter name for an imported file: its stem, or its folder's name for
-    our own layout (`<name>/v3.gguf`)."""
-    stem = path.name.removesuffix(".gguf")
-    if re.fullmatch(r"v\d+", stem) and path.parent.name:
-        stem = path.parent.name
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", stem).strip(".-") or "adapter"
-    if not stem[0].isalnum():
-        stem = "a" + stem
-    return check_adapter_name(stem.replace("..", ".")[:64])
-
-
-def _same_bytes(a, b) -> bool:
-    try:
-        return os.path.getsize(a) == os.path.getsize(b) and file_sha256(a) == file_sha256(b)
-    except OSError:
-        return False
-
-
-def _copy_atomic(src: Path, dst: Path) -> None:
-    with atomic_file(dst) as tmp:
-        shutil.copyfile(src, tmp)

@@ -43,16 +43,11 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
-from dreamstage.trainspec import ChatExample, JobSpec, PromptCompletion, SourcedExample, TextExample
+from dreamstage.chat import FALLBACK_TEMPLATE
+from dreamstage.training.spec import ChatExample, JobSpec, PromptCompletion, SourcedExample, TextExample
 
 if TYPE_CHECKING:
-    from dreamstage.groups import TrainGroup
-
-# llama.cpp's own fallback when a GGUF carries no template.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+    from dreamstage.training.groups import TrainGroup
 
 
 class Tokenizer(Protocol):
@@ -199,7 +194,7 @@ class ChatRenderer:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
 
         self.tok = tok
-        source = template if template is not None else (tok.chat_template() or CHATML_TEMPLATE)
+        source = template if template is not None else (tok.chat_template() or FALLBACK_TEMPLATE)
         bos_text = tok.detokenize([tok.bos], special=True) if tok.bos >= 0 else ""
         eos_text = tok.detokenize([tok.eos], special=True) if tok.eos >= 0 else ""
         try:
@@ -400,7 +395,7 @@ def render_job(spec: JobSpec, tok: Tokenizer) -> RenderedJob:
     Raises ExampleErrors listing every example that cannot be rendered, so the
     server can refuse the body (422) before the job is accepted.
     """
-    from dreamstage.groups import assemble_group, group_by_prefix  # noqa: PLC0415 - groups imports this module
+    from dreamstage.training.groups import assemble_group, group_by_prefix  # noqa: PLC0415 - groups imports this module
 
     chat = ChatRenderer(tok) if any(isinstance(s.example, ChatExample) for s in spec.examples) else None
     held = held_out_sources([s.source for s in spec.examples], spec.val_split, spec.seed)
