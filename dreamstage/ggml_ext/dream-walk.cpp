@@ -656,8 +656,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             dream_receipt_refused(r, p, n, v.need_mib, v.allowance_mib);
             dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
                                   "memory need %.2f MiB on %s, allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, "
-                                  "slack %.2f MiB)", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
-                                  ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib);
+                                  "slack %.2f MiB)%s", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
+                                  ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, v.why.c_str());
             return finish(DREAM_STATUS_REFUSED);
         }
         std::string err;
@@ -905,10 +905,10 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         r.refused_need_mib = verdict.need_mib;
         r.refused_allowance_mib = verdict.allowance_mib;
         dream_receipt_message(r, "chunk at %d (%d tokens) needs %.2f MiB more on %s (training graph %.2f MiB planned%s), "
-                              "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)",
+                              "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)%s",
                               p, n, verdict.need_mib, verdict.device.c_str(), r.graph_mib,
                               need_opt_state ? " + optimizer state" : "", verdict.allowance_mib,
-                              ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib);
+                              ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, verdict.why.c_str());
         return finish(DREAM_STATUS_REFUSED);
     }
 
