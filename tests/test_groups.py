@@ -306,3 +306,28 @@ def test_rendered_windows_assemble_into_groups():
     assert out[0].prefix == (1, 2, 3) and len(out[0].replies) == 2 and out[1] is d and out[2] is c
     with pytest.raises(ValueError, match="one weight per window"):
         assemble_group([a, b], [1.0], chunk=64)
+
+
+def test_a_group_counts_as_one_window_of_accumulate_windows(tiny_resident, material):
+    """accumulate_windows = 2: a plain window, then a group; the accumulator holds
+    their sum (the group's share already the mean over its replies) and the one
+    update uses the mean of the two."""
+    prompt, replies = material
+    replies = replies[:3]
+    window = len(prompt) + max(len(r[0]) for r in replies)
+    tokens, mask = _window_of(prompt, replies[1])
+    # exact: the plain window in chunks of 16 must give its whole-window gradient too
+    with _trainer(tiny_resident, chunk=16, window=window, lr=LR, accumulate=2, exact=True) as tr:
+        theta = _with_random_b(tr)
+        assert all(r.ok for r in tr.train_window(tokens, mask))
+        assert tr.optimizer_state()[2] == 0
+        assert all(r.ok for r in tr.train_group(prompt, replies))
+        g, update, (_, _, t) = tr.gradients(), tr.lora_parameters() - theta, tr.optimizer_state()
+    grads, _ = _separate(tiny_resident, prompt, replies, window, theta)
+    g_group = sum(w * gi for (_, _, w), gi in zip(replies, grads)) / 3
+    g_ref = grads[1] + g_group
+    zeros = np.zeros_like(g_ref)
+    theta_ref, _, _ = ref.adamw_step(theta, g_ref / 2, zeros, zeros, 1, lr=LR, beta1=0.9, beta2=0.999, eps=1.0, wd=0.0)
+    err, err_upd = rel_l2(g, g_ref), rel_l2(update, theta_ref - theta)
+    report(f"a window then a group, accumulate_windows=2: gradient rel L2 {err:.2e}, update rel L2 {err_upd:.2e}")
+    assert t == 1 and err <= 1e-5 and err_upd <= 1e-5 and np.count_nonzero(update) == update.size
