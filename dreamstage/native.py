@@ -1,13 +1,16 @@
 """Loading our libllama, and the ctypes mirror of dreamstage/ggml_ext/dream.h.
 
 Exactly one libllama exists in a dreamstage process: ours, built from the
-pinned, patched tree. llama-cpp-python supplies the Python mirror of llama.h
-(its own native build is disabled) and is imported only after
-LLAMA_CPP_LIB_PATH points at our library directory.
+pinned, patched tree. llama-cpp-python's pure-Python package (the `llama_cpp`
+mirror of llama.h, from the same pinned sdist, never built natively) is
+installed by our build with our libraries in its own `llama_cpp/lib/`, so a
+plain `import llama_cpp` binds them too; `llama_cpp()` below also points
+LLAMA_CPP_LIB_PATH at lib_dir() first, for a DREAMSTAGE_LIB_DIR override.
 """
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import sys
@@ -30,20 +33,24 @@ def _pin() -> dict:
 
 
 def lib_dir() -> Path:
-    """Directory holding our libllama.so and the ggml libraries."""
+    """Directory holding our libllama.so and the ggml libraries.
+
+    DREAMSTAGE_LIB_DIR when set; else llama_cpp/lib/, where wheels and editable
+    installs put them; else dreamstage/lib/ (a plain `cmake --install`).
+    """
     env = os.environ.get("DREAMSTAGE_LIB_DIR")
     candidates = [Path(env)] if env else []
+    # Located without importing llama_cpp: importing it loads a library.
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is not None and spec.submodule_search_locations:
+        candidates.append(Path(list(spec.submodule_search_locations)[0]) / "lib")
     candidates.append(_PKG / "lib")
-    # scikit-build-core editable installs keep the libraries in site-packages
-    # while the Python sources stay in the checkout.
-    candidates += [Path(p) / "dreamstage" / "lib" for p in sys.path if p]
     for c in candidates:
         if (c / "libllama.so").is_file() or (c / "libllama.dylib").is_file():
             return c.resolve()
     raise NativeLibraryError(
-        "dreamstage's libllama was not found (looked in "
-        + ", ".join(str(c) for c in candidates[:3])
-        + "); build it with `./dev.sh build`")
+        "dreamstage's libllama was not found (looked in " + ", ".join(str(c) for c in candidates)
+        + "); build it with `./dev.sh build` or `pip install` the checkout")
 
 
 @lru_cache(maxsize=1)
