@@ -14,9 +14,9 @@ import contextlib
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -51,7 +51,7 @@ def atomic_file(path) -> Iterator[Path]:
 def save_lora(path, factors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]], *, alpha: float,
               model_arch: str) -> Path:
     """Write {(layer, target): (A, B)} as a GGUF LoRA adapter at `path`, atomically."""
-    import gguf  # noqa: PLC0415
+    import gguf
 
     path = Path(path)
     if not factors:
@@ -83,7 +83,7 @@ def _write_lora(w, factors, alpha: float) -> None:
 
 def load_lora(path) -> tuple[dict[tuple[int, str], tuple[np.ndarray, np.ndarray]], float]:
     """Read a GGUF LoRA adapter: ({(layer, target): (A, B)}, alpha)."""
-    import gguf  # noqa: PLC0415
+    import gguf
 
     path = Path(path)
     r = gguf.GGUFReader(str(path))
@@ -106,7 +106,8 @@ def load_lora(path) -> tuple[dict[tuple[int, str], tuple[np.ndarray, np.ndarray]
         if t.tensor_type != gguf.GGMLQuantizationType.F32:
             raise ValueError(f"{path}: tensor {t.name!r} is {t.tensor_type.name}, expected F32")
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = np.array(t.data, dtype=np.float32).reshape(shape)
+        matrix = np.array(t.data, dtype=np.float32).reshape(shape)
+        parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = matrix
     out = {}
     for key, ab in parts.items():
         if set(ab) != {"a", "b"}:

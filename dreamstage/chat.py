@@ -18,7 +18,7 @@ _FALLBACK_TEMPLATE = (
 class ChatTemplate:
     def __init__(self, template: str | None, bos_text: str, eos_text: str):
         native.llama_cpp()  # llama_cpp modules must load against our libllama
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         self.source = template or _FALLBACK_TEMPLATE
         self.bos_text = bos_text
@@ -26,7 +26,7 @@ class ChatTemplate:
                                         add_generation_prompt=True)
 
     @classmethod
-    def for_model(cls, model) -> "ChatTemplate":
+    def for_model(cls, model) -> ChatTemplate:
         return cls(model.chat_template(), model.token_text(model.bos) if model.bos >= 0 else "",
                    model.token_text(model.eos) if model.eos >= 0 else "")
 
@@ -36,7 +36,7 @@ class ChatTemplate:
             return self._fmt(messages=messages).prompt
         except ValueError:
             raise
-        except Exception as e:  # noqa: BLE001 - jinja errors of any kind mean bad messages for this template
+        except Exception as e:  # jinja errors of any kind mean bad messages for this template
             raise ValueError(f"the model's chat template could not render these messages: {e}") from e
 
     def starts_with_bos(self, prompt: str) -> bool:

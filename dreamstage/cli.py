@@ -6,7 +6,7 @@ import sys
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from dreamstage import info  # noqa: PLC0415
+    from dreamstage import info
     print(info.render(info.collect()))
     return 0
 
@@ -14,7 +14,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _check_bind(host: str, port: int) -> None:
     """Fail in one line before the model loads when the address is taken
     (uvicorn would find out only after loading, and log several lines)."""
-    import socket  # noqa: PLC0415
+    import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -26,10 +26,10 @@ def _check_bind(host: str, port: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from dreamstage.dreamer import default_state_dir  # noqa: PLC0415
-    from dreamstage.server.app import create_app  # noqa: PLC0415
-    from dreamstage.server.service import Service, run_uvicorn  # noqa: PLC0415
-    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
+    from dreamstage.dreamer import default_state_dir
+    from dreamstage.server.app import create_app
+    from dreamstage.server.service import Service, run_uvicorn
+    from dreamstage.server.settings import JobLimits, ServerSettings
 
     state_dir = None if args.no_train else (args.state_dir or str(default_state_dir()))
     limits = JobLimits(**{k: getattr(args, k) for k in JobLimits.__dataclass_fields__})
@@ -60,19 +60,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _api_key(args) -> str | None:
-    import os  # noqa: PLC0415
+    import os
 
     return getattr(args, "api_key", None) or os.environ.get("DREAMSTAGE_API_KEY") or None
 
 
 def _client(args):
-    from dreamstage.client import Client  # noqa: PLC0415
+    from dreamstage.client import Client
     return Client(args.url, timeout=60, api_key=_api_key(args))
 
 
 def _read_examples(path: str) -> list[dict]:
     """A JSONL file: one example per line (text, prompt/completion, messages, or a group)."""
-    import json  # noqa: PLC0415
+    import json
 
     examples = []
     with open(path, encoding="utf-8") as f:
@@ -93,7 +93,7 @@ def _read_examples(path: str) -> list[dict]:
 
 def _options(pairs: list[str]) -> dict:
     """KEY=VALUE pairs; VALUE is JSON when it parses (3, 0.5, true, "x"), else a string."""
-    import json  # noqa: PLC0415
+    import json
 
     out = {}
     for pair in pairs:
@@ -108,9 +108,9 @@ def _options(pairs: list[str]) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import httpx  # noqa: PLC0415
+    import httpx
 
-    from dreamstage.client import DreamstageError  # noqa: PLC0415
+    from dreamstage.client import DreamstageError
 
     try:
         examples = _read_examples(args.file)
@@ -147,7 +147,7 @@ def _table(headers: list[str], rows: list[list]) -> str:
     """Left-aligned columns, two spaces apart; None shows as '-'."""
     cells = [headers] + [["-" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
 
 
 def _num(v, digits: int = 3):
@@ -156,7 +156,7 @@ def _num(v, digits: int = 3):
 
 def render_status(view: dict, ads: dict) -> str:
     """`dreamstage status`: what serves, the jobs (training now, then the queue) and the adapters."""
-    from dreamstage.client import eta_s, format_duration, progress_fraction  # noqa: PLC0415
+    from dreamstage.client import eta_s, format_duration, progress_fraction
 
     served = ads.get("served")
     lines = [f"serving adapter version {ads['served_version']}"
@@ -189,9 +189,9 @@ def render_status(view: dict, ads: dict) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import httpx  # noqa: PLC0415
+    import httpx
 
-    from dreamstage.client import DreamstageError, progress_line  # noqa: PLC0415
+    from dreamstage.client import DreamstageError, progress_line
 
     with _client(args) as c:
         try:
@@ -230,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=-1, metavar="N",
                    help="layers stored on the GPU in a GPU build (default -1: all; 0: none)")
-    p.add_argument("--kv-type", default="f16", help="serving K/V cache type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
+    p.add_argument("--kv-type", default="f16",
+                   help="serving K/V cache type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
     p.add_argument("--state-dir", default=None,
                    help="where the dream stage keeps jobs and adapters (default ~/.local/share/dreamstage)")
     p.add_argument("--adapter", default=None, metavar="PATH",
@@ -238,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
     p.add_argument("--no-train", action="store_true", help="serve only: no /train, no adapters, no state directory")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $DREAMSTAGE_API_KEY); "
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $DREAMSTAGE_API_KEY); "
                         "needed for training on a non-loopback bind; prefer the variable: "
                         "a command line is visible to other local users")
     p.add_argument("--allowed-host", action="append", metavar="NAME",
@@ -246,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="an origin (https://app.example) that gets CORS headers (repeatable; default none)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 (default 4 MiB)")
-    from dreamstage.server.settings import JobLimits  # noqa: PLC0415
+    from dreamstage.server.settings import JobLimits
     for name, f in JobLimits.__dataclass_fields__.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=f.default,
                        help=f"training limit (default {f.default})")
@@ -287,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dreamstage {args.cmd}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - one line for the user; DREAMSTAGE_DEBUG=1 shows the traceback
-        import os  # noqa: PLC0415
+    except Exception as e:  # one line for the user; DREAMSTAGE_DEBUG=1 shows the traceback
+        import os
 
         if os.environ.get("DREAMSTAGE_DEBUG"):
             raise

@@ -37,8 +37,9 @@ import sqlite3
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from dreamstage.adapters import atomic_file
 from dreamstage.examples import RenderedJob, render_job
@@ -95,7 +96,7 @@ def native_trainer(resident, spec: JobSpec, chunk: int, lr: float | None = None)
     An evaluator (lr given) runs the plain walk: it needs only the forward
     loss, which both walks compute alike, and the exact walk would add a
     reverse pass and adjoint buffers for nothing."""
-    from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer  # noqa: PLC0415 - needs the native core
+    from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer  # needs the native core
 
     exact = spec.exact and lr is None
     return Trainer(resident, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
@@ -330,7 +331,7 @@ class DreamScheduler:
         if job is not None:
             try:
                 job.close()
-            except Exception:  # noqa: BLE001 - shutting down
+            except Exception:  # shutting down
                 log.exception("closing the active job")
         for t in self._closing:
             t.close()
@@ -340,7 +341,7 @@ class DreamScheduler:
                 if self.store.state(jid) not in TERMINAL:
                     self.store.transition(jid, "interrupted", "the server stopped while the job was training; "
                                                               "its in-memory adapter and optimizer state were lost")
-            except Exception:  # noqa: BLE001 - the store may be closed already
+            except Exception:  # the store may be closed already
                 log.exception("marking job %s interrupted", jid)
         with self._lock:
             commands = list(self._commands)
@@ -444,7 +445,7 @@ class DreamScheduler:
             log.error("dream job %s: the state directory cannot be written: %s", jid, e)
             self._fail(jid, f"the state directory cannot be written ({e}); the job stopped")
             self._end_job()
-        except Exception as e:  # noqa: BLE001 - a failing job must not take serving down
+        except Exception as e:  # a failing job must not take serving down
             log.exception("dream job %s failed", jid)
             self._fail(jid, f"internal error in the dream stage: {type(e).__name__}: {e}")
             self._end_job()
@@ -624,8 +625,9 @@ class DreamScheduler:
         receipts are not the job's. A refusal leaves eval_loss null, noted."""
         try:
             evaluator = self.make_trainer(self.resident, spec, chunk, 0.0)
-        except Exception as e:  # noqa: BLE001
-            notes.append(f"held-out loss not measured: the evaluator was refused ({getattr(e, 'receipt', None) and e.receipt.message or e})")
+        except Exception as e:  # noqa: BLE001 - any refusal or failure of the evaluator only costs the held-out loss
+            why = getattr(e, "receipt", None) and e.receipt.message or e
+            notes.append(f"held-out loss not measured: the evaluator was refused ({why})")
             return None
         self._closing.append(evaluator)
         try:
@@ -639,7 +641,8 @@ class DreamScheduler:
                                            if self._shaper is not None else (chunk, self._threads.serve_batch))
                     if step_chunk != evaluator.chunk:
                         evaluator.set_chunk(step_chunk)   # an evaluation step pauses serving like any other
-                    r = evaluator.micro_step() if self._threads is None else self._threads.run(threads, evaluator.micro_step)
+                    r = (evaluator.micro_step() if self._threads is None
+                         else self._threads.run(threads, evaluator.micro_step))
                     self._step_ran = (r.chunk_tokens, threads, r.tokens > 0) if r.status == "ok" else None
                     pos += r.chunk_tokens
                     yield
@@ -751,7 +754,7 @@ class DreamScheduler:
         swap, self._swap = self._swap, None
         try:
             self.served.apply(swap.handle, swap.path)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.exception("adapter swap failed")
             self.served.discard(swap.handle)
             if swap.future is not None:

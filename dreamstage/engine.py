@@ -24,8 +24,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Union
+from typing import Protocol
 
 from dreamstage.resident import ResidentModel
 from dreamstage.sampling import GrammarError, SamplingParams, build_chain
@@ -65,7 +66,7 @@ class Failed:
     param: str | None = None
 
 
-Event = Union[Admitted, Delta, Finished, Failed]
+Event = Admitted | Delta | Finished | Failed
 Sink = Callable[[Event], None]
 
 
@@ -85,11 +86,11 @@ class DreamHook(Protocol):
     its time is added to the inter-token latency of every active stream.
     """
 
-    def after_batch(self, engine: "Engine", idle: bool) -> None: ...
+    def after_batch(self, engine: Engine, idle: bool) -> None: ...
 
 
 class NoDream:
-    def after_batch(self, engine: "Engine", idle: bool) -> None:
+    def after_batch(self, engine: Engine, idle: bool) -> None:
         return None
 
 
@@ -105,7 +106,7 @@ class GenerationRequest:
 class RequestHandle:
     """What `submit` returns: an id and a way to cancel."""
 
-    def __init__(self, engine: "Engine", rid: int):
+    def __init__(self, engine: Engine, rid: int):
         self._engine = engine
         self.id = rid
         self.cancelled = False
@@ -233,7 +234,7 @@ class Engine:
         self.failing: str | None = None
 
     # -- public, any thread -------------------------------------------------------
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         if self._running:
             return self
         self._batch = self.lc.llama_batch_init(self.n_batch, 0, 1)
@@ -356,7 +357,7 @@ class Engine:
                     self._admit()
                     if self._step():
                         self._call_hook(False)
-                except Exception as e:  # noqa: BLE001 - a bug must fail requests, never kill the engine
+                except Exception as e:  # a bug must fail requests, never kill the engine
                     log.exception("engine loop iteration failed")
                     self.failing = f"{type(e).__name__}: {e}"
                     self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
@@ -367,7 +368,7 @@ class Engine:
         # A failing dream step must not take serving down: log, count, go on.
         try:
             self.hook.after_batch(self, idle)
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.stats.hook_errors += 1
             log.exception("dream hook failed (idle=%s)", idle)
 
@@ -380,7 +381,7 @@ class Engine:
             return False
         try:
             return bool(hold(self))
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.stats.hook_errors += 1
             log.exception("dream hook failed in hold_admission")
             return False
@@ -414,7 +415,7 @@ class Engine:
             # releases its place; the others are still taken in.
             try:
                 self._intake_one(job)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.exception("intake of request %d failed", job.handle.id)
                 bad_text = isinstance(e, UnicodeError)
                 self._finish_job(job, Failed(400 if bad_text else 500, f"prompt: {type(e).__name__}: {e}",
@@ -432,7 +433,8 @@ class Engine:
             toks = list(req.prompt)
             bad = next((t for t in toks if not isinstance(t, int) or not 0 <= t < m.n_vocab), None)
             if bad is not None:
-                self._finish_job(job, Failed(400, f"prompt token {bad!r} is not in the vocabulary (0..{m.n_vocab - 1})", "prompt"), "invalid")
+                msg = f"prompt token {bad!r} is not in the vocabulary (0..{m.n_vocab - 1})"
+                self._finish_job(job, Failed(400, msg, "prompt"), "invalid")
                 return
         if not toks:
             self._finish_job(job, Failed(400, "prompt is empty after tokenization", "prompt"), "invalid")

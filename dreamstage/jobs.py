@@ -29,9 +29,10 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from dreamstage.examples import epoch_order
 from dreamstage.trainspec import JobSpec, TrainRequest, check_adapter_name
@@ -51,8 +52,8 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 RECEIPT_FIELDS = (
     "status", "step", "window", "chunk", "chunk_pos", "chunk_tokens", "context_cache_type", "recompute", "exact",
-    "horizon", "walk_pass", "loss", "tokens", "ms", "graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "walk_mib",
-    "refused_chunk_pos", "refused_chunk_tokens", "refused_need_mib", "refused_allowance_mib", "message",
+    "horizon", "walk_pass", "loss", "tokens", "ms", "graph_mib", "context_mib", "adapter_mib", "optimizer_mib",
+    "walk_mib", "refused_chunk_pos", "refused_chunk_tokens", "refused_need_mib", "refused_allowance_mib", "message",
 )
 RECEIPT_STATUSES = ("ok", "refused", "error")
 MEMORY_FIELDS = ("graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "walk_mib")
@@ -230,7 +231,7 @@ class JobStore:
         return conn
 
     class _Txn:
-        def __init__(self, store: "JobStore", durable: bool):
+        def __init__(self, store: JobStore, durable: bool):
             self.store, self.durable = store, durable
 
         def __enter__(self) -> sqlite3.Connection:
@@ -251,7 +252,7 @@ class JobStore:
                 self.store._write_lock.release()
             return False
 
-    def _write(self, durable: bool = True) -> "JobStore._Txn":
+    def _write(self, durable: bool = True) -> JobStore._Txn:
         """A write transaction. durable=True (FULL) fsyncs the WAL at commit:
         used for what the API promises (accepted jobs, state changes, adapter
         versions). durable=False (NORMAL) survives a process crash but may lose
@@ -284,7 +285,7 @@ class JobStore:
             self._conns.clear()
         self._closed = True
 
-    def __enter__(self) -> "JobStore":
+    def __enter__(self) -> JobStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -445,7 +446,8 @@ class JobStore:
     def set_pacing(self, job_id: int, figures: Mapping[str, Any]) -> None:
         with self._write(durable=False) as c:
             self._row(job_id, c)
-            c.execute("UPDATE jobs SET pacing=?, updated=? WHERE id=?", (json.dumps(dict(figures)), self.clock(), job_id))
+            c.execute("UPDATE jobs SET pacing=?, updated=? WHERE id=?",
+                      (json.dumps(dict(figures)), self.clock(), job_id))
 
     def _edit_progress(self, job_id: int, edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         with self._write(durable=False) as c:
@@ -511,7 +513,8 @@ class JobStore:
 
     def next_adapter_version(self, name: str) -> int:
         check_adapter_name(name)
-        row = self._conn().execute("SELECT COALESCE(MAX(version), 0) + 1 FROM adapters WHERE name=?", (name,)).fetchone()
+        row = self._conn().execute("SELECT COALESCE(MAX(version), 0) + 1 FROM adapters WHERE name=?",
+                                   (name,)).fetchone()
         return row[0]
 
     def add_adapter(self, name: str, version: int, job_id: int | None = None,
@@ -566,7 +569,8 @@ class JobStore:
     def promotions(self) -> list[dict[str, Any]]:
         """The live promotion stack, oldest first (what rollback walks back through)."""
         return [dict(r) for r in self._conn().execute(
-            "SELECT served_version, name, version, at FROM promotions WHERE rolled_back_at IS NULL ORDER BY served_version")]
+            "SELECT served_version, name, version, at FROM promotions WHERE rolled_back_at IS NULL "
+            "ORDER BY served_version")]
 
     def promote(self, name: str, version: int | None = None) -> dict[str, Any]:
         """Book a promotion (latest version by default) under a new served
@@ -589,7 +593,8 @@ class JobStore:
             row = self._served_row(c)
             if row is None:
                 raise AdapterNotFound("nothing to roll back: the base model is served")
-            c.execute("UPDATE promotions SET rolled_back_at=? WHERE served_version=?", (self.clock(), row["served_version"]))
+            c.execute("UPDATE promotions SET rolled_back_at=? WHERE served_version=?",
+                      (self.clock(), row["served_version"]))
         return self.served()
 
 

@@ -65,7 +65,7 @@ def llama_cpp():
                 f"llama_cpp was imported before dreamstage and loaded libllama from {loaded}, not {d}")
     os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
     try:
-        import llama_cpp as mod  # noqa: PLC0415
+        import llama_cpp as mod
     except (OSError, RuntimeError) as e:
         raise NativeLibraryError(f"could not load libllama from {d}: {e}") from e
     lib_path = Path(mod.llama_cpp._lib._name).resolve()
@@ -185,14 +185,17 @@ def _declare(L: ctypes.CDLL) -> None:
     # struct dream_params dream_default_params(void);
     L.dream_default_params.argtypes = []
     L.dream_default_params.restype = DreamParamsC
-    # struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params params, struct dream_receipt * receipt);
+    # struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params params,
+    #                                 struct dream_receipt * receipt);
     L.dream_init.argtypes = [p, DreamParamsC, R]
     L.dream_init.restype = p
     # void dream_free(struct dream_stage * ds);
     L.dream_free.argtypes = [p]
     L.dream_free.restype = None
-    # int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, const uint8_t * loss_mask, int32_t n, struct dream_receipt * receipt);
-    L.dream_window_begin.argtypes = [p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8), ctypes.c_int32, R]
+    # int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, const uint8_t * loss_mask,
+    #                            int32_t n, struct dream_receipt * receipt);
+    L.dream_window_begin.argtypes = [p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8),
+                                     ctypes.c_int32, R]
     L.dream_window_begin.restype = ctypes.c_int32
     # int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt);
     L.dream_micro_step.argtypes = [p, R]
@@ -206,7 +209,8 @@ def _declare(L: ctypes.CDLL) -> None:
     # int32_t dream_n_pairs(const struct dream_stage * ds);
     L.dream_n_pairs.argtypes = [p]
     L.dream_n_pairs.restype = ctypes.c_int32
-    # bool dream_pair_info(const struct dream_stage * ds, int32_t i, int32_t * layer, const char ** target, int64_t * n_in, int64_t * n_out);
+    # bool dream_pair_info(const struct dream_stage * ds, int32_t i, int32_t * layer, const char ** target,
+    #                      int64_t * n_in, int64_t * n_out);
     L.dream_pair_info.argtypes = [p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_char_p),
                                   ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     L.dream_pair_info.restype = ctypes.c_bool

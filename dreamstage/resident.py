@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dreamstage import native
-from dreamstage.owner import NativeOwner
 from dreamstage.models import check_model_file, default_model
+from dreamstage.owner import NativeOwner
 
 # Serving K/V cache types accepted by --kv-type, mapped to ggml_type ids.
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
@@ -33,7 +33,7 @@ def quiet_native_logs(enabled: bool = True) -> None:
     with _log_lock:
         if enabled and os.environ.get("DREAMSTAGE_NATIVE_LOG") != "1":
             @lc.llama_log_callback
-            def _drop(level, text, user_data):  # noqa: ARG001
+            def _drop(level, text, user_data):
                 return None
             _log_cb = _drop
             lc.llama_log_set(_log_cb, ctypes.c_void_p())
@@ -227,7 +227,8 @@ class ResidentModel(NativeOwner):
                     raise RuntimeError(f"llama_decode failed with status {rc}")
                 pos += len(pending)
                 logits = lc.llama_get_logits_ith(self.ctx, len(pending) - 1)
-                best = max(range(self.n_vocab), key=logits.__getitem__) if self.n_vocab < 1000 else _argmax(logits, self.n_vocab)
+                best = (max(range(self.n_vocab), key=logits.__getitem__) if self.n_vocab < 1000
+                        else _argmax(logits, self.n_vocab))
                 if self.is_eog(best):
                     break
                 out.append(best)
@@ -238,6 +239,6 @@ class ResidentModel(NativeOwner):
 
 
 def _argmax(logits_ptr, n: int) -> int:
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
     arr = np.ctypeslib.as_array(logits_ptr, shape=(n,))
     return int(arr.argmax())

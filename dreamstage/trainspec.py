@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -81,7 +81,7 @@ class Message(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _shape(self) -> "Message":
+    def _shape(self) -> Message:
         if self.content is None and not self.tool_calls:
             raise ValueError("a message needs content (or tool_calls on an assistant message)")
         if self.tool_calls and self.role != "assistant":
@@ -130,7 +130,7 @@ class ChatExample(BaseModel):
     tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
-    def _has_reply(self) -> "ChatExample":
+    def _has_reply(self) -> ChatExample:
         _check_trained_reply(self.messages)
         return self
 
@@ -149,20 +149,21 @@ class GroupExample(BaseModel):
     completions: list[str] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _one_prefix(self) -> "GroupExample":
+    def _one_prefix(self) -> GroupExample:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("a group needs exactly one of prompt or messages")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools apply to a messages group only")
         for i, m in enumerate(self.messages or []):
             if m.train is True:
-                raise ValueError(f"messages[{i}].train=true: a group's messages are context; its completions are trained")
+                raise ValueError(f"messages[{i}].train=true: a group's messages are context; "
+                                 "its completions are trained")
         for i, c in enumerate(self.completions):
             if not c:
                 raise ValueError(f"completions[{i}] is empty")
         return self
 
-    def expand(self) -> list["PromptCompletion | ChatExample"]:
+    def expand(self) -> list[PromptCompletion | ChatExample]:
         if self.prompt is not None:
             return [PromptCompletion(prompt=self.prompt, completion=c) for c in self.completions]
         context = [m.model_copy(update={"train": False}) if m.role == "assistant" else m for m in self.messages or []]
@@ -194,12 +195,10 @@ def _example_form(v: Any) -> str | None:
 
 
 Example = Annotated[
-    Union[
-        Annotated[TextExample, Tag("text")],
-        Annotated[PromptCompletion, Tag("prompt_completion")],
-        Annotated[ChatExample, Tag("chat")],
-        Annotated[GroupExample, Tag("group")],
-    ],
+    Annotated[TextExample, Tag("text")]
+    | Annotated[PromptCompletion, Tag("prompt_completion")]
+    | Annotated[ChatExample, Tag("chat")]
+    | Annotated[GroupExample, Tag("group")],
     Discriminator(
         _example_form,
         custom_error_type="example_form",
@@ -211,7 +210,7 @@ Example = Annotated[
 ]
 
 # Normalized examples the renderer consumes (groups flattened).
-PlainExample = Union[TextExample, PromptCompletion, ChatExample]
+PlainExample = TextExample | PromptCompletion | ChatExample
 
 
 @dataclass(frozen=True)
@@ -336,7 +335,8 @@ class TrainRequest(BaseModel):
         supported = SUPPORTED_WALKS[info.field_name]
         if v not in supported:
             allowed = ", ".join(str(x).lower() for x in sorted(supported))
-            raise ValueError(f"{info.field_name}={str(v).lower()} is not supported by this build's dream step yet (supported: {allowed})")
+            raise ValueError(f"{info.field_name}={str(v).lower()} is not supported by this build's dream step yet "
+                             f"(supported: {allowed})")
         return v
 
     @field_validator("targets")
@@ -407,7 +407,7 @@ class TrainRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _has_examples(self) -> "TrainRequest":
+    def _has_examples(self) -> TrainRequest:
         if self.text is None and not self.examples:
             raise ValueError("the body needs text or a non-empty examples list")
         return self
@@ -428,8 +428,8 @@ class TrainRequest(BaseModel):
         if self.share is not None:
             pacing = PacingSpec("share", self.share, self.max_pause_ms or None)
         else:
-            pacing = PacingSpec("max_slowdown", self.max_slowdown if self.max_slowdown is not None else DEFAULT_MAX_SLOWDOWN,
-                                self.max_pause_ms or None)
+            bound = self.max_slowdown if self.max_slowdown is not None else DEFAULT_MAX_SLOWDOWN
+            pacing = PacingSpec("max_slowdown", bound, self.max_pause_ms or None)
         return JobSpec(
             examples=tuple(examples),
             window=self.window,

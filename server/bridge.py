@@ -7,9 +7,19 @@ an asyncio.Queue and never touches llama.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
-from dreamstage.engine import Admitted, Delta, Engine, EngineStopped, Event, Failed, Finished, GenerationRequest, QueueFull
+from dreamstage.engine import (
+    Admitted,
+    Delta,
+    Engine,
+    EngineStopped,
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    QueueFull,
+)
 from dreamstage.server.errors import APIError
 
 # How often a waiting request checks whether its client went away.

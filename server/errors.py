@@ -14,7 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("dreamstage.server")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          405: "invalid_request_error",
           409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
           422: "invalid_request_error", 499: "request_cancelled", 503: "server_overloaded",
           507: "insufficient_storage"}
@@ -39,7 +40,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 async def send_error(send, status: int, message: str, param: str | None = None, code: str | None = None,
                      headers: dict[str, str] | None = None) -> None:
     """Answer from ASGI middleware (before FastAPI), in the same OpenAI shape."""
-    import json  # noqa: PLC0415
+    import json
 
     data = json.dumps(error_body(status, message, param, code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
@@ -58,7 +59,8 @@ def field_path(loc) -> str:
             out += f"[{part}]"
         else:
             # Union members appear in loc as type names ("str", "list[TextPart]"); they are not fields.
-            if any(c in str(part) for c in "[]") or part in ("str", "int", "float", "bool", "list", "dict", "function-after"):
+            if any(c in str(part) for c in "[]") or part in ("str", "int", "float", "bool", "list", "dict",
+                                                              "function-after"):
                 continue
             out += ("." if out else "") + str(part)
     return out or "body"

@@ -27,14 +27,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from dreamstage.jobs import JobNotFound
 from dreamstage.server.errors import APIError
-from dreamstage.server.train_routes import _adapters_view as adapters_view   # the view GET /adapters returns
+from dreamstage.server.train_routes import _adapters_view as adapters_view  # the view GET /adapters returns
 from dreamstage.server.train_routes import _with_unrecorded, public
 
 router = APIRouter()
@@ -135,7 +136,7 @@ class Follower:
 
 
 def _devices() -> dict:
-    from dreamstage import native  # noqa: PLC0415
+    from dreamstage import native
 
     return {"devices": [{"name": d["name"], "description": d["description"], "free_mib": d["free"] / MIB,
                          "total_mib": d["total"] / MIB} for d in native.devices()]}

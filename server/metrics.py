@@ -23,7 +23,8 @@ def render(engine: Engine) -> str:
     metric("dreamstage_prompt_tokens_cached_total", "counter", "Prompt tokens reused from a slot's cache.",
            s.prompt_tokens_cached)
     metric("dreamstage_generated_tokens_total", "counter", "Tokens sampled.", s.generated_tokens)
-    lines += ["# HELP dreamstage_requests_total Finished requests by outcome.", "# TYPE dreamstage_requests_total counter"]
+    lines += ["# HELP dreamstage_requests_total Finished requests by outcome.",
+              "# TYPE dreamstage_requests_total counter"]
     for outcome in sorted(set(s.requests) | {"stop", "length", "cancelled", "invalid", "error"}):
         lines.append(f'dreamstage_requests_total{{outcome="{outcome}"}} {s.requests.get(outcome, 0)}')
     metric("dreamstage_decode_batches_total", "counter", "llama_decode calls made by the engine.", s.decode_batches)

@@ -95,8 +95,8 @@ _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
 
 
 def _bodies():
-    from dreamstage.server.train_routes import PromoteBody  # noqa: PLC0415
-    from dreamstage.trainspec import TrainRequest  # noqa: PLC0415
+    from dreamstage.server.train_routes import PromoteBody
+    from dreamstage.trainspec import TrainRequest
     return {("post", "/train"): (TrainRequest, True), ("post", "/adapters/{name}/promote"): (PromoteBody, False)}
 
 
