@@ -5,6 +5,8 @@ HTTP side may call it; tokenizing the result happens on the engine thread.
 """
 from __future__ import annotations
 
+from typing import Any, cast
+
 from dreamstage import native
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -33,7 +35,8 @@ class ChatTemplate:
     def render(self, messages: list[dict]) -> str:
         """The prompt text; raises ValueError when the template refuses the messages."""
         try:
-            return self._fmt(messages=messages).prompt
+            # our message dicts have the shape of llama_cpp's TypedDicts, which a list[dict] cannot say
+            return self._fmt(messages=cast("list[Any]", messages)).prompt
         except ValueError:
             raise
         except Exception as e:  # jinja errors of any kind mean bad messages for this template

@@ -37,7 +37,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +217,7 @@ class DreamScheduler:
         self._last_poll = -1e9
         self._swap: _Swap | None = None
         self._job_id: int | None = None
-        self._job: Iterator[None] | None = None
+        self._job: Generator[None, None, None] | None = None
         self._pacer: Pacer | None = None
         self._shaper: StepShaper | None = None
         self._threads: DreamThreads | None = None
@@ -307,12 +307,11 @@ class DreamScheduler:
         dst = self.store.adapter_path(name, version)
         _copy_atomic(src, dst)
         self.store.add_adapter(name, version)
-        view = self.store.promote(name, version)
+        self.store.promote(name, version)
         self.served.apply(handle, str(dst))
         engine.adapter_version = self.store.served_version()
         self.served_error = None
         log.info("serving --adapter %s as %s v%d (served version %d)", src, name, version, engine.adapter_version)
-        return view
 
     def close(self, wait_s: float = 60.0) -> None:
         """After the engine thread stopped: free the job's trainers and mark it interrupted.
@@ -418,7 +417,8 @@ class DreamScheduler:
 
     def _advance(self, engine, active_slots: int) -> bool:
         """Run the job one step if its state and the pacer allow; False when nothing ran."""
-        jid = self._job_id
+        jid, job = self._job_id, self._job
+        assert jid is not None and job is not None  # called only while a job is active
         state = self.store.state(jid)
         if state in TERMINAL:                     # cancelled by the server (or ended by the job itself)
             self._end_job()
@@ -432,7 +432,7 @@ class DreamScheduler:
         self._stepping = True
         self._step_ran = None
         try:
-            next(self._job)
+            next(job)
         except StopIteration:
             self._end_job()
         except AdapterSaveError as e:
@@ -473,7 +473,8 @@ class DreamScheduler:
             job.close()                                 # runs the generator's finally: trainers closed
             release_freed_memory()
         with self._lock:
-            self._rendered.pop(jid, None)
+            if jid is not None:
+                self._rendered.pop(jid, None)
             self._kick = True                           # the next queued job may start at once
 
     def _fail(self, jid: int, message: str) -> None:
@@ -511,11 +512,11 @@ class DreamScheduler:
         if final or now - self._figures_at >= FIGURES_EVERY_S:
             self._figures_at = now
             try:
-                self.store.set_pacing(self._job_id, self.pacing())
+                self.store.set_pacing(self._job_id, self.pacing() or {})
             except (OSError, sqlite3.OperationalError) as e:   # a full disk: figures are not worth a job
                 log.warning("job %s: pacing figures not stored: %s", self._job_id, e)
 
-    def _end(self, jid: int, target: str, message: str) -> Iterator[None]:
+    def _end(self, jid: int, target: str, message: str) -> Generator[None, None, None]:
         """Move the job to a final state; a pause that raced in waits for resume."""
         while True:
             try:
@@ -526,7 +527,7 @@ class DreamScheduler:
                     return                              # cancelled (or ended) meanwhile: that stands
                 yield
 
-    def _job_steps(self, jid: int, engine) -> Iterator[None]:
+    def _job_steps(self, jid: int, engine) -> Generator[None, None, None]:
         """One job, start to end; every `yield` follows at most one native micro-step."""
         store = self.store
         spec = store.spec(jid)
@@ -557,7 +558,7 @@ class DreamScheduler:
             trainer.close()
             self._closing.remove(trainer)
 
-    def _train(self, jid: int, spec: JobSpec, rendered: RenderedJob, trainer) -> Iterator[None]:
+    def _train(self, jid: int, spec: JobSpec, rendered: RenderedJob, trainer) -> Generator[None, None, None]:
         store = self.store
         run = JobRun(store, jid, spec, rendered.train)
         self._pacer = Pacer.from_spec(spec.pacing, idle_grace_s=self.idle_grace_s, clock=self.clock)
@@ -584,6 +585,7 @@ class DreamScheduler:
                 run.walk.chunk = chunk                  # the walk and the trainer move together
                 trainer.set_chunk(chunk)
                 cur = run.current()
+                assert cur is not None  # the same position, cut to another chunk
             window, step = cur
             if step.chunk_pos == 0 and begun != (step.epoch, step.order_pos):
                 trainer.begin_window(window.tokens, window.mask)
@@ -614,7 +616,8 @@ class DreamScheduler:
         message = yield from self._finish(jid, spec, trainer, progress["eval_loss"], eval_before)
         yield from self._end(jid, "done", "; ".join([message, *notes]))
 
-    def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int, notes: list[str]) -> Iterator[None]:
+    def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int,
+                  notes: list[str]) -> Generator[None, None, float | None]:
         """Held-out loss of the shadow adapter as it is now.
 
         The native core has no forward-only pass yet, so an evaluator is a
@@ -626,7 +629,8 @@ class DreamScheduler:
         try:
             evaluator = self.make_trainer(self.resident, spec, chunk, 0.0)
         except Exception as e:  # noqa: BLE001 - any refusal or failure of the evaluator only costs the held-out loss
-            why = getattr(e, "receipt", None) and e.receipt.message or e
+            receipt = getattr(e, "receipt", None)
+            why = (receipt is not None and receipt.message) or e
             notes.append(f"held-out loss not measured: the evaluator was refused ({why})")
             return None
         self._closing.append(evaluator)
@@ -638,7 +642,8 @@ class DreamScheduler:
                 pos = 0
                 while evaluator.chunks_left:
                     step_chunk, threads = (self._shaper.choose(chunk, _trains_from(w.mask, pos))
-                                           if self._shaper is not None else (chunk, self._threads.serve_batch))
+                                           if self._shaper is not None
+                                           else (chunk, self._threads.serve_batch if self._threads is not None else 0))
                     if step_chunk != evaluator.chunk:
                         evaluator.set_chunk(step_chunk)   # an evaluation step pauses serving like any other
                     r = (evaluator.micro_step() if self._threads is None
@@ -656,7 +661,7 @@ class DreamScheduler:
             evaluator.close()
             self._closing.remove(evaluator)
 
-    def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before) -> Iterator[None]:
+    def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before) -> Generator[None, None, str]:
         """Save the shadow adapter as a new version; promote per the job's rule. Returns the message."""
         store = self.store
         name = store.get(jid)["out"]
@@ -695,9 +700,11 @@ class DreamScheduler:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
+                view: dict | None
                 if kind == "promote":
+                    name, version = args
                     applied: concurrent.futures.Future = concurrent.futures.Future()
-                    view = self._book_promotion(*args, applied)
+                    view = self._book_promotion(name, version, applied)
                 else:
                     applied = concurrent.futures.Future()
                     view = self._book_rollback(applied)
@@ -752,6 +759,7 @@ class DreamScheduler:
 
     def _apply_swap(self, engine) -> None:
         swap, self._swap = self._swap, None
+        assert swap is not None  # callers check for a queued swap
         try:
             self.served.apply(swap.handle, swap.path)
         except Exception as e:

@@ -26,11 +26,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from dreamstage.resident import ResidentModel
 from dreamstage.sampling import GrammarError, SamplingParams, build_chain
 from dreamstage.stats import EngineStats
+
+if TYPE_CHECKING:
+    import ctypes
+
+    from llama_cpp.llama_cpp import llama_batch
 
 log = logging.getLogger("dreamstage.engine")
 
@@ -221,7 +226,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._running = False
         self._thread: threading.Thread | None = None
-        self._batch = None
+        self._batch: llama_batch | None = None   # allocated by start()
         # The last decode batch, for the dream stage's pacer: all tokens in it, and
         # how many of them were single decode tokens of generating slots.
         self.last_batch_tokens = 0
@@ -392,6 +397,7 @@ class Engine:
         for s in self.slots:
             if s.busy:
                 job = s.job
+                assert job is not None  # busy
                 self.lc.llama_memory_seq_rm(self.model.memory, s.seq_id, -1, -1)
                 s.tokens.clear()
                 self._free_slot(s)
@@ -462,7 +468,7 @@ class Engine:
             self._waiting.remove(job)
             self._finish_job(job, Failed(499, "cancelled before admission"), "cancelled")
         for s in self.slots:
-            if s.busy and s.job.handle.cancelled:
+            if s.job is not None and s.job.handle.cancelled:
                 self._release(s, None, "cancelled")
 
     def _admit(self) -> None:
@@ -503,7 +509,10 @@ class Engine:
         """Build and decode one batch; sample and stream. False when there was nothing to decode."""
         t_start = time.perf_counter()
         lc, batch = self.lc, self._batch
-        tok, pos, nseq, seq, logits = batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
+        assert batch is not None  # allocated before the loop runs
+        tok, nseq, seq, logits = batch.token, batch.n_seq_id, batch.seq_id, batch.logits
+        # llama_cpp annotates llama_batch.pos as an array of arrays; it is flat (llama_pos *)
+        pos = cast("ctypes.Array[ctypes.c_int32]", batch.pos)
         n = 0
         outputs: list[tuple[_Slot, int]] = []
         # Generating slots first: each costs one token, so decode never starves.
@@ -548,25 +557,26 @@ class Engine:
         now = time.perf_counter()
         eog = self.model.is_eog
         for s, idx in outputs:
-            if s.job is None or s.job.handle.cancelled:
+            job, stream = s.job, s.stream
+            if job is None or stream is None or job.handle.cancelled:
                 continue
             token = lc.llama_sampler_sample(s.chain, self.model.ctx, idx)
             s.generated += 1
             self.stats.generated_tokens += 1
             if s.first_token_at is None:
                 s.first_token_at = now
-                self.stats.ttft.observe(now - s.job.submitted)
+                self.stats.ttft.observe(now - job.submitted)
             else:
                 self.stats.itl.observe(now - s.t_last)
             s.t_last = now
             if eog(token):
                 self._release(s, "stop")
                 continue
-            text = s.stream.push(self.model.token_piece(token))
-            self._send(s.job, Delta(text, token))
-            if s.stream.stopped:
+            text = stream.push(self.model.token_piece(token))
+            self._send(job, Delta(text, token))
+            if stream.stopped:
                 self._release(s, "stop", flush=False)
-            elif s.generated >= s.job.max_tokens:
+            elif s.generated >= job.max_tokens:
                 self._release(s, "length")
             else:
                 s.next_token = token
@@ -583,12 +593,14 @@ class Engine:
                 self.lc.llama_memory_seq_rm(self.model.memory, s.seq_id, -1, -1)
                 s.tokens.clear()
                 job = s.job
+                assert job is not None  # busy
                 self._free_slot(s)
                 self._finish_job(job, Failed(500 if rc != 1 else 503, msg), "error")
 
     def _release(self, s: _Slot, reason: str | None, outcome: str | None = None, flush: bool = True) -> None:
         job = s.job
-        if reason is not None and flush:
+        assert job is not None, "released a free slot"
+        if reason is not None and flush and s.stream is not None:
             tail = s.stream.flush()
             if tail:
                 self._send(job, Delta(tail, -1))
@@ -597,7 +609,7 @@ class Engine:
         else:
             event = Finished(reason, len(job.prompt), s.generated, s.cached, s.adapter_version)
         self._free_slot(s)
-        self._finish_job(job, event, outcome or reason)
+        self._finish_job(job, event, outcome or reason or "cancelled")
 
     def _free_slot(self, s: _Slot) -> None:
         if s.chain is not None:
@@ -612,8 +624,8 @@ class Engine:
     def _shutdown(self) -> None:
         self._running = False
         for s in self.slots:
-            if s.busy:
-                job = s.job
+            job = s.job
+            if job is not None:
                 self._free_slot(s)
                 self._finish_job(job, Failed(503, "the server is shutting down"), "error")
         with self._cond:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 from dreamstage.trainspec import ChatExample, JobSpec, PromptCompletion, SourcedExample, TextExample
 
@@ -209,7 +209,8 @@ class ChatRenderer:
 
     def _render(self, messages: list[dict], tools, gen: bool) -> str:
         try:
-            return self._formatters[gen](messages=messages, tools=tools).prompt
+            # our message dicts have the shape of llama_cpp's TypedDicts, which a list[dict] cannot say
+            return self._formatters[gen](messages=cast("list[Any]", messages), tools=tools).prompt
         except Exception as e:  # raise_exception() and any Jinja error alike
             raise TemplateError(f"the chat template refused these messages: {e}") from e
 
@@ -280,7 +281,7 @@ class ChatRenderer:
         matches) never runs over user text. The content is the last occurrence in
         its piece: only the template's end-of-turn text follows it."""
         at = text.rfind(content) if content else -1
-        if at < 0:
+        if content is None or at < 0:
             return self.tok.tokenize(text, add_special, True)
         out: list[int] = []
         for part, special in ((text[:at], True), (content, False), (text[at + len(content):], True)):

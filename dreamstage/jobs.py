@@ -150,7 +150,8 @@ def check_transition(job_id: int, current: str, target: str) -> None:
 
 def receipt_dict(receipt: Any) -> dict[str, Any]:
     """A receipt (dataclass or mapping) as the JSON dict we store, unchanged."""
-    d = dataclasses.asdict(receipt) if dataclasses.is_dataclass(receipt) else dict(receipt)
+    is_instance = dataclasses.is_dataclass(receipt) and not isinstance(receipt, type)
+    d = dataclasses.asdict(receipt) if is_instance else dict(receipt)
     status = d.get("status")
     if status not in RECEIPT_STATUSES:
         raise ValueError(f"receipt status {status!r} is not one of {', '.join(RECEIPT_STATUSES)}")
@@ -316,6 +317,7 @@ class JobStore:
                  spec.horizon, spec.window, json.dumps(_new_progress(spec))),
             )
             job_id = cur.lastrowid
+            assert job_id is not None  # set by the INSERT
             c.execute("UPDATE jobs SET out=? WHERE id=?", (spec.out or f"job-{job_id}", job_id))
         return self.get(job_id)
 
@@ -548,7 +550,7 @@ class JobStore:
         promoted = served is not None and (served["name"], served["version"]) == (name, version)
         return {"name": name, "version": version, "path": row["path"], "created": row["created"],
                 "job_id": row["job_id"], "eval_loss": row["eval_loss"], "sha256": row["sha256"], "promoted": promoted,
-                "served_version": served["served_version"] if promoted else None}
+                "served_version": served["served_version"] if promoted and served is not None else None}
 
     def adapters(self) -> list[dict[str, Any]]:
         conn = self._conn()

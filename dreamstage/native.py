@@ -16,6 +16,7 @@ import os
 import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 _PKG = Path(__file__).resolve().parent
 
@@ -96,7 +97,7 @@ def parse_build_info(s: str) -> dict:
     parts = s.split(";")
     if not parts or parts[0] != "dreamstage":
         raise NativeLibraryError(f"unexpected build identity {s!r}")
-    out = {}
+    out: dict[str, Any] = {}
     for kv in parts[1:]:
         k, _, v = kv.partition("=")
         out[k] = v

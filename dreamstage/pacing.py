@@ -501,6 +501,8 @@ class StepShaper:
         if not other:
             return None
         p = other.predict(chunk)
+        if p is None:
+            return None
         # from the other kind: a backward costs about 3x the forward (docs/benchmarks.md),
         # so a training step is read as 4 forward steps; a forward step as a training one
         return p * self.FORWARD_TO_TRAIN if trains else p

@@ -11,6 +11,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dreamstage import native
 from dreamstage.models import check_model_file, default_model
@@ -39,7 +40,8 @@ def quiet_native_logs(enabled: bool = True) -> None:
             lc.llama_log_set(_log_cb, ctypes.c_void_p())
         else:
             _log_cb = None
-            lc.llama_log_set(ctypes.cast(None, lc.llama_log_callback), ctypes.c_void_p())
+            # a NULL callback: llama.cpp logs to stderr again
+            lc.llama_log_set(lc.llama_log_callback(), ctypes.c_void_p())
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class ResidentModel(NativeOwner):
             self.model = None
             raise ValueError(f"could not create a context (n_ctx={cfg.n_ctx}, kv_type={cfg.kv_type!r})")
         self.memory = lc.llama_get_memory(self.ctx)
-        self.dependents = weakref.WeakSet()  # closed before the context is freed
+        self.dependents: weakref.WeakSet[Any] = weakref.WeakSet()  # closed before the context is freed
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = lc.llama_n_ctx(self.ctx)
 

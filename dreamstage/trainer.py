@@ -162,7 +162,7 @@ class Trainer(NativeOwner):
         for i in range(self.L.dream_n_pairs(self._ds)):
             self.L.dream_pair_info(self._ds, i, ctypes.byref(layer), ctypes.byref(tgt),
                                    ctypes.byref(n_in), ctypes.byref(n_out))
-            out.append(_Pair(layer.value, tgt.value.decode(), n_in.value, n_out.value))
+            out.append(_Pair(layer.value, (tgt.value or b"").decode(), n_in.value, n_out.value))
         return out
 
     def parameter_order(self) -> list[tuple[tuple[int, str], str]]:

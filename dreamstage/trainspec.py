@@ -332,7 +332,7 @@ class TrainRequest(BaseModel):
     @field_validator("recompute", "exact")
     @classmethod
     def _walk_supported(cls, v: bool, info: ValidationInfo) -> bool:
-        supported = SUPPORTED_WALKS[info.field_name]
+        supported = SUPPORTED_WALKS[str(info.field_name)]  # always set in a field validator
         if v not in supported:
             allowed = ", ".join(str(x).lower() for x in sorted(supported))
             raise ValueError(f"{info.field_name}={str(v).lower()} is not supported by this build's dream step yet "

@@ -181,6 +181,7 @@ async def events(request: Request):
     service = request.app.state.service
     pinned = _int_param(request, "job", None, 1, 2**62)
     backlog = _int_param(request, "backlog", DEFAULT_BACKLOG, 0, MAX_BACKLOG)
+    assert backlog is not None  # it has a default
     follower = Follower(service, pinned, backlog)
     if pinned is not None:
         if service.jobs is None:

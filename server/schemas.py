@@ -7,7 +7,7 @@ explicitly (`user`, `stream_options`, `n` = 1 only).
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -118,4 +118,5 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str):
             return p[0]
-        return p
+        # a list of strings has exactly one item (the field's length bounds), taken above
+        return cast("str | list[int]", p)

@@ -72,7 +72,8 @@ class Service:
             try:
                 self.dream.startup(self.engine, settings.adapter)   # before the engine thread: reload what was served
             except BaseException:
-                self.jobs.close()
+                if self.jobs is not None:
+                    self.jobs.close()
                 self.model.close()
                 raise
 
@@ -101,6 +102,7 @@ class Service:
             return
         if self.dream is not None:
             self.dream.close()
+        if self.jobs is not None:
             self.jobs.close()
         self.model.close()
 

@@ -154,6 +154,7 @@ def _check_limits(service, spec, rendered) -> None:
 async def submit(request: Request):
     service = _dream(request)
     body = await _json_object(request, required=True)
+    assert body is not None  # required=True: an empty body is a 4xx
     try:
         req = parse_train_request(body)
     except ValidationError as e:
