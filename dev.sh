@@ -4,8 +4,8 @@
 # skips each part whose inputs did not change, so re-runs are fast.
 #
 #   ./dev.sh serve [dreamstage serve options]   start the server on the default model
-#   ./dev.sh test  [pytest options]             run the whole test suite
-#   ./dev.sh setup | build | info | shell CMD...
+#   ./dev.sh test  [pytest options]             lint and type-check, then run the test suite
+#   ./dev.sh setup | build | lint | info | shell CMD...
 #
 # Environment: DREAMSTAGE_VENV (default .venv), DREAMSTAGE_CMAKE_ARGS (e.g.
 # "-DGGML_CUDA=ON"), DREAMSTAGE_LLAMA_SDIST / DREAMSTAGE_LLAMA_TREE (offline builds).
@@ -68,12 +68,23 @@ ensure_model() { "$PY" -m dreamstage.models >/dev/null; }
 
 setup() { ensure_venv; ensure_deps; ensure_native "$@"; ensure_model; }
 
+# ruff, then mypy (both pinned in requirements/test.txt; config in pyproject.toml),
+# on dreamstage/ and server/. server/ is the package dreamstage.server (the wheel
+# maps it); the link gives mypy, which does not run the editable install's
+# import hook, the same view in a checkout.
+lint() {
+  [ -e dreamstage/server ] || ln -s ../server dreamstage/server
+  "$PY" -m ruff check dreamstage server
+  "$PY" -m mypy
+}
+
 cmd="${1:-help}"; shift || true
 case "$cmd" in
   setup) setup ;;
   build) setup force ;;
   serve) setup; exec "$VENV/bin/dreamstage" serve "$@" ;;
-  test)  setup; exec "$PY" -m pytest "$@" ;;
+  test)  setup; lint; exec "$PY" -m pytest "$@" ;;
+  lint)  setup; lint ;;
   info)  setup; exec "$VENV/bin/dreamstage" info ;;
   shell) setup; PATH="$VENV/bin:$PATH" exec "$@" ;;
   *) sed -n '2,12p' "$0"; exit 2 ;;
