@@ -70,7 +70,7 @@ def one_dream(threads: int, seq: int, steps: int) -> dict:
     import numpy as np
 
     from dreamstage.resident import ResidentConfig, ResidentModel
-    from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
     rm = ResidentModel(ResidentConfig(n_ctx=max(512, seq), n_seq=1, n_threads=threads))
     toks = rm.tokenize(TEXT * 80)
     tr = Trainer(rm, LoraConfig(rank=8, targets="attn_q,attn_v"), cache_type="q8_0", window=seq, chunk=seq,

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
 
 TEXT = ("Between decode batches the resident model takes one training micro-step on the text it was asked "
         "to learn, and the served adapter moves only when the engine promotes it. ")

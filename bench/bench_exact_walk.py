@@ -34,7 +34,7 @@ TEXT = ("The dream stage trains a LoRA adapter on the resident context between d
 
 
 def run_window(rm, tokens, chunk, walk, cache_type, memory_only=False):
-    from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
     n = len(tokens)
     mask = np.ones(n, np.uint8)
     if memory_only and walk == "plain":

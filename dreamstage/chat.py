@@ -9,10 +9,13 @@ from typing import Any, cast
 
 from dreamstage import native
 
+# The roles a message may have, in chat requests and in training examples alike.
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
-# ChatML, used only when a model carries no template of its own.
-_FALLBACK_TEMPLATE = (
+# ChatML, as llama.cpp falls back to when a GGUF carries no template: serving
+# and training render with it alike, so a model without a template trains on
+# the prompts it is served.
+FALLBACK_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -22,7 +25,7 @@ class ChatTemplate:
         native.llama_cpp()  # llama_cpp modules must load against our libllama
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        self.source = template or _FALLBACK_TEMPLATE
+        self.source = template or FALLBACK_TEMPLATE
         self.bos_text = bos_text
         self._fmt = Jinja2ChatFormatter(self.source, eos_token=eos_text, bos_token=bos_text,
                                         add_generation_prompt=True)

@@ -6,7 +6,7 @@ import sys
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from dreamstage import info
+    from dreamstage import info  # noqa: PLC0415
     print(info.render(info.collect()))
     return 0
 
@@ -14,7 +14,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _check_bind(host: str, port: int) -> None:
     """Fail in one line before the model loads when the address is taken
     (uvicorn would find out only after loading, and log several lines)."""
-    import socket
+    import socket  # noqa: PLC0415
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -25,54 +25,81 @@ def _check_bind(host: str, port: int) -> None:
             raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from dreamstage.dreamer import default_state_dir
-    from dreamstage.server.app import create_app
-    from dreamstage.server.service import Service, run_uvicorn
-    from dreamstage.server.settings import JobLimits, ServerSettings
+# `serve` flags that set a ServerSettings field of the same name. A flag not
+# given leaves the field to DREAMSTAGE_<FIELD>, else to ServerSettings' default.
+SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "batch", "threads", "kv_type", "adapter", "max_queue",
+                "max_body_bytes", "n_gpu_layers", "api_key")
 
-    state_dir = None if args.no_train else (args.state_dir or str(default_state_dir()))
-    limits = JobLimits(**{k: getattr(args, k) for k in JobLimits.__dataclass_fields__})
-    settings = ServerSettings(model=args.model, host=args.host, port=args.port, parallel=args.parallel,
-                              ctx=args.ctx, batch=args.batch, threads=args.threads, kv_type=args.kv_type,
-                              state_dir=state_dir, adapter=args.adapter, max_queue=args.max_queue,
-                              max_body_bytes=args.max_body_bytes, api_key=_api_key(args),
-                              allowed_hosts=tuple(args.allowed_host or ()), cors_origins=tuple(args.cors_origin or ()),
-                              limits=limits, n_gpu_layers=args.n_gpu_layers)
+
+def serve_settings(args: argparse.Namespace):
+    """The ServerSettings `serve` runs with: flags, then the environment, then the defaults."""
+    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
+    from dreamstage.training.store import default_state_dir  # noqa: PLC0415
+
+    given = {k: getattr(args, k) for k in SERVE_FIELDS if getattr(args, k, None) is not None}
+    if args.allowed_host:
+        given["allowed_hosts"] = tuple(args.allowed_host)
+    if args.cors_origin:
+        given["cors_origins"] = tuple(args.cors_origin)
+    limits = {k: getattr(args, k) for k in JobLimits.__dataclass_fields__ if getattr(args, k) is not None}
+    if limits:
+        given["limits"] = limits
+    if args.no_train:
+        given["state_dir"] = None
+    elif args.state_dir:
+        given["state_dir"] = args.state_dir
+    settings = ServerSettings(**given)
+    if settings.state_dir is None and not args.no_train:      # neither a flag nor DREAMSTAGE_STATE_DIR
+        settings = ServerSettings(**given, state_dir=str(default_state_dir()))
+    return settings
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from dreamstage.server.app import create_app  # noqa: PLC0415
+    from dreamstage.server.service import Service, run_uvicorn  # noqa: PLC0415
+    from dreamstage.validation import field_errors  # noqa: PLC0415
+
     try:
-        settings.validate()
-        _check_bind(args.host, args.port)
+        settings = serve_settings(args)
+        _check_bind(settings.host, settings.port)
         service = Service(settings)
+    except ValidationError as e:
+        print("dreamstage serve: " + "; ".join(m if p == "body" else f"{p}: {m}" for p, m in field_errors(e)),
+              file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
         print(f"dreamstage serve: {e}", file=sys.stderr)
         return 2
+    state_dir = settings.state_dir
     service.start()
     cfg = service.model.config
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
     training = f"jobs and adapters in {state_dir}" if state_dir else "training off"
-    print(f"dreamstage: serving {service.model_id} ({service.model.model_path}) at http://{host}:{args.port}/v1 "
+    print(f"dreamstage: serving {service.model_id} ({service.model.model_path}) at http://{host}:{settings.port}/v1 "
           f"- {cfg.n_seq} slots x {service.engine.slot_ctx} tokens, kv {cfg.kv_type}, "
           f"{cfg.n_threads or 'all'} threads; {training}; "
           f"{'API key required' if settings.api_key else 'no API key'} "
           f"(adapter version {service.engine.adapter_version})", flush=True)
-    run_uvicorn(service, create_app(service), host=args.host, port=args.port, log_level=args.log_level)
+    run_uvicorn(service, create_app(service), host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
 
 
 def _api_key(args) -> str | None:
-    import os
+    import os  # noqa: PLC0415
 
     return getattr(args, "api_key", None) or os.environ.get("DREAMSTAGE_API_KEY") or None
 
 
 def _client(args):
-    from dreamstage.client import Client
+    from dreamstage.client import Client  # noqa: PLC0415
     return Client(args.url, timeout=60, api_key=_api_key(args))
 
 
 def _read_examples(path: str) -> list[dict]:
     """A JSONL file: one example per line (text, prompt/completion, messages, or a group)."""
-    import json
+    import json  # noqa: PLC0415
 
     examples = []
     with open(path, encoding="utf-8") as f:
@@ -93,7 +120,7 @@ def _read_examples(path: str) -> list[dict]:
 
 def _options(pairs: list[str]) -> dict:
     """KEY=VALUE pairs; VALUE is JSON when it parses (3, 0.5, true, "x"), else a string."""
-    import json
+    import json  # noqa: PLC0415
 
     out = {}
     for pair in pairs:
@@ -108,9 +135,9 @@ def _options(pairs: list[str]) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import httpx
+    import httpx  # noqa: PLC0415
 
-    from dreamstage.client import DreamstageError
+    from dreamstage.client import DreamstageError  # noqa: PLC0415
 
     try:
         examples = _read_examples(args.file)
@@ -147,7 +174,7 @@ def _table(headers: list[str], rows: list[list]) -> str:
     """Left-aligned columns, two spaces apart; None shows as '-'."""
     cells = [headers] + [["-" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
 def _num(v, digits: int = 3):
@@ -156,7 +183,7 @@ def _num(v, digits: int = 3):
 
 def render_status(view: dict, ads: dict) -> str:
     """`dreamstage status`: what serves, the jobs (training now, then the queue) and the adapters."""
-    from dreamstage.client import eta_s, format_duration, progress_fraction
+    from dreamstage.client import eta_s, format_duration, progress_fraction  # noqa: PLC0415
 
     served = ads.get("served")
     lines = [f"serving adapter version {ads['served_version']}"
@@ -189,9 +216,9 @@ def render_status(view: dict, ads: dict) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import httpx
+    import httpx  # noqa: PLC0415
 
-    from dreamstage.client import DreamstageError, progress_line
+    from dreamstage.client import DreamstageError, progress_line  # noqa: PLC0415
 
     with _client(args) as c:
         try:
@@ -220,37 +247,42 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="version, pinned llama.cpp, patches, backends and devices")
     p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("serve", help="serve the resident model")
+    p = sub.add_parser("serve", help="serve the resident model",
+                       description="Each option may also be set as DREAMSTAGE_<OPTION> (e.g. DREAMSTAGE_PORT=9000, "
+                                   "DREAMSTAGE_LIMITS__MAX_QUEUED_JOBS=4); a flag wins over the environment.")
+    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
+    default = {k: f.default for k, f in ServerSettings.model_fields.items()}
     p.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--parallel", type=int, default=4, help="slots decoded together (default 4)")
-    p.add_argument("--ctx", type=int, default=4096, help="total context; each slot gets ctx/parallel (default 4096)")
-    p.add_argument("--batch", type=int, default=512, help="tokens per decode batch (default 512)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all cores)")
-    p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=-1, metavar="N",
-                   help="layers stored on the GPU in a GPU build (default -1: all; 0: none)")
-    p.add_argument("--kv-type", default="f16",
-                   help="serving K/V cache type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0")
+    p.add_argument("--host", default=None, help=f"bind address (default {default['host']}: loopback only)")
+    p.add_argument("--port", type=int, default=None, help=f"(default {default['port']})")
+    p.add_argument("--parallel", type=int, default=None, help=f"slots decoded together (default {default['parallel']})")
+    p.add_argument("--ctx", type=int, default=None,
+                   help=f"total context; each slot gets ctx/parallel (default {default['ctx']})")
+    p.add_argument("--batch", type=int, default=None, help=f"tokens per decode batch (default {default['batch']})")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=None, metavar="N",
+                   help=f"layers stored on the GPU in a GPU build (default {default['n_gpu_layers']}: all; 0: none)")
+    p.add_argument("--kv-type", default=None, help=f"serving K/V cache type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, "
+                                                   f"q4_0 (default {default['kv_type']})")
     p.add_argument("--state-dir", default=None,
                    help="where the dream stage keeps jobs and adapters (default ~/.local/share/dreamstage)")
     p.add_argument("--adapter", default=None, metavar="PATH",
                    help="a GGUF LoRA to serve from startup (imported into the state directory as a new version)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help=f"requests waiting for a slot before 503 (default {default['max_queue']})")
     p.add_argument("--no-train", action="store_true", help="serve only: no /train, no adapters, no state directory")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $DREAMSTAGE_API_KEY); "
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $DREAMSTAGE_API_KEY); "
                         "needed for training on a non-loopback bind; prefer the variable: "
                         "a command line is visible to other local users")
     p.add_argument("--allowed-host", action="append", metavar="NAME",
                    help="a Host header name accepted besides localhost/127.0.0.1/::1 (repeatable)")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="an origin (https://app.example) that gets CORS headers (repeatable; default none)")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 (default 4 MiB)")
-    from dreamstage.server.settings import JobLimits
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help=f"larger request bodies get 413 (default {default['max_body_bytes']})")
     for name, f in JobLimits.__dataclass_fields__.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=f.default,
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None,
                        help=f"training limit (default {f.default})")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)
@@ -283,14 +315,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        # libllama first, before the parser's imports bring in numpy: on the H200
+        # machine's image (numpy 2.5.2 with its bundled OpenBLAS and libgfortran), a
+        # process that had imported numpy first crashed (SIGSEGV) in
+        # llama_model_load_from_file, even with no layer offloaded; loading our
+        # libraries first did not. The cause is not identified
+        # (docs/architecture/gpu.md, "The Python server on the GPU").
+        from dreamstage import native  # noqa: PLC0415
+        try:
+            native.lib()
+        except native.NativeLibraryError:
+            pass        # reported in one line when the model loads
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except KeyboardInterrupt:
         print(f"dreamstage {args.cmd}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # one line for the user; DREAMSTAGE_DEBUG=1 shows the traceback
-        import os
+    except Exception as e:  # noqa: BLE001 - one line for the user; DREAMSTAGE_DEBUG=1 shows the traceback
+        import os  # noqa: PLC0415
 
         if os.environ.get("DREAMSTAGE_DEBUG"):
             raise

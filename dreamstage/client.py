@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import httpx
+from httpx_sse import EventSource
 
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
 
@@ -89,14 +90,12 @@ def _completion(kind: str, obj: dict) -> Completion:
     return Completion(text, ch.get("finish_reason"), obj.get("adapter_version", 0), obj.get("usage", {}), obj)
 
 
-def _sse_payloads(lines) -> Iterator[dict]:
-    for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+def _payloads(events) -> Iterator[dict]:
+    """The JSON objects of an OpenAI-style token stream (httpx-sse parses the SSE framing)."""
+    for ev in events:
+        if ev.data == "[DONE]":
             return
-        yield json.loads(data)
+        yield json.loads(ev.data)
 
 
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -109,7 +108,7 @@ def progress_fraction(job: dict) -> tuple[int, int]:
     p = job.get("progress") or {}
     windows, epochs = p.get("windows") or 0, p.get("epochs") or 1
     total = windows * epochs
-    done = min(total, (p.get("epoch") or 0) * windows + (p.get("window") or 0)) if total else 0
+    done = min(total, (p.get("epoch") or 0) * windows + (p.get("window_in_epoch") or 0)) if total else 0
     if job.get("state") == "done":
         done = total
     return done, total
@@ -286,7 +285,7 @@ class Client:
             if r.status_code != 200:
                 r.read()
                 _raise_for(r.status_code, r.content, r.headers)
-            for obj in _sse_payloads(r.iter_lines()):
+            for obj in _payloads(EventSource(r).iter_sse()):
                 piece = state._piece(obj, kind)
                 if piece:
                     yield piece
@@ -335,13 +334,10 @@ class AsyncClient:
             if r.status_code != 200:
                 await r.aread()
                 _raise_for(r.status_code, r.content, r.headers)
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for ev in EventSource(r).aiter_sse():
+                if ev.data == "[DONE]":
                     break
-                piece = state._piece(json.loads(data), kind)
+                piece = state._piece(json.loads(ev.data), kind)
                 if piece:
                     yield piece
         self.last_stream = state

@@ -111,6 +111,7 @@ def lib() -> ctypes.CDLL:
     mod = llama_cpp()
     L = mod.llama_cpp._lib
     _declare(L)
+    _check_receipt_layout(L, L._name)
     return L
 
 
@@ -152,6 +153,60 @@ class DreamReceiptC(ctypes.Structure):
     ]
 
 
+class DreamFieldLayoutC(ctypes.Structure):
+    """struct dream_field_layout (dream.h): one member of a struct as the library was compiled."""
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("offset", ctypes.c_size_t),
+        ("size", ctypes.c_size_t),
+    ]
+
+
+def receipt_layout_mismatches(L: ctypes.CDLL, mirror: type[ctypes.Structure] | None = None) -> list[str]:
+    """How `mirror` (DreamReceiptC) differs from struct dream_receipt as `L`
+    was compiled (dream_receipt_layout); empty when they agree member for member."""
+    mirror = mirror if mirror is not None else DreamReceiptC
+    fields = ctypes.POINTER(DreamFieldLayoutC)()
+    size = ctypes.c_size_t(0)
+    n = L.dream_receipt_layout(ctypes.byref(fields), ctypes.byref(size))
+    c_side = [(fields[i].name.decode(), fields[i].offset, fields[i].size) for i in range(n)]
+    py_side = [(name, getattr(mirror, name).offset, getattr(mirror, name).size) for name, _ in mirror._fields_]
+    out = []
+    if size.value != ctypes.sizeof(mirror):
+        out.append(f"sizeof(struct dream_receipt) is {size.value} in C, {ctypes.sizeof(mirror)} in {mirror.__name__}")
+    c_names, py_names = {f[0] for f in c_side}, {f[0] for f in py_side}
+    out += [f"{name} is in struct dream_receipt but not in {mirror.__name__}" for name, _, _ in c_side
+            if name not in py_names]
+    out += [f"{name} is in {mirror.__name__} but not in struct dream_receipt" for name, _, _ in py_side
+            if name not in c_names]
+    py_at = {name: (off, sz) for name, off, sz in py_side}
+    for name, off, sz in c_side:
+        if name in py_at and py_at[name] != (off, sz):
+            out.append(f"{name}: offset {off}, size {sz} in C; offset {py_at[name][0]}, size {py_at[name][1]} "
+                       f"in {mirror.__name__}")
+    return out
+
+
+def _check_receipt_layout(L: ctypes.CDLL, path: str) -> None:
+    # A member added on one side only would shift every later field: every
+    # receipt would read garbage rather than fail. Checked once, at load.
+    try:
+        L.dream_receipt_layout
+    except AttributeError:
+        raise NativeLibraryError(f"{path} has no dream_receipt_layout: it predates this package's dream.h; "
+                                 "rebuild with `./dev.sh build`") from None
+    bad = receipt_layout_mismatches(L)
+    if bad:
+        raise NativeLibraryError(f"dreamstage.native.DreamReceiptC does not match struct dream_receipt in {path}: "
+                                 + "; ".join(bad))
+
+
+@lru_cache(maxsize=1)
+def context_cache_types() -> tuple[str, ...]:
+    """The training cache types the native core accepts (dream_context_cache_types), preferred first."""
+    return tuple(lib().dream_context_cache_types().decode().split(","))
+
+
 class DreamParamsC(ctypes.Structure):
     """struct dream_params (dream.h), field for field."""
     _fields_ = [
@@ -183,6 +238,16 @@ def _declare(L: ctypes.CDLL) -> None:
     # const char * dream_build_info(void);
     L.dream_build_info.argtypes = []
     L.dream_build_info.restype = ctypes.c_char_p
+    # int32_t dream_receipt_layout(const struct dream_field_layout ** fields, size_t * struct_size);
+    # (declared only when present: _check_receipt_layout names a library that lacks it)
+    if hasattr(L, "dream_receipt_layout"):
+        L.dream_receipt_layout.argtypes = [ctypes.POINTER(ctypes.POINTER(DreamFieldLayoutC)),
+                                           ctypes.POINTER(ctypes.c_size_t)]
+        L.dream_receipt_layout.restype = ctypes.c_int32
+    # const char * dream_context_cache_types(void);
+    if hasattr(L, "dream_context_cache_types"):
+        L.dream_context_cache_types.argtypes = []
+        L.dream_context_cache_types.restype = ctypes.c_char_p
     # struct dream_params dream_default_params(void);
     L.dream_default_params.argtypes = []
     L.dream_default_params.restype = DreamParamsC
@@ -236,6 +301,9 @@ def _declare(L: ctypes.CDLL) -> None:
     # void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
     L.dream_set_budget.argtypes = [p, ctypes.c_double]
     L.dream_set_budget.restype = None
+    # double dream_held_mib(const struct dream_stage * ds);
+    L.dream_held_mib.argtypes = [p]
+    L.dream_held_mib.restype = ctypes.c_double
     # int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon);
     L.dream_set_horizon.argtypes = [p, ctypes.c_int32]
     L.dream_set_horizon.restype = ctypes.c_int32

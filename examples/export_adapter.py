@@ -43,7 +43,7 @@ def main() -> int:
             return 2
         src = Path(served["path"])
         if not src.is_absolute():                      # the server may report it relative to its state directory
-            from dreamstage.dreamer import default_state_dir  # noqa: PLC0415
+            from dreamstage.training.store import default_state_dir  # noqa: PLC0415
             src = Path(args.state_dir or default_state_dir()) / src
         shutil.copyfile(src, args.out)
         print(f"exported {served['name']} v{served['version']} -> {args.out} ({Path(args.out).stat().st_size} bytes)")

@@ -10,7 +10,7 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from dreamstage.engine import Delta, Failed, Finished, GenerationRequest
 from dreamstage.sampling import GrammarError, SamplingParams, json_schema_grammar
@@ -210,9 +210,11 @@ def create_app(service: Service) -> FastAPI:
     async def slots():
         return {"slot_context": engine.slot_ctx, "n_ctx": service.model.n_ctx, "slots": engine.slots_info()}
 
+    scrape = metrics.registry(service)
+
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(scrape), media_type=metrics.CONTENT_TYPE)
 
     openapi.install(app)
     return app

@@ -12,10 +12,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dreamstage.validation import field_path
+
 log = logging.getLogger("dreamstage.server")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
           409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
           422: "invalid_request_error", 499: "request_cancelled", 503: "server_overloaded",
           507: "insufficient_storage"}
@@ -40,30 +41,13 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 async def send_error(send, status: int, message: str, param: str | None = None, code: str | None = None,
                      headers: dict[str, str] | None = None) -> None:
     """Answer from ASGI middleware (before FastAPI), in the same OpenAI shape."""
-    import json
+    import json  # noqa: PLC0415
 
     data = json.dumps(error_body(status, message, param, code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": data})
-
-
-def field_path(loc) -> str:
-    """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
-    out = ""
-    for part in loc:
-        if part == "body" and not out:
-            continue
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            # Union members appear in loc as type names ("str", "list[TextPart]"); they are not fields.
-            if any(c in str(part) for c in "[]") or part in ("str", "int", "float", "bool", "list", "dict",
-                                                              "function-after"):
-                continue
-            out += ("." if out else "") + str(part)
-    return out or "body"
 
 
 def _describe(err: dict) -> tuple[str, str]:

@@ -33,10 +33,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from dreamstage.jobs import JobNotFound
 from dreamstage.server.errors import APIError
 from dreamstage.server.train_routes import _adapters_view as adapters_view  # the view GET /adapters returns
 from dreamstage.server.train_routes import _with_unrecorded, public
+from dreamstage.training.store import JobNotFound
 
 router = APIRouter()
 

@@ -1,38 +1,110 @@
-"""GET /metrics: the engine's counters in Prometheus text format (dreamstage_ prefix)."""
+"""GET /metrics: serving's and the dream stage's figures, in Prometheus text format (dreamstage_ prefix).
+
+prometheus_client formats and types them. The figures themselves stay in
+the engine's and the scheduler's plain counters (written by the engine
+thread without a lock on the decode path); a collector reads them at scrape
+time, so nothing is counted twice and the engine imports no exporter.
+"""
 from __future__ import annotations
 
-from dreamstage.engine import Engine
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
 from dreamstage.stats import Histogram
 
-
-def _hist(lines: list[str], name: str, help_: str, h: Histogram) -> None:
-    lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
-    for le, n in h.cumulative():
-        lines.append(f'{name}_bucket{{le="{le}"}} {n}')
-    lines += [f"{name}_sum {h.total:.6f}", f"{name}_count {h.n}"]
+# The classic text format generate_latest writes, as before (every Prometheus reads it).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+REQUEST_OUTCOMES = ("stop", "length", "cancelled", "invalid", "error")
 
 
-def render(engine: Engine) -> str:
-    s = engine.stats
-    lines: list[str] = []
+def _histogram(name: str, help_: str, h: Histogram) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, help_, buckets=h.cumulative(), sum_value=h.total)
 
-    def metric(name, kind, help_, value):
-        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"])
 
-    metric("dreamstage_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", s.prompt_tokens)
-    metric("dreamstage_prompt_tokens_cached_total", "counter", "Prompt tokens reused from a slot's cache.",
-           s.prompt_tokens_cached)
-    metric("dreamstage_generated_tokens_total", "counter", "Tokens sampled.", s.generated_tokens)
-    lines += ["# HELP dreamstage_requests_total Finished requests by outcome.",
-              "# TYPE dreamstage_requests_total counter"]
-    for outcome in sorted(set(s.requests) | {"stop", "length", "cancelled", "invalid", "error"}):
-        lines.append(f'dreamstage_requests_total{{outcome="{outcome}"}} {s.requests.get(outcome, 0)}')
-    metric("dreamstage_decode_batches_total", "counter", "llama_decode calls made by the engine.", s.decode_batches)
-    metric("dreamstage_decode_failures_total", "counter", "llama_decode calls that failed.", s.decode_failures)
-    _hist(lines, "dreamstage_time_to_first_token_seconds", "Submission to first sampled token.", s.ttft)
-    _hist(lines, "dreamstage_inter_token_latency_seconds", "Time between two sampled tokens of one request.", s.itl)
-    metric("dreamstage_busy_slots", "gauge", "Slots serving a request.", engine.busy_slots())
-    metric("dreamstage_slots", "gauge", "Slots (parallel sequences).", engine.n_seq)
-    metric("dreamstage_queue_depth", "gauge", "Requests waiting for a slot.", engine.queue_depth)
-    metric("dreamstage_adapter_version", "gauge", "Served adapter version (0 = base model).", engine.adapter_version)
-    return "\n".join(lines) + "\n"
+def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, help_, value=value)
+
+
+def _gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_, value=value)
+
+
+def _by(family, counts: dict[str, int], always: tuple[str, ...] = ()):
+    for key in sorted(set(counts) | set(always)):
+        family.add_metric([key], counts.get(key, 0))
+    return family
+
+
+class ServiceCollector:
+    """Reads the service's counters at each scrape."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.service.engine
+        s = engine.stats
+        yield _counter("dreamstage_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
+        yield _counter("dreamstage_prompt_tokens_cached", "Prompt tokens reused from a slot's cache.",
+                       s.prompt_tokens_cached)
+        yield _counter("dreamstage_generated_tokens", "Tokens sampled.", s.generated_tokens)
+        yield _by(CounterMetricFamily("dreamstage_requests", "Finished requests by outcome.", labels=["outcome"]),
+                  s.requests, REQUEST_OUTCOMES)
+        yield _counter("dreamstage_decode_batches", "llama_decode calls made by the engine.", s.decode_batches)
+        yield _counter("dreamstage_decode_failures", "llama_decode calls that failed.", s.decode_failures)
+        yield _histogram("dreamstage_time_to_first_token_seconds", "Submission to first sampled token.", s.ttft)
+        yield _histogram("dreamstage_inter_token_latency_seconds", "Time between two sampled tokens of one request.",
+                         s.itl)
+        yield _gauge("dreamstage_busy_slots", "Slots serving a request.", engine.busy_slots())
+        yield _gauge("dreamstage_slots", "Slots (parallel sequences).", engine.n_seq)
+        yield _gauge("dreamstage_queue_depth", "Requests waiting for a slot.", engine.queue_depth)
+        yield _gauge("dreamstage_adapter_version", "Served adapter version (0 = base model).", engine.adapter_version)
+        dream = getattr(self.service, "dream", None)
+        if dream is not None:
+            yield from self._dream(dream)
+        submitter = getattr(self.service, "submitter", None)
+        if submitter is not None:
+            yield _by(CounterMetricFamily("dreamstage_train_submissions_refused",
+                                          "POST /train bodies refused, by error code.", labels=["code"]),
+                      dict(submitter.refused), ("invalid_value", "limit_exceeded"))
+
+    @staticmethod
+    def _dream(dream) -> Iterator[Metric]:
+        d = dream.stats
+        yield _by(CounterMetricFamily("dreamstage_dream_steps", "Training micro-steps by receipt status.",
+                                      labels=["status"]), dict(d.steps), ("ok", "refused", "error"))
+        yield _by(CounterMetricFamily("dreamstage_dream_refusals", "Refused micro-steps and job starts, by reason.",
+                                      labels=["reason"]), dict(d.refusals), ("memory_gate",))
+        yield _counter("dreamstage_dream_tokens", "Tokens run forward (and backward) by training micro-steps.",
+                       d.walked_tokens)
+        yield _counter("dreamstage_dream_loss_tokens", "Tokens that carried loss in training micro-steps.",
+                       d.loss_tokens)
+        yield _histogram("dreamstage_dream_step_seconds", "Native time of one training micro-step.", d.step)
+        yield _histogram("dreamstage_dream_pause_seconds",
+                         "What serving waited for one dream step (the micro-step and its store writes).", d.pause)
+        if d.train_tok_s is not None:
+            yield _gauge("dreamstage_dream_train_tokens_per_second",
+                         "The current job's walked tokens per second of micro-step time.", d.train_tok_s)
+        if d.loss is not None:
+            yield _gauge("dreamstage_dream_loss", "Mean cross-entropy of the last micro-step with loss tokens.",
+                         d.loss)
+        memory = GaugeMetricFamily("dreamstage_dream_memory_mib", "The last ok receipt's memory, MiB, by part.",
+                                   labels=["part"])
+        for part, mib in sorted(d.memory_mib.items()):
+            memory.add_metric([part], mib)
+        yield memory
+        yield _gauge("dreamstage_dream_active_job", "The job training now (0: none).", dream.active_job or 0)
+
+
+def registry(service) -> CollectorRegistry:
+    """A registry of this service only (several servers may share a process, as the tests do)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(ServiceCollector(service))
+    return reg
+
+
+def render(reg: CollectorRegistry) -> bytes:
+    return generate_latest(reg)

@@ -1,65 +1,54 @@
-"""Server settings: one dataclass, filled by the CLI (or tests) and validated here."""
+"""Server settings: one pydantic-settings model, the one place for defaults.
+
+Each field may come from the CLI (or a caller's keyword), else from the
+environment, `DREAMSTAGE_<FIELD>` (`DREAMSTAGE_PORT=9000`,
+`DREAMSTAGE_API_KEY`, `DREAMSTAGE_ALLOWED_HOSTS='["box.lan"]'`,
+`DREAMSTAGE_LIMITS__MAX_QUEUED_JOBS=4`), else from the default here. A
+settings object is checked when it is made: a bad value raises
+pydantic.ValidationError (a ValueError) naming the field.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dreamstage.resident import KV_TYPES, ResidentConfig
 from dreamstage.server.security import SecurityPolicy, is_loopback
+from dreamstage.training.submit import JobLimits
 
 
-@dataclass(frozen=True)
-class JobLimits:
-    """What one POST /train may cost, counted on what will actually run.
+class ServerSettings(BaseSettings):
+    # extra="forbid": a misspelt keyword is an error, as it was for the
+    # dataclass; environment variables that name no field are not read at all.
+    model_config = SettingsConfigDict(env_prefix="DREAMSTAGE_", env_nested_delimiter="__", frozen=True,
+                                      extra="forbid")
 
-    Breaking one is a 413 (this job is too big) or 422 (the queue is full)
-    naming the limit and its value; each has a `serve` flag."""
-    max_job_examples: int = 100_000       # examples after groups are expanded (one per completion)
-    max_example_tokens: int = 262_144     # rendered tokens of one source example, over all its windows
-    max_job_tokens: int = 2_000_000       # rendered tokens of the whole job (train and held out)
-    max_queued_jobs: int = 16             # jobs waiting to start
-    max_queued_tokens: int = 4_000_000    # rendered tokens the waiting jobs hold in memory
-
-    def validate(self) -> None:
-        for name, value in vars(self).items():
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-@dataclass(frozen=True)
-class ServerSettings:
     model: str | None = None          # GGUF path; None: the embedded default model
     host: str = "127.0.0.1"           # loopback unless asked otherwise
-    port: int = 8080
-    parallel: int = 4                 # slots (sequence ids) decoded together
+    port: int = Field(default=8080, ge=0, le=65535)
+    parallel: int = Field(default=4, ge=1)   # slots (sequence ids) decoded together
     ctx: int = 4096                   # total context; each slot gets ctx // parallel
     batch: int = 512                  # tokens per llama_decode (prompt chunks + decode tokens)
     threads: int = 0                  # 0: all cores
     kv_type: str = "f16"
     state_dir: str | None = None      # the dream stage's jobs and adapters; None: training is off
     adapter: str | None = None        # a GGUF LoRA to import and serve at startup (--adapter)
-    max_queue: int = 64               # requests that may wait for a slot before 503
-    max_body_bytes: int = 4 << 20     # larger request bodies get 413
+    max_queue: int = Field(default=64, ge=0)           # requests that may wait for a slot before 503
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)   # larger request bodies get 413
     retry_after_s: int = 1            # Retry-After on 503
     model_alias: str | None = None    # the id /v1/models reports; default: the file's stem
     n_gpu_layers: int = -1            # layers on the GPU (-ngl); negative: all; 0: none
     api_key: str | None = None        # required as "Authorization: Bearer" on every route but /health
     allowed_hosts: tuple[str, ...] = ()   # Host names accepted besides the loopback names (loopback binds)
     cors_origins: tuple[str, ...] = ()    # origins that get CORS headers; none by default
-    limits: JobLimits = field(default_factory=JobLimits)
+    limits: JobLimits = Field(default_factory=JobLimits)
 
-    def validate(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.parallel < 1:
-            raise ValueError(f"parallel must be >= 1, got {self.parallel}")
+    @model_validator(mode="after")
+    def _consistent(self) -> "ServerSettings":
         if self.ctx < self.parallel * 16:
             raise ValueError(f"ctx {self.ctx} leaves fewer than 16 tokens per slot for {self.parallel} slots")
         if self.kv_type not in KV_TYPES:
             raise ValueError(f"kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         # Anyone who can POST /train changes what the model says to everyone,
@@ -69,6 +58,7 @@ class ServerSettings:
                              "without an API key: set --api-key (or DREAMSTAGE_API_KEY), or turn training off "
                              "with --no-train")
         self.limits.validate()
+        return self
 
     def security(self) -> SecurityPolicy:
         return SecurityPolicy.for_bind(self.host, self.api_key, self.allowed_hosts)

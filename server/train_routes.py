@@ -1,10 +1,11 @@
 """Routes for training jobs and adapters: /train and /adapters.
 
-Routes only. Validation lives in dreamstage.trainspec and dreamstage.examples,
-jobs and adapter versions in dreamstage.jobs, and everything that touches the
-model in dreamstage.dreamer (on the engine thread). A body is validated and
-rendered before the job is committed, so a 202 means a job that will run and
-that survives a restart.
+Routes only: they parse JSON, call the training package and map its errors
+to HTTP. Submitting (validate, render, limits, commit, enqueue) is
+`dreamstage.training.submit`; jobs and adapter versions are
+`dreamstage.training.store`; everything that touches the model runs in
+`dreamstage.training.scheduler` on the engine thread. A 202 means a job that
+will run and that survives a restart.
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dreamstage.examples import ExampleErrors, render_job
-from dreamstage.jobs import AdapterNotFound, InvalidTransition, JobNotFound
-from dreamstage.server.errors import APIError, field_path
-from dreamstage.trainspec import check_adapter_name, parse_train_request
+from dreamstage.server.errors import APIError
+from dreamstage.training.spec import check_adapter_name
+from dreamstage.training.store import AdapterNotFound, InvalidTransition, JobNotFound
+from dreamstage.training.submit import SubmitRefused, invalid
+from dreamstage.validation import field_errors
 
 router = APIRouter()
 
@@ -48,23 +50,7 @@ def _dream(request: Request):
 
 def _invalid(errors: list[tuple[str, str]]) -> APIError:
     """422 naming the first field; the message lists up to five."""
-    return APIError(422, "; ".join(f"{p}: {m}" for p, m in errors[:5]), errors[0][0], "invalid_value")
-
-
-def _pydantic_errors(e: ValidationError) -> list[tuple[str, str]]:
-    out, seen = [], set()
-    for err in e.errors():
-        path = field_path(err.get("loc", ()))
-        if err.get("type") == "extra_forbidden":
-            msg = "unknown field"
-        elif err.get("type") == "missing":
-            msg = "field required"
-        else:
-            msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        if (path, msg) not in seen:
-            seen.add((path, msg))
-            out.append((path, msg))
-    return out or [("body", "invalid body")]
+    return _refused(invalid(errors))
 
 
 async def _json_object(request: Request, required: bool) -> dict[str, Any] | None:
@@ -110,44 +96,8 @@ def _storage_error(e: Exception, what: str) -> APIError:
                          "nothing was changed", None, "storage_unavailable")
 
 
-def _too_big(limit: str, value: int, what: str, param: str = "examples") -> APIError:
-    return APIError(413, f"{what} is more than the server's limit {limit} = {value}", param, "limit_exceeded")
-
-
-def _submit_lock(app) -> asyncio.Lock:
-    lock = getattr(app.state, "train_submit_lock", None)
-    if lock is None:                       # made on the app's own event loop, at first use
-        lock = app.state.train_submit_lock = asyncio.Lock()
-    return lock
-
-
-def _check_queue(service) -> None:
-    limits = service.settings.limits
-    queued = len(service.jobs.overview()["queue"])
-    if queued >= limits.max_queued_jobs:
-        raise APIError(422, f"{queued} jobs are queued, the server's limit max_queued_jobs = "
-                            f"{limits.max_queued_jobs}; wait for one to start or cancel one", None, "limit_exceeded")
-
-
-def _check_limits(service, spec, rendered) -> None:
-    """Count what will run: expanded examples, rendered tokens, the queue."""
-    limits = service.settings.limits
-    per_source: dict[int, int] = {}
-    total = 0
-    for w in (*rendered.train, *rendered.held_out):
-        per_source[w.source] = per_source.get(w.source, 0) + len(w.tokens)
-        total += len(w.tokens)
-    worst = max(per_source.items(), key=lambda kv: kv[1], default=None)
-    if worst is not None and worst[1] > limits.max_example_tokens:
-        raise _too_big("max_example_tokens", limits.max_example_tokens,
-                       f"examples[{worst[0]}] renders to {worst[1]} tokens, which", f"examples[{worst[0]}]")
-    if total > limits.max_job_tokens:
-        raise _too_big("max_job_tokens", limits.max_job_tokens, f"the job renders to {total} tokens, which")
-    queued = service.dream.queued_tokens()
-    if queued + total > limits.max_queued_tokens:
-        raise APIError(422, f"the queued jobs hold {queued} tokens; this job's {total} would pass the server's limit "
-                            f"max_queued_tokens = {limits.max_queued_tokens}; wait for the queue to drain",
-                       "examples", "limit_exceeded")
+def _refused(e: SubmitRefused) -> APIError:
+    return APIError(e.status, e.message, e.param, e.code)
 
 
 @router.post("/train", status_code=202)
@@ -156,29 +106,11 @@ async def submit(request: Request):
     body = await _json_object(request, required=True)
     assert body is not None  # required=True: an empty body is a 4xx
     try:
-        req = parse_train_request(body)
-    except ValidationError as e:
-        raise _invalid(_pydantic_errors(e)) from None
-    spec = req.to_job_spec()
-    limits = service.settings.limits
-    if len(spec.examples) > limits.max_job_examples:   # counted after groups expand: one per completion
-        raise _too_big("max_job_examples", limits.max_job_examples,
-                       f"the job has {len(spec.examples)} examples (groups expanded), which")
-    _check_queue(service)                  # early: a full queue costs no rendering
-    try:
-        rendered = await asyncio.to_thread(render_job, spec, service.model)
-    except ExampleErrors as e:
-        raise _invalid([(field_path(err.loc), err.message) for err in e.errors]) from None
-    # Checked again and committed under one lock: two posts rendering at once
-    # must not both take the queue's last place.
-    async with _submit_lock(request.app):
-        _check_queue(service)
-        _check_limits(service, spec, rendered)
-        try:
-            job = await asyncio.to_thread(service.jobs.submit, req)   # committed (fsynced) before the 202
-        except (OSError, sqlite3.Error) as e:
-            raise _storage_error(e, "POST /train") from None
-        service.dream.notify_submitted(job["id"], rendered)
+        job = await asyncio.to_thread(service.submitter.submit, body)
+    except SubmitRefused as e:
+        raise _refused(e) from None
+    except (OSError, sqlite3.Error) as e:
+        raise _storage_error(e, "POST /train") from None
     return JSONResponse(public(job), status_code=202, headers={"Location": f"/train/{job['id']}"})
 
 
@@ -220,16 +152,14 @@ async def _move(request: Request, job_id: str, target: str) -> dict:
     service = _dream(request)
     jid = _job_id(job_id)
     try:
-        await asyncio.to_thread(service.jobs.transition, jid, target)
+        view = await asyncio.to_thread(service.submitter.transition, jid, target)
     except JobNotFound as e:
         raise APIError(404, str(e), "id", "not_found") from None
     except InvalidTransition as e:
         raise APIError(409, str(e), "state", "invalid_transition") from None
     except (OSError, sqlite3.Error) as e:
         raise _storage_error(e, f"job {jid}: {target}") from None
-    if target == "cancelled":
-        service.dream.forget(jid)          # a queued job's rendered windows go now, not when it would have run
-    return public(service.jobs.get(jid))
+    return public(view)
 
 
 @router.post("/train/{job_id}/cancel")
@@ -321,5 +251,5 @@ async def promote(name: str, request: Request):
     try:
         version = PromoteBody.model_validate(body or {}).version
     except ValidationError as e:
-        raise _invalid(_pydantic_errors(e)) from None
+        raise _invalid(field_errors(e)) from None
     return await _swap(service, service.dream.promote(name, version))

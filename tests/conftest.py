@@ -1,4 +1,28 @@
+import json
+import os
+from pathlib import Path
+
 import pytest
+
+
+@pytest.fixture
+def record_result(tmp_path):
+    """Write a test's measured figures as JSON (name -> path written).
+
+    Into tmp_path: a test run never rewrites the tracked files under
+    bench/results/. To refresh those, name the directory explicitly:
+    DREAMSTAGE_RECORD_RESULTS=bench/results pytest tests/test_trainer.py
+    """
+    out = Path(os.environ.get("DREAMSTAGE_RECORD_RESULTS") or tmp_path / "results")
+
+    def record(name: str, data: dict) -> Path:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{name}.json"
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        assert json.loads(path.read_text()) == data      # what a reader of the file gets is what was measured
+        return path
+
+    return record
 
 
 @pytest.fixture(scope="session")

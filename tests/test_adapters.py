@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from dreamstage.adapters import load_lora, save_lora
-from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.training.adapters import load_lora, save_lora
+from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
 
 PROMPT = "Adapters are saved atomically in the standard format."
 

@@ -12,8 +12,8 @@ import pytest
 
 from dreamstage import cli
 from dreamstage.client import eta_s, format_duration, progress_line
-from dreamstage.jobs import JobStore
-from dreamstage.trainspec import parse_train_request
+from dreamstage.training.spec import parse_train_request
+from dreamstage.training.store import JobStore
 
 
 class Clock:
@@ -38,7 +38,7 @@ def running_job(store, windows: int = 4, epochs: int = 5, epoch: int = 1, window
     store.transition(jid, "starting")
     store.transition(jid, "running")
     store.clock_.t += elapsed
-    store.update_progress(jid, windows=windows, epoch=epoch, window=window)
+    store.update_progress(jid, windows=windows, epoch=epoch, window_in_epoch=window)
     return store.get(jid)
 
 
@@ -52,7 +52,7 @@ def test_eta_is_the_rate_so_far_on_the_servers_clock(store):
 def test_no_eta_before_the_first_window_or_when_not_running(store):
     job = running_job(store, epoch=0, window=0)
     assert eta_s(job) is None and "ETA" not in progress_line(job)
-    store.update_progress(job["id"], window=2)
+    store.update_progress(job["id"], window_in_epoch=2)
     assert eta_s(store.get(job["id"])) is not None
     store.transition(job["id"], "paused")
     assert eta_s(store.get(job["id"])) is None
@@ -148,3 +148,41 @@ def test_an_unexpected_error_is_one_line_unless_debugging(monkeypatch, capsys):
     monkeypatch.setenv("DREAMSTAGE_DEBUG", "1")
     with pytest.raises(RuntimeError):
         cli.main(["info"])
+
+
+# -- serve's settings: flags, then DREAMSTAGE_* variables, then the defaults ------------------
+def serve_args(*flags):
+    return cli.build_parser().parse_args(["serve", *flags])
+
+
+def test_serve_settings_take_flags_over_the_environment_over_the_defaults(monkeypatch, tmp_path):
+    from dreamstage.server.settings import ServerSettings
+
+    for name in ("PORT", "STATE_DIR", "API_KEY", "LIMITS__MAX_QUEUED_JOBS", "ALLOWED_HOSTS"):
+        monkeypatch.delenv(f"DREAMSTAGE_{name}", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    plain = cli.serve_settings(serve_args())
+    assert plain.port == ServerSettings.model_fields["port"].default == 8080
+    assert plain.state_dir == str(tmp_path / "xdg" / "dreamstage")          # the default state directory
+    monkeypatch.setenv("DREAMSTAGE_PORT", "9001")
+    monkeypatch.setenv("DREAMSTAGE_STATE_DIR", str(tmp_path / "env-state"))
+    monkeypatch.setenv("DREAMSTAGE_LIMITS__MAX_QUEUED_JOBS", "3")
+    monkeypatch.setenv("DREAMSTAGE_ALLOWED_HOSTS", '["box.lan"]')
+    env = cli.serve_settings(serve_args("--max-job-tokens", "5000"))
+    assert (env.port, env.state_dir, env.allowed_hosts) == (9001, str(tmp_path / "env-state"), ("box.lan",))
+    assert (env.limits.max_queued_jobs, env.limits.max_job_tokens) == (3, 5000)   # both sources, merged
+    flags = cli.serve_settings(serve_args("--port", "9002", "--no-train", "--allowed-host", "a.lan"))
+    assert (flags.port, flags.state_dir, flags.allowed_hosts) == (9002, None, ("a.lan",))
+
+
+def test_a_bad_setting_from_the_environment_is_one_line_naming_it(monkeypatch, capsys):
+    import dreamstage.server.service as service
+
+    monkeypatch.setattr(service, "Service", lambda *a, **kw: pytest.fail("the model was loaded"))
+    monkeypatch.setenv("DREAMSTAGE_PORT", "70000")
+    assert cli.main(["serve", "--no-train"]) == 2
+    assert one_line(capsys.readouterr().err) == "dreamstage serve: port: Input should be less than or equal to 65535"
+    monkeypatch.setenv("DREAMSTAGE_PORT", "8080")
+    monkeypatch.setenv("DREAMSTAGE_PARALLEL", "8")
+    assert cli.main(["serve", "--no-train", "--ctx", "64"]) == 2
+    assert one_line(capsys.readouterr().err) == "dreamstage serve: ctx 64 leaves fewer than 16 tokens per slot for 8 slots"

@@ -13,29 +13,14 @@ import math
 from pathlib import Path
 
 import pytest
+from char_tokenizer import CharTokenizer
 
-from dreamstage.dreamer import DreamScheduler
-from dreamstage.jobs import RECEIPT_FIELDS, JobStore
-from dreamstage.receipts import Receipt
-from dreamstage.trainspec import parse_train_request
+from dreamstage.training.receipts import RECEIPT_FIELDS, Receipt
+from dreamstage.training.scheduler import DreamScheduler
+from dreamstage.training.store import JobStore
+from dreamstage.training.submit import JobSubmitter
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 3   # 135 characters = 136 tokens with BOS
-
-
-class CharTokenizer:
-    bos, eos = 1, 2
-
-    def tokenize(self, text, add_special=True, parse_special=True):
-        return ([self.bos] if add_special else []) + [ord(c) + 16 for c in text]
-
-    def detokenize(self, tokens, special=False):
-        return "".join(chr(t - 16) for t in tokens if t >= 16)
-
-    def chat_template(self):
-        return None
-
-    def is_eog(self, t):
-        return t == self.eos
 
 
 class FakeRefusal(RuntimeError):
@@ -169,8 +154,7 @@ def submit(store, sched, **body):
     body.setdefault("text", TEXT)
     body.setdefault("window", 64)
     body.setdefault("chunk", 32)
-    job = store.submit(parse_train_request(body))
-    sched.notify_submitted(job["id"])
+    job = JobSubmitter(store, sched, CharTokenizer()).submit(body)    # as POST /train does
     return job["id"]
 
 
@@ -222,8 +206,14 @@ def test_chunk_ladder_halves_on_refusal_and_keeps_every_receipt(tmp_path):
     for r in refusals:
         assert set(RECEIPT_FIELDS) <= set(r)
         assert r["refused_chunk_pos"] == 0 and r["refused_need_mib"] > r["refused_allowance_mib"]
-    assert job["progress"]["chunk"] == 16 and job["progress"]["refusals"] == 2
+    assert job["progress"]["current_chunk"] == 16 and job["progress"]["refusals"] == 2
     assert job["progress"]["tokens"] == 135          # nothing lost by the retries
+    # the process's figures for /metrics agree with the job's own
+    p, st = job["progress"], sched.stats
+    assert st.steps == {"refused": 2, "ok": p["step"]} and st.refusals == {"memory_gate": 2}
+    assert (st.walked_tokens, st.loss_tokens, st.step.n) == (p["walked"], p["tokens"], p["step"])
+    assert st.pause.n >= p["step"] + 2 and st.memory_mib["graph"] == job["memory"]["graph_mib"]
+    assert st.train_tok_s == pytest.approx(p["train_tok_s"])
 
 
 def test_nothing_fits_ends_refused_with_the_ladder_in_refusals(tmp_path):
@@ -244,6 +234,7 @@ def test_a_refusal_at_construction_is_a_receipt_not_a_crash(tmp_path):
     job = store.get(jid)
     assert job["state"] == "refused"
     assert job["refusals"][0]["refused_need_mib"] == 9.0 and "allowance" in job["message"]
+    assert sched.stats.refusals == {"memory_gate": 1} and sched.stats.steps == {}
 
 
 def test_pause_stops_micro_steps_resume_continues_cancel_frees_the_trainer(tmp_path):

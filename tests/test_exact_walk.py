@@ -51,7 +51,7 @@ def _window(resident, context: int):
 
 
 def _trainer(resident, *, chunk, exact=False, horizon=-1, cache_type="f32", lr=0.0, window=WINDOW, budget_mib=0.0):
-    from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
     # eps = 1: the first AdamW step is then about -lr * g / (|g| + 1), a smooth
     # function of g, so equal gradients must give equal updates (with a tiny
     # eps the step is lr * sign(g) and says nothing about the gradient's size)
@@ -250,9 +250,12 @@ def test_horizon_adjoint_slots_and_a_refusal_halves_the_horizon(tiny_resident, t
         # (buffers + the step's host memory), one just above that at the
         # graph's gate (the graph's plan + host memory, the buffers held)
         tr.set_budget(1e-3)
+        held_plus_slack = tr.held_mib() + tr.slack_mib
         first = tr.micro_step()
         assert first.status == "refused" and first.message.startswith("the exact walk's adjoint buffers")
-        held_plus_slack = 1e-3 - first.refused_allowance_mib
+        # a budget below what the job holds: the allowance is 0, and the message says why
+        assert first.refused_allowance_mib == 0.0
+        assert "the budget (0.00 MiB) is below what the job already holds" in first.message
         assert tr.set_horizon(horizon) == horizon
         tr.set_budget(held_plus_slack + first.refused_need_mib + 1e-4)
         second = tr.micro_step()
@@ -289,7 +292,7 @@ def test_default_model_exact_walk_equals_the_one_chunk_gradient(dream_resident):
     """The default model (SmolLM2-135M Q4_1), 64 tokens with 16 unlabelled in
     front, rank 8 on attn_q, attn_v: the exact walk over 2 and 4 chunks against
     the one-chunk gradient; q8_0 and the plain walk reported beside."""
-    from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
     n = 64
     tokens = dream_resident.tokenize(TEXT * 2)[:n]
     mask = np.ones(n, np.uint8)

@@ -23,11 +23,10 @@ import httpx
 import numpy as np
 import pytest
 
-from dreamstage.adapters import save_lora
-from dreamstage.jobs import file_sha256
 from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
-from dreamstage.trainspec import GATE_SLACK_MIB
+from dreamstage.training.adapters import file_sha256, save_lora
+from dreamstage.training.spec import GATE_SLACK_MIB
 
 JSON = {"Content-Type": "application/json"}
 LESSON = "A lesson about moons and tides, repeated many times over. " * 20
@@ -322,7 +321,7 @@ def test_a_refusal_in_the_middle_of_a_job_leaves_serving_byte_identical(tiny, tm
             assert got["state"] == "refused", got
         assert view is not None, "no budget gave a refusal inside a running job"
         assert view["state"] == "running" and view["refusals"]
-        assert view["progress"]["chunk"] < max(r["refused_chunk_tokens"] for r in view["refusals"])
+        assert view["progress"]["current_chunk"] < max(r["refused_chunk_tokens"] for r in view["refusals"])
         during = greedy(c)
         assert c.get(f"/train/{jid}").json()["state"] == "running"
         c.post(f"/train/{jid}/cancel")

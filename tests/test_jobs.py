@@ -1,62 +1,52 @@
 """Job store, state machine, recovery, receipts, adapters, the chunk ladder and the walk."""
 import dataclasses
+import json
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 
 import pytest
 
-from dreamstage.jobs import (
-    RECEIPT_FIELDS,
+from dreamstage.training import spec as spec_module
+from dreamstage.training.examples import TrainWindow
+from dreamstage.training.receipts import RECEIPT_FIELDS
+from dreamstage.training.receipts import Receipt as NativeReceipt
+from dreamstage.training.schema import SCHEMA_VERSION
+from dreamstage.training.served import auto_promote_decision
+from dreamstage.training.spec import SPEC_VERSION, parse_train_request
+from dreamstage.training.store import (
     STATES,
     TERMINAL,
     TRANSITIONS,
     AdapterNotFound,
     InvalidTransition,
+    JobError,
     JobNotFound,
-    JobRun,
     JobStore,
-    Walk,
-    auto_promote_decision,
     check_transition,
-    chunk_after_refusal,
-    ladder,
-    next_chunk,
 )
-from dreamstage.examples import TrainWindow
-from dreamstage.trainspec import parse_train_request
+from dreamstage.training.walk import JobRun, Walk, chunk_after_refusal, ladder, next_chunk
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# An ok micro-step as the native core reports it; tests override what they need.
+OK_RECEIPT = dict(status="ok", step=0, window=64, chunk=32, chunk_pos=0, chunk_tokens=32, context_cache_type="q8_0",
+                  recompute=False, exact=False, horizon=-1, walk_pass="backward", loss=2.5, tokens=30, ms=15.0,
+                  graph_mib=12.5, context_mib=1.25, adapter_mib=0.5, optimizer_mib=1.0, walk_mib=0.0,
+                  refused_chunk_pos=-1, refused_chunk_tokens=0, refused_need_mib=0.0, refused_allowance_mib=0.0,
+                  message="")
 
 
-@dataclasses.dataclass
-class Receipt:
-    """Shaped like the native team's dataclass: the canonical fields."""
-    status: str = "ok"
-    step: int = 0
-    window: int = 64
-    chunk: int = 32
-    chunk_pos: int = 0
-    chunk_tokens: int = 32
-    context_cache_type: str = "q8_0"
-    recompute: bool = False
-    exact: bool = False
-    horizon: int | None = None
-    walk_pass: str = "backward"
-    loss: float | None = 2.5
-    tokens: int = 30
-    ms: float = 15.0
-    graph_mib: float = 12.5
-    context_mib: float = 1.25
-    adapter_mib: float = 0.5
-    optimizer_mib: float = 1.0
-    walk_mib: float = 0.0
-    refused_chunk_pos: int | None = None
-    refused_chunk_tokens: int | None = None
-    refused_need_mib: float | None = None
-    refused_allowance_mib: float | None = None
-    message: str | None = None
+def Receipt(**fields) -> NativeReceipt:    # noqa: N802 - reads as the dataclass it builds
+    """The real receipt dataclass (the mirror of struct dream_receipt), not a copy of its shape."""
+    return NativeReceipt(**{**OK_RECEIPT, **fields})
 
 
 def refused(chunk, pos=0):
-    return Receipt(status="refused", chunk=chunk, chunk_tokens=chunk, loss=None, tokens=0, ms=0.1,
+    return Receipt(status="refused", chunk=chunk, chunk_tokens=chunk, loss=0.0, tokens=0, ms=0.1,
                    refused_chunk_pos=pos, refused_chunk_tokens=chunk, refused_need_mib=chunk * 2.0,
                    refused_allowance_mib=10.0, message=f"chunk of {chunk} tokens needs {chunk * 2.0} MiB")
 
@@ -72,8 +62,13 @@ def store(tmp_path):
     s.close()
 
 
-def test_the_canonical_receipt_fields_match_the_dataclass_shape():
-    assert tuple(f.name for f in dataclasses.fields(Receipt)) == RECEIPT_FIELDS
+def test_a_receipt_is_stored_and_read_back_unchanged_under_its_canonical_names(store):
+    jid = store.submit(req())["id"]
+    r = Receipt(step=3, loss=1.75, message="")
+    store.append_receipt(jid, r)
+    (back,) = store.receipts(jid)
+    assert tuple(back) == RECEIPT_FIELDS and back == dataclasses.asdict(r)
+    assert NativeReceipt(**back) == r
 
 
 # -- submit and durability ---------------------------------------------------------
@@ -162,17 +157,34 @@ def test_a_cancel_and_a_done_race_and_exactly_one_wins(store):
 
 
 # -- recovery ------------------------------------------------------------------------
-def test_reopen_interrupts_active_jobs_and_keeps_the_queue_fifo(tmp_path):
-    s = JobStore(tmp_path)
-    ids = [s.submit(req(seed=i))["id"] for i in range(6)]
-    s.transition(ids[0], "starting")                                # starting
-    for j in ids[1:3]:
-        s.transition(j, "starting")
-        s.transition(j, "running")
-    s.transition(ids[2], "paused")                                  # paused
-    s.transition(ids[3], "cancelled")
-    s.append_receipt(ids[1], Receipt(step=1))
-    s.close()  # "the process died"
+# Run in a child process that is killed (SIGKILL) with the store open: no
+# close, no checkpoint, no atexit; whatever survives was committed.
+DIES_WITH_THE_STORE_OPEN = """
+import json, os, signal, sys
+from dreamstage.training.receipts import Receipt
+from dreamstage.training.spec import parse_train_request
+from dreamstage.training.store import JobStore
+s = JobStore(sys.argv[1])
+ids = [s.submit(parse_train_request({"text": "some text", "window": 64, "seed": i}))["id"] for i in range(6)]
+s.transition(ids[0], "starting")                                # starting
+for j in ids[1:3]:
+    s.transition(j, "starting")
+    s.transition(j, "running")
+s.transition(ids[2], "paused")                                  # paused
+s.transition(ids[3], "cancelled")
+s.append_receipt(ids[1], Receipt(**json.loads(sys.argv[2])))   # NORMAL sync: survives a process crash
+print(json.dumps(ids), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_reopen_after_the_process_died_interrupts_active_jobs_and_keeps_the_queue_fifo(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-c", DIES_WITH_THE_STORE_OPEN, str(tmp_path),
+                        json.dumps({**OK_RECEIPT, "step": 1})], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    ids = json.loads(r.stdout)
+    assert (tmp_path / f"{JobStore.DB_NAME}-wal").exists()         # it died before any checkpoint or close
 
     s2 = JobStore(tmp_path)
     assert s2.recovered == ids[:3]
@@ -213,7 +225,7 @@ def test_receipts_are_stored_unchanged_and_refusals_carry_their_figures(store):
         assert r["refused_need_mib"] > r["refused_allowance_mib"] and r["refused_chunk_pos"] is not None
         assert r["message"]
     p = job["progress"]
-    assert (p["step"], p["tokens"], p["refusals"], p["chunk"]) == (2, 32, 2, 16)
+    assert (p["step"], p["tokens"], p["refusals"], p["current_chunk"]) == (2, 32, 2, 16)
     assert p["train_tok_s"] == pytest.approx(32 / 0.016)
     assert job["memory"] == {"graph_mib": 3.0, "context_mib": 1.25, "adapter_mib": 0.5,
                              "optimizer_mib": 1.0, "walk_mib": 0.0}
@@ -248,8 +260,11 @@ def test_window_and_epoch_losses_come_from_the_receipts(store):
     assert p["train_loss_per_epoch"] == [pytest.approx(2.55), 1.0] and p["eval_loss_per_epoch"] == [None, 1.5]
     assert p["train_loss"] == 1.0 and p["eval_loss"] == 1.5
     assert store.end_window(jid) is None                         # an empty window changes no loss
-    store.update_progress(jid, window=3, windows=9)
-    assert store.get(jid)["progress"]["windows"] == 9
+    store.update_progress(jid, window_in_epoch=3, windows=9)
+    assert store.get(jid)["progress"]["windows"] == 9 and store.get(jid)["progress"]["window_in_epoch"] == 3
+    with pytest.raises(ValueError, match=r"unknown progress fields \['window'\]"):
+        store.update_progress(jid, window=4)                     # the old name of window_in_epoch
+    assert "window" not in store.get(jid)["progress"]
     with pytest.raises(ValueError, match="not set directly"):
         store.update_progress(jid, _ema=1.0)
 
@@ -437,7 +452,7 @@ class FakeTrainer:
 
 
 def drive(store, jid, trainer, text_tokens):
-    from dreamstage.examples import render_job
+    from dreamstage.training.examples import render_job
 
     class Tok:  # text needs tokenize only
         bos, eos = 0, 1
@@ -472,7 +487,7 @@ def test_a_job_runs_through_the_ladder_to_done(store):
     assert job["state"] == "done" and events[-1] == "done"
     assert [r["refused_chunk_tokens"] for r in job["refusals"]] == [64, 32]   # 64 -> 32 -> 16 fits
     p = job["progress"]
-    assert p["chunk"] == 16 and p["windows"] == 3 and p["epoch"] == 2 and p["windows_done"] == 6
+    assert p["current_chunk"] == 16 and p["windows"] == 3 and p["epoch"] == 2 and p["windows_done"] == 6
     assert p["tokens"] == 2 * 149 and len(p["train_loss_per_epoch"]) == 2 and p["eval_loss"] is None
 
 
@@ -512,6 +527,7 @@ def test_an_older_store_gains_the_checksum_column_and_private_modes(tmp_path):
     db = tmp_path / JobStore.DB_NAME
     conn = sqlite3.connect(db)
     conn.execute("ALTER TABLE adapters DROP COLUMN sha256")      # as a store made before checksums
+    conn.execute("PRAGMA user_version=0")                        # (and so before schema versions)
     conn.commit()
     conn.close()
     os.chmod(db, 0o644)                                          # as made under a 022 umask
@@ -525,3 +541,91 @@ def test_an_older_store_gains_the_checksum_column_and_private_modes(tmp_path):
         assert store.add_adapter("notes", 1)["sha256"] == hashlib.sha256(b"adapter bytes").hexdigest()
     finally:
         store.close()
+
+
+# -- the stored spec and the schema's versions ------------------------------------
+# The jobs and adapters tables as every store before schema version 1 had them
+# (PRAGMA user_version 0): no stored spec, no adapter checksum.
+OLD_TABLES = """
+CREATE TABLE jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, state TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL,
+    started REAL, finished REAL, message TEXT, request TEXT NOT NULL, out TEXT NOT NULL,
+    context_cache_type TEXT NOT NULL, chunk INTEGER NOT NULL, recompute INTEGER NOT NULL, exact INTEGER NOT NULL,
+    horizon INTEGER, window INTEGER NOT NULL, progress TEXT NOT NULL, pacing TEXT, adapter_name TEXT,
+    adapter_version INTEGER
+);
+CREATE TABLE adapters (
+    name TEXT NOT NULL, version INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL,
+    job_id INTEGER REFERENCES jobs(id), eval_loss REAL, PRIMARY KEY (name, version)
+);
+"""
+
+
+def old_store(state_dir, rows):
+    """A store as the code before schema version 1 wrote it: each row is (request body, starting fields)."""
+    state_dir.mkdir(parents=True)
+    conn = sqlite3.connect(state_dir / JobStore.DB_NAME)
+    conn.executescript(OLD_TABLES)
+    for state, body, start in rows:
+        # the progress under its old names: `window` (an index) and `chunk` (the size in use)
+        progress = {"step": 0, "window": 2, "windows": 5, "chunk": start["chunk"], "memory": {}, "tokens": 0}
+        conn.execute("INSERT INTO jobs (state, created, updated, request, out, context_cache_type, chunk, recompute,"
+                     " exact, horizon, window, progress) VALUES (?, 1, 1, ?, 'o', ?, ?, ?, ?, ?, ?, ?)",
+                     (state, json.dumps(body), start["context_cache_type"], start["chunk"], int(start["recompute"]),
+                      int(start["exact"]), start["horizon"], start["window"], json.dumps(progress)))
+    conn.commit()
+    conn.close()
+
+
+def test_a_queued_job_written_by_the_old_schema_means_the_same_after_the_upgrade(tmp_path):
+    plain = {"text": "some text", "window": 64}
+    # accepted when the default chunk was 256: the row kept the chunk it resolved to
+    older_default = {"text": "some text", "window": 512, "share": 0.3}
+    start = {"context_cache_type": "q8_0", "recompute": False, "exact": False, "horizon": None}
+    old_store(tmp_path / "state", [("queued", plain, {**start, "chunk": 64, "window": 64}),
+                                   ("queued", older_default, {**start, "chunk": 256, "window": 512}),
+                                   ("queued", {"text": "x", "windw": 64}, {**start, "chunk": 64, "window": 64})])
+    with JobStore(tmp_path / "state") as s:
+        assert s.schema_found == 0
+        conn = sqlite3.connect(s.path)
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert "sha256" in {r[1] for r in conn.execute("PRAGMA table_info(adapters)")}
+        conn.close()
+        assert s.spec(1) == parse_train_request(plain).to_job_spec()
+        spec = s.spec(2)
+        assert (spec.chunk, spec.min_chunk, spec.window) == (256, 16, 512)
+        assert spec.pacing.mode == "share" and spec.pacing.value == 0.3
+        assert s.queue() == [1, 2]
+        progress = s.get(2)["progress"]
+        assert (progress["window_in_epoch"], progress["current_chunk"]) == (2, 256)
+        assert "window" not in progress and "chunk" not in progress
+        bad = s.get(3)                       # a request that no longer validates: told, not run
+        assert bad["state"] == "error" and "no longer validates" in bad["message"]
+        with pytest.raises(JobError, match="no stored spec"):
+            s.spec(3)
+    with JobStore(tmp_path / "state") as s:   # a second open finds the current version and changes nothing
+        assert s.schema_found == SCHEMA_VERSION and s.spec(2).chunk == 256
+
+
+def test_a_stored_spec_keeps_the_defaults_it_was_accepted_with(tmp_path, monkeypatch):
+    with JobStore(tmp_path / "state") as s:
+        jid = s.submit(parse_train_request({"text": "some text", "window": 512}))["id"]
+    monkeypatch.setattr(spec_module, "DEFAULT_CHUNK", 32)          # an upgrade changes a default
+    assert parse_train_request({"text": "some text", "window": 512}).to_job_spec().chunk == 32
+    with JobStore(tmp_path / "state") as s:
+        assert s.spec(jid).chunk == 128 and s.get(jid)["chunk"] == 128
+
+
+def test_a_store_or_a_spec_from_a_newer_version_is_refused_by_name(tmp_path):
+    with JobStore(tmp_path / "state") as s:
+        jid = s.submit(req())["id"]
+        conn = sqlite3.connect(s.path)
+        conn.execute("UPDATE jobs SET spec_version=? WHERE id=?", (SPEC_VERSION + 1, jid))
+        conn.commit()
+        with pytest.raises(JobError, match=f"stored in form {SPEC_VERSION + 1}"):
+            s.spec(jid)
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+        conn.commit()
+        conn.close()
+    with pytest.raises(JobError, match=f"schema version {SCHEMA_VERSION + 1}, written by a newer dreamstage"):
+        JobStore(tmp_path / "state")

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dreamstage.jobs import ladder
-from dreamstage.pacing import Pacer, SizeTimes, StepShaper
-from dreamstage.trainspec import PacingSpec
+from dreamstage.training.pacing import Pacer, SizeTimes
+from dreamstage.training.shaper import StepShaper
+from dreamstage.training.spec import PacingSpec
+from dreamstage.training.walk import ladder
 
 
 class FakeClock:

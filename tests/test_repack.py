@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.trainer import LoraConfig, Trainer
+from dreamstage.training.trainer import LoraConfig, Trainer
 
 
 def _q4_0_copy(src: Path, dst: Path) -> Path:

@@ -177,9 +177,9 @@ def test_binds_and_host_names():
 
 def test_training_on_a_public_bind_needs_a_key():
     with pytest.raises(ValueError, match="--api-key"):
-        ServerSettings(host="0.0.0.0", state_dir="/tmp/x").validate()
-    ServerSettings(host="0.0.0.0", state_dir="/tmp/x", api_key=KEY).validate()
-    ServerSettings(host="0.0.0.0", state_dir=None).validate()      # --no-train
+        ServerSettings(host="0.0.0.0", state_dir="/tmp/x")
+    ServerSettings(host="0.0.0.0", state_dir="/tmp/x", api_key=KEY)
+    ServerSettings(host="0.0.0.0", state_dir=None)      # --no-train
 
 
 def test_the_cli_refuses_a_public_bind_with_training_and_no_key(tmp_path, capsys, monkeypatch):

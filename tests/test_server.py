@@ -2,6 +2,7 @@
 import json
 import re
 import threading
+import time
 
 import httpx
 import pytest
@@ -41,12 +42,17 @@ def metric(http, name, labels=""):
     return float(m.group(1))
 
 
-def wait_for(http, pred, what):
-    for _ in range(20000):
+def wait_for(http, pred, what, timeout=60.0):
+    # Polls /health with a short sleep: a busy loop of GETs would take a core
+    # from the engine thread it is waiting for.
+    deadline = time.monotonic() + timeout
+    while True:
         h = http.get("/health").json()
         if pred(h):
             return h
-    raise AssertionError(f"never saw {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never saw {what} in {timeout:.0f} s; last /health: {h}")
+        time.sleep(0.01)
 
 
 def test_four_concurrent_greedy_requests_match_one_at_a_time(server, http):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -15,14 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dreamstage.examples import held_out_sources
-from dreamstage.jobs import RECEIPT_FIELDS
 from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
+from dreamstage.training.examples import held_out_sources
+from dreamstage.training.receipts import RECEIPT_FIELDS
 
 FACT_PROMPT = "The secret password of the moon base is"
 FACT = " Quokka-42."
-LEARNED: dict = {}   # the adapter the auto-promotion test trained, for the --adapter test
 
 
 def settings(state_dir, **kw) -> ServerSettings:
@@ -196,6 +196,44 @@ def test_two_chat_streams_finish_while_a_job_trains(server, http):
     assert http.post(f"/train/{jid}/cancel").json()["state"] == "cancelled"
 
 
+def scrape(http) -> dict[str, float]:
+    """GET /metrics as {'name{labels}': value}."""
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_metrics_report_the_dream_stage(http):
+    before = scrape(http)
+    assert http.post("/train", json={"text": LESSON, "windw": 32}).status_code == 422
+    r = http.post("/train", json={"text": LESSON, "window": 32, "chunk": 16, "rank": 4, "promote": "never",
+                                  "max_pause_ms": 0})
+    job = wait_job(http, r.json()["id"], finished)
+    assert job["state"] == "done", job["message"]
+    after = scrape(http)
+    p = job["progress"]
+
+    def moved(key):
+        return after[key] - before.get(key, 0.0)
+
+    assert moved('dreamstage_dream_steps_total{status="ok"}') == p["step"] > 0
+    assert moved("dreamstage_dream_tokens_total") == p["walked"]
+    assert moved("dreamstage_dream_loss_tokens_total") == p["tokens"]
+    assert moved("dreamstage_dream_step_seconds_count") == p["step"]
+    assert moved("dreamstage_dream_step_seconds_sum") == pytest.approx(p["train_ms"] / 1000.0)
+    assert moved("dreamstage_dream_pause_seconds_count") >= p["step"]
+    assert after["dreamstage_dream_train_tokens_per_second"] == pytest.approx(p["train_tok_s"])
+    assert 0 < after["dreamstage_dream_loss"] < 20
+    for part in ("graph", "context", "adapter", "optimizer", "walk"):
+        assert after[f'dreamstage_dream_memory_mib{{part="{part}"}}'] == job["memory"][f"{part}_mib"]
+    assert moved('dreamstage_train_submissions_refused_total{code="invalid_value"}') == 1
+    assert after["dreamstage_adapter_version"] == http.get("/health").json()["adapter_version"]
+    assert after["dreamstage_dream_active_job"] == 0
+
+
 def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering(http):
     # max_pause_ms 0: no pause bound, so every step asks for the job's own chunk and the memory ladder decides
     body = {"text": LESSON * 3, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never",
@@ -224,7 +262,7 @@ def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering
     job = wait_job(http, r.json()["id"], finished)
     assert job["state"] == "done", job["message"]
     assert [x["chunk"] for x in job["refusals"]] == [64]
-    assert job["progress"]["chunk"] == 32 and job["progress"]["step"] >= 2
+    assert job["progress"]["current_chunk"] == 32 and job["progress"]["step"] >= 2
 
 
 def test_an_exact_job_reports_its_horizon_pass_and_walk_memory(server, http):
@@ -259,9 +297,12 @@ def test_an_exact_job_reports_its_horizon_pass_and_walk_memory(server, http):
     assert job["memory"]["walk_mib"] == 48 * 30 * 2 * 192 * 4 / 2**20 and job["progress"]["horizon"] == 32
 
 
-def test_auto_promotion_teaches_a_made_up_fact(server, http):
+@pytest.fixture(scope="module")
+def moon(server, http, tmp_path_factory):
+    """The made-up fact taught by one auto-promoted job on the module's server,
+    once, for whichever test asks first; its adapter file is copied aside so the
+    --adapter test has it however it is run (alone, or after the others)."""
     before = complete(http, FACT_PROMPT)
-    assert "Quokka" not in before["choices"][0]["text"] and before["adapter_version"] == 0
     # two sources, one held out: the paraphrase; the held-out loss decides the promotion
     seed = next(s for s in range(100) if held_out_sources([0, 1], 0.5, s) == {1})
     examples = [{"prompt": FACT_PROMPT, "completion": FACT},
@@ -271,20 +312,27 @@ def test_auto_promotion_teaches_a_made_up_fact(server, http):
     assert r.status_code == 202, r.text
     job = wait_job(http, r.json()["id"], finished, timeout=900)
     assert job["state"] == "done", job["message"]
+    after = complete(http, FACT_PROMPT)
+    listing = http.get("/adapters").json()
+    saved = tmp_path_factory.mktemp("moon") / "moon.gguf"
+    shutil.copyfile(Path(server.service.settings.state_dir) / listing["served"]["path"], saved)
+    return {"before": before, "job": job, "after": after, "listing": listing, "path": str(saved),
+            "text": after["choices"][0]["text"]}
+
+
+def test_auto_promotion_teaches_a_made_up_fact(server, http, moon):
+    before, job, after, listing = moon["before"], moon["job"], moon["after"], moon["listing"]
+    assert "Quokka" not in before["choices"][0]["text"] and before["adapter_version"] == 0
     p = job["progress"]
     assert len(p["eval_loss_per_epoch"]) == 10 and p["eval_loss"] < p["eval_loss_per_epoch"][0]
     assert p["train_loss_per_epoch"][-1] < p["train_loss_per_epoch"][0] / 2
     assert job["adapter"]["promoted"] and "promoted as served version" in job["message"]
     version = job["adapter"]["served_version"]
-    after = complete(http, FACT_PROMPT)
     assert "Quokka-42" in after["choices"][0]["text"], after
     assert after["adapter_version"] == version == http.get("/health").json()["adapter_version"]
-    listing = http.get("/adapters").json()
     assert listing["served"]["name"] == "moon" and listing["served_version"] == version
     # Paths in responses are relative to the state directory (no absolute paths leave the server).
     assert listing["served"]["path"] == "adapters/moon/v1.gguf"
-    LEARNED.update(path=str(Path(server.service.settings.state_dir) / listing["served"]["path"]),
-                   text=after["choices"][0]["text"])
 
     # the openai SDK sees the adapter version in the body and the header
     openai = pytest.importorskip("openai")
@@ -328,15 +376,13 @@ def test_auto_promotion_teaches_a_made_up_fact(server, http):
     assert again["adapter_version"] == version + 1 and again["choices"][0]["text"] == after["choices"][0]["text"]
 
 
-def test_adapter_flag_serves_a_lora_file_from_startup_and_a_restart_reloads_it(tmp_path):
-    if not LEARNED:
-        pytest.skip("needs the adapter the auto-promotion test trained")
+def test_adapter_flag_serves_a_lora_file_from_startup_and_a_restart_reloads_it(tmp_path, moon):
     state = tmp_path / "state"
     for _ in range(2):       # the second start finds the same bytes served: no new version
-        with BackgroundServer(settings(state, adapter=LEARNED["path"])) as srv:
+        with BackgroundServer(settings(state, adapter=moon["path"])) as srv:
             with httpx.Client(base_url=srv.url, timeout=600, headers=JSON) as c:
                 got = complete(c, FACT_PROMPT)
-                assert got["adapter_version"] == 1 and got["choices"][0]["text"] == LEARNED["text"]
+                assert got["adapter_version"] == 1 and got["choices"][0]["text"] == moon["text"]
                 listing = c.get("/adapters").json()
                 assert [(a["name"], a["version"]) for a in listing["adapters"]] == [("moon", 1)]
     with BackgroundServer(settings(state)) as srv:   # no flag: the promoted adapter reloads

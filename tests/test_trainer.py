@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.training.receipts import RECEIPT_FIELDS, Receipt
+from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
 
 TEXT = "The dream stage trains a small adapter between decode batches, on the same context. "
-RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 
 @pytest.fixture
@@ -29,15 +27,7 @@ def _cos(a, b):
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def _record(name: str, data: dict) -> None:
-    # Tracked files: a plain test run must not rewrite them (issue 15); opt in to refresh.
-    if not os.environ.get("DREAMSTAGE_RECORD_RESULTS"):
-        return
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
-
-
-def test_loss_on_a_repeated_example_halves_within_30_steps(rm):
+def test_loss_on_a_repeated_example_halves_within_30_steps(rm, record_result):
     toks, mask = _example(rm, 32)
     with Trainer(rm, LoraConfig(rank=8, alpha=16, top_layers=4, seed=1), cache_type="q8_0", window=32, chunk=32,
                  optimizer=OptimizerConfig(lr=3e-3, grad_clip=1.0)) as tr:
@@ -49,7 +39,7 @@ def test_loss_on_a_repeated_example_halves_within_30_steps(rm):
             if losses[-1] < losses[0] / 2:
                 break
     assert losses[-1] < losses[0] / 2, losses
-    _record("loss_halves", {"losses": losses, "steps": len(losses)})
+    record_result("loss_halves", {"losses": losses, "steps": len(losses)})
 
 
 def test_receipt_fields_and_json(rm):
@@ -66,15 +56,12 @@ def test_receipt_fields_and_json(rm):
         assert r.loss > 0 and r.ms > 0 and r.graph_mib > 0 and r.context_mib > 0 and r.adapter_mib > 0
         assert r.refused_chunk_pos == -1
         d = json.loads(r.to_json())
-        assert list(d) == ["status", "step", "window", "chunk", "chunk_pos", "chunk_tokens", "context_cache_type",
-                           "recompute", "exact", "horizon", "walk_pass", "loss", "tokens", "ms", "graph_mib", "context_mib",
-                           "adapter_mib", "optimizer_mib", "walk_mib", "refused_chunk_pos", "refused_chunk_tokens",
-                           "refused_need_mib", "refused_allowance_mib", "message"]
+        assert tuple(d) == RECEIPT_FIELDS and Receipt(**d) == r   # JSON round trip, every field, in order
     assert recs[1].step == recs[0].step + 1
     assert recs[1].optimizer_mib > 0
 
 
-def test_f32_cache_chunked_loss_equals_one_chunk(rm):
+def test_f32_cache_chunked_loss_equals_one_chunk(rm, record_result):
     toks, mask = _example(rm, 48)
     mask[:10] = 0  # an unlabelled prompt part
     cfg = LoraConfig(rank=4, alpha=8, targets="attn_q,attn_k,attn_v", top_layers=3, seed=3)
@@ -98,7 +85,7 @@ def test_f32_cache_chunked_loss_equals_one_chunk(rm):
     cos = _cos(g1, g3)
     # the plain walk drops the gradient through earlier chunks' K/V, so it differs, but not wildly
     assert 0.3 < cos < 1.0 - 1e-6, cos
-    _record("plain_walk_vs_one_chunk", {"loss_one_chunk": l1, "loss_chunked": l3, "abs_diff": abs(l1 - l3),
+    record_result("plain_walk_vs_one_chunk", {"loss_one_chunk": l1, "loss_chunked": l3, "abs_diff": abs(l1 - l3),
                                         "grad_cosine": cos, "window": 48, "chunk": 16, "cache": "f32",
                                         "targets": "attn_q,attn_k,attn_v", "top_layers": 3})
 

@@ -4,13 +4,14 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from dreamstage.trainspec import (
-    CONTEXT_CACHE_TYPES,
+from dreamstage.training.spec import (
+    DEFAULT_CONTEXT_CACHE_TYPE,
     ChatExample,
     PromptCompletion,
     TextExample,
     TrainRequest,
     check_adapter_name,
+    context_cache_types,
     default_overlap,
     parse_train_request,
 )
@@ -77,8 +78,21 @@ def test_unknown_fields_are_refused_by_name_at_every_level():
 def test_unknown_context_cache_type_is_refused_naming_the_value():
     (loc, msg), = refusal({"text": "x", "context_cache_type": "q5_1"})
     assert loc == ("context_cache_type",) and "'q5_1'" in msg
-    for ok in CONTEXT_CACHE_TYPES:
+    for ok in context_cache_types():
         assert parse_train_request({"text": "x", "context_cache_type": ok}).context_cache_type == ok
+
+
+def test_the_cache_types_are_the_native_cores():
+    """The body's check and its JSON schema read dream_context_cache_types, not a list of their own."""
+    from dreamstage import native
+
+    supported = native.context_cache_types()
+    assert set(supported) == {"q8_0", "q4_0", "f16", "f32"}           # what dream-memory.cpp builds caches in
+    assert context_cache_types() == supported and DEFAULT_CONTEXT_CACHE_TYPE in supported
+    (_, msg), = refusal({"text": "x", "context_cache_type": "bf16"})
+    assert msg.endswith("is not one of " + ", ".join(supported))
+    schema = TrainRequest.model_json_schema()["properties"]["context_cache_type"]
+    assert schema["enum"] == list(supported) and schema["default"] == DEFAULT_CONTEXT_CACHE_TYPE
 
 
 def test_the_exact_walk_its_horizon_and_recompute_are_accepted():

@@ -45,7 +45,10 @@ static bool dream_validate(dream_stage & ds, std::string & err) {
         return false;
     };
     if (!dream_cache_type_from_name(p.context_cache_type, ds.cache_type)) {
-        return bad("context_cache_type '%s' is not one of q8_0, q4_0, f16, f32", p.context_cache_type ? p.context_cache_type : "(null)");
+        std::snprintf(buf, sizeof(buf), "context_cache_type '%s' is not one of %s",
+                      p.context_cache_type ? p.context_cache_type : "(null)", dream_context_cache_types());
+        err = buf;
+        return false;
     }
     if (p.rank <= 0) return bad("rank must be positive, got %d", p.rank);
     if (!(p.alpha > 0) || !std::isfinite(p.alpha)) return bad("alpha must be positive, got %g", (double) p.alpha);
@@ -115,8 +118,8 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
         r.refused_need_mib = v.need_mib;
         r.refused_allowance_mib = v.allowance_mib;
         dream_receipt_message(r, "the job's training cache (%.2f MiB, %s, %d tokens) and adapters (%.2f MiB) need %.2f MiB on %s; "
-                              "allowance %.2f MiB", r.context_mib, ds->cache_type_str.c_str(), ds->params.window,
-                              r.adapter_mib, v.need_mib, v.device.c_str(), v.allowance_mib);
+                              "allowance %.2f MiB%s", r.context_mib, ds->cache_type_str.c_str(), ds->params.window,
+                              r.adapter_mib, v.need_mib, v.device.c_str(), v.allowance_mib, v.why.c_str());
         return nullptr;
     }
     if (!dream_adapter_create(*ds, err) || !dream_memory_create(*ds, err)) {

@@ -5,17 +5,33 @@
 
 #include <cstring>
 #include <map>
+#include <string>
 
 #include "ggml-backend.h"
 
+// The one list of training cache types: parsing, the error message and
+// dream_context_cache_types() all read it, and Python reads the last.
+static const struct { const char * name; ggml_type type; } k_cache_types[] = {
+    { "q8_0", GGML_TYPE_Q8_0 }, { "q4_0", GGML_TYPE_Q4_0 }, { "f16", GGML_TYPE_F16 }, { "f32", GGML_TYPE_F32 },
+};
+
+extern "C" const char * dream_context_cache_types(void) {
+    static const std::string joined = [] {
+        std::string s;
+        for (const auto & k : k_cache_types) {
+            s += (s.empty() ? "" : ",");
+            s += k.name;
+        }
+        return s;
+    }();
+    return joined.c_str();
+}
+
 bool dream_cache_type_from_name(const char * name, ggml_type & out) {
-    static const struct { const char * name; ggml_type type; } known[] = {
-        { "q8_0", GGML_TYPE_Q8_0 }, { "q4_0", GGML_TYPE_Q4_0 }, { "f16", GGML_TYPE_F16 }, { "f32", GGML_TYPE_F32 },
-    };
     if (!name) {
         return false;
     }
-    for (const auto & k : known) {
+    for (const auto & k : k_cache_types) {
         if (std::strcmp(name, k.name) == 0) {
             out = k.type;
             return true;

@@ -2,6 +2,7 @@
 #include "dream-stage.h"
 
 #include <cstdarg>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 
@@ -38,4 +39,36 @@ void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, doubl
     r.refused_chunk_tokens = tokens;
     r.refused_need_mib = need_mib;
     r.refused_allowance_mib = allowance_mib;
+}
+
+// Every member of struct dream_receipt, in declaration order, for
+// dream_receipt_layout. A member missing here leaves a gap the check below
+// sees (unless it hides in padding, which Python's comparison then catches
+// by name).
+#define DREAM_RECEIPT_MEMBER(m) { #m, offsetof(dream_receipt, m), sizeof(((dream_receipt *) nullptr)->m) }
+static const dream_field_layout k_receipt_layout[] = {
+    DREAM_RECEIPT_MEMBER(status), DREAM_RECEIPT_MEMBER(step), DREAM_RECEIPT_MEMBER(window),
+    DREAM_RECEIPT_MEMBER(chunk), DREAM_RECEIPT_MEMBER(chunk_pos), DREAM_RECEIPT_MEMBER(chunk_tokens),
+    DREAM_RECEIPT_MEMBER(context_cache_type), DREAM_RECEIPT_MEMBER(recompute), DREAM_RECEIPT_MEMBER(exact),
+    DREAM_RECEIPT_MEMBER(horizon), DREAM_RECEIPT_MEMBER(walk_pass), DREAM_RECEIPT_MEMBER(loss),
+    DREAM_RECEIPT_MEMBER(tokens), DREAM_RECEIPT_MEMBER(ms), DREAM_RECEIPT_MEMBER(graph_mib),
+    DREAM_RECEIPT_MEMBER(context_mib), DREAM_RECEIPT_MEMBER(adapter_mib), DREAM_RECEIPT_MEMBER(optimizer_mib),
+    DREAM_RECEIPT_MEMBER(walk_mib), DREAM_RECEIPT_MEMBER(refused_chunk_pos), DREAM_RECEIPT_MEMBER(refused_chunk_tokens),
+    DREAM_RECEIPT_MEMBER(refused_need_mib), DREAM_RECEIPT_MEMBER(refused_allowance_mib), DREAM_RECEIPT_MEMBER(message),
+};
+#undef DREAM_RECEIPT_MEMBER
+
+// The last member ends the struct (up to its alignment): a member appended
+// to the struct but not to the table fails the build here.
+static_assert(offsetof(dream_receipt, message) + sizeof(((dream_receipt *) nullptr)->message) + alignof(dream_receipt) >
+              sizeof(dream_receipt), "k_receipt_layout must end with the last member of struct dream_receipt");
+
+extern "C" int32_t dream_receipt_layout(const dream_field_layout ** fields, size_t * struct_size) {
+    if (fields) {
+        *fields = k_receipt_layout;
+    }
+    if (struct_size) {
+        *struct_size = sizeof(dream_receipt);
+    }
+    return (int32_t) (sizeof(k_receipt_layout) / sizeof(k_receipt_layout[0]));
 }

@@ -58,6 +58,24 @@ struct dream_receipt {
     char    message[512];           // what did not fit / what failed; "" when ok
 };
 
+// One member of a struct as this library was compiled: a binding compares
+// its own mirror of the struct with these, so a field added on one side only
+// fails when the library loads instead of shifting every later field.
+struct dream_field_layout {
+    const char * name;      // the member's name in this header
+    size_t       offset;    // offsetof(struct, member), bytes
+    size_t       size;      // sizeof(member), bytes
+};
+
+// The members of struct dream_receipt in declaration order. Returns their
+// count; *fields points at a static array owned by the library (never freed)
+// and *struct_size is sizeof(struct dream_receipt). Either pointer may be NULL.
+LLAMA_API int32_t dream_receipt_layout(const struct dream_field_layout ** fields, size_t * struct_size);
+
+// The training cache types dream_params.context_cache_type accepts, comma
+// separated in the order of preference ("q8_0,q4_0,f16,f32"); a static string.
+LLAMA_API const char * dream_context_cache_types(void);
+
 // Configuration of one dream stage (one training job on one context).
 struct dream_params {
     int32_t      rank;                // LoRA rank (8)
@@ -147,6 +165,11 @@ LLAMA_API struct llama_adapter_lora * dream_served_adapter(struct dream_stage * 
 
 // Replaces the job's memory budget (MiB; <= 0: unlimited). Takes effect at the next micro-step.
 LLAMA_API void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
+
+// What the job holds now against its budget (MiB): adapters, training cache, the
+// exact walk's buffers, optimizer state, the training graphs' buffers and the
+// device pools' kept expansion. The gate's allowance is budget - this - slack.
+LLAMA_API double dream_held_mib(const struct dream_stage * ds);
 
 // Sets the exact walk's horizon (positions before a chunk that receive gradient;
 // <= 0: the whole window) from the next micro-step on. Returns the horizon now

@@ -150,14 +150,14 @@ function renderJob() {
   for (const b of ["pause", "resume", "cancel"]) $("#job-" + b).disabled = true;
   if (!job) { title.textContent = state.training ? "no job yet" : "training is off (no --state-dir)"; return; }
   const p = job.progress || {}, pacing = job.pacing || {}, spec = job.spec || {};
-  title.textContent = `job ${job.id} · ${job.out} · ${spec.examples} example${spec.examples === 1 ? "" : "s"} · window ${job.window} · chunk ${p.chunk ?? job.chunk} · cache ${job.context_cache_type}`;
+  title.textContent = `job ${job.id} · ${job.out} · ${spec.examples} example${spec.examples === 1 ? "" : "s"} · window ${job.window} · chunk ${p.current_chunk ?? job.chunk} · cache ${job.context_cache_type}`;
   title.setAttribute("data-state", job.state);
   const windows = p.windows || 0, epochs = p.epochs || 1, total = windows * epochs;
-  let done = total ? Math.min(total, (p.epoch || 0) * windows + (p.window || 0)) : 0;
+  let done = total ? Math.min(total, (p.epoch || 0) * windows + (p.window_in_epoch || 0)) : 0;
   if (job.state === "done") done = total;
   const frac = total ? done / total : 0;
   $("#progress-bar").style.width = (100 * frac).toFixed(1) + "%";
-  $("#progress-text").textContent = `${job.state} · ${(100 * frac).toFixed(0)}% · epoch ${Math.min((p.epoch || 0) + 1, epochs)}/${epochs} · window ${job.state === "done" ? windows : p.window || 0}/${windows}`;
+  $("#progress-text").textContent = `${job.state} · ${(100 * frac).toFixed(0)}% · epoch ${Math.min((p.epoch || 0) + 1, epochs)}/${epochs} · window ${job.state === "done" ? windows : p.window_in_epoch || 0}/${windows}`;
   // ETA at the rate so far: windows done per second since the job started,
   // both ends on the server's clock (the browser's may be set differently).
   let eta = null;

@@ -10,9 +10,10 @@ and re-derives the spec on recovery, so there is one source of truth.
 """
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import asdict, dataclass
-from typing import Annotated, Any, Literal
+from dataclasses import asdict, dataclass, fields
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -25,11 +26,11 @@ from pydantic import (
     model_validator,
 )
 
-# Types the dream stage can store its training K/V cache in (issue 4).
-CONTEXT_CACHE_TYPES = ("q8_0", "q4_0", "f16", "f32")
+from dreamstage.chat import ROLES  # one list for chat requests and training examples
+
+DEFAULT_CONTEXT_CACHE_TYPE = "q8_0"
 LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 DEFAULT_TARGETS = ("attn_q", "attn_v")
-ROLES = ("system", "user", "assistant", "tool")
 
 # What this build's native dream step implements. The body still names the
 # other walks (the design has them), but accepting a value that would be
@@ -81,7 +82,7 @@ class Message(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _shape(self) -> Message:
+    def _shape(self) -> "Message":
         if self.content is None and not self.tool_calls:
             raise ValueError("a message needs content (or tool_calls on an assistant message)")
         if self.tool_calls and self.role != "assistant":
@@ -130,7 +131,7 @@ class ChatExample(BaseModel):
     tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
-    def _has_reply(self) -> ChatExample:
+    def _has_reply(self) -> "ChatExample":
         _check_trained_reply(self.messages)
         return self
 
@@ -149,21 +150,20 @@ class GroupExample(BaseModel):
     completions: list[str] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _one_prefix(self) -> GroupExample:
+    def _one_prefix(self) -> "GroupExample":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("a group needs exactly one of prompt or messages")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools apply to a messages group only")
         for i, m in enumerate(self.messages or []):
             if m.train is True:
-                raise ValueError(f"messages[{i}].train=true: a group's messages are context; "
-                                 "its completions are trained")
+                raise ValueError(f"messages[{i}].train=true: a group's messages are context; its completions are trained")
         for i, c in enumerate(self.completions):
             if not c:
                 raise ValueError(f"completions[{i}] is empty")
         return self
 
-    def expand(self) -> list[PromptCompletion | ChatExample]:
+    def expand(self) -> list["PromptCompletion | ChatExample"]:
         if self.prompt is not None:
             return [PromptCompletion(prompt=self.prompt, completion=c) for c in self.completions]
         context = [m.model_copy(update={"train": False}) if m.role == "assistant" else m for m in self.messages or []]
@@ -195,10 +195,12 @@ def _example_form(v: Any) -> str | None:
 
 
 Example = Annotated[
-    Annotated[TextExample, Tag("text")]
-    | Annotated[PromptCompletion, Tag("prompt_completion")]
-    | Annotated[ChatExample, Tag("chat")]
-    | Annotated[GroupExample, Tag("group")],
+    Union[
+        Annotated[TextExample, Tag("text")],
+        Annotated[PromptCompletion, Tag("prompt_completion")],
+        Annotated[ChatExample, Tag("chat")],
+        Annotated[GroupExample, Tag("group")],
+    ],
     Discriminator(
         _example_form,
         custom_error_type="example_form",
@@ -210,7 +212,9 @@ Example = Annotated[
 ]
 
 # Normalized examples the renderer consumes (groups flattened).
-PlainExample = TextExample | PromptCompletion | ChatExample
+PlainExample = Union[TextExample, PromptCompletion, ChatExample]
+_PLAIN_FORMS: dict[str, type[BaseModel]] = {"text": TextExample, "prompt_completion": PromptCompletion,
+                                            "chat": ChatExample}
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,10 @@ class SourcedExample:
     source: int             # index into the body's examples (text first if given)
     label: str              # e.g. "examples[3].completions[1]" or "text"
     example: PlainExample
+
+
+# The stored form of a JobSpec (JobSpec.to_stored); bump on any change to it.
+SPEC_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -284,6 +292,41 @@ class JobSpec:
         d["examples"] = len(self.examples)
         return d
 
+    # -- stored form ------------------------------------------------------------
+    # A job's spec is derived once, at submit, and stored with SPEC_VERSION: a
+    # queued job keeps the defaults it was accepted with when a later version
+    # changes them, and a stored form this code does not know is refused by
+    # name rather than misread.
+    def to_stored(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("examples", "pacing")}
+        d["targets"] = list(self.targets)
+        d["pacing"] = asdict(self.pacing)
+        d["examples"] = [{"source": e.source, "label": e.label, "form": _FORM_OF_MODEL[type(e.example).__name__],
+                          "example": e.example.model_dump(mode="json", exclude_none=True)} for e in self.examples]
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_stored(cls, text: str, version: int) -> "JobSpec":
+        if version != SPEC_VERSION:
+            raise ValueError(f"a job spec stored in form {version}; this dreamstage reads form {SPEC_VERSION} only")
+        d = json.loads(text)
+        d["targets"] = tuple(d["targets"])
+        d["pacing"] = PacingSpec(**d["pacing"])
+        d["examples"] = tuple(SourcedExample(e["source"], e["label"], _PLAIN_FORMS[e["form"]].model_validate(e["example"]))
+                              for e in d["examples"])
+        return cls(**d)
+
+
+def context_cache_types() -> tuple[str, ...]:
+    """The training cache types the native core supports (loads the library on first use)."""
+    from dreamstage import native  # noqa: PLC0415 - importing the spec must not load the library
+
+    return native.context_cache_types()
+
+
+def _cache_type_schema(schema: dict[str, Any]) -> None:
+    schema["enum"] = list(context_cache_types())
+
 
 class TrainRequest(BaseModel):
     """The POST /train body."""
@@ -298,7 +341,9 @@ class TrainRequest(BaseModel):
     fit: Literal["middle", "left"] = "middle"
     chunk: int | None = Field(default=None, ge=1)
     min_chunk: int = Field(default=16, ge=1)
-    context_cache_type: str = "q8_0"
+    # The types the training K/V cache may use are the native core's to say
+    # (dream_context_cache_types): read when a body is validated, not listed here.
+    context_cache_type: str = Field(default=DEFAULT_CONTEXT_CACHE_TYPE, json_schema_extra=_cache_type_schema)
     recompute: bool = False
     exact: bool = False
     horizon: int | None = Field(default=None, ge=1)
@@ -325,18 +370,18 @@ class TrainRequest(BaseModel):
     @field_validator("context_cache_type")
     @classmethod
     def _cache_type(cls, v: str) -> str:
-        if v not in CONTEXT_CACHE_TYPES:
-            raise ValueError(f"context_cache_type {v!r} is not one of {', '.join(CONTEXT_CACHE_TYPES)}")
+        supported = context_cache_types()
+        if v not in supported:
+            raise ValueError(f"context_cache_type {v!r} is not one of {', '.join(supported)}")
         return v
 
     @field_validator("recompute", "exact")
     @classmethod
     def _walk_supported(cls, v: bool, info: ValidationInfo) -> bool:
-        supported = SUPPORTED_WALKS[str(info.field_name)]  # always set in a field validator
+        supported = SUPPORTED_WALKS[info.field_name]
         if v not in supported:
             allowed = ", ".join(str(x).lower() for x in sorted(supported))
-            raise ValueError(f"{info.field_name}={str(v).lower()} is not supported by this build's dream step yet "
-                             f"(supported: {allowed})")
+            raise ValueError(f"{info.field_name}={str(v).lower()} is not supported by this build's dream step yet (supported: {allowed})")
         return v
 
     @field_validator("targets")
@@ -407,7 +452,7 @@ class TrainRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _has_examples(self) -> TrainRequest:
+    def _has_examples(self) -> "TrainRequest":
         if self.text is None and not self.examples:
             raise ValueError("the body needs text or a non-empty examples list")
         return self
@@ -428,8 +473,8 @@ class TrainRequest(BaseModel):
         if self.share is not None:
             pacing = PacingSpec("share", self.share, self.max_pause_ms or None)
         else:
-            bound = self.max_slowdown if self.max_slowdown is not None else DEFAULT_MAX_SLOWDOWN
-            pacing = PacingSpec("max_slowdown", bound, self.max_pause_ms or None)
+            pacing = PacingSpec("max_slowdown", self.max_slowdown if self.max_slowdown is not None else DEFAULT_MAX_SLOWDOWN,
+                                self.max_pause_ms or None)
         return JobSpec(
             examples=tuple(examples),
             window=self.window,

@@ -11,6 +11,7 @@ fsync, rename, fsync of the directory.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import tempfile
@@ -46,6 +47,15 @@ def atomic_file(path) -> Iterator[Path]:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def file_sha256(path) -> str:
+    """The hex sha256 of a file's bytes (an adapter as saved, to check on reload)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def save_lora(path, factors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]], *, alpha: float,

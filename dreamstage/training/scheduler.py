@@ -9,21 +9,15 @@ command queue (promote, rollback) whose results come back as futures.
 
 One job trains at a time, FIFO. The job's whole life (render, starting,
 trainer construction through the memory gate, the walk with its chunk
-ladder, held-out evaluation, save, promotion) is one generator, `_job`; each
-`next()` runs at most one native micro-step. After a decode batch the
+ladder, held-out evaluation, save, promotion) is one generator, `_job_steps`;
+each `next()` runs at most one native micro-step. After a decode batch the
 scheduler advances it once when the Pacer allows; with no active slot it
 advances it repeatedly (after the idle grace) until a request arrives, so a
 directed request waits at most one micro-step.
 
-Served adapters are files: a finished job's shadow adapter is saved as a
-GGUF LoRA (atomically) and promotion loads that file with llama.cpp's own
-loader (`llama_adapter_lora_init`), the same path stock llama.cpp takes. So
-what serves survives the job's Trainer and a restart. A swap needs no slot
-mid-request: while one is pending, `hold_admission` keeps new requests
-waiting until the busy slots finish, then swaps between two batches, drops
-the idle slots' cached prefixes (their K/V were computed with the old
-weights), and bumps `engine.adapter_version`. Every completion therefore ran
-on exactly one adapter version, the one it reports.
+What serves, and how a promotion or rollback becomes a swap between two
+batches, is `served.py` (`AdapterSwitch`); this module only decides when
+the pending swap may be applied (no busy slot).
 """
 from __future__ import annotations
 
@@ -31,33 +25,28 @@ import concurrent.futures
 import ctypes
 import logging
 import os
-import re
-import shutil
 import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
-from dreamstage.adapters import atomic_file
-from dreamstage.examples import RenderedJob, render_job
-from dreamstage.jobs import (
-    TERMINAL,
-    AdapterNotFound,
-    InvalidTransition,
-    JobRun,
-    JobStore,
+from dreamstage.stats import DreamStats
+from dreamstage.training.examples import RenderedJob, render_job
+from dreamstage.training.pacing import DEFAULT_IDLE_GRACE_S, Pacer
+from dreamstage.training.receipts import Receipt
+from dreamstage.training.served import (
+    AdapterLoadError,
+    AdapterSwitch,
+    ServedAdapters,
     auto_promote_decision,
-    file_sha256,
-    ladder,
 )
-from dreamstage.pacing import DEFAULT_IDLE_GRACE_S, Pacer, StepShaper
-from dreamstage.receipts import Receipt
-from dreamstage.trainspec import GATE_SLACK_MIB, JobSpec, check_adapter_name
+from dreamstage.training.shaper import DreamThreads, StepShaper, load_average, trains_from
+from dreamstage.training.spec import GATE_SLACK_MIB, JobSpec, check_adapter_name
+from dreamstage.training.store import TERMINAL, AdapterNotFound, InvalidTransition, JobStore
+from dreamstage.training.walk import JobRun, ladder
 
-log = logging.getLogger("dreamstage.dreamer")
+log = logging.getLogger("dreamstage.scheduler")
 
 # How long one idle call may keep training before it returns to the engine
 # loop (which then waits idle_interval and calls again). A request arriving
@@ -84,19 +73,13 @@ def release_freed_memory() -> None:
         pass                    # not glibc: nothing to trim
 
 
-def default_state_dir() -> Path:
-    """$XDG_DATA_HOME/dreamstage, else ~/.local/share/dreamstage."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "dreamstage"
-
-
 def native_trainer(resident, spec: JobSpec, chunk: int, lr: float | None = None):
     """The native Trainer for a job (lr=0 makes an evaluator that never moves).
 
     An evaluator (lr given) runs the plain walk: it needs only the forward
     loss, which both walks compute alike, and the exact walk would add a
     reverse pass and adjoint buffers for nothing."""
-    from dreamstage.trainer import LoraConfig, OptimizerConfig, Trainer  # needs the native core
+    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer  # noqa: PLC0415 - needs the native core
 
     exact = spec.exact and lr is None
     return Trainer(resident, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
@@ -112,91 +95,6 @@ def clear_receipt(receipt: Any, spec: JobSpec) -> Any:
     return receipt
 
 
-class DreamThreads:
-    """The thread count a micro-step computes with, set on the resident context
-    just for the step and restored for serving afterwards.
-
-    The dream graph runs through `llama_context::graph_compute`, which takes
-    `n_threads_batch` (or `n_threads` for a one-token chunk) from the context's
-    cparams; `llama_set_n_threads` only stores them, so switching per step is
-    free. Engine thread only."""
-
-    def __init__(self, resident):
-        lc, ctx = getattr(resident, "lc", None), getattr(resident, "ctx", None)
-        self.lc, self.ctx = lc, ctx
-        if lc is None or ctx is None or not hasattr(lc, "llama_set_n_threads"):
-            self.serve = None
-            self.counts = [1]
-            self.serve_batch = 1
-            return
-        self.serve = (int(lc.llama_n_threads(ctx)), int(lc.llama_n_threads_batch(ctx)))
-        top = self.serve_batch = max(1, self.serve[1])
-        counts = [top]
-        while counts[-1] > 1:                         # the configured count and its halves down to one
-            counts.append(counts[-1] // 2)
-        self.counts = counts                          # the shaper starts on the fewest
-
-    def run(self, threads: int, fn: Callable[[], Any]) -> Any:
-        if self.serve is None or threads == self.serve[1] == self.serve[0]:
-            return fn()
-        self.lc.llama_set_n_threads(self.ctx, threads, threads)
-        try:
-            return fn()
-        finally:
-            self.lc.llama_set_n_threads(self.ctx, *self.serve)
-
-
-class AdapterLoadError(ValueError):
-    """llama.cpp could not load an adapter file for serving."""
-
-
-class ServedAdapters:
-    """The adapter serving runs with: one GGUF LoRA loaded by llama.cpp, or none (the base model).
-
-    Engine thread only (or before the engine starts)."""
-
-    def __init__(self, resident):
-        self.resident = resident
-        self.lc = resident.lc
-        self.handle = None          # the llama_adapter_lora set on the context now
-        self.path: str | None = None
-
-    def load(self, path) -> Any:
-        path = str(path)
-        if not os.path.isfile(path):
-            raise AdapterLoadError(f"adapter file {path!r} does not exist")
-        handle = self.lc.llama_adapter_lora_init(self.resident.model, path.encode())
-        if not handle:
-            raise AdapterLoadError(f"llama.cpp could not load {path!r} as a LoRA adapter for this model")
-        return handle
-
-    def apply(self, handle, path: str | None) -> None:
-        lc = self.lc
-        if handle is None:
-            lc.llama_set_adapters_lora(self.resident.ctx, None, 0, None)
-        else:
-            arr = (lc.llama_adapter_lora_p_ctypes * 1)(handle)
-            scales = (ctypes.c_float * 1)(1.0)
-            rc = lc.llama_set_adapters_lora(self.resident.ctx, arr, 1, scales)
-            if rc != 0:
-                raise AdapterLoadError(f"llama_set_adapters_lora failed with {rc}")
-        old, self.handle, self.path = self.handle, handle, path
-        if old is not None and old != handle:
-            lc.llama_adapter_lora_free(old)
-
-    def discard(self, handle) -> None:
-        """Free a loaded adapter that never became the served one."""
-        if handle is not None and handle != self.handle:
-            self.lc.llama_adapter_lora_free(handle)
-
-
-class _Swap:
-    """A promotion or rollback booked in the store, waiting to be applied."""
-
-    def __init__(self, handle, path: str | None, version: int, view: Any, future: concurrent.futures.Future | None):
-        self.handle, self.path, self.version, self.view, self.future = handle, path, version, view, future
-
-
 class DreamScheduler:
     """The DreamHook: runs the job queue on the engine thread, paced."""
 
@@ -206,18 +104,16 @@ class DreamScheduler:
         self.store = store
         self.resident = resident
         self.make_trainer = make_trainer or native_trainer
-        self.served = served if served is not None else ServedAdapters(resident)
+        self.switch = AdapterSwitch(store, served if served is not None else ServedAdapters(resident))
         self.idle_grace_s = idle_grace_s
         self.clock = clock
-        self.served_error: str | None = None   # why the stored served adapter could not be reloaded
         self._lock = threading.Lock()
         self._commands: deque[tuple[str, tuple, concurrent.futures.Future]] = deque()
         self._rendered: dict[int, RenderedJob] = {}
         self._kick = True
         self._last_poll = -1e9
-        self._swap: _Swap | None = None
         self._job_id: int | None = None
-        self._job: Generator[None, None, None] | None = None
+        self._job: Iterator[None] | None = None
         self._pacer: Pacer | None = None
         self._shaper: StepShaper | None = None
         self._threads: DreamThreads | None = None
@@ -227,6 +123,7 @@ class DreamScheduler:
         self._closing: list[Any] = []   # trainers of the job in progress (closed if the server stops)
         self._unrecorded: dict[int, str] = {}   # job -> error message the store could not take yet
         self._stepping = False          # the engine thread is inside the job's next()
+        self.stats = DreamStats()       # engine thread writes; /metrics reads
 
     # -- any thread ------------------------------------------------------------------
     def notify_submitted(self, job_id: int, rendered: RenderedJob | None = None) -> None:
@@ -272,46 +169,21 @@ class DreamScheduler:
             return None
         return {**p.figures(), **(self._shaper.figures() if self._shaper is not None else {})}
 
-    # -- startup (before the engine thread runs) ---------------------------------------
+    @property
+    def served(self):
+        """The llama handles of the adapter serving runs with (`served.ServedAdapters`)."""
+        return self.switch.served
+
+    @property
+    def served_error(self) -> str | None:
+        """Why the stored served adapter could not be reloaded (None: it was, or there is none)."""
+        return self.switch.served_error
+
+    # -- startup and shutdown (the engine thread is not running) ----------------------------
     def startup(self, engine, adapter_path: str | None = None) -> None:
-        """Reload the served adapter the store names; import and promote `adapter_path` (--adapter).
-
-        Call before the engine starts. A bad --adapter raises ValueError; a
-        stored adapter that no longer loads is reported (`served_error`) and
-        the base model serves, version 0."""
-        served = self.store.served()
-        if served is not None:
-            try:
-                if served.get("sha256") and Path(served["path"]).is_file() \
-                        and file_sha256(served["path"]) != served["sha256"]:
-                    raise AdapterLoadError("its bytes differ from the sha256 recorded when it was saved")
-                handle = self.served.load(served["path"])
-                self.served.apply(handle, served["path"])
-                engine.adapter_version = served["served_version"]
-            except AdapterLoadError as e:
-                self.served_error = (f"the promoted adapter {served['name']} v{served['version']} "
-                                     f"could not be reloaded: {e}; serving the base model")
-                log.error("%s", self.served_error)
-                engine.adapter_version = 0
-        if adapter_path is not None:
-            self._import_startup_adapter(engine, Path(adapter_path))
-
-    def _import_startup_adapter(self, engine, src: Path) -> None:
-        if not src.is_file():
-            raise ValueError(f"--adapter {str(src)!r}: no such file")
-        if self.served.path and _same_bytes(self.served.path, src):
-            return                                         # already served (a restart with the same flag)
-        handle = self.served.load(src)                      # AdapterLoadError is a ValueError
-        name = _adapter_name_from(src)
-        version = self.store.next_adapter_version(name)
-        dst = self.store.adapter_path(name, version)
-        _copy_atomic(src, dst)
-        self.store.add_adapter(name, version)
-        self.store.promote(name, version)
-        self.served.apply(handle, str(dst))
-        engine.adapter_version = self.store.served_version()
-        self.served_error = None
-        log.info("serving --adapter %s as %s v%d (served version %d)", src, name, version, engine.adapter_version)
+        """Reload the served adapter the store names; import and promote
+        `adapter_path` (--adapter). Call before the engine starts."""
+        self.switch.reload(engine, adapter_path)
 
     def close(self, wait_s: float = 60.0) -> None:
         """After the engine thread stopped: free the job's trainers and mark it interrupted.
@@ -330,7 +202,7 @@ class DreamScheduler:
         if job is not None:
             try:
                 job.close()
-            except Exception:  # shutting down
+            except Exception:  # noqa: BLE001 - shutting down
                 log.exception("closing the active job")
         for t in self._closing:
             t.close()
@@ -340,7 +212,7 @@ class DreamScheduler:
                 if self.store.state(jid) not in TERMINAL:
                     self.store.transition(jid, "interrupted", "the server stopped while the job was training; "
                                                               "its in-memory adapter and optimizer state were lost")
-            except Exception:  # the store may be closed already
+            except Exception:  # noqa: BLE001 - the store may be closed already
                 log.exception("marking job %s interrupted", jid)
         with self._lock:
             commands = list(self._commands)
@@ -356,11 +228,11 @@ class DreamScheduler:
         then is applied here, between two batches."""
         if self._commands:
             self._run_commands(engine)
-        if self._swap is None:
+        if self.switch.pending is None:
             return False
         if engine.busy_slots():
             return True
-        self._apply_swap(engine)
+        self.switch.apply_pending(engine)
         return False
 
     def after_batch(self, engine, idle: bool) -> None:
@@ -368,8 +240,8 @@ class DreamScheduler:
             self._record_failures()
         if self._commands:
             self._run_commands(engine)
-        if self._swap is not None and not engine.busy_slots():
-            self._apply_swap(engine)
+        if self.switch.pending is not None and not engine.busy_slots():
+            self.switch.apply_pending(engine)
         if not idle and self._pacer is not None:
             self._pacer.record_batch(engine.last_batch_decode_tokens, self._batch_seconds(engine),
                                      getattr(engine, "last_batch_tokens", None))
@@ -417,8 +289,7 @@ class DreamScheduler:
 
     def _advance(self, engine, active_slots: int) -> bool:
         """Run the job one step if its state and the pacer allow; False when nothing ran."""
-        jid, job = self._job_id, self._job
-        assert jid is not None and job is not None  # called only while a job is active
+        jid = self._job_id
         state = self.store.state(jid)
         if state in TERMINAL:                     # cancelled by the server (or ended by the job itself)
             self._end_job()
@@ -432,7 +303,7 @@ class DreamScheduler:
         self._stepping = True
         self._step_ran = None
         try:
-            next(job)
+            next(self._job)
         except StopIteration:
             self._end_job()
         except AdapterSaveError as e:
@@ -445,13 +316,14 @@ class DreamScheduler:
             log.error("dream job %s: the state directory cannot be written: %s", jid, e)
             self._fail(jid, f"the state directory cannot be written ({e}); the job stopped")
             self._end_job()
-        except Exception as e:  # a failing job must not take serving down
+        except Exception as e:  # noqa: BLE001 - a failing job must not take serving down
             log.exception("dream job %s failed", jid)
             self._fail(jid, f"internal error in the dream stage: {type(e).__name__}: {e}")
             self._end_job()
         finally:
             self._stepping = False
             seconds = self.clock() - t0             # the whole pause serving saw, store writes included
+            self.stats.pause.observe(seconds)
             if pacer is not None:
                 waited = 0.0
                 if active_slots == 0 and engine.queue_depth:
@@ -473,8 +345,7 @@ class DreamScheduler:
             job.close()                                 # runs the generator's finally: trainers closed
             release_freed_memory()
         with self._lock:
-            if jid is not None:
-                self._rendered.pop(jid, None)
+            self._rendered.pop(jid, None)
             self._kick = True                           # the next queued job may start at once
 
     def _fail(self, jid: int, message: str) -> None:
@@ -512,11 +383,11 @@ class DreamScheduler:
         if final or now - self._figures_at >= FIGURES_EVERY_S:
             self._figures_at = now
             try:
-                self.store.set_pacing(self._job_id, self.pacing() or {})
+                self.store.set_pacing(self._job_id, self.pacing())
             except (OSError, sqlite3.OperationalError) as e:   # a full disk: figures are not worth a job
                 log.warning("job %s: pacing figures not stored: %s", self._job_id, e)
 
-    def _end(self, jid: int, target: str, message: str) -> Generator[None, None, None]:
+    def _end(self, jid: int, target: str, message: str) -> Iterator[None]:
         """Move the job to a final state; a pause that raced in waits for resume."""
         while True:
             try:
@@ -527,7 +398,7 @@ class DreamScheduler:
                     return                              # cancelled (or ended) meanwhile: that stands
                 yield
 
-    def _job_steps(self, jid: int, engine) -> Generator[None, None, None]:
+    def _job_steps(self, jid: int, engine) -> Iterator[None]:
         """One job, start to end; every `yield` follows at most one native micro-step."""
         store = self.store
         spec = store.spec(jid)
@@ -547,6 +418,8 @@ class DreamScheduler:
             receipt = getattr(e, "receipt", None)
             if receipt is not None:
                 receipt = clear_receipt(receipt, spec)
+                if getattr(receipt, "status", "") == "refused":
+                    self.stats.count_refusal("memory_gate")   # the job's training cache did not fit
                 store.append_receipt(jid, receipt)
             state = "refused" if receipt is not None and getattr(receipt, "status", "") == "refused" else "error"
             yield from self._end(jid, state, f"the dream stage could not start: {getattr(receipt, 'message', '') or e}")
@@ -558,7 +431,7 @@ class DreamScheduler:
             trainer.close()
             self._closing.remove(trainer)
 
-    def _train(self, jid: int, spec: JobSpec, rendered: RenderedJob, trainer) -> Generator[None, None, None]:
+    def _train(self, jid: int, spec: JobSpec, rendered: RenderedJob, trainer) -> Iterator[None]:
         store = self.store
         run = JobRun(store, jid, spec, rendered.train)
         self._pacer = Pacer.from_spec(spec.pacing, idle_grace_s=self.idle_grace_s, clock=self.clock)
@@ -568,9 +441,10 @@ class DreamScheduler:
         self._shaper = None
         if spec.pacing.max_pause_ms is not None:
             self._shaper = StepShaper(spec.pacing.max_pause_ms, ladder(spec.chunk, 1), self._threads.counts,
-                                      other_load=_load_average, cores=os.cpu_count())
+                                      other_load=load_average, cores=os.cpu_count())
         self._figures_at = self.clock()
         store.transition(jid, "running")
+        self.stats.job_started()
         yield                                           # from here on the pacer decides each step
         notes: list[str] = []
         eval_before = None
@@ -579,18 +453,18 @@ class DreamScheduler:
         begun = None
         memory_cap = spec.chunk                         # the memory ladder's chunk (halved on a refusal)
         while (cur := run.current()) is not None:
-            chunk, threads = (self._shaper.choose(memory_cap, _trains_from(cur[0].mask, cur[1].chunk_pos))
+            chunk, threads = (self._shaper.choose(memory_cap, trains_from(cur[0].mask, cur[1].chunk_pos))
                               if self._shaper is not None else (run.walk.chunk, self._threads.serve_batch))
             if chunk != run.walk.chunk:
                 run.walk.chunk = chunk                  # the walk and the trainer move together
                 trainer.set_chunk(chunk)
                 cur = run.current()
-                assert cur is not None  # the same position, cut to another chunk
             window, step = cur
             if step.chunk_pos == 0 and begun != (step.epoch, step.order_pos):
                 trainer.begin_window(window.tokens, window.mask)
                 begun = (step.epoch, step.order_pos)
             receipt = clear_receipt(self._threads.run(threads, trainer.micro_step), spec)
+            self.stats.record(receipt)
             self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0)   # for the shaper
                               if receipt.status == "ok" else None)
             try:
@@ -616,8 +490,7 @@ class DreamScheduler:
         message = yield from self._finish(jid, spec, trainer, progress["eval_loss"], eval_before)
         yield from self._end(jid, "done", "; ".join([message, *notes]))
 
-    def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int,
-                  notes: list[str]) -> Generator[None, None, float | None]:
+    def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int, notes: list[str]) -> Iterator[None]:
         """Held-out loss of the shadow adapter as it is now.
 
         The native core has no forward-only pass yet, so an evaluator is a
@@ -628,10 +501,8 @@ class DreamScheduler:
         receipts are not the job's. A refusal leaves eval_loss null, noted."""
         try:
             evaluator = self.make_trainer(self.resident, spec, chunk, 0.0)
-        except Exception as e:  # noqa: BLE001 - any refusal or failure of the evaluator only costs the held-out loss
-            receipt = getattr(e, "receipt", None)
-            why = (receipt is not None and receipt.message) or e
-            notes.append(f"held-out loss not measured: the evaluator was refused ({why})")
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"held-out loss not measured: the evaluator was refused ({getattr(e, 'receipt', None) and e.receipt.message or e})")
             return None
         self._closing.append(evaluator)
         try:
@@ -641,13 +512,11 @@ class DreamScheduler:
                 evaluator.begin_window(w.tokens, w.mask)
                 pos = 0
                 while evaluator.chunks_left:
-                    step_chunk, threads = (self._shaper.choose(chunk, _trains_from(w.mask, pos))
-                                           if self._shaper is not None
-                                           else (chunk, self._threads.serve_batch if self._threads is not None else 0))
+                    step_chunk, threads = (self._shaper.choose(chunk, trains_from(w.mask, pos))
+                                           if self._shaper is not None else (chunk, self._threads.serve_batch))
                     if step_chunk != evaluator.chunk:
                         evaluator.set_chunk(step_chunk)   # an evaluation step pauses serving like any other
-                    r = (evaluator.micro_step() if self._threads is None
-                         else self._threads.run(threads, evaluator.micro_step))
+                    r = evaluator.micro_step() if self._threads is None else self._threads.run(threads, evaluator.micro_step)
                     self._step_ran = (r.chunk_tokens, threads, r.tokens > 0) if r.status == "ok" else None
                     pos += r.chunk_tokens
                     yield
@@ -661,7 +530,7 @@ class DreamScheduler:
             evaluator.close()
             self._closing.remove(evaluator)
 
-    def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before) -> Generator[None, None, str]:
+    def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before) -> Iterator[None]:
         """Save the shadow adapter as a new version; promote per the job's rule. Returns the message."""
         store = self.store
         name = store.get(jid)["out"]
@@ -685,7 +554,7 @@ class DreamScheduler:
         if not ok:
             return f"{saved}; {why}"
         try:
-            view = self._book_promotion(name, version, None)
+            view = self.switch.book_promotion(name, version, None)
         except (AdapterLoadError, AdapterNotFound) as e:
             return f"{saved}; auto promotion failed: {e}"
         return f"{saved}; promoted as served version {view['served_version']} ({why})"
@@ -700,115 +569,12 @@ class DreamScheduler:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                view: dict | None
                 if kind == "promote":
-                    name, version = args
                     applied: concurrent.futures.Future = concurrent.futures.Future()
-                    view = self._book_promotion(name, version, applied)
+                    view = self.switch.book_promotion(*args, applied)
                 else:
                     applied = concurrent.futures.Future()
-                    view = self._book_rollback(applied)
+                    view = self.switch.book_rollback(applied)
                 fut.set_result((view, applied))
             except Exception as e:  # noqa: BLE001 - reported to the caller, never raised into the engine
                 fut.set_exception(e)
-
-    def _queue_swap(self, swap: _Swap) -> None:
-        old = self._swap
-        if old is not None:                             # superseded before it was applied
-            self.served.discard(old.handle)
-            if old.future is not None:
-                old.future.set_result(False)
-        self._swap = swap
-
-    def _book_promotion(self, name: str, version: int | None, applied) -> dict:
-        store = self.store
-        versions = [a["version"] for a in store.adapters() if a["name"] == name]
-        if not versions:
-            raise AdapterNotFound(f"no adapter {name!r}")
-        if version is None:
-            version = max(versions)
-        elif version not in versions:
-            raise AdapterNotFound(f"no adapter {name!r} version {version}")
-        path = str(store.adapter_path(name, version))
-        handle = self.served.load(path)                 # refuse a file llama.cpp cannot load: nothing booked
-        try:
-            view = store.promote(name, version)
-        except BaseException:
-            self.served.discard(handle)
-            raise
-        self._queue_swap(_Swap(handle, path, store.served_version(), view, applied))
-        return view
-
-    def _book_rollback(self, applied) -> dict | None:
-        store = self.store
-        stack = store.promotions()
-        if not stack:
-            raise AdapterNotFound("nothing to roll back: the base model is served")
-        handle = path = None
-        if len(stack) >= 2:
-            prev = stack[-2]
-            path = str(store.adapter_path(prev["name"], prev["version"]))
-            handle = self.served.load(path)
-        try:
-            view = store.rollback()
-        except BaseException:
-            self.served.discard(handle)
-            raise
-        self._queue_swap(_Swap(handle, path, store.served_version(), view, applied))
-        return view
-
-    def _apply_swap(self, engine) -> None:
-        swap, self._swap = self._swap, None
-        assert swap is not None  # callers check for a queued swap
-        try:
-            self.served.apply(swap.handle, swap.path)
-        except Exception as e:
-            log.exception("adapter swap failed")
-            self.served.discard(swap.handle)
-            if swap.future is not None:
-                swap.future.set_exception(e)
-            return
-        engine.forget_cached_prefixes()         # their K/V came from the old weights
-        engine.adapter_version = swap.version
-        self.served_error = None
-        if swap.future is not None:
-            swap.future.set_result(True)
-        log.info("serving adapter version %d (%s)", swap.version, swap.path or "base model")
-
-
-def _trains_from(mask, pos: int) -> Callable[[int], bool]:
-    """Whether a chunk of n tokens at `pos` would hold loss tokens: it predicts
-    tokens pos+1 .. pos+n (the mask convention of `dream_window_begin`)."""
-    return lambda n: any(mask[pos + 1:pos + n + 1])
-
-
-def _load_average() -> float:
-    """Runnable threads on this machine (1-minute load average; 0 where the OS has none)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return 0.0
-
-
-def _adapter_name_from(path: Path) -> str:
-    """An adapter name for an imported file: its stem, or its folder's name for
-    our own layout (`<name>/v3.gguf`)."""
-    stem = path.name.removesuffix(".gguf")
-    if re.fullmatch(r"v\d+", stem) and path.parent.name:
-        stem = path.parent.name
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", stem).strip(".-") or "adapter"
-    if not stem[0].isalnum():
-        stem = "a" + stem
-    return check_adapter_name(stem.replace("..", ".")[:64])
-
-
-def _same_bytes(a, b) -> bool:
-    try:
-        return os.path.getsize(a) == os.path.getsize(b) and file_sha256(a) == file_sha256(b)
-    except OSError:
-        return False
-
-
-def _copy_atomic(src: Path, dst: Path) -> None:
-    with atomic_file(dst) as tmp:
-        shutil.copyfile(src, tmp)

@@ -1,7 +1,7 @@
 """The dream stage from Python: LoRA micro-steps on the resident context.
 
     from dreamstage.resident import ResidentModel
-    from dreamstage.trainer import Trainer, LoraConfig, OptimizerConfig
+    from dreamstage.training.trainer import Trainer, LoraConfig, OptimizerConfig
 
     rm = ResidentModel()
     tr = Trainer(rm, LoraConfig(rank=8, alpha=16, targets="attn_q,attn_v"),
@@ -52,10 +52,9 @@ import numpy as np
 
 from dreamstage import native
 from dreamstage.owner import NativeOwner
-from dreamstage.receipts import DreamError, Receipt
+from dreamstage.training.receipts import DreamError, Receipt
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-CACHE_TYPES = ("q8_0", "q4_0", "f16", "f32")
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,8 @@ class Trainer(NativeOwner):
         self.lora = lora = lora or LoraConfig()
         self.optimizer = opt = optimizer or OptimizerConfig()
         lora.validate()
-        if cache_type not in CACHE_TYPES:
-            raise ValueError(f"context_cache_type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
+        if cache_type not in native.context_cache_types():
+            raise ValueError(f"context_cache_type {cache_type!r} is not one of {', '.join(native.context_cache_types())}")
         self.resident = resident
         self.cache_type = cache_type
         self.L = L = native.lib()
@@ -132,6 +131,7 @@ class Trainer(NativeOwner):
         p.accumulate_windows = int(opt.accumulate_windows)
         p.memory_budget_mib, p.slack_mib = float(budget_mib), float(slack_mib)
         self.window, self.chunk = int(window), int(chunk)
+        self.slack_mib = float(slack_mib)
         r = native.DreamReceiptC()
         self._ds = L.dream_init(resident.ctx, p, ctypes.byref(r))
         self.init_receipt = Receipt.from_c(r)
@@ -160,9 +160,8 @@ class Trainer(NativeOwner):
         layer, tgt = ctypes.c_int32(), ctypes.c_char_p()
         n_in, n_out = ctypes.c_int64(), ctypes.c_int64()
         for i in range(self.L.dream_n_pairs(self._ds)):
-            self.L.dream_pair_info(self._ds, i, ctypes.byref(layer), ctypes.byref(tgt),
-                                   ctypes.byref(n_in), ctypes.byref(n_out))
-            out.append(_Pair(layer.value, (tgt.value or b"").decode(), n_in.value, n_out.value))
+            self.L.dream_pair_info(self._ds, i, ctypes.byref(layer), ctypes.byref(tgt), ctypes.byref(n_in), ctypes.byref(n_out))
+            out.append(_Pair(layer.value, tgt.value.decode(), n_in.value, n_out.value))
         return out
 
     def parameter_order(self) -> list[tuple[tuple[int, str], str]]:
@@ -246,8 +245,7 @@ class Trainer(NativeOwner):
         v = np.ascontiguousarray(vec, dtype=np.float32)
         if v.shape != (self.n_params,):
             raise ValueError(f"parameter vector has shape {v.shape}, the adapter takes ({self.n_params},)")
-        data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        if not self.L.dream_set_parameters(self._handle(), data, self.n_params):
+        if not self.L.dream_set_parameters(self._handle(), v.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), self.n_params):
             raise RuntimeError("dream_set_parameters refused the vector")
 
     def optimizer_state(self) -> tuple[np.ndarray, np.ndarray, int]:
@@ -271,8 +269,8 @@ class Trainer(NativeOwner):
         lc = self.resident.lc
         arr = (ctypes.c_void_p * 1)(self.served_adapter)
         scales = (ctypes.c_float * 1)(scale)
-        adapters = ctypes.cast(arr, ctypes.POINTER(lc.llama_adapter_lora_p_ctypes))
-        rc = lc.llama_set_adapters_lora(self.resident.ctx, adapters, 1, scales)
+        rc = lc.llama_set_adapters_lora(self.resident.ctx, ctypes.cast(arr, ctypes.POINTER(lc.llama_adapter_lora_p_ctypes)),
+                                        1, scales)
         if rc != 0:
             raise RuntimeError(f"llama_set_adapters_lora failed with {rc}")
 
@@ -298,16 +296,21 @@ class Trainer(NativeOwner):
         """Replace the job's memory budget (MiB; <= 0: device free memory only)."""
         self.L.dream_set_budget(self._handle(), float(budget_mib))
 
+    def held_mib(self) -> float:
+        """What the job holds now against its budget (MiB); the gate allows
+        budget - held - slack, never less than 0."""
+        return float(self.L.dream_held_mib(self._handle()))
+
     # -- files ----------------------------------------------------------------------
     def save(self, path) -> None:
         """Write the shadow adapter as a standard GGUF LoRA (atomically)."""
-        from dreamstage.adapters import save_lora
+        from dreamstage.training.adapters import save_lora  # noqa: PLC0415
         save_lora(path, self.unflatten(self.lora_parameters()), alpha=self.lora.alpha,
                   model_arch=self.resident.meta("general.architecture") or "llama")
 
     def load(self, path) -> None:
         """Replace the shadow adapter's parameters by a GGUF LoRA file of the same layout."""
-        from dreamstage.adapters import load_lora
+        from dreamstage.training.adapters import load_lora  # noqa: PLC0415
         factors, alpha = load_lora(path)
         if abs(alpha - self.lora.alpha) > 1e-6:
             raise ValueError(f"{path}: alpha {alpha} differs from this trainer's {self.lora.alpha}")

@@ -5,12 +5,16 @@ unchanged into JSON, the job store and the HTTP API. Sizes are MiB, times ms.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
+# Importing dreamstage.native is cheap: the library loads on first use.
 from dreamstage.native import DreamReceiptC
 
 STATUS_NAMES = {0: "ok", 1: "refused", 2: "error"}
+RECEIPT_STATUSES = tuple(STATUS_NAMES.values())
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,41 @@ class Receipt:
         why = (f"nothing is left for the job: the memory gate keeps {slack_mib:g} MiB free, and {source} "
                f"is {short:.2f} MiB below that slack, so the allowance is 0 MiB")
         return replace(self, refused_allowance_mib=0.0, message=f"{why}; {self.message}" if self.message else why)
+
+
+# The canonical field names, in the C struct's order: the one list in Python.
+# The ctypes mirror (native.DreamReceiptC) must name the same members in the
+# same order, and it is checked against the compiled struct when the library
+# loads (dream_receipt_layout), so a member added on one side only fails at
+# import or at load, never as a shifted field.
+RECEIPT_FIELDS = tuple(f.name for f in fields(Receipt))
+
+
+def mirror_mismatch(names: tuple[str, ...], mirror: type = DreamReceiptC) -> str | None:
+    """Why the dataclass's field names and the ctypes mirror's differ (None: they agree)."""
+    c_names = tuple(name for name, _ in mirror._fields_)
+    if names == c_names:
+        return None
+    only_py = [n for n in names if n not in c_names]
+    only_c = [n for n in c_names if n not in names]
+    if only_py or only_c:
+        return f"Receipt has {only_py or 'nothing'} that {mirror.__name__} lacks, and lacks {only_c or 'nothing'}"
+    return f"Receipt and {mirror.__name__} list the same fields in a different order"
+
+
+if (_why := mirror_mismatch(RECEIPT_FIELDS)) is not None:
+    raise ImportError(f"dreamstage.training.receipts: {_why}")
+MEMORY_FIELDS = ("graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "walk_mib")
+
+
+def receipt_dict(receipt: Any) -> dict[str, Any]:
+    """A receipt (dataclass or mapping) as the JSON dict we store, unchanged."""
+    d = dataclasses.asdict(receipt) if dataclasses.is_dataclass(receipt) else dict(receipt)
+    status = d.get("status")
+    if status not in RECEIPT_STATUSES:
+        raise ValueError(f"receipt status {status!r} is not one of {', '.join(RECEIPT_STATUSES)}")
+    json.dumps(d, allow_nan=True)  # refuse what cannot be stored, here and not mid-transaction
+    return d
 
 
 class DreamError(RuntimeError):

@@ -1,0 +1,330 @@
+"""The pause: how big each micro-step may be, and on how many threads.
+
+`StepShaper` picks each step's chunk (a rung of the chunk ladder) and
+thread count so that one step stays inside the job's `max_pause_ms`;
+`DreamThreads` sets that thread count on the resident context for the step
+only. `pacing.Pacer` decides *whether* a step runs; this decides its size.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from dreamstage.training.pacing import SizeTimes, percentile
+
+
+class DreamThreads:
+    """The thread count a micro-step computes with, set on the resident context
+    just for the step and restored for serving afterwards.
+
+    The dream graph runs through `llama_context::graph_compute`, which takes
+    `n_threads_batch` (or `n_threads` for a one-token chunk) from the context's
+    cparams; `llama_set_n_threads` only stores them, so switching per step is
+    free. Engine thread only."""
+
+    def __init__(self, resident):
+        lc, ctx = getattr(resident, "lc", None), getattr(resident, "ctx", None)
+        self.lc, self.ctx = lc, ctx
+        if lc is None or ctx is None or not hasattr(lc, "llama_set_n_threads"):
+            self.serve = None
+            self.counts = [1]
+            self.serve_batch = 1
+            return
+        self.serve = (int(lc.llama_n_threads(ctx)), int(lc.llama_n_threads_batch(ctx)))
+        top = self.serve_batch = max(1, self.serve[1])
+        counts = [top]
+        while counts[-1] > 1:                         # the configured count and its halves down to one
+            counts.append(counts[-1] // 2)
+        self.counts = counts                          # the shaper starts on the fewest
+
+    def run(self, threads: int, fn: Callable[[], Any]) -> Any:
+        if self.serve is None or threads == self.serve[1] == self.serve[0]:
+            return fn()
+        self.lc.llama_set_n_threads(self.ctx, threads, threads)
+        try:
+            return fn()
+        finally:
+            self.lc.llama_set_n_threads(self.ctx, *self.serve)
+
+
+class StepShaper:
+    """Picks each micro-step's chunk (a rung of the ladder) and thread count
+    so that one step stays inside `max_pause_ms`. Engine thread only.
+
+    It fits step time = fixed + per_token * chunk through the last `SAMPLES`
+    steps on the current thread count (`SizeTimes`), and takes the biggest
+    rung whose prediction, times this machine's noise (the 95th percentile
+    of measured / predicted over recent steps), fits the bound. A step over
+    the bound moves down at once, by the measured ratio, and holds there for
+    `HOLD_STEPS` (a whole fit window) when the step before was slow too, while
+    the fit catches up with a machine that got slower.
+
+    Threads: it starts on the fewest (one thread has no barrier to spin at,
+    the safe choice on a machine shared with other programs; measured on the
+    project VM under load: 0.2-0.4 s per step on one thread, 1.5-4.7 s on
+    two). After `FIRST_PROBE` steps, and then every `PROBE_EVERY`, one step
+    probes another count, at a chunk that should keep the bound (what that
+    count last did, scaled; unseen: half). Two probes in a row that are
+    clearly faster per token switch to it; a probe that loses doubles that
+    count's interval (up to `MAX_PROBE_EVERY`), so a machine where more
+    threads spin is not probed often. Before anything is measured the first
+    step runs at most `FIRST_CHUNK` tokens. `rungs` is the chunk ladder;
+    `threads` the counts the dream step may use."""
+
+    FIRST_CHUNK = 8
+    SAMPLES = 16          # recent steps the fit uses
+    HOLD_STEPS = SAMPLES  # after a step over the bound, stay at or below the rung it moved to
+    FIRST_PROBE = 4       # steps before the first probe of another thread count
+    PROBE_EVERY = 48      # steps between probes of another thread count...
+    MAX_PROBE_EVERY = 768  # ...doubled after each probe that lost, up to this
+    SWITCH_GAIN = 0.9     # switch when a probe took less than this fraction of the current prediction
+    TARGET = 0.95         # aim a little inside the bound: rungs are coarse, the noise estimate is not exact
+    NOISE_CAP = 2.0       # the most room kept for noise (see noise())
+    OVER_SMALLEST = 1.25  # when the bound cannot be kept: the longest pause over the shortest possible one
+    EXPLORE_EVERY = 8     # steps between tries of an unmeasured rung above
+    RELAX_FOR = 64        # steps a measurement of the smallest rung stands for
+    FORWARD_TO_TRAIN = 4.0  # a training step over a forward-only one of the same chunk, until both are measured
+
+    def __init__(self, max_pause_ms: float, rungs: Sequence[int], threads: Sequence[int] = (1,),
+                 other_load: Callable[[], float] | None = None, cores: int | None = None):
+        """`other_load` (optional) says how many cores other work keeps busy now
+        (the load average less our own threads); more threads are then probed
+        only when that many cores are free: a probe that spins costs seconds."""
+        if not max_pause_ms > 0:
+            raise ValueError(f"max_pause_ms {max_pause_ms!r} must be > 0")
+        if not rungs or any(not isinstance(r, int) or r < 1 for r in rungs):
+            raise ValueError(f"chunk rungs {list(rungs)!r} must be positive integers")
+        if not threads or any(not isinstance(t, int) or t < 1 for t in threads):
+            raise ValueError(f"thread counts {list(threads)!r} must be positive integers")
+        self.max_pause_s = max_pause_ms / 1000.0
+        self.other_load, self.cores = other_load, cores
+        self.rungs = sorted(set(rungs), reverse=True)
+        self.thread_counts = list(dict.fromkeys(threads))
+        self.threads = min(self.thread_counts)
+        first = [r for r in self.rungs if r <= self.FIRST_CHUNK]
+        self.chunk = first[0] if first else self.rungs[-1]
+        # per kind of step: True trains (forward and backward), False only runs
+        # forward (a chunk with no loss tokens: a prompt, earlier turns), several
+        # times cheaper; one fit for both would read the difference as noise
+        self._times = {True: SizeTimes(window=self.SAMPLES), False: SizeTimes(window=self.SAMPLES)}
+        self._ratios: deque[float] = deque(maxlen=2 * self.SAMPLES)   # measured / predicted
+        self._step_no = 0
+        self._probe: int | None = None        # the thread count the pending step probes
+        self._probe_gap = {t: self.PROBE_EVERY for t in self.thread_counts}
+        self._probe_due = {t: self.FIRST_PROBE for t in self.thread_counts}   # step numbers
+        self._hold: tuple[int, int] | None = None   # (rung cap, steps left) after a step over the bound
+        self._last_slow = False               # the last step took longer than predicted with noise
+        self._limit = 0.0                     # the pause the last choice aimed under (the bound, or above it)
+        self._explored = 0                    # step number of the last try of an unmeasured rung
+        self._exploring: int | None = None    # the rung the pending step tries
+        self._explore_failed: dict[int, int] = {}   # rung -> step number its try went over
+        # recent steps at the smallest rung, per kind, and when the last one ran
+        self._smallest: dict[bool, deque[float]] = {True: deque(maxlen=5), False: deque(maxlen=5)}
+        self._smallest_at = {True: 0, False: 0}
+        self.switches = 0
+        self._wins: dict[int, int] = {}       # probes in a row that beat the current count
+        self._last_seen: dict[int, tuple[int, float]] = {}   # per count: its latest (chunk, seconds)
+
+    # -- the model ----------------------------------------------------------------------
+    def predict(self, chunk: int, trains: bool = True) -> float | None:
+        """Seconds one step of `chunk` tokens is expected to take on the current
+        threads; `trains`: the chunk has loss tokens (a backward pass too)."""
+        own = self._times[trains]
+        if own:
+            return own.predict(chunk)
+        other = self._times[not trains]
+        if not other:
+            return None
+        p = other.predict(chunk)
+        # from the other kind: a backward costs about 3x the forward (docs/benchmarks.md),
+        # so a training step is read as 4 forward steps; a forward step as a training one
+        return p * self.FORWARD_TO_TRAIN if trains else p
+
+    def _measured(self) -> bool:
+        return bool(self._times[True] or self._times[False])
+
+    def noise(self) -> float:
+        """95th percentile of measured / predicted step time, within [1, NOISE_CAP].
+
+        Capped: a tail longer than that is a thread another program
+        descheduled, which takes as long whatever the chunk; shrinking the
+        chunk for it would cost training and buy no shorter pause."""
+        if len(self._ratios) < 4:
+            return 1.25                      # until measured: a quarter of room
+        return min(self.NOISE_CAP, max(1.0, percentile(sorted(self._ratios), 95) or 1.0))
+
+    def _rung_below(self, tokens: float) -> int:
+        fits = [r for r in self.rungs if r <= tokens]
+        return fits[0] if fits else self.rungs[-1]
+
+    def _best_rung(self, cap: int | None, trains: Callable[[int], bool] | None = None) -> int:
+        noise = self.noise()
+        limit = self.TARGET * self.max_pause_s
+        # When steps at the smallest rung could not keep the bound either (a step's
+        # fixed cost is above it), 1-token steps would buy a pause hardly shorter
+        # at a fraction of the training: stay within OVER_SMALLEST of it. That
+        # measurement expires after RELAX_FOR steps; the shaper then runs the
+        # smallest rung again (the machine may have got faster).
+        kind = trains(self.rungs[-1]) if trains is not None else True
+        smallest = self._smallest[kind]
+        if (len(smallest) >= 3 and self._step_no - self._smallest_at[kind] <= self.RELAX_FOR
+                and statistics.median(smallest) * noise > limit):
+            limit = self.OVER_SMALLEST * statistics.median(smallest) * noise
+        self._limit = limit
+        for r in self.rungs:
+            if cap is not None and r > cap:
+                continue
+            p = self.predict(r, trains(r) if trains is not None else True)
+            if p is not None and p * noise <= limit:
+                return r
+        return self._rung_below(cap) if cap is not None else self.rungs[-1]
+
+    # -- the choice -------------------------------------------------------------------------
+    def choose(self, cap: int | None = None, trains: Callable[[int], bool] | None = None) -> tuple[int, int]:
+        """(chunk, threads) for the next micro-step. `cap` is the memory
+        ladder's chunk; `trains(chunk)` says whether a step of that many
+        tokens from the walk's position would hold loss tokens (None: yes)."""
+        if self._hold is not None:
+            cap = self._hold[0] if cap is None else min(cap, self._hold[0])
+        if self._measured():
+            self.chunk = self._best_rung(cap, trains)
+            self._explore(cap, trains)
+        chunk = min(self.chunk, cap) if cap is not None else self.chunk
+        self._probe = None
+        due = [t for t in self.thread_counts if t != self.threads and self._step_no >= self._probe_due[t]
+               and self._cores_free_for(t)]
+        if due and self._measured():
+            # the nearest count first (2 before 8 when on 1)
+            other = min(due, key=lambda t: abs(math.log(t / self.threads)))
+            self._probe = other
+            seen = self._last_seen.get(other)
+            if seen is not None:
+                # what that count last did, scaled to the bound (and never bigger than now)
+                want = min(chunk, seen[0] * self.TARGET * self.max_pause_s / seen[1])
+            elif other < self.threads:
+                want = chunk * other / self.threads   # fewer threads: at worst perfect scaling
+            else:
+                want = chunk / 2                      # more threads may spin: half, to be safe
+            return self._rung_below(want), other
+        return chunk, self.threads
+
+    def _explore(self, cap: int | None, trains: Callable[[int], bool] | None) -> None:
+        """While no rung keeps the bound, now and then try the rung above when
+        nothing was measured there.
+
+        With one size in the window the fit scales a bigger chunk up linearly,
+        which is right when time is mostly per token and far too slow when it
+        is mostly the step's fixed cost; one step at the next rung settles it.
+        Only when that rung would fit even if it cost no more than this one."""
+        if (self._hold is not None or self._step_no - self._explored < self.EXPLORE_EVERY
+                or self._limit <= self.TARGET * self.max_pause_s):
+            return                            # only while the bound itself cannot be kept
+        up = [r for r in self.rungs if r > self.chunk and (cap is None or r <= cap)]
+        if not up:
+            return
+        nxt = up[-1]
+        kind = trains(nxt) if trains is not None else True
+        here = self.predict(self.chunk, kind)
+        if (self._times[kind].line() is not None or self._times[kind]._by_size.get(nxt)
+                or here is None or here * self.noise() > self._limit
+                or self._step_no - self._explore_failed.get(nxt, -self.RELAX_FOR) < self.RELAX_FOR):
+            return                            # the fit knows what bigger chunks cost, or a try just failed
+        self._explored = self._step_no
+        self._exploring = nxt
+        self.chunk = nxt
+
+    def _cores_free_for(self, threads: int) -> bool:
+        if threads <= self.threads or self.other_load is None or self.cores is None:
+            return True
+        others = max(0.0, self.other_load() - self.threads)
+        return others + threads <= self.cores + 0.5
+
+    def record(self, seconds: float, chunk_tokens: int, threads: int, trains: bool = True) -> None:
+        """After a micro-step: its whole time, the tokens it ran, the threads it
+        used, and whether it trained (had loss tokens) or only ran forward."""
+        if chunk_tokens <= 0:
+            return
+        self._last_seen[threads] = (chunk_tokens, seconds)
+        if self._probe is not None and threads == self._probe:
+            self._probe = None
+            # per token against the current count at its own rung: the probe ran a
+            # chunk no bigger, so its fixed cost weighs more, and a switch has to
+            # win despite that (no flapping on a fit that knows one size only)
+            now = self.predict(self.chunk, trains)
+            if now is None or seconds / chunk_tokens >= self.SWITCH_GAIN * now / self.chunk:
+                self._wins.pop(threads, None)
+                self._probe_gap[threads] = min(2 * self._probe_gap[threads], self.MAX_PROBE_EVERY)
+                self._probe_due[threads] = self._step_no + self._probe_gap[threads]
+                return
+            # one lucky step is not enough on a noisy machine: probe again at
+            # once, and switch on the second win in a row
+            self._wins[threads] = self._wins.get(threads, 0) + 1
+            if self._wins[threads] < 2:
+                self._probe_due[threads] = self._step_no
+                return
+            self._wins.clear()
+            old = self.threads
+            self._probe_gap[old] = self._probe_gap[threads] = self.PROBE_EVERY
+            self._probe_due[old] = self._step_no + self.PROBE_EVERY
+            self.threads = threads               # clearly faster: start over on this count
+            for times in self._times.values():
+                times.clear()
+            self._times[trains].add(chunk_tokens, seconds)
+            self._hold = None
+            self.switches += 1
+            return
+        predicted = self.predict(chunk_tokens, trains) if self._times[trains] else None
+        slow = predicted is not None and seconds > predicted * self.noise()
+        if predicted:
+            self._ratios.append(seconds / predicted)
+        self._times[trains].add(chunk_tokens, seconds)
+        if chunk_tokens == self.rungs[-1]:
+            self._smallest[trains].append(seconds)
+            self._smallest_at[trains] = self._step_no
+        self._step_no += 1
+        if self._hold is not None:
+            self._hold = (self._hold[0], self._hold[1] - 1) if self._hold[1] > 1 else None
+        tried, self._exploring = self._exploring, None
+        if seconds > max(self.max_pause_s, self._limit) and tried == chunk_tokens:
+            self._explore_failed[tried] = self._step_no
+        if seconds > max(self.max_pause_s, self._limit):
+            # Over the bound: the machine got slower, or this one step was
+            # descheduled. Go down by the measured ratio at once; if the step
+            # before was slow too, the machine changed: stay at most there until
+            # the fit's window holds only steps measured since. A lone spike
+            # costs two small steps.
+            self.chunk = self._rung_below(chunk_tokens * max(self.max_pause_s, self._limit) / seconds)
+            self._hold = (self.chunk, self.HOLD_STEPS if self._last_slow else 2)
+            if self.chunk == self.rungs[-1]:
+                # at the smallest rung: try fewer threads next (more would spin longer)
+                for t in self.thread_counts:
+                    if t < self.threads:
+                        self._probe_due[t] = self._step_no
+        self._last_slow = slow or seconds > max(self.max_pause_s, self._limit)
+
+    def figures(self) -> dict[str, Any]:
+        p = self.predict(self.chunk)
+        return {
+            "step_chunk": self.chunk,
+            "dream_threads": self.threads,
+            "thread_switches": self.switches,
+            "step_ms_predicted": p * 1000.0 if p is not None else None,
+            "step_noise": self.noise(),
+        }
+
+
+def trains_from(mask, pos: int) -> Callable[[int], bool]:
+    """Whether a chunk of n tokens at `pos` would hold loss tokens: it predicts
+    tokens pos+1 .. pos+n (the mask convention of `dream_window_begin`)."""
+    return lambda n: any(mask[pos + 1:pos + n + 1])
+
+
+def load_average() -> float:
+    """Runnable threads on this machine (1-minute load average; 0 where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
