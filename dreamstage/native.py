@@ -170,7 +170,7 @@ def receipt_layout_mismatches(L: ctypes.CDLL, mirror: type[ctypes.Structure] | N
     size = ctypes.c_size_t(0)
     n = L.dream_receipt_layout(ctypes.byref(fields), ctypes.byref(size))
     c_side = [(fields[i].name.decode(), fields[i].offset, fields[i].size) for i in range(n)]
-    py_side = [(name, getattr(mirror, name).offset, getattr(mirror, name).size) for name, _ in mirror._fields_]
+    py_side = [(f[0], getattr(mirror, f[0]).offset, getattr(mirror, f[0]).size) for f in mirror._fields_]
     out = []
     if size.value != ctypes.sizeof(mirror):
         out.append(f"sizeof(struct dream_receipt) is {size.value} in C, {ctypes.sizeof(mirror)} in {mirror.__name__}")
@@ -190,11 +190,9 @@ def receipt_layout_mismatches(L: ctypes.CDLL, mirror: type[ctypes.Structure] | N
 def _check_receipt_layout(L: ctypes.CDLL, path: str) -> None:
     # A member added on one side only would shift every later field: every
     # receipt would read garbage rather than fail. Checked once, at load.
-    try:
-        L.dream_receipt_layout
-    except AttributeError:
+    if not hasattr(L, "dream_receipt_layout"):
         raise NativeLibraryError(f"{path} has no dream_receipt_layout: it predates this package's dream.h; "
-                                 "rebuild with `./dev.sh build`") from None
+                                 "rebuild with `./dev.sh build`")
     bad = receipt_layout_mismatches(L)
     if bad:
         raise NativeLibraryError(f"dreamstage.native.DreamReceiptC does not match struct dream_receipt in {path}: "
