@@ -127,7 +127,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
         grammar = _grammar(body)
         prompt = await service.prompts.chat(service.chat, messages)   # token ids, off the engine thread
         gen = GenerationRequest(prompt, body.limit(), _sampling(body, grammar), body.stop_list())

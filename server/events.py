@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -135,7 +136,7 @@ class Follower:
 
 
 def _devices() -> dict:
-    from dreamstage import native  # noqa: PLC0415
+    from dreamstage import native
 
     return {"devices": [{"name": d["name"], "description": d["description"], "free_mib": d["free"] / MIB,
                          "total_mib": d["total"] / MIB} for d in native.devices()]}
@@ -180,6 +181,7 @@ async def events(request: Request):
     service = request.app.state.service
     pinned = _int_param(request, "job", None, 1, 2**62)
     backlog = _int_param(request, "backlog", DEFAULT_BACKLOG, 0, MAX_BACKLOG)
+    assert backlog is not None  # it has a default
     follower = Follower(service, pinned, backlog)
     if pinned is not None:
         if service.jobs is None:
