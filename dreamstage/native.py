@@ -289,6 +289,9 @@ def _declare(L: ctypes.CDLL) -> None:
     # void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
     L.dream_set_budget.argtypes = [p, ctypes.c_double]
     L.dream_set_budget.restype = None
+    # double dream_held_mib(const struct dream_stage * ds);
+    L.dream_held_mib.argtypes = [p]
+    L.dream_held_mib.restype = ctypes.c_double
     # int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon);
     L.dream_set_horizon.argtypes = [p, ctypes.c_int32]
     L.dream_set_horizon.restype = ctypes.c_int32

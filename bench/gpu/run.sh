@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The dream stage on a CUDA GPU in one command: build the top-level CMake project
 # with -DDREAMSTAGE_BUILD_CHECKS=ON, then
+#   0. (check) dream_op_check: one quantized product per weight type, CPU and CUDA
+#      against the exact product (bench/results/dream_op_check_h200.json);
 #   1. dream_gpu_check (CPU vs CUDA: losses, gradient rel L2, scheduler splits,
 #      serving's compute buffer) on the tiny F32 and Q8_0 models and a small
 #      Q4_K_M model, in TF32 (ggml-cuda's default) and FP32 (NVIDIA_TF32_OVERRIDE=0);
@@ -45,6 +47,7 @@ wait $GEN || { cat "$OUT/make_model.log"; exit 1; }
 cat "$OUT/make_model.log"
 rc=0
 if has check; then
+    $B/bin/dream_op_check 2048 2048 > "$OUT/op_check.txt" 2>&1 || rc=1
     Q=$B/bin/dream_quantize
     { $Q $M/small_f32.gguf $M/small_q4_k_m.gguf q4_k_m && $Q $M/small_q4_k_m.gguf $M/small_q4_k_m_twin.gguf f32 &&
       $Q .gpu/tiny-llama-q8_0-s1234.gguf $M/tiny_q8_0_twin.gguf f32; } > "$OUT/quantize_small.log" 2>&1 || { tail "$OUT/quantize_small.log"; exit 1; }

@@ -118,8 +118,8 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
         r.refused_need_mib = v.need_mib;
         r.refused_allowance_mib = v.allowance_mib;
         dream_receipt_message(r, "the job's training cache (%.2f MiB, %s, %d tokens) and adapters (%.2f MiB) need %.2f MiB on %s; "
-                              "allowance %.2f MiB", r.context_mib, ds->cache_type_str.c_str(), ds->params.window,
-                              r.adapter_mib, v.need_mib, v.device.c_str(), v.allowance_mib);
+                              "allowance %.2f MiB%s", r.context_mib, ds->cache_type_str.c_str(), ds->params.window,
+                              r.adapter_mib, v.need_mib, v.device.c_str(), v.allowance_mib, v.why.c_str());
         return nullptr;
     }
     if (!dream_adapter_create(*ds, err) || !dream_memory_create(*ds, err)) {

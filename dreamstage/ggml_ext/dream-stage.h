@@ -161,8 +161,9 @@ void dream_walk_clear(dream_stage & ds);
 // dream-gate.cpp: per-device comparison of need against allowance.
 struct dream_gate_verdict {
     bool   fits = true;
-    double need_mib = 0, allowance_mib = 0;
+    double need_mib = 0, allowance_mib = 0;   // the allowance is never negative
     std::string device;
+    std::string why;   // set when the allowance is 0 because the budget or the device has nothing left: "; ..." for a message
 };
 dream_gate_verdict dream_gate_check(const dream_stage & ds,
                                     const std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs);

@@ -229,10 +229,11 @@ static const ggml_tensor * dream_find_undifferentiable(ggml_cgraph * g, ggml_ten
     return nullptr;
 }
 
-// The device whose backend would run an OUT_PROD reading this quantized weight
-// in place: a non-CPU backend of the stage's scheduler that holds the weight's
-// buffer and claims the op (ggml-cuda does through ggml_ext/cuda, expanding the
-// weight to F32 in its stream-ordered pool). Null: the node would run on the CPU.
+// The device whose backend would run a node (an OUT_PROD, or a MUL_MAT) reading
+// this quantized weight in place: a non-CPU backend of the stage's scheduler that
+// holds the weight's buffer and claims the op (ggml-cuda does through
+// ggml_ext/cuda, expanding the weight to F32 in its stream-ordered pool). Null:
+// the node would run on the CPU.
 static ggml_backend_dev_t dream_quantized_out_prod_device(dream_stage & ds, ggml_tensor * node) {
     const ggml_tensor * w = node->src[0];
     if (!w->buffer || ggml_backend_buffer_is_host(w->buffer)) {
@@ -278,6 +279,28 @@ static ggml_tensor * dream_sliced_out_prod(ggml_context * ctx, ggml_tensor * w, 
     return sum && sum->op == GGML_OP_ADD ? sum : nullptr;
 }
 
+// DREAMSTAGE_CUDA_TRAIN_MMQ=1 keeps serving's quantized kernels (8-bit
+// activations) in training graphs too: the speed side of the precision choice,
+// for measuring it (bench/gpu/run.sh runs both).
+static bool dream_train_with_serving_kernels() {
+    static const bool on = [] {
+        const char * v = std::getenv("DREAMSTAGE_CUDA_TRAIN_MMQ");
+        return v != nullptr && std::strcmp(v, "1") == 0;
+    }();
+    return on;
+}
+
+static void dream_pool_need_max(std::vector<std::pair<ggml_backend_dev_t, size_t>> & pool_need, ggml_backend_dev_t dev,
+                                size_t bytes) {
+    for (auto & [d, b] : pool_need) {
+        if (d == dev) {
+            b = std::max(b, bytes);
+            return;
+        }
+    }
+    pool_need.push_back({ dev, bytes });
+}
+
 // Rewrites the backward graph so each node can run where its data lives:
 // - OUT_PROD(W_q, dy^T), the input gradient through a frozen quantized weight:
 //   ggml's CPU kernel dequantizes a row of W for every (token, row) pair, n_tokens
@@ -290,6 +313,14 @@ static ggml_tensor * dream_sliced_out_prod(ggml_context * ctx, ggml_tensor * w, 
 //   takes the quantized op, W stays quantized and the
 //   backend expands it in its pool; *pool_need gets, per device, the largest
 //   such expansion (4 bytes per weight), which the allocator does not see.
+// - MUL_MAT through a GPU-resident quantized weight: annotated F32 for src1 and
+//   the accumulator, so the backend multiplies the dequantized weight (expanded
+//   in the same pool, counted the same way) instead of rounding the activations
+//   to 8 bits. ggml-cuda's kernels land 5.3e-3 from the exact product for Q8_0,
+//   Q4_0, Q5_0, Q3_K, Q6_K (as the CPU's do), 1.0e-2 to 1.3e-2 for the types with
+//   a per-block minimum (Q4_1, Q2_K, Q4_K, Q5_K) and for Q4_0/Q5_0 at 8 tokens or
+//   fewer; the annotated product lands 2.9e-4 (TF32) for every type, at no
+//   measured cost in step speed (bench/gpu/dream_op_check, docs/architecture/gpu.md).
 // - ACC whose added tensor is not contiguous (VIEW's backward fed by a permuted
 //   gradient): ggml-cuda's ACC takes contiguous operands only, so the scheduler
 //   would run it on the CPU, one round trip per block. A CONT first keeps it on
@@ -302,17 +333,7 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
         ggml_tensor * n = ggml_graph_node(gb, i);
         if (n->op == GGML_OP_OUT_PROD && ggml_is_quantized(n->src[0]->type)) {
             if (ggml_backend_dev_t dev = dream_quantized_out_prod_device(ds, n)) {
-                const size_t bytes = (size_t) ggml_nelements(n->src[0]) * sizeof(float);
-                bool found = false;
-                for (auto & [d, b] : pool_need) {
-                    if (d == dev) {
-                        b = std::max(b, bytes);
-                        found = true;
-                    }
-                }
-                if (!found) {
-                    pool_need.push_back({ dev, bytes });
-                }
+                dream_pool_need_max(pool_need, dev, (size_t) ggml_nelements(n->src[0]) * sizeof(float));
                 continue;
             }
             ggml_tensor * w = n->src[0];
@@ -345,6 +366,13 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
             }
             any = true;
+        } else if (n->op == GGML_OP_MUL_MAT && ggml_is_quantized(n->src[0]->type) && !dream_train_with_serving_kernels() &&
+                   n->src[0]->buffer && ggml_backend_buffer_get_usage(n->src[0]->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS) {
+            if (ggml_backend_dev_t dev = dream_quantized_out_prod_device(ds, n)) {
+                ggml_prec_set_acc(n, GGML_PREC_F32);
+                ggml_prec_set_src(n, GGML_PREC_F32, 1);
+                dream_pool_need_max(pool_need, dev, (size_t) ggml_nelements(n->src[0]) * sizeof(float));
+            }
         } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
             n->src[1] = ggml_cont(ctx, n->src[1]);
             any = true;
@@ -624,8 +652,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             dream_receipt_refused(r, p, n, v.need_mib, v.allowance_mib);
             dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
                                   "memory need %.2f MiB on %s, allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, "
-                                  "slack %.2f MiB)", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
-                                  ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib);
+                                  "slack %.2f MiB)%s", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
+                                  ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, v.why.c_str());
             return finish(DREAM_STATUS_REFUSED);
         }
         std::string err;
@@ -873,10 +901,10 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         r.refused_need_mib = verdict.need_mib;
         r.refused_allowance_mib = verdict.allowance_mib;
         dream_receipt_message(r, "chunk at %d (%d tokens) needs %.2f MiB more on %s (training graph %.2f MiB planned%s), "
-                              "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)",
+                              "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)%s",
                               p, n, verdict.need_mib, verdict.device.c_str(), r.graph_mib,
                               need_opt_state ? " + optimizer state" : "", verdict.allowance_mib,
-                              ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib);
+                              ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, verdict.why.c_str());
         return finish(DREAM_STATUS_REFUSED);
     }
 

@@ -166,6 +166,11 @@ LLAMA_API struct llama_adapter_lora * dream_served_adapter(struct dream_stage * 
 // Replaces the job's memory budget (MiB; <= 0: unlimited). Takes effect at the next micro-step.
 LLAMA_API void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
 
+// What the job holds now against its budget (MiB): adapters, training cache, the
+// exact walk's buffers, optimizer state, the training graphs' buffers and the
+// device pools' kept expansion. The gate's allowance is budget - this - slack.
+LLAMA_API double dream_held_mib(const struct dream_stage * ds);
+
 // Sets the exact walk's horizon (positions before a chunk that receive gradient;
 // <= 0: the whole window) from the next micro-step on. Returns the horizon now
 // in use, or -1 (nothing changed) for a plain-walk stage.

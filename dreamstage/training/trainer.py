@@ -131,6 +131,7 @@ class Trainer(NativeOwner):
         p.accumulate_windows = int(opt.accumulate_windows)
         p.memory_budget_mib, p.slack_mib = float(budget_mib), float(slack_mib)
         self.window, self.chunk = int(window), int(chunk)
+        self.slack_mib = float(slack_mib)
         r = native.DreamReceiptC()
         self._ds = L.dream_init(resident.ctx, p, ctypes.byref(r))
         self.init_receipt = Receipt.from_c(r)
@@ -294,6 +295,11 @@ class Trainer(NativeOwner):
     def set_budget(self, budget_mib: float) -> None:
         """Replace the job's memory budget (MiB; <= 0: device free memory only)."""
         self.L.dream_set_budget(self._handle(), float(budget_mib))
+
+    def held_mib(self) -> float:
+        """What the job holds now against its budget (MiB); the gate allows
+        budget - held - slack, never less than 0."""
+        return float(self.L.dream_held_mib(self._handle()))
 
     # -- files ----------------------------------------------------------------------
     def save(self, path) -> None:

@@ -1,0 +1,107 @@
+// How far one quantized matrix product lands from exact arithmetic on the CPU
+// and on the GPU, per weight type: W (quantized, n_out x n_in) times X
+// (n_in x n_tok, F32, N(0, 1) like normed activations). The reference is the
+// product of the dequantized W with X in double precision, so the two backends'
+// own roundings (their 8-bit activation formats, their accumulation order) are
+// measured against the same exact value. It localizes a model-level gap
+// between backends (dream_gpu_check) to the weight types that cause it.
+//   dream_op_check [n_in=256] [n_out=768]
+// Prints one JSON object per (type, n_tok): rel L2 of CPU and GPU against the
+// exact product, of GPU against CPU, and of the GPU's product with src1 and
+// the accumulator at F32 (what a training graph runs) against the exact product.
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+// exact: the annotations a dreamstage training graph puts on a product through a
+// quantized weight (src1 and the accumulator at F32), which the hook in
+// ggml-cuda runs as F32 cuBLAS over the dequantized weight
+static std::vector<float> run_mul_mat(ggml_backend_t be, ggml_type type, const std::vector<uint8_t> & wq,
+                                      const std::vector<float> & x, int n_in, int n_out, int n_tok, bool exact = false) {
+    ggml_init_params ip = { 4 * ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * w = ggml_new_tensor_2d(ctx, type, n_in, n_out);
+    ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_in, n_tok);
+    ggml_tensor * y = ggml_mul_mat(ctx, w, a);
+    if (exact) {
+        ggml_prec_set_acc(y, GGML_PREC_F32);
+        ggml_prec_set_src(y, GGML_PREC_F32, 1);
+    }
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, y);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, be);
+    ggml_backend_tensor_set(w, wq.data(), 0, wq.size());
+    ggml_backend_tensor_set(a, x.data(), 0, x.size() * sizeof(float));
+    ggml_backend_graph_compute(be, gf);
+    std::vector<float> out((size_t) n_out * n_tok);
+    ggml_backend_tensor_get(y, out.data(), 0, out.size() * sizeof(float));
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+    return out;
+}
+
+static double rel_l2(const std::vector<float> & a, const std::vector<double> & ref) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        num += (a[i] - ref[i]) * (a[i] - ref[i]);
+        den += ref[i] * ref[i];
+    }
+    return std::sqrt(num / den);
+}
+
+int main(int argc, char ** argv) {
+    const int n_in = argc > 1 ? std::atoi(argv[1]) : 256, n_out = argc > 2 ? std::atoi(argv[2]) : 768;
+    ggml_backend_load_all();
+    ggml_backend_dev_t gpu_dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+    ggml_backend_t cpu = ggml_backend_cpu_init();
+    ggml_backend_t gpu = gpu_dev ? ggml_backend_dev_init(gpu_dev, nullptr) : nullptr;
+    if (!gpu) std::fprintf(stderr, "no GPU backend: CPU only\n");
+    std::mt19937 rng(7);
+    std::normal_distribution<float> N(0.0f, 1.0f);
+    std::vector<float> wf((size_t) n_in * n_out);
+    for (auto & v : wf) v = 0.05f * N(rng);
+    const ggml_type types[] = { GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q2_K, GGML_TYPE_Q3_K,
+                                GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K, GGML_TYPE_IQ4_XS, GGML_TYPE_F16 };
+    const int toks[] = { 8, 24, 96, 512 };
+    for (ggml_type type : types) {
+        std::vector<uint8_t> wq(ggml_row_size(type, n_in) * n_out);
+        ggml_quantize_chunk(type, wf.data(), wq.data(), 0, n_out, n_in, nullptr);
+        std::vector<float> wd((size_t) n_in * n_out);
+        ggml_get_type_traits(type)->to_float(wq.data(), wd.data(), (int64_t) n_in * n_out);
+        for (int n_tok : toks) {
+            std::vector<float> x((size_t) n_in * n_tok);
+            for (auto & v : x) v = N(rng);
+            std::vector<double> ref((size_t) n_out * n_tok);
+            for (int t = 0; t < n_tok; ++t) {
+                for (int o = 0; o < n_out; ++o) {
+                    double s = 0;
+                    for (int i = 0; i < n_in; ++i) s += (double) wd[(size_t) o * n_in + i] * x[(size_t) t * n_in + i];
+                    ref[(size_t) t * n_out + o] = s;
+                }
+            }
+            const std::vector<float> yc = run_mul_mat(cpu, type, wq, x, n_in, n_out, n_tok);
+            std::printf("{\"type\": \"%s\", \"n_in\": %d, \"n_out\": %d, \"n_tok\": %d, \"cpu_vs_exact\": %.3e",
+                        ggml_type_name(type), n_in, n_out, n_tok, rel_l2(yc, ref));
+            if (gpu) {
+                const std::vector<float> yg = run_mul_mat(gpu, type, wq, x, n_in, n_out, n_tok);
+                std::vector<double> ycd(yc.begin(), yc.end());
+                std::printf(", \"gpu_vs_exact\": %.3e, \"gpu_vs_cpu\": %.3e", rel_l2(yg, ref), rel_l2(yg, ycd));
+                if (ggml_is_quantized(type)) {
+                    const std::vector<float> ye = run_mul_mat(gpu, type, wq, x, n_in, n_out, n_tok, true);
+                    std::printf(", \"gpu_f32_src1_vs_exact\": %.3e", rel_l2(ye, ref));
+                }
+            }
+            std::printf("}\n");
+        }
+    }
+    if (gpu) ggml_backend_free(gpu);
+    ggml_backend_free(cpu);
+    return 0;
+}
