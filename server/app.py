@@ -30,8 +30,8 @@ ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
 
 # How long a token stream may take to end by itself once the server is told to
 # stop: the engine first finishes its step, then ends every open request with
-# an error event (serving.md, "Shutdown"). uvicorn's own graceful timeout in
-# run_uvicorn is the same.
+# an error event (serving.md, "Shutdown"). run_uvicorn gives uvicorn's own
+# graceful timeout the same value.
 SHUTDOWN_GRACE_S = 5.0
 
 
