@@ -312,8 +312,9 @@ class JobSpec:
         d = json.loads(text)
         d["targets"] = tuple(d["targets"])
         d["pacing"] = PacingSpec(**d["pacing"])
-        d["examples"] = tuple(SourcedExample(e["source"], e["label"], _PLAIN_FORMS[e["form"]].model_validate(e["example"]))
-                              for e in d["examples"])
+        d["examples"] = tuple(
+            SourcedExample(e["source"], e["label"], _PLAIN_FORMS[e["form"]].model_validate(e["example"]))
+            for e in d["examples"])
         return cls(**d)
 
 

@@ -113,8 +113,9 @@ class Trainer(NativeOwner):
         self.lora = lora = lora or LoraConfig()
         self.optimizer = opt = optimizer or OptimizerConfig()
         lora.validate()
-        if cache_type not in native.context_cache_types():
-            raise ValueError(f"context_cache_type {cache_type!r} is not one of {', '.join(native.context_cache_types())}")
+        supported = native.context_cache_types()
+        if cache_type not in supported:
+            raise ValueError(f"context_cache_type {cache_type!r} is not one of {', '.join(supported)}")
         self.resident = resident
         self.cache_type = cache_type
         self.L = L = native.lib()
