@@ -29,6 +29,8 @@ def run_uvicorn(service: Service, app, *, host: str, port: int, log_level: str =
     marks the job interrupted and frees native memory."""
     import uvicorn
 
+    from dreamstage.server.app import SHUTDOWN_GRACE_S  # noqa: PLC0415 - app imports this module
+
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             if not self.should_exit:
@@ -39,7 +41,8 @@ def run_uvicorn(service: Service, app, *, host: str, port: int, log_level: str =
         raise _Terminated()
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     try:
         server.run()
     except (_Terminated, KeyboardInterrupt):
