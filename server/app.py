@@ -32,7 +32,7 @@ ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
 # stop: the engine first finishes its step, then ends every open request with
 # an error event (serving.md, "Shutdown"). run_uvicorn gives uvicorn's own
 # graceful timeout the same value.
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 5   # seconds; an int, as uvicorn's timeout_graceful_shutdown takes
 
 
 class _EngineStream(EventSourceResponse):

@@ -29,7 +29,7 @@ def run_uvicorn(service: Service, app, *, host: str, port: int, log_level: str =
     marks the job interrupted and frees native memory."""
     import uvicorn
 
-    from dreamstage.server.app import SHUTDOWN_GRACE_S  # noqa: PLC0415 - app imports this module
+    from dreamstage.server.app import SHUTDOWN_GRACE_S
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
