@@ -120,7 +120,8 @@ def main() -> None:
     ap.add_argument("--cache-type", default="q8_0")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--separate-windows", type=int, default=2, help="time k separate windows, scale by G/k (0: all G)")
-    ap.add_argument("--one-chunk", default="512:16:8", help="P:D:G points also timed against one-chunk separate windows")
+    ap.add_argument("--one-chunk", default="512:16:8",
+                    help="P:D:G points also timed against one-chunk separate windows")
     ap.add_argument("--skip", default="", help="P:D:G points to leave out, comma separated")
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", default=None, help="print the markdown table of a result file and exit")
@@ -148,7 +149,8 @@ def main() -> None:
         for P, D, G in points:
             prompt = prompt_all[:P]
             replies = [(reply_all[7 * g:7 * g + D], np.ones(D, np.uint8), weights[g % len(weights)]) for g in range(G)]
-            r = run_point(rm, prompt, replies, args.chunk, args.cache_type, args.separate_windows, (P, D, G) in one_chunk)
+            r = run_point(rm, prompt, replies, args.chunk, args.cache_type, args.separate_windows,
+                          (P, D, G) in one_chunk)
             runs.append(r)
             print(json.dumps({k: v for k, v in r.items() if not k.endswith("step_log")}), flush=True)
     finally:

@@ -6,7 +6,7 @@ import sys
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from dreamstage import info  # noqa: PLC0415
+    from dreamstage import info
     print(info.render(info.collect()))
     return 0
 
@@ -14,7 +14,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _check_bind(host: str, port: int) -> None:
     """Fail in one line before the model loads when the address is taken
     (uvicorn would find out only after loading, and log several lines)."""
-    import socket  # noqa: PLC0415
+    import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -33,8 +33,8 @@ SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "batch", "threads", 
 
 def serve_settings(args: argparse.Namespace):
     """The ServerSettings `serve` runs with: flags, then the environment, then the defaults."""
-    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
-    from dreamstage.training.store import default_state_dir  # noqa: PLC0415
+    from dreamstage.server.settings import JobLimits, ServerSettings
+    from dreamstage.training.store import default_state_dir
 
     given = {k: getattr(args, k) for k in SERVE_FIELDS if getattr(args, k, None) is not None}
     if args.allowed_host:
@@ -55,11 +55,11 @@ def serve_settings(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError  # noqa: PLC0415
+    from pydantic import ValidationError
 
-    from dreamstage.server.app import create_app  # noqa: PLC0415
-    from dreamstage.server.service import Service, run_uvicorn  # noqa: PLC0415
-    from dreamstage.validation import field_errors  # noqa: PLC0415
+    from dreamstage.server.app import create_app
+    from dreamstage.server.service import Service, run_uvicorn
+    from dreamstage.validation import field_errors
 
     try:
         settings = serve_settings(args)
@@ -87,19 +87,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _api_key(args) -> str | None:
-    import os  # noqa: PLC0415
+    import os
 
     return getattr(args, "api_key", None) or os.environ.get("DREAMSTAGE_API_KEY") or None
 
 
 def _client(args):
-    from dreamstage.client import Client  # noqa: PLC0415
+    from dreamstage.client import Client
     return Client(args.url, timeout=60, api_key=_api_key(args))
 
 
 def _read_examples(path: str) -> list[dict]:
     """A JSONL file: one example per line (text, prompt/completion, messages, or a group)."""
-    import json  # noqa: PLC0415
+    import json
 
     examples = []
     with open(path, encoding="utf-8") as f:
@@ -120,7 +120,7 @@ def _read_examples(path: str) -> list[dict]:
 
 def _options(pairs: list[str]) -> dict:
     """KEY=VALUE pairs; VALUE is JSON when it parses (3, 0.5, true, "x"), else a string."""
-    import json  # noqa: PLC0415
+    import json
 
     out = {}
     for pair in pairs:
@@ -135,9 +135,9 @@ def _options(pairs: list[str]) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import httpx  # noqa: PLC0415
+    import httpx
 
-    from dreamstage.client import DreamstageError  # noqa: PLC0415
+    from dreamstage.client import DreamstageError
 
     try:
         examples = _read_examples(args.file)
@@ -174,7 +174,7 @@ def _table(headers: list[str], rows: list[list]) -> str:
     """Left-aligned columns, two spaces apart; None shows as '-'."""
     cells = [headers] + [["-" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
 
 
 def _num(v, digits: int = 3):
@@ -183,7 +183,7 @@ def _num(v, digits: int = 3):
 
 def render_status(view: dict, ads: dict) -> str:
     """`dreamstage status`: what serves, the jobs (training now, then the queue) and the adapters."""
-    from dreamstage.client import eta_s, format_duration, progress_fraction  # noqa: PLC0415
+    from dreamstage.client import eta_s, format_duration, progress_fraction
 
     served = ads.get("served")
     lines = [f"serving adapter version {ads['served_version']}"
@@ -217,16 +217,17 @@ def render_status(view: dict, ads: dict) -> str:
 
 def group_line(label: str, g: dict) -> str:
     """One shared-prefix group of a job: its shape and each reply's loss (weight in brackets)."""
-    losses = ", ".join(f"{'-' if x is None else f'{x:.3f}'} [{w:g}]" for x, w in zip(g["reply_losses"], g["weights"]))
+    losses = ", ".join(f"{'-' if x is None else f'{x:.3f}'} [{w:g}]"
+                       for x, w in zip(g["reply_losses"], g["weights"], strict=True))
     path = "prompt shared" if g.get("shared_prefix") else "prompt per reply (faster here)"
     return (f"group {label}: prompt {g['prefix_tokens']} tokens, {g['G']} replies of {g['reply_tokens']} tokens, "
             f"{path}; reply losses {losses}")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import httpx  # noqa: PLC0415
+    import httpx
 
-    from dreamstage.client import DreamstageError, progress_line  # noqa: PLC0415
+    from dreamstage.client import DreamstageError, progress_line
 
     with _client(args) as c:
         try:
@@ -260,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the resident model",
                        description="Each option may also be set as DREAMSTAGE_<OPTION> (e.g. DREAMSTAGE_PORT=9000, "
                                    "DREAMSTAGE_LIMITS__MAX_QUEUED_JOBS=4); a flag wins over the environment.")
-    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
+    from dreamstage.server.settings import JobLimits, ServerSettings
     default = {k: f.default for k, f in ServerSettings.model_fields.items()}
     p.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--host", default=None, help=f"bind address (default {default['host']}: loopback only)")
@@ -282,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"requests waiting for a slot before 503 (default {default['max_queue']})")
     p.add_argument("--no-train", action="store_true", help="serve only: no /train, no adapters, no state directory")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $DREAMSTAGE_API_KEY); "
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $DREAMSTAGE_API_KEY); "
                         "needed for training on a non-loopback bind; prefer the variable: "
                         "a command line is visible to other local users")
     p.add_argument("--allowed-host", action="append", metavar="NAME",
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         # llama_model_load_from_file, even with no layer offloaded; loading our
         # libraries first did not. The cause is not identified
         # (docs/architecture/gpu.md, "The Python server on the GPU").
-        from dreamstage import native  # noqa: PLC0415
+        from dreamstage import native
         try:
             native.lib()
         except native.NativeLibraryError:
@@ -347,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dreamstage {args.cmd}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - one line for the user; DREAMSTAGE_DEBUG=1 shows the traceback
-        import os  # noqa: PLC0415
+    except Exception as e:  # one line for the user; DREAMSTAGE_DEBUG=1 shows the traceback
+        import os
 
         if os.environ.get("DREAMSTAGE_DEBUG"):
             raise

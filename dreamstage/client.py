@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
 
 import httpx
 from httpx_sse import EventSource

@@ -382,8 +382,8 @@ def test_default_model_job_of_every_form(resident):
     assert resident.detokenize([t for t, m in zip(pc.tokens, pc.mask) if m], True) == " plum" + resident.token_text(resident.eos)
     # a group of completions is one shared-prefix group: the rendered prompt once, each reply after it
     (group,) = by_label["examples[2]"]
-    assert [resident.detokenize([t for t, m in zip(w.tokens, w.mask) if m], True) for w in group.windows()] == \
-        ["hello<|im_end|>", "hey<|im_end|>"]
+    trained = [[t for t, m in zip(w.tokens, w.mask, strict=True) if m] for w in group.windows()]
+    assert [resident.detokenize(t, True) for t in trained] == ["hello<|im_end|>", "hey<|im_end|>"]
     assert resident.detokenize(list(group.prefix), True).endswith("<|im_start|>assistant\n")
     assert [w for _, _, w in group.replies] == [1.0, 1.0] and all(m[0] == 1 for _, m, _ in group.replies)
 

@@ -11,9 +11,8 @@ run of the G windows. Numbers print with `pytest -s` (lines `[groups] ...`).
 from __future__ import annotations
 
 import numpy as np
-import pytest
-
 import numpy_ref as ref
+import pytest
 from test_oracle import _with_random_b
 
 RANK, ALPHA = 2, 4.0
@@ -94,7 +93,7 @@ def test_group_gradient_equals_separate_windows(tiny_resident, material, G, chun
         _, _, t = tr.optimizer_state()
     grads, ref_losses = _separate(tiny_resident, prompt, replies, window, theta)
     weights = np.array([w for _, _, w in replies])
-    g_ref = sum(w * gi for w, gi in zip(weights, grads)) / G
+    g_ref = sum(w * gi for w, gi in zip(weights, grads, strict=True)) / G
     zeros = np.zeros_like(g_ref)
     theta_ref, _, _ = ref.adamw_step(theta, g_ref, zeros, zeros, 1, lr=LR, beta1=0.9, beta2=0.999, eps=1.0, wd=0.0)
     update_ref = theta_ref - theta
@@ -111,13 +110,14 @@ def test_group_gradient_equals_separate_windows(tiny_resident, material, G, chun
         sorted(r.group_reply for r in receipts if 0 <= r.group_reply < G)
     for k, (toks, _, _) in enumerate(replies):
         mine = [r for r in receipts if r.group_reply == k and r.walk_pass == "backward"]
-        assert sum(r.chunk_tokens for r in mine) == len(toks) - _trailing_untrained(replies[k])   # the prompt's last token, the reply but its last
+        # the prompt's last token and the reply but its last token
+        assert sum(r.chunk_tokens for r in mine) == len(toks) - _trailing_untrained(replies[k])
         assert min(r.chunk_pos for r in mine) == S
     assert all(r.exact and r.horizon == 0 for r in receipts)
     assert t == 1
 
     err, err_upd = rel_l2(g, g_ref), rel_l2(update, update_ref)
-    err_loss = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    err_loss = max(abs(a - b) / b for a, b in zip(losses, ref_losses, strict=True))
     report(f"G={G}, chunk {chunk}, prompt {len(prompt)}, replies {[len(r[0]) for r in replies]}, weights "
            f"{weights.tolist()}: gradient rel L2 {err:.2e}, update rel L2 {err_upd:.2e}, per-reply loss rel "
            f"{err_loss:.1e}, {len(receipts)} micro-steps")
@@ -161,7 +161,7 @@ def test_weight_rounding_floor(tiny_resident, material):
     same one-chunk graph (a 1-token prompt, so no shared cells, no leaves) with
     its loss scaled by 0.3 moves as far from 0.3 x its unscaled gradient."""
     prompt, replies = material
-    replies = [(t, m, w) for (t, m, _), w in zip(replies[:3], (0.3, -0.7, 1.3))]
+    replies = [(t, m, w) for (t, m, _), w in zip(replies[:3], (0.3, -0.7, 1.3), strict=True)]
     window = len(prompt) + max(len(r[0]) for r in replies)
     with _trainer(tiny_resident, chunk=16, window=window) as tr:
         theta = _with_random_b(tr)
@@ -176,7 +176,7 @@ def test_weight_rounding_floor(tiny_resident, material):
         assert all(r.ok for r in tr.train_group(tokens[:1], [(tokens[1:], mask[1:], 0.3)]))
         g_scaled = tr.gradients()
     grads, _ = _separate(tiny_resident, prompt, replies, window, theta)
-    g_ref = sum(w * gi for (_, _, w), gi in zip(replies, grads)) / 3
+    g_ref = sum(w * gi for (_, _, w), gi in zip(replies, grads, strict=True)) / 3
     err, floor = rel_l2(g, g_ref), rel_l2(g_scaled, 0.3 * g_unit)
     report(f"weights 0.3, -0.7, 1.3 (G=3, chunk 16): gradient rel L2 {err:.2e}; the one-chunk graph with its loss "
            f"scaled by 0.3 vs 0.3 x unscaled: {floor:.2e}; unscaled vs the window: {rel_l2(g_unit, grads[0]):.1e}")
@@ -226,10 +226,12 @@ def test_bad_groups_are_refused_by_name(tiny_resident, material, case, needle):
     }[case]
     with _trainer(tiny_resident, chunk=16, window=len(prompt) + 40) as tr:
         if case in ("no_replies", "empty_prompt"):
-            with pytest.raises(ValueError, match="at least one reply" if case == "no_replies" else "at least one token"):
+            says = "at least one reply" if case == "no_replies" else "at least one token"
+            with pytest.raises(ValueError, match=says):
                 tr.begin_group(*args)
             # the native check too, past the Python one
             import ctypes
+
             from dreamstage import native
             r = native.DreamReceiptC()
             p = np.ascontiguousarray(prompt if case == "no_replies" else [1], np.int32)
@@ -324,7 +326,7 @@ def test_a_group_counts_as_one_window_of_accumulate_windows(tiny_resident, mater
         assert all(r.ok for r in tr.train_group(prompt, replies))
         g, update, (_, _, t) = tr.gradients(), tr.lora_parameters() - theta, tr.optimizer_state()
     grads, _ = _separate(tiny_resident, prompt, replies, window, theta)
-    g_group = sum(w * gi for (_, _, w), gi in zip(replies, grads)) / 3
+    g_group = sum(w * gi for (_, _, w), gi in zip(replies, grads, strict=True)) / 3
     g_ref = grads[1] + g_group
     zeros = np.zeros_like(g_ref)
     theta_ref, _, _ = ref.adamw_step(theta, g_ref / 2, zeros, zeros, 1, lr=LR, beta1=0.9, beta2=0.999, eps=1.0, wd=0.0)

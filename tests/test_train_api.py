@@ -207,6 +207,13 @@ def scrape(http) -> dict[str, float]:
 
 
 def test_metrics_report_the_dream_stage(http):
+    # nothing else training (the store says so, and the scheduler has let go of
+    # the last job, in-flight step included): the counters then move by this job alone
+    deadline = time.monotonic() + 300
+    while (view := http.get("/train").json())["current"] is not None or view["queue"] \
+            or scrape(http)["dreamstage_dream_active_job"] != 0:
+        assert time.monotonic() < deadline, "an earlier job never ended"
+        time.sleep(0.1)
     before = scrape(http)
     assert http.post("/train", json={"text": LESSON, "windw": 32}).status_code == 422
     r = http.post("/train", json={"text": LESSON, "window": 32, "chunk": 16, "rank": 4, "promote": "never",

@@ -227,8 +227,10 @@ def test_group_completions_take_text_or_message_and_a_weight():
          "completions": [{"message": {"role": "assistant", "content": "hello"}, "weight": 0.25}, {"text": "hey"}]},
     ], "group_prefix": True}).to_job_spec()
     got = [(s.label, s.group, s.weight) for s in spec.examples]
-    assert got == [("examples[0].completions[0]", "examples[0]", 1.0), ("examples[0].completions[1]", "examples[0]", -0.5),
-                   ("examples[0].completions[2]", "examples[0]", 2.0), ("examples[1].completions[0]", "examples[1]", 0.25),
+    assert got == [("examples[0].completions[0]", "examples[0]", 1.0),
+                   ("examples[0].completions[1]", "examples[0]", -0.5),
+                   ("examples[0].completions[2]", "examples[0]", 2.0),
+                   ("examples[1].completions[0]", "examples[1]", 0.25),
                    ("examples[1].completions[1]", "examples[1]", 1.0)]
     assert spec.examples[1].example.completion == "a"
     assert [m.content for m in spec.examples[3].example.messages] == ["hi", "hello"]
@@ -264,4 +266,5 @@ def test_groups_refuse_a_horizon_and_a_prompt_group_refuses_messages():
         parse_train_request({"text": "some text", "exact": True, "horizon": 8, "group_prefix": True})
     assert e.value.errors()[0]["loc"] == ("group_prefix",)
     with pytest.raises(ValidationError, match="belongs to a messages group"):
-        parse_train_request({"examples": [{"prompt": "Q", "completions": [{"message": {"role": "assistant", "content": "a"}}]}]})
+        reply = {"message": {"role": "assistant", "content": "a"}}
+        parse_train_request({"examples": [{"prompt": "Q", "completions": [reply]}]})

@@ -16,8 +16,8 @@ exactly as the native walks schedule them and picks the cheaper.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -84,7 +84,7 @@ def separate_steps(n_prefix: int, reply_lengths: Sequence[int], chunk: int, exac
         else:
             # the plain walk trains a chunk only when it has loss rows (rows >= n_prefix - 1)
             steps += [("backward" if p + size > n_prefix - 1 else "forward", size)
-                      for p, size in zip(range(0, n, chunk), _chunks(0, n, chunk))]
+                      for p, size in zip(range(0, n, chunk), _chunks(0, n, chunk), strict=True)]
     return steps
 
 
@@ -160,7 +160,7 @@ class TrainGroup:
 
     def windows(self) -> list:
         """The G separate windows (prompt + reply), e.g. for held-out loss."""
-        from dreamstage.training.examples import TrainWindow  # noqa: PLC0415 - examples imports this module
+        from dreamstage.training.examples import TrainWindow
         return [TrainWindow(self.prefix + t, (0,) * len(self.prefix) + m, self.source, self.label)
                 for t, m, _ in self.replies]
 
@@ -178,7 +178,7 @@ def assemble_group(windows: Sequence, weights: Sequence[float], chunk: int, sour
         p += 1
     if p < 1:
         raise ValueError(f"{label or 'group'}: the windows share no first token")
-    replies = tuple((t[p:], tuple(w.mask)[p:], float(wt)) for t, w, wt in zip(toks, windows, weights))
+    replies = tuple((t[p:], tuple(w.mask)[p:], float(wt)) for t, w, wt in zip(toks, windows, weights, strict=True))
     lens = [len(t) for t, _, _ in replies]
     return TrainGroup(toks[0][:p], replies, source, label, prefer_group(p, lens, chunk, exact=True))
 
@@ -203,7 +203,8 @@ def group_by_prefix(windows: Sequence, chunk: int, min_prefix: int = 2) -> list:
             idx = grouped[i]
             labels = sorted({windows[j].label for j in idx})
             out.append(assemble_group([windows[j] for j in idx], [1.0] * len(idx), chunk, w.source,
-                                      labels[0] if len(labels) == 1 else f"{labels[0]} + {len(idx) - 1} sharing its prompt"))
+                                      labels[0] if len(labels) == 1
+                                      else f"{labels[0]} + {len(idx) - 1} sharing its prompt"))
         elif i not in members:
             out.append(w)
     return out

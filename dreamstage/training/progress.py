@@ -13,7 +13,8 @@ of a window is only ever called `window`, as in the request and the receipts.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from dreamstage.training.receipts import MEMORY_FIELDS
 from dreamstage.training.spec import JobSpec

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -82,7 +83,7 @@ class Message(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _shape(self) -> "Message":
+    def _shape(self) -> Message:
         if self.content is None and not self.tool_calls:
             raise ValueError("a message needs content (or tool_calls on an assistant message)")
         if self.tool_calls and self.role != "assistant":
@@ -131,7 +132,7 @@ class ChatExample(BaseModel):
     tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
-    def _has_reply(self) -> "ChatExample":
+    def _has_reply(self) -> ChatExample:
         _check_trained_reply(self.messages)
         return self
 
@@ -164,7 +165,7 @@ class Completion(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _one_reply(self) -> "Completion":
+    def _one_reply(self) -> Completion:
         if (self.text is None) == (self.message is None):
             raise ValueError("a completion needs exactly one of text or message")
         return self
@@ -189,14 +190,15 @@ class GroupExample(BaseModel):
     completions: list[Completion | str] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _one_prefix(self) -> "GroupExample":
+    def _one_prefix(self) -> GroupExample:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("a group needs exactly one of prompt or messages")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools apply to a messages group only")
         for i, m in enumerate(self.messages or []):
             if m.train is True:
-                raise ValueError(f"messages[{i}].train=true: a group's messages are context; its completions are trained")
+                raise ValueError(f"messages[{i}].train=true: a group's messages are context; "
+                                 "its completions are trained")
         for i, c in enumerate(self.completions):
             if isinstance(c, str) and not c:
                 raise ValueError(f"completions[{i}] is empty")
@@ -208,7 +210,7 @@ class GroupExample(BaseModel):
     def weights(self) -> list[float]:
         return [c.weight if isinstance(c, Completion) else 1.0 for c in self.completions]
 
-    def expand(self) -> list["PromptCompletion | ChatExample"]:
+    def expand(self) -> list[PromptCompletion | ChatExample]:
         """One plain example per completion (prompt + that reply); the weights are `weights()`."""
         if self.prompt is not None:
             return [PromptCompletion(prompt=self.prompt, completion=c if isinstance(c, str) else c.text)
@@ -243,12 +245,10 @@ def _example_form(v: Any) -> str | None:
 
 
 Example = Annotated[
-    Union[
-        Annotated[TextExample, Tag("text")],
-        Annotated[PromptCompletion, Tag("prompt_completion")],
-        Annotated[ChatExample, Tag("chat")],
-        Annotated[GroupExample, Tag("group")],
-    ],
+    Annotated[TextExample, Tag("text")]
+    | Annotated[PromptCompletion, Tag("prompt_completion")]
+    | Annotated[ChatExample, Tag("chat")]
+    | Annotated[GroupExample, Tag("group")],
     Discriminator(
         _example_form,
         custom_error_type="example_form",
@@ -260,9 +260,9 @@ Example = Annotated[
 ]
 
 # Normalized examples the renderer consumes (groups flattened).
-PlainExample = Union[TextExample, PromptCompletion, ChatExample]
-_PLAIN_FORMS: dict[str, type[BaseModel]] = {"text": TextExample, "prompt_completion": PromptCompletion,
-                                            "chat": ChatExample}
+PlainExample = TextExample | PromptCompletion | ChatExample
+_PLAIN_FORMS: dict[str, type[TextExample] | type[PromptCompletion] | type[ChatExample]] = {
+    "text": TextExample, "prompt_completion": PromptCompletion, "chat": ChatExample}
 
 
 @dataclass(frozen=True)
@@ -357,20 +357,21 @@ class JobSpec:
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
-    def from_stored(cls, text: str, version: int) -> "JobSpec":
+    def from_stored(cls, text: str, version: int) -> JobSpec:
         if version != SPEC_VERSION:
             raise ValueError(f"a job spec stored in form {version}; this dreamstage reads form {SPEC_VERSION} only")
         d = json.loads(text)
         d["targets"] = tuple(d["targets"])
         d["pacing"] = PacingSpec(**d["pacing"])
-        d["examples"] = tuple(SourcedExample(e["source"], e["label"], _PLAIN_FORMS[e["form"]].model_validate(e["example"]))
+        d["examples"] = tuple(SourcedExample(e["source"], e["label"],
+                                             _PLAIN_FORMS[e["form"]].model_validate(e["example"]))
                               for e in d["examples"])
         return cls(**d)
 
 
 def context_cache_types() -> tuple[str, ...]:
     """The training cache types the native core supports (loads the library on first use)."""
-    from dreamstage import native  # noqa: PLC0415 - importing the spec must not load the library
+    from dreamstage import native  # importing the spec must not load the library
 
     return native.context_cache_types()
 
@@ -433,10 +434,11 @@ class TrainRequest(BaseModel):
     @field_validator("recompute", "exact")
     @classmethod
     def _walk_supported(cls, v: bool, info: ValidationInfo) -> bool:
-        supported = SUPPORTED_WALKS[info.field_name]
+        supported = SUPPORTED_WALKS[str(info.field_name)]  # always set in a field validator
         if v not in supported:
             allowed = ", ".join(str(x).lower() for x in sorted(supported))
-            raise ValueError(f"{info.field_name}={str(v).lower()} is not supported by this build's dream step yet (supported: {allowed})")
+            raise ValueError(f"{info.field_name}={str(v).lower()} is not supported by this build's dream step yet "
+                             f"(supported: {allowed})")
         return v
 
     @field_validator("targets")
@@ -518,7 +520,7 @@ class TrainRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _has_examples(self) -> "TrainRequest":
+    def _has_examples(self) -> TrainRequest:
         if self.text is None and not self.examples:
             raise ValueError("the body needs text or a non-empty examples list")
         return self
@@ -531,7 +533,7 @@ class TrainRequest(BaseModel):
         base = len(examples)
         for i, ex in enumerate(self.examples or []):
             if isinstance(ex, GroupExample):
-                for j, (plain, w) in enumerate(zip(ex.expand(), ex.weights())):
+                for j, (plain, w) in enumerate(zip(ex.expand(), ex.weights(), strict=True)):
                     examples.append(SourcedExample(base + i, f"examples[{i}].completions[{j}]", plain,
                                                    group=f"examples[{i}]", weight=w))
             else:
@@ -540,8 +542,8 @@ class TrainRequest(BaseModel):
         if self.share is not None:
             pacing = PacingSpec("share", self.share, self.max_pause_ms or None)
         else:
-            pacing = PacingSpec("max_slowdown", self.max_slowdown if self.max_slowdown is not None else DEFAULT_MAX_SLOWDOWN,
-                                self.max_pause_ms or None)
+            bound = self.max_slowdown if self.max_slowdown is not None else DEFAULT_MAX_SLOWDOWN
+            pacing = PacingSpec("max_slowdown", bound, self.max_pause_ms or None)
         return JobSpec(
             examples=tuple(examples),
             window=self.window,
@@ -597,7 +599,7 @@ def check_adapter_name(name: str) -> str:
     return name
 
 
-def parse_train_request(body: dict[str, Any] | str | bytes) -> TrainRequest:
+def parse_train_request(body: Mapping[str, Any] | str | bytes) -> TrainRequest:
     """Validate a body (a dict, or raw JSON). Raises pydantic.ValidationError."""
     if isinstance(body, (str, bytes)):
         return TrainRequest.model_validate_json(body)

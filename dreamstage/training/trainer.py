@@ -114,7 +114,8 @@ class Trainer(NativeOwner):
         self.optimizer = opt = optimizer or OptimizerConfig()
         lora.validate()
         if cache_type not in native.context_cache_types():
-            raise ValueError(f"context_cache_type {cache_type!r} is not one of {', '.join(native.context_cache_types())}")
+            raise ValueError(f"context_cache_type {cache_type!r} is not one of "
+                             f"{', '.join(native.context_cache_types())}")
         self.resident = resident
         self.cache_type = cache_type
         self.L = L = native.lib()
@@ -160,8 +161,9 @@ class Trainer(NativeOwner):
         layer, tgt = ctypes.c_int32(), ctypes.c_char_p()
         n_in, n_out = ctypes.c_int64(), ctypes.c_int64()
         for i in range(self.L.dream_n_pairs(self._ds)):
-            self.L.dream_pair_info(self._ds, i, ctypes.byref(layer), ctypes.byref(tgt), ctypes.byref(n_in), ctypes.byref(n_out))
-            out.append(_Pair(layer.value, tgt.value.decode(), n_in.value, n_out.value))
+            self.L.dream_pair_info(self._ds, i, ctypes.byref(layer), ctypes.byref(tgt),
+                                   ctypes.byref(n_in), ctypes.byref(n_out))
+            out.append(_Pair(layer.value, (tgt.value or b"").decode(), n_in.value, n_out.value))
         return out
 
     def parameter_order(self) -> list[tuple[tuple[int, str], str]]:
@@ -305,7 +307,8 @@ class Trainer(NativeOwner):
         v = np.ascontiguousarray(vec, dtype=np.float32)
         if v.shape != (self.n_params,):
             raise ValueError(f"parameter vector has shape {v.shape}, the adapter takes ({self.n_params},)")
-        if not self.L.dream_set_parameters(self._handle(), v.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), self.n_params):
+        data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        if not self.L.dream_set_parameters(self._handle(), data, self.n_params):
             raise RuntimeError("dream_set_parameters refused the vector")
 
     def optimizer_state(self) -> tuple[np.ndarray, np.ndarray, int]:
@@ -329,8 +332,8 @@ class Trainer(NativeOwner):
         lc = self.resident.lc
         arr = (ctypes.c_void_p * 1)(self.served_adapter)
         scales = (ctypes.c_float * 1)(scale)
-        rc = lc.llama_set_adapters_lora(self.resident.ctx, ctypes.cast(arr, ctypes.POINTER(lc.llama_adapter_lora_p_ctypes)),
-                                        1, scales)
+        adapters = ctypes.cast(arr, ctypes.POINTER(lc.llama_adapter_lora_p_ctypes))
+        rc = lc.llama_set_adapters_lora(self.resident.ctx, adapters, 1, scales)
         if rc != 0:
             raise RuntimeError(f"llama_set_adapters_lora failed with {rc}")
 
@@ -364,13 +367,13 @@ class Trainer(NativeOwner):
     # -- files ----------------------------------------------------------------------
     def save(self, path) -> None:
         """Write the shadow adapter as a standard GGUF LoRA (atomically)."""
-        from dreamstage.training.adapters import save_lora  # noqa: PLC0415
+        from dreamstage.training.adapters import save_lora
         save_lora(path, self.unflatten(self.lora_parameters()), alpha=self.lora.alpha,
                   model_arch=self.resident.meta("general.architecture") or "llama")
 
     def load(self, path) -> None:
         """Replace the shadow adapter's parameters by a GGUF LoRA file of the same layout."""
-        from dreamstage.training.adapters import load_lora  # noqa: PLC0415
+        from dreamstage.training.adapters import load_lora
         factors, alpha = load_lora(path)
         if abs(alpha - self.lora.alpha) > 1e-6:
             raise ValueError(f"{path}: alpha {alpha} differs from this trainer's {self.lora.alpha}")

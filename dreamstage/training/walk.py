@@ -6,8 +6,9 @@ means for it; `JobRun` ties a walk to the job's store rows for the engine.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from dreamstage.training.examples import epoch_order
 from dreamstage.training.groups import TrainGroup
