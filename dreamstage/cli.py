@@ -148,7 +148,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     for key in ("epochs", "lr", "promote", "out", "window", "val_split", "chunk", "horizon"):
         if getattr(args, key) is not None:
             fields[key] = getattr(args, key)
-    for key in ("exact", "recompute"):
+    for key in ("exact", "recompute", "group_prefix"):
         if getattr(args, key):
             fields[key] = True
     with _client(args) as c:
@@ -215,6 +215,15 @@ def render_status(view: dict, ads: dict) -> str:
     return "\n".join(lines)
 
 
+def group_line(label: str, g: dict) -> str:
+    """One shared-prefix group of a job: its shape and each reply's loss (weight in brackets)."""
+    losses = ", ".join(f"{'-' if x is None else f'{x:.3f}'} [{w:g}]"
+                       for x, w in zip(g["reply_losses"], g["weights"], strict=True))
+    path = "prompt shared" if g.get("shared_prefix") else "prompt per reply (faster here)"
+    return (f"group {label}: prompt {g['prefix_tokens']} tokens, {g['G']} replies of {g['reply_tokens']} tokens, "
+            f"{path}; reply losses {losses}")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import httpx
 
@@ -230,6 +239,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 for r in job.get("refusals", []):
                     print(f"  refused: chunk at {r['refused_chunk_pos']} ({r['refused_chunk_tokens']} tokens) "
                           f"needs {r['refused_need_mib']:.1f} MiB, allowance {r['refused_allowance_mib']:.1f} MiB")
+                for label, g in (job.get("progress") or {}).get("groups", {}).items():
+                    print(f"  {group_line(label, g)}")
                 return 0
             view, ads = c.train_overview(), c.adapters()
         except DreamstageError as e:
@@ -288,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("train", help="post a JSONL file of examples to POST /train")
-    p.add_argument("file", help="JSONL: one example per line (text, prompt/completion, messages, or a group)")
+    p.add_argument("file", help="JSONL: one example per line (text, prompt/completion, messages, or a group: "
+                                "{prompt | messages, completions: [text or {text | message, weight}]})")
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
     p.add_argument("--wait", action="store_true", help="poll until the job ends, with a progress bar on stderr")
@@ -304,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--horizon", type=int, default=None,
                    help="with --exact: only the last H positions before a chunk receive its gradient (default: all)")
     p.add_argument("--recompute", action="store_true", help="activation checkpointing inside a chunk")
+    p.add_argument("--group-prefix", dest="group_prefix", action="store_true",
+                   help="examples with one rendered prompt train as one shared-prefix group (the prompt once)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="any other /train field, the value as JSON when it parses (e.g. --set rank=16)")
     p.set_defaults(fn=cmd_train)

@@ -150,6 +150,7 @@ class DreamReceiptC(ctypes.Structure):
         ("refused_need_mib", ctypes.c_double),
         ("refused_allowance_mib", ctypes.c_double),
         ("message", ctypes.c_char * 512),
+        ("group_reply", ctypes.c_int32),
     ]
 
 
@@ -264,6 +265,15 @@ def _declare(L: ctypes.CDLL) -> None:
     # int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt);
     L.dream_micro_step.argtypes = [p, R]
     L.dream_micro_step.restype = ctypes.c_int32
+    # int32_t dream_group_begin(struct dream_stage * ds, const llama_token * prefix, int32_t n_prefix,
+    #     const llama_token * reply_tokens, const uint8_t * reply_mask, const int32_t * reply_lengths,
+    #     const float * weights, int32_t n_replies, struct dream_receipt * receipt);
+    i32p, u8p = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8)
+    L.dream_group_begin.argtypes = [p, i32p, ctypes.c_int32, i32p, u8p, i32p, f32p, ctypes.c_int32, R]
+    L.dream_group_begin.restype = ctypes.c_int32
+    # int32_t dream_group_reply_losses(const struct dream_stage * ds, double * out, int32_t n);
+    L.dream_group_reply_losses.argtypes = [p, ctypes.POINTER(ctypes.c_double), ctypes.c_int32]
+    L.dream_group_reply_losses.restype = ctypes.c_int32
     # int32_t dream_chunks_left(const struct dream_stage * ds);
     L.dream_chunks_left.argtypes = [p]
     L.dream_chunks_left.restype = ctypes.c_int32

@@ -158,6 +158,8 @@ int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, 
             return r.status;
         }
     }
+    ds->group = dream_group_state{};   // a plain window ends any group (dream-groups.cpp)
+    ds->win_loss_scale = 1.0f;
     ds->win_tokens.assign(tokens, tokens + n);
     ds->win_mask.assign(loss_mask, loss_mask + n);
     ds->win_mask[0] = 0;

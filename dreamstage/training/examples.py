@@ -42,10 +42,13 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from dreamstage.chat import FALLBACK_TEMPLATE
 from dreamstage.training.spec import ChatExample, JobSpec, PromptCompletion, SourcedExample, TextExample
+
+if TYPE_CHECKING:
+    from dreamstage.training.groups import TrainGroup
 
 
 class Tokenizer(Protocol):
@@ -359,7 +362,7 @@ def text_windows(tokens: Sequence[int], window: int, overlap: int, source: int =
 # -- a whole job --------------------------------------------------------------
 @dataclass(frozen=True)
 class RenderedJob:
-    train: tuple[TrainWindow, ...]
+    train: tuple[TrainWindow | TrainGroup, ...]   # a group of completions is one TrainGroup
     held_out: tuple[TrainWindow, ...]
 
     @property
@@ -395,10 +398,13 @@ def render_job(spec: JobSpec, tok: Tokenizer) -> RenderedJob:
     Raises ExampleErrors listing every example that cannot be rendered, so the
     server can refuse the body (422) before the job is accepted.
     """
+    from dreamstage.training.groups import assemble_group, group_by_prefix
+
     chat = ChatRenderer(tok) if any(isinstance(s.example, ChatExample) for s in spec.examples) else None
     held = held_out_sources([s.source for s in spec.examples], spec.val_split, spec.seed)
-    train: list[TrainWindow] = []
+    train: list = []                 # TrainWindow, or a group's label until its members are in
     held_out: list[TrainWindow] = []
+    members: dict[str, list[tuple[SourcedExample, list[TrainWindow]]]] = {}
     errors: list[ExampleError] = []
     for sx in spec.examples:
         try:
@@ -406,9 +412,26 @@ def render_job(spec: JobSpec, tok: Tokenizer) -> RenderedJob:
         except ExampleError as e:
             errors.append(e)
             continue
-        (held_out if sx.source in held else train).extend(wins)
+        if sx.source in held:
+            held_out.extend(wins)    # held-out loss is measured per window, unweighted
+        elif sx.group is not None:
+            if sx.group not in members:
+                members[sx.group] = []
+                train.append(sx.group)
+            members[sx.group].append((sx, wins))
+        else:
+            train.extend(wins)
     if errors:
         raise ExampleErrors(errors)
+    for i, item in enumerate(train):
+        if isinstance(item, str):
+            # a completion is one trained reply, so it renders to exactly one window
+            got = members[item]
+            assert all(len(wins) == 1 for _, wins in got), item
+            train[i] = assemble_group([wins[0] for _, wins in got], [sx.weight for sx, _ in got], spec.chunk,
+                                      got[0][0].source, item)
+    if spec.group_prefix:
+        train = group_by_prefix(train, spec.chunk)
     return RenderedJob(tuple(train), tuple(held_out))
 
 

@@ -35,6 +35,9 @@ def new_progress(spec: JobSpec) -> dict[str, Any]:
         "loss": None, "loss_avg": None, "train_loss": None, "eval_loss": None,
         "train_loss_per_epoch": [], "eval_loss_per_epoch": [],
         "memory": {k: None for k in MEMORY_FIELDS},
+        # shared-prefix groups: per group label, its structure (prefix_tokens, G,
+        # reply_tokens, weights, shared_prefix) and its last walk's per-reply losses
+        "groups": {},
         # accumulators for the epoch in progress and the moving average
         "_win_loss_sum": 0.0, "_win_tokens": 0, "_epoch_loss_sum": 0.0, "_epoch_tokens": 0,
         "_ema": 0.0, "_ema_n": 0,
@@ -62,7 +65,10 @@ def fold_receipt(p: dict[str, Any], d: Mapping[str, Any]) -> None:
             p["walk_pass"] = d["walk_pass"]
     elif d["status"] == "refused":
         p["refusals"] += 1
-    if d.get("exact") and d.get("horizon") is not None:
+    if d.get("group"):
+        g = dict(d["group"])
+        p.setdefault("groups", {})[g.pop("label")] = g
+    if d.get("exact") and d.get("horizon") is not None and d.get("group_reply", -1) < 0:
         p["horizon"] = d["horizon"]      # in use (0: the whole window); a halving refusal names the new one
     if d.get("chunk") is not None:
         p["current_chunk"] = d["chunk"]

@@ -44,6 +44,7 @@ class Receipt:
     refused_need_mib: float
     refused_allowance_mib: float
     message: str
+    group_reply: int = -1       # shared-prefix group: the reply this chunk walked, G for the shared prefix; -1: none
 
     @classmethod
     def from_c(cls, c: DreamReceiptC) -> Receipt:

@@ -34,6 +34,7 @@ from typing import Any
 
 from dreamstage.stats import DreamStats
 from dreamstage.training.examples import RenderedJob, render_job
+from dreamstage.training.groups import TrainGroup
 from dreamstage.training.pacing import DEFAULT_IDLE_GRACE_S, Pacer
 from dreamstage.training.receipts import Receipt
 from dreamstage.training.served import (
@@ -456,7 +457,9 @@ class DreamScheduler:
         begun = None
         memory_cap = spec.chunk                         # the memory ladder's chunk (halved on a refusal)
         while (cur := run.current()) is not None:
-            chunk, threads = (self._shaper.choose(memory_cap, trains_from(cur[0].mask, cur[1].chunk_pos))
+            group = isinstance(cur[0], TrainGroup)      # the native core picks a group's steps
+            trains = None if group else trains_from(cur[0].mask, cur[1].chunk_pos)
+            chunk, threads = (self._shaper.choose(memory_cap, trains)
                               if self._shaper is not None else (run.walk.chunk, self._threads.serve_batch))
             if chunk != run.walk.chunk:
                 run.walk.chunk = chunk                  # the walk and the trainer move together
@@ -465,14 +468,19 @@ class DreamScheduler:
                 assert cur is not None  # the same position, cut to another chunk
             window, step = cur
             if step.chunk_pos == 0 and begun != (step.epoch, step.order_pos):
-                trainer.begin_window(window.tokens, window.mask)
+                if group:
+                    trainer.begin_group(window.prefix, window.replies, window.share_prefix)
+                else:
+                    trainer.begin_window(window.tokens, window.mask)
                 begun = (step.epoch, step.order_pos)
             receipt = clear_receipt(self._threads.run(threads, trainer.micro_step), spec)
             self.stats.record(receipt)
             self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0)   # for the shaper
                               if receipt.status == "ok" else None)
             try:
-                event = run.record(receipt, window_done=trainer.chunks_left == 0)
+                done = trainer.chunks_left == 0
+                event = run.record(receipt, window_done=done,
+                                   reply_losses=trainer.group_reply_losses() if group and done else None)
             except InvalidTransition:
                 # a pause raced the end JobRun recorded (refused at the floor, or an
                 # error receipt): the receipt is stored; end the job once resumed

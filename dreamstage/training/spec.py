@@ -137,18 +137,57 @@ class ChatExample(BaseModel):
         return self
 
 
-class GroupExample(BaseModel):
-    """One prompt (text or chat) with several completions.
+class Completion(BaseModel):
+    """One reply of a group: its `text` (or an assistant `message`) and its `weight`.
 
-    The prompt is context only; each completion is one trained reply. Until the
-    shared-prefix walk lands they train as separate examples (`expand`).
+    The weight multiplies the reply's mean token loss (docs/architecture/groups.md):
+    any finite number, negative to push the reply away (a reward or an advantage)."""
+
+    model_config = _strict()
+    text: str | None = None
+    message: Message | None = None
+    weight: float = 1.0
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None and not v:
+            raise ValueError("text is empty")
+        return v
+
+    @field_validator("message")
+    @classmethod
+    def _message(cls, v: Message | None) -> Message | None:
+        if v is not None and v.role != "assistant":
+            raise ValueError(f"a completion's message is the assistant's reply; role {v.role!r} is not 'assistant'")
+        if v is not None and v.train is False:
+            raise ValueError("a completion's message is trained; train=false would leave nothing to train")
+        return v
+
+    @model_validator(mode="after")
+    def _one_reply(self) -> Completion:
+        if (self.text is None) == (self.message is None):
+            raise ValueError("a completion needs exactly one of text or message")
+        return self
+
+    def reply_message(self) -> Message:
+        return self.message if self.message is not None else Message(role="assistant", content=self.text)
+
+
+class GroupExample(BaseModel):
+    """One prompt (text or chat) with several weighted completions.
+
+    The prompt is context only; each completion is one trained reply, a plain
+    string (weight 1) or `{text | message, weight}`. The job trains the group as
+    one shared-prefix group (`dreamstage.training.groups`): the prompt once, every reply
+    against it, one update for the group.
     """
 
     model_config = _strict()
     prompt: str | None = None
     messages: list[Message] | None = None
     tools: list[dict[str, Any]] | None = None
-    completions: list[str] = Field(min_length=1)
+    completions: list[Completion | str] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _one_prefix(self) -> GroupExample:
@@ -161,16 +200,25 @@ class GroupExample(BaseModel):
                 raise ValueError(f"messages[{i}].train=true: a group's messages are context; "
                                  "its completions are trained")
         for i, c in enumerate(self.completions):
-            if not c:
+            if isinstance(c, str) and not c:
                 raise ValueError(f"completions[{i}] is empty")
+            if self.prompt is not None and isinstance(c, Completion) and c.message is not None:
+                raise ValueError(f"completions[{i}].message belongs to a messages group; a prompt group's "
+                                 "completions are text")
         return self
 
+    def weights(self) -> list[float]:
+        return [c.weight if isinstance(c, Completion) else 1.0 for c in self.completions]
+
     def expand(self) -> list[PromptCompletion | ChatExample]:
+        """One plain example per completion (prompt + that reply); the weights are `weights()`."""
         if self.prompt is not None:
-            return [PromptCompletion(prompt=self.prompt, completion=c) for c in self.completions]
+            return [PromptCompletion(prompt=self.prompt, completion=c if isinstance(c, str) else c.text)
+                    for c in self.completions]
         context = [m.model_copy(update={"train": False}) if m.role == "assistant" else m for m in self.messages or []]
         return [
-            ChatExample(messages=[*context, Message(role="assistant", content=c)], tools=self.tools)
+            ChatExample(messages=[*context, Message(role="assistant", content=c) if isinstance(c, str)
+                                  else c.reply_message()], tools=self.tools)
             for c in self.completions
         ]
 
@@ -230,11 +278,13 @@ class PacingSpec:
 @dataclass(frozen=True)
 class SourcedExample:
     """A plain example and where it came from in the body, for error messages
-    and so a group's completions are held out together."""
+    and so a group's completions are held out together (and trained as one group)."""
 
     source: int             # index into the body's examples (text first if given)
     label: str              # e.g. "examples[3].completions[1]" or "text"
     example: PlainExample
+    group: str | None = None   # a group's completion: the group's label ("examples[3]")
+    weight: float = 1.0        # a group's completion: its weight
 
 
 # The stored form of a JobSpec (JobSpec.to_stored); bump on any change to it.
@@ -267,6 +317,7 @@ class JobSpec:
     pacing: PacingSpec
     promote: Literal["never", "manual", "auto"]
     out: str | None
+    group_prefix: bool = False   # plain examples with one rendered prompt train as one group
 
     def starting_fields(self) -> dict[str, Any]:
         """The shape a job records from its `starting` moment on."""
@@ -367,6 +418,10 @@ class TrainRequest(BaseModel):
 
     promote: Literal["never", "manual", "auto"] = "manual"
     out: str | None = None
+    # plain examples whose rendered prompt (the tokens before the first trained
+    # one) is the same train as one shared-prefix group of unit weights: one
+    # update for them together instead of one each
+    group_prefix: bool = False
 
     @field_validator("context_cache_type")
     @classmethod
@@ -432,6 +487,9 @@ class TrainRequest(BaseModel):
             return v
         if info.data.get("exact") is False:
             raise ValueError("horizon applies to the exact walk only; it needs exact=true")
+        if any(isinstance(ex, GroupExample) for ex in info.data.get("examples") or []):
+            raise ValueError("a group trains its whole prompt (the shared-prefix walk has no horizon); "
+                             "leave horizon out for a job with groups")
         window = info.data.get("window")
         if window is not None and v > window:
             raise ValueError(f"horizon {v} is larger than window {window}")
@@ -453,6 +511,14 @@ class TrainRequest(BaseModel):
             raise ValueError("share and max_slowdown are exclusive; give one")
         return v
 
+    @field_validator("group_prefix")
+    @classmethod
+    def _group_prefix(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("horizon") is not None:
+            raise ValueError("a group trains its whole prompt (the shared-prefix walk has no horizon); "
+                             "group_prefix=true needs horizon left out")
+        return v
+
     @model_validator(mode="after")
     def _has_examples(self) -> TrainRequest:
         if self.text is None and not self.examples:
@@ -467,8 +533,9 @@ class TrainRequest(BaseModel):
         base = len(examples)
         for i, ex in enumerate(self.examples or []):
             if isinstance(ex, GroupExample):
-                for j, plain in enumerate(ex.expand()):
-                    examples.append(SourcedExample(base + i, f"examples[{i}].completions[{j}]", plain))
+                for j, (plain, w) in enumerate(zip(ex.expand(), ex.weights(), strict=True)):
+                    examples.append(SourcedExample(base + i, f"examples[{i}].completions[{j}]", plain,
+                                                   group=f"examples[{i}]", weight=w))
             else:
                 examples.append(SourcedExample(base + i, f"examples[{i}]", ex))
         chunk = self.chunk if self.chunk is not None else min(DEFAULT_CHUNK, self.window)
@@ -500,6 +567,7 @@ class TrainRequest(BaseModel):
             pacing=pacing,
             promote=self.promote,
             out=self.out,
+            group_prefix=self.group_prefix,
         )
 
 

@@ -212,6 +212,9 @@ class Trainer(NativeOwner):
     def train_window(self, tokens, loss_mask) -> list[Receipt]:
         """begin_window, then micro-steps until the window ends or a step is not ok."""
         self.begin_window(tokens, loss_mask)
+        return self._steps_to_end()
+
+    def _steps_to_end(self) -> list[Receipt]:
         out = []
         while self.chunks_left:
             rec = self.micro_step()
@@ -219,6 +222,63 @@ class Trainer(NativeOwner):
             if not rec.ok:
                 break
         return out
+
+    def begin_group(self, prefix, replies, share_prefix: bool = True) -> None:
+        """Start a shared-prefix group instead of a window (dream_group_begin).
+
+        ``prefix``: the prompt's tokens; ``replies``: ``[(tokens, loss_mask, weight), ...]``,
+        ``loss_mask[i]`` truthy trains the prediction of the reply's token i (its first
+        token is predicted from the prompt's last). The group's loss is
+        ``sum_g weight_g * mean CE(reply g) / G``: the mean of G separate windows
+        (prompt + reply g), each window's loss times its weight, in one update.
+
+        ``share_prefix=False`` computes the same loss as G separate exact windows: the
+        native group then shares only the prompt's first token (its cells never
+        need a second pass), and each reply re-runs the rest of the prompt
+        (faster for one reply or a short prompt: dreamstage.training.groups.prefer_group)."""
+        pre = np.ascontiguousarray(prefix, dtype=np.int32)
+        if pre.ndim != 1 or len(pre) < 1:
+            raise ValueError(f"prefix must be 1-D with at least one token, got shape {pre.shape}")
+        toks, masks, lens, weights = [], [], [], []
+        for i, (t, m, w) in enumerate(replies):
+            t, m = np.asarray(t, dtype=np.int32), np.asarray(m, dtype=np.uint8)
+            if t.ndim != 1 or m.shape != t.shape:
+                raise ValueError(f"reply {i}: tokens {t.shape} and loss_mask {m.shape} must be 1-D of one length")
+            if not share_prefix:
+                t = np.concatenate([pre[1:], t]).astype(np.int32)
+                m = np.concatenate([np.zeros(len(pre) - 1, np.uint8), m])
+            toks.append(t)
+            masks.append(m)
+            lens.append(len(t))
+            weights.append(float(w))
+        if not toks:
+            raise ValueError("a group needs at least one reply")
+        if not share_prefix:
+            pre = np.ascontiguousarray(pre[:1])
+        tok = np.ascontiguousarray(np.concatenate(toks), dtype=np.int32)
+        msk = np.ascontiguousarray(np.concatenate(masks), dtype=np.uint8)
+        ln = np.ascontiguousarray(lens, dtype=np.int32)
+        wt = np.ascontiguousarray(weights, dtype=np.float32)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        r = native.DreamReceiptC()
+        st = self.L.dream_group_begin(self._handle(), pre.ctypes.data_as(i32), len(pre), tok.ctypes.data_as(i32),
+                                      msk.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), ln.ctypes.data_as(i32),
+                                      wt.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), len(lens), ctypes.byref(r))
+        if st != native.DREAM_STATUS_OK:
+            raise ValueError(Receipt.from_c(r).message)
+
+    def train_group(self, prefix, replies, share_prefix: bool = True) -> list[Receipt]:
+        """begin_group, then micro-steps until the group ends or a step is not ok."""
+        self.begin_group(prefix, replies, share_prefix)
+        return self._steps_to_end()
+
+    def group_reply_losses(self) -> list[float]:
+        """Mean CE over each reply's loss tokens of the current or last group (unweighted; NaN
+        for a reply not walked yet); [] when no group began since the last window."""
+        n = int(self.L.dream_group_reply_losses(self._handle(), None, 0))
+        buf = (ctypes.c_double * max(n, 1))()
+        self.L.dream_group_reply_losses(self._handle(), buf, n)
+        return [float(buf[i]) for i in range(n)]
 
     @staticmethod
     def window_loss(receipts: list[Receipt]) -> float:

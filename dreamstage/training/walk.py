@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dreamstage.training.examples import epoch_order
+from dreamstage.training.groups import TrainGroup
 from dreamstage.training.receipts import receipt_dict
 from dreamstage.training.spec import JobSpec
 from dreamstage.training.store import TERMINAL, JobStore
@@ -74,6 +75,9 @@ class Walk:
     no chunks left (`advance(..., window_done=)`). A refusal that halved the
     horizon (the receipt's horizon differs from the one in use) retries with
     the same chunk; any other refusal goes down the chunk ladder.
+
+    A shared-prefix group (`native_windows`: their indices) is walked the same
+    way in any job: the native core schedules its prompt and replies.
     """
 
     window_lengths: list[int]
@@ -86,6 +90,7 @@ class Walk:
     chunk_pos: int = 0
     exact: bool = False
     horizon: int = 0       # exact walk: the horizon in use (0: the whole window), as the receipts report it
+    native_windows: frozenset[int] = frozenset()   # windows whose micro-steps the native core chooses (groups)
     _order: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
@@ -101,7 +106,7 @@ class Walk:
         if self.finished:
             return None
         w = self._order[self.order_pos]
-        if self.exact:
+        if self.exact or w in self.native_windows:
             return MicroStep(self.epoch, w, self.order_pos, 0, 0, self.chunk, False)
         n = self.window_lengths[w]
         k = min(self.chunk, n - self.chunk_pos)
@@ -125,7 +130,7 @@ class Walk:
             return "retry"
         if status != "ok":
             return "error"
-        if self.exact:
+        if self.exact or step.window_index in self.native_windows:
             if window_done is None:
                 raise ValueError("the exact walk's windows end when the trainer says so: pass window_done")
             return self._next_window() if window_done else "step"
@@ -168,7 +173,8 @@ class JobRun:
     def __init__(self, store: JobStore, job_id: int, spec: JobSpec, windows: Sequence[Any]):
         self.store, self.job_id, self.windows = store, job_id, windows
         self.walk = Walk([len(w) for w in windows], spec.epochs, spec.seed, spec.chunk, spec.min_chunk,
-                         exact=spec.exact, horizon=spec.horizon or 0)
+                         exact=spec.exact, horizon=spec.horizon or 0,
+                         native_windows=frozenset(i for i, w in enumerate(windows) if isinstance(w, TrainGroup)))
         store.update_progress(job_id, windows=len(windows), window_in_epoch=0, epoch=0)
 
     @property
@@ -188,9 +194,16 @@ class JobRun:
         refused, ...): the engine then frees its Trainer and picks the next job."""
         return self.store.state(self.job_id) in TERMINAL
 
-    def record(self, receipt: Any, window_done: bool | None = None) -> str:
-        """window_done: the trainer has no chunks left (the exact walk's window end)."""
+    def record(self, receipt: Any, window_done: bool | None = None, reply_losses: Sequence[float] | None = None) -> str:
+        """window_done: the trainer has no chunks left (the exact walk's window end).
+        reply_losses: a group's per-reply losses when it ended with this receipt, which
+        then carries the group's structure and those losses under `group`."""
         d = receipt_dict(receipt)
+        step = self.walk.current()
+        win = self.windows[step.window_index] if step is not None else None
+        if isinstance(win, TrainGroup) and window_done and d.get("status") == "ok":
+            d["group"] = {**win.structure(), "epoch": step.epoch,
+                          "reply_losses": [None if x != x else x for x in (reply_losses or [])]}
         self.store.append_receipt(self.job_id, d)
         event = self.walk.advance(d, window_done)
         if event in ("window", "epoch", "done"):
