@@ -14,7 +14,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -213,7 +213,8 @@ class GroupExample(BaseModel):
     def expand(self) -> list[PromptCompletion | ChatExample]:
         """One plain example per completion (prompt + that reply); the weights are `weights()`."""
         if self.prompt is not None:
-            return [PromptCompletion(prompt=self.prompt, completion=c if isinstance(c, str) else c.text)
+            # a prompt group's completions carry text (the validator above refuses a message)
+            return [PromptCompletion(prompt=self.prompt, completion=c if isinstance(c, str) else cast(str, c.text))
                     for c in self.completions]
         context = [m.model_copy(update={"train": False}) if m.role == "assistant" else m for m in self.messages or []]
         return [

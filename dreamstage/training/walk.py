@@ -201,7 +201,7 @@ class JobRun:
         d = receipt_dict(receipt)
         step = self.walk.current()
         win = self.windows[step.window_index] if step is not None else None
-        if isinstance(win, TrainGroup) and window_done and d.get("status") == "ok":
+        if isinstance(win, TrainGroup) and step is not None and window_done and d.get("status") == "ok":
             d["group"] = {**win.structure(), "epoch": step.epoch,
                           "reply_losses": [None if x != x else x for x in (reply_losses or [])]}
         self.store.append_receipt(self.job_id, d)
