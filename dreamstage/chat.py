@@ -5,6 +5,8 @@ HTTP side may call it; tokenizing the result happens on the engine thread.
 """
 from __future__ import annotations
 
+from typing import Any, cast
+
 from dreamstage import native
 
 # The roles a message may have, in chat requests and in training examples alike.
@@ -21,7 +23,7 @@ FALLBACK_TEMPLATE = (
 class ChatTemplate:
     def __init__(self, template: str | None, bos_text: str, eos_text: str):
         native.llama_cpp()  # llama_cpp modules must load against our libllama
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         self.source = template or FALLBACK_TEMPLATE
         self.bos_text = bos_text
@@ -29,17 +31,18 @@ class ChatTemplate:
                                         add_generation_prompt=True)
 
     @classmethod
-    def for_model(cls, model) -> "ChatTemplate":
+    def for_model(cls, model) -> ChatTemplate:
         return cls(model.chat_template(), model.token_text(model.bos) if model.bos >= 0 else "",
                    model.token_text(model.eos) if model.eos >= 0 else "")
 
     def render(self, messages: list[dict]) -> str:
         """The prompt text; raises ValueError when the template refuses the messages."""
         try:
-            return self._fmt(messages=messages).prompt
+            # our message dicts have the shape of llama_cpp's TypedDicts, which a list[dict] cannot say
+            return self._fmt(messages=cast("list[Any]", messages)).prompt
         except ValueError:
             raise
-        except Exception as e:  # noqa: BLE001 - jinja errors of any kind mean bad messages for this template
+        except Exception as e:  # jinja errors of any kind mean bad messages for this template
             raise ValueError(f"the model's chat template could not render these messages: {e}") from e
 
     def starts_with_bos(self, prompt: str) -> bool:

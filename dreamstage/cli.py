@@ -6,7 +6,7 @@ import sys
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from dreamstage import info  # noqa: PLC0415
+    from dreamstage import info
     print(info.render(info.collect()))
     return 0
 
@@ -14,7 +14,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _check_bind(host: str, port: int) -> None:
     """Fail in one line before the model loads when the address is taken
     (uvicorn would find out only after loading, and log several lines)."""
-    import socket  # noqa: PLC0415
+    import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -33,8 +33,8 @@ SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "batch", "threads", 
 
 def serve_settings(args: argparse.Namespace):
     """The ServerSettings `serve` runs with: flags, then the environment, then the defaults."""
-    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
-    from dreamstage.training.store import default_state_dir  # noqa: PLC0415
+    from dreamstage.server.settings import JobLimits, ServerSettings
+    from dreamstage.training.store import default_state_dir
 
     given = {k: getattr(args, k) for k in SERVE_FIELDS if getattr(args, k, None) is not None}
     if args.allowed_host:
@@ -57,18 +57,11 @@ def serve_settings(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    # libllama first, before anything imports numpy: on the H200 machine's image
-    # (numpy 2.5.2 with its bundled OpenBLAS and libgfortran), a process that had
-    # imported numpy first crashed (SIGSEGV) in llama_model_load_from_file, even
-    # with no layer offloaded; loading our libraries first did not. The cause is
-    # not identified; docs/architecture/gpu.md records the experiment.
-    from dreamstage import native  # noqa: PLC0415
-    native.lib()
-    from pydantic import ValidationError  # noqa: PLC0415
+    from pydantic import ValidationError
 
-    from dreamstage.server.app import create_app  # noqa: PLC0415
-    from dreamstage.server.service import Service, run_uvicorn  # noqa: PLC0415
-    from dreamstage.validation import field_errors  # noqa: PLC0415
+    from dreamstage.server.app import create_app
+    from dreamstage.server.service import Service, run_uvicorn
+    from dreamstage.validation import field_errors
 
     try:
         settings = serve_settings(args)
@@ -96,19 +89,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _api_key(args) -> str | None:
-    import os  # noqa: PLC0415
+    import os
 
     return getattr(args, "api_key", None) or os.environ.get("DREAMSTAGE_API_KEY") or None
 
 
 def _client(args):
-    from dreamstage.client import Client  # noqa: PLC0415
+    from dreamstage.client import Client
     return Client(args.url, timeout=60, api_key=_api_key(args))
 
 
 def _read_examples(path: str) -> list[dict]:
     """A JSONL file: one example per line (text, prompt/completion, messages, or a group)."""
-    import json  # noqa: PLC0415
+    import json
 
     examples = []
     with open(path, encoding="utf-8") as f:
@@ -129,7 +122,7 @@ def _read_examples(path: str) -> list[dict]:
 
 def _options(pairs: list[str]) -> dict:
     """KEY=VALUE pairs; VALUE is JSON when it parses (3, 0.5, true, "x"), else a string."""
-    import json  # noqa: PLC0415
+    import json
 
     out = {}
     for pair in pairs:
@@ -144,9 +137,9 @@ def _options(pairs: list[str]) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import httpx  # noqa: PLC0415
+    import httpx
 
-    from dreamstage.client import DreamstageError  # noqa: PLC0415
+    from dreamstage.client import DreamstageError
 
     try:
         examples = _read_examples(args.file)
@@ -157,7 +150,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     for key in ("epochs", "lr", "promote", "out", "window", "val_split", "chunk", "horizon"):
         if getattr(args, key) is not None:
             fields[key] = getattr(args, key)
-    for key in ("exact", "recompute"):
+    for key in ("exact", "recompute", "group_prefix"):
         if getattr(args, key):
             fields[key] = True
     with _client(args) as c:
@@ -183,7 +176,7 @@ def _table(headers: list[str], rows: list[list]) -> str:
     """Left-aligned columns, two spaces apart; None shows as '-'."""
     cells = [headers] + [["-" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
 
 
 def _num(v, digits: int = 3):
@@ -192,7 +185,7 @@ def _num(v, digits: int = 3):
 
 def render_status(view: dict, ads: dict) -> str:
     """`dreamstage status`: what serves, the jobs (training now, then the queue) and the adapters."""
-    from dreamstage.client import eta_s, format_duration, progress_fraction  # noqa: PLC0415
+    from dreamstage.client import eta_s, format_duration, progress_fraction
 
     served = ads.get("served")
     lines = [f"serving adapter version {ads['served_version']}"
@@ -224,10 +217,19 @@ def render_status(view: dict, ads: dict) -> str:
     return "\n".join(lines)
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    import httpx  # noqa: PLC0415
+def group_line(label: str, g: dict) -> str:
+    """One shared-prefix group of a job: its shape and each reply's loss (weight in brackets)."""
+    losses = ", ".join(f"{'-' if x is None else f'{x:.3f}'} [{w:g}]"
+                       for x, w in zip(g["reply_losses"], g["weights"], strict=True))
+    path = "prompt shared" if g.get("shared_prefix") else "prompt per reply (faster here)"
+    return (f"group {label}: prompt {g['prefix_tokens']} tokens, {g['G']} replies of {g['reply_tokens']} tokens, "
+            f"{path}; reply losses {losses}")
 
-    from dreamstage.client import DreamstageError, progress_line  # noqa: PLC0415
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+
+    from dreamstage.client import DreamstageError, progress_line
 
     with _client(args) as c:
         try:
@@ -239,6 +241,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 for r in job.get("refusals", []):
                     print(f"  refused: chunk at {r['refused_chunk_pos']} ({r['refused_chunk_tokens']} tokens) "
                           f"needs {r['refused_need_mib']:.1f} MiB, allowance {r['refused_allowance_mib']:.1f} MiB")
+                for label, g in (job.get("progress") or {}).get("groups", {}).items():
+                    print(f"  {group_line(label, g)}")
                 return 0
             view, ads = c.train_overview(), c.adapters()
         except DreamstageError as e:
@@ -259,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the resident model",
                        description="Each option may also be set as DREAMSTAGE_<OPTION> (e.g. DREAMSTAGE_PORT=9000, "
                                    "DREAMSTAGE_LIMITS__MAX_QUEUED_JOBS=4); a flag wins over the environment.")
-    from dreamstage.server.settings import JobLimits, ServerSettings  # noqa: PLC0415
+    from dreamstage.server.settings import JobLimits, ServerSettings
     default = {k: f.default for k, f in ServerSettings.model_fields.items()}
     p.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--host", default=None, help=f"bind address (default {default['host']}: loopback only)")
@@ -284,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train without the drift guard: no anchor regularizer, no drift figures, and promote=auto "
                         "checks the held-out loss only (docs/architecture/drift.md)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $DREAMSTAGE_API_KEY); "
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $DREAMSTAGE_API_KEY); "
                         "needed for training on a non-loopback bind; prefer the variable: "
                         "a command line is visible to other local users")
     p.add_argument("--allowed-host", action="append", metavar="NAME",
@@ -299,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("train", help="post a JSONL file of examples to POST /train")
-    p.add_argument("file", help="JSONL: one example per line (text, prompt/completion, messages, or a group)")
+    p.add_argument("file", help="JSONL: one example per line (text, prompt/completion, messages, or a group: "
+                                "{prompt | messages, completions: [text or {text | message, weight}]})")
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
     p.add_argument("--wait", action="store_true", help="poll until the job ends, with a progress bar on stderr")
@@ -315,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--horizon", type=int, default=None,
                    help="with --exact: only the last H positions before a chunk receive its gradient (default: all)")
     p.add_argument("--recompute", action="store_true", help="activation checkpointing inside a chunk")
+    p.add_argument("--group-prefix", dest="group_prefix", action="store_true",
+                   help="examples with one rendered prompt train as one shared-prefix group (the prompt once)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="any other /train field, the value as JSON when it parses (e.g. --set rank=16)")
     p.set_defaults(fn=cmd_train)
@@ -327,14 +335,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        # libllama first, before the parser's imports bring in numpy: on the H200
+        # machine's image (numpy 2.5.2 with its bundled OpenBLAS and libgfortran), a
+        # process that had imported numpy first crashed (SIGSEGV) in
+        # llama_model_load_from_file, even with no layer offloaded; loading our
+        # libraries first did not. The cause is not identified
+        # (docs/architecture/gpu.md, "The Python server on the GPU").
+        from dreamstage import native
+        try:
+            native.lib()
+        except native.NativeLibraryError:
+            pass        # reported in one line when the model loads
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except KeyboardInterrupt:
         print(f"dreamstage {args.cmd}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - one line for the user; DREAMSTAGE_DEBUG=1 shows the traceback
-        import os  # noqa: PLC0415
+    except Exception as e:  # one line for the user; DREAMSTAGE_DEBUG=1 shows the traceback
+        import os
 
         if os.environ.get("DREAMSTAGE_DEBUG"):
             raise

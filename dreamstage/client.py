@@ -12,19 +12,37 @@ adapter_version and usage. Training: `train(examples, **fields)` posts a job,
 `train_state(id)` reads its receipts, `wait(id)` polls with a progress bar,
 `adapters()`, `promote(name)` and `rollback()` manage what serves. Errors come back as DreamstageError with the
 server's status, message and the field it names.
+
+Weighted replies to one prompt train as one shared-prefix group:
+
+    c.train([group_example(prompt="Q: 2+2?\nA:", completions=[(" 4", 1.0), (" 5", -0.5)])])
+
+`train_state(id)["progress"]["groups"]` then gives each group's per-reply losses.
 """
 from __future__ import annotations
 
 import json
 import sys
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
 
 import httpx
 from httpx_sse import EventSource
 
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
+
+
+def group_example(*, prompt: str | None = None, messages: list[dict] | None = None,
+                  completions: list, tools: list[dict] | None = None) -> dict:
+    """A group example for `train`: one prompt (text or chat messages) and its
+    completions, each a string (weight 1), a (text, weight) pair, or a dict
+    `{text | message, weight}` as POST /train takes it."""
+    out: dict = {"prompt": prompt} if prompt is not None else {"messages": messages}
+    if tools is not None:
+        out["tools"] = tools
+    out["completions"] = [{"text": c[0], "weight": float(c[1])} if isinstance(c, tuple) else c for c in completions]
+    return out
 
 
 class DreamstageError(RuntimeError):

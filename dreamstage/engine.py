@@ -24,12 +24,18 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Union
+from typing import TYPE_CHECKING, Protocol, cast
 
 from dreamstage.resident import ResidentModel
 from dreamstage.sampling import GrammarError, SamplingParams, build_chain
 from dreamstage.stats import EngineStats
+
+if TYPE_CHECKING:
+    import ctypes
+
+    from llama_cpp.llama_cpp import llama_batch
 
 log = logging.getLogger("dreamstage.engine")
 
@@ -65,7 +71,7 @@ class Failed:
     param: str | None = None
 
 
-Event = Union[Admitted, Delta, Finished, Failed]
+Event = Admitted | Delta | Finished | Failed
 Sink = Callable[[Event], None]
 
 
@@ -85,11 +91,11 @@ class DreamHook(Protocol):
     its time is added to the inter-token latency of every active stream.
     """
 
-    def after_batch(self, engine: "Engine", idle: bool) -> None: ...
+    def after_batch(self, engine: Engine, idle: bool) -> None: ...
 
 
 class NoDream:
-    def after_batch(self, engine: "Engine", idle: bool) -> None:
+    def after_batch(self, engine: Engine, idle: bool) -> None:
         return None
 
 
@@ -105,7 +111,7 @@ class GenerationRequest:
 class RequestHandle:
     """What `submit` returns: an id and a way to cancel."""
 
-    def __init__(self, engine: "Engine", rid: int):
+    def __init__(self, engine: Engine, rid: int):
         self._engine = engine
         self.id = rid
         self.cancelled = False
@@ -220,7 +226,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._running = False
         self._thread: threading.Thread | None = None
-        self._batch = None
+        self._batch: llama_batch | None = None   # allocated by start()
         # The last decode batch, for the dream stage's pacer: all tokens in it, and
         # how many of them were single decode tokens of generating slots.
         self.last_batch_tokens = 0
@@ -233,7 +239,7 @@ class Engine:
         self.failing: str | None = None
 
     # -- public, any thread -------------------------------------------------------
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         if self._running:
             return self
         self._batch = self.lc.llama_batch_init(self.n_batch, 0, 1)
@@ -371,7 +377,7 @@ class Engine:
                     self._admit()
                     if self._step():
                         self._call_hook(False)
-                except Exception as e:  # noqa: BLE001 - a bug must fail requests, never kill the engine
+                except Exception as e:  # a bug must fail requests, never kill the engine
                     log.exception("engine loop iteration failed")
                     self.failing = f"{type(e).__name__}: {e}"
                     self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
@@ -382,7 +388,7 @@ class Engine:
         # A failing dream step must not take serving down: log, count, go on.
         try:
             self.hook.after_batch(self, idle)
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.stats.hook_errors += 1
             log.exception("dream hook failed (idle=%s)", idle)
 
@@ -395,7 +401,7 @@ class Engine:
             return False
         try:
             return bool(hold(self))
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.stats.hook_errors += 1
             log.exception("dream hook failed in hold_admission")
             return False
@@ -406,6 +412,7 @@ class Engine:
         for s in self.slots:
             if s.busy:
                 job = s.job
+                assert job is not None  # busy
                 self.lc.llama_memory_seq_rm(self.model.memory, s.seq_id, -1, -1)
                 s.tokens.clear()
                 self._free_slot(s)
@@ -429,7 +436,7 @@ class Engine:
             # releases its place; the others are still taken in.
             try:
                 self._intake_one(job)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.exception("intake of request %d failed", job.handle.id)
                 bad_text = isinstance(e, UnicodeError)
                 self._finish_job(job, Failed(400 if bad_text else 500, f"prompt: {type(e).__name__}: {e}",
@@ -447,7 +454,8 @@ class Engine:
             toks = list(req.prompt)
             bad = next((t for t in toks if not isinstance(t, int) or not 0 <= t < m.n_vocab), None)
             if bad is not None:
-                self._finish_job(job, Failed(400, f"prompt token {bad!r} is not in the vocabulary (0..{m.n_vocab - 1})", "prompt"), "invalid")
+                msg = f"prompt token {bad!r} is not in the vocabulary (0..{m.n_vocab - 1})"
+                self._finish_job(job, Failed(400, msg, "prompt"), "invalid")
                 return
         if not toks:
             self._finish_job(job, Failed(400, "prompt is empty after tokenization", "prompt"), "invalid")
@@ -475,7 +483,7 @@ class Engine:
             self._waiting.remove(job)
             self._finish_job(job, Failed(499, "cancelled before admission"), "cancelled")
         for s in self.slots:
-            if s.busy and s.job.handle.cancelled:
+            if s.job is not None and s.job.handle.cancelled:
                 self._release(s, None, "cancelled")
 
     def _admit(self) -> None:
@@ -516,7 +524,10 @@ class Engine:
         """Build and decode one batch; sample and stream. False when there was nothing to decode."""
         t_start = time.perf_counter()
         lc, batch = self.lc, self._batch
-        tok, pos, nseq, seq, logits = batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
+        assert batch is not None  # allocated before the loop runs
+        tok, nseq, seq, logits = batch.token, batch.n_seq_id, batch.seq_id, batch.logits
+        # llama_cpp annotates llama_batch.pos as an array of arrays; it is flat (llama_pos *)
+        pos = cast("ctypes.Array[ctypes.c_int32]", batch.pos)
         n = 0
         outputs: list[tuple[_Slot, int]] = []
         # Generating slots first: each costs one token, so decode never starves.
@@ -561,25 +572,26 @@ class Engine:
         now = time.perf_counter()
         eog = self.model.is_eog
         for s, idx in outputs:
-            if s.job is None or s.job.handle.cancelled:
+            job, stream = s.job, s.stream
+            if job is None or stream is None or job.handle.cancelled:
                 continue
             token = lc.llama_sampler_sample(s.chain, self.model.ctx, idx)
             s.generated += 1
             self.stats.generated_tokens += 1
             if s.first_token_at is None:
                 s.first_token_at = now
-                self.stats.ttft.observe(now - s.job.submitted)
+                self.stats.ttft.observe(now - job.submitted)
             else:
                 self.stats.itl.observe(now - s.t_last)
             s.t_last = now
             if eog(token):
                 self._release(s, "stop")
                 continue
-            text = s.stream.push(self.model.token_piece(token))
-            self._send(s.job, Delta(text, token))
-            if s.stream.stopped:
+            text = stream.push(self.model.token_piece(token))
+            self._send(job, Delta(text, token))
+            if stream.stopped:
                 self._release(s, "stop", flush=False)
-            elif s.generated >= s.job.max_tokens:
+            elif s.generated >= job.max_tokens:
                 self._release(s, "length")
             else:
                 s.next_token = token
@@ -596,12 +608,14 @@ class Engine:
                 self.lc.llama_memory_seq_rm(self.model.memory, s.seq_id, -1, -1)
                 s.tokens.clear()
                 job = s.job
+                assert job is not None  # busy
                 self._free_slot(s)
                 self._finish_job(job, Failed(500 if rc != 1 else 503, msg), "error")
 
     def _release(self, s: _Slot, reason: str | None, outcome: str | None = None, flush: bool = True) -> None:
         job = s.job
-        if reason is not None and flush:
+        assert job is not None, "released a free slot"
+        if reason is not None and flush and s.stream is not None:
             tail = s.stream.flush()
             if tail:
                 self._send(job, Delta(tail, -1))
@@ -610,7 +624,7 @@ class Engine:
         else:
             event = Finished(reason, len(job.prompt), s.generated, s.cached, s.adapter_version)
         self._free_slot(s)
-        self._finish_job(job, event, outcome or reason)
+        self._finish_job(job, event, outcome or reason or "cancelled")
 
     def _free_slot(self, s: _Slot) -> None:
         if s.chain is not None:
@@ -625,8 +639,8 @@ class Engine:
     def _shutdown(self) -> None:
         self._running = False
         for s in self.slots:
-            if s.busy:
-                job = s.job
+            job = s.job
+            if job is not None:
                 self._free_slot(s)
                 self._finish_job(job, Failed(503, "the server is shutting down"), "error")
         with self._cond:

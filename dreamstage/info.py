@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dreamstage
-from dreamstage import native
+from dreamstage import models, native
 
 
 def collect() -> dict:
@@ -13,6 +13,9 @@ def collect() -> dict:
         "llama_cpp_commit": bi["upstream"],
         "patches": bi["patches"],
         "lib_dir": str(native.lib_dir()),
+        # where it is, or where the first `serve` will put it (info never downloads)
+        "default_model": str(models.default_model_path()),
+        "default_model_cached": models.default_model_path().is_file(),
         "backends": native.backends(),
         "devices": native.devices(),
     }
@@ -25,6 +28,8 @@ def render(i: dict) -> str:
         f"llama.cpp        {i['llama_cpp_commit']} (as vendored in llama-cpp-python {i['llama_cpp_python_pin']})",
         f"patches          {', '.join(i['patches']) or '(none)'}",
         f"libraries        {i['lib_dir']}",
+        f"default model    {i['default_model']}"
+        + ("" if i["default_model_cached"] else " (not fetched yet: the first `serve` downloads 93 MB)"),
         f"backends         {', '.join(i['backends'])}",
         "devices:",
     ]

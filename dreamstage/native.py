@@ -1,18 +1,22 @@
 """Loading our libllama, and the ctypes mirror of dreamstage/ggml_ext/dream.h.
 
 Exactly one libllama exists in a dreamstage process: ours, built from the
-pinned, patched tree. llama-cpp-python supplies the Python mirror of llama.h
-(its own native build is disabled) and is imported only after
-LLAMA_CPP_LIB_PATH points at our library directory.
+pinned, patched tree. llama-cpp-python's pure-Python package (the `llama_cpp`
+mirror of llama.h, from the same pinned sdist, never built natively) is
+installed by our build with our libraries in its own `llama_cpp/lib/`, so a
+plain `import llama_cpp` binds them too; `llama_cpp()` below also points
+LLAMA_CPP_LIB_PATH at lib_dir() first, for a DREAMSTAGE_LIB_DIR override.
 """
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 _PKG = Path(__file__).resolve().parent
 
@@ -30,20 +34,24 @@ def _pin() -> dict:
 
 
 def lib_dir() -> Path:
-    """Directory holding our libllama.so and the ggml libraries."""
+    """Directory holding our libllama.so and the ggml libraries.
+
+    DREAMSTAGE_LIB_DIR when set; else llama_cpp/lib/, where wheels and editable
+    installs put them; else dreamstage/lib/ (a plain `cmake --install`).
+    """
     env = os.environ.get("DREAMSTAGE_LIB_DIR")
     candidates = [Path(env)] if env else []
+    # Located without importing llama_cpp: importing it loads a library.
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is not None and spec.submodule_search_locations:
+        candidates.append(Path(list(spec.submodule_search_locations)[0]) / "lib")
     candidates.append(_PKG / "lib")
-    # scikit-build-core editable installs keep the libraries in site-packages
-    # while the Python sources stay in the checkout.
-    candidates += [Path(p) / "dreamstage" / "lib" for p in sys.path if p]
     for c in candidates:
         if (c / "libllama.so").is_file() or (c / "libllama.dylib").is_file():
             return c.resolve()
     raise NativeLibraryError(
-        "dreamstage's libllama was not found (looked in "
-        + ", ".join(str(c) for c in candidates[:3])
-        + "); build it with `./dev.sh build`")
+        "dreamstage's libllama was not found (looked in " + ", ".join(str(c) for c in candidates)
+        + "); build it with `./dev.sh build` or `pip install` the checkout")
 
 
 @lru_cache(maxsize=1)
@@ -58,7 +66,7 @@ def llama_cpp():
                 f"llama_cpp was imported before dreamstage and loaded libllama from {loaded}, not {d}")
     os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
     try:
-        import llama_cpp as mod  # noqa: PLC0415
+        import llama_cpp as mod
     except (OSError, RuntimeError) as e:
         raise NativeLibraryError(f"could not load libllama from {d}: {e}") from e
     lib_path = Path(mod.llama_cpp._lib._name).resolve()
@@ -89,7 +97,7 @@ def parse_build_info(s: str) -> dict:
     parts = s.split(";")
     if not parts or parts[0] != "dreamstage":
         raise NativeLibraryError(f"unexpected build identity {s!r}")
-    out = {}
+    out: dict[str, Any] = {}
     for kv in parts[1:]:
         k, _, v = kv.partition("=")
         out[k] = v
@@ -142,6 +150,7 @@ class DreamReceiptC(ctypes.Structure):
         ("refused_need_mib", ctypes.c_double),
         ("refused_allowance_mib", ctypes.c_double),
         ("message", ctypes.c_char * 512),
+        ("group_reply", ctypes.c_int32),
     ]
 
 
@@ -162,7 +171,7 @@ def receipt_layout_mismatches(L: ctypes.CDLL, mirror: type[ctypes.Structure] | N
     size = ctypes.c_size_t(0)
     n = L.dream_receipt_layout(ctypes.byref(fields), ctypes.byref(size))
     c_side = [(fields[i].name.decode(), fields[i].offset, fields[i].size) for i in range(n)]
-    py_side = [(name, getattr(mirror, name).offset, getattr(mirror, name).size) for name, _ in mirror._fields_]
+    py_side = [(f[0], getattr(mirror, f[0]).offset, getattr(mirror, f[0]).size) for f in mirror._fields_]
     out = []
     if size.value != ctypes.sizeof(mirror):
         out.append(f"sizeof(struct dream_receipt) is {size.value} in C, {ctypes.sizeof(mirror)} in {mirror.__name__}")
@@ -182,11 +191,9 @@ def receipt_layout_mismatches(L: ctypes.CDLL, mirror: type[ctypes.Structure] | N
 def _check_receipt_layout(L: ctypes.CDLL, path: str) -> None:
     # A member added on one side only would shift every later field: every
     # receipt would read garbage rather than fail. Checked once, at load.
-    try:
-        L.dream_receipt_layout
-    except AttributeError:
+    if not hasattr(L, "dream_receipt_layout"):
         raise NativeLibraryError(f"{path} has no dream_receipt_layout: it predates this package's dream.h; "
-                                 "rebuild with `./dev.sh build`") from None
+                                 "rebuild with `./dev.sh build`")
     bad = receipt_layout_mismatches(L)
     if bad:
         raise NativeLibraryError(f"dreamstage.native.DreamReceiptC does not match struct dream_receipt in {path}: "
@@ -243,18 +250,30 @@ def _declare(L: ctypes.CDLL) -> None:
     # struct dream_params dream_default_params(void);
     L.dream_default_params.argtypes = []
     L.dream_default_params.restype = DreamParamsC
-    # struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params params, struct dream_receipt * receipt);
+    # struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params params,
+    #                                 struct dream_receipt * receipt);
     L.dream_init.argtypes = [p, DreamParamsC, R]
     L.dream_init.restype = p
     # void dream_free(struct dream_stage * ds);
     L.dream_free.argtypes = [p]
     L.dream_free.restype = None
-    # int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, const uint8_t * loss_mask, int32_t n, struct dream_receipt * receipt);
-    L.dream_window_begin.argtypes = [p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8), ctypes.c_int32, R]
+    # int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, const uint8_t * loss_mask,
+    #                            int32_t n, struct dream_receipt * receipt);
+    L.dream_window_begin.argtypes = [p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8),
+                                     ctypes.c_int32, R]
     L.dream_window_begin.restype = ctypes.c_int32
     # int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt);
     L.dream_micro_step.argtypes = [p, R]
     L.dream_micro_step.restype = ctypes.c_int32
+    # int32_t dream_group_begin(struct dream_stage * ds, const llama_token * prefix, int32_t n_prefix,
+    #     const llama_token * reply_tokens, const uint8_t * reply_mask, const int32_t * reply_lengths,
+    #     const float * weights, int32_t n_replies, struct dream_receipt * receipt);
+    i32p, u8p = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8)
+    L.dream_group_begin.argtypes = [p, i32p, ctypes.c_int32, i32p, u8p, i32p, f32p, ctypes.c_int32, R]
+    L.dream_group_begin.restype = ctypes.c_int32
+    # int32_t dream_group_reply_losses(const struct dream_stage * ds, double * out, int32_t n);
+    L.dream_group_reply_losses.argtypes = [p, ctypes.POINTER(ctypes.c_double), ctypes.c_int32]
+    L.dream_group_reply_losses.restype = ctypes.c_int32
     # int32_t dream_chunks_left(const struct dream_stage * ds);
     L.dream_chunks_left.argtypes = [p]
     L.dream_chunks_left.restype = ctypes.c_int32
@@ -264,7 +283,8 @@ def _declare(L: ctypes.CDLL) -> None:
     # int32_t dream_n_pairs(const struct dream_stage * ds);
     L.dream_n_pairs.argtypes = [p]
     L.dream_n_pairs.restype = ctypes.c_int32
-    # bool dream_pair_info(const struct dream_stage * ds, int32_t i, int32_t * layer, const char ** target, int64_t * n_in, int64_t * n_out);
+    # bool dream_pair_info(const struct dream_stage * ds, int32_t i, int32_t * layer, const char ** target,
+    #                      int64_t * n_in, int64_t * n_out);
     L.dream_pair_info.argtypes = [p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_char_p),
                                   ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     L.dream_pair_info.restype = ctypes.c_bool
@@ -289,6 +309,9 @@ def _declare(L: ctypes.CDLL) -> None:
     # void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
     L.dream_set_budget.argtypes = [p, ctypes.c_double]
     L.dream_set_budget.restype = None
+    # double dream_held_mib(const struct dream_stage * ds);
+    L.dream_held_mib.argtypes = [p]
+    L.dream_held_mib.restype = ctypes.c_double
     # int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon);
     L.dream_set_horizon.argtypes = [p, ctypes.c_int32]
     L.dream_set_horizon.restype = ctypes.c_int32

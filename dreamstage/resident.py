@@ -11,10 +11,11 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dreamstage import native
-from dreamstage.owner import NativeOwner
 from dreamstage.models import check_model_file, default_model
+from dreamstage.owner import NativeOwner
 
 # Serving K/V cache types accepted by --kv-type, mapped to ggml_type ids.
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
@@ -33,13 +34,14 @@ def quiet_native_logs(enabled: bool = True) -> None:
     with _log_lock:
         if enabled and os.environ.get("DREAMSTAGE_NATIVE_LOG") != "1":
             @lc.llama_log_callback
-            def _drop(level, text, user_data):  # noqa: ARG001
+            def _drop(level, text, user_data):
                 return None
             _log_cb = _drop
             lc.llama_log_set(_log_cb, ctypes.c_void_p())
         else:
             _log_cb = None
-            lc.llama_log_set(ctypes.cast(None, lc.llama_log_callback), ctypes.c_void_p())
+            # a NULL callback: llama.cpp logs to stderr again
+            lc.llama_log_set(lc.llama_log_callback(), ctypes.c_void_p())
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class ResidentModel(NativeOwner):
             self.model = None
             raise ValueError(f"could not create a context (n_ctx={cfg.n_ctx}, kv_type={cfg.kv_type!r})")
         self.memory = lc.llama_get_memory(self.ctx)
-        self.dependents = weakref.WeakSet()  # closed before the context is freed
+        self.dependents: weakref.WeakSet[Any] = weakref.WeakSet()  # closed before the context is freed
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = lc.llama_n_ctx(self.ctx)
 
@@ -227,7 +229,8 @@ class ResidentModel(NativeOwner):
                     raise RuntimeError(f"llama_decode failed with status {rc}")
                 pos += len(pending)
                 logits = lc.llama_get_logits_ith(self.ctx, len(pending) - 1)
-                best = max(range(self.n_vocab), key=logits.__getitem__) if self.n_vocab < 1000 else _argmax(logits, self.n_vocab)
+                best = (max(range(self.n_vocab), key=logits.__getitem__) if self.n_vocab < 1000
+                        else _argmax(logits, self.n_vocab))
                 if self.is_eog(best):
                     break
                 out.append(best)
@@ -238,6 +241,6 @@ class ResidentModel(NativeOwner):
 
 
 def _argmax(logits_ptr, n: int) -> int:
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
     arr = np.ctypeslib.as_array(logits_ptr, shape=(n,))
     return int(arr.argmax())

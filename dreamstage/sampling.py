@@ -40,14 +40,14 @@ class SamplingParams:
 
 def json_schema_grammar(schema: dict | None) -> str:
     """GBNF for a JSON schema (or any JSON value when schema is None)."""
-    from llama_cpp import llama_grammar  # noqa: PLC0415 - bound to our lib via native
+    from llama_cpp import llama_grammar  # bound to our lib via native
 
     native.llama_cpp()
     if schema is None:
         return llama_grammar.JSON_GBNF
     try:
         return llama_grammar.json_schema_to_gbnf(json.dumps(schema))
-    except Exception as e:  # noqa: BLE001 - the converter raises plain Exceptions
+    except Exception as e:  # the converter raises plain Exceptions
         raise GrammarError(f"JSON schema could not be converted to a grammar: {e}") from e
 
 
@@ -62,7 +62,8 @@ def build_chain(vocab, n_vocab: int, p: SamplingParams):
         g = lc.llama_sampler_init_grammar(vocab, p.grammar.encode("utf-8"), b"root")
         if not g:
             lc.llama_sampler_free(chain)
-            raise GrammarError("grammar could not be parsed by llama.cpp (check the GBNF; the root rule must be named 'root')")
+            raise GrammarError("grammar could not be parsed by llama.cpp "
+                               "(check the GBNF; the root rule must be named 'root')")
         add(chain, g)
     if p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
         add(chain, lc.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, p.repeat_penalty,

@@ -35,7 +35,7 @@ class Histogram:
 
     def cumulative(self) -> list[tuple[str, int]]:
         out, acc = [], 0
-        for b, c in zip((*(repr(x) for x in self.buckets), "+Inf"), self.counts):
+        for b, c in zip((*(repr(x) for x in self.buckets), "+Inf"), self.counts, strict=True):
             acc += c
             out.append((b, acc))
         return out

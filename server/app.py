@@ -10,7 +10,8 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from sse_starlette import EventSourceResponse
 
 from dreamstage.engine import Delta, Failed, Finished, GenerationRequest
 from dreamstage.sampling import GrammarError, SamplingParams, json_schema_grammar
@@ -27,11 +28,19 @@ from dreamstage.server.train_routes import router as train_router
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
 
 
-class _EngineStream(StreamingResponse):
-    """An SSE response that cancels its engine request however it ends (finish, error, disconnect)."""
+# How long a token stream may take to end by itself once the server is told to
+# stop: the engine first finishes its step, then ends every open request with
+# an error event (serving.md, "Shutdown"). run_uvicorn gives uvicorn's own
+# graceful timeout the same value.
+SHUTDOWN_GRACE_S = 5   # seconds; an int, as uvicorn's timeout_graceful_shutdown takes
+
+
+class _EngineStream(EventSourceResponse):
+    """An SSE response that cancels its engine request however it ends (finish, error, disconnect, shutdown)."""
 
     def __init__(self, content, job: EngineRequest, headers: dict):
-        super().__init__(content, media_type="text/event-stream", headers=headers)
+        # sep="\n": the bytes OpenAI's own streams carry (sse-starlette defaults to CRLF)
+        super().__init__(content, headers=headers, sep="\n", shutdown_grace_period=SHUTDOWN_GRACE_S)
         self._job = job
 
     async def __call__(self, scope, receive, send):
@@ -71,8 +80,9 @@ def _usage(fin: Finished) -> dict:
             "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
 
 
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def _sse(obj) -> dict[str, str]:
+    # a dict, not a ServerSentEvent: sse-starlette then writes the response's separator ("\n")
+    return {"data": json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}
 
 
 def create_app(service: Service) -> FastAPI:
@@ -117,7 +127,7 @@ def create_app(service: Service) -> FastAPI:
                         u = make_final(ev)
                         u["choices"], u["usage"] = [], _usage(ev)
                         yield _sse(u)
-                    yield b"data: [DONE]\n\n"
+                    yield {"data": "[DONE]"}
                     return
                 elif isinstance(ev, Failed):
                     yield _sse(errors.error_body(ev.status, ev.message, ev.param))
@@ -127,7 +137,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
         grammar = _grammar(body)
         prompt = await service.prompts.chat(service.chat, messages)   # token ids, off the engine thread
         gen = GenerationRequest(prompt, body.limit(), _sampling(body, grammar), body.stop_list())

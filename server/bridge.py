@@ -7,7 +7,7 @@ an asyncio.Queue and never touches llama.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from dreamstage.engine import (
     Admitted,

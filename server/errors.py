@@ -16,7 +16,8 @@ from dreamstage.validation import field_path
 
 log = logging.getLogger("dreamstage.server")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          405: "invalid_request_error",
           409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
           422: "invalid_request_error", 499: "request_cancelled", 503: "server_overloaded",
           507: "insufficient_storage"}
@@ -41,7 +42,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 async def send_error(send, status: int, message: str, param: str | None = None, code: str | None = None,
                      headers: dict[str, str] | None = None) -> None:
     """Answer from ASGI middleware (before FastAPI), in the same OpenAI shape."""
-    import json  # noqa: PLC0415
+    import json
 
     data = json.dumps(error_body(status, message, param, code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]

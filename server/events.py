@@ -27,10 +27,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from sse_starlette import EventSourceResponse
 
 from dreamstage.server.errors import APIError
 from dreamstage.server.train_routes import _adapters_view as adapters_view  # the view GET /adapters returns
@@ -41,15 +42,17 @@ router = APIRouter()
 
 TICK_S = 0.5
 DEVICES_EVERY_S = 5.0
-# A comment line this often keeps idle connections open through proxies.
+# A comment line this often keeps idle connections open through proxies
+# (sse-starlette's ping).
 KEEPALIVE_S = 15.0
 DEFAULT_BACKLOG = 500
 MAX_BACKLOG = 10_000
 MIB = float(1 << 20)
 
 
-def sse(kind: str, data: Any) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), allow_nan=False)}\n\n".encode()
+def sse(kind: str, data: Any) -> dict[str, str]:
+    """One event as sse-starlette takes it (a dict: it then writes the response's line separator)."""
+    return {"event": kind, "data": json.dumps(data, separators=(",", ":"), allow_nan=False)}
 
 
 def _int_param(request: Request, name: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -105,12 +108,12 @@ class Follower:
         newest = jobs.job_ids(1)
         return newest[0] if newest else None
 
-    def store_events(self) -> list[bytes]:
+    def store_events(self) -> list[dict[str, str]]:
         """The job, its new receipts and the adapters (a worker thread: SQLite reads)."""
         service = self.service
         if service.jobs is None:
             return []
-        out: list[bytes] = []
+        out: list[dict[str, str]] = []
         target = self._target()
         if target != self.job_id:
             self.job_id, self.seq = target, 0
@@ -135,43 +138,35 @@ class Follower:
 
 
 def _devices() -> dict:
-    from dreamstage import native  # noqa: PLC0415
+    from dreamstage import native
 
     return {"devices": [{"name": d["name"], "description": d["description"], "free_mib": d["free"] / MIB,
                          "total_mib": d["total"] / MIB} for d in native.devices()]}
 
 
-async def stream(request: Request, follower: Follower, tick_s: float = TICK_S) -> AsyncIterator[bytes]:
+async def stream(follower: Follower, tick_s: float = TICK_S) -> AsyncIterator[dict[str, str]]:
     service = follower.service
     engine = service.engine
     yield sse("hello", {"training": service.jobs is not None, "follow": follower.pinned, "tick_s": tick_s})
     generated, at = engine.stats.generated_tokens, time.monotonic()
-    devices_at = keepalive_at = -1e9
+    devices_at = -1e9
     # Ends when the engine stops: a shutdown that stops the engine first then
-    # need not wait out its graceful timeout for open dashboards.
-    while engine.running and not await request.is_disconnected():
+    # need not wait out its graceful timeout for open dashboards. A client
+    # that leaves is sse-starlette's to notice: it cancels this generator.
+    while engine.running:
         now = time.monotonic()
         g = engine.stats.generated_tokens
         rate = (g - generated) / (now - at) if now > at else 0.0
         generated, at = g, now
         slots = {"slots": engine.slots_info(), "busy": engine.busy_slots(), "queue_depth": engine.queue_depth,
                  "adapter_version": engine.adapter_version, "decode_tok_s": round(rate, 2)}
-        sent = False
         if follower._changed("slots", slots):
             yield sse("slots", slots)
-            sent = True
-        for chunk in await asyncio.to_thread(follower.store_events):
-            yield chunk
-            sent = True
+        for event in await asyncio.to_thread(follower.store_events):
+            yield event
         if service.jobs is not None and now - devices_at >= DEVICES_EVERY_S:
             devices_at = now
             yield sse("devices", await asyncio.to_thread(_devices))
-            sent = True
-        if sent:
-            keepalive_at = now
-        elif now - keepalive_at >= KEEPALIVE_S:
-            keepalive_at = now
-            yield b": keep-alive\n\n"
         await asyncio.sleep(tick_s)
 
 
@@ -180,6 +175,7 @@ async def events(request: Request):
     service = request.app.state.service
     pinned = _int_param(request, "job", None, 1, 2**62)
     backlog = _int_param(request, "backlog", DEFAULT_BACKLOG, 0, MAX_BACKLOG)
+    assert backlog is not None  # it has a default
     follower = Follower(service, pinned, backlog)
     if pinned is not None:
         if service.jobs is None:
@@ -187,5 +183,6 @@ async def events(request: Request):
                            None, "training_off")
         await asyncio.to_thread(follower.store_events)   # 404 now, not mid-stream
         follower.job_id, follower.seq, follower.last = None, 0, {}
-    return StreamingResponse(stream(request, follower), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    # sep="\n": the same bytes as the hand-written stream had (sse-starlette's default is CRLF)
+    return EventSourceResponse(stream(follower), ping=KEEPALIVE_S, sep="\n",
+                               headers={"Cache-Control": "no-cache"})

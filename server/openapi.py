@@ -95,8 +95,8 @@ _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
 
 
 def _bodies():
-    from dreamstage.server.train_routes import PromoteBody  # noqa: PLC0415
-    from dreamstage.training.spec import TrainRequest  # noqa: PLC0415
+    from dreamstage.server.train_routes import PromoteBody
+    from dreamstage.training.spec import TrainRequest
     return {("post", "/train"): (TrainRequest, True), ("post", "/adapters/{name}/promote"): (PromoteBody, False)}
 
 
@@ -121,12 +121,12 @@ def build(app) -> dict:
             codes = set(_COMMON) | set(extra) | (set(_WRITE) if method == "post" else set())
             for code in sorted(codes):
                 responses[str(code)] = {"description": _WHY[code], "content": error_ref}
-    for (method, path), (code, body) in _SUCCESS.items():
+    for (method, path), (status, body) in _SUCCESS.items():
         if path in doc["paths"]:
             responses = doc["paths"][path][method]["responses"]
-            if code != "200":                     # FastAPI lists 200 for routes whose decorator says otherwise
+            if status != "200":                   # FastAPI lists 200 for routes whose decorator says otherwise
                 responses.pop("200", None)
-            responses.setdefault(code, {"description": "success"})["content"] = {
+            responses.setdefault(status, {"description": "success"})["content"] = {
                 "application/json": {"schema": body}}
     if "/health" in doc["paths"]:                 # 503 carries the health body, not an error
         doc["paths"]["/health"]["get"]["responses"]["503"] = {

@@ -7,7 +7,7 @@ explicitly (`user`, `stream_options`, `n` = 1 only).
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -26,7 +26,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: Union[str, list[TextPart], None] = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -55,7 +55,7 @@ class ResponseFormat(_Strict):
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama-cpp-python's spelling
 
 
-StopField = Union[str, Annotated[list[str], Field(max_length=16)], None]
+StopField = str | Annotated[list[str], Field(max_length=16)] | None
 
 
 class _Sampling(_Strict):
@@ -104,8 +104,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, Annotated[list[str], Field(min_length=1, max_length=1)],
-                  Annotated[list[int], Field(min_length=1)]]
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: Literal[False] = False
     # A dreamstage extension: parse control-token text in the prompt (e.g. a
@@ -119,4 +118,5 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str):
             return p[0]
-        return p
+        # a list of strings has exactly one item (the field's length bounds), taken above
+        return cast("str | list[int]", p)

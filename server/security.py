@@ -69,7 +69,7 @@ class SecurityPolicy:
     allowed_hosts: frozenset[str] | None = None
 
     @classmethod
-    def for_bind(cls, host: str, api_key: str | None, extra_hosts=()) -> "SecurityPolicy":
+    def for_bind(cls, host: str, api_key: str | None, extra_hosts=()) -> SecurityPolicy:
         extra = frozenset(h.lower() for h in extra_hosts)
         if is_loopback(host):
             return cls(api_key or None, LOOPBACK_NAMES | extra)
@@ -153,6 +153,7 @@ def install(app, policy: SecurityPolicy, cors_origins=()) -> None:
     """Add the guard, and CORS for the allow-listed origins (outermost, so a preflight is answered first)."""
     app.add_middleware(SecurityGuard, policy=policy)
     if cors_origins:
-        from starlette.middleware.cors import CORSMiddleware  # noqa: PLC0415
+        from starlette.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Dreamstage-Adapter-Version"])
+                           allow_headers=["Authorization", "Content-Type"],
+                           expose_headers=["X-Dreamstage-Adapter-Version"])

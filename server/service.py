@@ -18,7 +18,7 @@ class _Terminated(Exception):
     """SIGTERM, turned into an exception once uvicorn has shut down."""
 
 
-def run_uvicorn(service: "Service", app, *, host: str, port: int, log_level: str = "warning") -> None:
+def run_uvicorn(service: Service, app, *, host: str, port: int, log_level: str = "warning") -> None:
     """Serve until SIGINT or SIGTERM, then shut down in order.
 
     uvicorn treats both signals alike, but after its shutdown it re-raises the
@@ -27,7 +27,9 @@ def run_uvicorn(service: "Service", app, *, host: str, port: int, log_level: str
     first end the open requests (streams get an error event), then uvicorn
     drains its connections, then the service waits for the running micro-step,
     marks the job interrupted and frees native memory."""
-    import uvicorn  # noqa: PLC0415
+    import uvicorn
+
+    from dreamstage.server.app import SHUTDOWN_GRACE_S
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -39,7 +41,8 @@ def run_uvicorn(service: "Service", app, *, host: str, port: int, log_level: str
         raise _Terminated()
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     try:
         server.run()
     except (_Terminated, KeyboardInterrupt):
@@ -59,9 +62,9 @@ class Service:
         # The dream stage (POST /train) needs a state directory for its jobs and adapters.
         self.jobs = self.dream = self.submitter = None
         if settings.state_dir is not None and hook is None:
-            from dreamstage.training.scheduler import DreamScheduler  # noqa: PLC0415
-            from dreamstage.training.store import JobStore  # noqa: PLC0415
-            from dreamstage.training.submit import JobSubmitter  # noqa: PLC0415
+            from dreamstage.training.scheduler import DreamScheduler
+            from dreamstage.training.store import JobStore
+            from dreamstage.training.submit import JobSubmitter
             self.jobs = JobStore(settings.state_dir)
             self.dream = hook = DreamScheduler(self.jobs, self.model, drift_guard=settings.drift_guard)
             self.submitter = JobSubmitter(self.jobs, self.dream, self.model, settings.limits)
@@ -73,11 +76,12 @@ class Service:
             try:
                 self.dream.startup(self.engine, settings.adapter)   # before the engine thread: reload what was served
             except BaseException:
-                self.jobs.close()
+                if self.jobs is not None:
+                    self.jobs.close()
                 self.model.close()
                 raise
 
-    def start(self) -> "Service":
+    def start(self) -> Service:
         self.engine.start()
         return self
 
@@ -102,6 +106,7 @@ class Service:
             return
         if self.dream is not None:
             self.dream.close()
+        if self.jobs is not None:
             self.jobs.close()
         self.model.close()
 
@@ -110,11 +115,11 @@ class BackgroundServer:
     """uvicorn in a thread on a free loopback port (tests, benchmarks, notebooks)."""
 
     def __init__(self, settings: ServerSettings, hook: DreamHook | None = None):
-        import socket  # noqa: PLC0415
+        import socket
 
-        import uvicorn  # noqa: PLC0415
+        import uvicorn
 
-        from dreamstage.server.app import create_app  # noqa: PLC0415
+        from dreamstage.server.app import create_app
 
         self.service = Service(settings, hook).start()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -124,7 +129,7 @@ class BackgroundServer:
         self.url = f"http://{settings.host}:{self.port}"
         config = uvicorn.Config(create_app(self.service), log_level="warning", timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
-        import threading  # noqa: PLC0415
+        import threading
 
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="dreamstage-uvicorn", daemon=True)

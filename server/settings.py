@@ -49,7 +49,7 @@ class ServerSettings(BaseSettings):
     drift_guard: bool = True
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ServerSettings":
+    def _consistent(self) -> ServerSettings:
         if self.ctx < self.parallel * 16:
             raise ValueError(f"ctx {self.ctx} leaves fewer than 16 tokens per slot for {self.parallel} slots")
         if self.kv_type not in KV_TYPES:

@@ -104,6 +104,7 @@ def _refused(e: SubmitRefused) -> APIError:
 async def submit(request: Request):
     service = _dream(request)
     body = await _json_object(request, required=True)
+    assert body is not None  # required=True: an empty body is a 4xx
     try:
         job = await asyncio.to_thread(service.submitter.submit, body)
     except SubmitRefused as e:

@@ -17,6 +17,22 @@ os.environ.setdefault("DREAMSTAGE_DRIFT_GUARD", "false")
 os.environ.setdefault("DREAMSTAGE_DRIFT_GUARD", "off")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_server_settings_from_the_environment():
+    """Test servers get the settings their test gives: a DREAMSTAGE_PORT or
+    DREAMSTAGE_API_KEY in the developer's shell must not reach them (the CLI
+    tests that mean to read the environment set it themselves)."""
+    from dreamstage.server.settings import ServerSettings
+
+    names = [f"DREAMSTAGE_{field.upper()}" for field in ServerSettings.model_fields]
+    saved = {k: v for k, v in os.environ.items()
+             if k in names or k.startswith("DREAMSTAGE_LIMITS__")}
+    for k in saved:
+        del os.environ[k]
+    yield
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def record_result(tmp_path):
     """Write a test's measured figures as JSON (name -> path written).

@@ -105,6 +105,13 @@ def test_the_event_stream_is_read_with_fetch_and_the_key():
 
 
 # -- the stream without the page --------------------------------------------------------------
+def test_events_are_lf_framed_as_the_page_splits_them(http):
+    """The page splits its fetch() stream on a blank LF line; CRLF framing would stall it."""
+    with http.stream("GET", "/events") as r:
+        first = next(r.iter_raw())
+    assert first.startswith(b"event: hello\ndata: {") and first.endswith(b"}\n\n") and b"\r" not in first
+
+
 @pytest.mark.parametrize("query, param, status", [
     ("job=abc", "job", 400), ("job=0", "job", 400), ("backlog=-1", "backlog", 400),
     ("backlog=x", "backlog", 400), ("job=987654", "job", 404),

@@ -250,9 +250,12 @@ def test_horizon_adjoint_slots_and_a_refusal_halves_the_horizon(tiny_resident, t
         # (buffers + the step's host memory), one just above that at the
         # graph's gate (the graph's plan + host memory, the buffers held)
         tr.set_budget(1e-3)
+        held_plus_slack = tr.held_mib() + tr.slack_mib
         first = tr.micro_step()
         assert first.status == "refused" and first.message.startswith("the exact walk's adjoint buffers")
-        held_plus_slack = 1e-3 - first.refused_allowance_mib
+        # a budget below what the job holds: the allowance is 0, and the message says why
+        assert first.refused_allowance_mib == 0.0
+        assert "the budget (0.00 MiB) is below what the job already holds" in first.message
         assert tr.set_horizon(horizon) == horizon
         tr.set_budget(held_plus_slack + first.refused_need_mib + 1e-4)
         second = tr.micro_step()

@@ -373,15 +373,19 @@ def test_default_model_job_of_every_form(resident):
     by_label = {}
     for w in job.train:
         by_label.setdefault(w.label, []).append(w)
-        assert len(w) <= 48 and w.mask[0] == 0
+        for win in (w.windows() if hasattr(w, "replies") else [w]):
+            assert len(win) <= 48 and win.mask[0] == 0
     text = by_label["examples[0]"]
     n_text = len(resident.tokenize(spec.examples[0].example.text, True, False))
     assert len(text) > 1 and sum(w.n_targets for w in text) == n_text - 1
     (pc,) = by_label["examples[1]"]
     assert resident.detokenize([t for t, m in zip(pc.tokens, pc.mask) if m], True) == " plum" + resident.token_text(resident.eos)
-    group = by_label["examples[2].completions[0]"] + by_label["examples[2].completions[1]"]
-    assert [resident.detokenize([t for t, m in zip(w.tokens, w.mask) if m], True) for w in group] == \
-        ["hello<|im_end|>", "hey<|im_end|>"]
+    # a group of completions is one shared-prefix group: the rendered prompt once, each reply after it
+    (group,) = by_label["examples[2]"]
+    trained = [[t for t, m in zip(w.tokens, w.mask, strict=True) if m] for w in group.windows()]
+    assert [resident.detokenize(t, True) for t in trained] == ["hello<|im_end|>", "hey<|im_end|>"]
+    assert resident.detokenize(list(group.prefix), True).endswith("<|im_start|>assistant\n")
+    assert [w for _, _, w in group.replies] == [1.0, 1.0] and all(m[0] == 1 for _, m, _ in group.replies)
 
 
 def test_examples_with_nothing_to_train_are_named():
@@ -390,3 +394,21 @@ def test_examples_with_nothing_to_train_are_named():
         render_job(spec, FakeTokenizer(add_bos=False))
     (err,) = e.value.errors
     assert err.loc == ("examples", 1) and "fewer than 2 tokens" in err.message
+
+
+def test_group_prefix_joins_plain_examples_with_one_rendered_prompt(resident):
+    """group_prefix: plain examples whose rendered prompt is the same train as one
+    group of unit weights; without it (or with a different prompt) they stay windows."""
+    body = {"window": 64, "examples": [
+        {"prompt": "The capital of France is", "completion": " Paris."},
+        {"prompt": "The capital of France is", "completion": " a city on the Seine."},
+        {"prompt": "The capital of Spain is", "completion": " Madrid."},
+    ]}
+    plain = render_job(parse_train_request(body).to_job_spec(), resident)
+    assert [type(w).__name__ for w in plain.train] == ["TrainWindow"] * 3
+    joined = render_job(parse_train_request({**body, "group_prefix": True}).to_job_spec(), resident)
+    group, spain = joined.train
+    assert type(group).__name__ == "TrainGroup" and spain == plain.train[2]
+    assert [(w.tokens, w.mask) for w in group.windows()] == [(w.tokens, w.mask) for w in plain.train[:2]]
+    assert [w for _, _, w in group.replies] == [1.0, 1.0]
+    assert resident.detokenize(list(group.prefix), True).endswith("The capital of France is")

@@ -84,6 +84,11 @@ def test_over_budget_chunk_is_refused_and_changes_nothing(rm):
         assert rec.refused_need_mib > rec.refused_allowance_mib
         assert rec.refused_chunk_pos == 0 and rec.refused_chunk_tokens == 16
         assert "chunk at 0 (16 tokens)" in rec.message and "allowance" in rec.message
+        # the budget is below what the job holds (its graph buffers from the first
+        # window): the allowance is 0, not negative, and the message says why
+        assert rec.refused_allowance_mib == 0.0
+        assert f"the budget ({held + 0.5:.2f} MiB) is below what the job already holds ({tr.held_mib():.2f} MiB)" \
+            in rec.message, rec.message
         assert rec.graph_mib > 0
         np.testing.assert_array_equal(tr.lora_parameters(), theta)
         m2, v2, t2 = tr.optimizer_state()

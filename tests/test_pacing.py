@@ -444,13 +444,13 @@ class Outcome:
         return (self.dream_in_chat_s + self.contention_s) / self.chat_s
 
 
-IDLE_BURST_S = 0.5     # dreamer.IDLE_BURST_S
+IDLE_BURST_S = 0.5     # training.scheduler.IDLE_BURST_S
 IDLE_INTERVAL_S = 0.05  # the engine's idle wake-up
 WINDOW = 64            # tokens per training window
 
 
 def simulate(shape: Shape, load: Load, pacing: dict | None, seconds: float = 480.0, seed: int = 0) -> Outcome:
-    """The engine loop and the dreamer's calls, on a simulated clock."""
+    """The engine loop and the scheduler's calls, on a simulated clock."""
     rng = random.Random(seed)                # batches: the same draws with and without a job
     rng_step = random.Random(seed + 1)       # steps
     clock = FakeClock(0.0)

@@ -28,6 +28,8 @@ def test_n_gpu_layers_reaches_the_model_config_and_is_validated():
     args = build_parser().parse_args(["serve", "-ngl", "99"])
     assert args.n_gpu_layers == 99
     assert ServerSettings(n_gpu_layers=args.n_gpu_layers).resident_config().n_gpu_layers == 99
-    assert build_parser().parse_args(["serve"]).n_gpu_layers == -1   # every layer, as llama-server
+    # no flag: the settings' default, every layer (as llama-server), unless DREAMSTAGE_N_GPU_LAYERS says otherwise
+    from dreamstage.cli import serve_settings
+    assert serve_settings(build_parser().parse_args(["serve", "--no-train"])).n_gpu_layers == -1
     with pytest.raises(ValueError, match="n_gpu_layers"):
         ResidentConfig(n_gpu_layers="all").validate()

@@ -207,6 +207,13 @@ def scrape(http) -> dict[str, float]:
 
 
 def test_metrics_report_the_dream_stage(http):
+    # nothing else training (the store says so, and the scheduler has let go of
+    # the last job, in-flight step included): the counters then move by this job alone
+    deadline = time.monotonic() + 300
+    while (view := http.get("/train").json())["current"] is not None or view["queue"] \
+            or scrape(http)["dreamstage_dream_active_job"] != 0:
+        assert time.monotonic() < deadline, "an earlier job never ended"
+        time.sleep(0.1)
     before = scrape(http)
     assert http.post("/train", json={"text": LESSON, "windw": 32}).status_code == 422
     r = http.post("/train", json={"text": LESSON, "window": 32, "chunk": 16, "rank": 4, "promote": "never",
@@ -458,3 +465,46 @@ def test_cli_train_wait_and_status(server, tmp_path, capsys):
     assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
     assert cli.main(["train", str(lessons), "--url", server.url, "--set", "context_cache_type=q2"]) == 2
     assert "context_cache_type" in capsys.readouterr().err
+
+
+def test_a_weighted_group_trains_once_through_the_api_client_and_cli(server, http, tmp_path, capsys):
+    """A group of weighted completions trains as one shared-prefix group: its
+    micro-steps name their reply (G for the shared prompt), the last carries
+    the group's structure and per-reply losses, GET /train/{id} shows them, and
+    the client and the CLI post the same form; a bad weight is a 422 naming it."""
+    from dreamstage import cli
+    from dreamstage.client import Client, DreamstageError, group_example
+
+    prompt = "Question: which model does dreamstage keep resident between batches of decoding?\nAnswer:"
+    ex = group_example(prompt=prompt, completions=[(" One model.", 1.0), (" Two models.", -0.5), " The one it serves."])
+    body = {"examples": [ex], "window": 64, "chunk": 32, "rank": 4, "promote": "never", "max_pause_ms": 0}
+    with Client(server.url) as c:
+        with pytest.raises(DreamstageError) as e:
+            c.train([{**ex, "completions": [{"text": " x", "weight": "heavy"}]}], window=64)
+        assert e.value.status == 422 and e.value.param == "examples[0].group.completions[0].weight"
+        job = c.wait(c.train(**body)["id"], poll_s=0.1, out=io.StringIO())
+    assert job["state"] == "done", job["message"]
+    receipts = http.get(f"/train/{job['id']}/receipts").json()["receipts"]
+    G = 3
+    # the prompt is one chunk forward, each reply one chunk, the prompt one chunk backward
+    assert [r["group_reply"] for r in receipts] == [G, 0, 1, 2, G]
+    assert [r["walk_pass"] for r in receipts] == ["forward"] + ["backward"] * 4
+    assert all(r["exact"] and r["horizon"] == 0 for r in receipts) and job["progress"]["horizon"] is None
+    (label, g), = job["progress"]["groups"].items()
+    assert label == "examples[0]" and receipts[-1]["group"]["reply_losses"] == g["reply_losses"]
+    assert g["G"] == G and g["weights"] == [1.0, -0.5, 1.0] and g["epoch"] == 0
+    assert g["prefix_tokens"] == receipts[0]["chunk_tokens"] + 1 and g["shared_prefix"] is True
+    assert len(g["reply_tokens"]) == G and all(x > 0 for x in g["reply_losses"])
+    # the per-reply losses are the receipts' chunk losses (each reply is one chunk here)
+    assert g["reply_losses"] == pytest.approx([r["loss"] for r in receipts[1:4]], rel=1e-9)
+
+    lessons = tmp_path / "groups.jsonl"
+    lessons.write_text(json.dumps(ex) + "\n")
+    rc = cli.main(["train", str(lessons), "--url", server.url, "--wait", "--promote", "never",
+                   "--set", "window=64", "--set", "rank=4", "--chunk", "32"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    jid = int(out.out.split()[1])   # "job N queued: 1 examples, ..."
+    assert cli.main(["status", str(jid), "--url", server.url]) == 0
+    out = capsys.readouterr().out
+    assert f"group examples[0]: prompt {g['prefix_tokens']} tokens, 3 replies" in out and "[-0.5]" in out

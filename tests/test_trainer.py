@@ -57,6 +57,7 @@ def test_receipt_fields_and_json(rm):
         assert r.refused_chunk_pos == -1
         d = json.loads(r.to_json())
         assert tuple(d) == RECEIPT_FIELDS and Receipt(**d) == r   # JSON round trip, every field, in order
+        assert r.group_reply == -1
     assert recs[1].step == recs[0].step + 1
     assert recs[1].optimizer_mib > 0
 

@@ -217,3 +217,54 @@ def test_max_pause_ms_defaults_to_250_and_zero_means_no_bound():
     assert parse_train_request({"text": "x", "max_pause_ms": 80}).to_job_spec().pacing.max_pause_ms == 80.0
     spec = parse_train_request({"text": "x", "share": 0.2, "max_pause_ms": 0}).to_job_spec()
     assert spec.pacing.mode == "share" and spec.pacing.max_pause_ms is None
+
+
+# -- weighted groups (issue 10) -----------------------------------------------------
+def test_group_completions_take_text_or_message_and_a_weight():
+    spec = parse_train_request({"examples": [
+        {"prompt": "Q?", "completions": ["plain", {"text": "a", "weight": -0.5}, {"text": "b", "weight": 2}]},
+        {"messages": [{"role": "user", "content": "hi"}],
+         "completions": [{"message": {"role": "assistant", "content": "hello"}, "weight": 0.25}, {"text": "hey"}]},
+    ], "group_prefix": True}).to_job_spec()
+    got = [(s.label, s.group, s.weight) for s in spec.examples]
+    assert got == [("examples[0].completions[0]", "examples[0]", 1.0),
+                   ("examples[0].completions[1]", "examples[0]", -0.5),
+                   ("examples[0].completions[2]", "examples[0]", 2.0),
+                   ("examples[1].completions[0]", "examples[1]", 0.25),
+                   ("examples[1].completions[1]", "examples[1]", 1.0)]
+    assert spec.examples[1].example.completion == "a"
+    assert [m.content for m in spec.examples[3].example.messages] == ["hi", "hello"]
+    assert spec.examples[4].example.messages[-1].role == "assistant" and spec.group_prefix
+
+
+@pytest.mark.parametrize("completion, field, words", [
+    ({"text": "x", "weight": float("inf")}, "weight", "finite"),
+    ({"text": "x", "weight": "1"}, "weight", "valid number"),
+    ({"weight": 1.0}, None, "exactly one of text or message"),
+    ({"text": "x", "message": {"role": "assistant", "content": "y"}}, None, "exactly one of text or message"),
+    ({"text": ""}, "text", "text is empty"),
+    ({"text": "x", "score": 1}, "score", "Extra inputs"),
+    ({"message": {"role": "user", "content": "y"}}, "message", "not 'assistant'"),
+    ({"message": {"role": "assistant", "content": "y", "train": False}}, "message", "train=false"),
+])
+def test_bad_completions_are_refused_naming_the_field(completion, field, words):
+    body = {"examples": [{"messages": [{"role": "user", "content": "hi"}], "completions": ["ok", completion]}]}
+    with pytest.raises(ValidationError) as e:
+        parse_train_request(body)
+    first = e.value.errors()[0]
+    assert first["loc"][:5] == ("examples", 0, "group", "completions", 1)
+    if field:
+        assert first["loc"][-1] == field
+    assert words in first["msg"]
+
+
+def test_groups_refuse_a_horizon_and_a_prompt_group_refuses_messages():
+    with pytest.raises(ValidationError, match="horizon") as e:
+        parse_train_request({"examples": [{"prompt": "Q", "completions": ["a"]}], "exact": True, "horizon": 8})
+    assert e.value.errors()[0]["loc"] == ("horizon",)
+    with pytest.raises(ValidationError) as e:
+        parse_train_request({"text": "some text", "exact": True, "horizon": 8, "group_prefix": True})
+    assert e.value.errors()[0]["loc"] == ("group_prefix",)
+    with pytest.raises(ValidationError, match="belongs to a messages group"):
+        reply = {"message": {"role": "assistant", "content": "a"}}
+        parse_train_request({"examples": [{"prompt": "Q", "completions": [reply]}]})

@@ -31,6 +31,10 @@ def test_patch_series_applies_cleanly_to_pinned_tree(tmp_path):
     assert log[-1] == "upstream"
     assert len(log) == 1 + len(patches)
     assert subprocess.run(["git", "-C", str(tree), "status", "--porcelain"], capture_output=True, text=True).stdout == ""
+    # the pure-Python bindings from the same sdist, beside the tree and outside its git
+    bindings = tree / stamp["bindings"]
+    assert (bindings / "llama_cpp" / "llama_cpp.py").is_file() and (bindings / "LICENSE.md").is_file()
+    assert not (bindings / "llama_cpp" / "server").exists()
     # a second run is a no-op: the tree is not rebuilt
     mtime = (tree / ".dreamstage-stamp.json").stat().st_mtime_ns
     r2 = _run(tmp_path / "llama.cpp")

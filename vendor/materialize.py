@@ -3,12 +3,15 @@
 
 The upstream source is never committed. This script:
   1. finds the pinned llama-cpp-python sdist (DREAMSTAGE_LLAMA_SDIST, the local
-     cache, or `pip download` by exact name and version);
+     cache, or a download from pin.json's url);
   2. checks its sha256 against vendor/pin.json and refuses a mismatch by name;
   3. extracts the sdist's vendor/llama.cpp into a fresh directory, makes it a
      local git repository (one commit "upstream"), applies vendor/patches/*.patch
      in order, one commit each, so `git format-patch` exports edits back;
-  4. writes a stamp (pin + patch hashes). A re-run with the same stamp is a no-op.
+  4. extracts the sdist's pure-Python `llama_cpp` package (the bindings, without
+     its server) and its license into python-bindings/ inside the tree, outside
+     git; the build installs them beside our libraries;
+  5. writes a stamp (pin + patch hashes). A re-run with the same stamp is a no-op.
 
 DREAMSTAGE_LLAMA_TREE may point at an already-materialized tree; it is used as
 is when its stamp matches the pin and the patch series.
@@ -19,7 +22,7 @@ Exit status is nonzero, with a message naming the file, on any failure.
 from __future__ import annotations
 
 import argparse
-import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -33,20 +36,31 @@ VENDOR = Path(__file__).resolve().parent
 PIN_FILE = VENDOR / "pin.json"
 PATCH_DIR = VENDOR / "patches"
 STAMP_NAME = ".dreamstage-stamp.json"
+BINDINGS_DIR = "python-bindings"
 # Parts of upstream the build never reads; skipping them keeps extraction fast.
-SKIP_TOP = {".git", "models", "docs", "media", "benches", "tests", ".github", "gguf-py", "conversion"}
+SKIP_TOP = frozenset({".git", "models", "docs", "media", "benches", "tests", ".github", "gguf-py", "conversion"})
+# llama_cpp.server needs extras (sse-starlette, starlette-context) we do not
+# install; dreamstage has its own server.
+SKIP_BINDINGS = frozenset({"server", "__pycache__"})
+
+
+def _load_fetch():
+    # dreamstage/fetch.py by path: this script runs at build time, before the
+    # package (and its dependencies) are importable.
+    spec = importlib.util.spec_from_file_location(
+        "_dreamstage_fetch", VENDOR.parent / "dreamstage" / "fetch.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+fetch = _load_fetch()
+sha256_of = fetch.sha256_of
+cache_dir = fetch.cache_dir
 
 
 class MaterializeError(RuntimeError):
     pass
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_pin() -> dict:
@@ -63,6 +77,7 @@ def expected_stamp(pin: dict) -> dict:
         "version": pin["version"],
         "sha256": pin["sha256"],
         "upstream_commit": pin["upstream_commit"],
+        "bindings": BINDINGS_DIR,
         "patches": [{"name": p.name, "sha256": sha256_of(p)} for p in patch_series()],
     }
 
@@ -74,26 +89,6 @@ def read_stamp(tree: Path) -> dict | None:
         return None
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("DREAMSTAGE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dreamstage")
-    return Path(base)
-
-
-def _pip_command() -> list[str]:
-    # Inside an isolated build environment pip may be missing from sys.executable.
-    try:
-        import pip  # noqa: F401
-        return [sys.executable, "-m", "pip"]
-    except ImportError:
-        for name in ("pip3", "pip"):
-            exe = shutil.which(name)
-            if exe:
-                return [exe]
-    raise MaterializeError("pip is not available to fetch the pinned sdist; "
-                           "set DREAMSTAGE_LLAMA_SDIST to a downloaded copy")
-
-
 def find_sdist(pin: dict) -> Path:
     env = os.environ.get("DREAMSTAGE_LLAMA_SDIST")
     if env:
@@ -101,21 +96,14 @@ def find_sdist(pin: dict) -> Path:
         if not p.is_file():
             raise MaterializeError(f"DREAMSTAGE_LLAMA_SDIST={env}: no such file")
         return p
-    dest = cache_dir() / "sdist"
-    cached = dest / pin["sdist"]
-    if cached.is_file() and sha256_of(cached) == pin["sha256"]:
-        return cached
-    dest.mkdir(parents=True, exist_ok=True)
-    spec = f"{pin['package']}=={pin['version']}"
-    print(f"[materialize] fetching {spec} sdist with pip", file=sys.stderr)
-    # --no-build-isolation: preparing the sdist's metadata needs only
-    # scikit-build-core, which the build already has; isolation would fetch it again.
-    cmd = _pip_command() + ["download", "--no-deps", "--no-binary", pin["package"],
-                            "--no-build-isolation", "-d", str(dest), spec]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0 or not cached.is_file():
-        raise MaterializeError(f"pip could not fetch {spec}:\n{r.stdout}\n{r.stderr}")
-    return cached
+    cached = cache_dir() / "sdist" / pin["sdist"]
+    if not cached.is_file():
+        print(f"[materialize] fetching {pin['url']}", file=sys.stderr)
+    try:
+        return fetch.fetch(pin["url"], cached, pin["sha256"],
+                           hint=f"set DREAMSTAGE_LLAMA_SDIST to a downloaded copy of {pin['sdist']}")
+    except fetch.FetchError as e:
+        raise MaterializeError(str(e)) from e
 
 
 def verify_sdist(path: Path, pin: dict) -> None:
@@ -130,27 +118,44 @@ def _git(tree: Path, *args: str, stdin: str | None = None) -> subprocess.Complet
     env = dict(os.environ, GIT_AUTHOR_NAME="dreamstage", GIT_AUTHOR_EMAIL="build@dreamstage",
                GIT_COMMITTER_NAME="dreamstage", GIT_COMMITTER_EMAIL="build@dreamstage",
                GIT_AUTHOR_DATE="2026-10-01T00:00:00Z", GIT_COMMITTER_DATE="2026-10-01T00:00:00Z")
-    return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
-                          input=stdin, env=env)
+    try:
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
+                              input=stdin, env=env)
+    except FileNotFoundError:
+        raise MaterializeError("git is needed to apply vendor/patches to the pinned tree; install git") from None
+
+
+def _members(tf: tarfile.TarFile, prefix: str, dest: str = "", skip_top: frozenset[str] = frozenset(),
+             skip_any: frozenset[str] = frozenset()) -> list[tarfile.TarInfo]:
+    """The archive's regular files and directories under `prefix`, renamed to `dest`/rest,
+    without those whose first path part is in `skip_top` or any part in `skip_any`."""
+    out = []
+    for m in tf.getmembers():
+        if not m.name.startswith(prefix):
+            continue
+        rel = m.name[len(prefix):]
+        parts = rel.split("/")
+        if not rel or parts[0] in skip_top or skip_any.intersection(parts):
+            continue
+        if not (m.isfile() or m.isdir()):
+            continue  # no links or devices from an archive
+        m.name = f"{dest}/{rel}" if dest else rel
+        out.append(m)
+    return out
 
 
 def extract(sdist: Path, into: Path) -> None:
-    prefix = sdist.name[: -len(".tar.gz")] + "/vendor/llama.cpp/"
+    top = sdist.name[: -len(".tar.gz")] + "/"
     with tarfile.open(sdist, "r:gz") as tf:
-        members = []
-        for m in tf.getmembers():
-            if not m.name.startswith(prefix):
-                continue
-            rel = m.name[len(prefix):]
-            if not rel or rel.split("/", 1)[0] in SKIP_TOP:
-                continue
-            if not (m.isfile() or m.isdir()):
-                continue  # no links or devices from an archive
-            m.name = rel
-            members.append(m)
-        if not members:
+        tree = _members(tf, top + "vendor/llama.cpp/", skip_top=SKIP_TOP)
+        if not tree:
             raise MaterializeError(f"{sdist}: has no vendor/llama.cpp tree")
-        tf.extractall(into, members=members, filter="data")
+        bindings = _members(tf, top + "llama_cpp/", f"{BINDINGS_DIR}/llama_cpp", skip_any=SKIP_BINDINGS)
+        license_ = [m for m in tf.getmembers() if m.name == top + "LICENSE.md"]
+        if not bindings or not license_:
+            raise MaterializeError(f"{sdist}: has no llama_cpp package or LICENSE.md")
+        license_[0].name = f"{BINDINGS_DIR}/LICENSE.md"
+        tf.extractall(into, members=tree + bindings + license_, filter="data")
 
 
 def apply_patches(tree: Path) -> None:
@@ -177,11 +182,13 @@ def materialize(dest: Path, pin: dict) -> Path:
             r = _git(work, *args)
             if r.returncode != 0:
                 raise MaterializeError(f"git {' '.join(args)} in {work} failed:\n{r.stderr}")
+            if args[0] == "init":
+                # the bindings and the stamp are ours, not the upstream tree's
+                (work / ".git" / "info").mkdir(exist_ok=True)
+                (work / ".git" / "info" / "exclude").write_text(f"{STAMP_NAME}\n/{BINDINGS_DIR}/\n")
         _git(work, "tag", "upstream")
         apply_patches(work)
         (work / STAMP_NAME).write_text(json.dumps(want, indent=2) + "\n")
-        # git must not see the stamp as a change
-        (work / ".git" / "info" / "exclude").write_text(STAMP_NAME + "\n")
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(work, dest)

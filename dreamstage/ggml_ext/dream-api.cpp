@@ -118,8 +118,8 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
         r.refused_need_mib = v.need_mib;
         r.refused_allowance_mib = v.allowance_mib;
         dream_receipt_message(r, "the job's training cache (%.2f MiB, %s, %d tokens) and adapters (%.2f MiB) need %.2f MiB on %s; "
-                              "allowance %.2f MiB", r.context_mib, ds->cache_type_str.c_str(), ds->params.window,
-                              r.adapter_mib, v.need_mib, v.device.c_str(), v.allowance_mib);
+                              "allowance %.2f MiB%s", r.context_mib, ds->cache_type_str.c_str(), ds->params.window,
+                              r.adapter_mib, v.need_mib, v.device.c_str(), v.allowance_mib, v.why.c_str());
         return nullptr;
     }
     if (!dream_adapter_create(*ds, err) || !dream_memory_create(*ds, err)) {
@@ -158,6 +158,8 @@ int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, 
             return r.status;
         }
     }
+    ds->group = dream_group_state{};   // a plain window ends any group (dream-groups.cpp)
+    ds->win_loss_scale = 1.0f;
     ds->win_tokens.assign(tokens, tokens + n);
     ds->win_mask.assign(loss_mask, loss_mask + n);
     ds->win_mask[0] = 0;

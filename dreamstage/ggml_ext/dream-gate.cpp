@@ -5,9 +5,15 @@
 #include "dream-stage.h"
 
 #include "ggml-backend.h"
+#include "llama-impl.h"   // format()
 
 #include <algorithm>
+#include <string>
 #include <map>
+
+double dream_held_mib(const struct dream_stage * ds) {
+    return dream_held_mib(*ds);
+}
 
 double dream_held_mib(const dream_stage & ds) {
     const size_t opt = (ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float);
@@ -42,17 +48,30 @@ dream_gate_verdict dream_gate_check(const dream_stage & ds, const std::vector<st
         if (dev) {
             ggml_backend_dev_memory(dev, &free, &total);
         }
-        double allowance = (double) free / DREAM_MIB;
-        if (ds.params.memory_budget_mib > 0) {
-            allowance = std::min(allowance, ds.params.memory_budget_mib - dream_held_mib(ds));
+        const double free_mib = (double) free / DREAM_MIB, slack = ds.params.slack_mib;
+        double allowance = free_mib - slack;
+        std::string why;
+        if (allowance < 0) {
+            why = format("; the device's free memory (%.2f MiB) is below the slack (%.2f MiB)", free_mib, slack);
         }
-        allowance -= ds.params.slack_mib;
+        if (ds.params.memory_budget_mib > 0) {
+            const double held = dream_held_mib(ds), left = ds.params.memory_budget_mib - held - slack;
+            if (left < allowance) {
+                allowance = left;
+                why = left >= 0 ? "" : format("; the budget (%.2f MiB) is below what the job already holds "
+                                                     "(%.2f MiB) plus the slack (%.2f MiB)",
+                                                     ds.params.memory_budget_mib, held, slack);
+            }
+        }
+        // a negative allowance would read as a debt: it is 0, and `why` says what is short
+        allowance = std::max(allowance, 0.0);
         const double need = (double) bytes / DREAM_MIB;
         // report the device with the least headroom (the refusing one, if any)
         if (first || need - allowance > v.need_mib - v.allowance_mib) {
             v.need_mib = need;
             v.allowance_mib = allowance;
             v.device = dev ? ggml_backend_dev_name(dev) : "CPU";
+            v.why = why;
             first = false;
         }
         if (need > allowance) {

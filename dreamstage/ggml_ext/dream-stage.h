@@ -70,6 +70,32 @@ struct dream_pair {
     ggml_tensor * a_served, * b_served;
 };
 
+// A shared-prefix group in progress (dream-groups.cpp): the prompt's first
+// `shared` = n_prefix - 1 cells are run forward once and backward once; each
+// reply is a child window [shared, n_prefix + len) that re-reads the prompt's
+// last token (its row predicts the reply's first token, a different target per
+// reply) and sends its adjoints into the shared cells' gK/gV.
+struct dream_group_state {
+    bool    active = false;
+    int32_t n_prefix = 0;
+    int32_t shared = 0;                           // n_prefix - 1
+    std::vector<llama_token> prefix;
+    std::vector<std::vector<llama_token>> reply_tokens;
+    std::vector<std::vector<uint8_t>> reply_mask;  // per reply token: trains its prediction
+    std::vector<float> weights;
+    std::vector<double> reply_loss;               // mean CE over each reply's loss tokens (unweighted)
+    int32_t reply = 0;                            // the reply being walked; == G: the shared prefix's reverse pass
+};
+
+// One micro-step's chunk [p, p + n) of the window, and what its graph carries.
+struct dream_chunk {
+    int32_t p = 0, n = 0;
+    bool    backward_pass = false;  // exact walk / group: a reverse-pass chunk (backward even without loss rows)
+    int32_t leaf_lo = -1;           // exact walk / group: cells [leaf_lo, p) are gradient leaves; -1: none
+    bool    surrogate = false;      // exact walk / group: later chunks left adjoints on this chunk's cells
+    int32_t group_reply = -1;       // group: the reply this chunk belongs to, G for the shared prefix; -1: no group
+};
+
 struct dream_stage {
     llama_context     * lctx  = nullptr;
     llama_model       * model = nullptr;
@@ -138,6 +164,10 @@ struct dream_stage {
     bool build_surrogate = false;         // exact walk: add sum(k*gK) + sum(v*gV) of the chunk's own K/V
     std::vector<ggml_tensor *> build_leaf_k, build_leaf_v;   // per layer, the leaves built (or null)
     ggml_tensor * build_sur = nullptr;    // the surrogate's sum over layers
+
+    // the current window's loss multiplier: 1, or a group reply's weight (dream-groups.cpp)
+    float win_loss_scale = 1.0f;
+    dream_group_state group;
 };
 
 // dream-adapter.cpp
@@ -161,8 +191,9 @@ void dream_walk_clear(dream_stage & ds);
 // dream-gate.cpp: per-device comparison of need against allowance.
 struct dream_gate_verdict {
     bool   fits = true;
-    double need_mib = 0, allowance_mib = 0;
+    double need_mib = 0, allowance_mib = 0;   // the allowance is never negative
     std::string device;
+    std::string why;   // set when the allowance is 0 because the budget or the device has nothing left: "; ..." for a message
 };
 dream_gate_verdict dream_gate_check(const dream_stage & ds,
                                     const std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs);
@@ -198,5 +229,12 @@ ggml_tensor * dream_cpu_wt_dy(ggml_context * ctx, ggml_tensor * w, ggml_tensor *
 // dream-walk.cpp
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);
 int32_t dream_walk_chunks_left(const dream_stage & ds);
+int32_t dream_loss_rows(const dream_stage & ds, int32_t p, int32_t e);     // rows in [p, e) whose next token carries loss
+bool    dream_has_adjoint(const dream_stage & ds, int32_t p, int32_t e);   // an adjoint was added on [p, e)
+
+// dream-groups.cpp: the shared-prefix group's walk (the micro-step calls these while group.active)
+dream_chunk dream_group_next_chunk(dream_stage & ds);
+bool    dream_group_chunk_done(dream_stage & ds, const dream_chunk & c, const dream_receipt & r);   // true: group done
+int32_t dream_group_chunks_left(const dream_stage & ds);
 
 constexpr double DREAM_MIB = 1024.0 * 1024.0;

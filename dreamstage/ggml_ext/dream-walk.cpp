@@ -437,16 +437,8 @@ struct dream_graph_scope {
 };
 }
 
-// One micro-step's chunk [p, p + n) of the window, and what its graph carries.
-struct dream_chunk {
-    int32_t p = 0, n = 0;
-    bool    backward_pass = false;  // exact walk: a reverse-pass chunk (backward even without loss rows)
-    int32_t leaf_lo = -1;           // exact walk: cells [leaf_lo, p) are gradient leaves; -1: none
-    bool    surrogate = false;      // exact walk: later chunks left adjoints on this chunk's cells
-};
-
 // Rows in [p, e) whose next token carries loss.
-static int32_t dream_loss_rows(const dream_stage & ds, int32_t p, int32_t e) {
+int32_t dream_loss_rows(const dream_stage & ds, int32_t p, int32_t e) {
     int32_t n = 0;
     for (int32_t i = p; i < e; ++i) {
         n += (i + 1 < ds.win_n && ds.win_mask[i + 1]) ? 1 : 0;
@@ -454,7 +446,7 @@ static int32_t dream_loss_rows(const dream_stage & ds, int32_t p, int32_t e) {
     return n;
 }
 
-static bool dream_has_adjoint(const dream_stage & ds, int32_t p, int32_t e) {
+bool dream_has_adjoint(const dream_stage & ds, int32_t p, int32_t e) {
     for (int32_t i = p; i < e; ++i) {
         if (ds.win_adj[i]) {
             return true;
@@ -463,9 +455,10 @@ static bool dream_has_adjoint(const dream_stage & ds, int32_t p, int32_t e) {
     return false;
 }
 
-// A window the exact walk runs (one without loss tokens is forward only, as in the plain walk).
+// A window the exact walk runs (one without loss tokens is forward only, as in
+// the plain walk); a shared-prefix group always does (dream-groups.cpp).
 static bool dream_exact_window(const dream_stage & ds) {
-    return ds.params.exact && ds.win_n_masked > 0;
+    return (ds.params.exact && ds.win_n_masked > 0) || ds.group.active;
 }
 
 // The reverse pass's chunk that ends at e starts on the chunk grid (which
@@ -491,6 +484,9 @@ static void dream_rev_skip(dream_stage & ds) {
 // cache holds [0, win_pos): a reverse chunk gives up its own cells, so a
 // smaller chunk after a refusal first refills the cells it now needs.
 static dream_chunk dream_next_chunk(dream_stage & ds) {
+    if (ds.group.active) {
+        return dream_group_next_chunk(ds);
+    }
     dream_chunk c;
     if (!dream_exact_window(ds)) {
         c.p = ds.win_pos;
@@ -530,6 +526,9 @@ static size_t dream_step_host_bytes(const dream_stage & ds, bool train) {
 int32_t dream_walk_chunks_left(const dream_stage & ds) {
     if (!ds.win_active) {
         return 0;
+    }
+    if (ds.group.active) {
+        return dream_group_chunks_left(ds);
     }
     const int32_t ch = ds.params.chunk;
     if (!dream_exact_window(ds)) {
@@ -571,7 +570,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             }
             dream_walk_free(ds);   // a refused or failed step leaves nothing allocated
         }
-        if (status == DREAM_STATUS_REFUSED && chunk.backward_pass) {
+        if (status == DREAM_STATUS_REFUSED && chunk.backward_pass && !ds.group.active) {
             if (const int32_t h = dream_halve_horizon(ds, chunk.p, chunk.leaf_lo)) {
                 const size_t len = std::strlen(r.message);
                 std::snprintf(r.message + len, sizeof(r.message) - len, "; horizon halved from %d to %d, the chunk retries",
@@ -597,6 +596,11 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     r.chunk_pos = p;
     r.chunk_tokens = n;
     r.horizon = ds.params.exact ? ds.horizon : -1;
+    r.group_reply = chunk.group_reply;
+    if (chunk.group_reply >= 0) {   // a group's walk is exact on any stage, over the whole prefix
+        r.exact = true;
+        r.horizon = 0;
+    }
     // a chunk larger than the adjoint slots were sized for gets fewer leaves:
     // the receipt says how many positions it actually gave gradient
     if (chunk.leaf_lo >= 0 && ds.horizon > 0 && chunk.p - chunk.leaf_lo < std::min(ds.horizon, chunk.p)) {
@@ -652,8 +656,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             dream_receipt_refused(r, p, n, v.need_mib, v.allowance_mib);
             dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
                                   "memory need %.2f MiB on %s, allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, "
-                                  "slack %.2f MiB)", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
-                                  ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib);
+                                  "slack %.2f MiB)%s", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
+                                  ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, v.why.c_str());
             return finish(DREAM_STATUS_REFUSED);
         }
         std::string err;
@@ -816,8 +820,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             }
             ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
             ggml_set_output(ce);
-            // this chunk's share of the window's mean over its loss tokens
-            loss = ggml_scale(cbw, ce, (float) n_loss / (float) ds.win_n_masked);
+            // this chunk's share of the window's mean over its loss tokens (times a group reply's weight)
+            loss = ggml_scale(cbw, ce, (float) n_loss / (float) ds.win_n_masked * ds.win_loss_scale);
         }
         // the exact walk: the later chunks' adjoints enter through the surrogate
         if (ds.build_sur) {
@@ -901,10 +905,10 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         r.refused_need_mib = verdict.need_mib;
         r.refused_allowance_mib = verdict.allowance_mib;
         dream_receipt_message(r, "chunk at %d (%d tokens) needs %.2f MiB more on %s (training graph %.2f MiB planned%s), "
-                              "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)",
+                              "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)%s",
                               p, n, verdict.need_mib, verdict.device.c_str(), r.graph_mib,
                               need_opt_state ? " + optimizer state" : "", verdict.allowance_mib,
-                              ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib);
+                              ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, verdict.why.c_str());
         return finish(DREAM_STATUS_REFUSED);
     }
 
@@ -995,7 +999,9 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     ds.step += 1;
     ds.win_pos = p + n;
     bool window_done = !dream_exact_window(ds) && ds.win_pos >= ds.win_n;
-    if (chunk.backward_pass) {
+    if (ds.group.active) {
+        window_done = dream_group_chunk_done(ds, chunk, r);
+    } else if (chunk.backward_pass) {
         // the leaves' cells now hold adjoints; this chunk's own slots are
         // spent and must read zero when lower positions wrap onto them
         for (int32_t i = std::max(chunk.leaf_lo, 0); chunk.leaf_lo >= 0 && i < p; ++i) {

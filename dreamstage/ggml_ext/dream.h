@@ -56,6 +56,7 @@ struct dream_receipt {
     double  refused_need_mib;
     double  refused_allowance_mib;
     char    message[512];           // what did not fit / what failed; "" when ok
+    int32_t group_reply;            // shared-prefix group: the reply this chunk walked, G for the shared prefix; -1: no group
 };
 
 // One member of a struct as this library was compiled: a binding compares
@@ -132,6 +133,30 @@ LLAMA_API int32_t dream_window_begin(struct dream_stage * ds, const llama_token 
 // not below one) when that can shrink the graph, and the receipt says so.
 LLAMA_API int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt);
 
+// Starts a shared-prefix group (instead of a window): the prompt `prefix[n_prefix]`
+// and n_replies replies, reply g being the next reply_lengths[g] tokens of
+// reply_tokens with their loss mask (reply_mask[i] != 0 trains the prediction of
+// that token; a reply's first token is predicted from the prompt's last) and
+// weights[g] (any finite value, negative included). The group's loss is
+// sum_g weights[g] * (mean CE over reply g's loss tokens) / n_replies: exactly
+// the mean of n_replies separate windows (prompt + reply g), each window's loss
+// multiplied by its weight. Micro-steps then run the prompt forward once, each
+// reply as a child chunk (forward and backward against the prompt's K/V as
+// gradient leaves, adjoints summed over replies), the prompt backward once, and
+// count as one window for accumulate_windows. Replies never attend to one
+// another. Needs n_prefix >= 1, every reply >= 1 loss token, n_prefix + the
+// longest reply <= window, and no horizon. Returns DREAM_STATUS_OK, or ERROR
+// with receipt->message naming the bad value.
+LLAMA_API int32_t dream_group_begin(struct dream_stage * ds, const llama_token * prefix, int32_t n_prefix,
+                                    const llama_token * reply_tokens, const uint8_t * reply_mask,
+                                    const int32_t * reply_lengths, const float * weights, int32_t n_replies,
+                                    struct dream_receipt * receipt);
+
+// Copies the current (or last) group's per-reply losses into out[n] (mean CE over
+// each reply's loss tokens, unweighted; NaN for a reply not walked yet).
+// Returns the group's reply count (0: no group begun since the last window).
+LLAMA_API int32_t dream_group_reply_losses(const struct dream_stage * ds, double * out, int32_t n);
+
 // Chunks left in the current window (0: window done or none begun).
 LLAMA_API int32_t dream_chunks_left(const struct dream_stage * ds);
 
@@ -165,6 +190,11 @@ LLAMA_API struct llama_adapter_lora * dream_served_adapter(struct dream_stage * 
 
 // Replaces the job's memory budget (MiB; <= 0: unlimited). Takes effect at the next micro-step.
 LLAMA_API void dream_set_budget(struct dream_stage * ds, double memory_budget_mib);
+
+// What the job holds now against its budget (MiB): adapters, training cache, the
+// exact walk's buffers, optimizer state, the training graphs' buffers and the
+// device pools' kept expansion. The gate's allowance is budget - this - slack.
+LLAMA_API double dream_held_mib(const struct dream_stage * ds);
 
 // Sets the exact walk's horizon (positions before a chunk that receive gradient;
 // <= 0: the whole window) from the next micro-step on. Returns the horizon now

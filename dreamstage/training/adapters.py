@@ -15,9 +15,9 @@ import hashlib
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -61,7 +61,7 @@ def file_sha256(path) -> str:
 def save_lora(path, factors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]], *, alpha: float,
               model_arch: str) -> Path:
     """Write {(layer, target): (A, B)} as a GGUF LoRA adapter at `path`, atomically."""
-    import gguf  # noqa: PLC0415
+    import gguf
 
     path = Path(path)
     if not factors:
@@ -93,7 +93,7 @@ def _write_lora(w, factors, alpha: float) -> None:
 
 def load_lora(path) -> tuple[dict[tuple[int, str], tuple[np.ndarray, np.ndarray]], float]:
     """Read a GGUF LoRA adapter: ({(layer, target): (A, B)}, alpha)."""
-    import gguf  # noqa: PLC0415
+    import gguf
 
     path = Path(path)
     r = gguf.GGUFReader(str(path))
@@ -116,7 +116,8 @@ def load_lora(path) -> tuple[dict[tuple[int, str], tuple[np.ndarray, np.ndarray]
         if t.tensor_type != gguf.GGMLQuantizationType.F32:
             raise ValueError(f"{path}: tensor {t.name!r} is {t.tensor_type.name}, expected F32")
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = np.array(t.data, dtype=np.float32).reshape(shape)
+        matrix = np.array(t.data, dtype=np.float32).reshape(shape)
+        parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = matrix
     out = {}
     for key, ab in parts.items():
         if set(ab) != {"a", "b"}:

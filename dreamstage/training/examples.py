@@ -40,11 +40,15 @@ Messages after the last trained reply carry no loss and are dropped.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from dreamstage.chat import FALLBACK_TEMPLATE
 from dreamstage.training.spec import ChatExample, JobSpec, PromptCompletion, SourcedExample, TextExample
+
+if TYPE_CHECKING:
+    from dreamstage.training.groups import TrainGroup
 
 
 class Tokenizer(Protocol):
@@ -185,10 +189,10 @@ class ChatRenderer:
     """
 
     def __init__(self, tok: Tokenizer, template: str | None = None):
-        from dreamstage import native  # noqa: PLC0415 - llama_cpp must bind to our libllama
+        from dreamstage import native  # llama_cpp must bind to our libllama
 
         native.llama_cpp()
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         self.tok = tok
         source = template if template is not None else (tok.chat_template() or FALLBACK_TEMPLATE)
@@ -197,13 +201,14 @@ class ChatRenderer:
         try:
             self._formatters = {gen: Jinja2ChatFormatter(source, eos_token=eos_text, bos_token=bos_text,
                                                          add_generation_prompt=gen) for gen in (False, True)}
-        except Exception as e:  # noqa: BLE001 - a template that does not compile
+        except Exception as e:  # a template that does not compile
             raise TemplateError(f"the chat template does not compile: {e}") from e
 
     def _render(self, messages: list[dict], tools, gen: bool) -> str:
         try:
-            return self._formatters[gen](messages=messages, tools=tools).prompt
-        except Exception as e:  # noqa: BLE001 - raise_exception() and any Jinja error alike
+            # our message dicts have the shape of llama_cpp's TypedDicts, which a list[dict] cannot say
+            return self._formatters[gen](messages=cast("list[Any]", messages), tools=tools).prompt
+        except Exception as e:  # raise_exception() and any Jinja error alike
             raise TemplateError(f"the chat template refused these messages: {e}") from e
 
     def render(self, ex: ChatExample) -> Rendered:
@@ -273,7 +278,7 @@ class ChatRenderer:
         matches) never runs over user text. The content is the last occurrence in
         its piece: only the template's end-of-turn text follows it."""
         at = text.rfind(content) if content else -1
-        if at < 0:
+        if content is None or at < 0:
             return self.tok.tokenize(text, add_special, True)
         out: list[int] = []
         for part, special in ((text[:at], True), (content, False), (text[at + len(content):], True)):
@@ -331,7 +336,8 @@ def fit_windows(r: Rendered, window: int, fit: str) -> list[TrainWindow]:
     return out
 
 
-def text_windows(tokens: Sequence[int], window: int, overlap: int, source: int = 0, label: str = "") -> list[TrainWindow]:
+def text_windows(tokens: Sequence[int], window: int, overlap: int, source: int = 0,
+                 label: str = "") -> list[TrainWindow]:
     """Split a long text into windows that overlap by `overlap` tokens.
 
     Window k+1 starts `overlap` tokens before window k ends; the overlap is
@@ -356,7 +362,7 @@ def text_windows(tokens: Sequence[int], window: int, overlap: int, source: int =
 # -- a whole job --------------------------------------------------------------
 @dataclass(frozen=True)
 class RenderedJob:
-    train: tuple[TrainWindow, ...]
+    train: tuple[TrainWindow | TrainGroup, ...]   # a group of completions is one TrainGroup
     held_out: tuple[TrainWindow, ...]
 
     @property
@@ -392,10 +398,13 @@ def render_job(spec: JobSpec, tok: Tokenizer) -> RenderedJob:
     Raises ExampleErrors listing every example that cannot be rendered, so the
     server can refuse the body (422) before the job is accepted.
     """
+    from dreamstage.training.groups import assemble_group, group_by_prefix
+
     chat = ChatRenderer(tok) if any(isinstance(s.example, ChatExample) for s in spec.examples) else None
     held = held_out_sources([s.source for s in spec.examples], spec.val_split, spec.seed)
-    train: list[TrainWindow] = []
+    train: list = []                 # TrainWindow, or a group's label until its members are in
     held_out: list[TrainWindow] = []
+    members: dict[str, list[tuple[SourcedExample, list[TrainWindow]]]] = {}
     errors: list[ExampleError] = []
     for sx in spec.examples:
         try:
@@ -403,9 +412,26 @@ def render_job(spec: JobSpec, tok: Tokenizer) -> RenderedJob:
         except ExampleError as e:
             errors.append(e)
             continue
-        (held_out if sx.source in held else train).extend(wins)
+        if sx.source in held:
+            held_out.extend(wins)    # held-out loss is measured per window, unweighted
+        elif sx.group is not None:
+            if sx.group not in members:
+                members[sx.group] = []
+                train.append(sx.group)
+            members[sx.group].append((sx, wins))
+        else:
+            train.extend(wins)
     if errors:
         raise ExampleErrors(errors)
+    for i, item in enumerate(train):
+        if isinstance(item, str):
+            # a completion is one trained reply, so it renders to exactly one window
+            got = members[item]
+            assert all(len(wins) == 1 for _, wins in got), item
+            train[i] = assemble_group([wins[0] for _, wins in got], [sx.weight for sx, _ in got], spec.chunk,
+                                      got[0][0].source, item)
+    if spec.group_prefix:
+        train = group_by_prefix(train, spec.chunk)
     return RenderedJob(tuple(train), tuple(held_out))
 
 

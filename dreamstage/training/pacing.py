@@ -57,8 +57,9 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from dreamstage.training.spec import DEFAULT_MAX_PAUSE_MS, PacingSpec
 
@@ -223,7 +224,7 @@ class Pacer:
         self._baseline = 0                # undisturbed batches seen
 
     @classmethod
-    def from_spec(cls, spec: PacingSpec, **kw: Any) -> "Pacer":
+    def from_spec(cls, spec: PacingSpec, **kw: Any) -> Pacer:
         return cls(spec.mode, spec.value, max_pause_ms=spec.max_pause_ms, **kw)
 
     # -- the ledger -----------------------------------------------------------------

@@ -13,7 +13,8 @@ of a window is only ever called `window`, as in the request and the receipts.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from dreamstage.training.receipts import MEMORY_FIELDS
 from dreamstage.training.spec import JobSpec
@@ -36,6 +37,9 @@ def new_progress(spec: JobSpec) -> dict[str, Any]:
         # the last drift measurement (docs/architecture/drift.md), null until one ran
         "drift": None,
         "memory": {k: None for k in MEMORY_FIELDS},
+        # shared-prefix groups: per group label, its structure (prefix_tokens, G,
+        # reply_tokens, weights, shared_prefix) and its last walk's per-reply losses
+        "groups": {},
         # accumulators for the epoch in progress and the moving average
         "_win_loss_sum": 0.0, "_win_tokens": 0, "_epoch_loss_sum": 0.0, "_epoch_tokens": 0,
         "_ema": 0.0, "_ema_n": 0,
@@ -66,7 +70,10 @@ def fold_receipt(p: dict[str, Any], d: Mapping[str, Any]) -> None:
             p["walk_pass"] = d["walk_pass"]
     elif d["status"] == "refused":
         p["refusals"] += 1
-    if d.get("exact") and d.get("horizon") is not None:
+    if d.get("group"):
+        g = dict(d["group"])
+        p.setdefault("groups", {})[g.pop("label")] = g
+    if d.get("exact") and d.get("horizon") is not None and d.get("group_reply", -1) < 0:
         p["horizon"] = d["horizon"]      # in use (0: the whole window); a halving refusal names the new one
     if d.get("chunk") is not None:
         p["current_chunk"] = d["chunk"]

@@ -5,6 +5,7 @@ unchanged into JSON, the job store and the HTTP API. Sizes are MiB, times ms.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 from dataclasses import asdict, dataclass, fields, replace
@@ -43,6 +44,7 @@ class Receipt:
     refused_need_mib: float
     refused_allowance_mib: float
     message: str
+    group_reply: int = -1       # shared-prefix group: the reply this chunk walked, G for the shared prefix; -1: none
 
     @classmethod
     def from_c(cls, c: DreamReceiptC) -> Receipt:
@@ -91,9 +93,9 @@ class Receipt:
 RECEIPT_FIELDS = tuple(f.name for f in fields(Receipt))
 
 
-def mirror_mismatch(names: tuple[str, ...], mirror: type = DreamReceiptC) -> str | None:
+def mirror_mismatch(names: tuple[str, ...], mirror: type[ctypes.Structure] = DreamReceiptC) -> str | None:
     """Why the dataclass's field names and the ctypes mirror's differ (None: they agree)."""
-    c_names = tuple(name for name, _ in mirror._fields_)
+    c_names = tuple(f[0] for f in mirror._fields_)
     if names == c_names:
         return None
     only_py = [n for n in names if n not in c_names]
@@ -110,7 +112,8 @@ MEMORY_FIELDS = ("graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "wa
 
 def receipt_dict(receipt: Any) -> dict[str, Any]:
     """A receipt (dataclass or mapping) as the JSON dict we store, unchanged."""
-    d = dataclasses.asdict(receipt) if dataclasses.is_dataclass(receipt) else dict(receipt)
+    is_instance = dataclasses.is_dataclass(receipt) and not isinstance(receipt, type)
+    d = dataclasses.asdict(receipt) if is_instance else dict(receipt)
     status = d.get("status")
     if status not in RECEIPT_STATUSES:
         raise ValueError(f"receipt status {status!r} is not one of {', '.join(RECEIPT_STATUSES)}")

@@ -29,7 +29,8 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Generator
+from typing import Any
 
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift import set_context_adapter
@@ -37,6 +38,7 @@ from dreamstage.training.drift_guard import (
     DriftGuard, OwnLoss, drift_figures, drift_receipt, promotion_decision, summary,
 )
 from dreamstage.training.examples import RenderedJob, render_job
+from dreamstage.training.groups import TrainGroup
 from dreamstage.training.pacing import DEFAULT_IDLE_GRACE_S, Pacer
 from dreamstage.training.receipts import Receipt
 from dreamstage.training.served import (
@@ -83,7 +85,7 @@ def native_trainer(resident, spec: JobSpec, chunk: int, lr: float | None = None)
     An evaluator (lr given) runs the plain walk: it needs only the forward
     loss, which both walks compute alike, and the exact walk would add a
     reverse pass and adjoint buffers for nothing."""
-    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer  # noqa: PLC0415 - needs the native core
+    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer  # needs the native core
 
     exact = spec.exact and lr is None
     return Trainer(resident, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
@@ -119,7 +121,7 @@ class DreamScheduler:
         self._kick = True
         self._last_poll = -1e9
         self._job_id: int | None = None
-        self._job: Iterator[None] | None = None
+        self._job: Generator[None, None, None] | None = None
         self._pacer: Pacer | None = None
         self._shaper: StepShaper | None = None
         self._threads: DreamThreads | None = None
@@ -208,7 +210,7 @@ class DreamScheduler:
         if job is not None:
             try:
                 job.close()
-            except Exception:  # noqa: BLE001 - shutting down
+            except Exception:  # shutting down
                 log.exception("closing the active job")
         for t in self._closing:
             t.close()
@@ -218,7 +220,7 @@ class DreamScheduler:
                 if self.store.state(jid) not in TERMINAL:
                     self.store.transition(jid, "interrupted", "the server stopped while the job was training; "
                                                               "its in-memory adapter and optimizer state were lost")
-            except Exception:  # noqa: BLE001 - the store may be closed already
+            except Exception:  # the store may be closed already
                 log.exception("marking job %s interrupted", jid)
         with self._lock:
             commands = list(self._commands)
@@ -295,7 +297,8 @@ class DreamScheduler:
 
     def _advance(self, engine, active_slots: int) -> bool:
         """Run the job one step if its state and the pacer allow; False when nothing ran."""
-        jid = self._job_id
+        jid, job = self._job_id, self._job
+        assert jid is not None and job is not None  # called only while a job is active
         state = self.store.state(jid)
         if state in TERMINAL:                     # cancelled by the server (or ended by the job itself)
             self._end_job()
@@ -309,7 +312,7 @@ class DreamScheduler:
         self._stepping = True
         self._step_ran = None
         try:
-            next(self._job)
+            next(job)
         except StopIteration:
             self._end_job()
         except AdapterSaveError as e:
@@ -322,7 +325,7 @@ class DreamScheduler:
             log.error("dream job %s: the state directory cannot be written: %s", jid, e)
             self._fail(jid, f"the state directory cannot be written ({e}); the job stopped")
             self._end_job()
-        except Exception as e:  # noqa: BLE001 - a failing job must not take serving down
+        except Exception as e:  # a failing job must not take serving down
             log.exception("dream job %s failed", jid)
             self._fail(jid, f"internal error in the dream stage: {type(e).__name__}: {e}")
             self._end_job()
@@ -351,7 +354,8 @@ class DreamScheduler:
             job.close()                                 # runs the generator's finally: trainers closed
             release_freed_memory()
         with self._lock:
-            self._rendered.pop(jid, None)
+            if jid is not None:
+                self._rendered.pop(jid, None)
             self._kick = True                           # the next queued job may start at once
 
     def _fail(self, jid: int, message: str) -> None:
@@ -389,11 +393,11 @@ class DreamScheduler:
         if final or now - self._figures_at >= FIGURES_EVERY_S:
             self._figures_at = now
             try:
-                self.store.set_pacing(self._job_id, self.pacing())
+                self.store.set_pacing(self._job_id, self.pacing() or {})
             except (OSError, sqlite3.OperationalError) as e:   # a full disk: figures are not worth a job
                 log.warning("job %s: pacing figures not stored: %s", self._job_id, e)
 
-    def _end(self, jid: int, target: str, message: str) -> Iterator[None]:
+    def _end(self, jid: int, target: str, message: str) -> Generator[None, None, None]:
         """Move the job to a final state; a pause that raced in waits for resume."""
         while True:
             try:
@@ -404,7 +408,7 @@ class DreamScheduler:
                     return                              # cancelled (or ended) meanwhile: that stands
                 yield
 
-    def _job_steps(self, jid: int, engine) -> Iterator[None]:
+    def _job_steps(self, jid: int, engine) -> Generator[None, None, None]:
         """One job, start to end; every `yield` follows at most one native micro-step."""
         store = self.store
         spec = store.spec(jid)
@@ -437,7 +441,7 @@ class DreamScheduler:
             trainer.close()
             self._closing.remove(trainer)
 
-    def _train(self, jid: int, spec: JobSpec, rendered: RenderedJob, trainer, engine) -> Iterator[None]:
+    def _train(self, jid: int, spec: JobSpec, rendered: RenderedJob, trainer, engine) -> Generator[None, None, None]:
         store = self.store
         self._pacer = Pacer.from_spec(spec.pacing, idle_grace_s=self.idle_grace_s, clock=self.clock)
         self._threads = DreamThreads(self.resident)
@@ -463,22 +467,30 @@ class DreamScheduler:
         begun = None
         memory_cap = spec.chunk                         # the memory ladder's chunk (halved on a refusal)
         while (cur := run.current()) is not None:
-            chunk, threads = (self._shaper.choose(memory_cap, trains_from(cur[0].mask, cur[1].chunk_pos))
+            group = isinstance(cur[0], TrainGroup)      # the native core picks a group's steps
+            trains = None if group else trains_from(cur[0].mask, cur[1].chunk_pos)
+            chunk, threads = (self._shaper.choose(memory_cap, trains)
                               if self._shaper is not None else (run.walk.chunk, self._threads.serve_batch))
             if chunk != run.walk.chunk:
                 run.walk.chunk = chunk                  # the walk and the trainer move together
                 trainer.set_chunk(chunk)
                 cur = run.current()
+                assert cur is not None  # the same position, cut to another chunk
             window, step = cur
             if step.chunk_pos == 0 and begun != (step.epoch, step.order_pos):
-                trainer.begin_window(window.tokens, window.mask)
+                if group:
+                    trainer.begin_group(window.prefix, window.replies, window.share_prefix)
+                else:
+                    trainer.begin_window(window.tokens, window.mask)
                 begun = (step.epoch, step.order_pos)
             receipt = clear_receipt(self._threads.run(threads, trainer.micro_step), spec)
             self.stats.record(receipt)
             self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0)   # for the shaper
                               if receipt.status == "ok" else None)
             try:
-                event = run.record(receipt, window_done=trainer.chunks_left == 0)
+                done = trainer.chunks_left == 0
+                event = run.record(receipt, window_done=done,
+                                   reply_losses=trainer.group_reply_losses() if group and done else None)
                 own.note(step.window_index, receipt)
             except InvalidTransition:
                 # a pause raced the end JobRun recorded (refused at the floor, or an
@@ -508,7 +520,8 @@ class DreamScheduler:
         message = yield from self._finish(jid, spec, trainer, progress["eval_loss"], eval_before, guard)
         yield from self._end(jid, "done", "; ".join([message, *notes]))
 
-    def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int, notes: list[str]) -> Iterator[None]:
+    def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int,
+                  notes: list[str]) -> Generator[None, None, float | None]:
         """Held-out loss of the shadow adapter as it is now.
 
         The native core has no forward-only pass yet, so an evaluator is a
@@ -519,8 +532,10 @@ class DreamScheduler:
         receipts are not the job's. A refusal leaves eval_loss null, noted."""
         try:
             evaluator = self.make_trainer(self.resident, spec, chunk, 0.0)
-        except Exception as e:  # noqa: BLE001
-            notes.append(f"held-out loss not measured: the evaluator was refused ({getattr(e, 'receipt', None) and e.receipt.message or e})")
+        except Exception as e:  # noqa: BLE001 - any refusal or failure of the evaluator only costs the held-out loss
+            receipt = getattr(e, "receipt", None)
+            why = (receipt is not None and receipt.message) or e
+            notes.append(f"held-out loss not measured: the evaluator was refused ({why})")
             return None
         self._closing.append(evaluator)
         try:
@@ -531,10 +546,12 @@ class DreamScheduler:
                 pos = 0
                 while evaluator.chunks_left:
                     step_chunk, threads = (self._shaper.choose(chunk, trains_from(w.mask, pos))
-                                           if self._shaper is not None else (chunk, self._threads.serve_batch))
+                                           if self._shaper is not None
+                                           else (chunk, self._threads.serve_batch if self._threads is not None else 0))
                     if step_chunk != evaluator.chunk:
                         evaluator.set_chunk(step_chunk)   # an evaluation step pauses serving like any other
-                    r = evaluator.micro_step() if self._threads is None else self._threads.run(threads, evaluator.micro_step)
+                    r = (evaluator.micro_step() if self._threads is None
+                         else self._threads.run(threads, evaluator.micro_step))
                     self._step_ran = (r.chunk_tokens, threads, r.tokens > 0) if r.status == "ok" else None
                     pos += r.chunk_tokens
                     yield
@@ -558,7 +575,8 @@ class DreamScheduler:
         return DriftGuard(self.resident, spec, rendered.train, seq_id=lend, cache=self._anchor_records,
                           restore=lambda: set_context_adapter(self.resident, served.handle))
 
-    def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before, guard=None) -> Iterator[None]:
+    def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before,
+                guard=None) -> Generator[None, None, str]:
         """Save the shadow adapter as a new version; promote per the job's rule. Returns the message."""
         store = self.store
         name = store.get(jid)["out"]
@@ -603,9 +621,11 @@ class DreamScheduler:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
+                view: dict | None
                 if kind == "promote":
+                    name, version = args
                     applied: concurrent.futures.Future = concurrent.futures.Future()
-                    view = self.switch.book_promotion(*args, applied)
+                    view = self.switch.book_promotion(name, version, applied)
                 else:
                     applied = concurrent.futures.Future()
                     view = self.switch.book_rollback(applied)

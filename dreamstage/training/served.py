@@ -139,12 +139,11 @@ class AdapterSwitch:
         dst = self.store.adapter_path(name, version)
         _copy_atomic(src, dst)
         self.store.add_adapter(name, version)
-        view = self.store.promote(name, version)
+        self.store.promote(name, version)
         self.served.apply(handle, str(dst))
         engine.adapter_version = self.store.served_version()
         self.served_error = None
         log.info("serving --adapter %s as %s v%d (served version %d)", src, name, version, engine.adapter_version)
-        return view
 
     def book_promotion(self, name: str, version: int | None, applied) -> dict:
         store = self.store
@@ -193,9 +192,10 @@ class AdapterSwitch:
 
     def apply_pending(self, engine) -> None:
         swap, self.pending = self.pending, None
+        assert swap is not None  # callers check for a pending swap
         try:
             self.served.apply(swap.handle, swap.path)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.exception("adapter swap failed")
             self.served.discard(swap.handle)
             if swap.future is not None:

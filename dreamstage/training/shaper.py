@@ -11,7 +11,8 @@ import math
 import os
 import statistics
 from collections import deque
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from dreamstage.training.pacing import SizeTimes, percentile
 
@@ -139,6 +140,8 @@ class StepShaper:
         if not other:
             return None
         p = other.predict(chunk)
+        if p is None:
+            return None
         # from the other kind: a backward costs about 3x the forward (docs/benchmarks.md),
         # so a training step is read as 4 forward steps; a forward step as a training one
         return p * self.FORWARD_TO_TRAIN if trains else p

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -94,7 +95,7 @@ class Message(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _shape(self) -> "Message":
+    def _shape(self) -> Message:
         if self.content is None and not self.tool_calls:
             raise ValueError("a message needs content (or tool_calls on an assistant message)")
         if self.tool_calls and self.role != "assistant":
@@ -143,44 +144,94 @@ class ChatExample(BaseModel):
     tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
-    def _has_reply(self) -> "ChatExample":
+    def _has_reply(self) -> ChatExample:
         _check_trained_reply(self.messages)
         return self
 
 
-class GroupExample(BaseModel):
-    """One prompt (text or chat) with several completions.
+class Completion(BaseModel):
+    """One reply of a group: its `text` (or an assistant `message`) and its `weight`.
 
-    The prompt is context only; each completion is one trained reply. Until the
-    shared-prefix walk lands they train as separate examples (`expand`).
+    The weight multiplies the reply's mean token loss (docs/architecture/groups.md):
+    any finite number, negative to push the reply away (a reward or an advantage)."""
+
+    model_config = _strict()
+    text: str | None = None
+    message: Message | None = None
+    weight: float = 1.0
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None and not v:
+            raise ValueError("text is empty")
+        return v
+
+    @field_validator("message")
+    @classmethod
+    def _message(cls, v: Message | None) -> Message | None:
+        if v is not None and v.role != "assistant":
+            raise ValueError(f"a completion's message is the assistant's reply; role {v.role!r} is not 'assistant'")
+        if v is not None and v.train is False:
+            raise ValueError("a completion's message is trained; train=false would leave nothing to train")
+        return v
+
+    @model_validator(mode="after")
+    def _one_reply(self) -> Completion:
+        if (self.text is None) == (self.message is None):
+            raise ValueError("a completion needs exactly one of text or message")
+        return self
+
+    def reply_message(self) -> Message:
+        return self.message if self.message is not None else Message(role="assistant", content=self.text)
+
+
+class GroupExample(BaseModel):
+    """One prompt (text or chat) with several weighted completions.
+
+    The prompt is context only; each completion is one trained reply, a plain
+    string (weight 1) or `{text | message, weight}`. The job trains the group as
+    one shared-prefix group (`dreamstage.training.groups`): the prompt once, every reply
+    against it, one update for the group.
     """
 
     model_config = _strict()
     prompt: str | None = None
     messages: list[Message] | None = None
     tools: list[dict[str, Any]] | None = None
-    completions: list[str] = Field(min_length=1)
+    completions: list[Completion | str] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _one_prefix(self) -> "GroupExample":
+    def _one_prefix(self) -> GroupExample:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("a group needs exactly one of prompt or messages")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools apply to a messages group only")
         for i, m in enumerate(self.messages or []):
             if m.train is True:
-                raise ValueError(f"messages[{i}].train=true: a group's messages are context; its completions are trained")
+                raise ValueError(f"messages[{i}].train=true: a group's messages are context; "
+                                 "its completions are trained")
         for i, c in enumerate(self.completions):
-            if not c:
+            if isinstance(c, str) and not c:
                 raise ValueError(f"completions[{i}] is empty")
+            if self.prompt is not None and isinstance(c, Completion) and c.message is not None:
+                raise ValueError(f"completions[{i}].message belongs to a messages group; a prompt group's "
+                                 "completions are text")
         return self
 
-    def expand(self) -> list["PromptCompletion | ChatExample"]:
+    def weights(self) -> list[float]:
+        return [c.weight if isinstance(c, Completion) else 1.0 for c in self.completions]
+
+    def expand(self) -> list[PromptCompletion | ChatExample]:
+        """One plain example per completion (prompt + that reply); the weights are `weights()`."""
         if self.prompt is not None:
-            return [PromptCompletion(prompt=self.prompt, completion=c) for c in self.completions]
+            # a prompt group's completions carry text (the validator above refuses a message)
+            return [PromptCompletion(prompt=self.prompt, completion=c if isinstance(c, str) else cast(str, c.text))
+                    for c in self.completions]
         context = [m.model_copy(update={"train": False}) if m.role == "assistant" else m for m in self.messages or []]
         return [
-            ChatExample(messages=[*context, Message(role="assistant", content=c)], tools=self.tools)
+            ChatExample(messages=[*context, Message(role="assistant", content=c) if isinstance(c, str)
+                                  else c.reply_message()], tools=self.tools)
             for c in self.completions
         ]
 
@@ -207,12 +258,10 @@ def _example_form(v: Any) -> str | None:
 
 
 Example = Annotated[
-    Union[
-        Annotated[TextExample, Tag("text")],
-        Annotated[PromptCompletion, Tag("prompt_completion")],
-        Annotated[ChatExample, Tag("chat")],
-        Annotated[GroupExample, Tag("group")],
-    ],
+    Annotated[TextExample, Tag("text")]
+    | Annotated[PromptCompletion, Tag("prompt_completion")]
+    | Annotated[ChatExample, Tag("chat")]
+    | Annotated[GroupExample, Tag("group")],
     Discriminator(
         _example_form,
         custom_error_type="example_form",
@@ -224,9 +273,9 @@ Example = Annotated[
 ]
 
 # Normalized examples the renderer consumes (groups flattened).
-PlainExample = Union[TextExample, PromptCompletion, ChatExample]
-_PLAIN_FORMS: dict[str, type[BaseModel]] = {"text": TextExample, "prompt_completion": PromptCompletion,
-                                            "chat": ChatExample}
+PlainExample = TextExample | PromptCompletion | ChatExample
+_PLAIN_FORMS: dict[str, type[TextExample] | type[PromptCompletion] | type[ChatExample]] = {
+    "text": TextExample, "prompt_completion": PromptCompletion, "chat": ChatExample}
 
 
 @dataclass(frozen=True)
@@ -242,11 +291,13 @@ class PacingSpec:
 @dataclass(frozen=True)
 class SourcedExample:
     """A plain example and where it came from in the body, for error messages
-    and so a group's completions are held out together."""
+    and so a group's completions are held out together (and trained as one group)."""
 
     source: int             # index into the body's examples (text first if given)
     label: str              # e.g. "examples[3].completions[1]" or "text"
     example: PlainExample
+    group: str | None = None   # a group's completion: the group's label ("examples[3]")
+    weight: float = 1.0        # a group's completion: its weight
 
 
 # The stored form of a JobSpec (JobSpec.to_stored); bump on any change to it.
@@ -284,6 +335,7 @@ class JobSpec:
     anchors: tuple[str, ...] = ()
     max_drift: float = DEFAULT_MAX_DRIFT
     stop_loss: float | None = DEFAULT_STOP_LOSS
+    group_prefix: bool = False   # plain examples with one rendered prompt train as one group
 
     def starting_fields(self) -> dict[str, Any]:
         """The shape a job records from its `starting` moment on."""
@@ -323,21 +375,22 @@ class JobSpec:
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
-    def from_stored(cls, text: str, version: int) -> "JobSpec":
+    def from_stored(cls, text: str, version: int) -> JobSpec:
         if version != SPEC_VERSION:
             raise ValueError(f"a job spec stored in form {version}; this dreamstage reads form {SPEC_VERSION} only")
         d = json.loads(text)
         d["targets"] = tuple(d["targets"])
         d["anchors"] = tuple(d.get("anchors", ()))   # specs stored before the drift guard take its defaults
         d["pacing"] = PacingSpec(**d["pacing"])
-        d["examples"] = tuple(SourcedExample(e["source"], e["label"], _PLAIN_FORMS[e["form"]].model_validate(e["example"]))
+        d["examples"] = tuple(SourcedExample(e["source"], e["label"],
+                                             _PLAIN_FORMS[e["form"]].model_validate(e["example"]))
                               for e in d["examples"])
         return cls(**d)
 
 
 def context_cache_types() -> tuple[str, ...]:
     """The training cache types the native core supports (loads the library on first use)."""
-    from dreamstage import native  # noqa: PLC0415 - importing the spec must not load the library
+    from dreamstage import native  # importing the spec must not load the library
 
     return native.context_cache_types()
 
@@ -384,6 +437,10 @@ class TrainRequest(BaseModel):
 
     promote: Literal["never", "manual", "auto"] = "manual"
     out: str | None = None
+    # plain examples whose rendered prompt (the tokens before the first trained
+    # one) is the same train as one shared-prefix group of unit weights: one
+    # update for them together instead of one each
+    group_prefix: bool = False
 
     # the drift guard (docs/architecture/drift.md)
     regularizer: bool = True
@@ -414,10 +471,11 @@ class TrainRequest(BaseModel):
     @field_validator("recompute", "exact")
     @classmethod
     def _walk_supported(cls, v: bool, info: ValidationInfo) -> bool:
-        supported = SUPPORTED_WALKS[info.field_name]
+        supported = SUPPORTED_WALKS[str(info.field_name)]  # always set in a field validator
         if v not in supported:
             allowed = ", ".join(str(x).lower() for x in sorted(supported))
-            raise ValueError(f"{info.field_name}={str(v).lower()} is not supported by this build's dream step yet (supported: {allowed})")
+            raise ValueError(f"{info.field_name}={str(v).lower()} is not supported by this build's dream step yet "
+                             f"(supported: {allowed})")
         return v
 
     @field_validator("targets")
@@ -466,6 +524,9 @@ class TrainRequest(BaseModel):
             return v
         if info.data.get("exact") is False:
             raise ValueError("horizon applies to the exact walk only; it needs exact=true")
+        if any(isinstance(ex, GroupExample) for ex in info.data.get("examples") or []):
+            raise ValueError("a group trains its whole prompt (the shared-prefix walk has no horizon); "
+                             "leave horizon out for a job with groups")
         window = info.data.get("window")
         if window is not None and v > window:
             raise ValueError(f"horizon {v} is larger than window {window}")
@@ -487,8 +548,16 @@ class TrainRequest(BaseModel):
             raise ValueError("share and max_slowdown are exclusive; give one")
         return v
 
+    @field_validator("group_prefix")
+    @classmethod
+    def _group_prefix(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("horizon") is not None:
+            raise ValueError("a group trains its whole prompt (the shared-prefix walk has no horizon); "
+                             "group_prefix=true needs horizon left out")
+        return v
+
     @model_validator(mode="after")
-    def _has_examples(self) -> "TrainRequest":
+    def _has_examples(self) -> TrainRequest:
         if self.text is None and not self.examples:
             raise ValueError("the body needs text or a non-empty examples list")
         return self
@@ -501,16 +570,17 @@ class TrainRequest(BaseModel):
         base = len(examples)
         for i, ex in enumerate(self.examples or []):
             if isinstance(ex, GroupExample):
-                for j, plain in enumerate(ex.expand()):
-                    examples.append(SourcedExample(base + i, f"examples[{i}].completions[{j}]", plain))
+                for j, (plain, w) in enumerate(zip(ex.expand(), ex.weights(), strict=True)):
+                    examples.append(SourcedExample(base + i, f"examples[{i}].completions[{j}]", plain,
+                                                   group=f"examples[{i}]", weight=w))
             else:
                 examples.append(SourcedExample(base + i, f"examples[{i}]", ex))
         chunk = self.chunk if self.chunk is not None else min(DEFAULT_CHUNK, self.window)
         if self.share is not None:
             pacing = PacingSpec("share", self.share, self.max_pause_ms or None)
         else:
-            pacing = PacingSpec("max_slowdown", self.max_slowdown if self.max_slowdown is not None else DEFAULT_MAX_SLOWDOWN,
-                                self.max_pause_ms or None)
+            bound = self.max_slowdown if self.max_slowdown is not None else DEFAULT_MAX_SLOWDOWN
+            pacing = PacingSpec("max_slowdown", bound, self.max_pause_ms or None)
         return JobSpec(
             examples=tuple(examples),
             window=self.window,
@@ -539,6 +609,7 @@ class TrainRequest(BaseModel):
             anchors=tuple(self.anchors or ()),
             max_drift=self.max_drift,
             stop_loss=self.stop_loss,
+            group_prefix=self.group_prefix,
         )
 
 
@@ -570,7 +641,7 @@ def check_adapter_name(name: str) -> str:
     return name
 
 
-def parse_train_request(body: dict[str, Any] | str | bytes) -> TrainRequest:
+def parse_train_request(body: Mapping[str, Any] | str | bytes) -> TrainRequest:
     """Validate a body (a dict, or raw JSON). Raises pydantic.ValidationError."""
     if isinstance(body, (str, bytes)):
         return TrainRequest.model_validate_json(body)

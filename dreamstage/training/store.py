@@ -28,8 +28,9 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from dreamstage.training.adapters import file_sha256
 from dreamstage.training.progress import close_epoch, close_window, fold_receipt, new_progress, public_progress
@@ -143,7 +144,7 @@ class JobStore:
         return conn
 
     class _Txn:
-        def __init__(self, store: "JobStore", durable: bool):
+        def __init__(self, store: JobStore, durable: bool):
             self.store, self.durable = store, durable
 
         def __enter__(self) -> sqlite3.Connection:
@@ -164,7 +165,7 @@ class JobStore:
                 self.store._write_lock.release()
             return False
 
-    def _write(self, durable: bool = True) -> "JobStore._Txn":
+    def _write(self, durable: bool = True) -> JobStore._Txn:
         """A write transaction. durable=True (FULL) fsyncs the WAL at commit:
         used for what the API promises (accepted jobs, state changes, adapter
         versions). durable=False (NORMAL) survives a process crash but may lose
@@ -197,7 +198,7 @@ class JobStore:
             self._conns.clear()
         self._closed = True
 
-    def __enter__(self) -> "JobStore":
+    def __enter__(self) -> JobStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -230,6 +231,7 @@ class JobStore:
                  spec.horizon, spec.window, json.dumps(new_progress(spec)), spec.to_stored(), SPEC_VERSION),
             )
             job_id = cur.lastrowid
+            assert job_id is not None  # set by the INSERT
             c.execute("UPDATE jobs SET out=? WHERE id=?", (spec.out or f"job-{job_id}", job_id))
         return self.get(job_id)
 
@@ -352,7 +354,8 @@ class JobStore:
     def set_pacing(self, job_id: int, figures: Mapping[str, Any]) -> None:
         with self._write(durable=False) as c:
             self._row(job_id, c)
-            c.execute("UPDATE jobs SET pacing=?, updated=? WHERE id=?", (json.dumps(dict(figures)), self.clock(), job_id))
+            c.execute("UPDATE jobs SET pacing=?, updated=? WHERE id=?",
+                      (json.dumps(dict(figures)), self.clock(), job_id))
 
     def _edit_progress(self, job_id: int, edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         with self._write(durable=False) as c:
@@ -418,7 +421,8 @@ class JobStore:
 
     def next_adapter_version(self, name: str) -> int:
         check_adapter_name(name)
-        row = self._conn().execute("SELECT COALESCE(MAX(version), 0) + 1 FROM adapters WHERE name=?", (name,)).fetchone()
+        row = self._conn().execute("SELECT COALESCE(MAX(version), 0) + 1 FROM adapters WHERE name=?",
+                                   (name,)).fetchone()
         return row[0]
 
     def add_adapter(self, name: str, version: int, job_id: int | None = None,
@@ -454,7 +458,7 @@ class JobStore:
         return {"name": name, "version": version, "path": row["path"], "created": row["created"],
                 "job_id": row["job_id"], "eval_loss": row["eval_loss"], "sha256": row["sha256"],
                 "drift": json.loads(row["drift"]) if row["drift"] else None, "promoted": promoted,
-                "served_version": served["served_version"] if promoted else None}
+                "served_version": served["served_version"] if promoted and served is not None else None}
 
     def adapters(self) -> list[dict[str, Any]]:
         conn = self._conn()
@@ -475,7 +479,8 @@ class JobStore:
     def promotions(self) -> list[dict[str, Any]]:
         """The live promotion stack, oldest first (what rollback walks back through)."""
         return [dict(r) for r in self._conn().execute(
-            "SELECT served_version, name, version, at FROM promotions WHERE rolled_back_at IS NULL ORDER BY served_version")]
+            "SELECT served_version, name, version, at FROM promotions WHERE rolled_back_at IS NULL "
+            "ORDER BY served_version")]
 
     def promote(self, name: str, version: int | None = None) -> dict[str, Any]:
         """Book a promotion (latest version by default) under a new served
@@ -498,5 +503,6 @@ class JobStore:
             row = self._served_row(c)
             if row is None:
                 raise AdapterNotFound("nothing to roll back: the base model is served")
-            c.execute("UPDATE promotions SET rolled_back_at=? WHERE served_version=?", (self.clock(), row["served_version"]))
+            c.execute("UPDATE promotions SET rolled_back_at=? WHERE served_version=?",
+                      (self.clock(), row["served_version"]))
         return self.served()

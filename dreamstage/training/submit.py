@@ -13,8 +13,9 @@ rendered tokens), never guessed from the body's size.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import ValidationError
 

@@ -114,7 +114,8 @@ class Trainer(NativeOwner):
         self.optimizer = opt = optimizer or OptimizerConfig()
         lora.validate()
         if cache_type not in native.context_cache_types():
-            raise ValueError(f"context_cache_type {cache_type!r} is not one of {', '.join(native.context_cache_types())}")
+            raise ValueError(f"context_cache_type {cache_type!r} is not one of "
+                             f"{', '.join(native.context_cache_types())}")
         self.resident = resident
         self.cache_type = cache_type
         self.L = L = native.lib()
@@ -131,6 +132,7 @@ class Trainer(NativeOwner):
         p.accumulate_windows = int(opt.accumulate_windows)
         p.memory_budget_mib, p.slack_mib = float(budget_mib), float(slack_mib)
         self.window, self.chunk = int(window), int(chunk)
+        self.slack_mib = float(slack_mib)
         r = native.DreamReceiptC()
         self._ds = L.dream_init(resident.ctx, p, ctypes.byref(r))
         self.init_receipt = Receipt.from_c(r)
@@ -159,8 +161,9 @@ class Trainer(NativeOwner):
         layer, tgt = ctypes.c_int32(), ctypes.c_char_p()
         n_in, n_out = ctypes.c_int64(), ctypes.c_int64()
         for i in range(self.L.dream_n_pairs(self._ds)):
-            self.L.dream_pair_info(self._ds, i, ctypes.byref(layer), ctypes.byref(tgt), ctypes.byref(n_in), ctypes.byref(n_out))
-            out.append(_Pair(layer.value, tgt.value.decode(), n_in.value, n_out.value))
+            self.L.dream_pair_info(self._ds, i, ctypes.byref(layer), ctypes.byref(tgt),
+                                   ctypes.byref(n_in), ctypes.byref(n_out))
+            out.append(_Pair(layer.value, (tgt.value or b"").decode(), n_in.value, n_out.value))
         return out
 
     def parameter_order(self) -> list[tuple[tuple[int, str], str]]:
@@ -209,6 +212,9 @@ class Trainer(NativeOwner):
     def train_window(self, tokens, loss_mask) -> list[Receipt]:
         """begin_window, then micro-steps until the window ends or a step is not ok."""
         self.begin_window(tokens, loss_mask)
+        return self._steps_to_end()
+
+    def _steps_to_end(self) -> list[Receipt]:
         out = []
         while self.chunks_left:
             rec = self.micro_step()
@@ -216,6 +222,63 @@ class Trainer(NativeOwner):
             if not rec.ok:
                 break
         return out
+
+    def begin_group(self, prefix, replies, share_prefix: bool = True) -> None:
+        """Start a shared-prefix group instead of a window (dream_group_begin).
+
+        ``prefix``: the prompt's tokens; ``replies``: ``[(tokens, loss_mask, weight), ...]``,
+        ``loss_mask[i]`` truthy trains the prediction of the reply's token i (its first
+        token is predicted from the prompt's last). The group's loss is
+        ``sum_g weight_g * mean CE(reply g) / G``: the mean of G separate windows
+        (prompt + reply g), each window's loss times its weight, in one update.
+
+        ``share_prefix=False`` computes the same loss as G separate exact windows: the
+        native group then shares only the prompt's first token (its cells never
+        need a second pass), and each reply re-runs the rest of the prompt
+        (faster for one reply or a short prompt: dreamstage.training.groups.prefer_group)."""
+        pre = np.ascontiguousarray(prefix, dtype=np.int32)
+        if pre.ndim != 1 or len(pre) < 1:
+            raise ValueError(f"prefix must be 1-D with at least one token, got shape {pre.shape}")
+        toks, masks, lens, weights = [], [], [], []
+        for i, (t, m, w) in enumerate(replies):
+            t, m = np.asarray(t, dtype=np.int32), np.asarray(m, dtype=np.uint8)
+            if t.ndim != 1 or m.shape != t.shape:
+                raise ValueError(f"reply {i}: tokens {t.shape} and loss_mask {m.shape} must be 1-D of one length")
+            if not share_prefix:
+                t = np.concatenate([pre[1:], t]).astype(np.int32)
+                m = np.concatenate([np.zeros(len(pre) - 1, np.uint8), m])
+            toks.append(t)
+            masks.append(m)
+            lens.append(len(t))
+            weights.append(float(w))
+        if not toks:
+            raise ValueError("a group needs at least one reply")
+        if not share_prefix:
+            pre = np.ascontiguousarray(pre[:1])
+        tok = np.ascontiguousarray(np.concatenate(toks), dtype=np.int32)
+        msk = np.ascontiguousarray(np.concatenate(masks), dtype=np.uint8)
+        ln = np.ascontiguousarray(lens, dtype=np.int32)
+        wt = np.ascontiguousarray(weights, dtype=np.float32)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        r = native.DreamReceiptC()
+        st = self.L.dream_group_begin(self._handle(), pre.ctypes.data_as(i32), len(pre), tok.ctypes.data_as(i32),
+                                      msk.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), ln.ctypes.data_as(i32),
+                                      wt.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), len(lens), ctypes.byref(r))
+        if st != native.DREAM_STATUS_OK:
+            raise ValueError(Receipt.from_c(r).message)
+
+    def train_group(self, prefix, replies, share_prefix: bool = True) -> list[Receipt]:
+        """begin_group, then micro-steps until the group ends or a step is not ok."""
+        self.begin_group(prefix, replies, share_prefix)
+        return self._steps_to_end()
+
+    def group_reply_losses(self) -> list[float]:
+        """Mean CE over each reply's loss tokens of the current or last group (unweighted; NaN
+        for a reply not walked yet); [] when no group began since the last window."""
+        n = int(self.L.dream_group_reply_losses(self._handle(), None, 0))
+        buf = (ctypes.c_double * max(n, 1))()
+        self.L.dream_group_reply_losses(self._handle(), buf, n)
+        return [float(buf[i]) for i in range(n)]
 
     @staticmethod
     def window_loss(receipts: list[Receipt]) -> float:
@@ -244,7 +307,8 @@ class Trainer(NativeOwner):
         v = np.ascontiguousarray(vec, dtype=np.float32)
         if v.shape != (self.n_params,):
             raise ValueError(f"parameter vector has shape {v.shape}, the adapter takes ({self.n_params},)")
-        if not self.L.dream_set_parameters(self._handle(), v.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), self.n_params):
+        data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        if not self.L.dream_set_parameters(self._handle(), data, self.n_params):
             raise RuntimeError("dream_set_parameters refused the vector")
 
     def optimizer_state(self) -> tuple[np.ndarray, np.ndarray, int]:
@@ -268,8 +332,8 @@ class Trainer(NativeOwner):
         lc = self.resident.lc
         arr = (ctypes.c_void_p * 1)(self.served_adapter)
         scales = (ctypes.c_float * 1)(scale)
-        rc = lc.llama_set_adapters_lora(self.resident.ctx, ctypes.cast(arr, ctypes.POINTER(lc.llama_adapter_lora_p_ctypes)),
-                                        1, scales)
+        adapters = ctypes.cast(arr, ctypes.POINTER(lc.llama_adapter_lora_p_ctypes))
+        rc = lc.llama_set_adapters_lora(self.resident.ctx, adapters, 1, scales)
         if rc != 0:
             raise RuntimeError(f"llama_set_adapters_lora failed with {rc}")
 
@@ -295,16 +359,21 @@ class Trainer(NativeOwner):
         """Replace the job's memory budget (MiB; <= 0: device free memory only)."""
         self.L.dream_set_budget(self._handle(), float(budget_mib))
 
+    def held_mib(self) -> float:
+        """What the job holds now against its budget (MiB); the gate allows
+        budget - held - slack, never less than 0."""
+        return float(self.L.dream_held_mib(self._handle()))
+
     # -- files ----------------------------------------------------------------------
     def save(self, path) -> None:
         """Write the shadow adapter as a standard GGUF LoRA (atomically)."""
-        from dreamstage.training.adapters import save_lora  # noqa: PLC0415
+        from dreamstage.training.adapters import save_lora
         save_lora(path, self.unflatten(self.lora_parameters()), alpha=self.lora.alpha,
                   model_arch=self.resident.meta("general.architecture") or "llama")
 
     def load(self, path) -> None:
         """Replace the shadow adapter's parameters by a GGUF LoRA file of the same layout."""
-        from dreamstage.training.adapters import load_lora  # noqa: PLC0415
+        from dreamstage.training.adapters import load_lora
         factors, alpha = load_lora(path)
         if abs(alpha - self.lora.alpha) > 1e-6:
             raise ValueError(f"{path}: alpha {alpha} differs from this trainer's {self.lora.alpha}")

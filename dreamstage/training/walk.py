@@ -6,10 +6,12 @@ means for it; `JobRun` ties a walk to the job's store rows for the engine.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from dreamstage.training.examples import epoch_order
+from dreamstage.training.groups import TrainGroup
 from dreamstage.training.receipts import receipt_dict
 from dreamstage.training.spec import JobSpec
 from dreamstage.training.store import TERMINAL, JobStore
@@ -73,6 +75,9 @@ class Walk:
     no chunks left (`advance(..., window_done=)`). A refusal that halved the
     horizon (the receipt's horizon differs from the one in use) retries with
     the same chunk; any other refusal goes down the chunk ladder.
+
+    A shared-prefix group (`native_windows`: their indices) is walked the same
+    way in any job: the native core schedules its prompt and replies.
     """
 
     window_lengths: list[int]
@@ -88,6 +93,7 @@ class Walk:
     # the windows an epoch visits, in order (the drift guard's: the job's
     # windows and a rotating slice of anchor windows); None: every window, shuffled
     orders: Callable[[int], list[int]] | None = field(default=None, repr=False)
+    native_windows: frozenset[int] = frozenset()   # windows whose micro-steps the native core chooses (groups)
     _order: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
@@ -108,7 +114,7 @@ class Walk:
         if self.finished:
             return None
         w = self._order[self.order_pos]
-        if self.exact:
+        if self.exact or w in self.native_windows:
             return MicroStep(self.epoch, w, self.order_pos, 0, 0, self.chunk, False)
         n = self.window_lengths[w]
         k = min(self.chunk, n - self.chunk_pos)
@@ -132,7 +138,7 @@ class Walk:
             return "retry"
         if status != "ok":
             return "error"
-        if self.exact:
+        if self.exact or step.window_index in self.native_windows:
             if window_done is None:
                 raise ValueError("the exact walk's windows end when the trainer says so: pass window_done")
             return self._next_window() if window_done else "step"
@@ -176,7 +182,9 @@ class JobRun:
                  orders: Callable[[int], list[int]] | None = None):
         self.store, self.job_id, self.windows = store, job_id, windows
         self.walk = Walk([len(w) for w in windows], spec.epochs, spec.seed, spec.chunk, spec.min_chunk,
-                         exact=spec.exact, horizon=spec.horizon or 0, orders=orders)
+                         exact=spec.exact, horizon=spec.horizon or 0,
+                         native_windows=frozenset(i for i, w in enumerate(windows) if isinstance(w, TrainGroup)),
+                         orders=orders)
         store.update_progress(job_id, windows=len(self.walk._order), window_in_epoch=0, epoch=0)
 
     @property
@@ -196,9 +204,16 @@ class JobRun:
         refused, ...): the engine then frees its Trainer and picks the next job."""
         return self.store.state(self.job_id) in TERMINAL
 
-    def record(self, receipt: Any, window_done: bool | None = None) -> str:
-        """window_done: the trainer has no chunks left (the exact walk's window end)."""
+    def record(self, receipt: Any, window_done: bool | None = None, reply_losses: Sequence[float] | None = None) -> str:
+        """window_done: the trainer has no chunks left (the exact walk's window end).
+        reply_losses: a group's per-reply losses when it ended with this receipt, which
+        then carries the group's structure and those losses under `group`."""
         d = receipt_dict(receipt)
+        step = self.walk.current()
+        win = self.windows[step.window_index] if step is not None else None
+        if isinstance(win, TrainGroup) and step is not None and window_done and d.get("status") == "ok":
+            d["group"] = {**win.structure(), "epoch": step.epoch,
+                          "reply_losses": [None if x != x else x for x in (reply_losses or [])]}
         self.store.append_receipt(self.job_id, d)
         event = self.walk.advance(d, window_done)
         if event in ("window", "epoch", "done"):
