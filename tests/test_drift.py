@@ -236,6 +236,7 @@ def test_without_the_regularizer_the_same_job_changes_more(jobs):
 def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
     job = jobs["damage"]
     drift = job["progress"]["drift"]
+    print(f"\ndamaging job: {job['message']}")
     assert job["state"] == "done" and job["adapter"] is not None and not job["adapter"]["promoted"]
     assert drift["anchors_changed"] > drift["max_drift"]
     assert "not promoted" in job["message"] and f"({drift['anchors_changed_count']}/{drift['anchors']})" in job["message"]
