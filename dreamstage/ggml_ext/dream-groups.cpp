@@ -83,12 +83,7 @@ dream_chunk dream_group_next_chunk(dream_stage & ds) {
         c.group_reply = c.p < S ? G : gs.reply;
         return c;
     }
-    ds.win_reverse = true;
-    ds.rev_end = end;
-    c.backward_pass = true;
-    c.p = start;
-    c.n = end - start;
-    c.surrogate = dream_has_adjoint(ds, c.p, end);
+    dream_reverse_chunk(ds, c, start, end);
     c.leaf_lo = c.p > 0 ? 0 : -1;   // the whole prompt (and the reply before the chunk) receives gradient
     return c;
 }

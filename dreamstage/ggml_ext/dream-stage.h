@@ -231,6 +231,9 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);
 int32_t dream_walk_chunks_left(const dream_stage & ds);
 int32_t dream_loss_rows(const dream_stage & ds, int32_t p, int32_t e);     // rows in [p, e) whose next token carries loss
 bool    dream_has_adjoint(const dream_stage & ds, int32_t p, int32_t e);   // an adjoint was added on [p, e)
+// The reverse pass's chunk [start, end): marks the window reversed (rev_end = end)
+// and fills c's position, size, backward flag and surrogate; leaf_lo is the caller's.
+void    dream_reverse_chunk(dream_stage & ds, dream_chunk & c, int32_t start, int32_t end);
 
 // dream-groups.cpp: the shared-prefix group's walk (the micro-step calls these while group.active)
 dream_chunk dream_group_next_chunk(dream_stage & ds);

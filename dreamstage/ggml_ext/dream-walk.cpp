@@ -446,6 +446,15 @@ int32_t dream_loss_rows(const dream_stage & ds, int32_t p, int32_t e) {
     return n;
 }
 
+void dream_reverse_chunk(dream_stage & ds, dream_chunk & c, int32_t start, int32_t end) {
+    ds.win_reverse = true;
+    ds.rev_end = end;
+    c.backward_pass = true;
+    c.p = start;
+    c.n = end - start;
+    c.surrogate = dream_has_adjoint(ds, c.p, end);
+}
+
 bool dream_has_adjoint(const dream_stage & ds, int32_t p, int32_t e) {
     for (int32_t i = p; i < e; ++i) {
         if (ds.win_adj[i]) {
@@ -500,12 +509,7 @@ static dream_chunk dream_next_chunk(dream_stage & ds) {
         c.n = std::min(ds.params.chunk, start - c.p);
         return c;
     }
-    ds.win_reverse = true;
-    ds.rev_end = end;
-    c.backward_pass = true;
-    c.p = start;
-    c.n = end - start;
-    c.surrogate = dream_has_adjoint(ds, c.p, end);
+    dream_reverse_chunk(ds, c, start, end);
     if (c.p > 0) {
         int32_t h = ds.horizon > 0 ? std::min(ds.horizon, c.p) : c.p;
         if (ds.adj_rows > 0) {
