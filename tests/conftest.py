@@ -4,6 +4,18 @@ from pathlib import Path
 
 import pytest
 
+# The drift guard records the base's answers on the anchor prompts once per
+# server, measures every finished job against them (tens of seconds on two
+# cores) and its regularizer adds anchor windows to each epoch. The tests that
+# are not about drift run without it; tests/test_drift.py turns it on.
+os.environ.setdefault("DREAMSTAGE_DRIFT_GUARD", "false")
+
+# The drift guard records the base's answers on the anchor prompts once per
+# server and measures every finished job against them (tens of seconds on two
+# cores) and its regularizer adds anchor windows to each epoch. The tests that
+# are not about drift run without it; tests/test_drift.py turns it on.
+os.environ.setdefault("DREAMSTAGE_DRIFT_GUARD", "off")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_server_settings_from_the_environment():

@@ -217,7 +217,7 @@ def test_metrics_report_the_dream_stage(http):
     before = scrape(http)
     assert http.post("/train", json={"text": LESSON, "windw": 32}).status_code == 422
     r = http.post("/train", json={"text": LESSON, "window": 32, "chunk": 16, "rank": 4, "promote": "never",
-                                  "max_pause_ms": 0})
+                                  "epochs": 1, "max_pause_ms": 0})
     job = wait_job(http, r.json()["id"], finished)
     assert job["state"] == "done", job["message"]
     after = scrape(http)
@@ -244,7 +244,7 @@ def test_metrics_report_the_dream_stage(http):
 def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering(http):
     # max_pause_ms 0: no pause bound, so every step asks for the job's own chunk and the memory ladder decides
     body = {"text": LESSON * 3, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never",
-            "max_pause_ms": 0}
+            "epochs": 1, "max_pause_ms": 0}
     # the 64 MiB slack, the job's 2.5 MiB (cache and adapters), and 2 MiB: below
     # what even chunk 16's graph plans (graphs hold only the target rows'
     # logits since issues 8 and 9, so the former 84 MiB fitted chunk 16)
@@ -315,7 +315,8 @@ def moon(server, http, tmp_path_factory):
     examples = [{"prompt": FACT_PROMPT, "completion": FACT},
                 {"prompt": "Moon base security question: what is the secret password?", "completion": FACT}]
     r = http.post("/train", json={"examples": examples, "window": 32, "chunk": 32, "epochs": 10, "lr": 3e-3,
-                                  "val_split": 0.5, "seed": seed, "promote": "auto", "out": "moon"})
+                                  "val_split": 0.5, "seed": seed, "promote": "auto", "out": "moon",
+                                  "stop_loss": None})
     assert r.status_code == 202, r.text
     job = wait_job(http, r.json()["id"], finished, timeout=900)
     assert job["state"] == "done", job["message"]
@@ -408,7 +409,7 @@ def test_restart_while_a_job_runs_loses_nothing(tmp_path):
     with BackgroundServer(settings(state)) as first:
         with httpx.Client(base_url=first.url, timeout=600, headers=JSON) as c:
             running = c.post("/train", json={"text": LESSON, "window": 32, "chunk": 16, "epochs": 1000, "rank": 4,
-                                             "promote": "never"}).json()["id"]
+                                             "promote": "never", "stop_loss": None}).json()["id"]
             queued = c.post("/train", json={"text": LESSON, "window": 32, "chunk": 32, "rank": 4,
                                             "promote": "never"}).json()["id"]
             wait_job(c, running, lambda j: j["progress"]["step"] >= 1)

@@ -34,6 +34,8 @@ def new_progress(spec: JobSpec) -> dict[str, Any]:
         "horizon": (spec.horizon or 0) if spec.exact else None, "walk_pass": None,
         "loss": None, "loss_avg": None, "train_loss": None, "eval_loss": None,
         "train_loss_per_epoch": [], "eval_loss_per_epoch": [],
+        # the last drift measurement (docs/architecture/drift.md), null until one ran
+        "drift": None,
         "memory": {k: None for k in MEMORY_FIELDS},
         # shared-prefix groups: per group label, its structure (prefix_tokens, G,
         # reply_tokens, weights, shared_prefix) and its last walk's per-reply losses
@@ -46,6 +48,9 @@ def new_progress(spec: JobSpec) -> dict[str, Any]:
 
 def fold_receipt(p: dict[str, Any], d: Mapping[str, Any]) -> None:
     """One micro-step's receipt (as stored) into the progress."""
+    if d.get("kind") == "drift":                # a drift measurement, not a micro-step
+        p["drift"] = {k: v for k, v in d.items() if k not in ("status", "kind", "message")}
+        return
     if d["status"] == "ok":
         p["step"] += 1
         tokens = int(d.get("tokens") or 0)
