@@ -28,9 +28,10 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,7 @@ class AnchorBase:
 
     prompt: str
     prompt_tokens: tuple[int, ...]      # the chat-rendered prompt, generation header included
-    continuation: tuple[int, ...]       # the base's greedy answer as serving generates it (end-of-turn included if reached)
+    continuation: tuple[int, ...]       # the base's greedy answer as serving generates it (end-of-turn if reached)
     forced: tuple[int, ...]             # the teacher-forced sequence both sides decode: prompt + continuation[:-1]
     answer: tuple[int, ...]             # the greedy answer as that batched decode sees it (compared tokens)
     top_ids: np.ndarray                 # (len(answer), TOP_K) int32
@@ -263,12 +264,12 @@ class DriftProbe:
         self.renderer = renderer or ChatRenderer(resident)
         self.bases: list[AnchorBase] = []
 
-    def _free_seq(self) -> Iterator[int]:
+    def _free_seq(self) -> Generator[None, None, int]:
         while (s := self.seq_id()) is None:
             yield
         return s
 
-    def record(self, cache: dict | None = None) -> Iterator[None]:
+    def record(self, cache: dict | None = None) -> Generator[None, None, None]:
         """Records every anchor with the adapter off. `cache` maps prompt -> AnchorBase
         across jobs (the base model does not change while the process lives)."""
         out = []
@@ -289,7 +290,7 @@ class DriftProbe:
             yield
         self.bases = out
 
-    def measure(self, adapter_handle) -> Iterator[None]:
+    def measure(self, adapter_handle) -> Generator[None, None, Drift]:
         """Drift of `adapter_handle` (a llama_adapter_lora, or its address) against the records; returns a Drift."""
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring drift")

@@ -24,7 +24,8 @@ near zero, being the base's own answers).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any
 
 from dreamstage.training.drift import Drift, DriftProbe, anchor_schedule, anchor_windows, load_anchors
 from dreamstage.training.examples import epoch_order
@@ -73,24 +74,24 @@ class DriftGuard:
         anchor windows: auto promotion then refuses, naming it."""
         try:
             yield from self.record()
-        except Exception as e:  # noqa: BLE001 - a failed record must not cost the job
+        except Exception as e:
             log.exception("recording the anchors failed")
             self.failure = f"recording the anchors failed: {type(e).__name__}: {e}"
 
-    def measure_or_fail(self, trainer) -> Iterator[None]:
+    def measure_or_fail(self, trainer) -> Generator[None, None, Drift | None]:
         """measure() (a Drift), or None after a failure (kept in `failure`):
         the trained adapter is saved either way."""
         if self.failure is not None:
             return None
         try:
             return (yield from self.measure(trainer))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.exception("the drift measurement failed")
             self.failure = f"the drift measurement failed: {type(e).__name__}: {e}"
             return None
 
     # -- measurement ---------------------------------------------------------------
-    def measure(self, trainer) -> Iterator[None]:
+    def measure(self, trainer) -> Generator[None, None, Drift]:
         """The shadow adapter's drift now (a Drift), one anchor per step."""
         trainer.promote()                     # shadow -> the stage's own served copy, a llama_adapter_lora
         self.drift = yield from self.probe.measure(trainer.served_adapter)

@@ -35,7 +35,12 @@ from typing import Any
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift import set_context_adapter
 from dreamstage.training.drift_guard import (
-    DriftGuard, OwnLoss, drift_figures, drift_receipt, promotion_decision, summary,
+    DriftGuard,
+    OwnLoss,
+    drift_figures,
+    drift_receipt,
+    promotion_decision,
+    summary,
 )
 from dreamstage.training.examples import RenderedJob, render_job
 from dreamstage.training.groups import TrainGroup
@@ -514,7 +519,9 @@ class DreamScheduler:
                     break
             yield
         if guard is not None and (drift := (yield from guard.measure_or_fail(trainer))) is not None:
-            store.append_receipt(jid, drift_receipt(drift_figures(drift, spec.max_drift, run.walk.epoch)))
+            figures = drift_figures(drift, spec.max_drift, run.walk.epoch)
+            assert figures is not None   # a Drift always has figures
+            store.append_receipt(jid, drift_receipt(figures))
             self.stats.record_drift(jid, drift)
         progress = store.get(jid)["progress"]
         message = yield from self._finish(jid, spec, trainer, progress["eval_loss"], eval_before, guard)

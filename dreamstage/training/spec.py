@@ -301,7 +301,12 @@ class SourcedExample:
 
 
 # The stored form of a JobSpec (JobSpec.to_stored); bump on any change to it.
-SPEC_VERSION = 1
+# 2: the drift guard's fields (regularizer, anchor_ratio, anchors, max_drift,
+#    stop_loss) and group_prefix. A form-1 spec was accepted without them and
+#    reads back as it meant then: no rehearsal, no early stop, no grouping.
+SPEC_VERSION = 2
+_SPEC_V1_MEANING = {"regularizer": False, "anchor_ratio": 0.0, "anchors": (), "stop_loss": None,
+                    "group_prefix": False}
 
 
 @dataclass(frozen=True)
@@ -376,11 +381,13 @@ class JobSpec:
 
     @classmethod
     def from_stored(cls, text: str, version: int) -> JobSpec:
-        if version != SPEC_VERSION:
-            raise ValueError(f"a job spec stored in form {version}; this dreamstage reads form {SPEC_VERSION} only")
+        if version not in (1, SPEC_VERSION):
+            raise ValueError(f"a job spec stored in form {version}; this dreamstage reads forms 1 to {SPEC_VERSION}")
         d = json.loads(text)
+        if version == 1:
+            d.update(_SPEC_V1_MEANING)
         d["targets"] = tuple(d["targets"])
-        d["anchors"] = tuple(d.get("anchors", ()))   # specs stored before the drift guard take its defaults
+        d["anchors"] = tuple(d.get("anchors", ()))
         d["pacing"] = PacingSpec(**d["pacing"])
         d["examples"] = tuple(SourcedExample(e["source"], e["label"],
                                              _PLAIN_FORMS[e["form"]].model_validate(e["example"]))
