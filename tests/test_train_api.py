@@ -122,7 +122,7 @@ def test_unknown_ids_are_404_and_invalid_transitions_409(http):
     for action in ("cancel", "pause", "resume"):
         assert http.post(f"/train/999999/{action}").status_code == 404
     r = http.post("/train", json={"text": "A short lesson to cancel.", "window": 32, "chunk": 32, "epochs": 1000,
-                                  "promote": "never"})
+                                  "stop_loss": None, "promote": "never"})
     assert r.status_code == 202
     job = r.json()
     assert job["state"] == "queued" and r.headers["location"] == f"/train/{job['id']}"
@@ -172,7 +172,7 @@ def stream_chat(url, content, out, i):
 
 def test_two_chat_streams_finish_while_a_job_trains(server, http):
     r = http.post("/train", json={"text": LESSON * 2, "window": 32, "chunk": 16, "epochs": 1000, "rank": 4,
-                                  "share": 0.5, "promote": "never"})
+                                  "share": 0.5, "stop_loss": None, "promote": "never"})
     assert r.status_code == 202, r.text
     jid = r.json()["id"]
     wait_job(http, jid, lambda j: j["state"] == "running" and j["progress"]["step"] >= 1)
@@ -477,7 +477,8 @@ def test_a_weighted_group_trains_once_through_the_api_client_and_cli(server, htt
 
     prompt = "Question: which model does dreamstage keep resident between batches of decoding?\nAnswer:"
     ex = group_example(prompt=prompt, completions=[(" One model.", 1.0), (" Two models.", -0.5), " The one it serves."])
-    body = {"examples": [ex], "window": 64, "chunk": 32, "rank": 4, "promote": "never", "max_pause_ms": 0}
+    body = {"examples": [ex], "window": 64, "chunk": 32, "rank": 4, "promote": "never", "max_pause_ms": 0,
+            "epochs": 1}
     with Client(server.url) as c:
         with pytest.raises(DreamstageError) as e:
             c.train([{**ex, "completions": [{"text": " x", "weight": "heavy"}]}], window=64)
