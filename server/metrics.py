@@ -96,7 +96,9 @@ class ServiceCollector:
                     ("dreamstage_dream_drift_kl", "Mean KL(base || adapter) on the anchors' answer tokens, nats, "
                                                   "at the last drift measurement.", d.drift_kl),
                     ("dreamstage_dream_anchors_changed", "Fraction of anchor answers the last measured adapter "
-                                                         "changed.", d.anchors_changed)):
+                                                         "changed.", d.anchors_changed),
+                    ("dreamstage_dream_drift_anchors", "Held-out anchors the last drift measurement decoded "
+                                                       "(a slice during training, all after it).", d.drift_anchors)):
                 g = GaugeMetricFamily(name, help_, labels=["job"])
                 g.add_metric([str(d.drift_job)], value)
                 yield g

@@ -7,14 +7,17 @@ job) once per module; the base records of the anchors are shared by them.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from dreamstage.server.metrics import ServiceCollector
 from dreamstage.training.drift import (
-    Drift, DriftProbe, _Decoder, _log_softmax, anchor_schedule, load_anchors, prompt_tokens, run_steps,
-    set_context_adapter,
+    Drift, DriftProbe, _Decoder, _log_softmax, anchor_schedule, load_anchors, prompt_tokens, rehearsal_anchors,
+    run_steps, set_context_adapter,
 )
+from dreamstage.training.receipts import RECEIPT_FIELDS
 from dreamstage.training.drift_guard import promotion_decision
 from dreamstage.training.scheduler import DreamScheduler
 from dreamstage.training.served import ServedAdapters
@@ -106,10 +109,17 @@ def test_anchor_schedule_rotates_through_every_anchor():
     assert anchor_schedule(n, jobs, 0.0, 0, 3) == [] and len(anchor_schedule(n, 100, 2.0, 0, 3)) == n
 
 
+def test_measured_anchors_are_never_rehearsed():
+    measured, rehearsed = load_anchors(["Why is grass green?"]), rehearsal_anchors()
+    assert len(rehearsed) >= 20 and len(measured) == 21 and not set(measured) & set(rehearsed)
+    assert measured[-1] == "Why is grass green?"
+
+
 def test_guard_fields_are_validated_by_name():
     from pydantic import ValidationError
     for body, field in [({"max_drift": 1.5}, "max_drift"), ({"anchor_ratio": 0}, "anchor_ratio"),
                         ({"anchors": [" "]}, "anchors"), ({"anchors": ["x" * 1001]}, "anchors"),
+                        ({"anchors": [rehearsal_anchors()[3]]}, "anchors"),
                         ({"stop_loss": -1}, "stop_loss"), ({"regularizer": "yes"}, "regularizer")]:
         with pytest.raises(ValidationError) as e:
             parse_train_request({"text": "x", **body})
@@ -153,6 +163,7 @@ class OneSlotEngine:
 
 
 def run_job(sched, store, engine, body, max_calls=200_000):
+    t0 = time.perf_counter()
     job = store.submit(parse_train_request(body))
     sched.notify_submitted(job["id"])
     for _ in range(max_calls):
@@ -161,6 +172,7 @@ def run_job(sched, store, engine, body, max_calls=200_000):
         sched.after_batch(engine, True)
     for _ in range(5):                                 # a booked promotion is applied between batches
         sched.after_batch(engine, True)
+    print(f"\njob {body.get('out')}: {time.perf_counter() - t0:.1f} s")
     return store.get(job["id"])
 
 
@@ -172,6 +184,17 @@ def recall(resident, facts):
         answers.append(text)
         hits += key.lower() in text.lower()
     return hits / len(facts), answers
+
+
+def recall_with(resident, served, path, facts):
+    """Recall with a saved adapter on the context (promoted or not), then serving's back."""
+    handle = served.load(path)
+    try:
+        set_context_adapter(resident, handle)
+        return recall(resident, facts)
+    finally:
+        set_context_adapter(resident, served.handle)
+        served.discard(handle)
 
 
 @pytest.fixture(scope="module")
@@ -186,17 +209,21 @@ def jobs(dream_resident, tmp_path_factory):
         base_recall, _ = recall(dream_resident, TEST_FACTS)
         out["default"] = run_job(sched, store, engine, {"examples": chat(TEST_FACTS), "promote": "auto",
                                                         "out": "facts", "max_pause_ms": 0})
-        out["recall"], out["answers"] = recall(dream_resident, TEST_FACTS)
+        out["recall"], out["answers"] = recall_with(dream_resident, served, out["default"]["adapter"]["path"],
+                                                    TEST_FACTS)
         out["base_recall"] = base_recall
         out["off"] = run_job(sched, store, engine, {"examples": chat(TEST_FACTS), "regularizer": False,
                                                     "promote": "never", "out": "facts-off", "max_pause_ms": 0})
+        out["recall_off"], _ = recall_with(dream_resident, served, out["off"]["adapter"]["path"], TEST_FACTS)
+        out["served_before_damage"] = store.served_version()
         wrong = {"messages": [{"role": "user", "content": "What is the capital of France?"},
                               {"role": "assistant", "content": "The capital of France is Quenmarsh."}]}
-        out["damage"] = run_job(sched, store, engine, {"examples": [wrong] * 12, "lr": 1e-2, "epochs": 2,
+        out["damage"] = run_job(sched, store, engine, {"examples": [wrong] * 6, "lr": 1e-2, "epochs": 2,
                                                        "stop_loss": None, "regularizer": False, "promote": "auto",
                                                        "out": "damage", "max_pause_ms": 0})
         out["receipts"] = {k: store.receipts(out[k]["id"]) for k in ("default", "off", "damage")}
-        drift_series = ("dreamstage_dream_drift_kl", "dreamstage_dream_anchors_changed")
+        drift_series = ("dreamstage_dream_drift_kl", "dreamstage_dream_anchors_changed",
+                        "dreamstage_dream_drift_anchors")
         out["metrics"] = {m.name: (m.samples[0].labels, m.samples[0].value) for m in ServiceCollector._dream(sched)
                           if m.name in drift_series}
         out["served_version"] = store.served_version()
@@ -208,29 +235,62 @@ def jobs(dream_resident, tmp_path_factory):
         store.close()
 
 
-def test_default_job_recalls_the_facts_changes_few_anchors_and_is_promoted(jobs):
+def test_default_job_learns_the_facts_and_its_promotion_follows_its_held_out_drift(jobs):
     job = jobs["default"]
     assert job["state"] == "done", job["message"]
     drift = job["progress"]["drift"]
     print(f"\ndefaults: recall {jobs['recall']:.2f} (base {jobs['base_recall']:.2f}), "
-          f"anchors_changed {drift['anchors_changed']:.3f}, drift_kl {drift['drift_kl']:.4f}; {job['message']}")
+          f"held-out anchors_changed {drift['anchors_changed']:.3f}, drift_kl {drift['drift_kl']:.4f}; {job['message']}")
     assert jobs["base_recall"] < 0.5                    # the base model does not know them
-    assert jobs["recall"] >= 0.9, jobs["answers"]
-    assert drift["anchors_changed"] <= 0.05 and drift["anchors"] == len(load_anchors())
-    assert job["adapter"]["promoted"] and "promoted as served version" in job["message"]
-    assert "anchors_changed" in job["message"] and job["adapter"]["drift"]["drift_kl"] == drift["drift_kl"]
+    assert jobs["recall"] >= 0.9, jobs["answers"]       # the job's adapter, promoted or not
+    assert drift["anchors"] == len(load_anchors()) and drift["final"]
+    within = drift["anchors_changed"] <= drift["max_drift"]
+    assert job["adapter"]["promoted"] == within
+    assert ("promoted as served version" in job["message"]) == within and ("not promoted" in job["message"]) != within
+    assert f"({drift['anchors_changed_count']}/{drift['anchors']})" in job["message"]
+    assert job["adapter"]["drift"]["drift_kl"] == drift["drift_kl"]
     kinds = [r.get("kind") for r in jobs["receipts"]["default"]]
     assert kinds[-1] == "drift" and jobs["receipts"]["default"][-1]["anchors_changed"] == drift["anchors_changed"]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12's 'done when' is not met on held-out anchors: the default job "
+                   "changes every held-out anchor's greedy answer (docs/benchmarks.md, Drift)")
+def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_out_anchors_and_is_promoted(jobs):
+    drift = jobs["default"]["progress"]["drift"]
+    assert jobs["recall"] >= 0.9 and drift["anchors_changed"] <= 0.05 and jobs["default"]["adapter"]["promoted"]
+
+
+def test_drift_is_reported_during_training_on_a_rotating_slice_within_its_time_share(jobs):
+    """Epoch ends measure a slice of the held-out anchors (receipts, progress,
+    /metrics), costing at most DURING_SHARE of the micro-step time; the last
+    measurement is the final one, on every anchor."""
+    from dreamstage.training.drift_guard import DURING_SHARE
+    job = jobs["default"]
+    history, p = job["progress"]["drift_history"], job["progress"]
+    during = [h for h in history if not h["final"]]
+    print(f"\ndrift during training: {during}")
+    assert history[-1]["final"] and history[-1]["anchors"] == len(load_anchors()) and len(history) >= 2
+    assert during and all(0 < h["anchors"] <= len(load_anchors()) for h in during)
+    assert [h["epoch"] for h in during] == sorted({h["epoch"] for h in during})     # at most one per epoch end
+    receipts = [r for r in jobs["receipts"]["default"] if r.get("kind") == "drift"]
+    assert len(receipts) == len(history)
+    for r in receipts:                                   # every receipt kind carries the canonical fields
+        assert set(RECEIPT_FIELDS) <= set(r) and r["tokens"] == 0 and r["chunk_tokens"] == 0 and r["ms"] > 0
+    during_ms = sum(r["ms"] for r in receipts if not r["final"])
+    # the share is planned at each epoch end from the last anchor's cost; one anchor may overrun it
+    assert during_ms <= DURING_SHARE * p["train_ms"] + max(r["ms"] / r["anchors"] for r in receipts)
 
 
 def test_without_the_regularizer_the_same_job_changes_more(jobs):
     on, off = jobs["default"]["progress"]["drift"], jobs["off"]["progress"]["drift"]
     print(f"\nregularizer on: anchors_changed {on['anchors_changed']:.3f} drift_kl {on['drift_kl']:.4f}; "
-          f"off: anchors_changed {off['anchors_changed']:.3f} drift_kl {off['drift_kl']:.4f}")
+          f"off: anchors_changed {off['anchors_changed']:.3f} drift_kl {off['drift_kl']:.4f}, "
+          f"recall {jobs['recall_off']:.2f}")
     assert jobs["off"]["state"] == "done" and not jobs["off"]["adapter"]["promoted"]
-    # "changes more": the greedy answers. drift_kl is not ordered the same way: cross-entropy on
-    # the base's greedy answers sharpens the adapter onto them (docs/architecture/drift.md)
-    assert off["anchors_changed"] > on["anchors_changed"] + 0.5
+    # "changes more", on the held-out anchors: the distributions move further. Their greedy
+    # answers do not tell the two apart on this model (both change nearly all of them;
+    # docs/benchmarks.md, Drift), so that figure is held only to "no fewer"
+    assert off["drift_kl"] > on["drift_kl"] and off["anchors_changed"] >= on["anchors_changed"]
 
 
 def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
@@ -241,11 +301,12 @@ def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
     assert drift["anchors_changed"] > drift["max_drift"]
     assert "not promoted" in job["message"] and f"({drift['anchors_changed_count']}/{drift['anchors']})" in job["message"]
     assert jobs["receipts"]["damage"][-1]["kind"] == "drift"
-    # the served version is still the default job's promotion
-    assert jobs["served_version"] == jobs["default"]["adapter"]["served_version"]
+    # serving did not move: the version served before the damaging job is served after it
+    assert jobs["served_version"] == jobs["served_before_damage"]
     listed = {(a["name"], a["version"]): a for a in jobs["adapters"]}
     assert listed[("damage", 1)]["drift"]["anchors_changed"] == drift["anchors_changed"]
     # /metrics carries the last measurement, labelled with its job
     label = {"job": str(job["id"])}
     assert jobs["metrics"]["dreamstage_dream_anchors_changed"] == (label, drift["anchors_changed"])
     assert jobs["metrics"]["dreamstage_dream_drift_kl"] == (label, drift["drift_kl"])
+    assert jobs["metrics"]["dreamstage_dream_drift_anchors"] == (label, drift["anchors"])

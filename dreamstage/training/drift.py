@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -51,14 +52,27 @@ MAX_ANCHORS = 256
 MAX_ANCHOR_CHARS = 1000
 
 
-def load_anchors(extra: Iterable[str] = ()) -> list[str]:
-    """The shipped anchor prompts (dreamstage/data/anchors.json), then `extra`, without duplicates."""
+def _shipped(part: str) -> list[str]:
     text = resources.files("dreamstage").joinpath("data/anchors.json").read_text(encoding="utf-8")
+    return list(json.loads(text)[part])
+
+
+def load_anchors(extra: Iterable[str] = ()) -> list[str]:
+    """The anchors drift is measured on: the shipped `measure` half
+    (dreamstage/data/anchors.json), then `extra` (a job's own), without
+    duplicates. The regularizer never trains on these (rehearsal_anchors)."""
     out: list[str] = []
-    for p in [*json.loads(text)["prompts"], *extra]:
+    for p in [*_shipped("measure"), *extra]:
         if p not in out:
             out.append(p)
     return out
+
+
+def rehearsal_anchors() -> list[str]:
+    """The anchors the regularizer trains on: the shipped `rehearse` half,
+    disjoint from every measured anchor (a job may not name one of these as
+    its own anchor: TrainRequest refuses it)."""
+    return _shipped("rehearse")
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,7 @@ class Drift:
     tokens: int
     # per anchor: the first answer token where the greedy answer changed, or None
     first_change: tuple[int | None, ...] = ()
+    ms: float = 0.0                     # the measurement's decodes (not the serving between them)
 
     def changed_within(self, n_tokens: int) -> float:
         """The fraction of anchors whose answer changed within its first n_tokens."""
@@ -263,6 +278,7 @@ class DriftProbe:
         self.restore = restore
         self.renderer = renderer or ChatRenderer(resident)
         self.bases: list[AnchorBase] = []
+        self.anchor_ms: float | None = None     # the recent cost of measuring one anchor (a running mean)
 
     def _free_seq(self) -> Generator[None, None, int]:
         while (s := self.seq_id()) is None:
@@ -290,24 +306,29 @@ class DriftProbe:
             yield
         self.bases = out
 
-    def measure(self, adapter_handle) -> Generator[None, None, Drift]:
-        """Drift of `adapter_handle` (a llama_adapter_lora, or its address) against the records; returns a Drift."""
+    def measure(self, adapter_handle, indices: Sequence[int] | None = None) -> Generator[None, None, Drift]:
+        """Drift of `adapter_handle` (a llama_adapter_lora, or its address)
+        against the records of every anchor, or of those at `indices`; returns a Drift."""
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring drift")
-        kl_sum, tokens, first = 0.0, 0, []
-        for base in self.bases:
+        kl_sum, tokens, first, ms = 0.0, 0, [], 0.0
+        for base in (self.bases if indices is None else [self.bases[i] for i in indices]):
             seq = yield from self._free_seq()
+            t0 = time.perf_counter()
             set_context_adapter(self.resident, adapter_handle)
             try:
                 kl, n, f = anchor_drift(self.resident, seq, base)
             finally:
                 self.restore()
+            one = (time.perf_counter() - t0) * 1000.0
+            ms += one
+            self.anchor_ms = one if self.anchor_ms is None else 0.5 * (self.anchor_ms + one)
             kl_sum, tokens = kl_sum + kl, tokens + n
             first.append(f)
             yield
         changed = sum(f is not None for f in first)
         return Drift(drift_kl=kl_sum / tokens if tokens else 0.0, anchors_changed=changed / len(first),
-                     changed=changed, anchors=len(first), tokens=tokens, first_change=tuple(first))
+                     changed=changed, anchors=len(first), tokens=tokens, first_change=tuple(first), ms=ms)
 
 
 def anchor_schedule(n_anchors: int, n_job_windows: int, ratio: float, epoch: int, seed: int) -> list[int]:

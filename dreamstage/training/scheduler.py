@@ -517,12 +517,14 @@ class DreamScheduler:
                     notes.append(own.stop_note(run.walk.epoch))
                     yield
                     break
+                if guard is not None and event == "epoch":
+                    p = store.get(jid)["progress"]
+                    drift = yield from guard.measure_during(trainer, p["train_ms"], p["step"])
+                    self._store_drift(jid, spec, drift, run.walk.epoch, final=False)
             yield
-        if guard is not None and (drift := (yield from guard.measure_or_fail(trainer))) is not None:
-            figures = drift_figures(drift, spec.max_drift, run.walk.epoch)
-            assert figures is not None   # a Drift always has figures
-            store.append_receipt(jid, drift_receipt(figures))
-            self.stats.record_drift(jid, drift)
+        if guard is not None:
+            drift = yield from guard.measure_or_fail(trainer)
+            self._store_drift(jid, spec, drift, run.walk.epoch, final=True)
         progress = store.get(jid)["progress"]
         message = yield from self._finish(jid, spec, trainer, progress["eval_loss"], eval_before, guard)
         yield from self._end(jid, "done", "; ".join([message, *notes]))
@@ -571,6 +573,16 @@ class DreamScheduler:
         finally:
             evaluator.close()
             self._closing.remove(evaluator)
+
+    def _store_drift(self, jid: int, spec: JobSpec, drift, epoch: int, final: bool) -> None:
+        """A drift measurement (None: none ran) as the job's receipt, and into /metrics."""
+        figures = drift_figures(drift, spec.max_drift, epoch, final)
+        if drift is None or figures is None:
+            return
+        job = self.store.get(jid)
+        self.store.append_receipt(jid, drift_receipt(figures, step=job["progress"]["step"], ms=drift.ms,
+                                                     memory=job["memory"]))
+        self.stats.record_drift(jid, drift)
 
     def _drift_guard(self, spec: JobSpec, rendered: RenderedJob, engine) -> DriftGuard | None:
         """The job's drift guard; None when it is off on this server, or on a
