@@ -62,6 +62,8 @@ GRID: dict[str, tuple] = {
     "qv-top8-r8": (1e-3, 10, 8, QV, 8.0, 0.1, {"top_layers": 8}),
     "ffn_down-r8": (1e-3, 10, 8, "ffn_down", 8.0, 0.1),
     "qv-lr3e-3-r8-stop0.3": (3e-3, 10, 8, QV, 8.0, 0.3),
+    "defaults-ratio2": (1e-3, 10, 8, QV, 2.0, 0.1),
+    "defaults-ratio4": (1e-3, 10, 8, QV, 4.0, 0.1),
 }
 
 
