@@ -5,6 +5,10 @@ dx = W^T dy computed in float64."""
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,6 +50,30 @@ def _product(qtype: Q, wq: np.ndarray, n_in: int, n_out: int, dy: np.ndarray) ->
 @pytest.mark.parametrize("qtype,n_in,n_out,n_tok", [(t, 576, 96, 7) for t in LEGACY] +
                          [(t, 512, 80, 9) for t in KQUANTS] + [(Q.Q4_1, 64, 1000, 4), (Q.Q8_0, 1536, 33, 1)])
 def test_backward_product_matches_float64_reference(qtype, n_in, n_out, n_tok):
+    _check(qtype, n_in, n_out, n_tok)
+
+
+# Q4_0, Q4_1 and Q8_0 take the fused kernel on AVX-512 CPUs: one register tile
+# per token count up to 8, then tiles of 8 and a remainder
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 5, 8, 11, 17])
+def test_fused_kernel_every_token_tile(qtype, n_tok):
+    _check(qtype, 576, 200, n_tok)
+
+
+def test_panel_kernel_where_the_fused_one_is_switched_off():
+    """DREAMSTAGE_CPU_BACKWARD=panel: the kernel that CPUs without AVX-512 use, on the fused types too."""
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_cpu_backward as t; from gguf import "
+            "GGMLQuantizationType as Q\n"
+            "for q in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K):\n    for n in (1, 3, 9):\n        t._check(q, 512, 96, n)\n"
+            "print('ok')")
+    env = dict(os.environ, DREAMSTAGE_CPU_BACKWARD="panel")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def _check(qtype: Q, n_in: int, n_out: int, n_tok: int) -> None:
     rng = np.random.default_rng(int(qtype) * 7 + n_in)
     w = rng.standard_normal((n_out, n_in)).astype(np.float32) / np.sqrt(n_in)
     dy = rng.standard_normal((n_tok, n_out)).astype(np.float32)
