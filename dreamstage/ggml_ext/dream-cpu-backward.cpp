@@ -270,6 +270,8 @@ struct deq_q8_0 {
     }
 };
 
+constexpr int64_t FUSED_TT = 12;   // tokens per register tile: 24 accumulators + 2 weights + 1 broadcast of 32 registers
+
 struct fused_args {
     const uint8_t * w;
     size_t row_bytes;
@@ -293,7 +295,7 @@ __attribute__((target("avx512f,f16c"))) void fused_tile(const fused_args & a, in
         for (int64_t o = o0; o < o0 + no; ++o, p += a.row_bytes) {
             __m512 w0, w1;
             D::load(p, w0, w1);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
             for (int t = 0; t < NT; ++t) {
                 const __m512 g = _mm512_set1_ps(dy[t * a.n_out + o]);
                 acc[t][0] = _mm512_fmadd_ps(w0, g, acc[t][0]);
@@ -322,7 +324,11 @@ void fused_tiles(const fused_args & a, int64_t o0, int64_t no, int64_t b0, int64
         case 5: fused_tile<D, 5>(a, o0, no, b0, nb, t0, acc); break;
         case 6: fused_tile<D, 6>(a, o0, no, b0, nb, t0, acc); break;
         case 7: fused_tile<D, 7>(a, o0, no, b0, nb, t0, acc); break;
-        default: fused_tile<D, 8>(a, o0, no, b0, nb, t0, acc); break;
+        case 8: fused_tile<D, 8>(a, o0, no, b0, nb, t0, acc); break;
+        case 9: fused_tile<D, 9>(a, o0, no, b0, nb, t0, acc); break;
+        case 10: fused_tile<D, 10>(a, o0, no, b0, nb, t0, acc); break;
+        case 11: fused_tile<D, 11>(a, o0, no, b0, nb, t0, acc); break;
+        default: fused_tile<D, 12>(a, o0, no, b0, nb, t0, acc); break;
     }
 }
 
@@ -350,8 +356,8 @@ void fused_product(const fused_args & a, int64_t n_tok, int ith, int nth) {
                 _mm_prefetch(r + off, _MM_HINT_T1);
             }
         }
-        for (int64_t t0 = 0; t0 < n_tok; t0 += 8) {
-            fused_tiles<D>(a, o0, no, b0, nb, t0, (int) std::min<int64_t>(8, n_tok - t0), o0 > 0);
+        for (int64_t t0 = 0; t0 < n_tok; t0 += FUSED_TT) {
+            fused_tiles<D>(a, o0, no, b0, nb, t0, (int) std::min<int64_t>(FUSED_TT, n_tok - t0), o0 > 0);
         }
     }
 }

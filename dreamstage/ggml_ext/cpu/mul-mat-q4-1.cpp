@@ -64,70 +64,97 @@ inline float lane_total(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// out[c * out_stride + r] = row r of x (Q4_1) . column c of y (Q8_1), R rows x C columns, nb blocks
+// The activation blocks' fp16 scales of up to 4 columns, as floats, block by
+// block: d[ib][c] and s[ib][c] (column c's d and d * sum(q) of block ib).
+struct col_scales {
+    std::vector<float> d, s;
+    void fill(const uint8_t * y, size_t y_stride, int C, int64_t nb) {
+        d.assign((size_t) nb * 4, 0.0f);
+        s.assign((size_t) nb * 4, 0.0f);
+        for (int c = 0; c < C; ++c) {
+            const uint8_t * b = y + c * y_stride;
+            for (int64_t ib = 0; ib < nb; ++ib, b += sizeof(block_q8_1)) {
+                d[ib * 4 + c] = half_to_float(b);
+                s[ib * 4 + c] = half_to_float(b + 2);
+            }
+        }
+    }
+};
+
+// out[c * out_stride + r] = row r of x (Q4_1) . column c of y (Q8_1), R rows x C columns, nb blocks.
+// The mins' sums of the C columns share one 4-lane register per row (each lane
+// its own column's scalar FMA chain, in block order as ggml's scalar).
 template <int R, int C>
-void tile(const uint8_t * x, size_t x_stride, const uint8_t * y, size_t y_stride, int64_t nb, float * out,
-          int64_t out_stride) {
+void tile(const uint8_t * x, size_t x_stride, const uint8_t * y, size_t y_stride, const col_scales & cs, int64_t nb,
+          float * out, int64_t out_stride) {
     __m256 acc[R][C];
-    float mins[R][C];
+    __m128 mins[R];
     for (int r = 0; r < R; ++r) {
+        mins[r] = _mm_setzero_ps();
         for (int c = 0; c < C; ++c) {
             acc[r][c] = _mm256_setzero_ps();
-            mins[r][c] = 0.0f;
         }
     }
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int64_t ib = 0; ib < nb; ++ib) {
+        const float * dy = &cs.d[ib * 4];
+        const __m128 sy = _mm_loadu_ps(&cs.s[ib * 4]);
         __m256i qx[R];
-        float dx[R], mx[R];
+        float dx[R];
         for (int r = 0; r < R; ++r) {
             const uint8_t * b = x + r * x_stride + ib * sizeof(block_q4_1);
             dx[r] = half_to_float(b);
-            mx[r] = half_to_float(b + 2);
+            mins[r] = _mm_fmadd_ps(_mm_set1_ps(half_to_float(b + 2)), sy, mins[r]);
             const __m128i q = _mm_loadu_si128((const __m128i *) (b + 4));
             qx[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);
         }
         for (int c = 0; c < C; ++c) {
-            const uint8_t * b = y + c * y_stride + ib * sizeof(block_q8_1);
-            const float dy = half_to_float(b), sy = half_to_float(b + 2);
-            const __m256i qy = _mm256_loadu_si256((const __m256i *) (b + 4));
+            const __m256i qy = _mm256_loadu_si256((const __m256i *) (y + c * y_stride + ib * sizeof(block_q8_1) + 4));
             for (int r = 0; r < R; ++r) {
-                mins[r][c] = std::fma(mx[r], sy, mins[r][c]);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dx[r] * dy), block_dot(qx[r], qy), acc[r][c]);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dx[r] * dy[c]), block_dot(qx[r], qy), acc[r][c]);
             }
         }
     }
     for (int r = 0; r < R; ++r) {
+        alignas(16) float m[4];
+        _mm_store_ps(m, mins[r]);
         for (int c = 0; c < C; ++c) {
-            out[c * out_stride + r] = lane_total(acc[r][c]) + mins[r][c];
+            out[c * out_stride + r] = lane_total(acc[r][c]) + m[c];
         }
     }
 }
 
 template <int R>
-void tile_cols(int C, const uint8_t * x, size_t xs, const uint8_t * y, size_t ys, int64_t nb, float * out, int64_t os) {
+void tile_cols(int C, const uint8_t * x, size_t xs, const uint8_t * y, size_t ys, const col_scales & cs, int64_t nb,
+               float * out, int64_t os) {
     switch (C) {
-        case 1: tile<R, 1>(x, xs, y, ys, nb, out, os); break;
-        case 2: tile<R, 2>(x, xs, y, ys, nb, out, os); break;
-        case 3: tile<R, 3>(x, xs, y, ys, nb, out, os); break;
-        default: tile<R, 4>(x, xs, y, ys, nb, out, os); break;
+        case 1: tile<R, 1>(x, xs, y, ys, cs, nb, out, os); break;
+        case 2: tile<R, 2>(x, xs, y, ys, cs, nb, out, os); break;
+        case 3: tile<R, 3>(x, xs, y, ys, cs, nb, out, os); break;
+        default: tile<R, 4>(x, xs, y, ys, cs, nb, out, os); break;
     }
 }
+
+constexpr int TILE_R = 4;
 
 // rows r0..r1 of x times columns c0..c1 of y into out (column c at out + c * out_stride)
 void product(const uint8_t * x, size_t x_stride, const uint8_t * y, size_t y_stride, int64_t n_in, int64_t r0,
              int64_t r1, int64_t c0, int64_t c1, float * out, int64_t out_stride) {
     const int64_t nb = n_in / QK4_1;
+    thread_local col_scales cs;
     for (int64_t c = c0; c < c1; c += 4) {
         const int C = (int) std::min<int64_t>(4, c1 - c);
-        for (int64_t r = r0; r < r1; r += 2) {
+        const uint8_t * yc = y + c * y_stride;
+        cs.fill(yc, y_stride, C, nb);
+        for (int64_t r = r0; r < r1;) {
             const uint8_t * xr = x + r * x_stride;
-            const uint8_t * yc = y + c * y_stride;
             float * o = out + c * out_stride + r;
-            if (r + 2 <= r1) {
-                tile_cols<2>(C, xr, x_stride, yc, y_stride, nb, o, out_stride);
+            if (r + TILE_R <= r1) {
+                tile_cols<TILE_R>(C, xr, x_stride, yc, y_stride, cs, nb, o, out_stride);
+                r += TILE_R;
             } else {
-                tile_cols<1>(C, xr, x_stride, yc, y_stride, nb, o, out_stride);
+                tile_cols<1>(C, xr, x_stride, yc, y_stride, cs, nb, o, out_stride);
+                r += 1;
             }
         }
     }
