@@ -99,3 +99,31 @@ def test_backward_product_refuses_what_it_cannot_take():
                                         dx.ctypes.data_as(f32p))
     assert not dx.any()
 
+
+
+@pytest.mark.parametrize("ne0,ne1,nk,b_transposed", [(576, 8, 32, False), (8, 576, 32, True), (64, 37, 129, False),
+                                                    (33, 13, 5, True), (1, 1, 1, False), (100, 25, 256, True)])
+def test_f32_out_prod_kernel_matches_float64(ne0, ne1, nk, b_transposed):
+    """dst[i1][i0] = sum_k a[k][i0] b[i1][k]: the register-tiled F32 OUT_PROD against NumPy in float64,
+    with a's rows padded (a stride past ne0) and b read along either of its axes."""
+    L = native.lib()
+    rng = np.random.default_rng(ne0 * 31 + ne1)
+    a_k = ne0 + 3
+    a = rng.standard_normal((nk, a_k)).astype(np.float32)
+    if b_transposed:   # b stored k-major: element (i1, k) at k * ne1 + i1
+        b_store = rng.standard_normal((nk, ne1)).astype(np.float32)
+        b, b_i, b_k = b_store.T, 1, ne1
+    else:
+        b_store = rng.standard_normal((ne1, nk)).astype(np.float32)
+        b, b_i, b_k = b_store, nk, 1
+    dst = np.full((ne1, ne0), np.nan, np.float32)
+    f32p = ctypes.POINTER(ctypes.c_float)
+    ok = L.dream_out_prod_f32(a.ctypes.data_as(f32p), ne0, nk, a_k, b_store.ctypes.data_as(f32p), ne1, b_i, b_k,
+                              dst.ctypes.data_as(f32p))
+    if not ok:
+        pytest.skip("no AVX-512 on this CPU: training graphs keep ggml's OUT_PROD")
+    ref = b.astype(np.float64) @ a[:, :ne0].astype(np.float64)
+    rel = np.linalg.norm(dst - ref) / np.linalg.norm(ref)
+    assert rel < 1e-6, rel
+    assert not L.dream_out_prod_f32(a.ctypes.data_as(f32p), ne0, nk, ne0 - 1, b_store.ctypes.data_as(f32p), ne1,
+                                    b_i, b_k, dst.ctypes.data_as(f32p))
