@@ -67,7 +67,7 @@ def one_job(srv: BackgroundServer, http: httpx.Client, max_pause_ms: float, limi
     stop.set()
     client.join()
     if job["state"] == "running":
-        http.post(f"/train/{jid}/cancel")
+        http.post(f"/train/{jid}/cancel", headers={"Content-Type": "application/json"}).raise_for_status()
     p, f = job["progress"], job["pacing"] or {}
     return {"max_pause_ms": max_pause_ms, "state": job["state"], "seconds": wall, "epochs_done": p["epoch"],
             "windows_done": p["windows_done"], "steps": p["step"], "train_loss_per_epoch": p["train_loss_per_epoch"],
