@@ -116,16 +116,42 @@ bool dream_cpu_out_prod_supported(const ggml_tensor * n) {
            n->ne[2] == b->ne[2] && n->ne[3] == b->ne[3];
 }
 
-// The node becomes the custom op in place (same shape, same users).
-void dream_cpu_out_prod_rewrite(ggml_context * ctx, ggml_tensor * n) {
-    ggml_tensor * args[2] = { n->src[0], n->src[1] };
-    ggml_tensor * k = ggml_custom_4d(ctx, GGML_TYPE_F32, n->ne[0], n->ne[1], n->ne[2], n->ne[3], args, 2,
-                                     dream_out_prod_op, GGML_N_TASKS_MAX, nullptr);
+void dream_take_op(ggml_tensor * n, const ggml_tensor * k) {
     n->op = k->op;
     std::memcpy(n->op_params, k->op_params, sizeof(n->op_params));
     for (int j = 0; j < GGML_MAX_SRC; ++j) {
         n->src[j] = k->src[j];
     }
+}
+
+// n becomes the kernel's op on (a, b), in place (same shape, same users)
+static void dream_out_prod_in_place(ggml_context * ctx, ggml_tensor * n, ggml_tensor * a, ggml_tensor * b) {
+    ggml_tensor * args[2] = { a, b };
+    dream_take_op(n, ggml_custom_4d(ctx, GGML_TYPE_F32, n->ne[0], n->ne[1], n->ne[2], n->ne[3], args, 2,
+                                    dream_out_prod_op, GGML_N_TASKS_MAX, nullptr));
+}
+
+void dream_cpu_out_prod_rewrite(ggml_context * ctx, ggml_tensor * n) {
+    dream_out_prod_in_place(ctx, n, n->src[0], n->src[1]);
+}
+
+// MUL_MAT(s0, s1), dst[i1][i0] = sum_k s0[k, i0] s1[k, i1], is OUT_PROD(s0^T, s1^T):
+// the kernel takes it once s0 is transposed into rows along i0 (a copy of s0;
+// s1^T is a view). ggml-cpu's GEMM runs these at 15-30 GFMA/s (a short k, a
+// src1 view that sends it to one dot product per output, k = rank 8 below its
+// block size). Only activations and adapters: a weight is not copied per step.
+bool dream_cpu_mul_mat_as_out_prod(ggml_context * ctx, ggml_tensor * n) {
+    ggml_tensor * s0 = n->src[0];
+    ggml_tensor * s1 = n->src[1];
+    const bool weight = s0->buffer && ggml_backend_buffer_get_usage(s0->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS;
+    // the copy of s0 is at most 1/16 of the products (at least 16 columns of s1)
+    if (!avx512() || weight || n->type != GGML_TYPE_F32 || s0->type != GGML_TYPE_F32 || s1->type != GGML_TYPE_F32 ||
+        !ggml_is_contiguous(n) || s1->ne[1] < 16 || s0->nb[0] != sizeof(float) || s1->nb[0] != sizeof(float)) {
+        return false;
+    }
+    // a: s0 as rows along i0, [i0, k, ...] (a copy); b: s1^T, [i1, k, ...] (a view)
+    dream_out_prod_in_place(ctx, n, ggml_cont(ctx, ggml_transpose(ctx, s0)), ggml_transpose(ctx, s1));
+    return true;
 }
 
 bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int64_t a_k, const float * b, int64_t ne1,

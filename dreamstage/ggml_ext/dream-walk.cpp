@@ -323,8 +323,8 @@ static void dream_pool_need_max(std::vector<std::pair<ggml_backend_dev_t, size_t
 //   measured cost in step speed (bench/gpu/dream_op_check, docs/architecture/gpu.md).
 // - F32 OUT_PROD (attention's backward, the LoRA factors' gradients) when the
 //   whole graph runs on the CPU: the register-tiled kernel of
-//   dream-cpu-out-prod.cpp, in place; an F32 MUL_MAT's src1 view made
-//   contiguous, so ggml-cpu multiplies it with its GEMM.
+//   dream-cpu-out-prod.cpp, in place; so does an F32 MUL_MAT of activations
+//   (attention's QK and PV, the LoRA branches), its src0 transposed first.
 // - ACC whose added tensor is not contiguous (VIEW's backward fed by a permuted
 //   gradient): ggml-cuda's ACC takes contiguous operands only, so the scheduler
 //   would run it on the CPU, one round trip per block. A CONT first keeps it on
@@ -354,12 +354,7 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 // the blocked kernel of dream-cpu-backward.cpp computes the same
                 // product with no F32 copy of W; the node becomes that op in
                 // place, so its users and shape stay
-                ggml_tensor * k = dream_cpu_wt_dy(ctx, w, dy);
-                n->op = k->op;
-                std::memcpy(n->op_params, k->op_params, sizeof(n->op_params));
-                for (int j = 0; j < GGML_MAX_SRC; ++j) {
-                    n->src[j] = k->src[j];
-                }
+                dream_take_op(n, dream_cpu_wt_dy(ctx, w, dy));
                 // The old transposed view of dy stays in the graph; without a
                 // reader it would never release dy, and the allocator would keep
                 // every such gradient to the end of the graph (measured: 100 MiB
@@ -387,12 +382,7 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
         } else if (n->op == GGML_OP_OUT_PROD && cpu_only && dream_cpu_out_prod_supported(n)) {
             dream_cpu_out_prod_rewrite(ctx, n);
             any = true;
-        } else if (n->op == GGML_OP_MUL_MAT && cpu_only && n->src[0]->type == GGML_TYPE_F32 &&
-                   n->src[1]->type == GGML_TYPE_F32 && !ggml_is_contiguous(n->src[1])) {
-            // ggml-cpu's GEMM (llamafile's) takes a contiguous src1 only; a view
-            // (attention's Q, permuted per head) goes to a dot product per
-            // output instead, 5x slower at chunk 256. The copy is cheap.
-            n->src[1] = ggml_cont(ctx, n->src[1]);
+        } else if (n->op == GGML_OP_MUL_MAT && cpu_only && dream_cpu_mul_mat_as_out_prod(ctx, n)) {
             any = true;
         } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
             n->src[1] = ggml_cont(ctx, n->src[1]);
