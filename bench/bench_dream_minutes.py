@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--pauses", default="250,0")
     ap.add_argument("--limit", type=float, default=150.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="JSON path (default: bench/results/dream-minutes-<date>.json)")
     args = ap.parse_args()
     runs = []
     with tempfile.TemporaryDirectory() as state:
@@ -96,7 +97,7 @@ def main() -> None:
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_average_at_end": os.getloadavg(),
               "threads": args.threads, "limit_s": args.limit, "runs": runs}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"dream-minutes-{dt.date.today().isoformat()}.json"
+    path = Path(args.out) if args.out else RESULTS / f"dream-minutes-{dt.date.today().isoformat()}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 
