@@ -48,7 +48,8 @@ def _product(qtype: Q, wq: np.ndarray, n_in: int, n_out: int, dy: np.ndarray) ->
 
 
 @pytest.mark.parametrize("qtype,n_in,n_out,n_tok", [(t, 576, 96, 7) for t in LEGACY] +
-                         [(t, 512, 80, 9) for t in KQUANTS] + [(Q.Q4_1, 64, 1000, 4), (Q.Q8_0, 1536, 33, 1)])
+                         [(t, 512, 80, 9) for t in KQUANTS] + [(Q.Q4_1, 64, 1000, 4), (Q.Q8_0, 1536, 33, 1),
+                          (Q.Q4_1, 576, 96, 64), (Q.Q8_0, 576, 40, 49)])
 def test_backward_product_matches_float64_reference(qtype, n_in, n_out, n_tok):
     _check(qtype, n_in, n_out, n_tok)
 
