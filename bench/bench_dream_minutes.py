@@ -67,7 +67,7 @@ def one_job(srv: BackgroundServer, http: httpx.Client, max_pause_ms: float, limi
     stop.set()
     client.join()
     if job["state"] == "running":
-        http.post(f"/train/{jid}/cancel")
+        http.post(f"/train/{jid}/cancel", headers={"Content-Type": "application/json"}).raise_for_status()
     p, f = job["progress"], job["pacing"] or {}
     return {"max_pause_ms": max_pause_ms, "state": job["state"], "seconds": wall, "epochs_done": p["epoch"],
             "windows_done": p["windows_done"], "steps": p["step"], "train_loss_per_epoch": p["train_loss_per_epoch"],
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--pauses", default="250,0")
     ap.add_argument("--limit", type=float, default=150.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="JSON path (default: bench/results/dream-minutes-<date>.json)")
     args = ap.parse_args()
     runs = []
     with tempfile.TemporaryDirectory() as state:
@@ -96,7 +97,7 @@ def main() -> None:
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_average_at_end": os.getloadavg(),
               "threads": args.threads, "limit_s": args.limit, "runs": runs}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"dream-minutes-{dt.date.today().isoformat()}.json"
+    path = Path(args.out) if args.out else RESULTS / f"dream-minutes-{dt.date.today().isoformat()}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 

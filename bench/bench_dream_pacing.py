@@ -135,7 +135,8 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
     client = load(url, shape, seconds)
     time.sleep(1.1)                                                     # the figures are flushed every second
     job = http.get(f"/train/{jid}").json()
-    http.post(f"/train/{jid}/cancel")
+    # a body-less POST says application/json, or the server refuses it (cross-site guard)
+    http.post(f"/train/{jid}/cancel", headers={"Content-Type": "application/json"}).raise_for_status()
     # the native step time of each ok receipt, beside the pause the pacer measured around it
     native = [r["ms"] for r in srv.service.jobs.receipts(jid, status="ok")]
     f = job["pacing"]

@@ -322,6 +322,11 @@ def _declare(L: ctypes.CDLL) -> None:
     #                             int64_t n_tok, float * dx);
     L.dream_backward_product.argtypes = [ctypes.c_int32, p, ctypes.c_int64, ctypes.c_int64, f32p, ctypes.c_int64, f32p]
     L.dream_backward_product.restype = ctypes.c_bool
+    # bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int64_t a_k, const float * b, int64_t ne1,
+    #                         int64_t b_i, int64_t b_k, float * dst);
+    L.dream_out_prod_f32.argtypes = [f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, f32p, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_int64, f32p]
+    L.dream_out_prod_f32.restype = ctypes.c_bool
     # int32_t dream_last_n_splits(const struct dream_stage * ds);
     L.dream_last_n_splits.argtypes = [p]
     L.dream_last_n_splits.restype = ctypes.c_int32

@@ -5,6 +5,10 @@ dx = W^T dy computed in float64."""
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,8 +48,33 @@ def _product(qtype: Q, wq: np.ndarray, n_in: int, n_out: int, dy: np.ndarray) ->
 
 
 @pytest.mark.parametrize("qtype,n_in,n_out,n_tok", [(t, 576, 96, 7) for t in LEGACY] +
-                         [(t, 512, 80, 9) for t in KQUANTS] + [(Q.Q4_1, 64, 1000, 4), (Q.Q8_0, 1536, 33, 1)])
+                         [(t, 512, 80, 9) for t in KQUANTS] + [(Q.Q4_1, 64, 1000, 4), (Q.Q8_0, 1536, 33, 1),
+                          (Q.Q4_1, 576, 96, 64), (Q.Q8_0, 576, 40, 49)])
 def test_backward_product_matches_float64_reference(qtype, n_in, n_out, n_tok):
+    _check(qtype, n_in, n_out, n_tok)
+
+
+# Q4_0, Q4_1 and Q8_0 take the fused kernel on AVX-512 CPUs: one register tile
+# per token count up to 8, then tiles of 8 and a remainder
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 5, 8, 11, 17])
+def test_fused_kernel_every_token_tile(qtype, n_tok):
+    _check(qtype, 576, 200, n_tok)
+
+
+def test_panel_kernel_where_the_fused_one_is_switched_off():
+    """DREAMSTAGE_CPU_BACKWARD=panel: the kernel that CPUs without AVX-512 use, on the fused types too."""
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_cpu_backward as t; from gguf import "
+            "GGMLQuantizationType as Q\n"
+            "for q in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K):\n    for n in (1, 3, 9):\n        t._check(q, 512, 96, n)\n"
+            "print('ok')")
+    env = dict(os.environ, DREAMSTAGE_CPU_BACKWARD="panel")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def _check(qtype: Q, n_in: int, n_out: int, n_tok: int) -> None:
     rng = np.random.default_rng(int(qtype) * 7 + n_in)
     w = rng.standard_normal((n_out, n_in)).astype(np.float32) / np.sqrt(n_in)
     dy = rng.standard_normal((n_tok, n_out)).astype(np.float32)
@@ -71,3 +100,31 @@ def test_backward_product_refuses_what_it_cannot_take():
                                         dx.ctypes.data_as(f32p))
     assert not dx.any()
 
+
+
+@pytest.mark.parametrize("ne0,ne1,nk,b_transposed", [(576, 8, 32, False), (8, 576, 32, True), (64, 37, 129, False),
+                                                    (33, 13, 5, True), (1, 1, 1, False), (100, 25, 256, True)])
+def test_f32_out_prod_kernel_matches_float64(ne0, ne1, nk, b_transposed):
+    """dst[i1][i0] = sum_k a[k][i0] b[i1][k]: the register-tiled F32 OUT_PROD against NumPy in float64,
+    with a's rows padded (a stride past ne0) and b read along either of its axes."""
+    L = native.lib()
+    rng = np.random.default_rng(ne0 * 31 + ne1)
+    a_k = ne0 + 3
+    a = rng.standard_normal((nk, a_k)).astype(np.float32)
+    if b_transposed:   # b stored k-major: element (i1, k) at k * ne1 + i1
+        b_store = rng.standard_normal((nk, ne1)).astype(np.float32)
+        b, b_i, b_k = b_store.T, 1, ne1
+    else:
+        b_store = rng.standard_normal((ne1, nk)).astype(np.float32)
+        b, b_i, b_k = b_store, nk, 1
+    dst = np.full((ne1, ne0), np.nan, np.float32)
+    f32p = ctypes.POINTER(ctypes.c_float)
+    ok = L.dream_out_prod_f32(a.ctypes.data_as(f32p), ne0, nk, a_k, b_store.ctypes.data_as(f32p), ne1, b_i, b_k,
+                              dst.ctypes.data_as(f32p))
+    if not ok:
+        pytest.skip("no AVX-512 on this CPU: training graphs keep ggml's OUT_PROD")
+    ref = b.astype(np.float64) @ a[:, :ne0].astype(np.float64)
+    rel = np.linalg.norm(dst - ref) / np.linalg.norm(ref)
+    assert rel < 1e-6, rel
+    assert not L.dream_out_prod_f32(a.ctypes.data_as(f32p), ne0, nk, ne0 - 1, b_store.ctypes.data_as(f32p), ne1,
+                                    b_i, b_k, dst.ctypes.data_as(f32p))

@@ -14,9 +14,12 @@
 // read from cache once per tile of tokens. The sums run over o in order, in
 // float32, as OUT_PROD's do.
 //
-// The forward stays ggml's quantized MUL_MAT, exactly what serving runs: a
-// forward kernel on the same panels was tried and dropped (see
-// docs/architecture/dream-stage.md, "Performance").
+// On AVX-512 CPUs, Q4_0, Q4_1 and Q8_0 weights take a fused kernel instead
+// (below): no float panel, a block dequantized straight into registers.
+//
+// The forward is ggml's quantized MUL_MAT, exactly what serving runs (for
+// Q4_1 through the batched kernel of cpu/mul-mat-q4-1.cpp, which is ggml's
+// arithmetic bit for bit); see docs/architecture/dream-stage.md, "Performance".
 #include "dream-stage.h"
 
 #include "ggml-cpu.h"
@@ -26,6 +29,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -214,6 +218,170 @@ dequant_fn fast_dequant(ggml_type type) {
     }
 }
 
+// The fused kernel (AVX-512, Q4_0 / Q4_1 / Q8_0): no float panel at all. A
+// block of 32 weights is dequantized into two registers and multiplied into a
+// register tile of 32 columns x NT tokens right away. The rows of a panel are
+// walked once per block column, so a panel's quantized bytes are sized to stay
+// in L1 (about 16 KiB) while its block columns are read in turn. At small
+// chunks, where a step's backward is one pass over every weight, this is about
+// 3x faster than writing and reading back a float panel; a token tile of more
+// than 8 dequantizes the block again per 8 tokens.
+// 32 nibbles (low ones: elements 0..15, high ones: 16..31) as q * d + bias
+__attribute__((target("avx512f"), always_inline)) inline void nibbles(const uint8_t * qs, float d, float bias,
+                                                                      __m512 & w0, __m512 & w1) {
+    const __m128i q = _mm_loadu_si128((const __m128i *) qs), low4 = _mm_set1_epi8(0x0F);
+    const __m512 dv = _mm512_set1_ps(d), bv = _mm512_set1_ps(bias);
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low4))), dv, bv);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low4))), dv, bv);
+}
+
+__attribute__((target("f16c"), always_inline)) inline float fp16_at(const uint8_t * p) {
+    uint16_t h;
+    std::memcpy(&h, p, sizeof(h));
+    return _cvtsh_ss(h);
+}
+
+struct deq_q4_0 {
+    static constexpr size_t bytes = sizeof(block_q4_0);
+    // (q - 8) d == fma(q, d, -8 d): both round the same real number once
+    __attribute__((target("avx512f,f16c"), always_inline)) static inline void load(const uint8_t * p, __m512 & w0,
+                                                                                     __m512 & w1) {
+        const float d = fp16_at(p);
+        nibbles(((const block_q4_0 *) p)->qs, d, -8.0f * d, w0, w1);
+    }
+};
+
+struct deq_q4_1 {
+    static constexpr size_t bytes = sizeof(block_q4_1);
+    __attribute__((target("avx512f,f16c"), always_inline)) static inline void load(const uint8_t * p, __m512 & w0,
+                                                                                     __m512 & w1) {
+        nibbles(((const block_q4_1 *) p)->qs, fp16_at(p), fp16_at(p + 2), w0, w1);   // d, then m
+    }
+};
+
+struct deq_q8_0 {
+    static constexpr size_t bytes = sizeof(block_q8_0);
+    __attribute__((target("avx512f,f16c"), always_inline)) static inline void load(const uint8_t * p, __m512 & w0,
+                                                                                     __m512 & w1) {
+        const auto * b = (const block_q8_0 *) p;
+        const __m512 d = _mm512_set1_ps(fp16_at(p));
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) b->qs))), d);
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (b->qs + 16)))), d);
+    }
+};
+
+constexpr int64_t FUSED_MAX_TOKENS = 48;   // more tokens: the panel kernel (product_slabs says why)
+constexpr int64_t FUSED_TT = 12;   // tokens per register tile: 24 accumulators + 2 weights + 1 broadcast of 32 registers
+
+struct fused_args {
+    const uint8_t * w;
+    size_t row_bytes;
+    int64_t n_in, n_out;
+    const float * dy;   // [n_tok][n_out]
+    float * dx;         // [n_tok][n_in]
+};
+
+// dx[t0 .. t0+NT][32 b .. 32 (b+nb)] (+)= sum over rows o0 .. o0+no of W[o][..] dy[t][o]
+template <class D, int NT>
+__attribute__((target("avx512f,f16c"))) void fused_tile(const fused_args & a, int64_t o0, int64_t no, int64_t b0,
+                                                       int64_t nb, int64_t t0, bool accumulate) {
+    const float * dy = a.dy + t0 * a.n_out;
+    for (int64_t b = b0; b < b0 + nb; ++b) {
+        __m512 acc[NT][2];
+        for (int t = 0; t < NT; ++t) {
+            acc[t][0] = _mm512_setzero_ps();
+            acc[t][1] = _mm512_setzero_ps();
+        }
+        const uint8_t * p = a.w + (size_t) o0 * a.row_bytes + (size_t) b * D::bytes;
+        for (int64_t o = o0; o < o0 + no; ++o, p += a.row_bytes) {
+            __m512 w0, w1;
+            D::load(p, w0, w1);
+#pragma GCC unroll 12
+            for (int t = 0; t < NT; ++t) {
+                const __m512 g = _mm512_set1_ps(dy[t * a.n_out + o]);
+                acc[t][0] = _mm512_fmadd_ps(w0, g, acc[t][0]);
+                acc[t][1] = _mm512_fmadd_ps(w1, g, acc[t][1]);
+            }
+        }
+        for (int t = 0; t < NT; ++t) {
+            float * out = a.dx + (t0 + t) * a.n_in + 32 * b;
+            if (accumulate) {
+                acc[t][0] = _mm512_add_ps(_mm512_loadu_ps(out), acc[t][0]);
+                acc[t][1] = _mm512_add_ps(_mm512_loadu_ps(out + 16), acc[t][1]);
+            }
+            _mm512_storeu_ps(out, acc[t][0]);
+            _mm512_storeu_ps(out + 16, acc[t][1]);
+        }
+    }
+}
+
+template <class D>
+void fused_tiles(const fused_args & a, int64_t o0, int64_t no, int64_t b0, int64_t nb, int64_t t0, int nt, bool acc) {
+    switch (nt) {
+        case 1: fused_tile<D, 1>(a, o0, no, b0, nb, t0, acc); break;
+        case 2: fused_tile<D, 2>(a, o0, no, b0, nb, t0, acc); break;
+        case 3: fused_tile<D, 3>(a, o0, no, b0, nb, t0, acc); break;
+        case 4: fused_tile<D, 4>(a, o0, no, b0, nb, t0, acc); break;
+        case 5: fused_tile<D, 5>(a, o0, no, b0, nb, t0, acc); break;
+        case 6: fused_tile<D, 6>(a, o0, no, b0, nb, t0, acc); break;
+        case 7: fused_tile<D, 7>(a, o0, no, b0, nb, t0, acc); break;
+        case 8: fused_tile<D, 8>(a, o0, no, b0, nb, t0, acc); break;
+        case 9: fused_tile<D, 9>(a, o0, no, b0, nb, t0, acc); break;
+        case 10: fused_tile<D, 10>(a, o0, no, b0, nb, t0, acc); break;
+        case 11: fused_tile<D, 11>(a, o0, no, b0, nb, t0, acc); break;
+        default: fused_tile<D, 12>(a, o0, no, b0, nb, t0, acc); break;
+    }
+}
+
+// Thread ith of nth takes a contiguous range of block columns (whole rows when
+// alone), and walks the rows in panels whose quantized bytes fit L1.
+template <class D>
+void fused_product(const fused_args & a, int64_t n_tok, int ith, int nth) {
+    const int64_t n_blocks = a.n_in / 32;
+    const int64_t per = (n_blocks + nth - 1) / nth;
+    const int64_t b0 = per * ith, nb = std::min(per, n_blocks - b0);
+    if (nb <= 0) {
+        return;
+    }
+    const int64_t oc = std::max<int64_t>(8, (16 * 1024) / (int64_t) (nb * D::bytes));
+    const size_t seg = (size_t) nb * D::bytes;
+    for (int64_t o0 = 0; o0 < a.n_out; o0 += oc) {
+        const int64_t no = std::min(oc, a.n_out - o0);
+        // the next panel's rows into L2 while this one is multiplied (the
+        // rows are read a block column at a time, which the hardware
+        // prefetcher does not follow across rows)
+        const int64_t nn = std::min(oc, a.n_out - o0 - no);
+        for (int64_t o = 0; o < nn; ++o) {
+            const char * r = (const char *) a.w + (size_t) (o0 + no + o) * a.row_bytes + (size_t) b0 * D::bytes;
+            for (size_t off = 0; off < seg; off += 64) {
+                _mm_prefetch(r + off, _MM_HINT_T1);
+            }
+        }
+        for (int64_t t0 = 0; t0 < n_tok; t0 += FUSED_TT) {
+            fused_tiles<D>(a, o0, no, b0, nb, t0, (int) std::min<int64_t>(FUSED_TT, n_tok - t0), o0 > 0);
+        }
+    }
+}
+
+// the fused kernel for a type on this CPU, or null (the panel kernel then)
+using fused_fn = void (*)(const fused_args &, int64_t, int, int);
+fused_fn fused_kernel(ggml_type type) {
+    static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") && [] {
+        // DREAMSTAGE_CPU_BACKWARD=panel keeps the panel kernel (tests cover both)
+        const char * v = std::getenv("DREAMSTAGE_CPU_BACKWARD");
+        return !(v && std::strcmp(v, "panel") == 0);
+    }();
+    if (!avx512) {
+        return nullptr;
+    }
+    switch (type) {
+        case GGML_TYPE_Q4_0: return fused_product<deq_q4_0>;
+        case GGML_TYPE_Q4_1: return fused_product<deq_q4_1>;
+        case GGML_TYPE_Q8_0: return fused_product<deq_q8_0>;
+        default:             return nullptr;
+    }
+}
+
 product_shape shape_of(ggml_type type, int64_t n_in, int64_t n_out, int64_t n_tok, size_t row_bytes) {
     product_shape s{ n_in, n_out, n_tok, 0, 0, row_bytes };
     const int64_t blck = ggml_blck_size(type);
@@ -227,6 +395,14 @@ product_shape shape_of(ggml_type type, int64_t n_in, int64_t n_out, int64_t n_to
 // Thread ith of nth: slabs ith, ith + nth, ...
 void product_slabs(ggml_type type, const uint8_t * w, const float * dy, float * dx, const product_shape & s,
                    int ith, int nth) {
+    // above about 48 tokens a float panel, dequantized once and read by every
+    // token tile, beats dequantizing per tile of 12 (measured in a step of the
+    // default model, one thread: chunk 32 fused 286 ms, panel 328; chunk 64
+    // equal; chunk 128 fused 1,034, panel 980; chunk 256 fused 2,200, panel 1,990)
+    if (const fused_fn fused = s.n_tok <= FUSED_MAX_TOKENS ? fused_kernel(type) : nullptr) {
+        fused({ w, s.row_bytes, s.n_in, s.n_out, dy, dx }, s.n_tok, ith, nth);
+        return;
+    }
     const ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
     const dequant_fn fast = fast_dequant(type);
     const int64_t blck = ggml_blck_size(type);

@@ -226,6 +226,12 @@ size_t dream_sched_held_bytes(const dream_stage & ds); // the exec scheduler's c
 bool dream_cpu_wt_dy_supported(const ggml_tensor * w, const ggml_tensor * dy);
 ggml_tensor * dream_cpu_wt_dy(ggml_context * ctx, ggml_tensor * w, ggml_tensor * dy);   // [n_in, n_tok] F32
 
+// dream-cpu-out-prod.cpp: a training graph's F32 OUT_PROD as a register-tiled CPU kernel
+void dream_take_op(ggml_tensor * n, const ggml_tensor * k);   // n computes k's op on k's sources (keeps n's users)
+bool dream_cpu_out_prod_supported(const ggml_tensor * n);
+void dream_cpu_out_prod_rewrite(ggml_context * ctx, ggml_tensor * n);   // n becomes the kernel's op in place
+bool dream_cpu_mul_mat_as_out_prod(ggml_context * ctx, ggml_tensor * n); // an F32 MUL_MAT of activations, in place
+
 // dream-walk.cpp
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);
 int32_t dream_walk_chunks_left(const dream_stage & ds);

@@ -321,6 +321,10 @@ static void dream_pool_need_max(std::vector<std::pair<ggml_backend_dev_t, size_t
 //   a per-block minimum (Q4_1, Q2_K, Q4_K, Q5_K) and for Q4_0/Q5_0 at 8 tokens or
 //   fewer; the annotated product lands 2.9e-4 (TF32) for every type, at no
 //   measured cost in step speed (bench/gpu/dream_op_check, docs/architecture/gpu.md).
+// - F32 OUT_PROD (attention's backward, the LoRA factors' gradients) when the
+//   whole graph runs on the CPU: the register-tiled kernel of
+//   dream-cpu-out-prod.cpp, in place; so does an F32 MUL_MAT of activations
+//   (attention's QK and PV, the LoRA branches), its src0 transposed first.
 // - ACC whose added tensor is not contiguous (VIEW's backward fed by a permuted
 //   gradient): ggml-cuda's ACC takes contiguous operands only, so the scheduler
 //   would run it on the CPU, one round trip per block. A CONT first keeps it on
@@ -329,6 +333,13 @@ static void dream_pool_need_max(std::vector<std::pair<ggml_backend_dev_t, size_t
 static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, ggml_cgraph * gb, size_t cap,
                                         std::vector<std::pair<ggml_backend_dev_t, size_t>> & pool_need) {
     bool any = false;
+    // F32 OUT_PRODs become the CPU kernel only when every node runs on the CPU
+    // (a GPU backend's OUT_PROD is cuBLAS already)
+    bool cpu_only = true;
+    for (int b = 0; b < ggml_backend_sched_get_n_backends(ds.sched_exec.get()); ++b) {
+        ggml_backend_dev_t dev = ggml_backend_get_device(ggml_backend_sched_get_backend(ds.sched_exec.get(), b));
+        cpu_only = cpu_only && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    }
     for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
         ggml_tensor * n = ggml_graph_node(gb, i);
         if (n->op == GGML_OP_OUT_PROD && ggml_is_quantized(n->src[0]->type)) {
@@ -343,12 +354,7 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 // the blocked kernel of dream-cpu-backward.cpp computes the same
                 // product with no F32 copy of W; the node becomes that op in
                 // place, so its users and shape stay
-                ggml_tensor * k = dream_cpu_wt_dy(ctx, w, dy);
-                n->op = k->op;
-                std::memcpy(n->op_params, k->op_params, sizeof(n->op_params));
-                for (int j = 0; j < GGML_MAX_SRC; ++j) {
-                    n->src[j] = k->src[j];
-                }
+                dream_take_op(n, dream_cpu_wt_dy(ctx, w, dy));
                 // The old transposed view of dy stays in the graph; without a
                 // reader it would never release dy, and the allocator would keep
                 // every such gradient to the end of the graph (measured: 100 MiB
@@ -373,6 +379,11 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 ggml_prec_set_src(n, GGML_PREC_F32, 1);
                 dream_pool_need_max(pool_need, dev, (size_t) ggml_nelements(n->src[0]) * sizeof(float));
             }
+        } else if (n->op == GGML_OP_OUT_PROD && cpu_only && dream_cpu_out_prod_supported(n)) {
+            dream_cpu_out_prod_rewrite(ctx, n);
+            any = true;
+        } else if (n->op == GGML_OP_MUL_MAT && cpu_only && dream_cpu_mul_mat_as_out_prod(ctx, n)) {
+            any = true;
         } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
             n->src[1] = ggml_cont(ctx, n->src[1]);
             any = true;

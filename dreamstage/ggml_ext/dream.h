@@ -221,6 +221,13 @@ LLAMA_API int32_t dream_last_n_splits(const struct dream_stage * ds);
 LLAMA_API bool dream_backward_product(int32_t type, const void * w, int64_t n_in, int64_t n_out, const float * dy,
                                       int64_t n_tok, float * dx);
 
+// The CPU kernel for a training graph's F32 OUT_PRODs, on plain buffers (for
+// tests): dst[i1][i0] = sum_k a[k * a_k + i0] b[i1 * b_i + k * b_k] (strides in
+// floats), dst ne1 rows of ne0. One thread. Returns false (dst untouched) on a
+// CPU without AVX-512 (the graph then keeps ggml's OUT_PROD) or bad sizes.
+LLAMA_API bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int64_t a_k, const float * b, int64_t ne1,
+                                  int64_t b_i, int64_t b_k, float * dst);
+
 // Bytes of serving's compute buffers on ctx, all devices. Training graphs run
 // on the stage's own schedulers, so a micro-step or a refusal never changes it.
 LLAMA_API size_t dream_serving_compute_bytes(struct llama_context * ctx);

@@ -1,0 +1,171 @@
+// The CPU kernel for the F32 OUT_PRODs of a training graph (attention's
+// backward and the LoRA factors' gradients; 15% of a default-model step at
+// chunk 256 before it).
+//
+// OUT_PROD(a, b) is dst[i0, i1, i2, i3] = sum_k a[i0, k, i2/r2, i3/r3] b[i1, k, i2, i3]:
+// a sum over k of outer products. ggml's CPU op runs it as one AXPY of a's row
+// k into dst's row i1 per (i1, k), so every dst row is read and written again
+// for each k. Here a register tile of 32 columns x up to 12 rows of dst stays
+// in registers for the whole sum over k: per k, two loads of a's row and one
+// broadcast of b per row feed 24 FMAs. Built for AVX-512 only; other CPUs, and
+// operands whose rows are not contiguous along i0, keep ggml's op.
+#include "dream-stage.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t OP_TT = 12;   // dst rows per register tile: 24 accumulators of 32 registers
+
+struct op_args {
+    const char * a;
+    const char * b;
+    char * d;
+    int64_t ne0, ne1, nk;       // dst columns (a's i0), dst rows (b's i0), the summed k
+    size_t a_k;                 // bytes between a's rows k
+    size_t b_i, b_k;            // bytes between b's elements along i1 and along k
+    size_t d_row;               // bytes between dst rows
+};
+
+// dst rows i1 .. i1+NT, columns i0 .. i0+32 (masked past ne0)
+template <int NT>
+__attribute__((target("avx512f"))) void op_tile(const op_args & g, int64_t i1, int64_t i0) {
+    const int64_t left = g.ne0 - i0;
+    const __mmask16 m0 = left >= 16 ? (__mmask16) 0xFFFF : (__mmask16) ((1u << left) - 1);
+    const __mmask16 m1 = left >= 32 ? (__mmask16) 0xFFFF : left <= 16 ? (__mmask16) 0 : (__mmask16) ((1u << (left - 16)) - 1);
+    __m512 acc[NT][2];
+#pragma GCC unroll 12
+    for (int t = 0; t < NT; ++t) {
+        acc[t][0] = _mm512_setzero_ps();
+        acc[t][1] = _mm512_setzero_ps();
+    }
+    const char * ap = g.a + i0 * sizeof(float);
+    const char * bp = g.b + i1 * g.b_i;
+    for (int64_t k = 0; k < g.nk; ++k, ap += g.a_k, bp += g.b_k) {
+        const __m512 w0 = _mm512_maskz_loadu_ps(m0, ap);
+        const __m512 w1 = _mm512_maskz_loadu_ps(m1, ap + 64);
+#pragma GCC unroll 12
+        for (int t = 0; t < NT; ++t) {
+            const __m512 v = _mm512_set1_ps(*(const float *) (bp + t * g.b_i));
+            acc[t][0] = _mm512_fmadd_ps(w0, v, acc[t][0]);
+            acc[t][1] = _mm512_fmadd_ps(w1, v, acc[t][1]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int t = 0; t < NT; ++t) {
+        float * out = (float *) (g.d + (i1 + t) * g.d_row) + i0;
+        _mm512_mask_storeu_ps(out, m0, acc[t][0]);
+        _mm512_mask_storeu_ps(out + 16, m1, acc[t][1]);
+    }
+}
+
+void op_tiles(const op_args & g, int64_t i1, int64_t i0, int nt) {
+    switch (nt) {
+        case 1: op_tile<1>(g, i1, i0); break;
+        case 2: op_tile<2>(g, i1, i0); break;
+        case 3: op_tile<3>(g, i1, i0); break;
+        case 4: op_tile<4>(g, i1, i0); break;
+        case 5: op_tile<5>(g, i1, i0); break;
+        case 6: op_tile<6>(g, i1, i0); break;
+        case 7: op_tile<7>(g, i1, i0); break;
+        case 8: op_tile<8>(g, i1, i0); break;
+        case 9: op_tile<9>(g, i1, i0); break;
+        case 10: op_tile<10>(g, i1, i0); break;
+        case 11: op_tile<11>(g, i1, i0); break;
+        default: op_tile<12>(g, i1, i0); break;
+    }
+}
+
+// Thread ith of nth takes every nth tile of (i3, i2, row tile, column tile).
+void dream_out_prod_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * a = dst->src[0];
+    const ggml_tensor * b = dst->src[1];
+    const int64_t r2 = dst->ne[2] / a->ne[2], r3 = dst->ne[3] / a->ne[3];
+    const int64_t row_tiles = (dst->ne[1] + OP_TT - 1) / OP_TT, col_tiles = (dst->ne[0] + 31) / 32;
+    const int64_t per_mat = row_tiles * col_tiles;
+    const int64_t n_units = per_mat * dst->ne[2] * dst->ne[3];
+    for (int64_t u = ith; u < n_units; u += nth) {
+        const int64_t mat = u / per_mat, tile = u % per_mat;
+        const int64_t i2 = mat % dst->ne[2], i3 = mat / dst->ne[2];
+        const op_args g = { (const char *) a->data + (i2 / r2) * a->nb[2] + (i3 / r3) * a->nb[3],
+                            (const char *) b->data + i2 * b->nb[2] + i3 * b->nb[3],
+                            (char *) dst->data + i2 * dst->nb[2] + i3 * dst->nb[3],
+                            dst->ne[0], dst->ne[1], a->ne[1], a->nb[1], b->nb[0], b->nb[1], dst->nb[1] };
+        const int64_t i1 = (tile / col_tiles) * OP_TT, i0 = (tile % col_tiles) * 32;
+        op_tiles(g, i1, i0, (int) std::min<int64_t>(OP_TT, dst->ne[1] - i1));
+    }
+}
+
+bool avx512() {
+    static const bool yes = __builtin_cpu_supports("avx512f");
+    return yes;
+}
+
+} // namespace
+
+bool dream_cpu_out_prod_supported(const ggml_tensor * n) {
+    const ggml_tensor * a = n->src[0];
+    const ggml_tensor * b = n->src[1];
+    return avx512() && n->op == GGML_OP_OUT_PROD && n->type == GGML_TYPE_F32 && a->type == GGML_TYPE_F32 &&
+           b->type == GGML_TYPE_F32 && a->nb[0] == sizeof(float) && ggml_is_contiguous(n) && a->ne[1] == b->ne[1] &&
+           n->ne[2] % a->ne[2] == 0 && n->ne[3] % a->ne[3] == 0 && n->ne[0] == a->ne[0] && n->ne[1] == b->ne[0] &&
+           n->ne[2] == b->ne[2] && n->ne[3] == b->ne[3];
+}
+
+void dream_take_op(ggml_tensor * n, const ggml_tensor * k) {
+    n->op = k->op;
+    std::memcpy(n->op_params, k->op_params, sizeof(n->op_params));
+    for (int j = 0; j < GGML_MAX_SRC; ++j) {
+        n->src[j] = k->src[j];
+    }
+}
+
+// n becomes the kernel's op on (a, b), in place (same shape, same users)
+static void dream_out_prod_in_place(ggml_context * ctx, ggml_tensor * n, ggml_tensor * a, ggml_tensor * b) {
+    ggml_tensor * args[2] = { a, b };
+    dream_take_op(n, ggml_custom_4d(ctx, GGML_TYPE_F32, n->ne[0], n->ne[1], n->ne[2], n->ne[3], args, 2,
+                                    dream_out_prod_op, GGML_N_TASKS_MAX, nullptr));
+}
+
+void dream_cpu_out_prod_rewrite(ggml_context * ctx, ggml_tensor * n) {
+    dream_out_prod_in_place(ctx, n, n->src[0], n->src[1]);
+}
+
+// MUL_MAT(s0, s1), dst[i1][i0] = sum_k s0[k, i0] s1[k, i1], is OUT_PROD(s0^T, s1^T):
+// the kernel takes it once s0 is transposed into rows along i0 (a copy of s0;
+// s1^T is a view). ggml-cpu's GEMM runs these at 15-30 GFMA/s (a short k, a
+// src1 view that sends it to one dot product per output, k = rank 8 below its
+// block size). Only activations and adapters: a weight is not copied per step.
+bool dream_cpu_mul_mat_as_out_prod(ggml_context * ctx, ggml_tensor * n) {
+    ggml_tensor * s0 = n->src[0];
+    ggml_tensor * s1 = n->src[1];
+    const bool weight = s0->buffer && ggml_backend_buffer_get_usage(s0->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS;
+    // the copy of s0 is at most 1/16 of the products (at least 16 columns of s1)
+    if (!avx512() || weight || n->type != GGML_TYPE_F32 || s0->type != GGML_TYPE_F32 || s1->type != GGML_TYPE_F32 ||
+        !ggml_is_contiguous(n) || s1->ne[1] < 16 || s0->nb[0] != sizeof(float) || s1->nb[0] != sizeof(float)) {
+        return false;
+    }
+    // a: s0 as rows along i0, [i0, k, ...] (a copy); b: s1^T, [i1, k, ...] (a view)
+    dream_out_prod_in_place(ctx, n, ggml_cont(ctx, ggml_transpose(ctx, s0)), ggml_transpose(ctx, s1));
+    return true;
+}
+
+bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int64_t a_k, const float * b, int64_t ne1,
+                        int64_t b_i, int64_t b_k, float * dst) {
+    if (!avx512() || !a || !b || !dst || ne0 <= 0 || ne1 <= 0 || nk <= 0 || a_k < ne0 || b_i <= 0 || b_k <= 0) {
+        return false;
+    }
+    const op_args g = { (const char *) a, (const char *) b, (char *) dst, ne0, ne1, nk,
+                        (size_t) a_k * sizeof(float), (size_t) b_i * sizeof(float), (size_t) b_k * sizeof(float),
+                        (size_t) ne0 * sizeof(float) };
+    for (int64_t i1 = 0; i1 < ne1; i1 += OP_TT) {
+        for (int64_t i0 = 0; i0 < ne0; i0 += 32) {
+            op_tiles(g, i1, i0, (int) std::min<int64_t>(OP_TT, ne1 - i1));
+        }
+    }
+    return true;
+}
