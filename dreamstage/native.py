@@ -327,6 +327,9 @@ def _declare(L: ctypes.CDLL) -> None:
     L.dream_out_prod_f32.argtypes = [f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, f32p, ctypes.c_int64,
                                      ctypes.c_int64, ctypes.c_int64, f32p]
     L.dream_out_prod_f32.restype = ctypes.c_bool
+    # bool dream_cpu_exp_check(const float * x, int64_t n, float * out);
+    L.dream_cpu_exp_check.argtypes = [f32p, ctypes.c_int64, f32p]
+    L.dream_cpu_exp_check.restype = ctypes.c_bool
     # int32_t dream_last_n_splits(const struct dream_stage * ds);
     L.dream_last_n_splits.argtypes = [p]
     L.dream_last_n_splits.restype = ctypes.c_int32

@@ -135,25 +135,6 @@ void dream_cpu_out_prod_rewrite(ggml_context * ctx, ggml_tensor * n) {
     dream_out_prod_in_place(ctx, n, n->src[0], n->src[1]);
 }
 
-// MUL_MAT(s0, s1), dst[i1][i0] = sum_k s0[k, i0] s1[k, i1], is OUT_PROD(s0^T, s1^T):
-// the kernel takes it once s0 is transposed into rows along i0 (a copy of s0;
-// s1^T is a view). ggml-cpu's GEMM runs these at 15-30 GFMA/s (a short k, a
-// src1 view that sends it to one dot product per output, k = rank 8 below its
-// block size). Only activations and adapters: a weight is not copied per step.
-bool dream_cpu_mul_mat_as_out_prod(ggml_context * ctx, ggml_tensor * n) {
-    ggml_tensor * s0 = n->src[0];
-    ggml_tensor * s1 = n->src[1];
-    const bool weight = s0->buffer && ggml_backend_buffer_get_usage(s0->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS;
-    // the copy of s0 is at most 1/16 of the products (at least 16 columns of s1)
-    if (!avx512() || weight || n->type != GGML_TYPE_F32 || s0->type != GGML_TYPE_F32 || s1->type != GGML_TYPE_F32 ||
-        !ggml_is_contiguous(n) || s1->ne[1] < 16 || s0->nb[0] != sizeof(float) || s1->nb[0] != sizeof(float)) {
-        return false;
-    }
-    // a: s0 as rows along i0, [i0, k, ...] (a copy); b: s1^T, [i1, k, ...] (a view)
-    dream_out_prod_in_place(ctx, n, ggml_cont(ctx, ggml_transpose(ctx, s0)), ggml_transpose(ctx, s1));
-    return true;
-}
-
 bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int64_t a_k, const float * b, int64_t ne1,
                         int64_t b_i, int64_t b_k, float * dst) {
     if (!avx512() || !a || !b || !dst || ne0 <= 0 || ne1 <= 0 || nk <= 0 || a_k < ne0 || b_i <= 0 || b_k <= 0) {

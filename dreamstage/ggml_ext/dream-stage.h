@@ -230,7 +230,8 @@ ggml_tensor * dream_cpu_wt_dy(ggml_context * ctx, ggml_tensor * w, ggml_tensor *
 void dream_take_op(ggml_tensor * n, const ggml_tensor * k);   // n computes k's op on k's sources (keeps n's users)
 bool dream_cpu_out_prod_supported(const ggml_tensor * n);
 void dream_cpu_out_prod_rewrite(ggml_context * ctx, ggml_tensor * n);   // n becomes the kernel's op in place
-bool dream_cpu_mul_mat_as_out_prod(ggml_context * ctx, ggml_tensor * n); // an F32 MUL_MAT of activations, in place
+// dream-cpu-exp.cpp: CROSS_ENTROPY_LOSS and SILU_BACK with a vectorized exp, in place
+bool dream_cpu_exp_ops_rewrite(ggml_context * ctx, ggml_tensor * n);
 
 // dream-walk.cpp
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);

@@ -323,8 +323,12 @@ static void dream_pool_need_max(std::vector<std::pair<ggml_backend_dev_t, size_t
 //   measured cost in step speed (bench/gpu/dream_op_check, docs/architecture/gpu.md).
 // - F32 OUT_PROD (attention's backward, the LoRA factors' gradients) when the
 //   whole graph runs on the CPU: the register-tiled kernel of
-//   dream-cpu-out-prod.cpp, in place; so does an F32 MUL_MAT of activations
-//   (attention's QK and PV, the LoRA branches), its src0 transposed first.
+//   dream-cpu-out-prod.cpp, in place; an F32 MUL_MAT's src1 view (attention's
+//   Q, permuted per head) is made contiguous for ggml-cpu's GEMM;
+//   CROSS_ENTROPY_LOSS and SILU_BACK, whose ggml ops call expf per element,
+//   become dream-cpu-exp.cpp's vectorized kernels.
+// - GET_ROWS_BACK of the output rows on a GPU: a scatter (SET_ROWS into
+//   zeros), since the rows are distinct.
 // - ACC whose added tensor is not contiguous (VIEW's backward fed by a permuted
 //   gradient): ggml-cuda's ACC takes contiguous operands only, so the scheduler
 //   would run it on the CPU, one round trip per block. A CONT first keeps it on
@@ -382,7 +386,24 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
         } else if (n->op == GGML_OP_OUT_PROD && cpu_only && dream_cpu_out_prod_supported(n)) {
             dream_cpu_out_prod_rewrite(ctx, n);
             any = true;
-        } else if (n->op == GGML_OP_MUL_MAT && cpu_only && dream_cpu_mul_mat_as_out_prod(ctx, n)) {
+        } else if (n->op == GGML_OP_MUL_MAT && cpu_only && n->src[0]->type == GGML_TYPE_F32 &&
+                   n->src[1]->type == GGML_TYPE_F32 && !ggml_is_contiguous(n->src[1])) {
+            // ggml-cpu's GEMM (llamafile's) takes a contiguous src1 only; a view
+            // (attention's Q, permuted per head) goes to a dot product per
+            // output instead, 5x slower at chunk 256. The copy is cheap.
+            n->src[1] = ggml_cont(ctx, n->src[1]);
+            any = true;
+        } else if ((n->op == GGML_OP_CROSS_ENTROPY_LOSS || n->op == GGML_OP_SILU_BACK) && cpu_only &&
+                   dream_cpu_exp_ops_rewrite(ctx, n)) {
+            any = true;
+        } else if (n->op == GGML_OP_GET_ROWS_BACK && !cpu_only && n->src[1] && ggml_n_dims(n) <= 2 &&
+                   std::strcmp(ggml_get_name(n->src[1]), "out_ids") == 0) {
+            // llama's output rows are distinct positions, so this scatter-add
+            // is a plain scatter: zeros, the rows set, copied into n.
+            // ggml-cuda's GET_ROWS_BACK sums over every index for every
+            // destination row (3.5 ms at 2048 rows on an H200).
+            ggml_tensor * zeros = ggml_fill_inplace(ctx, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n->ne[0], n->ne[1]), 0.0f);
+            dream_take_op(n, ggml_cont(ctx, ggml_set_rows(ctx, zeros, n->src[0], n->src[1])));
             any = true;
         } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
             n->src[1] = ggml_cont(ctx, n->src[1]);

@@ -228,6 +228,10 @@ LLAMA_API bool dream_backward_product(int32_t type, const void * w, int64_t n_in
 LLAMA_API bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int64_t a_k, const float * b, int64_t ne1,
                                   int64_t b_i, int64_t b_k, float * dst);
 
+// The vectorized e^x of the CPU cross-entropy and SILU_BACK kernels, on a
+// plain buffer (for tests against libm). False on a CPU without AVX-512.
+LLAMA_API bool dream_cpu_exp_check(const float * x, int64_t n, float * out);
+
 // Bytes of serving's compute buffers on ctx, all devices. Training graphs run
 // on the stage's own schedulers, so a micro-step or a refusal never changes it.
 LLAMA_API size_t dream_serving_compute_bytes(struct llama_context * ctx);
