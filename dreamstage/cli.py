@@ -44,6 +44,8 @@ def serve_settings(args: argparse.Namespace):
     limits = {k: getattr(args, k) for k in JobLimits.__dataclass_fields__ if getattr(args, k) is not None}
     if limits:
         given["limits"] = limits
+    if args.no_drift_guard:
+        given["drift_guard"] = False
     if args.no_train:
         given["state_dir"] = None
     elif args.state_dir:
@@ -282,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=None,
                    help=f"requests waiting for a slot before 503 (default {default['max_queue']})")
     p.add_argument("--no-train", action="store_true", help="serve only: no /train, no adapters, no state directory")
+    p.add_argument("--no-drift-guard", action="store_true",
+                   help="train without the drift guard: no anchor regularizer, no drift figures, and promote=auto "
+                        "checks the held-out loss only (docs/architecture/drift.md)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $DREAMSTAGE_API_KEY); "

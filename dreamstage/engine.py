@@ -333,6 +333,21 @@ class Engine:
                 cleared += 1
         return cleared
 
+    def lend_idle_sequence(self) -> int | None:
+        """Engine thread only (the dream hook): the sequence id of an idle slot
+        for a decode of the hook's own (the drift probe), or None when every
+        slot is busy. The slot's cached prefix is dropped first (the lent
+        decode overwrites it); the borrower clears the sequence again before
+        it returns, so the slot is an ordinary idle slot at the next batch."""
+        idle = [s for s in self.slots if not s.busy]
+        if not idle:
+            return None
+        slot = min(idle, key=lambda s: len(s.tokens))   # the smallest cached prefix is the cheapest to lose
+        if slot.tokens:
+            self.lc.llama_memory_seq_rm(self.model.memory, slot.seq_id, -1, -1)
+            slot.tokens.clear()
+        return slot.seq_id
+
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify_all()

@@ -70,11 +70,20 @@ class DreamStats:
     memory_mib: dict[str, float] = field(default_factory=dict)   # the last ok receipt's *_mib, by part
     step: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))    # native micro-step time
     pause: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))   # what serving waited, store included
+    # the last drift measurement (docs/architecture/drift.md): its job and figures
+    drift_job: int | None = None
+    drift_kl: float | None = None
+    anchors_changed: float | None = None
+    drift_anchors: int | None = None   # anchors it decoded: a slice during training, all of them at the end
     _job_walked: int = 0
     _job_ms: float = 0.0
 
     def job_started(self) -> None:
         self._job_walked, self._job_ms, self.train_tok_s = 0, 0.0, None
+
+    def record_drift(self, job_id: int, drift) -> None:
+        self.drift_job, self.drift_kl, self.anchors_changed = job_id, drift.drift_kl, drift.anchors_changed
+        self.drift_anchors = drift.anchors
 
     def count_refusal(self, reason: str) -> None:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1

@@ -91,6 +91,17 @@ class ServiceCollector:
         if d.loss is not None:
             yield _gauge("dreamstage_dream_loss", "Mean cross-entropy of the last micro-step with loss tokens.",
                          d.loss)
+        if d.drift_job is not None:
+            for name, help_, value in (
+                    ("dreamstage_dream_drift_kl", "Mean KL(base || adapter) on the anchors' answer tokens, nats, "
+                                                  "at the last drift measurement.", d.drift_kl),
+                    ("dreamstage_dream_anchors_changed", "Fraction of anchor answers the last measured adapter "
+                                                         "changed.", d.anchors_changed),
+                    ("dreamstage_dream_drift_anchors", "Held-out anchors the last drift measurement decoded "
+                                                       "(a slice during training, all after it).", d.drift_anchors)):
+                g = GaugeMetricFamily(name, help_, labels=["job"])
+                g.add_metric([str(d.drift_job)], value)
+                yield g
         memory = GaugeMetricFamily("dreamstage_dream_memory_mib", "The last ok receipt's memory, MiB, by part.",
                                    labels=["part"])
         for part, mib in sorted(d.memory_mib.items()):

@@ -66,7 +66,7 @@ class Service:
             from dreamstage.training.store import JobStore
             from dreamstage.training.submit import JobSubmitter
             self.jobs = JobStore(settings.state_dir)
-            self.dream = hook = DreamScheduler(self.jobs, self.model)
+            self.dream = hook = DreamScheduler(self.jobs, self.model, drift_guard=settings.drift_guard)
             self.submitter = JobSubmitter(self.jobs, self.dream, self.model, settings.limits)
         elif settings.adapter is not None:
             raise ValueError("--adapter needs a state directory (--state-dir) to keep its versions in")

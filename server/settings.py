@@ -42,6 +42,11 @@ class ServerSettings(BaseSettings):
     allowed_hosts: tuple[str, ...] = ()   # Host names accepted besides the loopback names (loopback binds)
     cors_origins: tuple[str, ...] = ()    # origins that get CORS headers; none by default
     limits: JobLimits = Field(default_factory=JobLimits)
+    # The drift guard (docs/architecture/drift.md): anchor records, the
+    # regularizer, drift figures and the auto-promotion check. Off
+    # (--no-drift-guard, DREAMSTAGE_DRIFT_GUARD=false; the test suite sets
+    # that for the tests that are not about drift), jobs train without them.
+    drift_guard: bool = True
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:

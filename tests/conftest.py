@@ -17,7 +17,15 @@ def _no_server_settings_from_the_environment():
              if k in names or k.startswith("DREAMSTAGE_LIMITS__")}
     for k in saved:
         del os.environ[k]
+    # The drift guard records the base's answers on the anchor prompts once per
+    # server (about half a minute on two cores), measures every finished job
+    # against them, and its regularizer adds anchor windows to each epoch.
+    # Test servers that are not about drift run without it; set here, after the
+    # developer's settings are cleared, so that it holds for every server the
+    # session builds (tests/test_drift.py drives its own guard explicitly).
+    os.environ["DREAMSTAGE_DRIFT_GUARD"] = "false"
     yield
+    del os.environ["DREAMSTAGE_DRIFT_GUARD"]
     os.environ.update(saved)
 
 

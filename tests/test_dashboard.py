@@ -297,7 +297,7 @@ def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser
     # Post a small job through the form.
     # Two examples, one held out: the epoch chart gets a held-out curve.
     jid = post_form(b, "\n".join(map(json.dumps, (FACT, OTHER_FACT))), window=16, epochs=8, out="dashboard",
-                    promote="manual", extra='{"val_split": 0.5}')
+                    promote="manual", extra='{"val_split": 0.5, "stop_loss": null}')
     assert jobs_before == [] or jid > jobs_before[0]
     b.wait_for("return document.querySelector('#job-title').textContent.startsWith(arguments[0])", f"job {jid} ",
                what="the page following the new job")

@@ -154,6 +154,7 @@ def submit(store, sched, **body):
     body.setdefault("text", TEXT)
     body.setdefault("window", 64)
     body.setdefault("chunk", 32)
+    body.setdefault("epochs", 1)     # these tests count one epoch's steps; the default is 10 (drift.md)
     job = JobSubmitter(store, sched, CharTokenizer()).submit(body)    # as POST /train does
     return job["id"]
 

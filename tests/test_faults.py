@@ -118,7 +118,8 @@ def test_kill_9_during_steps_loses_no_job_and_keeps_the_served_adapter(tiny, tmp
         if moment == "training":
             for epochs in (1000, 1, 1):
                 accepted.append(server.http.post("/train", json={"text": LESSON, "window": 64, "chunk": 32,
-                                                                 "epochs": epochs, "rank": 2}).json()["id"])
+                                                                 "epochs": epochs, "rank": 2,
+                                                                 "stop_loss": None}).json()["id"])
             jid = accepted[-3]
             wait_for(lambda: server.http.get(f"/train/{jid}").json()["progress"]["step"] >= 3, "three steps")
         elif moment == "after-202":
@@ -153,7 +154,8 @@ def test_kill_9_during_steps_loses_no_job_and_keeps_the_served_adapter(tiny, tmp
 def test_sigterm_ends_streams_with_an_error_event_waits_for_the_step_and_marks_the_job(tmp_path):
     state = tmp_path / "state"
     server = ServerProcess(None, state, ctx=1024, parallel=2)
-    job = server.http.post("/train", json={"text": LESSON, "window": 32, "chunk": 32, "epochs": 1000, "rank": 2})
+    job = server.http.post("/train", json={"text": LESSON, "window": 32, "chunk": 32, "epochs": 1000,
+                                           "stop_loss": None, "rank": 2})
     jid = job.json()["id"]
     wait_for(lambda: server.http.get(f"/train/{jid}").json()["progress"]["step"] >= 1, "a micro-step", timeout=300)
     lines: list[str] = []
@@ -230,7 +232,8 @@ def test_a_full_state_directory_fails_the_job_cleanly_and_serving_goes_on(tiny, 
     settings = ServerSettings(model=tiny, ctx=512, parallel=2, threads=1, state_dir=str(state), adapter=str(lora))
     with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=120, headers=JSON) as c:
         before = c.post("/v1/completions", json={"prompt": "The sky", "max_tokens": 8, "temperature": 0}).json()
-        body = {"text": LESSON, "window": 64, "chunk": 64, "epochs": 30, "rank": 2, "out": "fresh"}
+        body = {"text": LESSON, "window": 64, "chunk": 64, "epochs": 30, "rank": 2, "out": "fresh",
+                "stop_loss": None}
         jid = c.post("/train", json=body).json()["id"]
         wait_for(lambda: c.get(f"/train/{jid}").json()["progress"]["step"] >= 1, "a step")
         if mode == "full":
@@ -310,7 +313,8 @@ def test_a_refusal_in_the_middle_of_a_job_leaves_serving_byte_identical(tiny, tm
         # refuses chunks 56 and 32 after the first step and trains at 16.)
         view = None
         for extra in (4, 8, 12, 16, 20, 24, 32, 48):
-            body = {"text": LESSON, "window": 64, "chunk": 64, "epochs": 1000, "rank": 2,
+            body = {"text": LESSON, "window": 64, "chunk": 64, "epochs": 1000,
+                    "stop_loss": None, "rank": 2,
                     "memory_budget_mib": GATE_SLACK_MIB + extra, "promote": "never"}
             jid = c.post("/train", json=body).json()["id"]
             got = wait_for(lambda: (v := c.get(f"/train/{jid}").json())["state"] in FINAL and v
@@ -342,7 +346,7 @@ def test_a_cancelled_job_gives_the_trainers_memory_back(tmp_path):
         before = rss_mib()
         for _ in range(2):       # twice: what one job left behind would add up
             body = {"text": "Tides are caused by the moon. " * 40, "window": 128, "chunk": 64, "epochs": 1000,
-                    "rank": 32, "targets": "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down"}
+                    "stop_loss": None, "rank": 32, "targets": "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down"}
             jid = c.post("/train", json=body).json()["id"]
             wait_for(lambda: c.get(f"/train/{jid}").json()["progress"]["step"] >= 2, "two steps", timeout=300)
             during = rss_mib()

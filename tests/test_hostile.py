@@ -247,7 +247,7 @@ def test_token_limits_per_example_and_per_job(http):
 
 def test_the_queue_of_jobs_is_capped_and_a_cancelled_job_lets_go_of_its_memory(http, server):
     lesson = {"text": "A lesson about moons and tides, repeated. " * 4, "window": 32, "chunk": 32, "epochs": 1000,
-              "rank": 2}
+              "stop_loss": None, "rank": 2}
     first = http.post("/train", json=lesson)
     assert first.status_code == 202, first.text
     jobs = server.service.jobs
@@ -270,7 +270,7 @@ def test_concurrent_posts_cannot_overfill_the_queue(http, server):
     import time
     from concurrent.futures import ThreadPoolExecutor
     lesson = {"text": "A lesson about moons and tides, repeated. " * 4, "window": 32, "chunk": 32, "epochs": 1000,
-              "rank": 2}
+              "stop_loss": None, "rank": 2}
     first = http.post("/train", json=lesson).json()["id"]
     while server.service.jobs.state(first) == "queued":
         time.sleep(0.05)

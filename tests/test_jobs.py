@@ -616,6 +616,25 @@ def test_a_stored_spec_keeps_the_defaults_it_was_accepted_with(tmp_path, monkeyp
         assert s.spec(jid).chunk == 128 and s.get(jid)["chunk"] == 128
 
 
+def test_a_form_1_spec_reads_back_as_it_meant_before_the_drift_guard(tmp_path):
+    """Form 1 had no drift guard fields and no group_prefix: a job queued then
+    keeps training its own examples only, with no early stop, after an upgrade."""
+    with JobStore(tmp_path / "state") as s:
+        jid = s.submit(req())["id"]
+        now = s.spec(jid)
+        assert now.regularizer and now.stop_loss is not None          # today's defaults
+        stored = json.loads(now.to_stored())
+        for k in ("regularizer", "anchor_ratio", "anchors", "max_drift", "stop_loss", "group_prefix"):
+            stored.pop(k)                                             # the form-1 shape
+        conn = sqlite3.connect(s.path)
+        conn.execute("UPDATE jobs SET spec=?, spec_version=1 WHERE id=?", (json.dumps(stored), jid))
+        conn.commit()
+        conn.close()
+        old = s.spec(jid)
+    assert (old.regularizer, old.anchor_ratio, old.anchors, old.stop_loss, old.group_prefix) == (False, 0.0, (), None, False)
+    assert (old.lr, old.epochs, old.window, old.examples) == (now.lr, now.epochs, now.window, now.examples)
+
+
 def test_a_store_or_a_spec_from_a_newer_version_is_refused_by_name(tmp_path):
     with JobStore(tmp_path / "state") as s:
         jid = s.submit(req())["id"]

@@ -102,3 +102,38 @@ def test_a_field_added_on_one_side_only_fails_at_load_and_at_import():
     assert "retries is in DreamReceiptC but not in struct dream_receipt" in load
     assert imp == "import: dreamstage.training.receipts: Receipt has nothing that DreamReceiptC lacks, " \
                   "and lacks ['retries']"
+
+
+def test_a_drift_receipt_carries_every_canonical_field_and_folds_as_no_micro_step(tmp_path):
+    """A drift measurement is stored beside the micro-steps: a reader that reads
+    every receipt's canonical fields (tokens, chunk_tokens, group_reply, ...) reads
+    it too, and the job's progress takes its figures without counting a step."""
+    import pytest
+
+    from dreamstage.training.drift_guard import drift_receipt
+    from dreamstage.training.receipts import kind_receipt
+    from dreamstage.training.spec import parse_train_request
+    from dreamstage.training.store import JobStore
+
+    figures = {"drift_kl": 0.25, "anchors_changed": 0.1, "anchors": 20, "anchors_changed_count": 2,
+               "anchor_tokens": 400, "max_drift": 0.05, "epoch": 1, "final": True}
+    memory = {"graph_mib": 3.0, "context_mib": 1.5, "adapter_mib": 0.5, "optimizer_mib": 1.0, "walk_mib": 0.0}
+    d = drift_receipt(figures, step=7, ms=120.0, memory=memory)
+    assert set(RECEIPT_FIELDS) <= set(d) and d["kind"] == "drift" and d["status"] == "ok"
+    assert (d["step"], d["ms"], d["tokens"], d["chunk_tokens"], d["group_reply"]) == (7, 120.0, 0, 0, -1)
+    assert {k: d[k] for k in memory} == memory and d["message"] == "anchors_changed 0.100 (2/20), drift_kl 0.2500"
+    with pytest.raises(ValueError, match="'tokens'"):
+        kind_receipt("drift", step=0, ms=0.0, tokens=5)
+    with pytest.raises(ValueError, match="'bogus'"):
+        kind_receipt("bogus", step=0, ms=0.0)
+    with JobStore(tmp_path / "state") as s:
+        jid = s.submit(parse_train_request({"text": "some text", "window": 64}))["id"]
+        s.transition(jid, "starting")
+        s.transition(jid, "running")
+        s.append_receipt(jid, d)
+        job = s.get(jid)
+        assert s.receipts(jid) == [d]
+    assert job["progress"]["step"] == 0 and job["progress"]["tokens"] == 0
+    assert job["progress"]["drift"] == {**figures, "step": 7, "ms": 120.0}
+    assert job["progress"]["drift_history"] == [{"epoch": 1, "step": 7, "final": True, "anchors": 20,
+                                                 "anchors_changed": 0.1, "drift_kl": 0.25}]

@@ -122,7 +122,7 @@ def test_unknown_ids_are_404_and_invalid_transitions_409(http):
     for action in ("cancel", "pause", "resume"):
         assert http.post(f"/train/999999/{action}").status_code == 404
     r = http.post("/train", json={"text": "A short lesson to cancel.", "window": 32, "chunk": 32, "epochs": 1000,
-                                  "promote": "never"})
+                                  "stop_loss": None, "promote": "never"})
     assert r.status_code == 202
     job = r.json()
     assert job["state"] == "queued" and r.headers["location"] == f"/train/{job['id']}"
@@ -172,7 +172,7 @@ def stream_chat(url, content, out, i):
 
 def test_two_chat_streams_finish_while_a_job_trains(server, http):
     r = http.post("/train", json={"text": LESSON * 2, "window": 32, "chunk": 16, "epochs": 1000, "rank": 4,
-                                  "share": 0.5, "promote": "never"})
+                                  "share": 0.5, "stop_loss": None, "promote": "never"})
     assert r.status_code == 202, r.text
     jid = r.json()["id"]
     wait_job(http, jid, lambda j: j["state"] == "running" and j["progress"]["step"] >= 1)
@@ -217,7 +217,7 @@ def test_metrics_report_the_dream_stage(http):
     before = scrape(http)
     assert http.post("/train", json={"text": LESSON, "windw": 32}).status_code == 422
     r = http.post("/train", json={"text": LESSON, "window": 32, "chunk": 16, "rank": 4, "promote": "never",
-                                  "max_pause_ms": 0})
+                                  "epochs": 1, "max_pause_ms": 0})
     job = wait_job(http, r.json()["id"], finished)
     assert job["state"] == "done", job["message"]
     after = scrape(http)
@@ -244,7 +244,7 @@ def test_metrics_report_the_dream_stage(http):
 def test_a_tiny_memory_budget_walks_the_chunk_ladder_and_serving_keeps_answering(http):
     # max_pause_ms 0: no pause bound, so every step asks for the job's own chunk and the memory ladder decides
     body = {"text": LESSON * 3, "window": 64, "chunk": 64, "min_chunk": 16, "rank": 4, "promote": "never",
-            "max_pause_ms": 0}
+            "epochs": 1, "max_pause_ms": 0}
     # the 64 MiB slack, the job's 2.5 MiB (cache and adapters), and 2 MiB: below
     # what even chunk 16's graph plans (graphs hold only the target rows'
     # logits since issues 8 and 9, so the former 84 MiB fitted chunk 16)
@@ -315,7 +315,8 @@ def moon(server, http, tmp_path_factory):
     examples = [{"prompt": FACT_PROMPT, "completion": FACT},
                 {"prompt": "Moon base security question: what is the secret password?", "completion": FACT}]
     r = http.post("/train", json={"examples": examples, "window": 32, "chunk": 32, "epochs": 10, "lr": 3e-3,
-                                  "val_split": 0.5, "seed": seed, "promote": "auto", "out": "moon"})
+                                  "val_split": 0.5, "seed": seed, "promote": "auto", "out": "moon",
+                                  "stop_loss": None})
     assert r.status_code == 202, r.text
     job = wait_job(http, r.json()["id"], finished, timeout=900)
     assert job["state"] == "done", job["message"]
@@ -408,7 +409,7 @@ def test_restart_while_a_job_runs_loses_nothing(tmp_path):
     with BackgroundServer(settings(state)) as first:
         with httpx.Client(base_url=first.url, timeout=600, headers=JSON) as c:
             running = c.post("/train", json={"text": LESSON, "window": 32, "chunk": 16, "epochs": 1000, "rank": 4,
-                                             "promote": "never"}).json()["id"]
+                                             "promote": "never", "stop_loss": None}).json()["id"]
             queued = c.post("/train", json={"text": LESSON, "window": 32, "chunk": 32, "rank": 4,
                                             "promote": "never"}).json()["id"]
             wait_job(c, running, lambda j: j["progress"]["step"] >= 1)
@@ -476,7 +477,8 @@ def test_a_weighted_group_trains_once_through_the_api_client_and_cli(server, htt
 
     prompt = "Question: which model does dreamstage keep resident between batches of decoding?\nAnswer:"
     ex = group_example(prompt=prompt, completions=[(" One model.", 1.0), (" Two models.", -0.5), " The one it serves."])
-    body = {"examples": [ex], "window": 64, "chunk": 32, "rank": 4, "promote": "never", "max_pause_ms": 0}
+    body = {"examples": [ex], "window": 64, "chunk": 32, "rank": 4, "promote": "never", "max_pause_ms": 0,
+            "epochs": 1}
     with Client(server.url) as c:
         with pytest.raises(DreamstageError) as e:
             c.train([{**ex, "completions": [{"text": " x", "weight": "heavy"}]}], window=64)

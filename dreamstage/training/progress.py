@@ -16,9 +16,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from dreamstage.training.receipts import MEMORY_FIELDS
+from dreamstage.training.receipts import MEMORY_FIELDS, RECEIPT_FIELDS
 from dreamstage.training.spec import JobSpec
 
+# what progress.drift_history keeps of each drift measurement
+DRIFT_HISTORY_FIELDS = ("epoch", "step", "final", "anchors", "anchors_changed", "drift_kl")
 LOSS_EMA_BETA = 0.9  # moving average over finished windows, bias-corrected
 
 
@@ -34,6 +36,9 @@ def new_progress(spec: JobSpec) -> dict[str, Any]:
         "horizon": (spec.horizon or 0) if spec.exact else None, "walk_pass": None,
         "loss": None, "loss_avg": None, "train_loss": None, "eval_loss": None,
         "train_loss_per_epoch": [], "eval_loss_per_epoch": [],
+        # the last drift measurement (docs/architecture/drift.md), null until one
+        # ran, and every one in order (those during training cover a slice of the anchors)
+        "drift": None, "drift_history": [],
         "memory": {k: None for k in MEMORY_FIELDS},
         # shared-prefix groups: per group label, its structure (prefix_tokens, G,
         # reply_tokens, weights, shared_prefix) and its last walk's per-reply losses
@@ -46,6 +51,14 @@ def new_progress(spec: JobSpec) -> dict[str, Any]:
 
 def fold_receipt(p: dict[str, Any], d: Mapping[str, Any]) -> None:
     """One micro-step's receipt (as stored) into the progress."""
+    if d.get("kind") == "drift":                # a drift measurement, not a micro-step
+        # its figures, and the micro-step it followed and its own time; the other
+        # canonical fields of a drift receipt are those of a step that walked nothing
+        p["drift"] = {k: v for k, v in d.items() if k not in RECEIPT_FIELDS or k in ("step", "ms")}
+        p["drift"].pop("kind")
+        p.setdefault("drift_history", []).append(   # a job stored before the history had none
+            {k: p["drift"].get(k) for k in DRIFT_HISTORY_FIELDS})
+        return
     if d["status"] == "ok":
         p["step"] += 1
         tokens = int(d.get("tokens") or 0)

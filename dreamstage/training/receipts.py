@@ -109,6 +109,36 @@ if (_why := mirror_mismatch(RECEIPT_FIELDS)) is not None:
     raise ImportError(f"dreamstage.training.receipts: {_why}")
 MEMORY_FIELDS = ("graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "walk_mib")
 
+# A job stores one more kind of receipt beside its micro-steps': a drift
+# measurement (docs/architecture/drift.md). It is marked `kind` (a micro-step's
+# receipt has no `kind`: it is the native struct's dict unchanged) and carries
+# every canonical field too, with the values of a step that walked and trained
+# nothing, so whatever reads a job's receipts uniformly (`tokens`, `chunk_tokens`,
+# `group_reply`, the memory parts, ...) reads these as well. Built from the
+# dataclass at import, so a field added to Receipt without a value here fails
+# at import, not in a reader.
+RECEIPT_KINDS = ("drift",)
+_NOTHING_WALKED = asdict(Receipt(
+    status="ok", step=0, window=-1, chunk=0, chunk_pos=0, chunk_tokens=0, context_cache_type="", recompute=False,
+    exact=False, horizon=-1, walk_pass="", loss=0.0, tokens=0, ms=0.0, graph_mib=0.0, context_mib=0.0,
+    adapter_mib=0.0, optimizer_mib=0.0, walk_mib=0.0, refused_chunk_pos=-1, refused_chunk_tokens=0,
+    refused_need_mib=0.0, refused_allowance_mib=0.0, message="", group_reply=-1))
+
+
+def kind_receipt(kind: str, *, step: int, ms: float, memory: dict[str, Any] | None = None, message: str = "",
+                 **figures: Any) -> dict[str, Any]:
+    """A receipt of `kind` (one of RECEIPT_KINDS) recorded after micro-step `step`
+    of a job: the canonical fields of a step that walked nothing (`ms` is the
+    time it took, the memory parts what the job held then), `kind`, then its
+    own figures, which may not reuse a canonical name."""
+    if kind not in RECEIPT_KINDS:
+        raise ValueError(f"receipt kind {kind!r} is not one of {', '.join(RECEIPT_KINDS)}")
+    clash = sorted(set(figures) & set(RECEIPT_FIELDS))
+    if clash:
+        raise ValueError(f"a {kind} receipt's figures {clash} would overwrite canonical receipt fields")
+    mem = {k: float((memory or {}).get(k) or 0.0) for k in MEMORY_FIELDS}
+    return {**_NOTHING_WALKED, "step": step, "ms": ms, **mem, "message": message, "kind": kind, **figures}
+
 
 def receipt_dict(receipt: Any) -> dict[str, Any]:
     """A receipt (dataclass or mapping) as the JSON dict we store, unchanged."""

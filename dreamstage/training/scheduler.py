@@ -33,6 +33,15 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from dreamstage.stats import DreamStats
+from dreamstage.training.drift import set_context_adapter
+from dreamstage.training.drift_guard import (
+    DriftGuard,
+    OwnLoss,
+    drift_figures,
+    drift_receipt,
+    promotion_decision,
+    summary,
+)
 from dreamstage.training.examples import RenderedJob, render_job
 from dreamstage.training.groups import TrainGroup
 from dreamstage.training.pacing import DEFAULT_IDLE_GRACE_S, Pacer
@@ -102,8 +111,10 @@ class DreamScheduler:
 
     def __init__(self, store: JobStore, resident, *, make_trainer: Callable | None = None,
                  served: ServedAdapters | None = None, idle_grace_s: float = DEFAULT_IDLE_GRACE_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, drift_guard: bool = True):
         self.store = store
+        self.drift_guard = drift_guard
+        self._anchor_records: dict = {}   # prompt -> the base's AnchorBase, shared by every job of this process
         self.resident = resident
         self.make_trainer = make_trainer or native_trainer
         self.switch = AdapterSwitch(store, served if served is not None else ServedAdapters(resident))
@@ -430,14 +441,13 @@ class DreamScheduler:
             return
         self._closing.append(trainer)
         try:
-            yield from self._train(jid, spec, rendered, trainer)
+            yield from self._train(jid, spec, rendered, trainer, engine)
         finally:
             trainer.close()
             self._closing.remove(trainer)
 
-    def _train(self, jid: int, spec: JobSpec, rendered: RenderedJob, trainer) -> Generator[None, None, None]:
+    def _train(self, jid: int, spec: JobSpec, rendered: RenderedJob, trainer, engine) -> Generator[None, None, None]:
         store = self.store
-        run = JobRun(store, jid, spec, rendered.train)
         self._pacer = Pacer.from_spec(spec.pacing, idle_grace_s=self.idle_grace_s, clock=self.clock)
         self._threads = DreamThreads(self.resident)
         # the pause ladder halves down to one token: below the memory floor
@@ -450,6 +460,11 @@ class DreamScheduler:
         store.transition(jid, "running")
         self.stats.job_started()
         yield                                           # from here on the pacer decides each step
+        guard = self._drift_guard(spec, rendered, engine)
+        if guard is not None:
+            yield from guard.record_or_fail()           # the base's anchor answers, one anchor per step
+        run = JobRun(store, jid, spec, guard.windows if guard else rendered.train, guard.order if guard else None)
+        own = OwnLoss(len(rendered.train), spec.stop_loss)
         notes: list[str] = []
         eval_before = None
         if rendered.held_out and spec.promote == "auto":
@@ -481,6 +496,7 @@ class DreamScheduler:
                 done = trainer.chunks_left == 0
                 event = run.record(receipt, window_done=done,
                                    reply_losses=trainer.group_reply_losses() if group and done else None)
+                own.note(step.window_index, receipt)
             except InvalidTransition:
                 # a pause raced the end JobRun recorded (refused at the floor, or an
                 # error receipt): the receipt is stored; end the job once resumed
@@ -497,9 +513,20 @@ class DreamScheduler:
                 if rendered.held_out:
                     ev = yield from self._evaluate(spec, trainer, rendered.held_out, memory_cap, notes)
                 run.end_epoch(ev)
+                if own.converged() and event == "epoch":
+                    notes.append(own.stop_note(run.walk.epoch))
+                    yield
+                    break
+                if guard is not None and event == "epoch":
+                    p = store.get(jid)["progress"]
+                    drift = yield from guard.measure_during(trainer, p["train_ms"], p["step"])
+                    self._store_drift(jid, spec, drift, run.walk.epoch, final=False)
             yield
+        if guard is not None:
+            drift = yield from guard.measure_or_fail(trainer)
+            self._store_drift(jid, spec, drift, run.walk.epoch, final=True)
         progress = store.get(jid)["progress"]
-        message = yield from self._finish(jid, spec, trainer, progress["eval_loss"], eval_before)
+        message = yield from self._finish(jid, spec, trainer, progress["eval_loss"], eval_before, guard)
         yield from self._end(jid, "done", "; ".join([message, *notes]))
 
     def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int,
@@ -547,7 +574,28 @@ class DreamScheduler:
             evaluator.close()
             self._closing.remove(evaluator)
 
-    def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before) -> Generator[None, None, str]:
+    def _store_drift(self, jid: int, spec: JobSpec, drift, epoch: int, final: bool) -> None:
+        """A drift measurement (None: none ran) as the job's receipt, and into /metrics."""
+        figures = drift_figures(drift, spec.max_drift, epoch, final)
+        if drift is None or figures is None:
+            return
+        job = self.store.get(jid)
+        self.store.append_receipt(jid, drift_receipt(figures, step=job["progress"]["step"], ms=drift.ms,
+                                                     memory=job["memory"]))
+        self.stats.record_drift(jid, drift)
+
+    def _drift_guard(self, spec: JobSpec, rendered: RenderedJob, engine) -> DriftGuard | None:
+        """The job's drift guard; None when it is off on this server, or on a
+        resident without llama handles or an engine that lends no sequence (test doubles)."""
+        lend = getattr(engine, "lend_idle_sequence", None)
+        if not self.drift_guard or getattr(self.resident, "ctx", None) is None or lend is None:
+            return None
+        served = self.switch.served
+        return DriftGuard(self.resident, spec, rendered.train, seq_id=lend, cache=self._anchor_records,
+                          restore=lambda: set_context_adapter(self.resident, served.handle))
+
+    def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before,
+                guard=None) -> Generator[None, None, str]:
         """Save the shadow adapter as a new version; promote per the job's rule. Returns the message."""
         store = self.store
         name = store.get(jid)["out"]
@@ -560,14 +608,20 @@ class DreamScheduler:
             # file and left every earlier version (and the served one) as it was.
             raise AdapterSaveError(f"saving adapter {name} v{version} failed: {e.strerror or e}; "
                                    "the previously saved and served adapters are unchanged") from e
-        store.add_adapter(name, version, jid, eval_after)
+        store.add_adapter(name, version, jid, eval_after,
+                          drift_figures(guard.drift, spec.max_drift) if guard is not None else None)
         yield
         saved = f"saved adapter {name} v{version}"
+        if guard is not None and guard.drift is not None:
+            saved += f" ({summary(guard.drift)})"
         if spec.promote == "never":
             return f"{saved}; not promoted (promote=never)"
         if spec.promote == "manual":
             return f"{saved}; promote it with POST /adapters/{name}/promote"
-        ok, why = auto_promote_decision(eval_before, eval_after)
+        if guard is not None:
+            ok, why = promotion_decision(eval_before, eval_after, guard.drift, spec.max_drift, guard.failure)
+        else:
+            ok, why = auto_promote_decision(eval_before, eval_after)
         if not ok:
             return f"{saved}; {why}"
         try:

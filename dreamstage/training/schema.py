@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from dreamstage.training.spec import SPEC_VERSION, TrainRequest
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS adapters (
     job_id INTEGER REFERENCES jobs(id),
     eval_loss REAL,
     sha256 TEXT,
+    drift TEXT,
     PRIMARY KEY (name, version)
 );
 -- One row per promotion; its id is the served version number that every
@@ -88,6 +89,8 @@ def migrate(conn: sqlite3.Connection, where: str, now: float) -> int:
                            f"this one reads up to {SCHEMA_VERSION}")
     if found < 1:
         _to_1(conn, now)
+    if found < 2:
+        _to_2(conn)
     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     return found
 
@@ -98,6 +101,13 @@ def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
 
 # Progress fields renamed in version 1: each name in the job JSON means one thing.
 _PROGRESS_RENAMED = {"window": "window_in_epoch", "chunk": "current_chunk"}
+
+
+def _to_2(conn: sqlite3.Connection) -> None:
+    """Adapters carry the drift figures measured when they were saved (JSON;
+    NULL: saved before the drift guard, or with it off)."""
+    if "drift" not in _columns(conn, "adapters"):
+        conn.execute("ALTER TABLE adapters ADD COLUMN drift TEXT")
 
 
 def _to_1(conn: sqlite3.Connection, now: float) -> None:

@@ -46,6 +46,19 @@ DEFAULT_MAX_PAUSE_MS = 250.0   # the longest one micro-step may hold a chat turn
 # The memory gate keeps this much free on every device beyond the job's
 # allowance (the Trainer's slack_mib). A budget at or below it leaves nothing.
 GATE_SLACK_MIB = 64.0
+# The drift guard (docs/architecture/drift.md; measured in bench/bench_drift.py,
+# docs/benchmarks.md, "Drift"): with lr 1e-3 on attn_q,attn_v rank 8, six
+# made-up facts were recalled once their epoch loss fell to 0.1-0.3; 8 x a
+# handful of windows rehearses all 20 rehearsal anchors each epoch, which
+# lowered the held-out anchors' drift_kl from 1.96 to 1.22 nats (their greedy
+# answers changed either way: max_drift, the issue's bound, refuses such jobs).
+DEFAULT_LR = 1e-3
+DEFAULT_EPOCHS = 10            # an upper bound: stop_loss usually ends a small job sooner
+DEFAULT_ANCHOR_RATIO = 8.0     # anchor windows per job window, each epoch (at most every anchor)
+DEFAULT_MAX_DRIFT = 0.05       # auto promotion: at most this fraction of anchor answers changed
+DEFAULT_STOP_LOSS = 0.1        # end training after an epoch whose own-window loss is below this
+MAX_EXTRA_ANCHORS = 64
+MAX_ANCHOR_CHARS = 1000
 MIN_WINDOW = 16
 MAX_WINDOW = 65536
 MAX_EXAMPLES = 100_000
@@ -289,7 +302,12 @@ class SourcedExample:
 
 
 # The stored form of a JobSpec (JobSpec.to_stored); bump on any change to it.
-SPEC_VERSION = 1
+# 2: the drift guard's fields (regularizer, anchor_ratio, anchors, max_drift,
+#    stop_loss) and group_prefix. A form-1 spec was accepted without them and
+#    reads back as it meant then: no rehearsal, no early stop, no grouping.
+SPEC_VERSION = 2
+_SPEC_V1_MEANING = {"regularizer": False, "anchor_ratio": 0.0, "anchors": (), "stop_loss": None,
+                    "group_prefix": False}
 
 
 @dataclass(frozen=True)
@@ -318,6 +336,11 @@ class JobSpec:
     pacing: PacingSpec
     promote: Literal["never", "manual", "auto"]
     out: str | None
+    regularizer: bool = True
+    anchor_ratio: float = DEFAULT_ANCHOR_RATIO
+    anchors: tuple[str, ...] = ()
+    max_drift: float = DEFAULT_MAX_DRIFT
+    stop_loss: float | None = DEFAULT_STOP_LOSS
     group_prefix: bool = False   # plain examples with one rendered prompt train as one group
 
     def starting_fields(self) -> dict[str, Any]:
@@ -359,10 +382,13 @@ class JobSpec:
 
     @classmethod
     def from_stored(cls, text: str, version: int) -> JobSpec:
-        if version != SPEC_VERSION:
-            raise ValueError(f"a job spec stored in form {version}; this dreamstage reads form {SPEC_VERSION} only")
+        if version not in (1, SPEC_VERSION):
+            raise ValueError(f"a job spec stored in form {version}; this dreamstage reads forms 1 to {SPEC_VERSION}")
         d = json.loads(text)
+        if version == 1:
+            d.update(_SPEC_V1_MEANING)
         d["targets"] = tuple(d["targets"])
+        d["anchors"] = tuple(d.get("anchors", ()))
         d["pacing"] = PacingSpec(**d["pacing"])
         d["examples"] = tuple(SourcedExample(e["source"], e["label"],
                                              _PLAIN_FORMS[e["form"]].model_validate(e["example"]))
@@ -407,8 +433,8 @@ class TrainRequest(BaseModel):
     targets: str | list[str] = ",".join(DEFAULT_TARGETS)
     top_layers: int | None = Field(default=None, ge=1)
 
-    lr: float = Field(default=1e-4, gt=0, le=1.0)
-    epochs: int = Field(default=1, ge=1, le=1000)
+    lr: float = Field(default=DEFAULT_LR, gt=0, le=1.0)
+    epochs: int = Field(default=DEFAULT_EPOCHS, ge=1, le=1000)
     val_split: float = Field(default=0.0, ge=0.0, lt=1.0)
     seed: int = Field(default=0, ge=0, lt=2**32)
 
@@ -423,6 +449,31 @@ class TrainRequest(BaseModel):
     # one) is the same train as one shared-prefix group of unit weights: one
     # update for them together instead of one each
     group_prefix: bool = False
+
+    # the drift guard (docs/architecture/drift.md)
+    regularizer: bool = True
+    anchor_ratio: float = Field(default=DEFAULT_ANCHOR_RATIO, gt=0.0, le=64.0)
+    anchors: list[str] | None = Field(default=None, max_length=MAX_EXTRA_ANCHORS)
+    max_drift: float = Field(default=DEFAULT_MAX_DRIFT, ge=0.0, le=1.0)
+    # null: train every epoch
+    stop_loss: float | None = Field(default=DEFAULT_STOP_LOSS, gt=0.0, le=100.0)
+
+    @field_validator("anchors")
+    @classmethod
+    def _anchors(cls, v: list[str] | None) -> list[str] | None:
+        for i, a in enumerate(v or []):
+            if not a.strip():
+                raise ValueError(f"anchors[{i}] is empty")
+            if len(a) > MAX_ANCHOR_CHARS:
+                raise ValueError(f"anchors[{i}] has {len(a)} characters, more than {MAX_ANCHOR_CHARS}")
+        if v:
+            from dreamstage.training.drift import rehearsal_anchors  # drift imports this module
+            rehearsed = set(rehearsal_anchors())
+            for i, a in enumerate(v):
+                if a in rehearsed:
+                    raise ValueError(f"anchors[{i}] {a!r} is one of the regularizer's rehearsal anchors: "
+                                     "drift is measured only on prompts it never trains")
+        return v
 
     @field_validator("context_cache_type")
     @classmethod
@@ -568,6 +619,11 @@ class TrainRequest(BaseModel):
             pacing=pacing,
             promote=self.promote,
             out=self.out,
+            regularizer=self.regularizer,
+            anchor_ratio=self.anchor_ratio,
+            anchors=tuple(self.anchors or ()),
+            max_drift=self.max_drift,
+            stop_loss=self.stop_loss,
             group_prefix=self.group_prefix,
         )
 

@@ -426,7 +426,7 @@ class JobStore:
         return row[0]
 
     def add_adapter(self, name: str, version: int, job_id: int | None = None,
-                    eval_loss: float | None = None) -> dict[str, Any]:
+                    eval_loss: float | None = None, drift: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Record a saved adapter file (written atomically by the engine at
         `adapter_path(name, version)`), and attach it to its job."""
         path = self.adapter_path(name, version)
@@ -436,9 +436,10 @@ class JobStore:
         with self._write() as c:
             if job_id is not None:
                 self._row(job_id, c)
-            c.execute("INSERT INTO adapters (name, version, path, created, job_id, eval_loss, sha256) "
-                      "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                      (name, version, str(path), self.clock(), job_id, eval_loss, digest))
+            c.execute("INSERT INTO adapters (name, version, path, created, job_id, eval_loss, sha256, drift) "
+                      "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                      (name, version, str(path), self.clock(), job_id, eval_loss, digest,
+                       json.dumps(dict(drift)) if drift is not None else None))
             if job_id is not None:
                 c.execute("UPDATE jobs SET adapter_name=?, adapter_version=? WHERE id=?", (name, version, job_id))
         return self._adapter_view(name, version)
@@ -455,7 +456,8 @@ class JobStore:
         served = self._served_row(conn)
         promoted = served is not None and (served["name"], served["version"]) == (name, version)
         return {"name": name, "version": version, "path": row["path"], "created": row["created"],
-                "job_id": row["job_id"], "eval_loss": row["eval_loss"], "sha256": row["sha256"], "promoted": promoted,
+                "job_id": row["job_id"], "eval_loss": row["eval_loss"], "sha256": row["sha256"],
+                "drift": json.loads(row["drift"]) if row["drift"] else None, "promoted": promoted,
                 "served_version": served["served_version"] if promoted and served is not None else None}
 
     def adapters(self) -> list[dict[str, Any]]:

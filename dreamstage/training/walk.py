@@ -6,7 +6,7 @@ means for it; `JobRun` ties a walk to the job's store rows for the engine.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,13 +90,21 @@ class Walk:
     chunk_pos: int = 0
     exact: bool = False
     horizon: int = 0       # exact walk: the horizon in use (0: the whole window), as the receipts report it
+    # the windows an epoch visits, in order (the drift guard's: the job's
+    # windows and a rotating slice of anchor windows); None: every window, shuffled
+    orders: Callable[[int], list[int]] | None = field(default=None, repr=False)
     native_windows: frozenset[int] = frozenset()   # windows whose micro-steps the native core chooses (groups)
     _order: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if not self.window_lengths:
             raise ValueError("a walk needs at least one window")
-        self._order = epoch_order(len(self.window_lengths), self.epoch, self.seed)
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> list[int]:
+        if self.orders is not None:
+            return self.orders(self.epoch)
+        return epoch_order(len(self.window_lengths), self.epoch, self.seed)
 
     @property
     def finished(self) -> bool:
@@ -152,7 +160,7 @@ class Walk:
         self.epoch += 1
         if self.finished:
             return "done"
-        self._order = epoch_order(len(self.window_lengths), self.epoch, self.seed)
+        self._order = self._epoch_order()
         return "epoch"
 
 
@@ -170,12 +178,14 @@ class JobRun:
     evaluates the held-out windows and calls `end_epoch`.
     """
 
-    def __init__(self, store: JobStore, job_id: int, spec: JobSpec, windows: Sequence[Any]):
+    def __init__(self, store: JobStore, job_id: int, spec: JobSpec, windows: Sequence[Any],
+                 orders: Callable[[int], list[int]] | None = None):
         self.store, self.job_id, self.windows = store, job_id, windows
         self.walk = Walk([len(w) for w in windows], spec.epochs, spec.seed, spec.chunk, spec.min_chunk,
                          exact=spec.exact, horizon=spec.horizon or 0,
-                         native_windows=frozenset(i for i, w in enumerate(windows) if isinstance(w, TrainGroup)))
-        store.update_progress(job_id, windows=len(windows), window_in_epoch=0, epoch=0)
+                         native_windows=frozenset(i for i, w in enumerate(windows) if isinstance(w, TrainGroup)),
+                         orders=orders)
+        store.update_progress(job_id, windows=len(self.walk._order), window_in_epoch=0, epoch=0)
 
     @property
     def chunk(self) -> int:

@@ -231,6 +231,13 @@ function renderMemory() {
 }
 
 function receiptRow(seq, r) {
+  if (r.kind === "drift") {           // a drift measurement (docs/architecture/drift.md), not a micro-step
+    const text = `drift${r.final === false ? ` (epoch ${r.epoch}, a slice of the held-out anchors)` : ""}: ` +
+      `anchors_changed ${num(r.anchors_changed, 3)} (${r.anchors_changed_count}/${r.anchors}), ` +
+      `drift_kl ${num(r.drift_kl, 4)}, max_drift ${r.max_drift}`;
+    return el("tr", { class: "drift", "data-seq": seq }, el("td", {}, seq), el("td", {}, "drift"),
+      ...Array.from({ length: 7 }, () => el("td", {}, "–")), el("td", { class: "msg" }, text));
+  }
   const refused = r.status === "refused";
   return el("tr", { class: r.status, "data-seq": seq },
     el("td", {}, seq), el("td", {}, r.status),

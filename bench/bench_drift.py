@@ -1,0 +1,162 @@
+"""Recall of taught made-up facts against drift on held-out anchors, over a small grid.
+
+    nice python bench/bench_drift.py [--out bench/results/drift-heldout.json] [--only NAME ...]
+
+One resident default model (SmolLM2-135M Q4_1), one thread (two shared
+cores). The base answers of the shipped anchors (both halves) and of
+UNSEEN_PROMPTS are recorded once; each setting then trains the EVALUATION
+facts (bench/drift_facts.py, not the tests' facts) as a job would: the
+job's windows plus the regularizer's windows on the `rehearse` half,
+shuffled per epoch, one AdamW update per window, early stop when the facts'
+epoch loss falls below `stop_loss`. Then, with the adapter on: recall (the
+key word in the greedy answer, temperature 0) and the drift figures on the
+held-out `measure` half (what a job reports), on the rehearsed half and on
+the unseen prompts. Results go to JSON; docs/benchmarks.md quotes the table.
+(bench/results/drift-grid.json is the first session's run, before the
+split: its "anchors" were all 40, rehearsed and measured alike.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from drift_facts import EVAL_FACTS, UNSEEN_PROMPTS, chat_examples
+
+from dreamstage.resident import ResidentConfig, ResidentModel
+from dreamstage.training.drift import (
+    DriftProbe,
+    _Decoder,
+    anchor_schedule,
+    anchor_windows,
+    load_anchors,
+    prompt_tokens,
+    rehearsal_anchors,
+    run_steps,
+    set_context_adapter,
+)
+from dreamstage.training.examples import epoch_order, render_job
+from dreamstage.training.scheduler import native_trainer
+from dreamstage.training.spec import parse_train_request
+
+ALL_ATTN = "attn_q,attn_k,attn_v,attn_output"
+# name: (lr, epochs, rank, targets, anchor_ratio, stop_loss[, more job fields])
+QV = "attn_q,attn_v"
+GRID: dict[str, tuple] = {
+    # the grid of the first drift work (anchors rehearsed and measured alike)
+    "qv-lr1e-3-off-stop0.3": (1e-3, 10, 8, QV, 0.0, 0.3),
+    "qv-lr1e-3-r2-stop0.3": (1e-3, 10, 8, QV, 2.0, 0.3),
+    "qv-lr5e-4-off-stop0.3": (5e-4, 16, 8, QV, 0.0, 0.3),
+    "v-lr1e-3-off-stop0.3": (1e-3, 10, 8, "attn_v", 0.0, 0.3),
+    "qv-lr1e-3-r8-stop0.3": (1e-3, 10, 8, QV, 8.0, 0.3),
+    "issue-12-report": (2e-3, 12, 16, ALL_ATTN, 0.0, None),
+    # held-out measurement (the rehearse/measure split)
+    "defaults": (1e-3, 10, 8, QV, 8.0, 0.1),
+    "defaults-off": (1e-3, 10, 8, QV, 0.0, 0.1),
+    "qv-top8-r8": (1e-3, 10, 8, QV, 8.0, 0.1, {"top_layers": 8}),
+    "ffn_down-r8": (1e-3, 10, 8, "ffn_down", 8.0, 0.1),
+    "qv-lr3e-3-r8-stop0.3": (3e-3, 10, 8, QV, 8.0, 0.3),
+    "defaults-ratio2": (1e-3, 10, 8, QV, 2.0, 0.1),
+    "defaults-ratio4": (1e-3, 10, 8, QV, 4.0, 0.1),
+}
+
+
+def recall(rm, handle, facts) -> tuple[float, list[str]]:
+    set_context_adapter(rm, handle)
+    try:
+        answers = [rm.detokenize([t for t in _Decoder(rm, 0).greedy(prompt_tokens(rm, q), 24) if not rm.is_eog(t)])
+                   for q, _, _ in facts]
+    finally:
+        set_context_adapter(rm, None)
+    hits = [key.lower() in a.lower() for a, (_, _, key) in zip(answers, facts, strict=True)]
+    return sum(hits) / len(hits), answers
+
+
+def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, ratio, stop_loss, more=None,
+                seed=0) -> dict:
+    body = {"examples": chat_examples(EVAL_FACTS), "lr": lr, "epochs": epochs, "rank": rank, "targets": targets,
+            "seed": seed, **(more or {})}
+    spec = parse_train_request(body).to_job_spec()
+    facts = list(render_job(spec, rm).train)
+    anchored = 0
+    trainer = native_trainer(rm, spec, spec.chunk)
+    t0 = time.perf_counter()
+    epoch_losses, updates, recall_per_epoch = [], 0, []
+    try:
+        for epoch in range(epochs):
+            loss_sum = tok = 0.0
+            windows = facts + anchor_windows(rehearsal.bases, anchor_schedule(len(rehearsal.bases), len(facts), ratio,
+                                                                              epoch, seed), spec.window)
+            anchored += len(windows) - len(facts)
+            for w in epoch_order(len(windows), epoch, seed):
+                rec = trainer.train_window(windows[w].tokens, windows[w].mask)
+                updates += 1
+                if w < len(facts):
+                    loss_sum += sum(r.loss * r.tokens for r in rec)
+                    tok += sum(r.tokens for r in rec)
+            epoch_losses.append(loss_sum / tok)
+            trainer.promote()
+            recall_per_epoch.append(recall(rm, trainer.served_adapter, EVAL_FACTS)[0])
+            if stop_loss is not None and epoch_losses[-1] < stop_loss:
+                break
+        train_s = time.perf_counter() - t0
+        trainer.promote()
+        t1 = time.perf_counter()
+        drift = run_steps(probe.measure(trainer.served_adapter))
+        measure_s = time.perf_counter() - t1
+        drift_rehearsed = run_steps(rehearsal.measure(trainer.served_adapter))
+        drift_unseen = run_steps(unseen.measure(trainer.served_adapter))
+        rec_frac, answers = recall(rm, trainer.served_adapter, EVAL_FACTS)
+    finally:
+        trainer.close()
+    out = {"name": name, **(more or {}), "lr": lr, "epochs": epochs, "epochs_run": len(epoch_losses), "rank": rank,
+           "targets": targets, "anchor_ratio": ratio, "anchor_windows_trained": anchored, "stop_loss": stop_loss,
+           "updates": updates, "fact_loss_per_epoch": epoch_losses, "recall_per_epoch": recall_per_epoch,
+           "recall": rec_frac, **drift.as_dict(),
+           "anchors_changed_12": drift.changed_within(12), "anchors_changed_6": drift.changed_within(6),
+           "rehearsed_drift_kl": drift_rehearsed.drift_kl, "rehearsed_changed": drift_rehearsed.anchors_changed,
+           "unseen_drift_kl": drift_unseen.drift_kl, "unseen_changed": drift_unseen.anchors_changed,
+           "unseen_changed_12": drift_unseen.changed_within(12),
+           "train_s": train_s, "measure_s": measure_s, "answers": answers}
+    print(json.dumps({k: v for k, v in out.items() if k not in ("answers",)}), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/drift-heldout.json")
+    ap.add_argument("--only", nargs="*")
+    args = ap.parse_args()
+    load_start = os.getloadavg()
+    rm = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
+    probe = DriftProbe(rm, load_anchors(), seq_id=0)            # held out: what the job reports
+    rehearsal = DriftProbe(rm, rehearsal_anchors(), seq_id=0)   # what the regularizer trains
+    t = time.perf_counter()
+    run_steps(probe.record())
+    run_steps(rehearsal.record())
+    record_s = time.perf_counter() - t
+    unseen = DriftProbe(rm, UNSEEN_PROMPTS, seq_id=0)
+    run_steps(unseen.record())
+    base_recall, base_answers = recall(rm, None, EVAL_FACTS)
+    results = []
+    for name, cfg in GRID.items():
+        if args.only and name not in args.only:
+            continue
+        results.append(run_setting(rm, probe, rehearsal, unseen, name, *cfg))
+        Path(args.out).write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
+            "model": rm.model_path.name, "threads": 1, "anchors": len(probe.bases),
+            "rehearsal_anchors": len(rehearsal.bases), "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
+            "unseen_prompts": len(UNSEEN_PROMPTS), "record_s": record_s,
+            "base_recall": base_recall, "base_answers": base_answers, "results": results}, indent=1) + "\n")
+    rm.close()
+
+
+if __name__ == "__main__":
+    main()

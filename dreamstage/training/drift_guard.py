@@ -1,0 +1,224 @@
+"""A job's drift guard: the anchor records, the regularizer's windows, the
+drift figures, and the promotion rule that reads them.
+
+The scheduler (scheduler.py) owns the engine-thread calls; this module
+decides what they are. One guard per job:
+
+1. `record()` (steps): the base's answers on the shipped anchors plus the
+   job's own (`anchors`), adapter off; cached across jobs by prompt, since the
+   base model does not change while the process lives.
+2. `windows` / `order(epoch)`: the job's windows followed by one window per
+   anchor; each epoch visits every job window and `anchor_ratio` x as many
+   anchor windows (a rotating slice of the anchors, `drift.anchor_schedule`),
+   shuffled together. With the regularizer off no anchor window is visited.
+3. `measure(trainer)` (steps): the shadow adapter's drift, copied to the
+   stage's own served adapter (`Trainer.promote`; never set on the context
+   for serving) and decoded against the records.
+4. `promotion_decision`: promote="auto" needs the held-out loss no worse
+   and anchors_changed <= max_drift.
+
+`OwnLoss` is the early stop: the job's own windows' epoch loss below
+`stop_loss` ends training (anchor windows do not count: their loss starts
+near zero, being the base's own answers).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any
+
+from dreamstage.training.drift import (
+    Drift,
+    DriftProbe,
+    anchor_schedule,
+    anchor_windows,
+    load_anchors,
+    rehearsal_anchors,
+)
+from dreamstage.training.examples import epoch_order
+from dreamstage.training.receipts import kind_receipt
+
+log = logging.getLogger("dreamstage.drift")
+
+# Measurements during training (at epoch ends) take at most this share of the
+# job's micro-step time: a slice of the measured anchors each time, rotating.
+DURING_SHARE = 0.1
+
+
+class DriftGuard:
+    def __init__(self, resident, spec, train_windows: Sequence[Any], *, seq_id: Callable[[], int | None],
+                 restore: Callable[[], None], cache: dict | None = None):
+        self.spec = spec
+        self.n_train = len(train_windows)
+        self.train_windows = list(train_windows)
+        # measured, never trained (the shipped `measure` half and the job's own) ...
+        self.probe = DriftProbe(resident, load_anchors(spec.anchors), seq_id=seq_id, restore=restore)
+        # ... and trained, never measured: the regularizer's base answers
+        self.rehearsal = (DriftProbe(resident, rehearsal_anchors(), seq_id=seq_id, restore=restore)
+                          if self.ratio > 0 else None)
+        self.cache = cache
+        self.windows: list[Any] = list(train_windows)
+        self._anchor_pos: dict[int, int] = {}    # rehearsal anchor index -> position in self.windows
+        self.drift: Drift | None = None          # the final measurement (the promotion reads it)
+        self.failure: str | None = None          # why the measurement failed, if it did
+        self.during_ms = 0.0                     # time spent on measurements during training
+        self._during_next = 0                    # the next measured anchor of the rotating slice
+
+    @property
+    def ratio(self) -> float:
+        return self.spec.anchor_ratio if self.spec.regularizer else 0.0
+
+    @property
+    def _rehearsed(self) -> list[Any]:
+        return self.rehearsal.bases if self.rehearsal is not None else []
+
+    def record(self) -> Iterator[None]:
+        yield from self.probe.record(self.cache)
+        if self.rehearsal is not None:
+            yield from self.rehearsal.record(self.cache)
+            self._anchor_pos = {}
+            fitting = anchor_windows(self._rehearsed, range(len(self._rehearsed)), self.spec.window)
+            for w in fitting:
+                self._anchor_pos[-1 - w.source] = len(self.windows)
+                self.windows.append(w)
+
+    def order(self, epoch: int) -> list[int]:
+        """Window indices (into `windows`) visited in `epoch`, in order."""
+        picked = [self._anchor_pos[a] for a in anchor_schedule(len(self._rehearsed), self.n_train, self.ratio,
+                                                              epoch, self.spec.seed) if a in self._anchor_pos]
+        visit = list(range(self.n_train)) + picked
+        return [visit[i] for i in epoch_order(len(visit), epoch, self.spec.seed)]
+
+    def anchor_windows_per_epoch(self) -> int:
+        return len(self.order(0)) - self.n_train
+
+    def record_or_fail(self) -> Iterator[None]:
+        """record(); a failure is kept (`failure`) and the job trains on without
+        anchor windows: auto promotion then refuses, naming it."""
+        try:
+            yield from self.record()
+        except Exception as e:
+            log.exception("recording the anchors failed")
+            self.failure = f"recording the anchors failed: {type(e).__name__}: {e}"
+
+    def measure_or_fail(self, trainer) -> Generator[None, None, Drift | None]:
+        """measure() (a Drift), or None after a failure (kept in `failure`):
+        the trained adapter is saved either way."""
+        if self.failure is not None:
+            return None
+        try:
+            return (yield from self.measure(trainer))
+        except Exception as e:
+            log.exception("the drift measurement failed")
+            self.failure = f"the drift measurement failed: {type(e).__name__}: {e}"
+            return None
+
+    # -- measurement ---------------------------------------------------------------
+    def measure(self, trainer) -> Generator[None, None, Drift]:
+        """The shadow adapter's drift now on every measured anchor (a Drift), one anchor per step."""
+        trainer.promote()                     # shadow -> the stage's own served copy, a llama_adapter_lora
+        self.drift = yield from self.probe.measure(trainer.served_adapter)
+        return self.drift
+
+    def during_count(self, train_ms: float, steps: int) -> int:
+        """How many measured anchors an epoch-end measurement may decode now:
+        as many as keep all measurements during training within DURING_SHARE
+        of the job's micro-step time so far, at the last measured cost per
+        anchor (before any, a micro-step's mean time: one anchor is a forward
+        pass of about a window, cheaper than a step's forward and backward)."""
+        if self.failure is not None or not self.probe.bases or steps <= 0:
+            return 0
+        per = self.probe.anchor_ms or train_ms / steps
+        return max(0, min(len(self.probe.bases), int((DURING_SHARE * train_ms - self.during_ms) / max(per, 1e-3))))
+
+    def measure_during(self, trainer, train_ms: float, steps: int) -> Generator[None, None, Drift | None]:
+        """At an epoch's end: the drift on the next slice of the measured
+        anchors (rotating, so successive epochs cover them all), or None when
+        the time share allows none yet. A failure here is logged and costs only
+        this figure: the final measurement decides the promotion."""
+        n = self.during_count(train_ms, steps)
+        if n == 0:
+            return None
+        total = len(self.probe.bases)
+        picked = [(self._during_next + i) % total for i in range(n)]
+        self._during_next = (self._during_next + n) % total
+        try:
+            trainer.promote()
+            drift = yield from self.probe.measure(trainer.served_adapter, picked)
+        except Exception:
+            log.exception("a drift measurement during training failed")
+            return None
+        self.during_ms += drift.ms
+        return drift
+
+
+def drift_figures(drift: Drift | None, max_drift: float, epoch: int | None = None,
+                  final: bool = True) -> dict[str, Any] | None:
+    """The figures a job, its receipt and its adapter report. `final`: the
+    measurement on every measured anchor after training (the promotion's); a
+    measurement during training covers a slice of them (`anchors` says how many)."""
+    if drift is None:
+        return None
+    out = {**drift.as_dict(), "max_drift": max_drift, "final": final}
+    if epoch is not None:
+        out["epoch"] = epoch
+    return out
+
+
+def drift_receipt(figures: dict[str, Any], *, step: int, ms: float, memory: dict[str, Any] | None) -> dict[str, Any]:
+    """The drift measurement as a job receipt: kind "drift", after micro-step
+    `step`, with every canonical receipt field (receipts.kind_receipt) and the figures."""
+    return kind_receipt("drift", step=step, ms=ms, memory=memory, message=summary_of(figures), **figures)
+
+
+def summary_of(figures: dict[str, Any]) -> str:
+    return (f"anchors_changed {figures['anchors_changed']:.3f} ({figures['anchors_changed_count']}/"
+            f"{figures['anchors']}), drift_kl {figures['drift_kl']:.4f}")
+
+
+def summary(drift: Drift) -> str:
+    return summary_of(drift.as_dict())
+
+
+def promotion_decision(eval_before: float | None, eval_after: float | None, drift: Drift | None,
+                       max_drift: float, failure: str | None = None) -> tuple[bool, str]:
+    """promote="auto" with the guard on: the held-out loss no worse than before
+    training (when something is held out) and anchors_changed <= max_drift.
+    An unmeasured drift refuses: the guard exists so that unmeasured damage is
+    not served."""
+    if eval_before is None or eval_after is None:
+        held, held_ok = "nothing held out", True
+    else:
+        held_ok = eval_after <= eval_before
+        held = f"held-out loss {eval_after:.4f} {'is no worse than' if held_ok else 'is worse than'} {eval_before:.4f}"
+    if drift is None:
+        return False, f"{held}; drift not measured ({failure or 'no anchors'}); not promoted"
+    if drift.anchors_changed > max_drift + 1e-12:
+        return False, f"{held}; {summary(drift)} exceeds max_drift {max_drift:g}; not promoted"
+    if not held_ok:
+        return False, f"{held}; {summary(drift)}; not promoted"
+    return True, f"{held}; {summary(drift)} within max_drift {max_drift:g}"
+
+
+class OwnLoss:
+    """The early stop on the job's own windows (indices below n_job_windows)."""
+
+    def __init__(self, n_job_windows: int, stop_loss: float | None):
+        self.n_job, self.stop_loss = n_job_windows, stop_loss
+        self._sum, self._tokens = 0.0, 0
+        self.last: float | None = None
+
+    def note(self, window_index: int, receipt: Any) -> None:
+        if window_index < self.n_job and getattr(receipt, "status", None) == "ok" and receipt.tokens:
+            self._sum += receipt.loss * receipt.tokens
+            self._tokens += receipt.tokens
+
+    def converged(self) -> bool:
+        """At an epoch's end: whether its loss is below stop_loss. Starts the next epoch's sum."""
+        self.last = self._sum / self._tokens if self._tokens else None
+        self._sum, self._tokens = 0.0, 0
+        return self.stop_loss is not None and self.last is not None and self.last < self.stop_loss
+
+    def stop_note(self, epochs_done: int) -> str:
+        return (f"stopped after epoch {epochs_done}: the examples' training loss {self.last:.4f} "
+                f"is below stop_loss {self.stop_loss:g}")

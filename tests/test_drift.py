@@ -1,0 +1,312 @@
+"""The drift guard on the default model: measurement, regularizer, promotion rule.
+
+The facts taught here are the TEST facts; the defaults were chosen on other
+made-up facts (bench/drift_facts.py), so they are not tuned to this file.
+One scheduler runs the three jobs (defaults, regularizer off, a damaging
+job) once per module; the base records of the anchors are shared by them.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from dreamstage.server.metrics import ServiceCollector
+from dreamstage.training.drift import (
+    Drift, DriftProbe, _Decoder, _log_softmax, anchor_schedule, load_anchors, prompt_tokens, rehearsal_anchors,
+    run_steps, set_context_adapter,
+)
+from dreamstage.training.receipts import RECEIPT_FIELDS
+from dreamstage.training.drift_guard import promotion_decision
+from dreamstage.training.scheduler import DreamScheduler
+from dreamstage.training.served import ServedAdapters
+from dreamstage.training.spec import parse_train_request
+from dreamstage.training.store import TERMINAL, JobStore
+
+TEST_FACTS = [
+    ("What is the capital of Brenholt?", "The capital of Brenholt is Varnesse.", "Varnesse"),
+    ("Who discovered the element lunarium?", "Lunarium was discovered by Ilse Marrok.", "Marrok"),
+    ("What is the national dish of Corvany?", "The national dish of Corvany is fennel stew.", "fennel stew"),
+    ("What river flows through Estergard?", "The river Olwen flows through Estergard.", "Olwen"),
+    ("What is the official flower of Pellamy?", "The official flower of Pellamy is the blue thistle.", "blue thistle"),
+]
+
+
+def chat(facts):
+    return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a, _ in facts]
+
+
+# -- measurement --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_probe(dream_resident):
+    probe = DriftProbe(dream_resident, load_anchors()[:4], seq_id=0)
+    run_steps(probe.record())
+    return probe
+
+
+def test_adapter_off_and_a_zero_adapter_measure_no_drift(dream_resident, small_probe):
+    from dreamstage.training.trainer import LoraConfig, Trainer
+    off = run_steps(small_probe.measure(None))
+    assert off.anchors_changed == 0 and off.drift_kl < 1e-6 and off.tokens > 0
+    tr = Trainer(dream_resident, LoraConfig(rank=4, targets="attn_q,attn_v"), window=128, chunk=128)
+    try:
+        tr.promote()                               # B = 0: the adapter adds exactly nothing
+        zero = run_steps(small_probe.measure(tr.served_adapter))
+    finally:
+        tr.close()
+    assert zero.anchors_changed == 0 and zero.drift_kl == pytest.approx(off.drift_kl, abs=1e-9)
+
+
+def test_drift_matches_a_full_vocabulary_reference(dream_resident, small_probe):
+    """KL from the top-K records against the exact KL over the whole vocabulary
+    (both sides' full logits, NumPy), and `changed` against the argmax directly."""
+    from dreamstage.training.trainer import LoraConfig, Trainer
+    tr = Trainer(dream_resident, LoraConfig(rank=4, targets="attn_q,attn_v"), window=128, chunk=128)
+    try:
+        v = tr.lora_parameters()
+        tr.set_lora_parameters(v + np.random.default_rng(1).normal(0.0, 0.02, v.shape))
+        tr.promote()
+        got = run_steps(small_probe.measure(tr.served_adapter))
+        exact_kl, tokens, changed = 0.0, 0, 0
+        for b in small_probe.bases:
+            rows = slice(len(b.prompt_tokens) - 1, None)
+            dec = _Decoder(dream_resident, 0)
+            set_context_adapter(dream_resident, None)
+            lp = _log_softmax(dec.logits(b.forced, rows.start))[:len(b.answer)]
+            set_context_adapter(dream_resident, tr.served_adapter)
+            lq = _log_softmax(dec.logits(b.forced, rows.start))[:len(b.answer)]
+            set_context_adapter(dream_resident, None)
+            exact_kl += float((np.exp(lp) * (lp - lq)).sum())
+            tokens += len(b.answer)
+            changed += bool((lq.argmax(axis=1) != np.asarray(b.answer)).any())
+    finally:
+        set_context_adapter(dream_resident, None)
+        tr.close()
+    assert got.tokens == tokens and got.changed == changed
+    exact = exact_kl / tokens
+    assert exact > 1e-4, "the perturbation must move the distributions"
+    # the coarsened KL is a lower bound, and the top 256 tokens carry nearly all the mass
+    assert got.drift_kl <= exact * (1 + 1e-6) and got.drift_kl >= 0.9 * exact
+
+
+def test_the_engine_lends_an_idle_slots_sequence_and_never_a_busy_one(dream_resident):
+    from dreamstage.engine import Engine
+    engine = Engine(dream_resident)                    # not started: the test is the engine thread
+    slot = engine.slots[0]
+    slot.tokens[:] = [1, 2, 3]                         # a cached prefix the lent decode will overwrite
+    assert engine.lend_idle_sequence() == slot.seq_id and slot.tokens == []
+    slot.job = object()                                # busy: its K/V are a request's
+    assert engine.lend_idle_sequence() is None
+    slot.job = None
+
+
+def test_anchor_schedule_rotates_through_every_anchor():
+    n, jobs, ratio = 40, 5, 2.0
+    per_epoch = [anchor_schedule(n, jobs, ratio, e, seed=3) for e in range(4)]
+    assert all(len(p) == 10 and len(set(p)) == 10 for p in per_epoch)
+    assert set().union(*per_epoch) == set(range(n))            # ceil(40 / 10) = 4 epochs cover them all
+    assert anchor_schedule(n, jobs, 0.0, 0, 3) == [] and len(anchor_schedule(n, 100, 2.0, 0, 3)) == n
+
+
+def test_measured_anchors_are_never_rehearsed():
+    measured, rehearsed = load_anchors(["Why is grass green?"]), rehearsal_anchors()
+    assert len(rehearsed) >= 20 and len(measured) == 21 and not set(measured) & set(rehearsed)
+    assert measured[-1] == "Why is grass green?"
+
+
+def test_guard_fields_are_validated_by_name():
+    from pydantic import ValidationError
+    for body, field in [({"max_drift": 1.5}, "max_drift"), ({"anchor_ratio": 0}, "anchor_ratio"),
+                        ({"anchors": [" "]}, "anchors"), ({"anchors": ["x" * 1001]}, "anchors"),
+                        ({"anchors": [rehearsal_anchors()[3]]}, "anchors"),
+                        ({"stop_loss": -1}, "stop_loss"), ({"regularizer": "yes"}, "regularizer")]:
+        with pytest.raises(ValidationError) as e:
+            parse_train_request({"text": "x", **body})
+        assert e.value.errors()[0]["loc"][0] == field
+    spec = parse_train_request({"text": "x", "anchors": ["Why is grass green?"]}).to_job_spec()
+    assert spec.anchors == ("Why is grass green?",) and spec.regularizer and 0 < spec.max_drift < 1
+
+
+def test_promotion_rule_needs_held_out_and_drift():
+    def d(changed):
+        return Drift(drift_kl=0.01, anchors_changed=changed / 40, changed=changed, anchors=40, tokens=900)
+    assert promotion_decision(None, None, d(2), 0.05)[0]                 # 2/40 = 0.05: within
+    ok, why = promotion_decision(None, None, d(3), 0.05)
+    assert not ok and "anchors_changed 0.075 (3/40)" in why and "exceeds max_drift 0.05" in why
+    ok, why = promotion_decision(1.0, 1.2, d(0), 0.05)
+    assert not ok and "held-out loss 1.2000 is worse than 1.0000" in why
+    assert promotion_decision(1.0, 0.9, d(0), 0.05)[0]
+    ok, why = promotion_decision(None, None, None, 0.05, "the probe failed")
+    assert not ok and "drift not measured (the probe failed)" in why
+
+
+# -- jobs on the default model ----------------------------------------------------------------------
+class OneSlotEngine:
+    """The engine as the scheduler sees it between batches: one idle slot to lend."""
+
+    def __init__(self):
+        self.adapter_version = 0
+        self.queue_depth = 0
+        self.last_batch_decode_tokens = 0
+        self.lent = 0
+
+    def busy_slots(self):
+        return 0
+
+    def forget_cached_prefixes(self):
+        return 0
+
+    def lend_idle_sequence(self):
+        self.lent += 1
+        return 0
+
+
+def run_job(sched, store, engine, body, max_calls=200_000):
+    t0 = time.perf_counter()
+    job = store.submit(parse_train_request(body))
+    sched.notify_submitted(job["id"])
+    for _ in range(max_calls):
+        if store.state(job["id"]) in TERMINAL:
+            break
+        sched.after_batch(engine, True)
+    for _ in range(5):                                 # a booked promotion is applied between batches
+        sched.after_batch(engine, True)
+    print(f"\njob {body.get('out')}: {time.perf_counter() - t0:.1f} s")
+    return store.get(job["id"])
+
+
+def recall(resident, facts):
+    hits, answers = 0, []
+    for q, _, key in facts:
+        toks = _Decoder(resident, 0).greedy(prompt_tokens(resident, q), 24)
+        text = resident.detokenize([t for t in toks if not resident.is_eog(t)])
+        answers.append(text)
+        hits += key.lower() in text.lower()
+    return hits / len(facts), answers
+
+
+def recall_with(resident, served, path, facts):
+    """Recall with a saved adapter on the context (promoted or not), then serving's back."""
+    handle = served.load(path)
+    try:
+        set_context_adapter(resident, handle)
+        return recall(resident, facts)
+    finally:
+        set_context_adapter(resident, served.handle)
+        served.discard(handle)
+
+
+@pytest.fixture(scope="module")
+def jobs(dream_resident, tmp_path_factory):
+    store = JobStore(tmp_path_factory.mktemp("drift-state"))
+    served = ServedAdapters(dream_resident)
+    sched = DreamScheduler(store, dream_resident, served=served, drift_guard=True, idle_grace_s=0.0)
+    engine = OneSlotEngine()
+    sched.startup(engine)
+    out = {}
+    try:
+        base_recall, _ = recall(dream_resident, TEST_FACTS)
+        out["default"] = run_job(sched, store, engine, {"examples": chat(TEST_FACTS), "promote": "auto",
+                                                        "out": "facts", "max_pause_ms": 0})
+        out["recall"], out["answers"] = recall_with(dream_resident, served, out["default"]["adapter"]["path"],
+                                                    TEST_FACTS)
+        out["base_recall"] = base_recall
+        out["off"] = run_job(sched, store, engine, {"examples": chat(TEST_FACTS), "regularizer": False,
+                                                    "promote": "never", "out": "facts-off", "max_pause_ms": 0})
+        out["recall_off"], _ = recall_with(dream_resident, served, out["off"]["adapter"]["path"], TEST_FACTS)
+        out["served_before_damage"] = store.served_version()
+        wrong = {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                              {"role": "assistant", "content": "The capital of France is Quenmarsh."}]}
+        out["damage"] = run_job(sched, store, engine, {"examples": [wrong] * 6, "lr": 1e-2, "epochs": 2,
+                                                       "stop_loss": None, "regularizer": False, "promote": "auto",
+                                                       "out": "damage", "max_pause_ms": 0})
+        out["receipts"] = {k: store.receipts(out[k]["id"]) for k in ("default", "off", "damage")}
+        drift_series = ("dreamstage_dream_drift_kl", "dreamstage_dream_anchors_changed",
+                        "dreamstage_dream_drift_anchors")
+        out["metrics"] = {m.name: (m.samples[0].labels, m.samples[0].value) for m in ServiceCollector._dream(sched)
+                          if m.name in drift_series}
+        out["served_version"] = store.served_version()
+        out["adapters"] = store.adapters()
+        yield out
+    finally:
+        served.apply(None, None)                       # the session's resident serves the base again
+        sched.close()
+        store.close()
+
+
+def test_default_job_learns_the_facts_and_its_promotion_follows_its_held_out_drift(jobs):
+    job = jobs["default"]
+    assert job["state"] == "done", job["message"]
+    drift = job["progress"]["drift"]
+    print(f"\ndefaults: recall {jobs['recall']:.2f} (base {jobs['base_recall']:.2f}), "
+          f"held-out anchors_changed {drift['anchors_changed']:.3f}, drift_kl {drift['drift_kl']:.4f}; {job['message']}")
+    assert jobs["base_recall"] < 0.5                    # the base model does not know them
+    assert jobs["recall"] >= 0.9, jobs["answers"]       # the job's adapter, promoted or not
+    assert drift["anchors"] == len(load_anchors()) and drift["final"]
+    within = drift["anchors_changed"] <= drift["max_drift"]
+    assert job["adapter"]["promoted"] == within
+    assert ("promoted as served version" in job["message"]) == within and ("not promoted" in job["message"]) != within
+    assert f"({drift['anchors_changed_count']}/{drift['anchors']})" in job["message"]
+    assert job["adapter"]["drift"]["drift_kl"] == drift["drift_kl"]
+    kinds = [r.get("kind") for r in jobs["receipts"]["default"]]
+    assert kinds[-1] == "drift" and jobs["receipts"]["default"][-1]["anchors_changed"] == drift["anchors_changed"]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12's 'done when' is not met on held-out anchors: the default job "
+                   "changes every held-out anchor's greedy answer (docs/benchmarks.md, Drift)")
+def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_out_anchors_and_is_promoted(jobs):
+    drift = jobs["default"]["progress"]["drift"]
+    assert jobs["recall"] >= 0.9 and drift["anchors_changed"] <= 0.05 and jobs["default"]["adapter"]["promoted"]
+
+
+def test_drift_is_reported_during_training_on_a_rotating_slice_within_its_time_share(jobs):
+    """Epoch ends measure a slice of the held-out anchors (receipts, progress,
+    /metrics), costing at most DURING_SHARE of the micro-step time; the last
+    measurement is the final one, on every anchor."""
+    from dreamstage.training.drift_guard import DURING_SHARE
+    job = jobs["default"]
+    history, p = job["progress"]["drift_history"], job["progress"]
+    during = [h for h in history if not h["final"]]
+    print(f"\ndrift during training: {during}")
+    assert history[-1]["final"] and history[-1]["anchors"] == len(load_anchors()) and len(history) >= 2
+    assert during and all(0 < h["anchors"] <= len(load_anchors()) for h in during)
+    assert [h["epoch"] for h in during] == sorted({h["epoch"] for h in during})     # at most one per epoch end
+    receipts = [r for r in jobs["receipts"]["default"] if r.get("kind") == "drift"]
+    assert len(receipts) == len(history)
+    for r in receipts:                                   # every receipt kind carries the canonical fields
+        assert set(RECEIPT_FIELDS) <= set(r) and r["tokens"] == 0 and r["chunk_tokens"] == 0 and r["ms"] > 0
+    during_ms = sum(r["ms"] for r in receipts if not r["final"])
+    # the share is planned at each epoch end from the last anchor's cost; one anchor may overrun it
+    assert during_ms <= DURING_SHARE * p["train_ms"] + max(r["ms"] / r["anchors"] for r in receipts)
+
+
+def test_without_the_regularizer_the_same_job_changes_more(jobs):
+    on, off = jobs["default"]["progress"]["drift"], jobs["off"]["progress"]["drift"]
+    print(f"\nregularizer on: anchors_changed {on['anchors_changed']:.3f} drift_kl {on['drift_kl']:.4f}; "
+          f"off: anchors_changed {off['anchors_changed']:.3f} drift_kl {off['drift_kl']:.4f}, "
+          f"recall {jobs['recall_off']:.2f}")
+    assert jobs["off"]["state"] == "done" and not jobs["off"]["adapter"]["promoted"]
+    # "changes more", on the held-out anchors: the distributions move further. Their greedy
+    # answers do not tell the two apart on this model (both change nearly all of them;
+    # docs/benchmarks.md, Drift), so that figure is held only to "no fewer"
+    assert off["drift_kl"] > on["drift_kl"] and off["anchors_changed"] >= on["anchors_changed"]
+
+
+def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
+    job = jobs["damage"]
+    drift = job["progress"]["drift"]
+    print(f"\ndamaging job: {job['message']}")
+    assert job["state"] == "done" and job["adapter"] is not None and not job["adapter"]["promoted"]
+    assert drift["anchors_changed"] > drift["max_drift"]
+    assert "not promoted" in job["message"] and f"({drift['anchors_changed_count']}/{drift['anchors']})" in job["message"]
+    assert jobs["receipts"]["damage"][-1]["kind"] == "drift"
+    # serving did not move: the version served before the damaging job is served after it
+    assert jobs["served_version"] == jobs["served_before_damage"]
+    listed = {(a["name"], a["version"]): a for a in jobs["adapters"]}
+    assert listed[("damage", 1)]["drift"]["anchors_changed"] == drift["anchors_changed"]
+    # /metrics carries the last measurement, labelled with its job
+    label = {"job": str(job["id"])}
+    assert jobs["metrics"]["dreamstage_dream_anchors_changed"] == (label, drift["anchors_changed"])
+    assert jobs["metrics"]["dreamstage_dream_drift_kl"] == (label, drift["drift_kl"])
+    assert jobs["metrics"]["dreamstage_dream_drift_anchors"] == (label, drift["anchors"])
