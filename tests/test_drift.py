@@ -117,7 +117,8 @@ def test_measured_anchors_are_never_rehearsed():
 
 def test_guard_fields_are_validated_by_name():
     from pydantic import ValidationError
-    for body, field in [({"max_drift": 1.5}, "max_drift"), ({"anchor_ratio": 0}, "anchor_ratio"),
+    for body, field in [({"max_drift": 1.5}, "max_drift"), ({"max_drift_kl": 0}, "max_drift_kl"),
+                        ({"max_drift_kl": "lots"}, "max_drift_kl"), ({"anchor_ratio": 0}, "anchor_ratio"),
                         ({"anchors": [" "]}, "anchors"), ({"anchors": ["x" * 1001]}, "anchors"),
                         ({"anchors": [rehearsal_anchors()[3]]}, "anchors"),
                         ({"stop_loss": -1}, "stop_loss"), ({"regularizer": "yes"}, "regularizer")]:
@@ -125,7 +126,10 @@ def test_guard_fields_are_validated_by_name():
             parse_train_request({"text": "x", **body})
         assert e.value.errors()[0]["loc"][0] == field
     spec = parse_train_request({"text": "x", "anchors": ["Why is grass green?"]}).to_job_spec()
-    assert spec.anchors == ("Why is grass green?",) and spec.regularizer and 0 < spec.max_drift < 1
+    assert spec.anchors == ("Why is grass green?",) and spec.regularizer
+    # the measured defaults: drift_kl bounded, the changed-answer fraction not (it saturates on this model)
+    assert spec.max_drift_kl == 2.0 and spec.max_drift == 1.0
+    assert parse_train_request({"text": "x", "max_drift_kl": None}).to_job_spec().max_drift_kl is None
 
 
 def test_promotion_rule_needs_held_out_and_drift():
@@ -137,8 +141,15 @@ def test_promotion_rule_needs_held_out_and_drift():
     ok, why = promotion_decision(1.0, 1.2, d(0), 0.05)
     assert not ok and "held-out loss 1.2000 is worse than 1.0000" in why
     assert promotion_decision(1.0, 0.9, d(0), 0.05)[0]
-    ok, why = promotion_decision(None, None, None, 0.05, "the probe failed")
+    ok, why = promotion_decision(None, None, None, 0.05, failure="the probe failed")
     assert not ok and "drift not measured (the probe failed)" in why
+    far = Drift(drift_kl=2.5, anchors_changed=1.0, changed=40, anchors=40, tokens=900)
+    ok, why = promotion_decision(None, None, far, 1.0, 2.0)
+    assert not ok and "drift_kl 2.5000" in why and "exceeds max_drift_kl 2" in why
+    near = Drift(drift_kl=0.4, anchors_changed=1.0, changed=40, anchors=40, tokens=900)
+    ok, why = promotion_decision(None, None, near, 1.0, 2.0)
+    assert ok and "within max_drift 1, max_drift_kl 2" in why
+    assert promotion_decision(None, None, far, 1.0, None)[0]              # drift_kl not bounded
 
 
 # -- jobs on the default model ----------------------------------------------------------------------
@@ -244,7 +255,7 @@ def test_default_job_learns_the_facts_and_its_promotion_follows_its_held_out_dri
     assert jobs["base_recall"] < 0.5                    # the base model does not know them
     assert jobs["recall"] >= 0.9, jobs["answers"]       # the job's adapter, promoted or not
     assert drift["anchors"] == len(load_anchors()) and drift["final"]
-    within = drift["anchors_changed"] <= drift["max_drift"]
+    within = drift["anchors_changed"] <= drift["max_drift"] and drift["drift_kl"] <= drift["max_drift_kl"]
     assert job["adapter"]["promoted"] == within
     assert ("promoted as served version" in job["message"]) == within and ("not promoted" in job["message"]) != within
     assert f"({drift['anchors_changed_count']}/{drift['anchors']})" in job["message"]
@@ -298,7 +309,7 @@ def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
     drift = job["progress"]["drift"]
     print(f"\ndamaging job: {job['message']}")
     assert job["state"] == "done" and job["adapter"] is not None and not job["adapter"]["promoted"]
-    assert drift["anchors_changed"] > drift["max_drift"]
+    assert drift["anchors_changed"] > drift["max_drift"] or drift["drift_kl"] > drift["max_drift_kl"]
     assert "not promoted" in job["message"] and f"({drift['anchors_changed_count']}/{drift['anchors']})" in job["message"]
     assert jobs["receipts"]["damage"][-1]["kind"] == "drift"
     # serving did not move: the version served before the damaging job is served after it

@@ -624,7 +624,7 @@ def test_a_form_1_spec_reads_back_as_it_meant_before_the_drift_guard(tmp_path):
         now = s.spec(jid)
         assert now.regularizer and now.stop_loss is not None          # today's defaults
         stored = json.loads(now.to_stored())
-        for k in ("regularizer", "anchor_ratio", "anchors", "max_drift", "stop_loss", "group_prefix"):
+        for k in ("regularizer", "anchor_ratio", "anchors", "max_drift", "max_drift_kl", "stop_loss", "group_prefix"):
             stored.pop(k)                                             # the form-1 shape
         conn = sqlite3.connect(s.path)
         conn.execute("UPDATE jobs SET spec=?, spec_version=1 WHERE id=?", (json.dumps(stored), jid))
@@ -632,6 +632,25 @@ def test_a_form_1_spec_reads_back_as_it_meant_before_the_drift_guard(tmp_path):
         conn.close()
         old = s.spec(jid)
     assert (old.regularizer, old.anchor_ratio, old.anchors, old.stop_loss, old.group_prefix) == (False, 0.0, (), None, False)
+    assert (old.lr, old.epochs, old.window, old.examples) == (now.lr, now.epochs, now.window, now.examples)
+
+
+def test_a_form_2_spec_reads_back_without_a_drift_kl_bound(tmp_path):
+    """Form 2 bounded only the changed-answer fraction: a job queued then keeps
+    that rule after an upgrade (no max_drift_kl), and every other field."""
+    with JobStore(tmp_path / "state") as s:
+        jid = s.submit(req())["id"]
+        now = s.spec(jid)
+        assert now.max_drift_kl == 2.0
+        stored = json.loads(now.to_stored())
+        stored.pop("max_drift_kl")
+        stored["max_drift"] = 0.05
+        conn = sqlite3.connect(s.path)
+        conn.execute("UPDATE jobs SET spec=?, spec_version=2 WHERE id=?", (json.dumps(stored), jid))
+        conn.commit()
+        conn.close()
+        old = s.spec(jid)
+    assert old.max_drift_kl is None and old.max_drift == 0.05 and old.regularizer == now.regularizer
     assert (old.lr, old.epochs, old.window, old.examples) == (now.lr, now.epochs, now.window, now.examples)
 
 

@@ -152,14 +152,14 @@ class DriftGuard:
         return drift
 
 
-def drift_figures(drift: Drift | None, max_drift: float, epoch: int | None = None,
+def drift_figures(drift: Drift | None, max_drift: float, max_drift_kl: float | None, epoch: int | None = None,
                   final: bool = True) -> dict[str, Any] | None:
     """The figures a job, its receipt and its adapter report. `final`: the
     measurement on every measured anchor after training (the promotion's); a
     measurement during training covers a slice of them (`anchors` says how many)."""
     if drift is None:
         return None
-    out = {**drift.as_dict(), "max_drift": max_drift, "final": final}
+    out = {**drift.as_dict(), "max_drift": max_drift, "max_drift_kl": max_drift_kl, "final": final}
     if epoch is not None:
         out["epoch"] = epoch
     return out
@@ -181,9 +181,11 @@ def summary(drift: Drift) -> str:
 
 
 def promotion_decision(eval_before: float | None, eval_after: float | None, drift: Drift | None,
-                       max_drift: float, failure: str | None = None) -> tuple[bool, str]:
+                       max_drift: float, max_drift_kl: float | None = None,
+                       failure: str | None = None) -> tuple[bool, str]:
     """promote="auto" with the guard on: the held-out loss no worse than before
-    training (when something is held out) and anchors_changed <= max_drift.
+    training (when something is held out), anchors_changed <= max_drift and
+    drift_kl <= max_drift_kl (when bounded).
     An unmeasured drift refuses: the guard exists so that unmeasured damage is
     not served."""
     if eval_before is None or eval_after is None:
@@ -195,9 +197,12 @@ def promotion_decision(eval_before: float | None, eval_after: float | None, drif
         return False, f"{held}; drift not measured ({failure or 'no anchors'}); not promoted"
     if drift.anchors_changed > max_drift + 1e-12:
         return False, f"{held}; {summary(drift)} exceeds max_drift {max_drift:g}; not promoted"
+    if max_drift_kl is not None and drift.drift_kl > max_drift_kl:
+        return False, f"{held}; {summary(drift)} exceeds max_drift_kl {max_drift_kl:g}; not promoted"
     if not held_ok:
         return False, f"{held}; {summary(drift)}; not promoted"
-    return True, f"{held}; {summary(drift)} within max_drift {max_drift:g}"
+    bounds = f"max_drift {max_drift:g}" + (f", max_drift_kl {max_drift_kl:g}" if max_drift_kl is not None else "")
+    return True, f"{held}; {summary(drift)} within {bounds}"
 
 
 class OwnLoss:

@@ -576,7 +576,7 @@ class DreamScheduler:
 
     def _store_drift(self, jid: int, spec: JobSpec, drift, epoch: int, final: bool) -> None:
         """A drift measurement (None: none ran) as the job's receipt, and into /metrics."""
-        figures = drift_figures(drift, spec.max_drift, epoch, final)
+        figures = drift_figures(drift, spec.max_drift, spec.max_drift_kl, epoch, final)
         if drift is None or figures is None:
             return
         job = self.store.get(jid)
@@ -609,7 +609,7 @@ class DreamScheduler:
             raise AdapterSaveError(f"saving adapter {name} v{version} failed: {e.strerror or e}; "
                                    "the previously saved and served adapters are unchanged") from e
         store.add_adapter(name, version, jid, eval_after,
-                          drift_figures(guard.drift, spec.max_drift) if guard is not None else None)
+                          drift_figures(guard.drift, spec.max_drift, spec.max_drift_kl) if guard is not None else None)
         yield
         saved = f"saved adapter {name} v{version}"
         if guard is not None and guard.drift is not None:
@@ -619,7 +619,8 @@ class DreamScheduler:
         if spec.promote == "manual":
             return f"{saved}; promote it with POST /adapters/{name}/promote"
         if guard is not None:
-            ok, why = promotion_decision(eval_before, eval_after, guard.drift, spec.max_drift, guard.failure)
+            ok, why = promotion_decision(eval_before, eval_after, guard.drift, spec.max_drift, spec.max_drift_kl,
+                                         guard.failure)
         else:
             ok, why = auto_promote_decision(eval_before, eval_after)
         if not ok:

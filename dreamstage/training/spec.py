@@ -50,12 +50,18 @@ GATE_SLACK_MIB = 64.0
 # docs/benchmarks.md, "Drift"): with lr 1e-3 on attn_q,attn_v rank 8, six
 # made-up facts were recalled once their epoch loss fell to 0.1-0.3; 8 x a
 # handful of windows rehearses all 20 rehearsal anchors each epoch, which
-# lowered the held-out anchors' drift_kl from 1.96 to 1.22 nats (their greedy
-# answers changed either way: max_drift, the issue's bound, refuses such jobs).
+# lowered the held-out anchors' drift_kl from 1.96 to 1.22 nats. Their greedy
+# answers changed either way: on this model every job measured, down to one
+# fact (drift_kl 0.39), changes 20 of 20 held-out answers, so a bound on that
+# fraction below 1 refuses every job and one of 1 refuses none. The default
+# guard bounds drift_kl instead: the benign jobs measured landed at 0.39-1.94
+# (one fact; six facts with and without the regularizer), the damaging job
+# (one wrong answer, many times, high lr) at 2.54.
 DEFAULT_LR = 1e-3
 DEFAULT_EPOCHS = 10            # an upper bound: stop_loss usually ends a small job sooner
 DEFAULT_ANCHOR_RATIO = 8.0     # anchor windows per job window, each epoch (at most every anchor)
-DEFAULT_MAX_DRIFT = 0.05       # auto promotion: at most this fraction of anchor answers changed
+DEFAULT_MAX_DRIFT = 1.0        # auto promotion: at most this fraction of anchor answers changed (1: not bounded)
+DEFAULT_MAX_DRIFT_KL = 2.0     # auto promotion: at most this mean KL (nats) from the base on the held-out anchors
 DEFAULT_STOP_LOSS = 0.1        # end training after an epoch whose own-window loss is below this
 MAX_EXTRA_ANCHORS = 64
 MAX_ANCHOR_CHARS = 1000
@@ -305,9 +311,11 @@ class SourcedExample:
 # 2: the drift guard's fields (regularizer, anchor_ratio, anchors, max_drift,
 #    stop_loss) and group_prefix. A form-1 spec was accepted without them and
 #    reads back as it meant then: no rehearsal, no early stop, no grouping.
-SPEC_VERSION = 2
+# 3: max_drift_kl. A form-2 spec had no bound on drift_kl.
+SPEC_VERSION = 3
 _SPEC_V1_MEANING = {"regularizer": False, "anchor_ratio": 0.0, "anchors": (), "stop_loss": None,
-                    "group_prefix": False}
+                    "group_prefix": False, "max_drift_kl": None}
+_SPEC_V2_MEANING = {"max_drift_kl": None}
 
 
 @dataclass(frozen=True)
@@ -340,6 +348,7 @@ class JobSpec:
     anchor_ratio: float = DEFAULT_ANCHOR_RATIO
     anchors: tuple[str, ...] = ()
     max_drift: float = DEFAULT_MAX_DRIFT
+    max_drift_kl: float | None = DEFAULT_MAX_DRIFT_KL   # None: drift_kl not bounded
     stop_loss: float | None = DEFAULT_STOP_LOSS
     group_prefix: bool = False   # plain examples with one rendered prompt train as one group
 
@@ -382,11 +391,13 @@ class JobSpec:
 
     @classmethod
     def from_stored(cls, text: str, version: int) -> JobSpec:
-        if version not in (1, SPEC_VERSION):
+        if version not in (1, 2, SPEC_VERSION):
             raise ValueError(f"a job spec stored in form {version}; this dreamstage reads forms 1 to {SPEC_VERSION}")
         d = json.loads(text)
         if version == 1:
             d.update(_SPEC_V1_MEANING)
+        elif version == 2:
+            d.update(_SPEC_V2_MEANING)
         d["targets"] = tuple(d["targets"])
         d["anchors"] = tuple(d.get("anchors", ()))
         d["pacing"] = PacingSpec(**d["pacing"])
@@ -455,6 +466,8 @@ class TrainRequest(BaseModel):
     anchor_ratio: float = Field(default=DEFAULT_ANCHOR_RATIO, gt=0.0, le=64.0)
     anchors: list[str] | None = Field(default=None, max_length=MAX_EXTRA_ANCHORS)
     max_drift: float = Field(default=DEFAULT_MAX_DRIFT, ge=0.0, le=1.0)
+    # null: drift_kl not bounded
+    max_drift_kl: float | None = Field(default=DEFAULT_MAX_DRIFT_KL, gt=0.0, le=100.0)
     # null: train every epoch
     stop_loss: float | None = Field(default=DEFAULT_STOP_LOSS, gt=0.0, le=100.0)
 
@@ -623,6 +636,7 @@ class TrainRequest(BaseModel):
             anchor_ratio=self.anchor_ratio,
             anchors=tuple(self.anchors or ()),
             max_drift=self.max_drift,
+            max_drift_kl=self.max_drift_kl,
             stop_loss=self.stop_loss,
             group_prefix=self.group_prefix,
         )
