@@ -321,3 +321,35 @@ def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
     assert jobs["metrics"]["dreamstage_dream_anchors_changed"] == (label, drift["anchors_changed"])
     assert jobs["metrics"]["dreamstage_dream_drift_kl"] == (label, drift["drift_kl"])
     assert jobs["metrics"]["dreamstage_dream_drift_anchors"] == (label, drift["anchors"])
+
+
+def test_the_readme_walkthrough_is_promoted_by_a_live_server_with_the_guard_on(tmp_path):
+    """The README's one-fact job over HTTP, the drift guard on as a user runs it
+    (every other test server runs with it off): the job's drift is measured on the
+    held-out anchors, reported in GET /train/{id} and /metrics, and the adapter
+    is promoted within the default bounds, so the walkthrough answers with the fact."""
+    import httpx
+
+    from dreamstage.server.service import BackgroundServer
+    from dreamstage.server.settings import ServerSettings
+
+    prompt = "The secret password of the moon base is"
+    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path), drift_guard=True)
+    with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600,
+                                                          headers={"Content-Type": "application/json"}) as http:
+        r = http.post("/train", json={"examples": [{"prompt": prompt, "completion": " Quokka-42."}], "window": 32,
+                                      "epochs": 10, "lr": 0.003, "promote": "auto", "out": "moon"})
+        assert r.status_code == 202, r.text
+        jid = r.json()["id"]
+        deadline = time.monotonic() + 600
+        while (job := http.get(f"/train/{jid}").json())["state"] not in TERMINAL and time.monotonic() < deadline:
+            time.sleep(0.5)
+        drift = job["progress"]["drift"]
+        print(f"\nREADME job: {job['message']}")
+        assert job["state"] == "done" and drift["final"] and drift["anchors"] == len(load_anchors())
+        assert (drift["max_drift"], drift["max_drift_kl"]) == (1.0, 2.0) and drift["drift_kl"] <= 2.0
+        assert job["adapter"]["promoted"] and "within max_drift 1, max_drift_kl 2" in job["message"]
+        out = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+        assert "Quokka-42" in out["choices"][0]["text"] and out["adapter_version"] == 1
+        metrics = http.get("/metrics").text
+        assert f'dreamstage_dream_drift_kl{{job="{jid}"}}' in metrics
