@@ -213,8 +213,10 @@ class Client:
 
     # -- training: POST /train, job receipts, adapters ------------------------------
     def train(self, examples: list[dict] | None = None, *, text: str | None = None, **fields) -> dict:
-        """Submit a training job (the POST /train body's fields as keywords); returns the job (state queued)."""
-        body = {k: v for k, v in fields.items() if v is not None}
+        """Submit a training job (the POST /train body's fields as keywords); returns the job (state queued).
+        A keyword given as None is sent as null, which some fields mean (stop_loss=None: train every
+        epoch; max_drift_kl=None: drift_kl not bounded); leave a field out for its default."""
+        body = dict(fields)
         if examples is not None:
             body["examples"] = examples
         if text is not None:

@@ -428,8 +428,13 @@ def test_client_trains_waits_with_a_progress_bar_and_lists_adapters(server):
     from dreamstage.client import Client, DreamstageError
 
     with Client(server.url) as c:
-        job = c.train(text=LESSON, window=32, chunk=32, rank=4, promote="never", out="client-made")
+        # a keyword given as None is sent as null: here, train every epoch and leave drift_kl unbounded
+        job = c.train(text=LESSON, window=32, chunk=32, rank=4, promote="never", out="client-made",
+                      stop_loss=None, max_drift_kl=None)
         assert job["state"] == "queued"
+        spec = server.service.jobs.spec(job["id"])
+        assert spec.stop_loss is None and spec.max_drift_kl is None
+        assert job["spec"]["stop_loss"] is None and job["spec"]["max_drift_kl"] is None   # shown as sent
         bar = io.StringIO()
         done = c.wait(job["id"], poll_s=0.1, out=bar)
         assert done["state"] == "done", done["message"]

@@ -221,7 +221,11 @@ class JobStore:
         its spec (`request.to_job_spec()` unless given) as the job will run."""
         spec = spec if spec is not None else request.to_job_spec()
         now = self.clock()
-        body = request.model_dump_json(exclude_none=True)
+        # the request as shown in GET /train/{id}: unset optional fields left
+        # out, but a null the client sent kept (stop_loss null: every epoch)
+        shown = request.model_dump(mode="json", exclude_none=True)
+        shown.update({k: None for k in request.model_fields_set if getattr(request, k) is None})
+        body = json.dumps(shown)
         with self._write() as c:
             cur = c.execute(
                 "INSERT INTO jobs (state, created, updated, request, out, context_cache_type, chunk, recompute,"
