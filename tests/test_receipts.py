@@ -137,3 +137,23 @@ def test_a_drift_receipt_carries_every_canonical_field_and_folds_as_no_micro_ste
     assert job["progress"]["drift"] == {**figures, "step": 7, "ms": 120.0}
     assert job["progress"]["drift_history"] == [{"epoch": 1, "step": 7, "final": True, "anchors": 20,
                                                  "anchors_changed": 0.1, "drift_kl": 0.25}]
+
+
+def test_the_early_stop_needs_every_job_window_below_stop_loss():
+    """OwnLoss: an epoch converges only when each of the job's own windows is below
+    stop_loss; a mean below it with one window above does not; anchor windows
+    (indices past the job's) and refused steps do not count."""
+    from types import SimpleNamespace as R
+
+    from dreamstage.training.drift_guard import OwnLoss
+
+    own = OwnLoss(n_job_windows=3, stop_loss=0.1)
+    for w, loss in ((0, 0.01), (1, 0.02), (2, 0.25), (5, 3.0)):      # mean of the job's 0.093, one window 0.25
+        own.note(w, R(status="ok", loss=loss, tokens=10))
+    own.note(2, R(status="refused", loss=0.0, tokens=10))
+    assert not own.converged() and own.last == 0.25
+    for w, loss in ((0, 0.01), (1, 0.02), (2, 0.05), (2, 0.09), (4, 2.0)):
+        own.note(w, R(status="ok", loss=loss, tokens=10))
+    assert own.converged() and abs(own.last - 0.07) < 1e-12                # window 2: (0.05 + 0.09) / 2
+    assert "every example window's training loss is below stop_loss 0.1 (the highest 0.0700)" in own.stop_note(2)
+    assert not OwnLoss(3, None).converged()

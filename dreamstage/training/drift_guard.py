@@ -14,10 +14,10 @@ decides what they are. One guard per job:
 3. `measure(trainer)` (steps): the shadow adapter's drift, copied to the
    stage's own served adapter (`Trainer.promote`; never set on the context
    for serving) and decoded against the records.
-4. `promotion_decision`: promote="auto" needs the held-out loss no worse
-   and anchors_changed <= max_drift.
+4. `promotion_decision`: promote="auto" needs the held-out loss no worse,
+   anchors_changed <= max_drift and drift_kl <= max_drift_kl.
 
-`OwnLoss` is the early stop: the job's own windows' epoch loss below
+`OwnLoss` is the early stop: each of the job's own windows' epoch loss below
 `stop_loss` ends training (anchor windows do not count: their loss starts
 near zero, being the base's own answers).
 """
@@ -206,24 +206,28 @@ def promotion_decision(eval_before: float | None, eval_after: float | None, drif
 
 
 class OwnLoss:
-    """The early stop on the job's own windows (indices below n_job_windows)."""
+    """The early stop on the job's own windows (indices below n_job_windows):
+    an epoch converged when every one of its windows' loss is below stop_loss.
+    The mean over windows hid a fact that was not learned: in the chat-log
+    example three facts averaged 0.04 while one name was still answered wrong."""
 
     def __init__(self, n_job_windows: int, stop_loss: float | None):
         self.n_job, self.stop_loss = n_job_windows, stop_loss
-        self._sum, self._tokens = 0.0, 0
-        self.last: float | None = None
+        self._windows: dict[int, tuple[float, int]] = {}
+        self.last: float | None = None     # the epoch's highest window loss
 
     def note(self, window_index: int, receipt: Any) -> None:
         if window_index < self.n_job and getattr(receipt, "status", None) == "ok" and receipt.tokens:
-            self._sum += receipt.loss * receipt.tokens
-            self._tokens += receipt.tokens
+            s, t = self._windows.get(window_index, (0.0, 0))
+            self._windows[window_index] = (s + receipt.loss * receipt.tokens, t + receipt.tokens)
 
     def converged(self) -> bool:
-        """At an epoch's end: whether its loss is below stop_loss. Starts the next epoch's sum."""
-        self.last = self._sum / self._tokens if self._tokens else None
-        self._sum, self._tokens = 0.0, 0
+        """At an epoch's end: whether each window's loss is below stop_loss. Starts the next epoch's sums."""
+        losses = [s / t for s, t in self._windows.values() if t]
+        self.last = max(losses) if losses else None
+        self._windows = {}
         return self.stop_loss is not None and self.last is not None and self.last < self.stop_loss
 
     def stop_note(self, epochs_done: int) -> str:
-        return (f"stopped after epoch {epochs_done}: the examples' training loss {self.last:.4f} "
-                f"is below stop_loss {self.stop_loss:g}")
+        return (f"stopped after epoch {epochs_done}: every example window's training loss is below stop_loss "
+                f"{self.stop_loss:g} (the highest {self.last:.4f})")
