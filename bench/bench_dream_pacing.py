@@ -123,6 +123,26 @@ def load(url: str, shape: Shape, seconds: float) -> dict:
             "itl_ms_p95": (pct(gaps, 95) or 0) * 1000 if gaps else None}
 
 
+def _load_child(url: str, shape: Shape, seconds: float, q) -> None:
+    q.put(load(url, shape, seconds))
+
+
+def load_apart(url: str, shape: Shape, seconds: float) -> dict:
+    """The same closed loop from a separate process, as real clients are: its
+    threads then do not take the server process's interpreter lock."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=_load_child, args=(url, shape, seconds, q))
+    child.start()
+    out = q.get()
+    child.join()
+    return out
+
+
+LOAD = {"load": load}
+
+
 def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: float, pacing: dict) -> dict:
     url = srv.url
     r = http.post("/train", json={"text": LESSON, "window": 64, "chunk": 64, "epochs": 1000, "promote": "never",
@@ -132,7 +152,7 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
     while http.get(f"/train/{jid}").json()["progress"]["step"] < 1:    # trainer built, first step taken
         time.sleep(0.05)
     walked0 = http.get(f"/train/{jid}").json()["progress"]["walked"]
-    client = load(url, shape, seconds)
+    client = LOAD["load"](url, shape, seconds)
     time.sleep(1.1)                                                     # the figures are flushed every second
     job = http.get(f"/train/{jid}").json()
     # a body-less POST says application/json, or the server refuses it (cross-site guard)
@@ -158,7 +178,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--clients-apart", action="store_true",
+                    help="run the chat clients in a separate process (default: threads of the server's process)")
     args = ap.parse_args()
+    if args.clients_apart:
+        LOAD["load"] = load_apart
     pacing = {"max_slowdown": 0.10, "max_pause_ms": 250}
     shapes = [SHAPES[s] for s in args.shapes.split(",")]
     results = {}
@@ -168,7 +192,7 @@ def main() -> None:
             load(srv.url, SHAPES["2"], 3.0)                                # warm-up
             for shape in shapes:
                 # interleaved: without, then with, on the same warm server
-                base = load(srv.url, shape, args.seconds)
+                base = LOAD["load"](srv.url, shape, args.seconds)
                 job = with_job(srv, http, shape, args.seconds, pacing)
                 out = {"without_job": base, "with_job": job}
                 if shape.clients and base["tok_s"]:
@@ -183,7 +207,9 @@ def main() -> None:
                       flush=True)
     result = {"date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "load_average_at_end": os.getloadavg(), "seconds_per_segment": args.seconds,
-              "threads": args.threads or os.cpu_count(), "pacing": pacing, "shapes": results}
+              "threads": args.threads or os.cpu_count(), "pacing": pacing,
+              "clients": "a separate process" if args.clients_apart else "threads of the server's process",
+              "shapes": results}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = Path(args.out) if args.out else RESULTS / f"dream-pacing-{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
