@@ -90,15 +90,10 @@ void dream_silu_back_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/
     }
 }
 
-bool avx512() {
-    static const bool yes = __builtin_cpu_supports("avx512f");
-    return yes;
-}
-
 } // namespace
 
 bool dream_cpu_exp_ops_rewrite(ggml_context * ctx, ggml_tensor * n) {
-    if (!avx512()) {
+    if (!dream_cpu_avx512()) {
         return false;
     }
     if (n->op == GGML_OP_CROSS_ENTROPY_LOSS) {
@@ -140,7 +135,7 @@ __attribute__((target("avx512f"))) void exp_all(const float * x, int64_t n, floa
 } // namespace
 
 bool dream_cpu_exp_check(const float * x, int64_t n, float * out) {
-    if (!avx512() || !x || !out || n <= 0) {
+    if (!dream_cpu_avx512() || !x || !out || n <= 0) {
         return false;
     }
     exp_all(x, n, out);

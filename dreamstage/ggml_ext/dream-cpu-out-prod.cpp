@@ -100,17 +100,12 @@ void dream_out_prod_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/)
     }
 }
 
-bool avx512() {
-    static const bool yes = __builtin_cpu_supports("avx512f");
-    return yes;
-}
-
 } // namespace
 
 bool dream_cpu_out_prod_supported(const ggml_tensor * n) {
     const ggml_tensor * a = n->src[0];
     const ggml_tensor * b = n->src[1];
-    return avx512() && n->op == GGML_OP_OUT_PROD && n->type == GGML_TYPE_F32 && a->type == GGML_TYPE_F32 &&
+    return dream_cpu_avx512() && n->op == GGML_OP_OUT_PROD && n->type == GGML_TYPE_F32 && a->type == GGML_TYPE_F32 &&
            b->type == GGML_TYPE_F32 && a->nb[0] == sizeof(float) && ggml_is_contiguous(n) && a->ne[1] == b->ne[1] &&
            n->ne[2] % a->ne[2] == 0 && n->ne[3] % a->ne[3] == 0 && n->ne[0] == a->ne[0] && n->ne[1] == b->ne[0] &&
            n->ne[2] == b->ne[2] && n->ne[3] == b->ne[3];
@@ -124,20 +119,21 @@ void dream_take_op(ggml_tensor * n, const ggml_tensor * k) {
     }
 }
 
-// n becomes the kernel's op on (a, b), in place (same shape, same users)
-static void dream_out_prod_in_place(ggml_context * ctx, ggml_tensor * n, ggml_tensor * a, ggml_tensor * b) {
-    ggml_tensor * args[2] = { a, b };
+// n becomes the kernel's op on its own sources, in place (same shape, same users)
+void dream_cpu_out_prod_rewrite(ggml_context * ctx, ggml_tensor * n) {
+    ggml_tensor * args[2] = { n->src[0], n->src[1] };
     dream_take_op(n, ggml_custom_4d(ctx, GGML_TYPE_F32, n->ne[0], n->ne[1], n->ne[2], n->ne[3], args, 2,
                                     dream_out_prod_op, GGML_N_TASKS_MAX, nullptr));
 }
 
-void dream_cpu_out_prod_rewrite(ggml_context * ctx, ggml_tensor * n) {
-    dream_out_prod_in_place(ctx, n, n->src[0], n->src[1]);
+bool dream_cpu_avx512() {
+    static const bool yes = __builtin_cpu_supports("avx512f");
+    return yes;
 }
 
 bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int64_t a_k, const float * b, int64_t ne1,
                         int64_t b_i, int64_t b_k, float * dst) {
-    if (!avx512() || !a || !b || !dst || ne0 <= 0 || ne1 <= 0 || nk <= 0 || a_k < ne0 || b_i <= 0 || b_k <= 0) {
+    if (!dream_cpu_avx512() || !a || !b || !dst || ne0 <= 0 || ne1 <= 0 || nk <= 0 || a_k < ne0 || b_i <= 0 || b_k <= 0) {
         return false;
     }
     const op_args g = { (const char *) a, (const char *) b, (char *) dst, ne0, ne1, nk,
