@@ -194,6 +194,24 @@ class _Slot:
         return self.job is not None
 
 
+class SequenceLease:
+    """An idle slot's sequence lent to the dream hook (Engine.hold_idle_sequence).
+    `valid` turns False when the loan ends: the borrower's `release()`, or
+    serving taking the slot back. Either way the sequence is cleared."""
+
+    def __init__(self, engine: Engine, slot: _Slot):
+        self.engine, self.slot, self.valid = engine, slot, True
+
+    @property
+    def seq_id(self) -> int:
+        return self.slot.seq_id
+
+    def release(self) -> None:
+        if self.valid and self.engine._lease is self:
+            self.engine._end_lease()
+        self.valid = False
+
+
 class Engine:
     """Continuous batching over the resident context's sequence slots."""
 
@@ -219,6 +237,7 @@ class Engine:
         self.adapter_version = 0
         self.stats = EngineStats()
         self.slots = [_Slot(i) for i in range(self.n_seq)]
+        self._lease: SequenceLease | None = None   # an idle slot lent to the dream hook
         self._cond = threading.Condition()
         self._inbox: deque[_Job] = deque()     # submitted, not yet tokenized
         self._waiting: deque[_Job] = deque()   # tokenized, waiting for a slot
@@ -333,20 +352,34 @@ class Engine:
                 cleared += 1
         return cleared
 
-    def lend_idle_sequence(self) -> int | None:
-        """Engine thread only (the dream hook): the sequence id of an idle slot
-        for a decode of the hook's own (the drift probe), or None when every
-        slot is busy. The slot's cached prefix is dropped first (the lent
-        decode overwrites it); the borrower clears the sequence again before
-        it returns, so the slot is an ordinary idle slot at the next batch."""
+    def hold_idle_sequence(self) -> SequenceLease | None:
+        """Engine thread only (the dream hook): lend an idle slot's sequence for
+        decodes of the hook's own (the drift probe) that span several hook
+        calls; None when every slot is busy. The slot's cached prefix is
+        dropped first (the borrower's decodes overwrite it). The loan ends with
+        `release()`, or when serving needs the slot: `_admit` takes a lent slot
+        only when no other is free, clears it, and marks the lease invalid, so
+        a request never waits for the borrower. One lease at a time: asking
+        again while it is valid returns the same lease."""
+        if self._lease is not None and self._lease.valid:
+            return self._lease
         idle = [s for s in self.slots if not s.busy]
         if not idle:
             return None
         slot = min(idle, key=lambda s: len(s.tokens))   # the smallest cached prefix is the cheapest to lose
-        if slot.tokens:
-            self.lc.llama_memory_seq_rm(self.model.memory, slot.seq_id, -1, -1)
-            slot.tokens.clear()
-        return slot.seq_id
+        self._clear_slot(slot)
+        self._lease = SequenceLease(self, slot)
+        return self._lease
+
+    def _clear_slot(self, slot: _Slot) -> None:
+        self.lc.llama_memory_seq_rm(self.model.memory, slot.seq_id, -1, -1)
+        slot.tokens.clear()
+
+    def _end_lease(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None and lease.valid:
+            lease.valid = False
+            self._clear_slot(lease.slot)
 
     def _wake(self) -> None:
         with self._cond:
@@ -490,7 +523,11 @@ class Engine:
         if self._waiting and self._admission_held():
             return
         while self._waiting:
-            free = [s for s in self.slots if not s.busy]
+            lent = self._lease.slot if self._lease is not None else None
+            free = [s for s in self.slots if not s.busy and s is not lent]
+            if not free and lent is not None and not lent.busy:
+                self._end_lease()                   # serving needs the lent slot back
+                free = [lent]
             if not free:
                 return
             job = self._waiting.popleft()

@@ -15,7 +15,7 @@ import pytest
 from dreamstage.server.metrics import ServiceCollector
 from dreamstage.training.drift import (
     Drift, DriftProbe, _Decoder, _log_softmax, anchor_schedule, load_anchors, prompt_tokens, rehearsal_anchors,
-    run_steps, set_context_adapter,
+    FixedSequence, run_steps, set_context_adapter,
 )
 from dreamstage.training.receipts import RECEIPT_FIELDS
 from dreamstage.training.drift_guard import promotion_decision
@@ -90,15 +90,70 @@ def test_drift_matches_a_full_vocabulary_reference(dream_resident, small_probe):
     assert got.drift_kl <= exact * (1 + 1e-6) and got.drift_kl >= 0.9 * exact
 
 
-def test_the_engine_lends_an_idle_slots_sequence_and_never_a_busy_one(dream_resident):
+def test_the_engine_lends_an_idle_slots_sequence_and_takes_it_back_for_a_request(dream_resident):
     from dreamstage.engine import Engine
     engine = Engine(dream_resident)                    # not started: the test is the engine thread
     slot = engine.slots[0]
     slot.tokens[:] = [1, 2, 3]                         # a cached prefix the lent decode will overwrite
-    assert engine.lend_idle_sequence() == slot.seq_id and slot.tokens == []
+    lease = engine.hold_idle_sequence()
+    assert lease.seq_id == slot.seq_id and lease.valid and slot.tokens == []
+    assert engine.hold_idle_sequence() is lease        # one loan at a time, held across calls
+    lease.release()
+    assert not lease.valid and engine.hold_idle_sequence() is not lease
+    engine.hold_idle_sequence().release()
     slot.job = object()                                # busy: its K/V are a request's
-    assert engine.lend_idle_sequence() is None
-    slot.job = None
+    try:
+        assert engine.hold_idle_sequence() is None
+    finally:
+        slot.job = None
+    # a waiting request takes the lent slot back (the only one), and the lease says so
+    from dreamstage.engine import GenerationRequest, RequestHandle, _Job
+    others = engine.slots[1:]
+    for s in others:
+        s.job = object()
+    try:
+        lease = engine.hold_idle_sequence()
+        events = []
+        engine._waiting.append(_Job(RequestHandle(engine, 1), GenerationRequest(prompt=[1, 2, 3], max_tokens=1),
+                                    events.append, time.perf_counter(), prompt=[1, 2, 3], max_tokens=1))
+        engine._admit()
+        assert not lease.valid and slot.busy and events and engine.hold_idle_sequence() is None
+    finally:
+        for s in engine.slots:
+            s.job = None
+
+
+def test_a_recording_runs_in_short_steps_and_restarts_an_anchor_serving_took_back(dream_resident):
+    """Each step decodes at most a piece of PIECE_TOKENS (step_ms tiny: one unit a step);
+    a lease that turns invalid mid-anchor makes the anchor start again, with the same record."""
+    from dreamstage.training.drift import PIECE_TOKENS, FixedSequence
+    prompts = load_anchors()[:2]
+    whole = DriftProbe(dream_resident, prompts, seq_id=0, step_ms=None)
+    assert sum(1 for _ in whole.record()) == len(prompts)     # unbounded: one step per anchor
+
+    leases, taken = [], {"at": 5}
+
+    def lend():
+        lease = FixedSequence(0)
+        leases.append(lease)
+        return lease
+
+    probe = DriftProbe(dream_resident, prompts, seq_id=lend, step_ms=1e-6)
+    gen, steps = probe.record(), 0
+    while True:
+        try:
+            next(gen)
+        except StopIteration:
+            break
+        steps += 1
+        if steps == taken["at"]:
+            leases[-1].valid = False                   # serving took the slot back mid-anchor
+    assert probe.restarts == 1 and len(leases) == 2
+    n_units = sum(-(-len(b.prompt_tokens) // PIECE_TOKENS) + len(b.continuation) - 1
+                  + -(-len(b.forced) // PIECE_TOKENS) + 1 for b in whole.bases)
+    assert steps >= n_units + len(prompts)             # one unit per step, plus each anchor's closing step
+    for a, b in zip(whole.bases, probe.bases):
+        assert a.answer == b.answer and np.array_equal(a.top_logp, b.top_logp)
 
 
 def test_anchor_schedule_rotates_through_every_anchor():
@@ -168,9 +223,9 @@ class OneSlotEngine:
     def forget_cached_prefixes(self):
         return 0
 
-    def lend_idle_sequence(self):
+    def hold_idle_sequence(self):
         self.lent += 1
-        return 0
+        return FixedSequence(0)
 
 
 def run_job(sched, store, engine, body, max_calls=200_000):

@@ -20,8 +20,10 @@ ordinary cross-entropy examples the native trainer already takes
 (docs/architecture/drift.md says why not a soft-target KL).
 
 Every function here makes llama calls on the resident context, so it runs on
-the engine thread, between decode batches, on a sequence no slot is using;
-each anchor is one `step` so a waiting request waits at most one anchor.
+the engine thread, between decode batches, on a sequence no slot is using.
+An anchor is decoded in units (a piece of PIECE_TOKENS tokens, or one
+generated token), as many per engine step as fit the step's time, so a
+waiting request waits about one unit, not one anchor.
 """
 from __future__ import annotations
 
@@ -49,6 +51,14 @@ ANCHOR_TOKENS = 24
 # anchor position (docs/architecture/drift.md).
 TOP_K = 256
 MAX_ANCHORS = 256
+# Tokens of one teacher-forced decode: an anchor is decoded piece by piece at
+# fixed offsets, a piece per unit of work, so that one engine step stays
+# short (about 50 ms on one quiet core of the shared machine) and a record
+# and its measurement meet the same batch shapes.
+PIECE_TOKENS = 16
+# The decode time one step of the probe aims at (at least one unit runs): the
+# guard passes half the job's max_pause_ms.
+DEFAULT_STEP_MS = 100.0
 MAX_ANCHOR_CHARS = 1000
 
 
@@ -125,17 +135,44 @@ def prompt_tokens(tok, prompt: str, renderer: ChatRenderer | None = None) -> tup
 
 
 # -- decoding on the resident context -----------------------------------------------------
+class FixedSequence:
+    """A sequence the caller owns outright (tests, benchmarks, a resident with
+    no serving): always valid, nothing to give back. The engine's leases
+    (`Engine.hold_idle_sequence`) have the same three members."""
+
+    valid = True
+
+    def __init__(self, seq_id: int):
+        self.seq_id = seq_id
+
+    def release(self) -> None:
+        pass
+
+
 class _Decoder:
     """Single-sequence decodes on the resident context, on `seq_id`, which the
-    caller guarantees no serving slot holds; the sequence is cleared before and after."""
+    caller guarantees no serving slot holds. Each `*_units` method is a
+    generator that yields after every `llama_decode` (a unit of work: one
+    piece of PIECE_TOKENS teacher-forced tokens, or one generated token), so a
+    caller can stop between units and go on at a later engine step; its
+    return value is the result. The sequence is cleared before and after."""
 
     def __init__(self, resident, seq_id: int):
         self.rm, self.lc, self.seq_id = resident, resident.lc, seq_id
+        self._batch: Any = None         # a llama_batch of PIECE_TOKENS, made at the first decode
 
-    def _clear(self) -> None:
+    def clear(self) -> None:
         self.lc.llama_memory_seq_rm(self.rm.memory, self.seq_id, -1, -1)
 
-    def _decode(self, batch, tokens: Sequence[int], pos0: int, want_from: int) -> None:
+    def close(self) -> None:
+        if self._batch is not None:
+            self.lc.llama_batch_free(self._batch)
+            self._batch = None
+
+    def _decode(self, tokens: Sequence[int], pos0: int, want_from: int) -> None:
+        if self._batch is None:
+            self._batch = self.lc.llama_batch_init(max(PIECE_TOKENS, 1), 0, 1)
+        batch = self._batch
         batch.n_tokens = len(tokens)
         for i, t in enumerate(tokens):
             batch.token[i] = t
@@ -151,39 +188,61 @@ class _Decoder:
         ptr = self.lc.llama_get_logits_ith(self.rm.ctx, i)
         return np.ctypeslib.as_array(ptr, shape=(self.rm.n_vocab,)).astype(np.float64)
 
+    def forced_units(self, tokens: Sequence[int], first_row: int) -> Generator[None, None, np.ndarray]:
+        """Logits of rows first_row .. len(tokens)-1 of a teacher-forced decode, (rows, n_vocab).
+
+        The sequence is decoded in pieces of PIECE_TOKENS at fixed offsets, so
+        the same tokens always meet the same batch shapes: the CPU backend
+        picks kernels by batch size, and a record and its later measurement
+        must see the same arithmetic (bit-identical logits with the adapter off)."""
+        rows: list[np.ndarray] = []
+        self.clear()
+        for a in range(0, len(tokens), PIECE_TOKENS):
+            piece = tokens[a:a + PIECE_TOKENS]
+            want = min(max(first_row - a, 0), len(piece))
+            self._decode(piece, a, want)
+            rows.extend(self._row(i) for i in range(want, len(piece)))
+            yield
+        self.clear()
+        return np.stack(rows)
+
+    def greedy_units(self, prompt: Sequence[int], max_tokens: int) -> Generator[None, None, list[int]]:
+        """The greedy answer, its end-of-generation token included when reached."""
+        if not prompt:
+            raise ValueError("a greedy answer needs a prompt of at least one token")
+        self.clear()
+        for a in range(0, len(prompt), PIECE_TOKENS):
+            if a:
+                yield
+            piece = prompt[a:a + PIECE_TOKENS]
+            self._decode(piece, a, len(piece) - 1 if a + len(piece) == len(prompt) else len(piece))
+        best, pos, out = int(self._row(len(piece) - 1).argmax()), len(prompt), []
+        while True:
+            out.append(best)
+            if self.rm.is_eog(best) or len(out) >= max_tokens:
+                break
+            yield
+            self._decode([best], pos, 0)
+            pos += 1
+            best = int(self._row(0).argmax())
+        self.clear()
+        return out
+
     def logits(self, tokens: Sequence[int], first_row: int) -> np.ndarray:
-        """Logits of rows first_row .. len(tokens)-1 of one teacher-forced decode, (rows, n_vocab)."""
-        n = len(tokens)
-        if n > self.rm.config.n_batch:
-            raise ValueError(f"an anchor of {n} tokens exceeds n_batch {self.rm.config.n_batch}")
-        batch = self.lc.llama_batch_init(n, 0, 1)
-        self._clear()
+        """forced_units run straight through (tests, benchmarks)."""
         try:
-            self._decode(batch, tokens, 0, first_row)
-            return np.stack([self._row(i) for i in range(first_row, n)])
+            return run_steps(self.forced_units(tokens, first_row))
         finally:
-            self._clear()
-            self.lc.llama_batch_free(batch)
+            self.clear()
+            self.close()
 
     def greedy(self, prompt: Sequence[int], max_tokens: int) -> list[int]:
-        """The greedy answer, its end-of-generation token included when reached."""
-        batch = self.lc.llama_batch_init(max(len(prompt), 1), 0, 1)
-        self._clear()
-        out: list[int] = []
+        """greedy_units run straight through (tests, benchmarks)."""
         try:
-            pending, pos = list(prompt), 0
-            while len(out) < max_tokens:
-                self._decode(batch, pending, pos, len(pending) - 1)
-                pos += len(pending)
-                best = int(self._row(len(pending) - 1).argmax())
-                out.append(best)
-                if self.rm.is_eog(best):
-                    break
-                pending = [best]
-            return out
+            return run_steps(self.greedy_units(prompt, max_tokens))
         finally:
-            self._clear()
-            self.lc.llama_batch_free(batch)
+            self.clear()
+            self.close()
 
 
 def set_context_adapter(resident, handle) -> None:
@@ -206,21 +265,26 @@ def _log_softmax(rows: np.ndarray) -> np.ndarray:
     return rows - m - np.log(np.exp(rows - m).sum(axis=1, keepdims=True))
 
 
-def record_anchor(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
-                  max_tokens: int = ANCHOR_TOKENS) -> AnchorBase:
-    """The base's answer and distributions for one anchor. The context's adapter must be off."""
+def record_units(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
+                 max_tokens: int = ANCHOR_TOKENS) -> Generator[None, None, AnchorBase]:
+    """The base's answer and distributions for one anchor, in units (see _Decoder).
+    The context's adapter must be off during every unit."""
     dec = _Decoder(resident, seq_id)
-    cont = dec.greedy(prompt_toks, max_tokens)
-    forced = (*prompt_toks, *cont[:-1])
-    logp = _log_softmax(dec.logits(forced, len(prompt_toks) - 1))
-    # The measurement decodes the answer teacher-forced, in one batch. The CPU
-    # backend's kernels depend on the batch's size (quantized activations
-    # for short batches, not for long ones), so the same prefix gets other
-    # logits (by ~1 on the default model) one token at a time than in a batch.
-    # The records are therefore the batched decode of exactly `forced`, which
-    # the measurement repeats token for token (bit-identical with the adapter
-    # off); where its argmax departs from the generated token the compared
-    # answer ends at the batched choice.
+    try:
+        cont = yield from dec.greedy_units(prompt_toks, max_tokens)
+        yield
+        forced = (*prompt_toks, *cont[:-1])
+        logp = _log_softmax((yield from dec.forced_units(forced, len(prompt_toks) - 1)))
+    finally:
+        dec.close()
+    # The measurement decodes the answer teacher-forced, in pieces of
+    # PIECE_TOKENS. The CPU backend's kernels depend on the batch's size
+    # (quantized activations for short batches, not for long ones), so the
+    # same prefix gets other logits (by ~1 on the default model) one token at
+    # a time than in a batch. The records are therefore the teacher-forced
+    # decode of exactly `forced`, which the measurement repeats piece for
+    # piece (bit-identical with the adapter off); where its argmax departs
+    # from the generated token the compared answer ends at its own choice.
     arg = logp.argmax(axis=1)
     answer = list(cont)
     for i, t in enumerate(cont):
@@ -238,11 +302,16 @@ def record_anchor(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int]
                       top_logp.astype(np.float32), tail)
 
 
-def anchor_drift(resident, seq_id: int, base: AnchorBase) -> tuple[float, int, int | None]:
+def drift_units(resident, seq_id: int, base: AnchorBase) -> Generator[None, None, tuple[float, int, int | None]]:
     """(sum of KL(base || now) over the answer's tokens, tokens, the first answer token the
-    greedy answer changes at or None) for whatever adapter the context has on now."""
+    greedy answer changes at or None) for whatever adapter the context has on during the units."""
     n = len(base.answer)
-    logq = _log_softmax(_Decoder(resident, seq_id).logits(base.forced, len(base.prompt_tokens) - 1)[:n])
+    dec = _Decoder(resident, seq_id)
+    try:
+        rows = yield from dec.forced_units(base.forced, len(base.prompt_tokens) - 1)
+    finally:
+        dec.close()
+    logq = _log_softmax(rows[:n])
     diff = np.flatnonzero(logq.argmax(axis=1) != np.asarray(base.answer))
     first = int(diff[0]) if diff.size else None
     lp = base.top_logp.astype(np.float64)
@@ -257,53 +326,100 @@ def anchor_drift(resident, seq_id: int, base: AnchorBase) -> tuple[float, int, i
 
 
 class DriftProbe:
-    """The base records of one job's anchors and the drift measurement, one anchor per step.
+    """The base records of one job's anchors and the drift measurement, in engine steps.
 
-    `record()` and `measure()` are generators: each `next()` decodes one
-    anchor (about a prompt's prefill and, when recording, ANCHOR_TOKENS
-    single-token decodes) and the generator's return value is the result.
-    `seq_id()` is asked before every step for a sequence no slot is using
-    (None: none free now, the step waits); `adapter_on`/`adapter_off` put
-    the measured adapter or none on the context and `restore` puts serving's
-    back, all within the step.
+    `record()` and `measure()` are generators; the generator's return value is
+    the result. Each `next()` is one engine step: it decodes units of one
+    anchor (a piece of PIECE_TOKENS teacher-forced tokens, or one generated
+    token) while they fit `step_ms` (at least one), with the measured adapter
+    (or none) on the context, and puts serving's adapter back (`restore`)
+    before it returns. An anchor's units run on a sequence held across steps:
+    `seq_id` is an int (a sequence the caller owns) or a callable that lends
+    one (`Engine.hold_idle_sequence`: a lease, or None while every slot is
+    busy, and the step waits). Serving takes a lent sequence back whenever it
+    needs the slot; the anchor then starts again on the next lease
+    (`restarts` counts those).
     """
 
     def __init__(self, resident, prompts: Sequence[str], *, seq_id, restore=lambda: None,
-                 renderer: ChatRenderer | None = None):
+                 renderer: ChatRenderer | None = None, step_ms: float | None = DEFAULT_STEP_MS):
         if not prompts:
             raise ValueError("a drift probe needs at least one anchor prompt")
+        if step_ms is not None and not step_ms > 0:
+            raise ValueError(f"step_ms {step_ms!r} must be > 0")
         self.resident = resident
         self.prompts = list(prompts)
-        self.seq_id = seq_id if callable(seq_id) else (lambda: seq_id)
+        self.lend = seq_id if callable(seq_id) else (lambda: FixedSequence(seq_id))
         self.restore = restore
         self.renderer = renderer or ChatRenderer(resident)
+        self.step_s = step_ms / 1000.0 if step_ms is not None else math.inf
         self.bases: list[AnchorBase] = []
         self.anchor_ms: float | None = None     # the recent cost of measuring one anchor (a running mean)
+        self.restarts = 0                       # anchors started again after serving took the sequence back
+        self._lease: Any = None
 
-    def _free_seq(self) -> Generator[None, None, int]:
-        while (s := self.seq_id()) is None:
-            yield
-        return s
+    def _held(self) -> Generator[None, None, Any]:
+        while self._lease is None or not self._lease.valid:
+            got = self.lend()
+            self._lease = FixedSequence(got) if isinstance(got, int) else got
+            if self._lease is None:
+                yield
+        return self._lease
+
+    def _give_back(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None and lease.valid:
+            lease.release()
+
+    def _anchor(self, units_on, adapter) -> Generator[None, None, tuple[Any, float]]:
+        """One anchor's units (`units_on(seq_id)`), as many per step as fit
+        step_s, on the held sequence; (its result, its decode ms)."""
+        ms = 0.0
+        while True:
+            lease = yield from self._held()
+            units = units_on(lease.seq_id)
+            try:
+                while True:
+                    t0 = time.perf_counter()
+                    set_context_adapter(self.resident, adapter)
+                    try:
+                        while True:
+                            u0 = time.perf_counter()
+                            try:
+                                next(units)
+                            except StopIteration as stop:
+                                return stop.value, ms + (time.perf_counter() - t0) * 1000.0
+                            now = time.perf_counter()
+                            if (now - t0) + (now - u0) > self.step_s:
+                                break
+                    finally:
+                        self.restore()
+                    ms += (time.perf_counter() - t0) * 1000.0
+                    yield
+                    if not lease.valid:             # serving took the slot back: start the anchor again
+                        self.restarts += 1
+                        break
+            finally:
+                units.close()
 
     def record(self, cache: dict | None = None) -> Generator[None, None, None]:
         """Records every anchor with the adapter off. `cache` maps prompt -> AnchorBase
         across jobs (the base model does not change while the process lives)."""
         out = []
-        for prompt in self.prompts:
-            if cache is not None and prompt in cache:
-                out.append(cache[prompt])
-                continue
-            toks = prompt_tokens(self.resident, prompt, self.renderer)
-            seq = yield from self._free_seq()
-            set_context_adapter(self.resident, None)
-            try:
-                base = record_anchor(self.resident, seq, prompt, toks)
-            finally:
-                self.restore()
-            if cache is not None:
-                cache[prompt] = base
-            out.append(base)
-            yield
+        try:
+            for prompt in self.prompts:
+                if cache is not None and prompt in cache:
+                    out.append(cache[prompt])
+                    continue
+                toks = prompt_tokens(self.resident, prompt, self.renderer)
+                base, _ = yield from self._anchor(lambda s, p=prompt, t=toks: record_units(self.resident, s, p, t),
+                                                  None)
+                if cache is not None:
+                    cache[prompt] = base
+                out.append(base)
+                yield
+        finally:
+            self._give_back()
         self.bases = out
 
     def measure(self, adapter_handle, indices: Sequence[int] | None = None) -> Generator[None, None, Drift]:
@@ -312,20 +428,17 @@ class DriftProbe:
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring drift")
         kl_sum, tokens, first, ms = 0.0, 0, [], 0.0
-        for base in (self.bases if indices is None else [self.bases[i] for i in indices]):
-            seq = yield from self._free_seq()
-            t0 = time.perf_counter()
-            set_context_adapter(self.resident, adapter_handle)
-            try:
-                kl, n, f = anchor_drift(self.resident, seq, base)
-            finally:
-                self.restore()
-            one = (time.perf_counter() - t0) * 1000.0
-            ms += one
-            self.anchor_ms = one if self.anchor_ms is None else 0.5 * (self.anchor_ms + one)
-            kl_sum, tokens = kl_sum + kl, tokens + n
-            first.append(f)
-            yield
+        try:
+            for base in (self.bases if indices is None else [self.bases[i] for i in indices]):
+                (kl, n, f), one = yield from self._anchor(lambda s, b=base: drift_units(self.resident, s, b),
+                                                          adapter_handle)
+                ms += one
+                self.anchor_ms = one if self.anchor_ms is None else 0.5 * (self.anchor_ms + one)
+                kl_sum, tokens = kl_sum + kl, tokens + n
+                first.append(f)
+                yield
+        finally:
+            self._give_back()
         changed = sum(f is not None for f in first)
         return Drift(drift_kl=kl_sum / tokens if tokens else 0.0, anchors_changed=changed / len(first),
                      changed=changed, anchors=len(first), tokens=tokens, first_change=tuple(first), ms=ms)

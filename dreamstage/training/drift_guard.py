@@ -28,6 +28,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from dreamstage.training.drift import (
+    DEFAULT_STEP_MS,
     Drift,
     DriftProbe,
     anchor_schedule,
@@ -46,16 +47,21 @@ DURING_SHARE = 0.1
 
 
 class DriftGuard:
-    def __init__(self, resident, spec, train_windows: Sequence[Any], *, seq_id: Callable[[], int | None],
+    def __init__(self, resident, spec, train_windows: Sequence[Any], *, seq_id: Callable[[], Any] | int,
                  restore: Callable[[], None], cache: dict | None = None):
         self.spec = spec
         self.n_train = len(train_windows)
         self.train_windows = list(train_windows)
         # measured, never trained (the shipped `measure` half and the job's own) ...
-        self.probe = DriftProbe(resident, load_anchors(spec.anchors), seq_id=seq_id, restore=restore)
+        # a probe's step aims at half the job's pause bound (its units are
+        # decodes of up to PIECE_TOKENS tokens; at least one runs per step)
+        pause = getattr(getattr(spec, "pacing", None), "max_pause_ms", None)
+        step_ms = pause / 2.0 if pause else DEFAULT_STEP_MS
+        self.probe = DriftProbe(resident, load_anchors(spec.anchors), seq_id=seq_id, restore=restore,
+                                step_ms=step_ms)
         # ... and trained, never measured: the regularizer's base answers
-        self.rehearsal = (DriftProbe(resident, rehearsal_anchors(), seq_id=seq_id, restore=restore)
-                          if self.ratio > 0 else None)
+        self.rehearsal = (DriftProbe(resident, rehearsal_anchors(), seq_id=seq_id, restore=restore,
+                                     step_ms=step_ms) if self.ratio > 0 else None)
         self.cache = cache
         self.windows: list[Any] = list(train_windows)
         self._anchor_pos: dict[int, int] = {}    # rehearsal anchor index -> position in self.windows
@@ -115,7 +121,7 @@ class DriftGuard:
 
     # -- measurement ---------------------------------------------------------------
     def measure(self, trainer) -> Generator[None, None, Drift]:
-        """The shadow adapter's drift now on every measured anchor (a Drift), one anchor per step."""
+        """The shadow adapter's drift now on every measured anchor (a Drift), in short steps."""
         trainer.promote()                     # shadow -> the stage's own served copy, a llama_adapter_lora
         self.drift = yield from self.probe.measure(trainer.served_adapter)
         return self.drift

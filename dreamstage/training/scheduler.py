@@ -462,7 +462,7 @@ class DreamScheduler:
         yield                                           # from here on the pacer decides each step
         guard = self._drift_guard(spec, rendered, engine)
         if guard is not None:
-            yield from guard.record_or_fail()           # the base's anchor answers, one anchor per step
+            yield from guard.record_or_fail()           # the base's anchor answers, in short steps
         run = JobRun(store, jid, spec, guard.windows if guard else rendered.train, guard.order if guard else None)
         own = OwnLoss(len(rendered.train), spec.stop_loss)
         notes: list[str] = []
@@ -587,7 +587,7 @@ class DreamScheduler:
     def _drift_guard(self, spec: JobSpec, rendered: RenderedJob, engine) -> DriftGuard | None:
         """The job's drift guard; None when it is off on this server, or on a
         resident without llama handles or an engine that lends no sequence (test doubles)."""
-        lend = getattr(engine, "lend_idle_sequence", None)
+        lend = getattr(engine, "hold_idle_sequence", None)
         if not self.drift_guard or getattr(self.resident, "ctx", None) is None or lend is None:
             return None
         served = self.switch.served
