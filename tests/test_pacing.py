@@ -412,6 +412,9 @@ class Shape:
 SHAPES = [
     Shape("idle", 0),
     Shape("one client, short requests back to back", 1, prompt=30, output=24),
+    # a client behind HTTP and a chat template: 50 ms between a reply and the
+    # next request, gaps the job should use before it steps between batches
+    Shape("one client, 50 ms round trips", 1, prompt=30, output=24, rtt=0.05),
     Shape("2 streams", 2),
     Shape("4 streams", 4),
     Shape("8 streams", 8),
@@ -585,7 +588,7 @@ LOADS = {"quiet": Load(), "other programs": Load.other_programs()}
 
 
 @pytest.mark.parametrize("load", list(LOADS), ids=["quiet", "loaded"])
-@pytest.mark.parametrize("shape", SHAPES, ids=[s.name.split(",")[0].replace(" ", "-") for s in SHAPES])
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.name.replace(",", "").replace(" ", "-") for s in SHAPES])
 @pytest.mark.parametrize("pacing", [{"mode": "max_slowdown", "value": 0.10}, {"mode": "share", "value": 0.25}],
                          ids=["max_slowdown-0.10", "share-0.25"])
 def test_both_promises_hold_for_every_load_shape(shape, load, pacing):
@@ -615,7 +618,7 @@ def test_both_promises_hold_for_every_load_shape(shape, load, pacing):
 def test_the_simulation_is_sensitive_to_the_charges():
     """Without the contention charge the bound breaks: the test above can fail."""
     ld = Load(contention=1.0)
-    shape = SHAPES[3]
+    shape = next(s for s in SHAPES if s.name == "4 streams")
     base = simulate(shape, ld, None, seed=5)
     job = simulate(shape, ld, {"mode": "share", "value": 0.10}, seed=5)   # share charges no contention
     assert job.slowdown > 0.13

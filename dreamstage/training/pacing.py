@@ -40,8 +40,10 @@ two pauses, so quiet periods do not bank a burst.
 **Idle.** With no busy slot a micro-step costs chat nothing unless a request
 arrives while it runs. With credit >= 0 the pacer dreams at once (the gaps
 between back-to-back requests are used; a collision is paid from the
-credit). In debt it waits `idle_grace_s` and then steps only when the recent
-gaps between requests say the next one is unlikely to arrive within a step.
+credit). While such gaps recur, an in-batch step waits for a whole step's
+credit, so the credit goes to the gaps first, where part of a step is free.
+In debt it waits `idle_grace_s` and then steps only when the recent gaps
+between requests say the next one is unlikely to arrive within a step.
 
 **The pause (`shaper.StepShaper`).** The chunk of each step is a rung of the chunk
 ladder, the biggest whose predicted time (a fit of recent steps, times this
@@ -69,6 +71,11 @@ HISTORY_BATCHES = 512          # recent active intervals the figures use
 HISTORY_STEPS = 1024           # recent micro-step times for the percentiles
 REFERENCE_BATCHES = 32         # undisturbed batch times kept per batch size
 HISTORY_GAPS = 32              # recent idle gaps (slots empty -> next request)
+# Gaps "recur" while at least RECUR_GAPS of them ended within the last
+# RECUR_WINDOW_S: a client that sends its next request as soon as a reply
+# ends leaves one round trip between requests, every few hundred ms.
+RECUR_GAPS = 2
+RECUR_WINDOW_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -211,6 +218,7 @@ class Pacer:
         self._last_step_s = 0.0
         self._intervals: deque[Interval] = deque(maxlen=HISTORY_BATCHES)
         self._gaps: deque[float] = deque(maxlen=HISTORY_GAPS)
+        self._gap_ends: deque[float] = deque(maxlen=RECUR_GAPS)
         self._steps_ms: deque[float] = deque(maxlen=HISTORY_STEPS)
         self._p50_step_s = 0.0
         self._max_step_ms = 0.0
@@ -264,6 +272,7 @@ class Pacer:
         if self._idle_since is not None:
             # the request that ended the idle stretch arrived about when this batch began
             self._gaps.append(max(0.0, now - batch_s - self._pending_wait_s - self._idle_since))
+            self._gap_ends.append(now)
             self._idle_since = None
         contention = 0.0
         if self._after_step:
@@ -361,7 +370,21 @@ class Pacer:
             return False                  # one micro-step per decode batch
         if self.mode == "max_slowdown" and self._baseline < MIN_BASELINE_BATCHES:
             return False                  # measure undisturbed batches first
-        return self.credit >= 0.0
+        return self.credit >= self._gap_reserve(now)
+
+    def _gap_reserve(self, now: float) -> float:
+        """Credit an in-batch step must leave for the next gap between requests.
+
+        A step that starts when the slots empty is free until the next
+        request arrives and charged only the wait after that; the same step
+        between two batches is charged all of its time. So while gaps recur
+        (a client's round trip after each reply), credit is spent in them
+        first: an in-batch step needs a whole step's credit banked. Where no
+        gaps come (streaming clients that keep a slot busy), nothing is
+        reserved and the credit goes to in-batch steps as it comes."""
+        if len(self._gap_ends) < RECUR_GAPS or now - self._gap_ends[0] > RECUR_WINDOW_S:
+            return 0.0
+        return self._p50_step_s or self._scale_s
 
     # -- the report --------------------------------------------------------------------
     def figures(self) -> dict[str, Any]:
