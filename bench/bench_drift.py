@@ -1,6 +1,9 @@
 """Recall of taught made-up facts against drift on held-out anchors, over a small grid.
 
     nice python bench/bench_drift.py [--out bench/results/drift-heldout.json] [--only NAME ...]
+    nice -n 10 python bench/bench_drift.py --out bench/results/drift-sampled.json --only defaults sampled4 sampled8
+    nice -n 10 python bench/bench_drift.py --out bench/results/drift-sampled-seed1.json --seed 1 \
+        --only defaults sampled4 sampled4-ratio2
 
 One resident default model (SmolLM2-135M Q4_1), one thread (two shared
 cores). The base answers of the shipped anchors (both halves) and of
@@ -8,7 +11,11 @@ UNSEEN_PROMPTS are recorded once; each setting then trains the EVALUATION
 facts (bench/drift_facts.py, not the tests' facts) as a job would: the
 job's windows plus the regularizer's windows on the `rehearse` half,
 shuffled per epoch, one AdamW update per window, early stop when the facts'
-epoch loss falls below `stop_loss`. Then, with the adapter on: recall (the
+epoch loss falls below `stop_loss`. A setting's `samples` (S) says what a
+rehearsal window trains: the base's greedy answer (0), or, at each visit of
+the anchor, the next of its first S continuations sampled from the base at
+temperature 1 (drift.REHEARSAL_SAMPLES; the same seeded samples for every S,
+so S 4 trains the first four of S 8's). Then, with the adapter on: recall (the
 key word in the greedy answer, temperature 0) and the drift figures on the
 held-out `measure` half (what a job reports), on the rehearsed half and on
 the unseen prompts. Results go to JSON; docs/benchmarks.md quotes the table.
@@ -19,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,7 +42,7 @@ from dreamstage.resident import ResidentConfig, ResidentModel
 from dreamstage.training.drift import (
     DriftProbe,
     _Decoder,
-    anchor_schedule,
+    anchor_visits,
     anchor_windows,
     load_anchors,
     prompt_tokens,
@@ -46,7 +55,7 @@ from dreamstage.training.scheduler import native_trainer
 from dreamstage.training.spec import parse_train_request
 
 ALL_ATTN = "attn_q,attn_k,attn_v,attn_output"
-# name: (lr, epochs, rank, targets, anchor_ratio, stop_loss[, more job fields])
+# name: (lr, epochs, rank, targets, anchor_ratio, stop_loss[, more job fields, and "samples": S])
 QV = "attn_q,attn_v"
 GRID: dict[str, tuple] = {
     # the grid of the first drift work (anchors rehearsed and measured alike)
@@ -64,7 +73,12 @@ GRID: dict[str, tuple] = {
     "qv-lr3e-3-r8-stop0.3": (3e-3, 10, 8, QV, 8.0, 0.3),
     "defaults-ratio2": (1e-3, 10, 8, QV, 2.0, 0.1),
     "defaults-ratio4": (1e-3, 10, 8, QV, 4.0, 0.1),
+    # sampled rehearsal: "defaults" above rehearses greedy answers (samples 0)
+    "sampled4": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4}),
+    "sampled8": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 8}),
+    "sampled4-ratio2": (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4}),
 }
+MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 
 
 def recall(rm, handle, facts) -> tuple[float, list[str]]:
@@ -78,10 +92,23 @@ def recall(rm, handle, facts) -> tuple[float, list[str]]:
     return sum(hits) / len(hits), answers
 
 
+def changed_where_sure(drift, bases, p: float = 0.5) -> float:
+    """The fraction of anchors whose greedy answer changed at a token where the
+    base's own top choice had probability >= p: changes that are not the base's
+    near ties (docs/architecture/drift.md, "What it does not do")."""
+    sure = [f is not None and float(b.top_logp[f].max()) >= math.log(p) for f, b in zip(drift.first_change, bases,
+                                                                                          strict=True)]
+    return sum(sure) / max(len(sure), 1)
+
+
 def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, ratio, stop_loss, more=None,
                 seed=0) -> dict:
+    more = dict(more or {})
+    samples = more.pop("samples", 0)
+    # the setting's rehearsal data: its first `samples` samples, or the greedy answers
+    bases = [replace(b, samples=b.samples[:samples]) for b in rehearsal.bases]
     body = {"examples": chat_examples(EVAL_FACTS), "lr": lr, "epochs": epochs, "rank": rank, "targets": targets,
-            "seed": seed, **(more or {})}
+            "seed": seed, **more}
     spec = parse_train_request(body).to_job_spec()
     facts = list(render_job(spec, rm).train)
     anchored = 0
@@ -91,8 +118,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     try:
         for epoch in range(epochs):
             loss_sum = tok = 0.0
-            windows = facts + anchor_windows(rehearsal.bases, anchor_schedule(len(rehearsal.bases), len(facts), ratio,
-                                                                              epoch, seed), spec.window)
+            windows = facts + anchor_windows(bases, anchor_visits(len(bases), len(facts), ratio, epoch, seed),
+                                             spec.window)
             anchored += len(windows) - len(facts)
             for w in epoch_order(len(windows), epoch, seed):
                 rec = trainer.train_window(windows[w].tokens, windows[w].mask)
@@ -115,11 +142,13 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         rec_frac, answers = recall(rm, trainer.served_adapter, EVAL_FACTS)
     finally:
         trainer.close()
-    out = {"name": name, **(more or {}), "lr": lr, "epochs": epochs, "epochs_run": len(epoch_losses), "rank": rank,
+    out = {"name": name, **more, "rehearsal_samples": samples, "lr": lr, "epochs": epochs,
+           "epochs_run": len(epoch_losses), "rank": rank,
            "targets": targets, "anchor_ratio": ratio, "anchor_windows_trained": anchored, "stop_loss": stop_loss,
            "updates": updates, "fact_loss_per_epoch": epoch_losses, "recall_per_epoch": recall_per_epoch,
            "recall": rec_frac, **drift.as_dict(),
            "anchors_changed_12": drift.changed_within(12), "anchors_changed_6": drift.changed_within(6),
+           "anchors_changed_sure": changed_where_sure(drift, probe.bases),
            "rehearsed_drift_kl": drift_rehearsed.drift_kl, "rehearsed_changed": drift_rehearsed.anchors_changed,
            "unseen_drift_kl": drift_unseen.drift_kl, "unseen_changed": drift_unseen.anchors_changed,
            "unseen_changed_12": drift_unseen.changed_within(12),
@@ -132,11 +161,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/drift-heldout.json")
     ap.add_argument("--only", nargs="*")
+    ap.add_argument("--seed", type=int, default=0, help="the job's seed (window order, LoRA init, anchor rotation)")
     args = ap.parse_args()
     load_start = os.getloadavg()
     rm = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
     probe = DriftProbe(rm, load_anchors(), seq_id=0)            # held out: what the job reports
-    rehearsal = DriftProbe(rm, rehearsal_anchors(), seq_id=0)   # what the regularizer trains
+    # what the regularizer trains, with as many samples as any setting takes
+    rehearsal = DriftProbe(rm, rehearsal_anchors(), seq_id=0, samples=MAX_SAMPLES)
     t = time.perf_counter()
     run_steps(probe.record())
     run_steps(rehearsal.record())
@@ -148,10 +179,10 @@ def main() -> None:
     for name, cfg in GRID.items():
         if args.only and name not in args.only:
             continue
-        results.append(run_setting(rm, probe, rehearsal, unseen, name, *cfg))
+        results.append(run_setting(rm, probe, rehearsal, unseen, name, *cfg, seed=args.seed))
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
-            "model": rm.model_path.name, "threads": 1, "anchors": len(probe.bases),
+            "model": rm.model_path.name, "threads": 1, "seed": args.seed, "anchors": len(probe.bases),
             "rehearsal_anchors": len(rehearsal.bases), "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
             "unseen_prompts": len(UNSEEN_PROMPTS), "record_s": record_s,
             "base_recall": base_recall, "base_answers": base_answers, "results": results}, indent=1) + "\n")

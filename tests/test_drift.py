@@ -164,6 +164,84 @@ def test_anchor_schedule_rotates_through_every_anchor():
     assert anchor_schedule(n, jobs, 0.0, 0, 3) == [] and len(anchor_schedule(n, 100, 2.0, 0, 3)) == n
 
 
+# -- sampled rehearsal ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sampled_probe(dream_resident):
+    probe = DriftProbe(dream_resident, rehearsal_anchors()[:2], seq_id=0, samples=3)
+    run_steps(probe.record())
+    return probe
+
+
+def test_sampled_continuations_are_seeded_drawn_and_recorded_with_the_adapter_off(dream_resident, sampled_probe):
+    """The same samples again (in one-unit steps, with serving's perturbed
+    adapter put back after every step), the first ones of a longer record,
+    not all the greedy answer, and equal with a zero adapter on the context;
+    the perturbed adapter itself would have drawn others."""
+    from dreamstage.training.drift import ANCHOR_TOKENS, record_units
+    from dreamstage.training.trainer import LoraConfig, Trainer
+    prompts, bases = sampled_probe.prompts, sampled_probe.bases
+    for b in bases:
+        assert len(b.samples) == 3
+        for s in b.samples:
+            assert len(s) == ANCHOR_TOKENS or (len(s) < ANCHOR_TOKENS and dream_resident.is_eog(s[-1]))
+    assert any(s != b.continuation for b in bases for s in b.samples)
+    assert any(len(set(b.samples)) > 1 for b in bases)
+    tr = Trainer(dream_resident, LoraConfig(rank=4, targets="attn_q,attn_v"), window=128, chunk=128)
+    try:
+        v = tr.lora_parameters()
+        tr.set_lora_parameters(v + np.random.default_rng(2).normal(0.0, 0.3, v.shape))
+        tr.promote()
+        again = DriftProbe(dream_resident, prompts, seq_id=0, samples=4, step_ms=1e-6,
+                           restore=lambda: set_context_adapter(dream_resident, tr.served_adapter))
+        run_steps(again.record())
+        set_context_adapter(dream_resident, tr.served_adapter)
+        moved = run_steps(record_units(dream_resident, 0, prompts[0], bases[0].prompt_tokens, samples=3))
+        tr.set_lora_parameters(v)                      # B = 0: the adapter adds exactly nothing
+        tr.promote()
+        set_context_adapter(dream_resident, tr.served_adapter)
+        zero = run_steps(record_units(dream_resident, 0, prompts[0], bases[0].prompt_tokens, samples=3))
+    finally:
+        set_context_adapter(dream_resident, None)
+        tr.close()
+    assert [b.samples[:3] for b in again.bases] == [b.samples for b in bases] and len(again.bases[0].samples) == 4
+    assert zero.samples == bases[0].samples
+    assert moved.samples != bases[0].samples
+
+
+def test_an_epochs_rehearsal_windows_train_each_anchors_samples_in_turn(dream_resident):
+    """The guard's rehearsal windows are the samples (never the greedy
+    answer); each visit of an anchor trains its next sample, so a rotation
+    of 2 x S epochs at half the anchors an epoch trains every sample once."""
+    from dreamstage.training.drift import REHEARSAL_SAMPLES, AnchorBase
+    from dreamstage.training.drift_guard import DriftGuard
+    from dreamstage.training.examples import render_job
+    S = REHEARSAL_SAMPLES
+
+    def fake(k, prompt):                               # a record with marked samples: no decode needed
+        toks = prompt_tokens(dream_resident, prompt)
+        z = np.zeros((2, 1))
+        return AnchorBase(prompt, toks, (7, 8), (*toks, 7), (7, 8), z.astype(np.int32), z.astype(np.float32),
+                          z[:, 0], samples=tuple((1000 + k, 2000 + j) for j in range(S)))
+
+    cache = {p: fake(k, p) for k, p in enumerate(load_anchors() + rehearsal_anchors())}
+    for ratio, epochs, rounds in [(8.0, S, 1), (2.0, 2 * S, 2)]:       # 5 facts: 20 anchors, then 10, an epoch
+        spec = parse_train_request({"examples": chat(TEST_FACTS), "anchor_ratio": ratio}).to_job_spec()
+        train = list(render_job(spec, dream_resident).train)
+        guard = DriftGuard(dream_resident, spec, train, seq_id=0, restore=lambda: None, cache=cache)
+        run_steps(guard.record())
+        trained: dict[str, list[int]] = {}
+        for epoch in range(epochs):
+            picked = [guard.windows[i] for i in guard.order(epoch) if i >= len(train)]
+            assert len(picked) == 20 // rounds
+            for w in picked:
+                base = cache[rehearsal_anchors()[-1 - w.source]]
+                reply = w.tokens[len(base.prompt_tokens):]
+                assert w.tokens[:len(base.prompt_tokens)] == base.prompt_tokens and reply in base.samples
+                assert all(w.mask[len(base.prompt_tokens):]) and not any(w.mask[:len(base.prompt_tokens)])
+                trained.setdefault(base.prompt, []).append(base.samples.index(reply))
+        assert len(trained) == 20 and all(v == list(range(S)) for v in trained.values()), trained
+
+
 def test_measured_anchors_are_never_rehearsed():
     measured, rehearsed = load_anchors(["Why is grass green?"]), rehearsal_anchors()
     assert len(rehearsed) >= 20 and len(measured) == 21 and not set(measured) & set(rehearsed)

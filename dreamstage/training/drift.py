@@ -14,10 +14,12 @@ are decoded once more with the job's adapter on, and two figures come out:
   argmax is the base's token. One teacher-forced decode per anchor decides it
   (no generation with the adapter on).
 
-The same records give the regularizer its data: each anchor's prompt with
-the base's own continuation as the trained reply (`AnchorBase.window`),
-ordinary cross-entropy examples the native trainer already takes
-(docs/architecture/drift.md says why not a soft-target KL).
+The same records give the regularizer its data: each rehearsal anchor's
+prompt with continuations the base itself sampled at temperature 1 as the
+trained replies (`AnchorBase.windows`), ordinary cross-entropy examples the
+native trainer already takes. In expectation over the samples that
+cross-entropy is KL(base || adapter) plus a constant, the soft-target term
+without a soft-target loss (docs/architecture/drift.md).
 
 Every function here makes llama calls on the resident context, so it runs on
 the engine thread, between decode batches, on a sequence no slot is using.
@@ -31,7 +33,8 @@ import ctypes
 import json
 import math
 import time
-from collections.abc import Generator, Iterable, Iterator, Sequence
+import zlib
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -60,6 +63,14 @@ PIECE_TOKENS = 16
 # guard passes half the job's max_pause_ms.
 DEFAULT_STEP_MS = 100.0
 MAX_ANCHOR_CHARS = 1000
+# Continuations the regularizer trains per rehearsal anchor, each sampled
+# from the base at temperature 1 (docs/architecture/drift.md, "The
+# regularizer"); a visit of the anchor trains one of them, the next one at
+# its next visit. The stream of an anchor's samples is seeded by its prompt
+# and the sample's index only, so every job of a process, and the benchmark,
+# gets the same ones, and the first S of 8 are the S of 4.
+REHEARSAL_SAMPLES = 4
+SAMPLE_SEED = 12
 
 
 def _shipped(part: str) -> list[str]:
@@ -97,12 +108,22 @@ class AnchorBase:
     top_ids: np.ndarray                 # (len(answer), TOP_K) int32
     top_logp: np.ndarray                # (len(answer), TOP_K) float32 log-probabilities
     tail_logp: np.ndarray               # (len(answer),) float64: log of the mass outside top_ids
+    # continuations sampled from the base at temperature 1 (a rehearsal anchor's; see sample_keys)
+    samples: tuple[tuple[int, ...], ...] = ()
 
-    def window(self, source: int, label: str) -> TrainWindow:
-        """The distillation example: the prompt as context, the base's continuation trained."""
-        toks = self.prompt_tokens + self.continuation
-        mask = (0,) * len(self.prompt_tokens) + (1,) * len(self.continuation)
-        return TrainWindow(toks, mask, source, label)
+    def window(self, source: int, label: str, reply: Sequence[int] | None = None) -> TrainWindow:
+        """A distillation example: the prompt as context, `reply` (the base's
+        greedy continuation when None) trained."""
+        reply = tuple(self.continuation if reply is None else reply)
+        mask = (0,) * len(self.prompt_tokens) + (1,) * len(reply)
+        return TrainWindow(self.prompt_tokens + reply, mask, source, label)
+
+    def windows(self, source: int, label: str) -> list[TrainWindow]:
+        """The regularizer's examples of this anchor: one per sampled
+        continuation, in sample order, or the greedy one when none was sampled."""
+        if not self.samples:
+            return [self.window(source, label)]
+        return [self.window(source, f"{label}.samples[{i}]", s) for i, s in enumerate(self.samples)]
 
 
 @dataclass(frozen=True)
@@ -206,25 +227,53 @@ class _Decoder:
         self.clear()
         return np.stack(rows)
 
-    def greedy_units(self, prompt: Sequence[int], max_tokens: int) -> Generator[None, None, list[int]]:
-        """The greedy answer, its end-of-generation token included when reached."""
+    def _prompt_units(self, prompt: Sequence[int]) -> Generator[None, None, np.ndarray]:
+        """Decodes the prompt from position 0 in pieces; the logits of its last token."""
         if not prompt:
-            raise ValueError("a greedy answer needs a prompt of at least one token")
-        self.clear()
+            raise ValueError("an answer needs a prompt of at least one token")
         for a in range(0, len(prompt), PIECE_TOKENS):
             if a:
                 yield
             piece = prompt[a:a + PIECE_TOKENS]
             self._decode(piece, a, len(piece) - 1 if a + len(piece) == len(prompt) else len(piece))
-        best, pos, out = int(self._row(len(piece) - 1).argmax()), len(prompt), []
+        return self._row(len(piece) - 1)
+
+    def _answer_units(self, row: np.ndarray, pos: int, max_tokens: int,
+                      pick: Callable[[np.ndarray], int]) -> Generator[None, None, list[int]]:
+        """The continuation from `row` (the logits at pos - 1), one decoded token
+        a unit, each token `pick(logits)`; its end-of-generation token included when reached."""
+        tok, out = pick(row), []
         while True:
-            out.append(best)
-            if self.rm.is_eog(best) or len(out) >= max_tokens:
-                break
+            out.append(tok)
+            if self.rm.is_eog(tok) or len(out) >= max_tokens:
+                return out
             yield
-            self._decode([best], pos, 0)
+            self._decode([tok], pos, 0)
             pos += 1
-            best = int(self._row(0).argmax())
+            tok = pick(self._row(0))
+
+    def greedy_units(self, prompt: Sequence[int], max_tokens: int) -> Generator[None, None, list[int]]:
+        """The greedy answer, its end-of-generation token included when reached."""
+        self.clear()
+        row = yield from self._prompt_units(prompt)
+        out = yield from self._answer_units(row, len(prompt), max_tokens, lambda r: int(r.argmax()))
+        self.clear()
+        return out
+
+    def sample_units(self, prompt: Sequence[int], max_tokens: int,
+                     rngs: Sequence[np.random.Generator]) -> Generator[None, None, list[list[int]]]:
+        """One continuation per generator in `rngs`, each token drawn from the
+        softmax of its logits (temperature 1), as the greedy answer is decoded.
+        The prompt is decoded once; each sample drops the one before it from
+        the sequence and starts again from the prompt's last row."""
+        self.clear()
+        row = yield from self._prompt_units(prompt)
+        out = []
+        for i, rng in enumerate(rngs):
+            if i:
+                yield
+                self.lc.llama_memory_seq_rm(self.rm.memory, self.seq_id, len(prompt), -1)
+            out.append((yield from self._answer_units(row, len(prompt), max_tokens, lambda r, g=rng: _draw(r, g))))
         self.clear()
         return out
 
@@ -260,14 +309,30 @@ def set_context_adapter(resident, handle) -> None:
         raise RuntimeError(f"llama_set_adapters_lora failed with {rc}")
 
 
+def _draw(logits: np.ndarray, rng: np.random.Generator) -> int:
+    """A token drawn from softmax(logits) (float64; inverse CDF of one uniform)."""
+    p = np.exp(logits - logits.max())
+    c = np.cumsum(p)
+    return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), len(c) - 1))
+
+
+def sample_keys(prompt: str, n: int) -> list[np.random.Generator]:
+    """The generators of an anchor's n samples: seeded by SAMPLE_SEED, the
+    prompt's text and the sample's index, not by a job, so a record cached
+    across jobs and one made again (a restart, another process) sample alike."""
+    key = zlib.crc32(prompt.encode("utf-8"))
+    return [np.random.default_rng((SAMPLE_SEED, key, i)) for i in range(n)]
+
+
 def _log_softmax(rows: np.ndarray) -> np.ndarray:
     m = rows.max(axis=1, keepdims=True)
     return rows - m - np.log(np.exp(rows - m).sum(axis=1, keepdims=True))
 
 
 def record_units(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
-                 max_tokens: int = ANCHOR_TOKENS) -> Generator[None, None, AnchorBase]:
-    """The base's answer and distributions for one anchor, in units (see _Decoder).
+                 max_tokens: int = ANCHOR_TOKENS, samples: int = 0) -> Generator[None, None, AnchorBase]:
+    """The base's answer and distributions for one anchor, and `samples`
+    continuations sampled from it (sample_keys), in units (see _Decoder).
     The context's adapter must be off during every unit."""
     dec = _Decoder(resident, seq_id)
     try:
@@ -275,6 +340,10 @@ def record_units(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
         yield
         forced = (*prompt_toks, *cont[:-1])
         logp = _log_softmax((yield from dec.forced_units(forced, len(prompt_toks) - 1)))
+        drawn: list[list[int]] = []
+        if samples > 0:
+            yield
+            drawn = yield from dec.sample_units(prompt_toks, max_tokens, sample_keys(prompt, samples))
     finally:
         dec.close()
     # The measurement decodes the answer teacher-forced, in pieces of
@@ -299,7 +368,7 @@ def record_units(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
     with np.errstate(divide="ignore"):
         tail = np.where(rest > 1e-12, np.log(np.clip(rest, 1e-300, None)), -np.inf)
     return AnchorBase(prompt, tuple(prompt_toks), tuple(cont), forced, tuple(answer), top,
-                      top_logp.astype(np.float32), tail)
+                      top_logp.astype(np.float32), tail, tuple(tuple(d) for d in drawn))
 
 
 def drift_units(resident, seq_id: int, base: AnchorBase) -> Generator[None, None, tuple[float, int, int | None]]:
@@ -338,11 +407,12 @@ class DriftProbe:
     one (`Engine.hold_idle_sequence`: a lease, or None while every slot is
     busy, and the step waits). Serving takes a lent sequence back whenever it
     needs the slot; the anchor then starts again on the next lease
-    (`restarts` counts those).
+    (`restarts` counts those). `samples`: continuations sampled per anchor at
+    recording (the regularizer's rehearsal anchors; none for measured ones).
     """
 
     def __init__(self, resident, prompts: Sequence[str], *, seq_id, restore=lambda: None,
-                 renderer: ChatRenderer | None = None, step_ms: float | None = DEFAULT_STEP_MS):
+                 renderer: ChatRenderer | None = None, step_ms: float | None = DEFAULT_STEP_MS, samples: int = 0):
         if not prompts:
             raise ValueError("a drift probe needs at least one anchor prompt")
         if step_ms is not None and not step_ms > 0:
@@ -353,6 +423,7 @@ class DriftProbe:
         self.restore = restore
         self.renderer = renderer or ChatRenderer(resident)
         self.step_s = step_ms / 1000.0 if step_ms is not None else math.inf
+        self.samples = samples
         self.bases: list[AnchorBase] = []
         self.anchor_ms: float | None = None     # the recent cost of measuring one anchor (a running mean)
         self.restarts = 0                       # anchors started again after serving took the sequence back
@@ -404,16 +475,17 @@ class DriftProbe:
 
     def record(self, cache: dict | None = None) -> Generator[None, None, None]:
         """Records every anchor with the adapter off. `cache` maps prompt -> AnchorBase
-        across jobs (the base model does not change while the process lives)."""
+        across jobs (the base model does not change while the process lives);
+        a cached record with fewer samples than this probe wants is made again."""
         out = []
         try:
             for prompt in self.prompts:
-                if cache is not None and prompt in cache:
+                if cache is not None and prompt in cache and len(cache[prompt].samples) >= self.samples:
                     out.append(cache[prompt])
                     continue
                 toks = prompt_tokens(self.resident, prompt, self.renderer)
-                base, _ = yield from self._anchor(lambda s, p=prompt, t=toks: record_units(self.resident, s, p, t),
-                                                  None)
+                base, _ = yield from self._anchor(
+                    lambda s, p=prompt, t=toks: record_units(self.resident, s, p, t, samples=self.samples), None)
                 if cache is not None:
                     cache[prompt] = base
                 out.append(base)
@@ -444,16 +516,23 @@ class DriftProbe:
                      changed=changed, anchors=len(first), tokens=tokens, first_change=tuple(first), ms=ms)
 
 
-def anchor_schedule(n_anchors: int, n_job_windows: int, ratio: float, epoch: int, seed: int) -> list[int]:
-    """The anchors the regularizer trains in `epoch`: ceil(ratio x the job's
-    windows) of them (at most all), walking one seeded permutation of the
-    whole set cyclically, so every anchor comes round every
-    ceil(n_anchors / k) epochs."""
+def anchor_visits(n_anchors: int, n_job_windows: int, ratio: float, epoch: int,
+                  seed: int) -> list[tuple[int, int]]:
+    """The anchors the regularizer trains in `epoch`, each with its visit
+    number (0 at its first visit of the job, then 1, ...): ceil(ratio x the
+    job's windows) of them (at most all), walking one seeded permutation of
+    the whole set cyclically, so every anchor comes round every
+    ceil(n_anchors / k) epochs, one visit per round."""
     if not ratio > 0 or n_anchors <= 0 or n_job_windows <= 0:
         return []
     k = min(n_anchors, math.ceil(ratio * n_job_windows))
     perm = np.random.default_rng(seed).permutation(n_anchors)
-    return [int(perm[(epoch * k + j) % n_anchors]) for j in range(k)]
+    return [(int(perm[p % n_anchors]), p // n_anchors) for p in range(epoch * k, epoch * k + k)]
+
+
+def anchor_schedule(n_anchors: int, n_job_windows: int, ratio: float, epoch: int, seed: int) -> list[int]:
+    """The anchors of anchor_visits, without their visit numbers."""
+    return [a for a, _ in anchor_visits(n_anchors, n_job_windows, ratio, epoch, seed)]
 
 
 def run_steps(gen: Iterator[None]) -> Any:
@@ -465,8 +544,18 @@ def run_steps(gen: Iterator[None]) -> Any:
             return stop.value
 
 
-def anchor_windows(bases: Sequence[AnchorBase], indices: Iterable[int], window: int) -> list[TrainWindow]:
-    """The regularizer's windows: the chosen anchors' base answers as trained
-    replies (an anchor longer than the job's window is left out)."""
-    return [bases[i].window(-1 - i, f"anchors[{i}]") for i in indices
-            if len(bases[i].prompt_tokens) + len(bases[i].continuation) <= window]
+def rehearsal_windows(base: AnchorBase, index: int, window: int) -> list[TrainWindow]:
+    """Rehearsal anchor `index`'s windows (AnchorBase.windows) that fit the job's window."""
+    return [w for w in base.windows(-1 - index, f"anchors[{index}]") if len(w) <= window]
+
+
+def anchor_windows(bases: Sequence[AnchorBase], visits: Iterable[tuple[int, int]], window: int) -> list[TrainWindow]:
+    """The regularizer's windows for (anchor, visit) pairs (anchor_visits):
+    visit v of an anchor trains its sample v mod their number (its greedy
+    answer when it has none); an anchor with no window that fits is left out."""
+    out = []
+    for i, v in visits:
+        fitting = rehearsal_windows(bases[i], i, window)
+        if fitting:
+            out.append(fitting[v % len(fitting)])
+    return out

@@ -8,8 +8,9 @@ decides what they are. One guard per job:
    job's own (`anchors`), adapter off; cached across jobs by prompt, since the
    base model does not change while the process lives.
 2. `windows` / `order(epoch)`: the job's windows followed by one window per
-   anchor; each epoch visits every job window and `anchor_ratio` x as many
-   anchor windows (a rotating slice of the anchors, `drift.anchor_schedule`),
+   sampled continuation of each rehearsal anchor; each epoch visits every job
+   window and `anchor_ratio` x as many anchor windows (a rotating slice of the
+   anchors, `drift.anchor_visits`), each anchor's next sample at each visit,
    shuffled together. With the regularizer off no anchor window is visited.
 3. `measure(trainer)` (steps): the shadow adapter's drift, copied to the
    stage's own served adapter (`Trainer.promote`; never set on the context
@@ -18,8 +19,8 @@ decides what they are. One guard per job:
    anchors_changed <= max_drift and drift_kl <= max_drift_kl.
 
 `OwnLoss` is the early stop: each of the job's own windows' epoch loss below
-`stop_loss` ends training (anchor windows do not count: their loss starts
-near zero, being the base's own answers).
+`stop_loss` ends training (anchor windows do not count: their loss is the
+base's own entropy on its samples, and does not fall towards zero).
 """
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ from typing import Any
 
 from dreamstage.training.drift import (
     DEFAULT_STEP_MS,
+    REHEARSAL_SAMPLES,
     Drift,
     DriftProbe,
-    anchor_schedule,
-    anchor_windows,
+    anchor_visits,
     load_anchors,
     rehearsal_anchors,
+    rehearsal_windows,
 )
 from dreamstage.training.examples import epoch_order
 from dreamstage.training.receipts import kind_receipt
@@ -59,12 +61,12 @@ class DriftGuard:
         step_ms = pause / 2.0 if pause else DEFAULT_STEP_MS
         self.probe = DriftProbe(resident, load_anchors(spec.anchors), seq_id=seq_id, restore=restore,
                                 step_ms=step_ms)
-        # ... and trained, never measured: the regularizer's base answers
+        # ... and trained, never measured: the regularizer's samples of the base
         self.rehearsal = (DriftProbe(resident, rehearsal_anchors(), seq_id=seq_id, restore=restore,
-                                     step_ms=step_ms) if self.ratio > 0 else None)
+                                     step_ms=step_ms, samples=REHEARSAL_SAMPLES) if self.ratio > 0 else None)
         self.cache = cache
         self.windows: list[Any] = list(train_windows)
-        self._anchor_pos: dict[int, int] = {}    # rehearsal anchor index -> position in self.windows
+        self._anchor_pos: dict[int, list[int]] = {}  # rehearsal anchor -> its windows' positions in self.windows
         self.drift: Drift | None = None          # the final measurement (the promotion reads it)
         self.failure: str | None = None          # why the measurement failed, if it did
         self.during_ms = 0.0                     # time spent on measurements during training
@@ -83,15 +85,18 @@ class DriftGuard:
         if self.rehearsal is not None:
             yield from self.rehearsal.record(self.cache)
             self._anchor_pos = {}
-            fitting = anchor_windows(self._rehearsed, range(len(self._rehearsed)), self.spec.window)
-            for w in fitting:
-                self._anchor_pos[-1 - w.source] = len(self.windows)
-                self.windows.append(w)
+            for i, base in enumerate(self._rehearsed):
+                fitting = rehearsal_windows(base, i, self.spec.window)
+                if fitting:
+                    self._anchor_pos[i] = list(range(len(self.windows), len(self.windows) + len(fitting)))
+                    self.windows.extend(fitting)
 
     def order(self, epoch: int) -> list[int]:
-        """Window indices (into `windows`) visited in `epoch`, in order."""
-        picked = [self._anchor_pos[a] for a in anchor_schedule(len(self._rehearsed), self.n_train, self.ratio,
-                                                              epoch, self.spec.seed) if a in self._anchor_pos]
+        """Window indices (into `windows`) visited in `epoch`, in order: an
+        anchor's visit v trains its sample v mod their number (drift.anchor_windows)."""
+        picked = [self._anchor_pos[a][v % len(self._anchor_pos[a])]
+                  for a, v in anchor_visits(len(self._rehearsed), self.n_train, self.ratio, epoch, self.spec.seed)
+                  if a in self._anchor_pos]
         visit = list(range(self.n_train)) + picked
         return [visit[i] for i in epoch_order(len(visit), epoch, self.spec.seed)]
 

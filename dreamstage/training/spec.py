@@ -49,14 +49,16 @@ GATE_SLACK_MIB = 64.0
 # The drift guard (docs/architecture/drift.md; measured in bench/bench_drift.py,
 # docs/benchmarks.md, "Drift"): with lr 1e-3 on attn_q,attn_v rank 8, six
 # made-up facts were recalled once their epoch loss fell to 0.1-0.3; 8 x a
-# handful of windows rehearses all 20 rehearsal anchors each epoch, which
-# lowered the held-out anchors' drift_kl from 1.96 to 1.22 nats. Their greedy
-# answers changed either way: on this model every job measured, down to one
-# fact (drift_kl 0.39), changes 20 of 20 held-out answers, so a bound on that
-# fraction below 1 refuses every job and one of 1 refuses none. The default
-# guard bounds drift_kl instead: the benign jobs measured landed at 0.39-1.94
-# (one fact; six facts with and without the regularizer), the damaging job
-# (one wrong answer, many times, high lr) at 2.54.
+# handful of windows rehearses all 20 rehearsal anchors each epoch; on the
+# base's own sampled continuations (drift.REHEARSAL_SAMPLES) that lowered the
+# held-out anchors' drift_kl from 1.35 nats (rehearsing its greedy answers)
+# to 0.19-0.29 (off: 1.96). Their greedy answers changed either way: on this
+# model every job measured, down to one fact (drift_kl 0.39), changes 19 or 20
+# of 20 held-out answers, so a bound on that fraction below 1 refuses every
+# job and one of 1 refuses none. The default guard bounds drift_kl instead:
+# the benign jobs measured landed at 0.19-1.94 (one fact; six facts with and
+# without the regularizer), the damaging job (one wrong answer, many times,
+# high lr) at 2.29-3.42.
 DEFAULT_LR = 1e-3
 DEFAULT_EPOCHS = 10            # an upper bound: stop_loss usually ends a small job sooner
 DEFAULT_ANCHOR_RATIO = 8.0     # anchor windows per job window, each epoch (at most every anchor)
