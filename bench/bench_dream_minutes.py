@@ -82,11 +82,15 @@ def main() -> None:
     ap.add_argument("--limit", type=float, default=150.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="JSON path (default: bench/results/dream-minutes-<date>.json)")
+    ap.add_argument("--idle-first", type=float, default=0.0,
+                    help="seconds the server sits idle before the chat client and the job start (the drift "
+                         "anchors are recorded in idle time; 0: the job starts at once and records them itself)")
     args = ap.parse_args()
     runs = []
     with tempfile.TemporaryDirectory() as state:
         settings = ServerSettings(ctx=2048, parallel=2, threads=args.threads, state_dir=state)
         with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600) as http:
+            time.sleep(args.idle_first)
             for pause in (float(x) for x in args.pauses.split(",")):
                 run = one_job(srv, http, pause, args.limit)
                 runs.append(run)
@@ -95,7 +99,7 @@ def main() -> None:
                       f"chat {run['chat_tok_s']:.1f} tok/s, pacing {run['pacing']}", flush=True)
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_average_at_end": os.getloadavg(),
-              "threads": args.threads, "limit_s": args.limit, "runs": runs}
+              "threads": args.threads, "limit_s": args.limit, "idle_first_s": args.idle_first, "runs": runs}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = Path(args.out) if args.out else RESULTS / f"dream-minutes-{dt.date.today().isoformat()}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

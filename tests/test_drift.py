@@ -306,6 +306,30 @@ class OneSlotEngine:
         return FixedSequence(0)
 
 
+def test_the_warm_up_waits_for_a_second_of_quiet_and_stops_for_a_job(dream_resident, tmp_path):
+    now = [100.0]
+    store = JobStore(tmp_path / "state")
+    sched = DreamScheduler(store, dream_resident, served=ServedAdapters(dream_resident), drift_guard=True,
+                           clock=lambda: now[0])
+    engine = OneSlotEngine()
+    try:
+        sched.after_batch(engine, False)               # a request was just served
+        now[0] += 0.5
+        sched.after_batch(engine, True)
+        assert sched._warmup is None and engine.lent == 0   # a gap between requests: not the warm-up's
+        now[0] += 0.6
+        sched.after_batch(engine, True)                # a second of quiet: it starts
+        assert sched._warmup is not None and sched._warmup.steps == 1 and engine.lent == 1
+        job = store.submit(parse_train_request({"text": "x", "promote": "never"}))
+        sched.notify_submitted(job["id"])
+        engine.queue_depth = 1                         # a request waits: the job is picked, not stepped
+        sched.after_batch(engine, True)                # the job starts; the warm-up gives its sequence back
+        assert sched._job_id == job["id"] and sched._warmup._gen is None
+    finally:
+        sched.close()
+        store.close()
+
+
 def run_job(sched, store, engine, body, max_calls=200_000):
     t0 = time.perf_counter()
     job = store.submit(parse_train_request(body))
@@ -350,6 +374,12 @@ def jobs(dream_resident, tmp_path_factory):
     sched.startup(engine)
     out = {}
     try:
+        # no job yet and nobody served: the scheduler records the anchors ahead of time
+        for _ in range(20_000):
+            sched.after_batch(engine, True)
+            if sched._warmup is not None and sched._warmup.done:
+                break
+        out["warmup_steps"], out["records"] = sched._warmup.steps, dict(sched._anchor_records)
         base_recall, _ = recall(dream_resident, TEST_FACTS)
         out["default"] = run_job(sched, store, engine, {"examples": chat(TEST_FACTS), "promote": "auto",
                                                         "out": "facts", "max_pause_ms": 0})
@@ -377,6 +407,14 @@ def jobs(dream_resident, tmp_path_factory):
         served.apply(None, None)                       # the session's resident serves the base again
         sched.close()
         store.close()
+
+
+def test_the_anchors_are_recorded_while_idle_before_any_job_in_short_steps(jobs):
+    records = jobs["records"]
+    assert set(records) == set(load_anchors()) | set(rehearsal_anchors())
+    # each anchor took several steps (pieces and tokens within half of the default 250 ms pause)
+    assert jobs["warmup_steps"] > len(records)
+    assert all(len(b.answer) >= 1 and b.top_logp.shape[0] == len(b.answer) for b in records.values())
 
 
 def test_default_job_learns_the_facts_and_its_promotion_follows_its_held_out_drift(jobs):

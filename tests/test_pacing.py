@@ -13,6 +13,7 @@ the ground truth of the simulation is held to both promises:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -380,6 +381,9 @@ class Load:
     spike_p: float = 0.0                 # chance a batch or step is descheduled...
     spike_x: float = 4.0                 # ...and takes this much longer
     busy: bool = False
+    # Every core taken: while an idle step runs, a client getting its next
+    # request ready gets this much less CPU, so the request comes that much later.
+    starve: float = 0.0
 
     @classmethod
     def other_programs(cls) -> "Load":
@@ -430,6 +434,7 @@ class Outcome:
     dream_s: float = 0.0
     dream_in_chat_s: float = 0.0         # in-batch steps and the waits of requests behind idle steps
     contention_s: float = 0.0            # the simulation's ground truth
+    late_s: float = 0.0                  # requests that came late: their clients were starved by idle steps
     pauses: list = field(default_factory=list)
     figures: dict = field(default_factory=dict)
 
@@ -443,8 +448,9 @@ class Outcome:
 
     @property
     def slowdown(self) -> float:
-        """The ground truth: chat would have needed chat_s minus what the job cost it."""
-        return (self.dream_in_chat_s + self.contention_s) / self.chat_s
+        """The ground truth: chat would have needed chat_s minus what the job cost it
+        (the late requests' delay is chat's time too, spent before they arrived)."""
+        return (self.dream_in_chat_s + self.contention_s + self.late_s) / (self.chat_s + self.late_s)
 
 
 IDLE_BURST_S = 0.5     # training.scheduler.IDLE_BURST_S
@@ -512,6 +518,14 @@ def simulate(shape: Shape, load: Load, pacing: dict | None, seconds: float = 480
                 return
             start = clock()
             step(False)
+            if load.starve:
+                # clients getting a request ready during the step lost CPU to it
+                for c, t in enumerate(next_at):
+                    if t is not None and t > start:
+                        overlap = min(clock(), t) - max(start, t - shape.rtt - shape.think)
+                        if overlap > 0:
+                            next_at[c] = t + load.starve * overlap
+                            out.late_s += load.starve * overlap
             arrive(clock())
             waited = min(clock() - min(a for _, a in waiting), clock() - start) if waiting else 0.0
             out.dream_in_chat_s += waited
@@ -584,10 +598,11 @@ def allowed(base: Outcome, job: Outcome, mode: str, value: float) -> float:
     return max(0.0, active) + job.idle_s
 
 
-LOADS = {"quiet": Load(), "other programs": Load.other_programs()}
+LOADS = {"quiet": Load(), "other programs": Load.other_programs(),
+         "every core taken": dataclasses.replace(Load.other_programs(), starve=1.0)}
 
 
-@pytest.mark.parametrize("load", list(LOADS), ids=["quiet", "loaded"])
+@pytest.mark.parametrize("load", list(LOADS), ids=["quiet", "loaded", "starved"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[s.name.replace(",", "").replace(" ", "-") for s in SHAPES])
 @pytest.mark.parametrize("pacing", [{"mode": "max_slowdown", "value": 0.10}, {"mode": "share", "value": 0.25}],
                          ids=["max_slowdown-0.10", "share-0.25"])

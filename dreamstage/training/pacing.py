@@ -27,7 +27,10 @@ refills s * W (or f * W) and is charged the job's cost:
 - with `max_slowdown`, the contention it caused: how much longer the next
   batch took than the median undisturbed batch of its size (signed, so noise
   averages out, and within +-the step's own time);
-- an idle micro-step a request arrived during: the time that request waited.
+- an idle micro-step a request arrived during: the time that request waited;
+- with `max_slowdown`, a request that came late after a gap an idle step ran
+  in (its client lost the CPU to the step): the gap against the usual gap
+  without a step, signed, within +-the last step's time (`_gap_lateness`).
 
 Nothing else is charged. In particular a slow batch with no micro-step
 before it (another process took the core) costs the job nothing: that was
@@ -89,10 +92,11 @@ class Interval:
     contention_s: float = 0.0   # estimated extra batch time caused by the step before it
     after_step: bool = False    # an in-batch micro-step ran right before this batch
     size: int = 0               # the batch's tokens, prompt tokens included
+    late_s: float = 0.0         # how much later than usual its request came after a gap with steps in it
 
     @property
     def seconds(self) -> float:
-        return self.batch_s + self.dream_s + self.wait_s
+        return self.batch_s + self.dream_s + self.wait_s + self.late_s
 
     @property
     def undisturbed(self) -> bool:
@@ -219,6 +223,8 @@ class Pacer:
         self._intervals: deque[Interval] = deque(maxlen=HISTORY_BATCHES)
         self._gaps: deque[float] = deque(maxlen=HISTORY_GAPS)
         self._gap_ends: deque[float] = deque(maxlen=RECUR_GAPS)
+        self._quiet_gaps: deque[float] = deque(maxlen=HISTORY_GAPS)   # gaps no step ran in
+        self._gap_last_step_s = 0.0       # the last idle step's time in the current gap (0: none ran)
         self._steps_ms: deque[float] = deque(maxlen=HISTORY_STEPS)
         self._p50_step_s = 0.0
         self._max_step_ms = 0.0
@@ -269,11 +275,15 @@ class Pacer:
             raise ValueError(f"batch_s {batch_s!r} must be >= 0")
         now = self.clock()
         size = batch_tokens if batch_tokens is not None else tokens
+        late = 0.0
         if self._idle_since is not None:
             # the request that ended the idle stretch arrived about when this batch began
-            self._gaps.append(max(0.0, now - batch_s - self._pending_wait_s - self._idle_since))
+            gap = max(0.0, now - batch_s - self._pending_wait_s - self._idle_since)
+            self._gaps.append(gap)
             self._gap_ends.append(now)
+            late = self._gap_lateness(gap)
             self._idle_since = None
+            self._gap_last_step_s = 0.0
         contention = 0.0
         if self._after_step:
             ref = self.reference_batch_s(size)
@@ -287,13 +297,15 @@ class Pacer:
         else:
             self._reference.add(size, batch_s)
         iv = Interval(tokens, batch_s, self._pending_dream_s, self._pending_wait_s, contention, self._after_step,
-                      size)
+                      size, late)
         self._intervals.append(iv)
         if iv.undisturbed:
             self._baseline += 1
-        self._refill(batch_s)
+        self._refill(batch_s + late)
         if self.mode == "max_slowdown" and contention:
             self._charge(contention)
+        if late:
+            self._charge(late)
         self._cap_credit()
         self._pending_dream_s = self._pending_wait_s = 0.0
         self._after_step = False
@@ -314,6 +326,7 @@ class Pacer:
         self._p50_step_s = (percentile(sorted(self._steps_ms), 50) or 0.0) / 1000.0
         if self._granted_idle:
             self._idle_steps += 1
+            self._gap_last_step_s = seconds
             self._after_step = True           # the batch after it may pay for a cold cache too
             waited = min(max(waited_s, 0.0), seconds)
             self._dream_idle_s += seconds - waited
@@ -372,6 +385,33 @@ class Pacer:
             return False                  # measure undisturbed batches first
         return self.credit >= self._gap_reserve(now)
 
+    def _gap_lateness(self, gap: float) -> float:
+        """How much later than usual a request came after a gap that idle steps
+        ran in: the gap against the median of recent gaps without a step,
+        signed so that noise averages out, and within +-the last step's time.
+
+        On a machine with a free core the client's next request comes when it
+        would have come anyway, and this is noise about zero. On one whose
+        cores are all taken (other programs, the clients themselves), an idle
+        step takes CPU from the client that is about to send the next request:
+        the request comes late and chat loses that time, which no wait in the
+        engine's queue shows. Only the step that ran while the client was
+        getting its request ready can have delayed it, hence the bound; a gap
+        longer than usual by more than two such steps is a pause of the
+        client's own (a burst's end, a user reading) and costs nothing.
+        `max_slowdown` charges it; `share` (f of the time chat is served)
+        does not, as it charges no contention."""
+        step = self._gap_last_step_s
+        if step <= 0.0:
+            self._quiet_gaps.append(gap)
+            return 0.0
+        if self.mode != "max_slowdown" or len(self._quiet_gaps) < MIN_BASELINE_BATCHES:
+            return 0.0
+        extra = gap - statistics.median(self._quiet_gaps)
+        if extra > 2.0 * step:
+            return 0.0
+        return max(-step, min(extra, step))
+
     def _gap_reserve(self, now: float) -> float:
         """Credit an in-batch step must leave for the next gap between requests.
 
@@ -402,7 +442,7 @@ class Pacer:
         # batches right after a step. (Comparing tok/s with and without steps
         # would be noisier: every batch's noise, and a different mix of prompt
         # and decode batches on each side, would read as slowdown.)
-        lost = sum(iv.dream_s + iv.wait_s + iv.contention_s for iv in ivs)
+        lost = sum(iv.dream_s + iv.wait_s + iv.contention_s + iv.late_s for iv in ivs)
         total_s = sum(iv.seconds for iv in ivs)
         steps = sorted(self._steps_ms)
         wall = self.clock() - self._created

@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -56,6 +57,7 @@ from dreamstage.training.shaper import DreamThreads, StepShaper, load_average, t
 from dreamstage.training.spec import GATE_SLACK_MIB, JobSpec, check_adapter_name
 from dreamstage.training.store import TERMINAL, AdapterNotFound, InvalidTransition, JobStore
 from dreamstage.training.walk import JobRun, ladder
+from dreamstage.training.warmup import AnchorWarmup
 
 log = logging.getLogger("dreamstage.scheduler")
 
@@ -67,6 +69,10 @@ IDLE_BURST_S = 0.5
 FIGURES_EVERY_S = 1.0
 # How often the queue is polled when nobody said a job was submitted.
 QUEUE_POLL_S = 0.5
+# The anchors are recorded ahead of any job only once nothing was served for
+# this long: a gap between a steady client's requests (tens of ms) is not
+# idle time the warm-up may take, since nothing paces it.
+WARMUP_AFTER_IDLE_S = 1.0
 
 
 class AdapterSaveError(RuntimeError):
@@ -115,6 +121,8 @@ class DreamScheduler:
         self.store = store
         self.drift_guard = drift_guard
         self._anchor_records: dict = {}   # prompt -> the base's AnchorBase, shared by every job of this process
+        self._warmup: AnchorWarmup | None = None   # records them while idle, before any job (warmup.py)
+        self._served_at = -math.inf                # when the last decode batch ended
         self.resident = resident
         self.make_trainer = make_trainer or native_trainer
         self.switch = AdapterSwitch(store, served if served is not None else ServedAdapters(resident))
@@ -210,6 +218,8 @@ class DreamScheduler:
         if self._stepping:
             log.error("a micro-step is still running after %.0f s; leaving the dream stage as it is", wait_s)
             return
+        if self._warmup is not None:
+            self._warmup.stop()
         job, jid = self._job, self._job_id
         self._job = self._job_id = None
         if job is not None:
@@ -259,8 +269,14 @@ class DreamScheduler:
             self._pacer.record_batch(engine.last_batch_decode_tokens, self._batch_seconds(engine),
                                      getattr(engine, "last_batch_tokens", None))
         try:
+            if not idle:
+                self._served_at = self.clock()
             if self._job is None and not self._pick(engine):
+                if idle and self.clock() - self._served_at >= WARMUP_AFTER_IDLE_S:
+                    self._warm_anchors(engine)
                 return
+            if self._warmup is not None:
+                self._warmup.stop()                     # the job's guard records what is missing
             if idle or not engine.busy_slots():
                 # the batch that just ended freed the last slot: the gap before the
                 # next request is idle time, used at once when the pacer allows
@@ -593,6 +609,17 @@ class DreamScheduler:
         served = self.switch.served
         return DriftGuard(self.resident, spec, rendered.train, seq_id=lend, cache=self._anchor_records,
                           restore=lambda: set_context_adapter(self.resident, served.handle))
+
+    def _warm_anchors(self, engine) -> None:
+        """No job, nobody served: one step of recording the default anchors ahead of time."""
+        if self._warmup is None:
+            lend = getattr(engine, "hold_idle_sequence", None)
+            if not self.drift_guard or getattr(self.resident, "ctx", None) is None or lend is None:
+                return
+            served = self.switch.served
+            self._warmup = AnchorWarmup(self.resident, self._anchor_records, lend,
+                                        lambda: set_context_adapter(self.resident, served.handle))
+        self._warmup.step()
 
     def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before,
                 guard=None) -> Generator[None, None, str]:

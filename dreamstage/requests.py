@@ -1,0 +1,108 @@
+"""What a request is and what it gets back: the events the engine sends
+through a request's sink, the request itself, the engine's refusals, and the
+text stream that turns sampled tokens' bytes into text safe to emit.
+
+Plain data and one small state machine, with no llama calls: the HTTP layer
+and tests build and read these without the engine (dreamstage.engine
+re-exports them, the names callers have always used).
+"""
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dreamstage.sampling import SamplingParams
+
+
+# -- events sent to a request's sink ---------------------------------------------
+@dataclass(frozen=True)
+class Admitted:
+    slot: int
+    adapter_version: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str          # may be "" while a multi-byte character or a stop-string prefix is held back
+    token: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" (EOS/EOG or a stop string) | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    adapter_version: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    status: int         # an HTTP status: 400 for bad input, 503 for shutdown, 500 otherwise
+    message: str
+    param: str | None = None
+
+
+Event = Admitted | Delta | Finished | Failed
+Sink = Callable[[Event], None]
+
+
+class QueueFull(RuntimeError):
+    """More requests are outstanding than slots plus the waiting room."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is not running."""
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str | list[int]          # text (tokenized on the engine thread) or token ids
+    max_tokens: int | None = None    # None: up to the slot's context budget
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    add_special: bool = True         # add BOS when the vocabulary wants it (text prompts)
+
+
+
+# -- text streaming: UTF-8 split across tokens, and stop strings -------------------
+class TextStream:
+    """Turns token bytes into text that is safe to emit.
+
+    A token may end inside a multi-byte UTF-8 character; the incremental
+    decoder holds those bytes back. Text that could be the start of a stop
+    string is held back too, so a stop string is never emitted.
+    """
+
+    def __init__(self, stop: tuple[str, ...]):
+        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self._stop = tuple(s for s in stop if s)
+        self._held = ""
+        self.stopped = False
+
+    def push(self, data: bytes) -> str:
+        text = self._held + self._dec.decode(data)
+        if not self._stop:
+            self._held = ""
+            return text
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            self.stopped = True
+            return text[:cut]
+        keep = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(text)), keep, -1):
+                if text.endswith(s[:k]):
+                    keep = k
+                    break
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep] if keep else text
+
+    def flush(self) -> str:
+        text = self._held + self._dec.decode(b"", final=True)
+        self._held = ""
+        return text
