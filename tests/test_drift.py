@@ -14,8 +14,8 @@ import pytest
 
 from dreamstage.server.metrics import ServiceCollector
 from dreamstage.training.drift import (
-    Drift, DriftProbe, _Decoder, _log_softmax, anchor_schedule, load_anchors, prompt_tokens, rehearsal_anchors,
-    FixedSequence, run_steps, set_context_adapter,
+    REHEARSAL_SAMPLES, Drift, DriftProbe, _Decoder, _log_softmax, anchor_schedule, load_anchors, prompt_tokens,
+    rehearsal_anchors, FixedSequence, run_steps, set_context_adapter,
 )
 from dreamstage.training.receipts import RECEIPT_FIELDS
 from dreamstage.training.drift_guard import promotion_decision
@@ -212,7 +212,7 @@ def test_an_epochs_rehearsal_windows_train_each_anchors_samples_in_turn(dream_re
     """The guard's rehearsal windows are the samples (never the greedy
     answer); each visit of an anchor trains its next sample, so a rotation
     of 2 x S epochs at half the anchors an epoch trains every sample once."""
-    from dreamstage.training.drift import REHEARSAL_SAMPLES, AnchorBase
+    from dreamstage.training.drift import AnchorBase
     from dreamstage.training.drift_guard import DriftGuard
     from dreamstage.training.examples import render_job
     S = REHEARSAL_SAMPLES
@@ -415,6 +415,9 @@ def test_the_anchors_are_recorded_while_idle_before_any_job_in_short_steps(jobs)
     # each anchor took several steps (pieces and tokens within half of the default 250 ms pause)
     assert jobs["warmup_steps"] > len(records)
     assert all(len(b.answer) >= 1 and b.top_logp.shape[0] == len(b.answer) for b in records.values())
+    # the rehearsal anchors with the samples the regularizer trains, so a job records nothing again
+    assert all(len(records[p].samples) == REHEARSAL_SAMPLES for p in rehearsal_anchors())
+    assert not any(records[p].samples for p in load_anchors())
 
 
 def test_default_job_learns_the_facts_and_its_promotion_follows_its_held_out_drift(jobs):
