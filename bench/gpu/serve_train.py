@@ -6,6 +6,13 @@ samples GPU memory (nvidia-smi) and the server's RSS before, during and after th
 job. Prints one JSON object; exit 1 when the job does not end promoted.
 
     python3 bench/gpu/serve_train.py MODEL.gguf [--port 8093] [--epochs 8]
+
+The GPU machine has no package registry: carry the server's runtime
+dependencies (pyproject.toml's `dependencies`, with their own: pydantic-settings,
+sse-starlette, prometheus-client, httpx-sse, python-dotenv, ...) as wheels
+fetched with `pip download --no-deps` (binary ones for the machine's Python),
+install them with `pip install --no-index --target DIR`, and put DIR on
+PYTHONPATH beside the CUDA build's libraries (DREAMSTAGE_LIB_DIR).
 """
 from __future__ import annotations
 

@@ -1,0 +1,78 @@
+"""A/B of the pacer's gaps-first rule (pacing._gap_reserve) on one load shape.
+
+One server, the chat clients in their own process. After a first job has
+recorded the drift anchors (so no segment pays for that), each repetition runs
+the rule on, then off: a segment without a job and one with a job, as
+bench_dream_pacing.py does. Switching the rule off sets RECUR_WINDOW_S below
+zero, so no gap ever counts as recent and nothing is reserved; the server
+runs in this process, so the switch reaches the next job's pacer.
+
+    .venv/bin/python bench/bench_pacing_gaps_ab.py --shape 1x24 --seconds 20 --reps 3 \
+        --out bench/results/dream-pacing-gaps-ab-2026-11-30.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_dream_pacing as pacing_bench  # noqa: E402
+
+from dreamstage.training import pacing  # noqa: E402
+
+PACING = {"max_slowdown": 0.10, "max_pause_ms": 250}
+
+
+def one(srv, http, shape, seconds: float, rule: str, rep: int) -> dict:
+    pacing.RECUR_WINDOW_S = 5.0 if rule == "on" else -1.0
+    base = pacing_bench.load_apart(srv.url, shape, seconds)
+    job = pacing_bench.with_job(srv, http, shape, seconds, PACING)
+    p, j = job["pacer"], job["job"]
+    return {"rep": rep, "rule": rule, "base_tok_s": base["tok_s"], "with_tok_s": job["client"]["tok_s"],
+            "client_slowdown": 1 - job["client"]["tok_s"] / base["tok_s"], "pacer_slowdown": p["realized_slowdown"],
+            "share_vs_allowed": j["share_vs_allowed"], "dream_s": p["dream_s"], "dream_idle_s": p["dream_idle_s"],
+            "wall_s": p["wall_s"], "active_s": p["active_s"], "steps": p["micro_steps"],
+            "idle_steps": p["idle_micro_steps"], "collisions": p["idle_collisions"],
+            "pause_ms_p50": p["micro_step_ms_p50"], "pause_ms_p95": p["micro_step_ms_p95"],
+            "walked_tok_s_wall": j["walked_tok_s_wall"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="1x24", choices=sorted(pacing_bench.SHAPES))
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    shape = pacing_bench.SHAPES[args.shape]
+    rows = []
+    with tempfile.TemporaryDirectory() as state:
+        settings = pacing_bench.ServerSettings(ctx=4096, parallel=8, threads=args.threads, state_dir=state)
+        with pacing_bench.BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600) as http:
+            pacing_bench.load(srv.url, pacing_bench.SHAPES["2"], 3.0)            # warm-up
+            first = http.post("/train", json={"text": pacing_bench.LESSON, "window": 64, "chunk": 64, "epochs": 1,
+                                              "promote": "never"}).json()
+            while http.get(f"/train/{first['id']}").json()["state"] not in ("done", "error", "cancelled"):
+                time.sleep(0.5)                                                 # the anchors are recorded
+            for rep in range(args.reps):
+                for rule in ("on", "off"):
+                    rows.append(one(srv, http, shape, args.seconds, rule, rep))
+                    print(json.dumps(rows[-1]), flush=True)
+    mean = {rule: {k: sum(r[k] for r in rows if r["rule"] == rule) / args.reps
+                   for k in ("client_slowdown", "pacer_slowdown", "share_vs_allowed", "dream_s", "walked_tok_s_wall")}
+            for rule in ("on", "off")}
+    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                          "shape": shape.name, "seconds_per_segment": args.seconds,
+                                          "pacing": PACING, "rows": rows, "mean": mean}, indent=2) + "\n")
+    print(json.dumps(mean, indent=2))
+
+
+if __name__ == "__main__":
+    main()
