@@ -30,6 +30,7 @@ waiting request waits about one unit, not one anchor.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import time
@@ -273,7 +274,7 @@ class _Decoder:
             if i:
                 yield
                 self.lc.llama_memory_seq_rm(self.rm.memory, self.seq_id, len(prompt), -1)
-            out.append((yield from self._answer_units(row, len(prompt), max_tokens, lambda r, g=rng: _draw(r, g))))
+            out.append((yield from self._answer_units(row, len(prompt), max_tokens, functools.partial(_draw, rng=rng))))
         self.clear()
         return out
 
