@@ -420,6 +420,22 @@ def test_the_anchors_are_recorded_while_idle_before_any_job_in_short_steps(jobs)
     assert not any(records[p].samples for p in load_anchors())
 
 
+def test_a_window_too_short_for_every_rehearsal_anchor_records_none_and_says_so(dream_resident, jobs):
+    from dreamstage.training.drift_guard import DriftGuard
+    cache = dict(jobs["records"])                      # the measured anchors are recorded already
+    short = DriftGuard(dream_resident, parse_train_request({"text": "x", "window": 32}).to_job_spec(), [],
+                       seq_id=0, restore=lambda: None, cache=cache)
+    assert short.rehearsal is None                     # no prompt leaves room for a reply: nothing recorded
+    run_steps(short.record())
+    note = short.rehearsal_note()
+    assert note.startswith("no rehearsal: none of the 20 rehearsal anchors fits window 32 (their prompts alone take ")
+    assert short.anchor_windows_per_epoch() == 0
+    full = DriftGuard(dream_resident, parse_train_request({"text": "x"}).to_job_spec(), [], seq_id=0,
+                      restore=lambda: None, cache=cache)
+    run_steps(full.record())
+    assert full.rehearsal_note() is None and len(full._anchor_pos) == len(rehearsal_anchors())
+
+
 def test_default_job_learns_the_facts_and_its_promotion_follows_its_held_out_drift(jobs):
     job = jobs["default"]
     assert job["state"] == "done", job["message"]
@@ -439,7 +455,8 @@ def test_default_job_learns_the_facts_and_its_promotion_follows_its_held_out_dri
 
 
 @pytest.mark.xfail(strict=True, reason="issue 12's 'done when' is not met on held-out anchors: the default job "
-                   "changes every held-out anchor's greedy answer (docs/benchmarks.md, Drift)")
+                   "changes 19 or 20 of the 20 held-out anchors' greedy answers, at drift_kl 0.2-0.3 "
+                   "(docs/benchmarks.md, Drift)")
 def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_out_anchors_and_is_promoted(jobs):
     drift = jobs["default"]["progress"]["drift"]
     assert jobs["recall"] >= 0.9 and drift["anchors_changed"] <= 0.05 and jobs["default"]["adapter"]["promoted"]

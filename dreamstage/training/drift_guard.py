@@ -35,6 +35,7 @@ from dreamstage.training.drift import (
     DriftProbe,
     anchor_visits,
     load_anchors,
+    prompt_tokens,
     rehearsal_anchors,
     rehearsal_windows,
 )
@@ -46,6 +47,9 @@ log = logging.getLogger("dreamstage.drift")
 # Measurements during training (at epoch ends) take at most this share of the
 # job's micro-step time: a slice of the measured anchors each time, rotating.
 DURING_SHARE = 0.1
+# A rehearsal anchor is recorded for a job only when its prompt leaves at
+# least this many tokens of the job's window for a reply.
+MIN_REHEARSED_REPLY = 4
 
 
 class DriftGuard:
@@ -62,8 +66,14 @@ class DriftGuard:
         self.probe = DriftProbe(resident, load_anchors(spec.anchors), seq_id=seq_id, restore=restore,
                                 step_ms=step_ms)
         # ... and trained, never measured: the regularizer's samples of the base
-        self.rehearsal = (DriftProbe(resident, rehearsal_anchors(), seq_id=seq_id, restore=restore,
-                                     step_ms=step_ms, samples=REHEARSAL_SAMPLES) if self.ratio > 0 else None)
+        # (only the anchors whose prompt leaves room in the job's window for a
+        # reply: the others could never be trained, so recording them is waste)
+        self.rehearsal_prompts = rehearsal_anchors()
+        lengths = {p: len(prompt_tokens(resident, p)) for p in self.rehearsal_prompts} if self.ratio > 0 else {}
+        self._prompt_span = (min(lengths.values(), default=0), max(lengths.values(), default=0))
+        roomy = [p for p, n in lengths.items() if n + MIN_REHEARSED_REPLY <= spec.window]
+        self.rehearsal = (DriftProbe(resident, roomy, seq_id=seq_id, restore=restore,
+                                     step_ms=step_ms, samples=REHEARSAL_SAMPLES) if roomy else None)
         self.cache = cache
         self.windows: list[Any] = list(train_windows)
         self._anchor_pos: dict[int, list[int]] = {}  # rehearsal anchor -> its windows' positions in self.windows
@@ -102,6 +112,23 @@ class DriftGuard:
 
     def anchor_windows_per_epoch(self) -> int:
         return len(self.order(0)) - self.n_train
+
+    def rehearsal_note(self) -> str | None:
+        """What the job's message says when its window kept the regularizer
+        from some or all of its rehearsal anchors (None: all of them fit, or
+        the regularizer is off)."""
+        if self.ratio <= 0 or self.failure is not None:
+            return None
+        total, used = len(self.rehearsal_prompts), len(self._anchor_pos)
+        if used == total:
+            return None
+        lengths = [len(w) for i, b in enumerate(self._rehearsed) for w in b.windows(-1 - i, "")]
+        need = (f"the shortest needs {min(lengths)} tokens" if lengths else
+                "their prompts alone take {} to {} tokens".format(*self._prompt_span))
+        if used == 0:
+            return (f"no rehearsal: none of the {total} rehearsal anchors fits window {self.spec.window} ({need}), "
+                    "so the regularizer did not run; a longer window turns it on")
+        return f"rehearsal on {used} of {total} anchors (the others are longer than window {self.spec.window})"
 
     def record_or_fail(self) -> Iterator[None]:
         """record(); a failure is kept (`failure`) and the job trains on without

@@ -479,6 +479,8 @@ class DreamScheduler:
         guard = self._drift_guard(spec, rendered, engine)
         if guard is not None:
             yield from guard.record_or_fail()           # the base's anchor answers, in short steps
+            if (note := guard.rehearsal_note()) is not None:
+                log.info("dream job %s: %s", jid, note)
         run = JobRun(store, jid, spec, guard.windows if guard else rendered.train, guard.order if guard else None)
         own = OwnLoss(len(rendered.train), spec.stop_loss)
         notes: list[str] = []
@@ -543,6 +545,8 @@ class DreamScheduler:
             self._store_drift(jid, spec, drift, run.walk.epoch, final=True)
         progress = store.get(jid)["progress"]
         message = yield from self._finish(jid, spec, trainer, progress["eval_loss"], eval_before, guard)
+        if guard is not None and (note := guard.rehearsal_note()) is not None:
+            notes.append(note)
         yield from self._end(jid, "done", "; ".join([message, *notes]))
 
     def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int,
