@@ -211,6 +211,7 @@ class Pacer:
         self.debt_floor_s = debt_floor_s if debt_floor_s is not None else 4.0 * scale_s
         self.credit = 0.0
         self.forgiven_s = 0.0
+        self.late_s = 0.0                 # requests' lateness charged after gaps idle steps ran in (signed sum)
         self._created = clock()
         self._idle_since: float | None = None
         self._granted_idle = False
@@ -306,6 +307,7 @@ class Pacer:
             self._charge(contention)
         if late:
             self._charge(late)
+            self.late_s += late
         self._cap_credit()
         self._pending_dream_s = self._pending_wait_s = 0.0
         self._after_step = False
@@ -472,4 +474,5 @@ class Pacer:
             "job_share_of_wall": dream / wall if wall > 0 else None,
             "credit_ms": self.credit * 1000.0,
             "forgiven_ms": self.forgiven_s * 1000.0,
+            "late_ms": self.late_s * 1000.0,
         }
