@@ -90,7 +90,7 @@ class DriftGuard:
     def _rehearsed(self) -> list[Any]:
         return self.rehearsal.bases if self.rehearsal is not None else []
 
-    def record(self) -> Iterator[None]:
+    def record(self) -> Generator[None, None, None]:
         yield from self.probe.record(self.cache)
         if self.rehearsal is not None:
             yield from self.rehearsal.record(self.cache)

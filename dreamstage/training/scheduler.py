@@ -604,25 +604,33 @@ class DreamScheduler:
                                                      memory=job["memory"]))
         self.stats.record_drift(jid, drift)
 
-    def _drift_guard(self, spec: JobSpec, rendered: RenderedJob, engine) -> DriftGuard | None:
-        """The job's drift guard; None when it is off on this server, or on a
-        resident without llama handles or an engine that lends no sequence (test doubles)."""
+    def _probe_access(self, engine) -> tuple[Callable[[], Any], Callable[[], None]] | None:
+        """What a drift probe decodes with: the engine's sequence lender and the
+        call that puts serving's adapter back. None when the guard is off on
+        this server, or on a resident without llama handles or an engine that
+        lends no sequence (test doubles)."""
         lend = getattr(engine, "hold_idle_sequence", None)
         if not self.drift_guard or getattr(self.resident, "ctx", None) is None or lend is None:
             return None
         served = self.switch.served
+        return lend, lambda: set_context_adapter(self.resident, served.handle)
+
+    def _drift_guard(self, spec: JobSpec, rendered: RenderedJob, engine) -> DriftGuard | None:
+        """The job's drift guard, or None (`_probe_access`)."""
+        access = self._probe_access(engine)
+        if access is None:
+            return None
+        lend, restore = access
         return DriftGuard(self.resident, spec, rendered.train, seq_id=lend, cache=self._anchor_records,
-                          restore=lambda: set_context_adapter(self.resident, served.handle))
+                          restore=restore)
 
     def _warm_anchors(self, engine) -> None:
         """No job, nobody served: one step of recording the default anchors ahead of time."""
         if self._warmup is None:
-            lend = getattr(engine, "hold_idle_sequence", None)
-            if not self.drift_guard or getattr(self.resident, "ctx", None) is None or lend is None:
+            access = self._probe_access(engine)
+            if access is None:
                 return
-            served = self.switch.served
-            self._warmup = AnchorWarmup(self.resident, self._anchor_records, lend,
-                                        lambda: set_context_adapter(self.resident, served.handle))
+            self._warmup = AnchorWarmup(self.resident, self._anchor_records, *access)
         self._warmup.step()
 
     def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before,

@@ -18,7 +18,7 @@ code and the same cache.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from dreamstage.training.drift_guard import DriftGuard
@@ -32,9 +32,9 @@ class AnchorWarmup:
         self.resident, self.cache, self.lend, self.restore = resident, cache, lend, restore
         self.done = False
         self.steps = 0
-        self._gen: Iterator[None] | None = None
+        self._gen: Generator[None, None, None] | None = None
 
-    def _start(self) -> Iterator[None]:
+    def _start(self) -> Generator[None, None, None]:
         spec = parse_train_request({"text": "warm-up"}).to_job_spec()     # the defaults a job gets
         guard = DriftGuard(self.resident, spec, [], seq_id=self.lend, restore=self.restore, cache=self.cache)
         return guard.record()
@@ -62,6 +62,4 @@ class AnchorWarmup:
         """Give the leased sequence back; a later step starts over on what is not cached yet."""
         if self._gen is not None:
             gen, self._gen = self._gen, None
-            close = getattr(gen, "close", None)
-            if close is not None:
-                close()
+            gen.close()
