@@ -324,6 +324,27 @@ def test_when_no_chunk_keeps_the_bound_the_pause_stays_near_the_shortest():
     assert chunks.count(1) <= len(chunks) // 10  # the smallest rung only to check the machine now and then
 
 
+def test_a_slow_first_step_is_not_answered_with_the_biggest_chunk():
+    # the first step (8 tokens) took 0.24 s (one-off work, or a loaded moment):
+    # inside the bound, but with the noise allowance no rung is predicted to
+    # fit. The next step must be the smallest rung, not the memory cap (the
+    # real server once ran a 56-token step of 0.53 s there)
+    first = [True]
+
+    def cost(chunk):
+        if first[0]:
+            first[0] = False
+            return 0.24
+        return 0.02 + 0.01 * chunk
+
+    sh = StepShaper(250, ladder(64, 1), [1])
+    steps = run_shaper(sh, {1: cost}, 40, cap=64)
+    assert steps[0][0] == StepShaper.FIRST_CHUNK
+    assert steps[1][0] == 1
+    assert all(sec <= 0.25 for _, _, sec in steps)
+    assert steps[-1][0] == 16                    # and it still climbs to what fits (0.18 s)
+
+
 def test_a_descheduled_step_now_and_then_does_not_shrink_the_chunk():
     # every 10th step loses 300 ms to another program, whatever its chunk
     n = [0]

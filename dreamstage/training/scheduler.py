@@ -483,6 +483,10 @@ class DreamScheduler:
                 log.info("dream job %s: %s", jid, note)
         run = JobRun(store, jid, spec, guard.windows if guard else rendered.train, guard.order if guard else None)
         own = OwnLoss(len(rendered.train), spec.stop_loss)
+        if guard is not None:
+            # the guard's set-up (its windows, the rehearsal note) took a step of its
+            # own: the first micro-step's pause, which the shaper fits, is its own
+            yield
         notes: list[str] = []
         eval_before = None
         if rendered.held_out and spec.promote == "auto":

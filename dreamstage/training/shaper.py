@@ -183,7 +183,10 @@ class StepShaper:
             p = self.predict(r, trains(r) if trains is not None else True)
             if p is not None and p * noise <= limit:
                 return r
-        return self._rung_below(cap) if cap is not None else self.rungs[-1]
+        # nothing is predicted to fit: the smallest rung is the shortest pause
+        # there is (never the cap, the biggest: one slow first step or a loaded
+        # moment must not be answered with the longest step of all)
+        return self.rungs[-1]
 
     # -- the choice -------------------------------------------------------------------------
     def choose(self, cap: int | None = None, trains: Callable[[int], bool] | None = None) -> tuple[int, int]:
