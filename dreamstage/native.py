@@ -333,6 +333,12 @@ def _declare(L: ctypes.CDLL) -> None:
     # int32_t dream_last_n_splits(const struct dream_stage * ds);
     L.dream_last_n_splits.argtypes = [p]
     L.dream_last_n_splits.restype = ctypes.c_int32
+    # void dream_set_graph_reuse(struct dream_stage * ds, bool on);
+    L.dream_set_graph_reuse.argtypes = [p, ctypes.c_bool]
+    L.dream_set_graph_reuse.restype = None
+    # int64_t dream_graph_reuses(const struct dream_stage * ds);
+    L.dream_graph_reuses.argtypes = [p]
+    L.dream_graph_reuses.restype = ctypes.c_int64
     # size_t dream_serving_compute_bytes(struct llama_context * ctx);
     L.dream_serving_compute_bytes.argtypes = [p]
     L.dream_serving_compute_bytes.restype = ctypes.c_size_t

@@ -104,6 +104,57 @@ def test_two_optimizer_steps_have_fresh_gradients(rm):
     np.testing.assert_allclose(g2, g1, rtol=1e-5, atol=1e-9)
 
 
+def test_a_reused_step_graph_trains_exactly_as_a_fresh_one(rm):
+    # Two trainers from the same start: one reuses the last step's allocated
+    # graph for a chunk of the same shape, one builds every graph. Windows of
+    # two shapes (one chunk each, then two chunks) and different tokens; on the
+    # CPU the same graph computes the same floats, so losses, gradients and
+    # parameters must agree exactly, and gradients must not pile up across
+    # reuses (each optimizer step starts from a zero accumulator).
+    toks = rm.tokenize(TEXT * 8)
+    windows = [(toks[i:i + 16], np.ones(16, np.uint8)) for i in (0, 5, 11, 17)]
+    masked = np.ones(16, np.uint8)
+    masked[:6] = 0
+    windows += [(toks[3:19], masked), (toks[7:23], masked), (toks[2:26], np.ones(24, np.uint8)), (toks[0:16], masked)]
+    cfg = dict(cache_type="q8_0", window=24, chunk=16, optimizer=OptimizerConfig(lr=2e-3))
+    with Trainer(rm, LoraConfig(top_layers=3, seed=5), **cfg) as fresh, \
+            Trainer(rm, LoraConfig(top_layers=3, seed=5), **cfg) as kept:
+        fresh.set_graph_reuse(False)
+        kept.set_lora_parameters(fresh.lora_parameters())
+        start = kept.lora_parameters()
+        for toks_w, mask in windows:
+            a, b = fresh.train_window(toks_w, mask), kept.train_window(toks_w, mask)
+            assert [r.status for r in a] == [r.status for r in b] == ["ok"] * len(a)
+            assert [r.loss for r in a] == [r.loss for r in b]
+            assert [r.graph_mib for r in a] == [r.graph_mib for r in b]
+            np.testing.assert_array_equal(kept.gradients(), fresh.gradients())
+        np.testing.assert_array_equal(kept.lora_parameters(), fresh.lora_parameters())
+        assert np.linalg.norm(kept.lora_parameters() - start) > 0      # it did train
+        # reused: windows 2-4 (same shape as 1), 6 (as 5); window 7 has two chunks, 8 a new shape
+        assert kept.graph_reuses == 4 and fresh.graph_reuses == 0
+
+
+def test_a_reused_step_graph_is_still_gated(rm):
+    # a reused graph allocates nothing new on a device, but the step's host
+    # memory still meets the gate: a budget cut below what the job holds
+    # refuses the next step with a receipt, and a restored budget trains on
+    toks = rm.tokenize(TEXT * 4)[:16]
+    mask = np.ones(16, np.uint8)
+    with Trainer(rm, LoraConfig(top_layers=2), cache_type="q8_0", window=16, chunk=16) as tr:
+        tr.train_window(toks, mask)
+        tr.train_window(toks, mask)
+        assert tr.graph_reuses == 1
+        tr.set_budget(1.0)
+        tr.begin_window(toks, mask)
+        r = tr.micro_step()
+        assert r.status == "refused" and r.refused_chunk_tokens == 16 and r.refused_allowance_mib >= 0.0
+        tr.set_budget(0.0)
+        (ok,) = tr.train_window(toks, mask)
+        assert ok.status == "ok" and tr.graph_reuses == 1   # the refusal dropped the kept graph: built again
+        tr.train_window(toks, mask)
+        assert tr.graph_reuses == 2
+
+
 def test_adamw_update_matches_the_reference_formula(rm):
     toks, mask = _example(rm, 20)
     opt = OptimizerConfig(lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1, grad_clip=0.05)

@@ -198,6 +198,16 @@ int main(int argc, char ** argv) {
             return true;
         };
         if (!do_prefill(pre)) return fail("prefill before steps");
+        // the same steps with graph reuse off first (every step builds, plans and
+        // allocates its graph), then on (the default; the first step builds)
+        std::vector<double> fresh_ms;
+        dream_set_graph_reuse(ds, false);
+        for (int i = 0; i < reps + 2; ++i) {
+            if (dream_window_begin(ds, toks.data(), mask.data(), C, &r) != DREAM_STATUS_OK) return fail("dream_window_begin");
+            if (dream_micro_step(ds, &r) != DREAM_STATUS_OK) return fail(r.message);
+            if (i >= 2) fresh_ms.push_back(r.ms);
+        }
+        dream_set_graph_reuse(ds, true);
         for (int i = 0; i < reps + 2; ++i) {   // two warm-up steps
             if (dream_window_begin(ds, toks.data(), mask.data(), C, &r) != DREAM_STATUS_OK) {
                 std::fprintf(stderr, "window_begin: %s\n", r.message); return fail("dream_window_begin");
@@ -223,6 +233,9 @@ int main(int argc, char ** argv) {
         std::vector<double> tps, tps_wall;
         for (double ms : step_ms) tps.push_back(C / (ms / 1000.0));
         for (double ms : wall_ms) tps_wall.push_back(C / (ms / 1000.0));
+        std::vector<double> tps_fresh;
+        for (double ms : fresh_ms) tps_fresh.push_back(C / (ms / 1000.0));
+        const long long reuses = (long long) dream_graph_reuses(ds);
         // same window every step at lr 1e-3: the loss must fall
         const bool loss_fell = loss.back() < loss.front();
         std::snprintf(buf, sizeof buf,
@@ -230,10 +243,11 @@ int main(int argc, char ** argv) {
                       "     \"n_splits\": %d, \"gpu_free_mib_before\": %.0f, \"gpu_free_mib_during\": %.0f,\n"
                       "     \"prefill512_tok_s\": %s,\n     \"step_ms\": %s,\n     \"step_wall_ms\": %s,\n"
                       "     \"train_tok_s\": %s,\n     \"train_tok_s_wall\": %s,\n"
+                      "     \"train_tok_s_without_graph_reuse\": %s,\n     \"graph_reuses\": %lld,\n"
                       "     \"graph_mib\": %.1f, \"context_mib\": %.2f, \"adapter_mib\": %.2f, \"optimizer_mib\": %.2f,\n"
                       "     \"loss_first\": %.4f, \"loss_last\": %.4f, \"loss_fell\": %s}%s\n",
                       C, C, configs[ci].rank, configs[ci].targets.c_str(), n_splits, free_before, free_during, js(summarize(pre)).c_str(), js(summarize(step_ms)).c_str(), js(summarize(wall_ms)).c_str(),
-                      js(summarize(tps)).c_str(), js(summarize(tps_wall)).c_str(), graph_mib, context_mib, adapter_mib, optimizer_mib,
+                      js(summarize(tps)).c_str(), js(summarize(tps_wall)).c_str(), js(summarize(tps_fresh)).c_str(), reuses, graph_mib, context_mib, adapter_mib, optimizer_mib,
                       loss.front(), loss.back(), loss_fell ? "true" : "false", ci + 1 < configs.size() ? "," : "");
         out += buf;
         all_loss_fell = all_loss_fell && loss_fell;

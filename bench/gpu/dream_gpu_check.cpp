@@ -34,6 +34,10 @@ struct run_result {
     std::vector<float> grad;
     int max_splits = 0;
     size_t serving_before = 0, serving_after = 0;
+    // the one-chunk window twice more (lr 0): computed on the graph the first built
+    double loss_reused = 0;
+    std::vector<float> grad_reused;
+    int64_t reuses = 0;
     bool ok = false;
 };
 
@@ -66,7 +70,19 @@ static run_result run(const char * path, int n_gpu_layers) {
             sum += r.loss * r.tokens; cnt += r.tokens;
         }
         (chunk == 96 ? out.loss_one : out.loss_chunked) = sum / cnt;
-        if (chunk == 96) { out.grad.resize(n); dream_gradients(ds, out.grad.data(), n); }
+        if (chunk == 96) {
+            out.grad.resize(n);
+            dream_gradients(ds, out.grad.data(), n);
+            for (int again = 0; again < 2; ++again) {
+                dream_window_begin(ds, toks.data(), mask.data(), (int) toks.size(), &r);
+                dream_micro_step(ds, &r);
+                if (r.status != 0) return out;
+            }
+            out.loss_reused = r.loss;
+            out.reuses = dream_graph_reuses(ds);
+            out.grad_reused.resize(n);
+            dream_gradients(ds, out.grad_reused.data(), n);
+        }
         dream_free(ds);
     }
     out.serving_after = dream_serving_compute_bytes(ctx);
@@ -152,6 +168,16 @@ int main(int argc, char ** argv) {
     }
     if (!close(cpu.loss_chunked, cpu.loss_one, 1e-5)) {
         std::printf("FAILED: CPU chunked loss differs from its one-chunk loss by more than 1e-5\n"); ok = false;
+    }
+    // the reused graph: the same loss and gradient as the graph built for the
+    // first window (not twice it: nothing accumulates across reuses)
+    for (const run_result * rr : { &cpu, &gpu }) {
+        const double d = rel_l2(rr->grad_reused, rr->grad);
+        std::printf("graph reuse (%s): %lld reuses, loss %.7f vs %.7f, gradient rel L2 %.3e\n", rr == &cpu ? "cpu" : "gpu",
+                    (long long) rr->reuses, rr->loss_reused, rr->loss_one, d);
+        if (rr->reuses != 2 || !close(rr->loss_reused, rr->loss_one, 1e-6) || !(d <= 1e-6)) {
+            std::printf("FAILED: a reused training graph did not reproduce the built one\n"); ok = false;
+        }
     }
     if (gpu.max_splits > 2) { std::printf("FAILED: the GPU training graph ran in %d splits (at most 2)\n", gpu.max_splits); ok = false; }
     if (gpu.serving_before != gpu.serving_after) {

@@ -298,6 +298,20 @@ int32_t dream_last_n_splits(const struct dream_stage * ds) {
     return ds ? ds->last_n_splits : 0;
 }
 
+void dream_set_graph_reuse(struct dream_stage * ds, bool on) {
+    if (!ds) {
+        return;
+    }
+    ds->graph_reuse = on;
+    if (!on) {
+        dream_step_graph_drop(*ds);   // the allocation stays the scheduler's until the next step resets it
+    }
+}
+
+int64_t dream_graph_reuses(const struct dream_stage * ds) {
+    return ds ? ds->graph_reuses : 0;
+}
+
 size_t dream_serving_compute_bytes(struct llama_context * ctx) {
     ggml_backend_sched_t s = ctx->get_sched();
     size_t total = 0;

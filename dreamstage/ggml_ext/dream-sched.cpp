@@ -99,6 +99,7 @@ bool dream_sched_ensure(dream_stage & ds, size_t graph_size) {
     }
     // a larger graph than any before: both schedulers are made anew (the
     // exec buffers go with the old one; the gate then counts them in full)
+    dream_step_graph_drop(ds);
     ds.sched_plan.reset();
     ds.sched_exec.reset();
     ds.sched_plan.reset(dream_new_sched(*ds.lctx, graph_size));
@@ -192,11 +193,12 @@ bool dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan
     return true;
 }
 
-ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, const std::function<void()> & set_inputs) {
+ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, bool allocated,
+                                const std::function<void()> & set_inputs) {
     ggml_backend_sched_t se = ds.sched_exec.get();
     // (the exec scheduler was reset before the graph was built; a reset here
     // would drop the backend pins the build set)
-    if (!ggml_backend_sched_alloc_graph(se, g)) {
+    if (!allocated && !ggml_backend_sched_alloc_graph(se, g)) {
         return GGML_STATUS_ALLOC_FAILED;
     }
     set_inputs();
@@ -224,6 +226,10 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
         }
     }
     return st;
+}
+
+void dream_step_graph_drop(dream_stage & ds) {
+    ds.step_graph = dream_step_graph{};
 }
 
 void dream_sched_release(dream_stage & ds) {

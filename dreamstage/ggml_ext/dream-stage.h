@@ -96,6 +96,25 @@ struct dream_chunk {
     int32_t group_reply = -1;       // group: the reply this chunk belongs to, G for the shared prefix; -1: no group
 };
 
+// The last micro-step's training graph, left allocated on the exec scheduler
+// (dream-walk.cpp). The next chunk of the same shape (position, tokens, loss
+// rows, loss scale; the plain walk only) sets its inputs and computes it again:
+// no build, no plan, no allocation. ggml-opt keeps its graphs for the same
+// reason. Whatever else runs on the exec scheduler drops it first.
+struct dream_step_graph {
+    bool valid = false;
+    int32_t p = 0, n = 0, n_out = 0;
+    bool train = false;
+    float loss_scale = 0.0f;
+    ggml_context_ptr ctx;                 // the backward graph's tensors (the forward's live in dream_stage::res)
+    ggml_cgraph * gb = nullptr;
+    ggml_tensor * target_ids = nullptr, * host_labels = nullptr, * ce = nullptr, * loss_grad = nullptr;
+    ggml_tensor * unit = nullptr;         // dream_unit's input, when the graph has one
+    std::vector<ggml_tensor *> param_grads;
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_need;
+    size_t graph_bytes = 0;               // what the plan measured, for the receipts
+};
+
 struct dream_stage {
     llama_context     * lctx  = nullptr;
     llama_model       * model = nullptr;
@@ -155,7 +174,10 @@ struct dream_stage {
     std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_held;
 
     int64_t step = 0;
-    std::unique_ptr<llm_graph_result> res;  // training graph storage, rebuilt every micro-step
+    std::unique_ptr<llm_graph_result> res;  // training graph storage, rebuilt unless the step graph is reused
+    dream_step_graph step_graph;
+    bool    graph_reuse  = true;    // dream_set_graph_reuse
+    int64_t graph_reuses = 0;       // micro-steps that reused the step graph
 
     // set while a training graph is being built (read by the attention hook)
     int32_t build_pos = 0;
@@ -218,7 +240,10 @@ struct dream_graph_plan {
 };
 bool   dream_sched_ensure(dream_stage & ds, size_t graph_size);   // makes plan/exec for graphs up to graph_size
 bool   dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan);   // measures a twin of g
-ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, const std::function<void()> & set_inputs);
+// allocated: g is still allocated on the exec scheduler from an earlier step (no second allocation)
+ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, bool allocated,
+                                const std::function<void()> & set_inputs);
+void dream_step_graph_drop(dream_stage & ds);
 void   dream_sched_release(dream_stage & ds);         // ends the exec scheduler's use of the last graph
 size_t dream_sched_held_bytes(const dream_stage & ds); // the exec scheduler's compute buffers, all devices
 

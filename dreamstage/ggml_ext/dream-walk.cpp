@@ -450,15 +450,21 @@ static void dream_adamw(dream_stage & ds) {
 }
 
 namespace {
-// Frees the backward context and ends the graph's use of the stage's scheduler on every exit path.
+// Frees the backward context and ends the graph's use of the stage's scheduler
+// on every exit path but one: a step whose graph the stage keeps for the next
+// chunk of its shape (keep; the context then belongs to ds.step_graph).
 struct dream_graph_scope {
     dream_stage & ds;
     ggml_context * ctx = nullptr;
     int32_t revert_from = -1;   // training-cache cells to drop on failure
+    bool keep = false;
     explicit dream_graph_scope(dream_stage & d) : ds(d) {}
     ~dream_graph_scope() {
         g_building = nullptr;
-        dream_sched_release(ds);
+        if (!keep) {
+            dream_step_graph_drop(ds);   // the scheduler's allocation goes: a kept graph with it
+            dream_sched_release(ds);
+        }
         if (revert_from >= 0) {
             ds.memory->seq_rm(0, revert_from, -1);
         }
@@ -750,16 +756,10 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         dream_receipt_message(r, "could not create the dream stage's schedulers");
         return finish(DREAM_STATUS_ERROR);
     }
-    // the graph build may pin nodes to a backend on the scheduler it is given
-    // (build_attn without offload_kqv): the exec scheduler, reset, so the pins
-    // hold until it allocates the graph
     ggml_backend_sched_t sched = ds.sched_exec.get();
-    ggml_backend_sched_reset(sched);
     if (!ds.res) {
         ds.res.reset(new llm_graph_result(sched_nodes));
     }
-    ds.res->reset();
-
     llm_graph_params gp = {
         /*.arch        =*/ ds.model->arch,
         /*.hparams     =*/ hp,
@@ -785,144 +785,178 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         /*.res         =*/ ds.res.get(),
     };
 
-    ggml_cgraph * gf = nullptr;
-    g_building = &ds;
-    g_hook_calls = 0;
-    ds.build_pos = p;
-    ds.build_unit = nullptr;
-    ds.build_leaf_lo = chunk.leaf_lo;
-    ds.build_surrogate = chunk.surrogate;
-    ds.build_leaf_k.assign(hp.n_layer(), nullptr);
-    ds.build_leaf_v.assign(hp.n_layer(), nullptr);
-    ds.build_sur = nullptr;
-    try {
-        gf = ds.model->build_graph(gp);
-    } catch (const std::exception & e) {
-        dream_receipt_message(r, "building the training graph failed: %s", e.what());
-        return finish(DREAM_STATUS_ERROR);
-    }
-    g_building = nullptr;
-    uint32_t n_kv_layers = 0;
-    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
-        n_kv_layers += hp.has_kv(il) ? 1 : 0;
-    }
-    if (!gf || (uint32_t) g_hook_calls != n_kv_layers) {
-        dream_receipt_message(r, "architecture %s did not build its attention through the dream memory (%d of %u layers)",
-                              llm_arch_name(ds.model->arch), g_hook_calls, n_kv_layers);
-        return finish(DREAM_STATUS_ERROR);
-    }
-    ggml_tensor * logits = ds.res->get_logits();
-    if (!logits || logits->ne[0] != n_vocab || logits->ne[1] != n_out) {
-        dream_receipt_message(r, "the training graph has no [n_vocab, %d] logits", n_out);
-        return finish(DREAM_STATUS_ERROR);
-    }
+    // this chunk's share of the window's mean over its loss tokens (times a group reply's weight)
+    const float loss_scale = n_loss > 0 ? (float) n_loss / (float) ds.win_n_masked * ds.win_loss_scale : 0.0f;
 
-    // backward context: loss, labels, gradients, the combined graph
-    // ggml_graph_cpy needs a hash set at least as large as the forward graph's
-    const size_t cap = std::max<size_t>((size_t) 6 * (ggml_graph_n_nodes(gf) + gf->n_leafs) + 1024, (size_t) gf->size);
-    ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
-    scope.ctx = ggml_init(ip);
-    ggml_context * cbw = scope.ctx;
+    // The last step's graph, when this chunk has its shape, is still allocated
+    // on the exec scheduler: set its inputs and compute it again (dream_step_graph).
+    // Only the plain walk: the exact walk's and a group's graphs carry leaves,
+    // adjoint views and surrogates that depend on the chunk's place in the pass.
+    dream_step_graph & sg = ds.step_graph;
+    const bool reuse = sg.valid && ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active && sg.p == p &&
+                       sg.n == n && sg.n_out == n_out && sg.train == train && sg.loss_scale == loss_scale &&
+                       ds.res->can_reuse(gp);
+    ggml_cgraph * gb = nullptr;
     ggml_tensor * target_ids = nullptr, * host_labels = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
     std::vector<ggml_tensor *> param_grads;   // canonical order, null where a parameter got no gradient
     std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_need;   // quantized OUT_PROD expansions, per device
-    ggml_cgraph * gb = ggml_new_graph_custom(cbw, cap, train);
-    ggml_graph_cpy(gf, gb);
-    if (train) {
-        if (n_loss > 0) {
-            // the logits hold only the rows with a target (ub.output): cross_entropy_loss's
-            // backward assumes every row's labels sum to one, so an all-zero row
-            // would still push its softmax into the gradient.
-            // With a GPU in the scheduler the one-hot labels are made on the
-            // device from the target ids, labels[v, r] = step(1 - |v - target[r]|)
-            // (exact: ids < 2^24 are exact in F32), so only n_loss floats cross
-            // from the host instead of a dense n_vocab x n_loss matrix (400 MB at
-            // 2048 tokens, most of a step's host time on the H200). On the CPU
-            // alone the host fills the matrix in place: no transfer to save, and
-            // the device-side chain's temporaries would double the head's part
-            // of graph_mib (about 100 MiB at chunk 256 on the default model).
-            ggml_tensor * labels = nullptr;
-            if (ggml_backend_sched_get_n_backends(sched) > 1) {
-                target_ids = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss);
-                ggml_set_name(target_ids, "dream_target_ids");
-                ggml_set_input(target_ids);
-                ggml_tensor * vocab_ids = ggml_repeat(cbw, ggml_arange(cbw, 0.0f, (float) n_vocab, 1.0f), logits);
-                labels = ggml_step(cbw, ggml_scale_bias(cbw, ggml_abs(cbw, ggml_sub(cbw, vocab_ids, target_ids)), -1.0f, 1.0f));
-            } else {
-                host_labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
-                ggml_set_name(host_labels, "dream_labels");
-                ggml_set_input(host_labels);
-                labels = host_labels;
-            }
-            ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
-            ggml_set_output(ce);
-            // this chunk's share of the window's mean over its loss tokens (times a group reply's weight)
-            loss = ggml_scale(cbw, ce, (float) n_loss / (float) ds.win_n_masked * ds.win_loss_scale);
-        }
-        // the exact walk: the later chunks' adjoints enter through the surrogate
-        if (ds.build_sur) {
-            loss = loss ? ggml_add(cbw, loss, ds.build_sur) : ds.build_sur;
-        }
-        ggml_set_loss(loss);
-        ggml_build_forward_expand(gb, loss);
-        if (const ggml_tensor * bad = dream_find_undifferentiable(gb, loss)) {
-            dream_receipt_message(r, "op %s (%s, node %s) has no backward pass in ggml", ggml_op_desc(bad),
-                                  ggml_op_name(bad->op), bad->name);
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;       // what the step allocates, per device
+    size_t graph_bytes = 0;
+    if (reuse) {
+        // allocated already: nothing to plan, the gate sees only the step's host memory
+        gb = sg.gb;
+        target_ids = sg.target_ids;
+        host_labels = sg.host_labels;
+        ce = sg.ce;
+        loss_grad = sg.loss_grad;
+        param_grads = sg.param_grads;
+        pool_need = sg.pool_need;
+        graph_bytes = sg.graph_bytes;
+        ds.build_unit = sg.unit;
+    } else {
+        dream_step_graph_drop(ds);
+        // the graph build may pin nodes to a backend on the scheduler it is given
+        // (build_attn without offload_kqv): the exec scheduler, reset, so the pins
+        // hold until it allocates the graph
+        ggml_backend_sched_reset(sched);
+        ds.res->reset();
+
+        ggml_cgraph * gf = nullptr;
+        g_building = &ds;
+        g_hook_calls = 0;
+        ds.build_pos = p;
+        ds.build_unit = nullptr;
+        ds.build_leaf_lo = chunk.leaf_lo;
+        ds.build_surrogate = chunk.surrogate;
+        ds.build_leaf_k.assign(hp.n_layer(), nullptr);
+        ds.build_leaf_v.assign(hp.n_layer(), nullptr);
+        ds.build_sur = nullptr;
+        try {
+            gf = ds.model->build_graph(gp);
+        } catch (const std::exception & e) {
+            dream_receipt_message(r, "building the training graph failed: %s", e.what());
             return finish(DREAM_STATUS_ERROR);
         }
-        const int n_forward = ggml_graph_n_nodes(gb);
-        ggml_build_backward_expand(cbw, gb, nullptr);
-        loss_grad = ggml_graph_get_grad(gb, loss);
-        for (auto & pr : ds.pairs) {
-            for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
-                ggml_tensor * g = ggml_graph_get_grad(gb, t);
-                if (g) {
-                    ggml_set_output(g);
-                }
-                param_grads.push_back(g);
-            }
-        }
-        // the exact walk: add each leaf's gradient into gK/gV at its cells, in
-        // this graph (the buffers are the stage's, so it persists to the chunks before)
+        g_building = nullptr;
+        uint32_t n_kv_layers = 0;
         for (uint32_t il = 0; il < hp.n_layer(); ++il) {
-            ggml_tensor * leaves[2] = { ds.build_leaf_k[il], ds.build_leaf_v[il] };
-            ggml_tensor * adj[2] = { ds.adj_k.empty() ? nullptr : ds.adj_k[il], ds.adj_v.empty() ? nullptr : ds.adj_v[il] };
-            for (int i = 0; i < 2; ++i) {
-                ggml_tensor * g = leaves[i] ? ggml_graph_get_grad(gb, leaves[i]) : nullptr;
-                if (!g) {
-                    continue;
-                }
-                g = ggml_reshape(cbw, ggml_is_contiguous(g) ? g : ggml_cont(cbw, g), leaves[i]);
-                for (const auto & pc : dream_ring_pieces(ds, chunk.leaf_lo, p)) {
-                    ggml_tensor * slots = dream_adj_view(cbw, adj[i], pc.slot, pc.len);
-                    ggml_tensor * sum = ggml_add(cbw, slots, dream_cells_view(cbw, g, chunk.leaf_lo, pc.pos, pc.len));
-                    ggml_build_forward_expand(gb, ggml_cpy(cbw, sum, slots));
-                }
-            }
+            n_kv_layers += hp.has_kv(il) ? 1 : 0;
         }
-        if (ds.params.recompute) {
-            std::string err;
-            gb = dream_recompute(cbw, gb, n_forward, cap, err);
-            if (!gb) {
-                dream_receipt_message(r, "%s", err.c_str());
+        if (!gf || (uint32_t) g_hook_calls != n_kv_layers) {
+            dream_receipt_message(r, "architecture %s did not build its attention through the dream memory (%d of %u layers)",
+                                  llm_arch_name(ds.model->arch), g_hook_calls, n_kv_layers);
+            return finish(DREAM_STATUS_ERROR);
+        }
+        ggml_tensor * logits = ds.res->get_logits();
+        if (!logits || logits->ne[0] != n_vocab || logits->ne[1] != n_out) {
+            dream_receipt_message(r, "the training graph has no [n_vocab, %d] logits", n_out);
+            return finish(DREAM_STATUS_ERROR);
+        }
+
+        // backward context: loss, labels, gradients, the combined graph
+        // ggml_graph_cpy needs a hash set at least as large as the forward graph's
+        const size_t cap = std::max<size_t>((size_t) 6 * (ggml_graph_n_nodes(gf) + gf->n_leafs) + 1024, (size_t) gf->size);
+        ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
+        scope.ctx = ggml_init(ip);
+        ggml_context * cbw = scope.ctx;
+        gb = ggml_new_graph_custom(cbw, cap, train);
+        ggml_graph_cpy(gf, gb);
+        if (train) {
+            if (n_loss > 0) {
+                // the logits hold only the rows with a target (ub.output): cross_entropy_loss's
+                // backward assumes every row's labels sum to one, so an all-zero row
+                // would still push its softmax into the gradient.
+                // With a GPU in the scheduler the one-hot labels are made on the
+                // device from the target ids, labels[v, r] = step(1 - |v - target[r]|)
+                // (exact: ids < 2^24 are exact in F32), so only n_loss floats cross
+                // from the host instead of a dense n_vocab x n_loss matrix (400 MB at
+                // 2048 tokens, most of a step's host time on the H200). On the CPU
+                // alone the host fills the matrix in place: no transfer to save, and
+                // the device-side chain's temporaries would double the head's part
+                // of graph_mib (about 100 MiB at chunk 256 on the default model).
+                ggml_tensor * labels = nullptr;
+                if (ggml_backend_sched_get_n_backends(sched) > 1) {
+                    target_ids = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss);
+                    ggml_set_name(target_ids, "dream_target_ids");
+                    ggml_set_input(target_ids);
+                    ggml_tensor * vocab_ids = ggml_repeat(cbw, ggml_arange(cbw, 0.0f, (float) n_vocab, 1.0f), logits);
+                    labels = ggml_step(cbw, ggml_scale_bias(cbw, ggml_abs(cbw, ggml_sub(cbw, vocab_ids, target_ids)), -1.0f, 1.0f));
+                } else {
+                    host_labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
+                    ggml_set_name(host_labels, "dream_labels");
+                    ggml_set_input(host_labels);
+                    labels = host_labels;
+                }
+                ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
+                ggml_set_output(ce);
+                loss = ggml_scale(cbw, ce, loss_scale);
+            }
+            // the exact walk: the later chunks' adjoints enter through the surrogate
+            if (ds.build_sur) {
+                loss = loss ? ggml_add(cbw, loss, ds.build_sur) : ds.build_sur;
+            }
+            ggml_set_loss(loss);
+            ggml_build_forward_expand(gb, loss);
+            if (const ggml_tensor * bad = dream_find_undifferentiable(gb, loss)) {
+                dream_receipt_message(r, "op %s (%s, node %s) has no backward pass in ggml", ggml_op_desc(bad),
+                                      ggml_op_name(bad->op), bad->name);
                 return finish(DREAM_STATUS_ERROR);
             }
+            const int n_forward = ggml_graph_n_nodes(gb);
+            ggml_build_backward_expand(cbw, gb, nullptr);
+            loss_grad = ggml_graph_get_grad(gb, loss);
+            for (auto & pr : ds.pairs) {
+                for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
+                    ggml_tensor * g = ggml_graph_get_grad(gb, t);
+                    if (g) {
+                        ggml_set_output(g);
+                    }
+                    param_grads.push_back(g);
+                }
+            }
+            // the exact walk: add each leaf's gradient into gK/gV at its cells, in
+            // this graph (the buffers are the stage's, so it persists to the chunks before)
+            for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+                ggml_tensor * leaves[2] = { ds.build_leaf_k[il], ds.build_leaf_v[il] };
+                ggml_tensor * adj[2] = { ds.adj_k.empty() ? nullptr : ds.adj_k[il], ds.adj_v.empty() ? nullptr : ds.adj_v[il] };
+                for (int i = 0; i < 2; ++i) {
+                    ggml_tensor * g = leaves[i] ? ggml_graph_get_grad(gb, leaves[i]) : nullptr;
+                    if (!g) {
+                        continue;
+                    }
+                    g = ggml_reshape(cbw, ggml_is_contiguous(g) ? g : ggml_cont(cbw, g), leaves[i]);
+                    for (const auto & pc : dream_ring_pieces(ds, chunk.leaf_lo, p)) {
+                        ggml_tensor * slots = dream_adj_view(cbw, adj[i], pc.slot, pc.len);
+                        ggml_tensor * sum = ggml_add(cbw, slots, dream_cells_view(cbw, g, chunk.leaf_lo, pc.pos, pc.len));
+                        ggml_build_forward_expand(gb, ggml_cpy(cbw, sum, slots));
+                    }
+                }
+            }
+            if (ds.params.recompute) {
+                std::string err;
+                gb = dream_recompute(cbw, gb, n_forward, cap, err);
+                if (!gb) {
+                    dream_receipt_message(r, "%s", err.c_str());
+                    return finish(DREAM_STATUS_ERROR);
+                }
+            }
         }
-    }
-    gb = dream_fit_backward(ds, cbw, gb, cap, pool_need);
-    if (ggml_graph_n_nodes(gb) + gb->n_leafs > (int) sched_nodes) {
-        dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
-                              ggml_graph_n_nodes(gb) + gb->n_leafs, sched_nodes);
-        return finish(DREAM_STATUS_ERROR);
-    }
+        gb = dream_fit_backward(ds, cbw, gb, cap, pool_need);
+        if (ggml_graph_n_nodes(gb) + gb->n_leafs > (int) sched_nodes) {
+            dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
+                                  ggml_graph_n_nodes(gb) + gb->n_leafs, sched_nodes);
+            return finish(DREAM_STATUS_ERROR);
+        }
 
-    // the gate: plan a twin of this graph with ggml's allocator on the stage's planning scheduler
-    dream_graph_plan plan;
-    if (!dream_sched_plan(ds, gb, plan)) {
-        dream_receipt_message(r, "planning the training graph failed");
-        return finish(DREAM_STATUS_ERROR);
+        // the gate: plan a twin of this graph with ggml's allocator on the stage's planning scheduler
+        dream_graph_plan plan;
+        if (!dream_sched_plan(ds, gb, plan)) {
+            dream_receipt_message(r, "planning the training graph failed");
+            return finish(DREAM_STATUS_ERROR);
+        }
+        needs = plan.needs;
+        graph_bytes = plan.graph_bytes;
     }
-    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs = plan.needs;
     // a device pool grows to its largest quantized-weight expansion once and keeps it
     for (const auto & [dev, bytes] : pool_need) {
         size_t held = 0;
@@ -933,7 +967,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     }
     const bool need_opt_state = train && ds.grad_acc.empty();
     needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train) });
-    r.graph_mib = (double) plan.graph_bytes / DREAM_MIB;
+    r.graph_mib = (double) graph_bytes / DREAM_MIB;
     const dream_gate_verdict verdict = dream_gate_check(ds, needs);
     if (!verdict.fits) {
         r.refused_chunk_pos = p;
@@ -948,8 +982,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         return finish(DREAM_STATUS_REFUSED);
     }
 
-    // allocate the real graph once on the exec scheduler and compute it
-    const ggml_status st = dream_sched_compute(ds, gb, n > 1, [&] {
+    // allocate the real graph once on the exec scheduler (unless it still is) and compute it
+    const ggml_status st = dream_sched_compute(ds, gb, n > 1, reuse, [&] {
         ds.res->set_inputs(&mctx.get_ubatch());
         if (ds.build_unit) {
             const float unit = 1.0f;
@@ -1031,6 +1065,31 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         }
     }
 
+    // the plain walk keeps the graph allocated for the next chunk of this shape
+    if (ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active) {
+        if (!reuse) {
+            sg.ctx.reset(scope.ctx);
+            scope.ctx = nullptr;
+            sg.gb = gb;
+            sg.target_ids = target_ids;
+            sg.host_labels = host_labels;
+            sg.ce = ce;
+            sg.loss_grad = loss_grad;
+            sg.unit = ds.build_unit;
+            sg.param_grads = param_grads;
+            sg.pool_need = pool_need;
+            sg.graph_bytes = graph_bytes;
+            sg.p = p;
+            sg.n = n;
+            sg.n_out = n_out;
+            sg.train = train;
+            sg.loss_scale = loss_scale;
+            sg.valid = true;
+        } else {
+            ds.graph_reuses += 1;
+        }
+        scope.keep = true;
+    }
     scope.revert_from = -1;     // the chunk's K/V stay as constants for later chunks
     ds.step += 1;
     ds.win_pos = p + n;

@@ -213,6 +213,14 @@ LLAMA_API bool dream_set_chunk(struct dream_stage * ds, int32_t chunk);
 // GPU, 2 means only the host-side input reads (the token embedding) ran apart.
 LLAMA_API int32_t dream_last_n_splits(const struct dream_stage * ds);
 
+// Graph reuse (on by default): a plain-walk micro-step whose chunk has the
+// last step's shape (position, tokens, loss rows) computes the graph that step
+// built and allocated, instead of building, planning and allocating it again.
+// Off: every step builds its own (the reference for tests and benchmarks).
+// dream_graph_reuses counts the micro-steps that reused a graph.
+LLAMA_API void dream_set_graph_reuse(struct dream_stage * ds, bool on);
+LLAMA_API int64_t dream_graph_reuses(const struct dream_stage * ds);
+
 // The CPU kernel of the backward through a frozen quantized weight, on plain
 // buffers (for tests against an independent implementation): dx[n_tok][n_in]
 // = W^T dy, W = n_out rows of n_in values of ggml type `type` (as stored in a

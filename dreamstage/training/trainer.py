@@ -345,6 +345,16 @@ class Trainer(NativeOwner):
             raise ValueError(f"chunk must be an integer in 1..{self.window}, got {chunk!r}")
         self.chunk = chunk
 
+    def set_graph_reuse(self, on: bool) -> None:
+        """Reuse the last micro-step's allocated graph for a chunk of the same shape
+        (on by default; off: every step builds, plans and allocates its own)."""
+        self.L.dream_set_graph_reuse(self._handle(), bool(on))
+
+    @property
+    def graph_reuses(self) -> int:
+        """Micro-steps so far that computed the previous step's graph again."""
+        return int(self.L.dream_graph_reuses(self._handle()))
+
     def set_horizon(self, horizon: int) -> int:
         """Exact walk: the positions before a chunk that receive gradient from the next micro-step on
         (<= 0: the whole window). Returns the horizon now in use."""
