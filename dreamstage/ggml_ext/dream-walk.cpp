@@ -796,22 +796,13 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     const bool reuse = sg.valid && ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active && sg.p == p &&
                        sg.n == n && sg.n_out == n_out && sg.train == train && sg.loss_scale == loss_scale &&
                        ds.res->can_reuse(gp);
-    ggml_cgraph * gb = nullptr;
-    ggml_tensor * target_ids = nullptr, * host_labels = nullptr, * ce = nullptr, * loss = nullptr, * loss_grad = nullptr;
-    std::vector<ggml_tensor *> param_grads;   // canonical order, null where a parameter got no gradient
-    std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_need;   // quantized OUT_PROD expansions, per device
+    // the graph this step computes: the kept one, or one built below
+    dream_step_graph fresh;
+    dream_step_graph & sgraph = reuse ? sg : fresh;
+    ggml_tensor * loss = nullptr;
     std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;       // what the step allocates, per device
-    size_t graph_bytes = 0;
     if (reuse) {
         // allocated already: nothing to plan, the gate sees only the step's host memory
-        gb = sg.gb;
-        target_ids = sg.target_ids;
-        host_labels = sg.host_labels;
-        ce = sg.ce;
-        loss_grad = sg.loss_grad;
-        param_grads = sg.param_grads;
-        pool_need = sg.pool_need;
-        graph_bytes = sg.graph_bytes;
         ds.build_unit = sg.unit;
     } else {
         dream_step_graph_drop(ds);
@@ -859,8 +850,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
         scope.ctx = ggml_init(ip);
         ggml_context * cbw = scope.ctx;
-        gb = ggml_new_graph_custom(cbw, cap, train);
-        ggml_graph_cpy(gf, gb);
+        sgraph.gb = ggml_new_graph_custom(cbw, cap, train);
+        ggml_graph_cpy(gf, sgraph.gb);
         if (train) {
             if (n_loss > 0) {
                 // the logits hold only the rows with a target (ub.output): cross_entropy_loss's
@@ -876,42 +867,42 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 // of graph_mib (about 100 MiB at chunk 256 on the default model).
                 ggml_tensor * labels = nullptr;
                 if (ggml_backend_sched_get_n_backends(sched) > 1) {
-                    target_ids = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss);
-                    ggml_set_name(target_ids, "dream_target_ids");
-                    ggml_set_input(target_ids);
+                    sgraph.target_ids = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss);
+                    ggml_set_name(sgraph.target_ids, "dream_target_ids");
+                    ggml_set_input(sgraph.target_ids);
                     ggml_tensor * vocab_ids = ggml_repeat(cbw, ggml_arange(cbw, 0.0f, (float) n_vocab, 1.0f), logits);
-                    labels = ggml_step(cbw, ggml_scale_bias(cbw, ggml_abs(cbw, ggml_sub(cbw, vocab_ids, target_ids)), -1.0f, 1.0f));
+                    labels = ggml_step(cbw, ggml_scale_bias(cbw, ggml_abs(cbw, ggml_sub(cbw, vocab_ids, sgraph.target_ids)), -1.0f, 1.0f));
                 } else {
-                    host_labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
-                    ggml_set_name(host_labels, "dream_labels");
-                    ggml_set_input(host_labels);
-                    labels = host_labels;
+                    sgraph.host_labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
+                    ggml_set_name(sgraph.host_labels, "dream_labels");
+                    ggml_set_input(sgraph.host_labels);
+                    labels = sgraph.host_labels;
                 }
-                ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
-                ggml_set_output(ce);
-                loss = ggml_scale(cbw, ce, loss_scale);
+                sgraph.ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
+                ggml_set_output(sgraph.ce);
+                loss = ggml_scale(cbw, sgraph.ce, loss_scale);
             }
             // the exact walk: the later chunks' adjoints enter through the surrogate
             if (ds.build_sur) {
                 loss = loss ? ggml_add(cbw, loss, ds.build_sur) : ds.build_sur;
             }
             ggml_set_loss(loss);
-            ggml_build_forward_expand(gb, loss);
-            if (const ggml_tensor * bad = dream_find_undifferentiable(gb, loss)) {
+            ggml_build_forward_expand(sgraph.gb, loss);
+            if (const ggml_tensor * bad = dream_find_undifferentiable(sgraph.gb, loss)) {
                 dream_receipt_message(r, "op %s (%s, node %s) has no backward pass in ggml", ggml_op_desc(bad),
                                       ggml_op_name(bad->op), bad->name);
                 return finish(DREAM_STATUS_ERROR);
             }
-            const int n_forward = ggml_graph_n_nodes(gb);
-            ggml_build_backward_expand(cbw, gb, nullptr);
-            loss_grad = ggml_graph_get_grad(gb, loss);
+            const int n_forward = ggml_graph_n_nodes(sgraph.gb);
+            ggml_build_backward_expand(cbw, sgraph.gb, nullptr);
+            sgraph.loss_grad = ggml_graph_get_grad(sgraph.gb, loss);
             for (auto & pr : ds.pairs) {
                 for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
-                    ggml_tensor * g = ggml_graph_get_grad(gb, t);
+                    ggml_tensor * g = ggml_graph_get_grad(sgraph.gb, t);
                     if (g) {
                         ggml_set_output(g);
                     }
-                    param_grads.push_back(g);
+                    sgraph.param_grads.push_back(g);
                 }
             }
             // the exact walk: add each leaf's gradient into gK/gV at its cells, in
@@ -920,7 +911,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 ggml_tensor * leaves[2] = { ds.build_leaf_k[il], ds.build_leaf_v[il] };
                 ggml_tensor * adj[2] = { ds.adj_k.empty() ? nullptr : ds.adj_k[il], ds.adj_v.empty() ? nullptr : ds.adj_v[il] };
                 for (int i = 0; i < 2; ++i) {
-                    ggml_tensor * g = leaves[i] ? ggml_graph_get_grad(gb, leaves[i]) : nullptr;
+                    ggml_tensor * g = leaves[i] ? ggml_graph_get_grad(sgraph.gb, leaves[i]) : nullptr;
                     if (!g) {
                         continue;
                     }
@@ -928,37 +919,37 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                     for (const auto & pc : dream_ring_pieces(ds, chunk.leaf_lo, p)) {
                         ggml_tensor * slots = dream_adj_view(cbw, adj[i], pc.slot, pc.len);
                         ggml_tensor * sum = ggml_add(cbw, slots, dream_cells_view(cbw, g, chunk.leaf_lo, pc.pos, pc.len));
-                        ggml_build_forward_expand(gb, ggml_cpy(cbw, sum, slots));
+                        ggml_build_forward_expand(sgraph.gb, ggml_cpy(cbw, sum, slots));
                     }
                 }
             }
             if (ds.params.recompute) {
                 std::string err;
-                gb = dream_recompute(cbw, gb, n_forward, cap, err);
-                if (!gb) {
+                sgraph.gb = dream_recompute(cbw, sgraph.gb, n_forward, cap, err);
+                if (!sgraph.gb) {
                     dream_receipt_message(r, "%s", err.c_str());
                     return finish(DREAM_STATUS_ERROR);
                 }
             }
         }
-        gb = dream_fit_backward(ds, cbw, gb, cap, pool_need);
-        if (ggml_graph_n_nodes(gb) + gb->n_leafs > (int) sched_nodes) {
+        sgraph.gb = dream_fit_backward(ds, cbw, sgraph.gb, cap, sgraph.pool_need);
+        if (ggml_graph_n_nodes(sgraph.gb) + sgraph.gb->n_leafs > (int) sched_nodes) {
             dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
-                                  ggml_graph_n_nodes(gb) + gb->n_leafs, sched_nodes);
+                                  ggml_graph_n_nodes(sgraph.gb) + sgraph.gb->n_leafs, sched_nodes);
             return finish(DREAM_STATUS_ERROR);
         }
 
         // the gate: plan a twin of this graph with ggml's allocator on the stage's planning scheduler
         dream_graph_plan plan;
-        if (!dream_sched_plan(ds, gb, plan)) {
+        if (!dream_sched_plan(ds, sgraph.gb, plan)) {
             dream_receipt_message(r, "planning the training graph failed");
             return finish(DREAM_STATUS_ERROR);
         }
         needs = plan.needs;
-        graph_bytes = plan.graph_bytes;
+        sgraph.graph_bytes = plan.graph_bytes;
     }
     // a device pool grows to its largest quantized-weight expansion once and keeps it
-    for (const auto & [dev, bytes] : pool_need) {
+    for (const auto & [dev, bytes] : sgraph.pool_need) {
         size_t held = 0;
         for (const auto & [d, b] : ds.pool_held) {
             held = d == dev ? b : held;
@@ -967,7 +958,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     }
     const bool need_opt_state = train && ds.grad_acc.empty();
     needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train) });
-    r.graph_mib = (double) graph_bytes / DREAM_MIB;
+    r.graph_mib = (double) sgraph.graph_bytes / DREAM_MIB;
     const dream_gate_verdict verdict = dream_gate_check(ds, needs);
     if (!verdict.fits) {
         r.refused_chunk_pos = p;
@@ -983,26 +974,26 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     }
 
     // allocate the real graph once on the exec scheduler (unless it still is) and compute it
-    const ggml_status st = dream_sched_compute(ds, gb, n > 1, reuse, [&] {
+    const ggml_status st = dream_sched_compute(ds, sgraph.gb, n > 1, reuse, [&] {
         ds.res->set_inputs(&mctx.get_ubatch());
         if (ds.build_unit) {
             const float unit = 1.0f;
             ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
         }
-        if (target_ids) {
+        if (sgraph.target_ids) {
             std::vector<float> ids;
             for (int32_t i = 0; i < n; ++i) {
                 if (targets[i] >= 0) {
                     ids.push_back((float) targets[i]);
                 }
             }
-            ggml_backend_tensor_set(target_ids, ids.data(), 0, ggml_nbytes(target_ids));
+            ggml_backend_tensor_set(sgraph.target_ids, ids.data(), 0, ggml_nbytes(sgraph.target_ids));
         }
-        if (host_labels) {
+        if (sgraph.host_labels) {
             // a tensor of the CPU backend: filled where it lies
-            GGML_ASSERT(ggml_backend_buffer_is_host(host_labels->buffer));
-            float * lab = (float *) host_labels->data;
-            std::memset(lab, 0, ggml_nbytes(host_labels));
+            GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_labels->buffer));
+            float * lab = (float *) sgraph.host_labels->data;
+            std::memset(lab, 0, ggml_nbytes(sgraph.host_labels));
             int64_t row = 0;
             for (int32_t i = 0; i < n; ++i) {
                 if (targets[i] >= 0) {
@@ -1010,9 +1001,9 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 }
             }
         }
-        if (loss_grad) {
+        if (sgraph.loss_grad) {
             const float one = 1.0f;
-            ggml_backend_tensor_set(loss_grad, &one, 0, sizeof(one));
+            ggml_backend_tensor_set(sgraph.loss_grad, &one, 0, sizeof(one));
         }
     });
     if (st == GGML_STATUS_ALLOC_FAILED) {
@@ -1023,7 +1014,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         dream_receipt_message(r, "computing the training graph failed (ggml status %d)", (int) st);
         return finish(DREAM_STATUS_ERROR);
     }
-    for (const auto & [dev, bytes] : pool_need) {
+    for (const auto & [dev, bytes] : sgraph.pool_need) {
         bool found = false;
         for (auto & [d, b] : ds.pool_held) {
             if (d == dev) {
@@ -1038,8 +1029,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
 
     if (train) {
         float ce_val = 0.0f;
-        if (ce) {
-            ggml_backend_tensor_get(ce, &ce_val, 0, sizeof(ce_val));
+        if (sgraph.ce) {
+            ggml_backend_tensor_get(sgraph.ce, &ce_val, 0, sizeof(ce_val));
         }
         r.loss = (double) ce_val;
         if (need_opt_state) {
@@ -1053,7 +1044,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         for (auto & pr : ds.pairs) {
             for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
                 const int64_t ne = ggml_nelements(t);
-                if (ggml_tensor * g = param_grads[ig++]) {
+                if (ggml_tensor * g = sgraph.param_grads[ig++]) {
                     host.resize(ne);
                     ggml_backend_tensor_get(g, host.data(), 0, ne * sizeof(float));
                     for (int64_t i = 0; i < ne; ++i) {
@@ -1068,23 +1059,16 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     // the plain walk keeps the graph allocated for the next chunk of this shape
     if (ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active) {
         if (!reuse) {
-            sg.ctx.reset(scope.ctx);
+            fresh.ctx.reset(scope.ctx);
             scope.ctx = nullptr;
-            sg.gb = gb;
-            sg.target_ids = target_ids;
-            sg.host_labels = host_labels;
-            sg.ce = ce;
-            sg.loss_grad = loss_grad;
-            sg.unit = ds.build_unit;
-            sg.param_grads = param_grads;
-            sg.pool_need = pool_need;
-            sg.graph_bytes = graph_bytes;
-            sg.p = p;
-            sg.n = n;
-            sg.n_out = n_out;
-            sg.train = train;
-            sg.loss_scale = loss_scale;
-            sg.valid = true;
+            fresh.unit = ds.build_unit;
+            fresh.p = p;
+            fresh.n = n;
+            fresh.n_out = n_out;
+            fresh.train = train;
+            fresh.loss_scale = loss_scale;
+            fresh.valid = true;
+            sg = std::move(fresh);
         } else {
             ds.graph_reuses += 1;
         }
