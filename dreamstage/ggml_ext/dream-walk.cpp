@@ -15,6 +15,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <thread>
 #include <unordered_set>
 
 // The stage whose training graph this thread is building (read by the attention hook).
@@ -421,31 +423,73 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
     return out;
 }
 
+// Runs fn(lo, hi) over [0, n) in blocks of DREAM_OPT_BLOCK on up to `threads`
+// threads (the calling one included). The optimizer's passes are memory-bound:
+// at 11 M parameters (rank 16 on all seven targets of a 1B model) one pass on
+// one core took 30 ms of a 175 ms step on the H200's host.
+constexpr int64_t DREAM_OPT_BLOCK = 1 << 16;
+
+static void dream_opt_parallel(int64_t n, int threads, const std::function<void(int64_t, int64_t)> & fn) {
+    const int64_t blocks = (n + DREAM_OPT_BLOCK - 1) / DREAM_OPT_BLOCK;
+    // a thread only for work worth starting one (four blocks)
+    const int nt = (int) std::max<int64_t>(1, std::min<int64_t>(threads, blocks / 4));
+    auto run = [&](int t) {
+        for (int64_t b = t; b < blocks; b += nt) {
+            fn(b * DREAM_OPT_BLOCK, std::min(n, (b + 1) * DREAM_OPT_BLOCK));
+        }
+    };
+    std::vector<std::thread> pool;
+    for (int t = 1; t < nt; ++t) {
+        pool.emplace_back(run, t);
+    }
+    run(0);
+    for (auto & th : pool) {
+        th.join();
+    }
+}
+
 static void dream_adamw(dream_stage & ds) {
     const auto & p = ds.params;
     const int64_t n = ds.n_params;
+    const int threads = std::max(1, (int) ds.lctx->n_threads_batch());
     std::vector<float> theta(n);
     dream_adapter_read(ds, true, theta.data());
-    double norm2 = 0.0;
     // the mean over the accumulated windows
     const float mean = 1.0f / (float) std::max(ds.windows_pending, 1);
-    for (float g : ds.grad_acc) {
-        norm2 += (double) g * g;
+    // the squared norm per block, summed in block order: the same on any thread count
+    std::vector<double> part((size_t) ((n + DREAM_OPT_BLOCK - 1) / DREAM_OPT_BLOCK), 0.0);
+    const float * acc = ds.grad_acc.data();
+    dream_opt_parallel(n, threads, [&](int64_t lo, int64_t hi) {
+        double s = 0.0;
+        for (int64_t i = lo; i < hi; ++i) {
+            s += (double) acc[i] * acc[i];
+        }
+        part[(size_t) (lo / DREAM_OPT_BLOCK)] = s;
+    });
+    double norm2 = 0.0;
+    for (double s : part) {
+        norm2 += s;
     }
     const double norm = std::sqrt(norm2) * mean;
     const float clip = (p.grad_clip > 0 && norm > p.grad_clip) ? (float) (p.grad_clip / norm) : 1.0f;
     ds.adam_t += 1;
-    const double bc1 = 1.0 - std::pow((double) p.beta1, (double) ds.adam_t);
-    const double bc2 = 1.0 - std::pow((double) p.beta2, (double) ds.adam_t);
-    for (int64_t i = 0; i < n; ++i) {
-        const float g = ds.grad_acc[i] * mean * clip;
-        ds.adam_m[i] = p.beta1 * ds.adam_m[i] + (1.0f - p.beta1) * g;
-        ds.adam_v[i] = p.beta2 * ds.adam_v[i] + (1.0f - p.beta2) * g * g;
-        const double mhat = ds.adam_m[i] / bc1;
-        const double vhat = ds.adam_v[i] / bc2;
-        // decoupled weight decay (AdamW)
-        theta[i] -= (float) (p.lr * (mhat / (std::sqrt(vhat) + p.eps) + p.weight_decay * theta[i]));
-    }
+    const float scale = mean * clip;
+    const float b1 = p.beta1, b2 = p.beta2, lr = p.lr, eps = p.eps, wd = p.weight_decay;
+    // bias corrections as reciprocals; the per-parameter arithmetic in float, so it vectorizes
+    const float ib1 = (float) (1.0 / (1.0 - std::pow((double) p.beta1, (double) ds.adam_t)));
+    const float ib2 = (float) (1.0 / (1.0 - std::pow((double) p.beta2, (double) ds.adam_t)));
+    float * m = ds.adam_m.data();
+    float * v = ds.adam_v.data();
+    float * th = theta.data();
+    dream_opt_parallel(n, threads, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) {
+            const float g = acc[i] * scale;
+            m[i] = b1 * m[i] + (1.0f - b1) * g;
+            v[i] = b2 * v[i] + (1.0f - b2) * g * g;
+            // decoupled weight decay (AdamW)
+            th[i] -= lr * ((m[i] * ib1) / (std::sqrt(v[i] * ib2) + eps) + wd * th[i]);
+        }
+    });
     dream_adapter_write(ds, theta.data());
 }
 
