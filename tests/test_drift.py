@@ -261,7 +261,7 @@ def test_guard_fields_are_validated_by_name():
     spec = parse_train_request({"text": "x", "anchors": ["Why is grass green?"]}).to_job_spec()
     assert spec.anchors == ("Why is grass green?",) and spec.regularizer
     # the measured defaults: drift_kl bounded, the changed-answer fraction not (it saturates on this model)
-    assert spec.max_drift_kl == 2.0 and spec.max_drift == 1.0
+    assert spec.max_drift_kl == 1.0 and spec.max_drift == 1.0
     assert parse_train_request({"text": "x", "max_drift_kl": None}).to_job_spec().max_drift_kl is None
 
 
@@ -538,8 +538,8 @@ def test_the_readme_walkthrough_is_promoted_by_a_live_server_with_the_guard_on(t
         drift = job["progress"]["drift"]
         print(f"\nREADME job: {job['message']}")
         assert job["state"] == "done" and drift["final"] and drift["anchors"] == len(load_anchors())
-        assert (drift["max_drift"], drift["max_drift_kl"]) == (1.0, 2.0) and drift["drift_kl"] <= 2.0
-        assert job["adapter"]["promoted"] and "within max_drift 1, max_drift_kl 2" in job["message"]
+        assert (drift["max_drift"], drift["max_drift_kl"]) == (1.0, 1.0) and drift["drift_kl"] <= 1.0
+        assert job["adapter"]["promoted"] and "within max_drift 1, max_drift_kl 1" in job["message"]
         out = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
         assert "Quokka-42" in out["choices"][0]["text"] and out["adapter_version"] == 1
         metrics = http.get("/metrics").text

@@ -641,7 +641,7 @@ def test_a_form_2_spec_reads_back_without_a_drift_kl_bound(tmp_path):
     with JobStore(tmp_path / "state") as s:
         jid = s.submit(req())["id"]
         now = s.spec(jid)
-        assert now.max_drift_kl == 2.0
+        assert now.max_drift_kl == 1.0
         stored = json.loads(now.to_stored())
         stored.pop("max_drift_kl")
         stored["max_drift"] = 0.05

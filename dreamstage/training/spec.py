@@ -66,7 +66,7 @@ DEFAULT_EPOCHS = 10            # an upper bound: stop_loss usually ends a small 
 # Drift) in about 30% less training time
 DEFAULT_ANCHOR_RATIO = 2.0
 DEFAULT_MAX_DRIFT = 1.0        # auto promotion: at most this fraction of anchor answers changed (1: not bounded)
-DEFAULT_MAX_DRIFT_KL = 2.0     # auto promotion: at most this mean KL (nats) from the base on the held-out anchors
+DEFAULT_MAX_DRIFT_KL = 1.0     # auto promotion: at most this mean KL (nats) from the base on the held-out anchors
 DEFAULT_STOP_LOSS = 0.1        # end training after an epoch whose own-window loss is below this
 MAX_EXTRA_ANCHORS = 64
 MAX_ANCHOR_CHARS = 1000
