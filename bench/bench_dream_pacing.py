@@ -143,6 +143,14 @@ def load_apart(url: str, shape: Shape, seconds: float) -> dict:
 LOAD = {"load": load}
 
 
+def ledger(srv: BackgroundServer) -> tuple[float, float, float]:
+    """(clock, active seconds, dream seconds) of the running job's pacer, read
+    in process: the share over the clients' own window, without the job's
+    start and the idle tail after them that the job's figures include."""
+    p = srv.service.dream._pacer
+    return p.clock(), p._active_s, p._dream_active_s + p._dream_idle_s
+
+
 def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: float, pacing: dict) -> dict:
     url = srv.url
     r = http.post("/train", json={"text": LESSON, "window": 64, "chunk": 64, "epochs": 1000, "promote": "never",
@@ -152,7 +160,9 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
     while http.get(f"/train/{jid}").json()["progress"]["step"] < 1:    # trainer built, first step taken
         time.sleep(0.05)
     walked0 = http.get(f"/train/{jid}").json()["progress"]["walked"]
+    l0 = ledger(srv)
     client = LOAD["load"](url, shape, seconds)
+    l1 = ledger(srv)
     time.sleep(1.1)                                                     # the figures are flushed every second
     job = http.get(f"/train/{jid}").json()
     # a body-less POST says application/json, or the server refuses it (cross-site guard)
@@ -169,7 +179,15 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
                     "train_tok_s": job["progress"]["train_tok_s"],
                     "dream_share_of_wall": f["job_share_of_wall"],
                     "allowed_share_of_wall": allowed / f["wall_s"],
-                    "share_vs_allowed": f["dream_s"] / allowed if allowed else None}}
+                    "share_vs_allowed": f["dream_s"] / allowed if allowed else None,
+                    # the same over the clients' window only
+                    "share_vs_allowed_in_load": share_in(l0, l1, pacing.get("max_slowdown", 0.10))}}
+
+
+def share_in(l0: tuple[float, float, float], l1: tuple[float, float, float], bound: float) -> float | None:
+    wall, active, dream = (b - a for a, b in zip(l0, l1))
+    allowed = bound * active + max(0.0, wall - active)
+    return dream / allowed if allowed > 0 else None
 
 
 def main() -> None:
@@ -201,7 +219,8 @@ def main() -> None:
                 p, j = job["pacer"], job["job"]
                 print(f"{shape.name:44s} chat {base['tok_s'] or 0:5.1f} -> {job['client']['tok_s'] or 0:5.1f} tok/s "
                       f"(client {out.get('client_slowdown', 0):+.1%}, pacer {p['realized_slowdown'] or 0:.3f})  "
-                      f"job {j['dream_share_of_wall']:.2f} of wall ({j['share_vs_allowed'] or 0:.2f} of allowed)  "
+                      f"job {j['dream_share_of_wall']:.2f} of wall ({j['share_vs_allowed'] or 0:.2f} of allowed; "
+                      f"{j['share_vs_allowed_in_load'] or 0:.2f} in the clients' window)  "
                       f"pause p50/p95/max {p['micro_step_ms_p50'] or 0:.0f}/{p['micro_step_ms_p95'] or 0:.0f}/"
                       f"{p['micro_step_ms_max'] or 0:.0f} ms  chunk {p['step_chunk']} threads {p['dream_threads']}",
                       flush=True)
