@@ -230,11 +230,12 @@ int main(int argc, char ** argv) {
         const int n_splits = dream_last_n_splits(ds);
         if (!do_prefill(pre)) return fail("prefill after steps");
         all_prefill.insert(all_prefill.end(), pre.begin(), pre.end());
-        std::vector<double> tps, tps_wall;
-        for (double ms : step_ms) tps.push_back(C / (ms / 1000.0));
-        for (double ms : wall_ms) tps_wall.push_back(C / (ms / 1000.0));
-        std::vector<double> tps_fresh;
-        for (double ms : fresh_ms) tps_fresh.push_back(C / (ms / 1000.0));
+        auto tok_s = [C](const std::vector<double> & ms) {
+            std::vector<double> v;
+            for (double x : ms) v.push_back(C / (x / 1000.0));
+            return v;
+        };
+        const std::vector<double> tps = tok_s(step_ms), tps_wall = tok_s(wall_ms), tps_fresh = tok_s(fresh_ms);
         const long long reuses = (long long) dream_graph_reuses(ds);
         // same window every step at lr 1e-3: the loss must fall
         const bool loss_fell = loss.back() < loss.front();

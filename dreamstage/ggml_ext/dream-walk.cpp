@@ -838,13 +838,12 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     // Only the plain walk: the exact walk's and a group's graphs carry leaves,
     // adjoint views and surrogates that depend on the chunk's place in the pass.
     dream_step_graph & sg = ds.step_graph;
-    const bool reuse = sg.valid && ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active && sg.p == p &&
-                       sg.n == n && sg.n_out == n_out && sg.train == train && sg.loss_scale == loss_scale &&
-                       ds.res->can_reuse(gp);
+    const bool keepable = ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active;
+    const bool reuse = keepable && sg.valid && sg.p == p && sg.n == n && sg.n_out == n_out && sg.train == train &&
+                       sg.loss_scale == loss_scale && ds.res->can_reuse(gp);
     // the graph this step computes: the kept one, or one built below
     dream_step_graph fresh;
     dream_step_graph & sgraph = reuse ? sg : fresh;
-    ggml_tensor * loss = nullptr;
     std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;       // what the step allocates, per device
     if (reuse) {
         // allocated already: nothing to plan, the gate sees only the step's host memory
@@ -858,6 +857,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         ds.res->reset();
 
         ggml_cgraph * gf = nullptr;
+        ggml_tensor * loss = nullptr;
         g_building = &ds;
         g_hook_calls = 0;
         ds.build_pos = p;
@@ -1102,7 +1102,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     }
 
     // the plain walk keeps the graph allocated for the next chunk of this shape
-    if (ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active) {
+    if (keepable) {
         if (!reuse) {
             fresh.ctx.reset(scope.ctx);
             scope.ctx = nullptr;

@@ -531,10 +531,6 @@ def anchor_visits(n_anchors: int, n_job_windows: int, ratio: float, epoch: int,
     return [(int(perm[p % n_anchors]), p // n_anchors) for p in range(epoch * k, epoch * k + k)]
 
 
-def anchor_schedule(n_anchors: int, n_job_windows: int, ratio: float, epoch: int, seed: int) -> list[int]:
-    """The anchors of anchor_visits, without their visit numbers."""
-    return [a for a, _ in anchor_visits(n_anchors, n_job_windows, ratio, epoch, seed)]
-
 
 def run_steps(gen: Iterator[None]) -> Any:
     """Run a step generator to its end (tests, benchmarks); returns its value."""
