@@ -13,6 +13,7 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
+#include "rel_l2.h"
 
 #include <cmath>
 #include <cstdio>
@@ -45,15 +46,6 @@ static std::vector<float> run_mul_mat(ggml_backend_t be, ggml_type type, const s
     ggml_backend_buffer_free(buf);
     ggml_free(ctx);
     return out;
-}
-
-static double rel_l2(const std::vector<float> & a, const std::vector<double> & ref) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size(); ++i) {
-        num += (a[i] - ref[i]) * (a[i] - ref[i]);
-        den += ref[i] * ref[i];
-    }
-    return std::sqrt(num / den);
 }
 
 int main(int argc, char ** argv) {

@@ -9,14 +9,17 @@
 #   2. dream_gpu_bench on random Llama-3.2-1B-shape models (Q8_0, Q4_K_M, Q4_0,
 #      quantized here from one generated F16 model): prefill 512 beside dream
 #      micro-steps for each rank x target set x chunk;
-#   3. bench/gpu/peft_bench.py (PyTorch + PEFT) on the same shapes, same run.
+#   3. bench/gpu/peft_bench.py (PyTorch + PEFT) on the same shapes, same run;
+#   4. (decode) dream_lora_check: the fused LoRA decode kernel (patch 0104) against exact
+#      arithmetic and against upstream's nodes; dream_decode_bench: decode with a served
+#      adapter against the bare model, with the fusion and without.
 # Prepared on the dev machine (the tree travels, models do not, except the tiny ones):
 #   python3 bench/gpu/trim_tree.py                    # .gpu/llama.cpp (~18 MiB)
 #   python3 bench/gpu/make_model.py --dump-tokenizer .gpu/tokenizer_kv.json
 #   tiny models: tests/tiny_model.write_tiny_model(Path('.gpu'), quant='f32'|'q8_0')
 #   cp -r <venv>/site-packages/gguf .gpu/site/        # pure Python, for make_model.py
 # then, on the device machine, from the repository root with .gpu carried:
-#   bash bench/gpu/run.sh OUTDIR [phases=check,bench,peft] [chunks=512,2048] [reps=5] [ranks=8,16] [targets="attn_q,attn_v;all"] [bases=q8_0,q4_k_m,q4_0]
+#   bash bench/gpu/run.sh OUTDIR [phases=check,bench,peft(,decode)] [chunks=512,2048] [reps=5] [ranks=8,16] [targets="attn_q,attn_v;all"] [bases=q8_0,q4_k_m,q4_0]
 # Writes OUTDIR/check_*.txt, OUTDIR/bench_<base>.json, OUTDIR/peft.json. Exit 1 when a check fails.
 set -uo pipefail
 OUT=${1:-/tmp/dream_gpu}; PHASES=${2:-check,bench,peft}; CHUNKS=${3:-512,2048}; REPS=${4:-5}
@@ -37,7 +40,7 @@ if has peft; then
 fi
 # models are written by the CPU while the CUDA build runs
 ( python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/small_f32.gguf --quant f32 --shape small
-  if has bench; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
+  if has bench || has decode; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
 ) > "$OUT/make_model.log" 2>&1 &
 GEN=$!
 t0=$(date +%s)
@@ -82,6 +85,33 @@ print(f'  decode before {d["decode_tok_s_before_training"]:.0f}, with adapter {d
 PY
     done
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader > "$OUT/nvidia_smi_after.txt"
+fi
+# decode with a served adapter: the fused LoRA decode kernel (patch 0104) op by op
+# against exact arithmetic and against upstream's nodes (dream_lora_check), then
+# whole decodes against the bare model, with the fusion and without it, in
+# alternating processes (without, with, without, with) on each base
+if has decode; then
+    $B/bin/dream_lora_check > "$OUT/lora_check.json" 2> "$OUT/lora_check.err" || rc=1
+    echo "== lora_check"; grep -E '"pass"|us_per_token|FAILED' "$OUT/lora_check.json"
+    for base in ${BASES//,/ }; do
+        [ -s $M/llama1b_$base.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_$base.gguf $base > "$OUT/quantize_$base.log" 2>&1
+        for k in 1 2; do for f in 0 1; do
+            DREAMSTAGE_LORA_FUSION=$f $B/bin/dream_decode_bench $M/llama1b_$base.gguf 99 "$RANKS" "$TARGETS" 5 128 \
+                > "$OUT/decode_${base}_f${f}_$k.json" 2> "$OUT/decode_${base}_f${f}_$k.err" || rc=1
+        done; done
+        python3 - "$OUT" "$base" <<'PY'
+import json, sys
+out, base = sys.argv[1], sys.argv[2]
+try:
+    runs = {f: [json.load(open(f"{out}/decode_{base}_f{f}_{k}.json")) for k in (1, 2)] for f in (0, 1)}
+except Exception as e:
+    print("no JSON:", e); sys.exit(0)
+for i, r in enumerate(runs[0][0]["runs"]):
+    cols = [f'fusion {f}: {d["runs"][i]["decode_tok_s_without"]:.0f} -> {d["runs"][i]["decode_tok_s_with"]:.0f} '
+            f'({100 * d["runs"][i]["cost"]:.1f}%)' for f in (0, 1) for d in runs[f]]
+    print(f'  decode {base} r{r["rank"]} {"all" if r["targets"].count(",") == 6 else r["targets"]}: ' + "; ".join(cols))
+PY
+    done
 fi
 if has peft; then
     cat "$OUT/peft.json"
