@@ -34,6 +34,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from drift_facts import EVAL_FACTS, UNSEEN_PROMPTS, chat_examples
@@ -42,6 +44,7 @@ from dreamstage.resident import ResidentConfig, ResidentModel
 from dreamstage.training.drift import (
     DriftProbe,
     _Decoder,
+    _log_softmax,
     anchor_visits,
     anchor_windows,
     load_anchors,
@@ -101,6 +104,38 @@ def changed_where_sure(drift, bases, p: float = 0.5) -> float:
     return sum(sure) / max(len(sure), 1)
 
 
+def first_changes(rm, probe, handle) -> list[dict]:
+    """Per held-out anchor, where the adapter's greedy answer first leaves the
+    base's: the position, the base's token and its top two probabilities there,
+    and the adapter's choice with the probabilities it gives both (one more
+    teacher-forced decode per anchor, the same pieces as the measurement)."""
+    out = []
+    set_context_adapter(rm, handle)
+    try:
+        for b in probe.bases:
+            dec = _Decoder(rm, 0)
+            try:
+                rows = dec.logits(b.forced, len(b.prompt_tokens) - 1)
+            finally:
+                dec.close()
+            lq = _log_softmax(rows[:len(b.answer)].astype(np.float64))
+            choice = lq.argmax(axis=1)
+            diff = np.flatnonzero(choice != np.asarray(b.answer))
+            rec: dict = {"prompt": b.prompt, "base_answer": rm.detokenize(list(b.answer))}
+            if diff.size:
+                f = int(diff[0])
+                p = np.sort(np.exp(b.top_logp[f].astype(np.float64)))[::-1]
+                new = int(choice[f])
+                rec.update(position=f, prefix=rm.detokenize(list(b.answer[:f])),
+                           base_token=rm.detokenize([int(b.answer[f])]), base_p_top2=[float(p[0]), float(p[1])],
+                           adapter_token="<end of turn>" if rm.is_eog(new) else rm.detokenize([new]),
+                           adapter_p_own=float(np.exp(lq[f, new])), adapter_p_base=float(np.exp(lq[f, b.answer[f]])))
+            out.append(rec)
+    finally:
+        set_context_adapter(rm, None)
+    return out
+
+
 def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, ratio, stop_loss, more=None,
                 seed=0) -> dict:
     more = dict(more or {})
@@ -140,6 +175,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         drift_rehearsed = run_steps(rehearsal.measure(trainer.served_adapter))
         drift_unseen = run_steps(unseen.measure(trainer.served_adapter))
         rec_frac, answers = recall(rm, trainer.served_adapter, EVAL_FACTS)
+        changes = first_changes(rm, probe, trainer.served_adapter)
     finally:
         trainer.close()
     out = {"name": name, **more, "rehearsal_samples": samples, "lr": lr, "epochs": epochs,
@@ -152,8 +188,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
            "rehearsed_drift_kl": drift_rehearsed.drift_kl, "rehearsed_changed": drift_rehearsed.anchors_changed,
            "unseen_drift_kl": drift_unseen.drift_kl, "unseen_changed": drift_unseen.anchors_changed,
            "unseen_changed_12": drift_unseen.changed_within(12),
-           "train_s": train_s, "measure_s": measure_s, "answers": answers}
-    print(json.dumps({k: v for k, v in out.items() if k not in ("answers",)}), flush=True)
+           "train_s": train_s, "measure_s": measure_s, "answers": answers, "first_changes": changes}
+    print(json.dumps({k: v for k, v in out.items() if k not in ("answers", "first_changes")}), flush=True)
     return out
 
 
