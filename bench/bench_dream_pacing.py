@@ -147,8 +147,10 @@ def ledger(srv: BackgroundServer) -> tuple[float, float, float]:
     """(clock, active seconds, dream seconds) of the running job's pacer, read
     in process: the share over the clients' own window, without the job's
     start and the idle tail after them that the job's figures include."""
-    p = srv.service.dream._pacer
-    return p.clock(), p._active_s, p._dream_active_s + p._dream_idle_s
+    ledger = srv.service.dream.pacing_ledger()
+    if ledger is None:
+        raise RuntimeError("no job is being paced")
+    return ledger
 
 
 def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: float, pacing: dict) -> dict:

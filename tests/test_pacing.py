@@ -76,6 +76,29 @@ def test_a_step_is_charged_its_time_and_the_contention_it_caused():
     assert f["realized_slowdown"] == pytest.approx(0.21 / 0.65)
 
 
+def test_the_ledger_read_twice_gives_a_window_of_chat_and_training_time():
+    """Pacer.ledger is what bench_dream_pacing reads when the clients start and
+    stop: its differences are the window's chat and training seconds, the same
+    as the figures' totals over the whole job."""
+    clock = FakeClock()
+    pacer = Pacer("max_slowdown", 0.1, clock=clock)
+    for _ in range(5):
+        clock.advance(0.04)
+        pacer.record_batch(4, 0.04)
+    t0, active0, dream0 = pacer.ledger()
+    clock.advance(0.2)
+    pacer.record_dream(0.2)
+    for _ in range(3):
+        clock.advance(0.04)
+        pacer.record_batch(4, 0.04)
+    t1, active1, dream1 = pacer.ledger()
+    assert t1 - t0 == pytest.approx(0.32)
+    # a step between chat's batches is chat's time too (its bound is a share of it)
+    assert active1 - active0 == pytest.approx(0.32) and dream1 - dream0 == pytest.approx(0.2)
+    f = pacer.figures()
+    assert (f["active_s"], f["dream_s"]) == pytest.approx((active1, dream1)) and active1 == pytest.approx(0.52)
+
+
 def test_share_charges_no_contention():
     clock = FakeClock()
     pacer = Pacer("share", 0.1, clock=clock)

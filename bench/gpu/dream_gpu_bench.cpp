@@ -198,28 +198,36 @@ int main(int argc, char ** argv) {
             return true;
         };
         if (!do_prefill(pre)) return fail("prefill before steps");
+        // one micro-step on the window (one chunk), checked (FAILED printed on any failure)
+        auto step = [&](int i, double * wall) {
+            if (dream_window_begin(ds, toks.data(), mask.data(), C, &r) != DREAM_STATUS_OK) {
+                std::fprintf(stderr, "window_begin: %s\n", r.message);
+                fail("dream_window_begin");
+                return false;
+            }
+            const auto t0 = clk::now();
+            const int st = dream_micro_step(ds, &r);
+            *wall = ms_since(t0);
+            std::fprintf(stderr, "chunk %d step %d status %d loss %.4f ms %.2f wall %.2f graph_mib %.1f context_mib %.2f %s\n",
+                         C, i, st, r.loss, r.ms, *wall, r.graph_mib, r.context_mib, r.message);
+            if (st != DREAM_STATUS_OK) { fail(r.message); return false; }
+            if (r.chunk_tokens != C || dream_chunks_left(ds) != 0) { fail("a window of one chunk took more than one micro-step"); return false; }
+            if (!std::isfinite(r.loss)) { fail("loss not finite"); return false; }
+            return true;
+        };
         // the same steps with graph reuse off first (every step builds, plans and
         // allocates its graph), then on (the default; the first step builds)
         std::vector<double> fresh_ms;
         dream_set_graph_reuse(ds, false);
         for (int i = 0; i < reps + 2; ++i) {
-            if (dream_window_begin(ds, toks.data(), mask.data(), C, &r) != DREAM_STATUS_OK) return fail("dream_window_begin");
-            if (dream_micro_step(ds, &r) != DREAM_STATUS_OK) return fail(r.message);
+            double wall = 0;
+            if (!step(i, &wall)) return 1;
             if (i >= 2) fresh_ms.push_back(r.ms);
         }
         dream_set_graph_reuse(ds, true);
         for (int i = 0; i < reps + 2; ++i) {   // two warm-up steps
-            if (dream_window_begin(ds, toks.data(), mask.data(), C, &r) != DREAM_STATUS_OK) {
-                std::fprintf(stderr, "window_begin: %s\n", r.message); return fail("dream_window_begin");
-            }
-            const auto t0 = clk::now();
-            const int st = dream_micro_step(ds, &r);
-            const double wall = ms_since(t0);
-            std::fprintf(stderr, "chunk %d step %d status %d loss %.4f ms %.2f wall %.2f graph_mib %.1f context_mib %.2f %s\n",
-                         C, i, st, r.loss, r.ms, wall, r.graph_mib, r.context_mib, r.message);
-            if (st != DREAM_STATUS_OK) return fail(r.message);
-            if (r.chunk_tokens != C || dream_chunks_left(ds) != 0) return fail("a window of one chunk took more than one micro-step");
-            if (!std::isfinite(r.loss)) return fail("loss not finite");
+            double wall = 0;
+            if (!step(i, &wall)) return 1;
             loss.push_back(r.loss);
             if (i < 2) continue;
             step_ms.push_back(r.ms);

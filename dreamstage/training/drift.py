@@ -38,12 +38,14 @@ import zlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from dreamstage.training.examples import ChatRenderer, TrainWindow
 from dreamstage.training.spec import ChatExample, Message
+
+T = TypeVar("T")
 
 # Tokens of each base answer recorded: long enough that a changed fact or a
 # changed wording shows, short enough that one anchor is one short decode.
@@ -546,13 +548,20 @@ def rehearsal_windows(base: AnchorBase, index: int, window: int) -> list[TrainWi
     return [w for w in base.windows(-1 - index, f"anchors[{index}]") if len(w) <= window]
 
 
+def visit_choice(options: Sequence[T], visit: int) -> T:
+    """What visit `visit` of a rehearsal anchor trains, of its windows
+    `options` (one per sample): the sample visit mod their number, so
+    successive visits train different samples."""
+    return options[visit % len(options)]
+
+
 def anchor_windows(bases: Sequence[AnchorBase], visits: Iterable[tuple[int, int]], window: int) -> list[TrainWindow]:
-    """The regularizer's windows for (anchor, visit) pairs (anchor_visits):
-    visit v of an anchor trains its sample v mod their number (its greedy
-    answer when it has none); an anchor with no window that fits is left out."""
+    """The regularizer's windows for (anchor, visit) pairs (anchor_visits),
+    each the visit's choice (visit_choice) of the anchor's windows (its greedy
+    answer when it has no samples); an anchor with no window that fits is left out."""
     out = []
     for i, v in visits:
         fitting = rehearsal_windows(bases[i], i, window)
         if fitting:
-            out.append(fitting[v % len(fitting)])
+            out.append(visit_choice(fitting, v))
     return out

@@ -38,6 +38,7 @@ from dreamstage.training.drift import (
     prompt_tokens,
     rehearsal_anchors,
     rehearsal_windows,
+    visit_choice,
 )
 from dreamstage.training.examples import epoch_order
 from dreamstage.training.receipts import kind_receipt
@@ -103,8 +104,8 @@ class DriftGuard:
 
     def order(self, epoch: int) -> list[int]:
         """Window indices (into `windows`) visited in `epoch`, in order: an
-        anchor's visit v trains its sample v mod their number (drift.anchor_windows)."""
-        picked = [self._anchor_pos[a][v % len(self._anchor_pos[a])]
+        anchor's visit trains the window drift.visit_choice picks."""
+        picked = [visit_choice(self._anchor_pos[a], v)
                   for a, v in anchor_visits(len(self._rehearsed), self.n_train, self.ratio, epoch, self.spec.seed)
                   if a in self._anchor_pos]
         visit = list(range(self.n_train)) + picked

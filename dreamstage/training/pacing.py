@@ -429,6 +429,12 @@ class Pacer:
         return self._p50_step_s or self._scale_s
 
     # -- the report --------------------------------------------------------------------
+    def ledger(self) -> tuple[float, float, float]:
+        """(clock, seconds chat was active, seconds the job trained, in
+        chat's time and in idle time) so far: read twice, the difference is
+        a window's ledger (bench_dream_pacing reads the clients' window)."""
+        return self.clock(), self._active_s, self._dream_active_s + self._dream_idle_s
+
     def figures(self) -> dict[str, Any]:
         ivs = list(self._intervals)
         busy = [iv for iv in ivs if iv.dream_s > 0 or iv.wait_s > 0]
@@ -447,8 +453,8 @@ class Pacer:
         lost = sum(iv.dream_s + iv.wait_s + iv.contention_s + iv.late_s for iv in ivs)
         total_s = sum(iv.seconds for iv in ivs)
         steps = sorted(self._steps_ms)
-        wall = self.clock() - self._created
-        dream = self._dream_active_s + self._dream_idle_s
+        now, active, dream = self.ledger()
+        wall = now - self._created
         return {
             "mode": self.mode,
             "target": self.value,
@@ -468,7 +474,7 @@ class Pacer:
             "micro_step_ms_max": self._max_step_ms if self._steps else None,
             "pauses_over_max": self._over_pause,
             "wall_s": wall,
-            "active_s": self._active_s,
+            "active_s": active,
             "dream_s": dream,
             "dream_idle_s": self._dream_idle_s,
             "job_share_of_wall": dream / wall if wall > 0 else None,
