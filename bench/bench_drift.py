@@ -104,11 +104,10 @@ def changed_where_sure(drift, bases, p: float = 0.5) -> float:
     return sum(sure) / max(len(sure), 1)
 
 
-def first_changes(rm, probe, handle) -> list[dict]:
-    """Per held-out anchor, where the adapter's greedy answer first leaves the
-    base's: the position, the base's token and its top two probabilities there,
-    and the adapter's choice with the probabilities it gives both (one more
-    teacher-forced decode per anchor, the same pieces as the measurement)."""
+def answer_logprobs(rm, probe, handle) -> list[np.ndarray]:
+    """Per anchor, the log-probabilities at each position of the base's answer,
+    teacher-forced on it in the measurement's pieces, with `handle` on the
+    context (None: the base)."""
     out = []
     set_context_adapter(rm, handle)
     try:
@@ -118,26 +117,35 @@ def first_changes(rm, probe, handle) -> list[dict]:
                 rows = dec.logits(b.forced, len(b.prompt_tokens) - 1)
             finally:
                 dec.close()
-            lq = _log_softmax(rows[:len(b.answer)].astype(np.float64))
-            choice = lq.argmax(axis=1)
-            diff = np.flatnonzero(choice != np.asarray(b.answer))
-            rec: dict = {"prompt": b.prompt, "base_answer": rm.detokenize(list(b.answer))}
-            if diff.size:
-                f = int(diff[0])
-                p = np.sort(np.exp(b.top_logp[f].astype(np.float64)))[::-1]
-                new = int(choice[f])
-                rec.update(position=f, prefix=rm.detokenize(list(b.answer[:f])),
-                           base_token=rm.detokenize([int(b.answer[f])]), base_p_top2=[float(p[0]), float(p[1])],
-                           adapter_token="<end of turn>" if rm.is_eog(new) else rm.detokenize([new]),
-                           adapter_p_own=float(np.exp(lq[f, new])), adapter_p_base=float(np.exp(lq[f, b.answer[f]])))
-            out.append(rec)
+            out.append(_log_softmax(rows[:len(b.answer)].astype(np.float64)))
     finally:
         set_context_adapter(rm, None)
     return out
 
 
+def first_changes(rm, probe, handle) -> list[dict]:
+    """Per held-out anchor, where the adapter's greedy answer first leaves the
+    base's: the position, the base's token and its top two probabilities there,
+    and the adapter's choice with the probabilities it gives both."""
+    out = []
+    for b, lq in zip(probe.bases, answer_logprobs(rm, probe, handle), strict=True):
+        choice = lq.argmax(axis=1)
+        diff = np.flatnonzero(choice != np.asarray(b.answer))
+        rec: dict = {"prompt": b.prompt, "base_answer": rm.detokenize(list(b.answer))}
+        if diff.size:
+            f = int(diff[0])
+            p = np.sort(np.exp(b.top_logp[f].astype(np.float64)))[::-1]
+            new = int(choice[f])
+            rec.update(position=f, prefix=rm.detokenize(list(b.answer[:f])),
+                       base_token=rm.detokenize([int(b.answer[f])]), base_p_top2=[float(p[0]), float(p[1])],
+                       adapter_token="<end of turn>" if rm.is_eog(new) else rm.detokenize([new]),
+                       adapter_p_own=float(np.exp(lq[f, new])), adapter_p_base=float(np.exp(lq[f, b.answer[f]])))
+        out.append(rec)
+    return out
+
+
 def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, ratio, stop_loss, more=None,
-                seed=0) -> dict:
+                seed=0, on_adapter=None) -> dict:
     more = dict(more or {})
     samples = more.pop("samples", 0)
     # the setting's rehearsal data: its first `samples` samples, or the greedy answers
@@ -176,6 +184,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         drift_unseen = run_steps(unseen.measure(trainer.served_adapter))
         rec_frac, answers = recall(rm, trainer.served_adapter, EVAL_FACTS)
         changes = first_changes(rm, probe, trainer.served_adapter)
+        if on_adapter is not None:           # a caller's own look at the final adapter (bench_drift_floor)
+            on_adapter(trainer.served_adapter)
     finally:
         trainer.close()
     out = {"name": name, **more, "rehearsal_samples": samples, "lr": lr, "epochs": epochs,
