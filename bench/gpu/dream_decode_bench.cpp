@@ -12,7 +12,8 @@
 // DREAMSTAGE_LORA_FUSION=0; run.sh runs both, in alternating processes. (Switching
 // it inside one process is not measured here: ggml-cuda would replay the CUDA
 // graph it captured the other way, since the ggml graph is the same.
-// dream_lora_check compares the two ways op by op.)
+// dream_lora_check compares the two ways op by op.) Exit 1 when the fused kernel
+// did not run with the fusion on, or ran with it off.
 #include "dream.h"
 #include "llama.h"
 
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <dlfcn.h>
 #include <random>
 #include <string>
 #include <vector>
@@ -99,6 +101,9 @@ int main(int argc, char ** argv) {
     const int reps = argc > 5 ? std::max(1, std::atoi(argv[5])) : 5;
     const int n_decode = argc > 6 ? std::max(8, std::atoi(argv[6])) : 128;
     const char * fusion = std::getenv("DREAMSTAGE_LORA_FUSION");
+    const bool fusion_on = fusion == nullptr || std::atoi(fusion) != 0;
+    // the fused kernels launched so far (ggml-cuda, patch 0104; absent on a CPU build)
+    auto fusion_runs = (long long (*)()) dlsym(RTLD_DEFAULT, "dream_cuda_lora_fusion_runs");
 
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
@@ -149,6 +154,10 @@ int main(int argc, char ** argv) {
                 if (rep >= 0) { without.push_back(a); with.push_back(b); }
             }
             llama_set_adapters_lora(ctx, nullptr, 0, nullptr);
+            // the decodes with the adapter went through the fusion exactly when it is on
+            // (a replayed CUDA graph launches nothing from the host, so only "some" is checked)
+            const long long fused = fusion_runs ? fusion_runs() : -1;
+            if (fusion_runs && fusion_on != (fused > 0)) return fail("the LoRA decode fusion did not run as set");
             size_t same = 0;
             while (same < toks_with.size() && toks_with[same] == toks_without[same]) ++same;
             std::string tk;
@@ -157,7 +166,8 @@ int main(int argc, char ** argv) {
             const double mw = median(without), mv = median(with);
             std::snprintf(buf, sizeof buf,
                           "    {\"rank\": %d, \"targets\": \"%s\", \"decode_tok_s_without\": %.1f, \"decode_tok_s_with\": %.1f, "
-                          "\"cost\": %.4f,\n     ", ranks[ri], target_sets[ti].c_str(), mw, mv, 1.0 - mv / mw);
+                          "\"cost\": %.4f, \"fused_launches_so_far\": %lld,\n     ", ranks[ri], target_sets[ti].c_str(), mw, mv,
+                          1.0 - mv / mw, fused);
             out += buf;
             const std::pair<const char *, std::vector<double> *> lists[2] = { { "without_all", &without }, { "with_all", &with } };
             for (const auto & [name, vals] : lists) {
