@@ -680,7 +680,6 @@ def test_the_simulation_is_sensitive_to_the_charges():
     """Without the contention charge the bound breaks: the test above can fail."""
     ld = Load(contention=1.0)
     shape = next(s for s in SHAPES if s.name == "4 streams")
-    base = simulate(shape, ld, None, seed=5)
     job = simulate(shape, ld, {"mode": "share", "value": 0.10}, seed=5)   # share charges no contention
     assert job.slowdown > 0.13
     job = simulate(shape, ld, {"mode": "max_slowdown", "value": 0.10}, seed=5)
