@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
-import math
 import tempfile
 import threading
 import time
@@ -143,10 +143,11 @@ def load_apart(url: str, shape: Shape, seconds: float) -> dict:
 LOAD = {"load": load}
 
 
-def ledger(srv: BackgroundServer) -> tuple[float, float, float]:
-    """(clock, active seconds, dream seconds) of the running job's pacer, read
-    in process: the share over the clients' own window, without the job's
-    start and the idle tail after them that the job's figures include."""
+def ledger(srv: BackgroundServer) -> tuple[float, float, float, float]:
+    """(clock, active seconds, dream seconds, idle seconds) of the running job's
+    pacer (`Pacer.ledger`), read in process: the share over the clients' own
+    window, without the job's start and the idle tail after them that the
+    job's figures include."""
     ledger = srv.service.dream.pacing_ledger()
     if ledger is None:
         raise RuntimeError("no job is being paced")
@@ -172,8 +173,15 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
     # the native step time of each ok receipt, beside the pause the pacer measured around it
     native = [r["ms"] for r in srv.service.jobs.receipts(jid, status="ok")]
     f = job["pacing"]
-    active = f["active_s"]
-    allowed = pacing.get("max_slowdown", 0.10) * active + max(0.0, f["wall_s"] - active)
+    bound = pacing.get("max_slowdown", 0.10)
+    # What the bound and the idle time allow: the bound's part of chat's time (the
+    # wall time with a request in the system) and all of the idle time, as the
+    # pacing simulation (tests/test_pacing.py) defines it. Until 2026-12-01 this
+    # took chat's time as the pacer's active seconds (its batches and steps) and
+    # counted the rest, the serving loop's own work between batches included, as
+    # idle; that figure is kept as *_batch_time.
+    allowed = allowance(bound, f["wall_s"], f["idle_s"])
+    allowed_batch_time = bound * f["active_s"] + max(0.0, f["wall_s"] - f["active_s"])
     return {"client": client, "pacer": f,
             "native_step_ms": {"p50": pct(native, 50), "p95": pct(native, 95), "max": max(native, default=None),
                                "steps": len(native)},
@@ -183,12 +191,20 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
                     "allowed_share_of_wall": allowed / f["wall_s"],
                     "share_vs_allowed": f["dream_s"] / allowed if allowed else None,
                     # the same over the clients' window only
-                    "share_vs_allowed_in_load": share_in(l0, l1, pacing.get("max_slowdown", 0.10))}}
+                    "share_vs_allowed_in_load": share_in(l0, l1, bound),
+                    "share_vs_allowed_batch_time": f["dream_s"] / allowed_batch_time if allowed_batch_time else None,
+                    "share_vs_allowed_in_load_batch_time": share_in(l0, l1, bound, batch_time=True)}}
 
 
-def share_in(l0: tuple[float, float, float], l1: tuple[float, float, float], bound: float) -> float | None:
-    wall, active, dream = (b - a for a, b in zip(l0, l1))
-    allowed = bound * active + max(0.0, wall - active)
+def allowance(bound: float, wall: float, idle: float) -> float:
+    """Training time the promise allows over `wall` seconds of which `idle` had
+    no request in the system: the bound's part of the rest, and all the idle."""
+    return bound * max(0.0, wall - idle) + idle
+
+
+def share_in(l0: tuple[float, ...], l1: tuple[float, ...], bound: float, batch_time: bool = False) -> float | None:
+    wall, active, dream, idle = (b - a for a, b in zip(l0, l1, strict=True))
+    allowed = bound * active + max(0.0, wall - active) if batch_time else allowance(bound, wall, idle)
     return dream / allowed if allowed > 0 else None
 
 

@@ -76,27 +76,38 @@ def test_a_step_is_charged_its_time_and_the_contention_it_caused():
     assert f["realized_slowdown"] == pytest.approx(0.21 / 0.65)
 
 
-def test_the_ledger_read_twice_gives_a_window_of_chat_and_training_time():
+def test_the_ledger_read_twice_gives_a_window_of_chat_training_and_idle_time():
     """Pacer.ledger is what bench_dream_pacing reads when the clients start and
-    stop: its differences are the window's chat and training seconds, the same
-    as the figures' totals over the whole job."""
+    stop: its differences are the window's chat, training and idle seconds, the
+    same as the figures' totals over the whole job. Idle is only time with no
+    request in the system."""
     clock = FakeClock()
     pacer = Pacer("max_slowdown", 0.1, clock=clock)
     for _ in range(5):
         clock.advance(0.04)
         pacer.record_batch(4, 0.04)
-    t0, active0, dream0 = pacer.ledger()
+    t0, active0, dream0, idle0 = pacer.ledger()
     clock.advance(0.2)
     pacer.record_dream(0.2)
     for _ in range(3):
-        clock.advance(0.04)
+        clock.advance(0.05)                     # 40 ms of batch, 10 ms of the serving loop's own work
         pacer.record_batch(4, 0.04)
-    t1, active1, dream1 = pacer.ledger()
-    assert t1 - t0 == pytest.approx(0.32)
-    # a step between chat's batches is chat's time too (its bound is a share of it)
+    t1, active1, dream1, idle1 = pacer.ledger()
+    assert t1 - t0 == pytest.approx(0.35)
+    # a step between chat's batches is chat's time too (its bound is a share of it); the
+    # loop's work between batches is in neither column, and it is not idle: a request is in
     assert active1 - active0 == pytest.approx(0.32) and dream1 - dream0 == pytest.approx(0.2)
+    assert idle1 == idle0 == 0.0
+    # the slots empty; 30 ms later a request arrives and its first batch takes 40 ms
+    pacer.should_dream(0)                       # the engine finds the slots empty
+    clock.advance(0.02)
+    assert pacer.ledger()[3] == pytest.approx(0.02)    # the open stretch counts as it runs
+    clock.advance(0.05)
+    pacer.record_batch(1, 0.04, batch_tokens=20)
+    t2, active2, dream2, idle2 = pacer.ledger()
+    assert idle2 == pytest.approx(0.03) and active2 - active1 == pytest.approx(0.04)
     f = pacer.figures()
-    assert (f["active_s"], f["dream_s"]) == pytest.approx((active1, dream1)) and active1 == pytest.approx(0.52)
+    assert (f["active_s"], f["dream_s"], f["idle_s"]) == pytest.approx((active2, dream2, idle2))
 
 
 def test_share_charges_no_contention():

@@ -214,6 +214,7 @@ class Pacer:
         self.late_s = 0.0                 # requests' lateness charged after gaps idle steps ran in (signed sum)
         self._created = clock()
         self._idle_since: float | None = None
+        self._idle_s = 0.0                # closed idle stretches: slots empty until the next request arrived
         self._granted_idle = False
         self._stepped_since_batch = False
         self._pending_dream_s = 0.0       # in-batch step time waiting for the next batch
@@ -280,6 +281,7 @@ class Pacer:
         if self._idle_since is not None:
             # the request that ended the idle stretch arrived about when this batch began
             gap = max(0.0, now - batch_s - self._pending_wait_s - self._idle_since)
+            self._idle_s += gap
             self._gaps.append(gap)
             self._gap_ends.append(now)
             late = self._gap_lateness(gap)
@@ -429,11 +431,18 @@ class Pacer:
         return self._p50_step_s or self._scale_s
 
     # -- the report --------------------------------------------------------------------
-    def ledger(self) -> tuple[float, float, float]:
-        """(clock, seconds chat was active, seconds the job trained, in
-        chat's time and in idle time) so far: read twice, the difference is
-        a window's ledger (bench_dream_pacing reads the clients' window)."""
-        return self.clock(), self._active_s, self._dream_active_s + self._dream_idle_s
+    def ledger(self) -> tuple[float, float, float, float]:
+        """(clock, seconds of chat's batches and the steps between them,
+        seconds the job trained (in chat's time and in idle time), seconds
+        idle) so far. Idle is time with no request in the system: from the
+        moment the slots emptied to the next request's arrival (steps that ran
+        then included), the open stretch too. The rest of the wall time is
+        chat's, the serving loop's own work between batches included. Read
+        twice, the difference is a window's ledger (bench_dream_pacing reads
+        the clients' window)."""
+        now = self.clock()
+        idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
+        return now, self._active_s, self._dream_active_s + self._dream_idle_s, idle
 
     def figures(self) -> dict[str, Any]:
         ivs = list(self._intervals)
@@ -453,7 +462,7 @@ class Pacer:
         lost = sum(iv.dream_s + iv.wait_s + iv.contention_s + iv.late_s for iv in ivs)
         total_s = sum(iv.seconds for iv in ivs)
         steps = sorted(self._steps_ms)
-        now, active, dream = self.ledger()
+        now, active, dream, idle = self.ledger()
         wall = now - self._created
         return {
             "mode": self.mode,
@@ -477,6 +486,7 @@ class Pacer:
             "active_s": active,
             "dream_s": dream,
             "dream_idle_s": self._dream_idle_s,
+            "idle_s": idle,
             "job_share_of_wall": dream / wall if wall > 0 else None,
             "credit_ms": self.credit * 1000.0,
             "forgiven_ms": self.forgiven_s * 1000.0,

@@ -184,7 +184,7 @@ class DreamScheduler:
     def active_job(self) -> int | None:
         return self._job_id
 
-    def pacing_ledger(self) -> tuple[float, float, float] | None:
+    def pacing_ledger(self) -> tuple[float, float, float, float] | None:
         """The running job's pacer ledger (`Pacer.ledger`), or None."""
         return self._pacer.ledger() if self._pacer is not None else None
 
