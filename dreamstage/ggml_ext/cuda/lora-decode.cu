@@ -21,9 +21,10 @@
 // rows, s * B t. The kernel is bound by the latency of its loads, not by
 // bandwidth: a first version that computed t one row of A per warp, a chain of
 // dependent loads, made decoding slower than the three nodes it replaced (H200,
-// 2026-12-01: a rank-8 q,v adapter cost 28% of decode speed against 13%). The sums are F32 like upstream's F32 product paths, in another
-// order, so the result differs from the unfused one by rounding only
-// (bench/gpu/dream_gpu_bench checks the served logits both ways).
+// 2026-12-01: a rank-8 q,v adapter cost 28% of decode speed against 13%).
+// The sums are F32, in another order than upstream's, so the result differs
+// from the unfused one by rounding only (bench/gpu/dream_lora_check: within
+// 1.5e-7 relative L2 of the same arithmetic in double).
 //
 // DREAMSTAGE_LORA_FUSION=0 in the environment turns the hook off.
 
@@ -33,11 +34,13 @@
 
 static constexpr int DREAM_LORA_FUSE_MAX_COLS = 8;
 static constexpr int DREAM_LORA_THREADS = 256;
-static constexpr int DREAM_LORA_ROWS_PER_BLOCK = 256;
+static constexpr int DREAM_LORA_ROWS_PER_BLOCK = DREAM_LORA_THREADS;   // a thread per output row
+static_assert(DREAM_LORA_THREADS % WARP_SIZE == 0, "whole warps");
 
 // -1: not read yet; then 0 or 1. DREAMSTAGE_LORA_FUSION=0 turns the fusion off;
-// dream_cuda_lora_fusion_set() overrides it (bench/gpu/dream_decode_bench, which
-// compares both ways on one adapter in one process).
+// dream_cuda_lora_fusion_set() overrides it (bench/gpu/dream_lora_check, which
+// computes the same graph both ways in one process). Engine thread only, like
+// every graph compute on the context.
 static int dream_lora_fusion = -1;
 
 static long long dream_lora_fused_launches = 0;
@@ -47,7 +50,7 @@ extern "C" void dream_cuda_lora_fusion_set(int on) {
 }
 
 // Fused chains launched from the host so far (a CUDA graph's replays are not
-// counted): lets bench/gpu/dream_lora_check see that the fusion ran.
+// counted): lets dream_lora_check and dream_decode_bench see that the fusion ran.
 extern "C" long long dream_cuda_lora_fusion_runs() {
     return dream_lora_fused_launches;
 }
