@@ -1,19 +1,29 @@
-"""A/B of the pacer's gaps-first rule (pacing._gap_reserve) on one load shape.
+"""A/B of one pacing rule on one load shape.
 
-One server, the chat clients in their own process. After a first job has
-recorded the drift anchors (so no segment pays for that), each repetition runs
-the rule on, then off: a segment without a job and one with a job, as
-bench_dream_pacing.py does. Switching the rule off sets RECUR_WINDOW_S below
-zero, so no gap ever counts as recent and nothing is reserved; the server
-runs in this process, so the switch reaches the next job's pacer.
+Rules: `gaps`, the pacer's gaps-first rule (pacing._gap_reserve); `noise`, the
+shaper's whole-tail noise room on an oversubscribed machine (StepShaper.noise:
+NOISE_MAX, against NOISE_CAP everywhere).
+
+One server, the chat clients in its process (in their own with
+--clients-apart for the job's segments too). After a first job has recorded
+the drift anchors (so no segment pays for that), each repetition runs the rule
+on, then off: a segment without a job and one with a job, as
+bench_dream_pacing.py does. Switching `gaps` off sets RECUR_WINDOW_S below zero,
+so no gap ever counts as recent and nothing is reserved; switching `noise` off
+sets NOISE_MAX to NOISE_CAP. The server runs in this process, so the switch
+reaches the next job's pacer and shaper.
 
     .venv/bin/python bench/bench_pacing_gaps_ab.py --shape 1x24 --seconds 20 --reps 3 \
         --out bench/results/dream-pacing-gaps-ab-2026-11-30.json
+    (two `python3 -c "while True: pass"` beside it)
+    .venv/bin/python bench/bench_pacing_gaps_ab.py --rule noise --shape 4 --seconds 12 --reps 3 \
+        --clients-apart --out bench/results/dream-pacing-noise-ab-2026-12-01-loaded.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -25,12 +35,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_dream_pacing as pacing_bench  # noqa: E402
 
 from dreamstage.training import pacing  # noqa: E402
+from dreamstage.training.shaper import StepShaper  # noqa: E402
 
 PACING = {"max_slowdown": 0.10, "max_pause_ms": 250}
 
 
-def one(srv, http, shape, seconds: float, rule: str, rep: int) -> dict:
-    pacing.RECUR_WINDOW_S = 5.0 if rule == "on" else -1.0
+NOISE_MAX = StepShaper.NOISE_MAX
+
+
+def switch(which: str, on: bool) -> None:
+    if which == "gaps":
+        pacing.RECUR_WINDOW_S = 5.0 if on else -1.0
+    else:
+        StepShaper.NOISE_MAX = NOISE_MAX if on else StepShaper.NOISE_CAP
+
+
+def one(srv, http, shape, seconds: float, which: str, rule: str, rep: int) -> dict:
+    switch(which, rule == "on")
     base = pacing_bench.load_apart(srv.url, shape, seconds)
     job = pacing_bench.with_job(srv, http, shape, seconds, PACING)
     p, j = job["pacer"], job["job"]
@@ -40,18 +61,24 @@ def one(srv, http, shape, seconds: float, rule: str, rep: int) -> dict:
             "wall_s": p["wall_s"], "active_s": p["active_s"], "steps": p["micro_steps"],
             "idle_steps": p["idle_micro_steps"], "collisions": p["idle_collisions"],
             "pause_ms_p50": p["micro_step_ms_p50"], "pause_ms_p95": p["micro_step_ms_p95"],
+            "pause_ms_max": p["micro_step_ms_max"], "pauses_over_max": p["pauses_over_max"],
+            "step_chunk": p.get("step_chunk"), "step_noise": p.get("step_noise"),
             "walked_tok_s_wall": j["walked_tok_s_wall"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--rule", default="gaps", choices=["gaps", "noise"])
     ap.add_argument("--shape", default="1x24", choices=sorted(pacing_bench.SHAPES))
+    ap.add_argument("--clients-apart", action="store_true", help="the job segments' clients in their own process too")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     shape = pacing_bench.SHAPES[args.shape]
+    if args.clients_apart:
+        pacing_bench.LOAD["load"] = pacing_bench.load_apart
     rows = []
     with tempfile.TemporaryDirectory() as state:
         settings = pacing_bench.ServerSettings(ctx=4096, parallel=8, threads=args.threads, state_dir=state)
@@ -63,13 +90,15 @@ def main() -> None:
                 time.sleep(0.5)                                                 # the anchors are recorded
             for rep in range(args.reps):
                 for rule in ("on", "off"):
-                    rows.append(one(srv, http, shape, args.seconds, rule, rep))
+                    rows.append(one(srv, http, shape, args.seconds, args.rule, rule, rep))
                     print(json.dumps(rows[-1]), flush=True)
     mean = {rule: {k: sum(r[k] for r in rows if r["rule"] == rule) / args.reps
-                   for k in ("client_slowdown", "pacer_slowdown", "share_vs_allowed", "dream_s", "walked_tok_s_wall")}
+                   for k in ("client_slowdown", "pacer_slowdown", "share_vs_allowed", "dream_s", "walked_tok_s_wall",
+                             "pause_ms_p95", "pauses_over_max", "steps")}
             for rule in ("on", "off")}
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                          "shape": shape.name, "seconds_per_segment": args.seconds,
+                                          "rule": args.rule, "shape": shape.name, "seconds_per_segment": args.seconds,
+                                          "clients_apart": args.clients_apart, "load_average_at_end": os.getloadavg(),
                                           "pacing": PACING, "rows": rows, "mean": mean}, indent=2) + "\n")
     print(json.dumps(mean, indent=2))
 
