@@ -1,23 +1,20 @@
 """A/B of one pacing rule on one load shape.
 
-Rules: `gaps`, the pacer's gaps-first rule (pacing._gap_reserve); `noise`, the
-shaper's whole-tail noise room on an oversubscribed machine (StepShaper.noise:
-NOISE_MAX, against NOISE_CAP everywhere).
+Rule: `gaps`, the pacer's gaps-first rule (pacing._gap_reserve). (A `noise`
+rule, the shaper's whole-tail noise room on an oversubscribed machine, was
+measured with this script at commit fd73f86 and not kept:
+bench/results/dream-pacing-noise-ab-2026-12-01-loaded.json.)
 
 One server, the chat clients in its process (in their own with
 --clients-apart for the job's segments too). After a first job has recorded
 the drift anchors (so no segment pays for that), each repetition runs the rule
 on, then off: a segment without a job and one with a job, as
 bench_dream_pacing.py does. Switching `gaps` off sets RECUR_WINDOW_S below zero,
-so no gap ever counts as recent and nothing is reserved; switching `noise` off
-sets NOISE_MAX to NOISE_CAP. The server runs in this process, so the switch
-reaches the next job's pacer and shaper.
+so no gap ever counts as recent and nothing is reserved. The server runs in this
+process, so the switch reaches the next job's pacer.
 
     .venv/bin/python bench/bench_pacing_gaps_ab.py --shape 1x24 --seconds 20 --reps 3 \
         --out bench/results/dream-pacing-gaps-ab-2026-11-30.json
-    (two `python3 -c "while True: pass"` beside it)
-    .venv/bin/python bench/bench_pacing_gaps_ab.py --rule noise --shape 4 --seconds 12 --reps 3 \
-        --clients-apart --out bench/results/dream-pacing-noise-ab-2026-12-01-loaded.json
 """
 from __future__ import annotations
 
@@ -35,19 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_dream_pacing as pacing_bench  # noqa: E402
 
 from dreamstage.training import pacing  # noqa: E402
-from dreamstage.training.shaper import StepShaper  # noqa: E402
 
 PACING = {"max_slowdown": 0.10, "max_pause_ms": 250}
-
-
-NOISE_MAX = StepShaper.NOISE_MAX
 
 
 def switch(which: str, on: bool) -> None:
     if which == "gaps":
         pacing.RECUR_WINDOW_S = 5.0 if on else -1.0
-    else:
-        StepShaper.NOISE_MAX = NOISE_MAX if on else StepShaper.NOISE_CAP
 
 
 def one(srv, http, shape, seconds: float, which: str, rule: str, rep: int) -> dict:
@@ -68,7 +59,7 @@ def one(srv, http, shape, seconds: float, which: str, rule: str, rep: int) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rule", default="gaps", choices=["gaps", "noise"])
+    ap.add_argument("--rule", default="gaps", choices=["gaps"])
     ap.add_argument("--shape", default="1x24", choices=sorted(pacing_bench.SHAPES))
     ap.add_argument("--clients-apart", action="store_true", help="the job segments' clients in their own process too")
     ap.add_argument("--seconds", type=float, default=20.0)

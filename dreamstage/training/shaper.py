@@ -83,8 +83,7 @@ class StepShaper:
     MAX_PROBE_EVERY = 768  # ...doubled after each probe that lost, up to this
     SWITCH_GAIN = 0.9     # switch when a probe took less than this fraction of the current prediction
     TARGET = 0.95         # aim a little inside the bound: rungs are coarse, the noise estimate is not exact
-    NOISE_CAP = 2.0       # the most room kept for noise (see noise())...
-    NOISE_MAX = 6.0       # ...and on a machine with more runnable threads than cores
+    NOISE_CAP = 2.0       # the most room kept for noise (see noise())
     OVER_SMALLEST = 1.25  # when the bound cannot be kept: the longest pause over the shortest possible one
     EXPLORE_EVERY = 8     # steps between tries of an unmeasured rung above
     RELAX_FOR = 64        # steps a measurement of the smallest rung stands for
@@ -151,28 +150,18 @@ class StepShaper:
         return bool(self._times[True] or self._times[False])
 
     def noise(self) -> float:
-        """95th percentile of measured / predicted step time, within [1, NOISE_CAP]
-        (within [1, NOISE_MAX] while the machine is oversubscribed).
+        """95th percentile of measured / predicted step time, within [1, NOISE_CAP].
 
-        Capped: on a machine with a core to spare, a tail longer than that is a
-        thread another program descheduled for a while, which takes as long
-        whatever the chunk; shrinking the chunk for it would cost training and
-        buy no shorter pause. When more threads are runnable than there are
-        cores (the load average above the core count), the step's thread gets
-        a fraction of a core for as long as it runs: a slow step is slow in
-        proportion to its size, and a smaller chunk does shorten it, so the
-        whole tail is kept as room (measured on the project VM under two busy
-        loops, 2026-12-01: chunk-8 steps at 300 ms, four times their usual
-        time, in 1 to 3 of 27 to 40 steps, above the bound at p95)."""
+        Capped: a tail longer than that is a thread another program
+        descheduled, which takes as long whatever the chunk; shrinking the
+        chunk for it would cost training and buy no shorter pause. (Tried on
+        2026-12-01: no cap while the machine is oversubscribed, on the reading
+        that a step there slows in proportion to its size. Under two busy loops
+        the A/B showed no shorter pauses: docs/benchmarks.md, "Pacing, sixth
+        session".)"""
         if len(self._ratios) < 4:
             return 1.25                      # until measured: a quarter of room
-        cap = self.NOISE_MAX if self._oversubscribed() else self.NOISE_CAP
-        return min(cap, max(1.0, percentile(sorted(self._ratios), 95) or 1.0))
-
-    def _oversubscribed(self) -> bool:
-        if self.other_load is None or self.cores is None:
-            return False
-        return self.other_load() > self.cores + 0.5
+        return min(self.NOISE_CAP, max(1.0, percentile(sorted(self._ratios), 95) or 1.0))
 
     def _rung_below(self, tokens: float) -> int:
         fits = [r for r in self.rungs if r <= tokens]
