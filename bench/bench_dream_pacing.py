@@ -181,7 +181,7 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
     # counted the rest, the serving loop's own work between batches included, as
     # idle; that figure is kept as *_batch_time.
     allowed = allowance(bound, f["wall_s"], f["idle_s"])
-    allowed_batch_time = bound * f["active_s"] + max(0.0, f["wall_s"] - f["active_s"])
+    allowed_batch_time = allowance_batch_time(bound, f["wall_s"], f["active_s"])
     return {"client": client, "pacer": f,
             "native_step_ms": {"p50": pct(native, 50), "p95": pct(native, 95), "max": max(native, default=None),
                                "steps": len(native)},
@@ -202,9 +202,15 @@ def allowance(bound: float, wall: float, idle: float) -> float:
     return bound * max(0.0, wall - idle) + idle
 
 
+def allowance_batch_time(bound: float, wall: float, active: float) -> float:
+    """The allowance as measured until 2026-12-01: chat's time taken as the
+    pacer's batches and steps, the rest of the wall counted as idle."""
+    return bound * active + max(0.0, wall - active)
+
+
 def share_in(l0: tuple[float, ...], l1: tuple[float, ...], bound: float, batch_time: bool = False) -> float | None:
     wall, active, dream, idle = (b - a for a, b in zip(l0, l1, strict=True))
-    allowed = bound * active + max(0.0, wall - active) if batch_time else allowance(bound, wall, idle)
+    allowed = allowance_batch_time(bound, wall, active) if batch_time else allowance(bound, wall, idle)
     return dream / allowed if allowed > 0 else None
 
 

@@ -1,15 +1,14 @@
-"""A/B of one pacing rule on one load shape.
+"""A/B of the pacer's gaps-first rule (pacing._gap_reserve) on one load shape.
 
-Rule: `gaps`, the pacer's gaps-first rule (pacing._gap_reserve). (A `noise`
-rule, the shaper's whole-tail noise room on an oversubscribed machine, was
-measured with this script at commit fd73f86 and not kept:
-bench/results/dream-pacing-noise-ab-2026-12-01-loaded.json.)
+(A second rule, the shaper's whole-tail noise room on an oversubscribed
+machine, was measured with this script's `--rule noise` at commit fd73f86 and
+not kept: bench/results/dream-pacing-noise-ab-2026-12-01-loaded.json.)
 
 One server, the chat clients in its process (in their own with
 --clients-apart for the job's segments too). After a first job has recorded
 the drift anchors (so no segment pays for that), each repetition runs the rule
 on, then off: a segment without a job and one with a job, as
-bench_dream_pacing.py does. Switching `gaps` off sets RECUR_WINDOW_S below zero,
+bench_dream_pacing.py does. Switching the rule off sets RECUR_WINDOW_S below zero,
 so no gap ever counts as recent and nothing is reserved. The server runs in this
 process, so the switch reaches the next job's pacer.
 
@@ -36,13 +35,8 @@ from dreamstage.training import pacing  # noqa: E402
 PACING = {"max_slowdown": 0.10, "max_pause_ms": 250}
 
 
-def switch(which: str, on: bool) -> None:
-    if which == "gaps":
-        pacing.RECUR_WINDOW_S = 5.0 if on else -1.0
-
-
-def one(srv, http, shape, seconds: float, which: str, rule: str, rep: int) -> dict:
-    switch(which, rule == "on")
+def one(srv, http, shape, seconds: float, rule: str, rep: int) -> dict:
+    pacing.RECUR_WINDOW_S = 5.0 if rule == "on" else -1.0
     base = pacing_bench.load_apart(srv.url, shape, seconds)
     job = pacing_bench.with_job(srv, http, shape, seconds, PACING)
     p, j = job["pacer"], job["job"]
@@ -59,7 +53,6 @@ def one(srv, http, shape, seconds: float, which: str, rule: str, rep: int) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rule", default="gaps", choices=["gaps"])
     ap.add_argument("--shape", default="1x24", choices=sorted(pacing_bench.SHAPES))
     ap.add_argument("--clients-apart", action="store_true", help="the job segments' clients in their own process too")
     ap.add_argument("--seconds", type=float, default=20.0)
@@ -81,14 +74,14 @@ def main() -> None:
                 time.sleep(0.5)                                                 # the anchors are recorded
             for rep in range(args.reps):
                 for rule in ("on", "off"):
-                    rows.append(one(srv, http, shape, args.seconds, args.rule, rule, rep))
+                    rows.append(one(srv, http, shape, args.seconds, rule, rep))
                     print(json.dumps(rows[-1]), flush=True)
     mean = {rule: {k: sum(r[k] for r in rows if r["rule"] == rule) / args.reps
                    for k in ("client_slowdown", "pacer_slowdown", "share_vs_allowed", "dream_s", "walked_tok_s_wall",
                              "pause_ms_p95", "pauses_over_max", "steps")}
             for rule in ("on", "off")}
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                          "rule": args.rule, "shape": shape.name, "seconds_per_segment": args.seconds,
+                                          "shape": shape.name, "seconds_per_segment": args.seconds,
                                           "clients_apart": args.clients_apart, "load_average_at_end": os.getloadavg(),
                                           "pacing": PACING, "rows": rows, "mean": mean}, indent=2) + "\n")
     print(json.dumps(mean, indent=2))

@@ -533,7 +533,6 @@ def anchor_visits(n_anchors: int, n_job_windows: int, ratio: float, epoch: int,
     return [(int(perm[p % n_anchors]), p // n_anchors) for p in range(epoch * k, epoch * k + k)]
 
 
-
 def run_steps(gen: Iterator[None]) -> Any:
     """Run a step generator to its end (tests, benchmarks); returns its value."""
     while True:
