@@ -172,6 +172,7 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
     http.post(f"/train/{jid}/cancel", headers={"Content-Type": "application/json"}).raise_for_status()
     # the native step time of each ok receipt, beside the pause the pacer measured around it
     native = [r["ms"] for r in srv.service.jobs.receipts(jid, status="ok")]
+    stopped = [r["ms"] for r in srv.service.jobs.receipts(jid, status="stopped")]
     f = job["pacing"]
     bound = pacing.get("max_slowdown", 0.10)
     # What the bound and the idle time allow: the bound's part of chat's time (the
@@ -185,6 +186,10 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
     return {"client": client, "pacer": f,
             "native_step_ms": {"p50": pct(native, 50), "p95": pct(native, 95), "max": max(native, default=None),
                                "steps": len(native)},
+            # steps stopped at the deadline: how many, their native time (how far past
+            # the deadline the node they were on took them), and their share of the job's time
+            "stopped": {"steps": len(stopped), "ms_max": max(stopped, default=None),
+                        "share_of_dream": (job["progress"]["stopped_ms"] / 1000.0 / f["dream_s"]) if f["dream_s"] else None},
             "job": {"walked_tok_s_wall": (job["progress"]["walked"] - walked0) / client["seconds"],
                     "train_tok_s": job["progress"]["train_tok_s"],
                     "dream_share_of_wall": f["job_share_of_wall"],
@@ -246,7 +251,9 @@ def main() -> None:
                       f"job {j['dream_share_of_wall']:.2f} of wall ({j['share_vs_allowed'] or 0:.2f} of allowed; "
                       f"{j['share_vs_allowed_in_load'] or 0:.2f} in the clients' window)  "
                       f"pause p50/p95/max {p['micro_step_ms_p50'] or 0:.0f}/{p['micro_step_ms_p95'] or 0:.0f}/"
-                      f"{p['micro_step_ms_max'] or 0:.0f} ms  chunk {p['step_chunk']} threads {p['dream_threads']}",
+                      f"{p['micro_step_ms_max'] or 0:.0f} ms (over {p['pauses_over_max']}, stopped "
+                      f"{job['stopped']['steps']} of {job['native_step_ms']['steps'] + job['stopped']['steps']})  "
+                      f"chunk {p['step_chunk']} threads {p['dream_threads']}",
                       flush=True)
     result = {"date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "load_average_at_end": os.getloadavg(), "seconds_per_segment": args.seconds,

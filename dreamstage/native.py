@@ -120,7 +120,7 @@ def build_info() -> dict:
 
 
 # -- dream.h ---------------------------------------------------------------------
-DREAM_STATUS_OK, DREAM_STATUS_REFUSED, DREAM_STATUS_ERROR = 0, 1, 2
+DREAM_STATUS_OK, DREAM_STATUS_REFUSED, DREAM_STATUS_ERROR, DREAM_STATUS_STOPPED = 0, 1, 2, 3
 
 
 class DreamReceiptC(ctypes.Structure):
@@ -339,6 +339,9 @@ def _declare(L: ctypes.CDLL) -> None:
     # int64_t dream_graph_reuses(const struct dream_stage * ds);
     L.dream_graph_reuses.argtypes = [p]
     L.dream_graph_reuses.restype = ctypes.c_int64
+    # void dream_set_step_deadline(struct dream_stage * ds, double ms);
+    L.dream_set_step_deadline.argtypes = [p, ctypes.c_double]
+    L.dream_set_step_deadline.restype = None
     # size_t dream_serving_compute_bytes(struct llama_context * ctx);
     L.dream_serving_compute_bytes.argtypes = [p]
     L.dream_serving_compute_bytes.restype = ctypes.c_size_t

@@ -75,7 +75,7 @@ class ServiceCollector:
     def _dream(dream) -> Iterator[Metric]:
         d = dream.stats
         yield _by(CounterMetricFamily("dreamstage_dream_steps", "Training micro-steps by receipt status.",
-                                      labels=["status"]), dict(d.steps), ("ok", "refused", "error"))
+                                      labels=["status"]), dict(d.steps), ("ok", "refused", "error", "stopped"))
         yield _by(CounterMetricFamily("dreamstage_dream_refusals", "Refused micro-steps and job starts, by reason.",
                                       labels=["reason"]), dict(d.refusals), ("memory_gate",))
         yield _counter("dreamstage_dream_tokens", "Tokens run forward (and backward) by training micro-steps.",

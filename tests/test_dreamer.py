@@ -17,6 +17,7 @@ from char_tokenizer import CharTokenizer
 
 from dreamstage.training.receipts import RECEIPT_FIELDS, Receipt
 from dreamstage.training.scheduler import DreamScheduler
+from dreamstage.training.shaper import StepShaper
 from dreamstage.training.store import JobStore
 from dreamstage.training.submit import JobSubmitter
 
@@ -62,6 +63,11 @@ class FakeTrainer:
 
     def set_chunk(self, chunk):
         self.chunk = chunk
+
+    deadline_ms: float | None = None
+
+    def set_step_deadline(self, ms):
+        self.deadline_ms = ms
 
     def micro_step(self):
         assert not self.closed and self.chunks_left
@@ -379,6 +385,27 @@ class TimedTrainer(FakeTrainer):
         return r
 
 
+class SpikyTrainer(TimedTrainer):
+    """A timed trainer whose every 7th step is descheduled for 8x its time,
+    and which honours the step deadline: a step that would pass it is cut
+    there, stopped, and changes nothing."""
+
+    calls = 0
+
+    def micro_step(self):
+        p = self.pos
+        n = min(self.chunk, len(self.tokens) - p)
+        SpikyTrainer.calls += 1
+        seconds = (0.020 + 0.010 * n) * (8 if SpikyTrainer.calls % 7 == 0 else 1)
+        if self.deadline_ms and seconds * 1000 > self.deadline_ms:
+            TimedTrainer.clock.t += self.deadline_ms / 1000
+            return self._receipt("stopped", p, n, 0.0, sum(self.mask[p + 1:p + n + 1]),
+                                 message="stopped at the step deadline")
+        r = FakeTrainer.micro_step(self)
+        TimedTrainer.clock.t += seconds
+        return r
+
+
 class FakeThreadsLlama:
     """The three llama.cpp thread calls DreamThreads uses, recorded."""
 
@@ -427,6 +454,46 @@ def test_the_pause_bound_picks_the_chunk_and_the_walk_follows(tmp_path):
     # only the first step, before anything was measured, may reach the bound
     assert f["micro_step_ms_p95"] <= 100 and f["max_pause_ms"] == 100 and f["pauses_over_max"] <= 1
     assert f["step_chunk"] == 4 and f["micro_steps"] >= len(sizes)    # the save and the first yield pause too
+
+
+def spiky_job(tmp_path):
+    """A 3-epoch job with a 100 ms pause bound on a SpikyTrainer, run to its end."""
+    store = JobStore(tmp_path / "state")
+    FakeTrainer.live = []
+    TimedTrainer.clock = Clock(tick=0.0001)
+    SpikyTrainer.calls = 0
+    sched = DreamScheduler(store, CharTokenizer(), served=FakeServed(), clock=TimedTrainer.clock, idle_grace_s=0.05,
+                           make_trainer=lambda rm, spec, chunk, lr=None: SpikyTrainer(spec, chunk, lr))
+    engine = FakeEngine()
+    sched.startup(engine)
+    jid = submit(store, sched, chunk=64, max_pause_ms=100, epochs=3, promote="never")
+    drive(sched, engine, lambda: store.state(jid) in ("done", "error"))
+    return store, jid
+
+
+def test_a_step_past_the_deadline_is_stopped_and_the_walk_retries_it(tmp_path):
+    # every 7th step is descheduled for 8x its time (a 4-token step: 480 ms
+    # against a 100 ms bound): the deadline stops it at 80 ms, the walk
+    # retries the chunk, and no pause but the first, unmeasured, one passes
+    # the bound; the job trains every token all the same
+    store, jid = spiky_job(tmp_path)
+    job = store.get(jid)
+    assert job["state"] == "done", job["message"]
+    stopped = [r for r in store.receipts(jid) if r["status"] == "stopped"]
+    assert len(stopped) >= 5 and job["progress"]["stopped"] == len(stopped) == job["pacing"]["steps_stopped"]
+    assert job["progress"]["stopped_ms"] == pytest.approx(sum(r["ms"] for r in stopped)) and stopped[0]["ms"] > 0
+    assert job["progress"]["tokens"] == 3 * 135          # every stopped chunk was trained later
+    f = job["pacing"]
+    assert f["pauses_over_max"] <= 1 and f["micro_step_ms_p95"] <= 100
+
+
+def test_without_a_deadline_the_same_spikes_pass_the_bound(tmp_path, monkeypatch):
+    # the contrast: the same trainer with the shaper's deadline off
+    monkeypatch.setattr(StepShaper, "deadline_ms", lambda self: None)
+    store, jid = spiky_job(tmp_path)
+    job = store.get(jid)
+    assert job["state"] == "done" and job["progress"]["stopped"] == 0
+    assert job["pacing"]["pauses_over_max"] >= 5
 
 
 def test_the_dream_step_runs_on_its_own_threads_and_serving_gets_them_back(tmp_path):

@@ -318,3 +318,75 @@ def test_accumulated_windows_update_once_with_their_mean(rm):
 def test_accumulate_windows_must_be_positive(rm):
     with pytest.raises(ValueError, match="accumulate_windows must be >= 1, got 0"):
         Trainer(rm, optimizer=OptimizerConfig(accumulate_windows=0))
+
+
+def test_a_stopped_step_changes_nothing_and_serving_decodes_after_it(rm):
+    # A step past its deadline stops midway (status "stopped") and leaves no
+    # trace: run against a trainer that never stopped, the same windows give
+    # the same losses, gradients and parameters to the last float (CPU). Stops
+    # land on a window's first chunk and on a later one (the cache cells of the
+    # chunks before it must survive, the stopped chunk's own must go). Then
+    # serving decodes: the deadline's abort callback is gone with the step.
+    toks = rm.tokenize(TEXT * 8)
+    windows = [(toks[0:24], np.ones(24, np.uint8)), (toks[5:29], np.ones(24, np.uint8))]
+    cfg = dict(cache_type="q8_0", window=24, chunk=8, optimizer=OptimizerConfig(lr=2e-3))
+    with Trainer(rm, LoraConfig(top_layers=3, seed=5), **cfg) as plain, \
+            Trainer(rm, LoraConfig(top_layers=3, seed=5), **cfg) as stopped:
+        stopped.set_lora_parameters(plain.lora_parameters())
+        start = plain.lora_parameters()
+        n_stopped = 0
+        for toks_w, mask in windows:
+            ref = plain.train_window(toks_w, mask)
+            stopped.begin_window(toks_w, mask)
+            got = []
+            for i in range(len(ref)):
+                if i in (0, 2):
+                    stopped.set_step_deadline(1e-3)      # long past once the graph computes
+                    r = stopped.micro_step()
+                    assert r.status == "stopped", r.message
+                    assert "deadline" in r.message and r.chunk_pos == ref[i].chunk_pos
+                    assert stopped.chunks_left == len(ref) - i   # the walk did not move
+                    n_stopped += 1
+                    stopped.set_step_deadline(None)
+                got.append(stopped.micro_step())
+            assert [r.status for r in got] == ["ok"] * len(ref)
+            assert [r.loss for r in got] == [r.loss for r in ref]
+            np.testing.assert_array_equal(stopped.gradients(), plain.gradients())
+        np.testing.assert_array_equal(stopped.lora_parameters(), plain.lora_parameters())
+        assert np.linalg.norm(plain.lora_parameters() - start) > 0 and n_stopped == 4
+        # a deadline that is never reached changes nothing either
+        stopped.set_step_deadline(60_000.0)
+        a, b = plain.train_window(*windows[0]), stopped.train_window(*windows[0])
+        assert [r.status for r in b] == ["ok"] * len(a) and [r.loss for r in a] == [r.loss for r in b]
+        with pytest.raises(ValueError, match="deadline"):
+            stopped.set_step_deadline(float("nan"))
+    rm.lc.llama_memory_seq_rm(rm.memory, 0, -1, -1)
+    prompt = rm.tokenize("The capital of France is")
+    first = _decode(rm, prompt, 0)                 # asserts llama_decode returned 0 (not aborted)
+    assert _decode(rm, [first], len(prompt)) >= 0
+    rm.lc.llama_memory_seq_rm(rm.memory, 0, -1, -1)
+
+
+def test_the_exact_walks_reverse_pass_is_never_stopped(rm):
+    # The reverse pass adds into the adjoint buffers as it computes, so a stop
+    # midway could not be undone: its chunks ignore the deadline and finish,
+    # and the window's gradient is the one a walk without a deadline gets.
+    toks = rm.tokenize(TEXT * 8)[:24]
+    mask = np.ones(24, np.uint8)
+    cfg = dict(cache_type="f32", window=24, chunk=8, exact=True)
+    with Trainer(rm, LoraConfig(top_layers=2, seed=3), **cfg) as ref, \
+            Trainer(rm, LoraConfig(top_layers=2, seed=3), **cfg) as tr:
+        tr.set_lora_parameters(ref.lora_parameters())
+        want = ref.train_window(toks, mask)
+        tr.begin_window(toks, mask)
+        got = [tr.micro_step()]
+        while got[-1].walk_pass == "forward":        # the forward sweep, no deadline
+            got.append(tr.micro_step())
+        tr.set_step_deadline(1e-3)
+        while tr.chunks_left:
+            got.append(tr.micro_step())
+        reverse = [r for r in got if r.walk_pass == "backward"]
+        assert len(reverse) >= 2 and [r.status for r in got] == ["ok"] * len(want)
+        assert [r.loss for r in got] == [r.loss for r in want]
+        np.testing.assert_array_equal(tr.gradients(), ref.gradients())
+        assert np.linalg.norm(ref.gradients()) > 0

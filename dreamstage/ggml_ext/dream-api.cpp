@@ -312,6 +312,12 @@ int64_t dream_graph_reuses(const struct dream_stage * ds) {
     return ds ? ds->graph_reuses : 0;
 }
 
+void dream_set_step_deadline(struct dream_stage * ds, double ms) {
+    if (ds) {
+        ds->step_deadline_ms = ms > 0 ? ms : 0;   // NaN too: no deadline
+    }
+}
+
 size_t dream_serving_compute_bytes(struct llama_context * ctx) {
     ggml_backend_sched_t s = ctx->get_sched();
     size_t total = 0;

@@ -41,6 +41,26 @@ struct dream_context_access {
             set_n_threads(backend, n);
         }
     }
+    // the abort callback every backend of the context that takes one asks
+    // between graph nodes (the CPU's); fn == nullptr puts serving's own back
+    static void set_abort(llama_context & c, ggml_abort_callback fn, void * data) {
+        if (fn == nullptr) {
+            fn = c.abort_callback;
+            data = c.abort_callback_data;
+        }
+        for (auto & b : c.backends) {
+            auto * reg = ggml_backend_dev_backend_reg(ggml_backend_get_device(b.get()));
+            auto * set = reg ? (ggml_backend_set_abort_callback_t) ggml_backend_reg_get_proc_address(
+                                   reg, "ggml_backend_set_abort_callback") : nullptr;
+            if (set) {
+                set(b.get(), fn, data);
+            }
+        }
+    }
+    static ggml_abort_callback serving_abort(const llama_context & c, void ** data) {
+        *data = c.abort_callback_data;
+        return c.abort_callback;
+    }
     // removes an adapter the stage is about to free from serving's set
     static void detach_lora(llama_context & c, llama_adapter_lora * a) {
         if (c.loras && c.loras->erase(a)) {
@@ -178,6 +198,7 @@ struct dream_stage {
     dream_step_graph step_graph;
     bool    graph_reuse  = true;    // dream_set_graph_reuse
     int64_t graph_reuses = 0;       // micro-steps that reused the step graph
+    double  step_deadline_ms = 0;   // dream_set_step_deadline; <= 0: none
 
     // set while a training graph is being built (read by the attention hook)
     int32_t build_pos = 0;

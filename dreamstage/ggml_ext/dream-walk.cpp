@@ -95,6 +95,24 @@ static ggml_tensor * dream_join_v(ggml_context * ctx, dream_stage & ds, ggml_ten
     return ggml_permute(ctx, dream_unit_mul(ctx, ds, joined), 0, 2, 1, 3);
 }
 
+// A micro-step's deadline, asked between graph nodes by the CPU backend
+// (dream_set_step_deadline); serving's own abort callback is still asked.
+struct dream_deadline {
+    std::chrono::steady_clock::time_point at{};
+    ggml_abort_callback serving = nullptr;
+    void * serving_data = nullptr;
+    bool fired = false;
+};
+
+static bool dream_deadline_passed(void * data) {
+    auto * d = (dream_deadline *) data;
+    if (std::chrono::steady_clock::now() >= d->at) {
+        d->fired = true;
+        return true;
+    }
+    return d->serving != nullptr && d->serving(d->serving_data);
+}
+
 // [a, b) cut where it wraps around the adjoint buffers' slots (q % adj_rows).
 struct dream_ring_piece {
     int32_t pos, slot, len;
@@ -1018,6 +1036,15 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         return finish(DREAM_STATUS_REFUSED);
     }
 
+    // the step deadline (dream_set_step_deadline): only a graph that writes
+    // nothing but this chunk's own cache cells (reverted below) may stop midway
+    dream_deadline deadline;
+    if (ds.step_deadline_ms > 0 && !chunk.backward_pass && chunk.group_reply < 0) {
+        deadline.at = t_start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                    std::chrono::duration<double, std::milli>(ds.step_deadline_ms));
+        deadline.serving = dream_context_access::serving_abort(lctx, &deadline.serving_data);
+        dream_context_access::set_abort(lctx, dream_deadline_passed, &deadline);
+    }
     // allocate the real graph once on the exec scheduler (unless it still is) and compute it
     const ggml_status st = dream_sched_compute(ds, sgraph.gb, n > 1, reuse, [&] {
         ds.res->set_inputs(&mctx.get_ubatch());
@@ -1051,6 +1078,16 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             ggml_backend_tensor_set(sgraph.loss_grad, &one, 0, sizeof(one));
         }
     });
+    if (deadline.at != std::chrono::steady_clock::time_point{}) {
+        dream_context_access::set_abort(lctx, nullptr, nullptr);   // serving's own again
+    }
+    if (st == GGML_STATUS_ABORTED && deadline.fired) {
+        // nothing was kept: no gradient read, the graph dropped, the chunk's cells reverted
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
+        dream_receipt_message(r, "stopped at the step deadline of %.1f ms (%.1f ms in): chunk at %d (%d tokens) changed "
+                              "nothing and may be retried", ds.step_deadline_ms, ms, p, n);
+        return finish(DREAM_STATUS_STOPPED);
+    }
     if (st == GGML_STATUS_ALLOC_FAILED) {
         dream_receipt_message(r, "allocating the training graph (%.2f MiB) failed", r.graph_mib);
         return finish(DREAM_STATUS_ERROR);

@@ -28,6 +28,7 @@ LLAMA_API const char * dream_build_info(void);
 #define DREAM_STATUS_OK      0
 #define DREAM_STATUS_REFUSED 1
 #define DREAM_STATUS_ERROR   2
+#define DREAM_STATUS_STOPPED 3   // the step ran past its deadline and was stopped (dream_set_step_deadline)
 
 // One receipt per micro-step (and one for dream_init). Field names are the
 // canonical ones (DESIGN-BRIEF section 5); sizes are MiB (2^20 bytes), times ms.
@@ -220,6 +221,19 @@ LLAMA_API int32_t dream_last_n_splits(const struct dream_stage * ds);
 // dream_graph_reuses counts the micro-steps that reused a graph.
 LLAMA_API void dream_set_graph_reuse(struct dream_stage * ds, bool on);
 LLAMA_API int64_t dream_graph_reuses(const struct dream_stage * ds);
+
+// A deadline for the micro-steps that follow (the pacer's pause bound): a step
+// whose graph is still computing `ms` after the step began stops after the
+// graph node the CPU backend is on, and returns DREAM_STATUS_STOPPED having
+// changed nothing: no gradient, the window's position and the training cache
+// as before it. The same chunk, or a smaller one, may be retried. Only steps
+// whose graph writes nothing but the chunk's own cache cells stop (the plain
+// walk, the exact walk's forward sweep); a reverse-pass chunk and a group's
+// chunks add into the adjoint buffers as they compute and always finish, as
+// does any part of a graph on a backend without an abort callback (CUDA).
+// ms <= 0: no deadline (the default). A callback the application set with
+// llama_set_abort_callback is still asked during a training step.
+LLAMA_API void dream_set_step_deadline(struct dream_stage * ds, double ms);
 
 // The CPU kernel of the backward through a frozen quantized weight, on plain
 // buffers (for tests against an independent implementation): dx[n_tok][n_in]

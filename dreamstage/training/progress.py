@@ -31,6 +31,9 @@ def new_progress(spec: JobSpec) -> dict[str, Any]:
         # (chunk_tokens); train_tok_s = walked per second of micro-step time.
         "tokens": 0, "walked": 0, "train_ms": 0.0, "train_tok_s": None, "current_chunk": spec.chunk,
         "refusals": 0,
+        # micro-steps stopped at the pause deadline (nothing kept; the chunk
+        # retried) and the time they took
+        "stopped": 0, "stopped_ms": 0.0,
         # the exact walk: the horizon in use (0: whole window; None: plain walk)
         # and the last micro-step's pass (forward | backward)
         "horizon": (spec.horizon or 0) if spec.exact else None, "walk_pass": None,
@@ -78,6 +81,9 @@ def fold_receipt(p: dict[str, Any], d: Mapping[str, Any]) -> None:
             p["walk_pass"] = d["walk_pass"]
     elif d["status"] == "refused":
         p["refusals"] += 1
+    elif d["status"] == "stopped":
+        p["stopped"] = p.get("stopped", 0) + 1          # (a job stored before stops had neither)
+        p["stopped_ms"] = p.get("stopped_ms", 0.0) + float(d.get("ms") or 0.0)
     if d.get("group"):
         g = dict(d["group"])
         p.setdefault("groups", {})[g.pop("label")] = g

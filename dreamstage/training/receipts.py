@@ -14,13 +14,13 @@ from typing import Any
 # Importing dreamstage.native is cheap: the library loads on first use.
 from dreamstage.native import DreamReceiptC
 
-STATUS_NAMES = {0: "ok", 1: "refused", 2: "error"}
+STATUS_NAMES = {0: "ok", 1: "refused", 2: "error", 3: "stopped"}
 RECEIPT_STATUSES = tuple(STATUS_NAMES.values())
 
 
 @dataclass(frozen=True)
 class Receipt:
-    status: str                 # ok | refused | error
+    status: str                 # ok | refused | error | stopped (past the step deadline; nothing changed)
     step: int
     window: int
     chunk: int

@@ -138,7 +138,8 @@ class DreamScheduler:
         self._pacer: Pacer | None = None
         self._shaper: StepShaper | None = None
         self._threads: DreamThreads | None = None
-        self._step_ran: tuple[int, int, bool] | None = None   # (chunk tokens, threads, trained) of next()'s step
+        # (chunk tokens, threads, trained, stopped at the deadline) of next()'s step
+        self._step_ran: tuple[int, int, bool, bool] | None = None
         self._hook_done_at: float | None = None         # when after_batch last returned with a busy slot
         self._figures_at = 0.0
         self._closing: list[Any] = []   # trainers of the job in progress (closed if the server stops)
@@ -367,7 +368,11 @@ class DreamScheduler:
                     waited = oldest() if oldest is not None else seconds
                 pacer.record_dream(seconds, waited)
             if self._shaper is not None and self._step_ran is not None:
-                self._shaper.record(seconds, *self._step_ran)
+                tokens, threads, trains, stopped = self._step_ran
+                if stopped:
+                    self._shaper.record_stopped(seconds, tokens, threads)
+                else:
+                    self._shaper.record(seconds, tokens, threads, trains)
         return True
 
     def _end_job(self) -> None:
@@ -514,10 +519,12 @@ class DreamScheduler:
                 else:
                     trainer.begin_window(window.tokens, window.mask)
                 begun = (step.epoch, step.order_pos)
+            if self._shaper is not None:
+                trainer.set_step_deadline(self._shaper.deadline_ms())
             receipt = clear_receipt(self._threads.run(threads, trainer.micro_step), spec)
             self.stats.record(receipt)
-            self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0)   # for the shaper
-                              if receipt.status == "ok" else None)
+            self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0, receipt.status == "stopped")
+                              if receipt.status in ("ok", "stopped") else None)      # for the shaper
             try:
                 done = trainer.chunks_left == 0
                 event = run.record(receipt, window_done=done,
@@ -589,7 +596,7 @@ class DreamScheduler:
                         evaluator.set_chunk(step_chunk)   # an evaluation step pauses serving like any other
                     r = (evaluator.micro_step() if self._threads is None
                          else self._threads.run(threads, evaluator.micro_step))
-                    self._step_ran = (r.chunk_tokens, threads, r.tokens > 0) if r.status == "ok" else None
+                    self._step_ran = (r.chunk_tokens, threads, r.tokens > 0, False) if r.status == "ok" else None
                     pos += r.chunk_tokens
                     yield
                     if r.status != "ok":

@@ -46,6 +46,7 @@ Conventions the gradient oracle (tests/test_oracle.py) relies on:
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -349,6 +350,14 @@ class Trainer(NativeOwner):
         """Reuse the last micro-step's allocated graph for a chunk of the same shape
         (on by default; off: every step builds, plans and allocates its own)."""
         self.L.dream_set_graph_reuse(self._handle(), bool(on))
+
+    def set_step_deadline(self, ms: float | None) -> None:
+        """Stop a micro-step whose graph is still computing `ms` after it began
+        (status "stopped", nothing changed; the chunk may be retried). None or
+        <= 0: no deadline. Reverse-pass and group chunks always finish."""
+        if ms is not None and not (isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms)):
+            raise ValueError(f"step deadline must be a finite number of ms or None, got {ms!r}")
+        self.L.dream_set_step_deadline(self._handle(), float(ms) if ms is not None and ms > 0 else 0.0)
 
     @property
     def graph_reuses(self) -> int:

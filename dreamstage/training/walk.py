@@ -130,6 +130,8 @@ class Walk:
             self.horizon = horizon
             if status == "refused":
                 return "retry"          # the native core halved the horizon; the chunk stays
+        if status == "stopped":
+            return "stopped"            # past the step deadline, nothing changed: the chunk retries
         if status == "refused":
             nxt = next_chunk(self.chunk, self.floor)
             if nxt is None:
