@@ -339,6 +339,9 @@ def _declare(L: ctypes.CDLL) -> None:
     # int64_t dream_graph_reuses(const struct dream_stage * ds);
     L.dream_graph_reuses.argtypes = [p]
     L.dream_graph_reuses.restype = ctypes.c_int64
+    # bool dream_fused_attention(const struct dream_stage * ds);
+    L.dream_fused_attention.argtypes = [p]
+    L.dream_fused_attention.restype = ctypes.c_bool
     # void dream_set_step_deadline(struct dream_stage * ds, double ms);
     L.dream_set_step_deadline.argtypes = [p, ctypes.c_double]
     L.dream_set_step_deadline.restype = None

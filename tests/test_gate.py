@@ -128,6 +128,7 @@ def test_training_never_touches_serving_compute_buffer():
             assert recs[0].graph_mib * 2**20 > serving
             assert L.dream_serving_compute_bytes(rm.ctx) == serving
             assert L.dream_last_n_splits(tr._handle()) == 1   # CPU only: one split
+            assert not tr.fused_attention    # explicit attention: the fused backward runs on CUDA only
             tr.set_budget(tr.init_receipt.adapter_mib + tr.init_receipt.context_mib + 0.25)
             tr.begin_window(toks, mask)
             assert tr.micro_step().status == "refused"

@@ -184,9 +184,30 @@ int main(int argc, char ** argv) {
         p.rank = configs[ci].rank; p.alpha = 2.0f * p.rank; p.targets = configs[ci].targets.c_str(); p.context_cache_type = "q8_0";
         p.window = C; p.chunk = C; p.lr = 1e-3f;
         dream_receipt r{};
+        std::vector<uint8_t> mask(C, 1);
+        // the same steps with attention as explicit products first (DREAMSTAGE_FUSED_ATTN=0,
+        // the path before fused attention), in a stage of its own, freed before the next
+        std::vector<double> explicit_ms;
+        double explicit_graph_mib = 0;
+        {
+            setenv("DREAMSTAGE_FUSED_ATTN", "0", 1);
+            dream_stage * de = dream_init(ctx, p, &r);
+            unsetenv("DREAMSTAGE_FUSED_ATTN");
+            if (!de) { std::fprintf(stderr, "dream_init: %s\n", r.message); return fail("dream_init (explicit attention)"); }
+            for (int i = 0; i < reps + 2; ++i) {
+                if (dream_window_begin(de, toks.data(), mask.data(), C, &r) != DREAM_STATUS_OK ||
+                    dream_micro_step(de, &r) != DREAM_STATUS_OK || !std::isfinite(r.loss)) {
+                    std::fprintf(stderr, "explicit attention step: %s\n", r.message);
+                    return fail("explicit attention step");
+                }
+                std::fprintf(stderr, "chunk %d explicit step %d loss %.4f ms %.2f graph_mib %.1f\n", C, i, r.loss, r.ms, r.graph_mib);
+                if (i >= 2) explicit_ms.push_back(r.ms);
+                explicit_graph_mib = r.graph_mib;
+            }
+            dream_free(de);
+        }
         dream_stage * ds = dream_init(ctx, p, &r);
         if (!ds) { std::fprintf(stderr, "dream_init: %s\n", r.message); return fail("dream_init"); }
-        std::vector<uint8_t> mask(C, 1);
         std::vector<double> pre, step_ms, wall_ms, loss;
         double graph_mib = 0, context_mib = 0, adapter_mib = 0, optimizer_mib = 0;
         auto do_prefill = [&](std::vector<double> & v) {
@@ -243,7 +264,8 @@ int main(int argc, char ** argv) {
             for (double x : ms) v.push_back(C / (x / 1000.0));
             return v;
         };
-        const std::vector<double> tps = tok_s(step_ms), tps_wall = tok_s(wall_ms), tps_fresh = tok_s(fresh_ms);
+        const std::vector<double> tps = tok_s(step_ms), tps_wall = tok_s(wall_ms), tps_fresh = tok_s(fresh_ms),
+                                  tps_explicit = tok_s(explicit_ms);
         const long long reuses = (long long) dream_graph_reuses(ds);
         // same window every step at lr 1e-3: the loss must fall
         const bool loss_fell = loss.back() < loss.front();
@@ -253,10 +275,12 @@ int main(int argc, char ** argv) {
                       "     \"prefill512_tok_s\": %s,\n     \"step_ms\": %s,\n     \"step_wall_ms\": %s,\n"
                       "     \"train_tok_s\": %s,\n     \"train_tok_s_wall\": %s,\n"
                       "     \"train_tok_s_without_graph_reuse\": %s,\n     \"graph_reuses\": %lld,\n"
+                      "     \"fused_attention\": %s, \"train_tok_s_explicit_attention\": %s, \"graph_mib_explicit_attention\": %.1f,\n"
                       "     \"graph_mib\": %.1f, \"context_mib\": %.2f, \"adapter_mib\": %.2f, \"optimizer_mib\": %.2f,\n"
                       "     \"loss_first\": %.4f, \"loss_last\": %.4f, \"loss_fell\": %s}%s\n",
                       C, C, configs[ci].rank, configs[ci].targets.c_str(), n_splits, free_before, free_during, js(summarize(pre)).c_str(), js(summarize(step_ms)).c_str(), js(summarize(wall_ms)).c_str(),
-                      js(summarize(tps)).c_str(), js(summarize(tps_wall)).c_str(), js(summarize(tps_fresh)).c_str(), reuses, graph_mib, context_mib, adapter_mib, optimizer_mib,
+                      js(summarize(tps)).c_str(), js(summarize(tps_wall)).c_str(), js(summarize(tps_fresh)).c_str(), reuses,
+                      dream_fused_attention(ds) ? "true" : "false", js(summarize(tps_explicit)).c_str(), explicit_graph_mib, graph_mib, context_mib, adapter_mib, optimizer_mib,
                       loss.front(), loss.back(), loss_fell ? "true" : "false", ci + 1 < configs.size() ? "," : "");
         out += buf;
         all_loss_fell = all_loss_fell && loss_fell;

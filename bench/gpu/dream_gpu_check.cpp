@@ -33,6 +33,7 @@ struct run_result {
     double loss_one = 0, loss_chunked = 0;
     std::vector<float> grad;
     int max_splits = 0;
+    bool fused_attention = false;   // the stage ran attention fused (dream-fattn.cpp)
     size_t serving_before = 0, serving_after = 0;
     // the one-chunk window twice more (lr 0): computed on the graph the first built
     double loss_reused = 0;
@@ -58,6 +59,7 @@ static run_result run(const char * path, int n_gpu_layers) {
         dream_receipt r{};
         dream_stage * ds = check_stage(ctx, chunk, false, false, r);
         if (!ds) return out;
+        out.fused_attention = dream_fused_attention(ds);
         const int64_t n = dream_n_params(ds);
         dream_window_begin(ds, toks.data(), mask.data(), (int) toks.size(), &r);
         double sum = 0; int cnt = 0;
@@ -129,9 +131,9 @@ int main(int argc, char ** argv) {
     const double cpu_twin = quantized ? rel_l2(cpu.grad, twin.grad) : 0, gpu_twin = quantized ? rel_l2(gpu.grad, twin.grad) : 0;
     std::printf("{\"model\": \"%s\", \"math\": \"%s\", \"loss_one_cpu\": %.7f, \"loss_one_gpu\": %.7f, \"loss_chunked_cpu\": %.7f, "
                 "\"loss_chunked_gpu\": %.7f, \"grad_rel_l2\": %.4e, \"grad_norm_cpu\": %.4e, \"grad_norm_gpu\": %.4e, \"n_params\": %zu, "
-                "\"gpu_max_splits\": %d, \"cpu_max_splits\": %d, \"gpu_serving_compute_bytes\": [%zu, %zu], \"tol_loss\": %.0e, \"tol_grad\": %.0e",
+                "\"gpu_fused_attention\": %s, \"gpu_max_splits\": %d, \"cpu_max_splits\": %d, \"gpu_serving_compute_bytes\": [%zu, %zu], \"tol_loss\": %.0e, \"tol_grad\": %.0e",
                 argv[1], fp32 ? "fp32" : "tf32", cpu.loss_one, gpu.loss_one, cpu.loss_chunked, gpu.loss_chunked, rel, std::sqrt(g),
-                std::sqrt(gg), cpu.grad.size(), gpu.max_splits, cpu.max_splits, gpu.serving_before, gpu.serving_after, tol_loss, tol_grad);
+                std::sqrt(gg), cpu.grad.size(), gpu.fused_attention ? "true" : "false", gpu.max_splits, cpu.max_splits, gpu.serving_before, gpu.serving_after, tol_loss, tol_grad);
     if (quantized) {
         std::printf(", \"loss_one_f32_twin\": %.7f, \"loss_chunked_f32_twin\": %.7f, \"grad_rel_l2_cpu_vs_twin\": %.4e, \"grad_rel_l2_gpu_vs_twin\": %.4e",
                     twin.loss_one, twin.loss_chunked, cpu_twin, gpu_twin);

@@ -8,7 +8,8 @@
 #      Q4_K_M model, in TF32 (ggml-cuda's default) and FP32 (NVIDIA_TF32_OVERRIDE=0);
 #   2. dream_gpu_bench on random Llama-3.2-1B-shape models (Q8_0, Q4_K_M, Q4_0,
 #      quantized here from one generated F16 model): prefill 512 beside dream
-#      micro-steps for each rank x target set x chunk;
+#      micro-steps for each rank x target set x chunk, attention fused and explicit
+#      (bench/gpu/dream_fa_check.cu checks and times the fused backward alone);
 #   3. bench/gpu/peft_bench.py (PyTorch + PEFT) on the same shapes, same run;
 #   4. (decode) dream_lora_check: the fused LoRA decode kernel (patch 0104) against exact
 #      arithmetic and against upstream's nodes; dream_decode_bench: decode with a served
@@ -80,7 +81,9 @@ except Exception as e:
 for r in d["runs"]:
     print(f'  r{r["rank"]} {("all" if r["targets"].count(",") == 6 else r["targets"]):14s} chunk {r["chunk"]:5d}: train {r["train_tok_s"]["median"]:9.0f} tok/s '
           f'(graph built every step: {r.get("train_tok_s_without_graph_reuse", {}).get("median", 0):9.0f}), '
-          f'prefill512 {r["prefill512_tok_s"]["median"]:8.0f}, splits {r["n_splits"]}, graph {r["graph_mib"]:.0f} MiB')
+          f'prefill512 {r["prefill512_tok_s"]["median"]:8.0f}, splits {r["n_splits"]}, graph {r["graph_mib"]:.0f} MiB; '
+          f'fused attention {r.get("fused_attention")}, explicit: {(r.get("train_tok_s_explicit_attention") or {}).get("median", 0):9.0f} tok/s, '
+          f'graph {r.get("graph_mib_explicit_attention", 0):.0f} MiB')
 print(f'  decode before {d["decode_tok_s_before_training"]:.0f}, with adapter {d["decode_tok_s_after_training_with_adapter"]:.0f} tok/s; serving bytes {d["serving_compute_bytes_before"]} -> {d["serving_compute_bytes_after"]}')
 PY
     done

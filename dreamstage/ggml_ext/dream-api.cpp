@@ -127,6 +127,7 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
         dream_receipt_message(r, "%s", err.c_str());
         return nullptr;
     }
+    ds->fused_attn = dream_fattn_usable(*ds);
     dream_receipt_start(*ds, r);
     return ds.release();
 }
@@ -310,6 +311,10 @@ void dream_set_graph_reuse(struct dream_stage * ds, bool on) {
 
 int64_t dream_graph_reuses(const struct dream_stage * ds) {
     return ds ? ds->graph_reuses : 0;
+}
+
+bool dream_fused_attention(const struct dream_stage * ds) {
+    return ds && ds->fused_attn;
 }
 
 void dream_set_step_deadline(struct dream_stage * ds, double ms) {

@@ -201,6 +201,9 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
     if (!allocated && !ggml_backend_sched_alloc_graph(se, g)) {
         return GGML_STATUS_ALLOC_FAILED;
     }
+    if (ds.fused_attn && !dream_fattn_on_cuda(se, g)) {
+        return GGML_STATUS_FAILED;   // ggml's CPU code for the op reads another layout (dream-fattn.cpp)
+    }
     set_inputs();
     dream_context_access::set_compute_threads(*ds.lctx, batched);
     dream_profile prof;

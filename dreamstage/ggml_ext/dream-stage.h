@@ -199,6 +199,7 @@ struct dream_stage {
     bool    graph_reuse  = true;    // dream_set_graph_reuse
     int64_t graph_reuses = 0;       // micro-steps that reused the step graph
     double  step_deadline_ms = 0;   // dream_set_step_deadline; <= 0: none
+    bool    fused_attn = false;     // training graphs use FLASH_ATTN_EXT and its backward (dream-fattn.cpp)
 
     // set while a training graph is being built (read by the attention hook)
     int32_t build_pos = 0;
@@ -295,3 +296,8 @@ bool    dream_group_chunk_done(dream_stage & ds, const dream_chunk & c, const dr
 int32_t dream_group_chunks_left(const dream_stage & ds);
 
 constexpr double DREAM_MIB = 1024.0 * 1024.0;
+
+// dream-fattn.cpp: fused attention in training graphs on CUDA
+bool dream_fattn_usable(const dream_stage & ds);          // every layer's attention on CUDA (installs the backward hook)
+bool dream_fattn_differentiable(const ggml_tensor * t);   // a FLASH_ATTN_EXT node the hook differentiates
+bool dream_fattn_on_cuda(ggml_backend_sched_t sched, ggml_cgraph * g);   // every fused backward node placed on CUDA

@@ -211,6 +211,8 @@ static bool dream_op_has_backward(const ggml_tensor * t) {
             }
         case GGML_OP_GLU:
             return ggml_get_glu_op(t) == GGML_GLU_OP_SWIGLU && t->src[1] != nullptr;
+        case GGML_OP_FLASH_ATTN_EXT:
+            return dream_fattn_differentiable(t);
         default:
             return false;
     }
@@ -808,7 +810,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     // training-only graph parameters: serving's cparams are copied, never changed
     llama_cparams cp = dream_context_access::cparams(lctx);
     cp.training = true;
-    cp.flash_attn = false;      // FLASH_ATTN_EXT has no backward
+    cp.flash_attn = ds.fused_attn;   // ggml has no backward for FLASH_ATTN_EXT; dream-fattn.cpp gives one on CUDA
     cp.auto_fa = false;
     cp.causal_attn = true;
     cp.embeddings = false;
@@ -1090,6 +1092,10 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     }
     if (st == GGML_STATUS_ALLOC_FAILED) {
         dream_receipt_message(r, "allocating the training graph (%.2f MiB) failed", r.graph_mib);
+        return finish(DREAM_STATUS_ERROR);
+    }
+    if (st == GGML_STATUS_FAILED && ds.fused_attn && !dream_fattn_on_cuda(ds.sched_exec.get(), sgraph.gb)) {
+        dream_receipt_message(r, "the fused attention backward was scheduled off CUDA; set DREAMSTAGE_FUSED_ATTN=0");
         return finish(DREAM_STATUS_ERROR);
     }
     if (st != GGML_STATUS_SUCCESS) {

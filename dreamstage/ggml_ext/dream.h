@@ -222,6 +222,12 @@ LLAMA_API int32_t dream_last_n_splits(const struct dream_stage * ds);
 LLAMA_API void dream_set_graph_reuse(struct dream_stage * ds, bool on);
 LLAMA_API int64_t dream_graph_reuses(const struct dream_stage * ds);
 
+// Whether the stage's training graphs run attention fused (FLASH_ATTN_EXT and
+// the dream stage's backward for it, on CUDA) instead of as explicit products:
+// decided at dream_init, true when every layer's attention runs on CUDA with a
+// head size of 64 or 128, unless DREAMSTAGE_FUSED_ATTN=0 or NVIDIA_TF32_OVERRIDE=0.
+LLAMA_API bool dream_fused_attention(const struct dream_stage * ds);
+
 // A deadline for the micro-steps that follow (the pacer's pause bound): a step
 // whose graph is still computing `ms` after the step began stops after the
 // graph node the CPU backend is on, and returns DREAM_STATUS_STOPPED having

@@ -360,6 +360,12 @@ class Trainer(NativeOwner):
         self.L.dream_set_step_deadline(self._handle(), float(ms) if ms is not None and ms > 0 else 0.0)
 
     @property
+    def fused_attention(self) -> bool:
+        """Whether training graphs run attention fused (FLASH_ATTN_EXT and the dream
+        stage's backward; every layer's attention on CUDA) or as explicit products."""
+        return bool(self.L.dream_fused_attention(self._handle()))
+
+    @property
     def graph_reuses(self) -> int:
         """Micro-steps so far that computed the previous step's graph again."""
         return int(self.L.dream_graph_reuses(self._handle()))
