@@ -387,22 +387,26 @@ class TimedTrainer(FakeTrainer):
 
 class SpikyTrainer(TimedTrainer):
     """A timed trainer whose every 7th step is descheduled for 8x its time,
-    and which honours the step deadline: a step that would pass it is cut
-    there, stopped, and changes nothing."""
+    and which honours the step deadline as the native core does: a step that
+    would pass it stops there, and the next micro_step goes on with it."""
 
     calls = 0
+    left: float | None = None        # seconds a stopped step still needs
 
     def micro_step(self):
         p = self.pos
         n = min(self.chunk, len(self.tokens) - p)
-        SpikyTrainer.calls += 1
-        seconds = (0.020 + 0.010 * n) * (8 if SpikyTrainer.calls % 7 == 0 else 1)
-        if self.deadline_ms and seconds * 1000 > self.deadline_ms:
+        if self.left is None:
+            SpikyTrainer.calls += 1
+            self.left = (0.020 + 0.010 * n) * (8 if SpikyTrainer.calls % 7 == 0 else 1)
+        if self.deadline_ms and self.left * 1000 > self.deadline_ms:
             TimedTrainer.clock.t += self.deadline_ms / 1000
+            self.left -= self.deadline_ms / 1000
             return self._receipt("stopped", p, n, 0.0, sum(self.mask[p + 1:p + n + 1]),
                                  message="stopped at the step deadline")
         r = FakeTrainer.micro_step(self)
-        TimedTrainer.clock.t += seconds
+        TimedTrainer.clock.t += self.left
+        self.left = None
         return r
 
 
@@ -473,13 +477,18 @@ def spiky_job(tmp_path):
 
 def test_a_step_past_the_deadline_is_stopped_and_the_walk_retries_it(tmp_path):
     # every 7th step is descheduled for 8x its time (a 4-token step: 480 ms
-    # against a 100 ms bound): the deadline stops it at 80 ms, the walk
-    # retries the chunk, and no pause but the first, unmeasured, one passes
-    # the bound; the job trains every token all the same
+    # against a 100 ms bound): it stops at the deadline (90 ms) as often as it
+    # needs, the scheduler goes on with the same chunk each time, and no pause
+    # but the first, unmeasured, one passes the bound; every token is trained
     store, jid = spiky_job(tmp_path)
     job = store.get(jid)
     assert job["state"] == "done", job["message"]
-    stopped = [r for r in store.receipts(jid) if r["status"] == "stopped"]
+    receipts = store.receipts(jid)
+    stopped = [r for r in receipts if r["status"] == "stopped"]
+    # each stopped step is gone on with: the next micro-step is the same chunk
+    for r, nxt in zip(receipts, receipts[1:], strict=False):
+        if r["status"] == "stopped":
+            assert (nxt["chunk_pos"], nxt["chunk_tokens"]) == (r["chunk_pos"], r["chunk_tokens"])
     assert len(stopped) >= 5 and job["progress"]["stopped"] == len(stopped) == job["pacing"]["steps_stopped"]
     assert job["progress"]["stopped_ms"] == pytest.approx(sum(r["ms"] for r in stopped)) and stopped[0]["ms"] > 0
     assert job["progress"]["tokens"] == 3 * 135          # every stopped chunk was trained later

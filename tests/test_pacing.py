@@ -394,21 +394,19 @@ def test_a_descheduled_step_now_and_then_does_not_shrink_the_chunk():
     assert sorted(chunks)[len(chunks) // 2] == 8 and sh.noise() == StepShaper.NOISE_CAP
 
 
-def test_a_stop_at_the_deadline_moves_down_a_rung_and_never_stalls_the_job():
+def test_a_stop_at_the_deadline_moves_the_next_chunk_down_a_rung():
     sh = StepShaper(250, ladder(64, 1), [1])
     run_shaper(sh, {1: lambda n: 0.02 + 0.01 * n}, 40)
     assert sh.chunk == 16 and sh.deadline_ms() == pytest.approx(StepShaper.DEADLINE * 250)
     fit = sh.predict(16)
-    sh.record_stopped(0.23, 16, 1)                 # a descheduled step, cut at the deadline
-    assert sh.choose() == (8, 1) and sh.predict(16) == fit    # a rung down; the cut time is not fitted
+    sh.record_stopped(0.23, 16, 1)                 # a descheduled step, stopped at the deadline (it goes on later)
+    assert sh.choose() == (8, 1) and sh.predict(16) == fit    # a rung down; the part's time is not fitted
     assert sh.deadline_ms() is not None and sh.figures()["steps_stopped"] == 1
-    # at the smallest rung a stop leaves the next step free, so the walk moves on
+    # at the smallest rung there is no smaller one: the chunk stays
     tiny = StepShaper(250, [1], [1])
     tiny.record(0.05, 1, 1)
     tiny.record_stopped(0.23, 1, 1)
-    assert tiny.deadline_ms() is None
-    tiny.record(0.4, 1, 1)                         # it finished (over the bound): deadlines again
-    assert tiny.deadline_ms() is not None
+    assert tiny.choose() == (1, 1) and tiny.deadline_ms() is not None
     # no deadline while the smallest step itself cannot keep the bound: it would stop every step
     slow = StepShaper(250, ladder(64, 1), [1])
     run_shaper(slow, {1: lambda n: 0.30 + 0.01 * n}, 40)
@@ -513,8 +511,7 @@ class Outcome:
     late_s: float = 0.0                  # requests that came late: their clients were starved by idle steps
     pauses: list = field(default_factory=list)
     figures: dict = field(default_factory=dict)
-    stopped: int = 0                     # steps stopped at the deadline
-    stopped_s: float = 0.0               # and their time: given to the job, none of it kept
+    stopped: int = 0                     # steps stopped at the deadline (the next step went on with each)
 
     @property
     def chat_rate(self) -> float:
@@ -532,7 +529,7 @@ class Outcome:
 
 
 IDLE_BURST_S = 0.5     # training.scheduler.IDLE_BURST_S
-NODE_S = 0.01          # how far past its deadline a stopped step runs (the node it was on)
+NODE_S = 0.004         # how far past its deadline a stopped step runs (the segment it was on)
 IDLE_INTERVAL_S = 0.05  # the engine's idle wake-up
 WINDOW = 64            # tokens per training window
 
@@ -554,6 +551,7 @@ def simulate(shape: Shape, load: Load, pacing: dict | None, seconds: float = 480
     window_left = WINDOW
     after_step = False
     last_step = [0.0]
+    carry: list = [None]                                 # (chunk, threads, seconds left) of a stopped step
     chat_since: float | None = None                      # a request is in the system since
 
     def in_burst(t: float) -> bool:
@@ -577,24 +575,27 @@ def simulate(shape: Shape, load: Load, pacing: dict | None, seconds: float = 480
     def step(active: bool) -> float:
         """One micro-step; returns its time."""
         nonlocal window_left, after_step
-        chunk, threads = shaper.choose()
-        n = min(chunk, window_left)
-        s = (load.step_fixed + load.step_per_token[threads] * n) * load.jitter(rng_step, threads)
+        resumed = carry[0] is not None
+        if resumed:
+            n, threads, whole = carry[0]             # a stopped step goes on: what it had left
+        else:
+            chunk, threads = shaper.choose()
+            n = min(chunk, window_left)
+            whole = (load.step_fixed + load.step_per_token[threads] * n) * load.jitter(rng_step, threads)
         deadline = shaper.deadline_ms()
-        stopped = deadline is not None and s > deadline / 1000.0
-        if stopped:
-            s = deadline / 1000.0 + NODE_S           # stopped after the node it was on; nothing kept
+        stopped = deadline is not None and whole > deadline / 1000.0 + NODE_S
+        s = deadline / 1000.0 + NODE_S if stopped else whole   # it stops after the segment it was on
+        carry[0] = (n, threads, whole - s) if stopped else None
         clock.advance(s)
         if not stopped:
             window_left = window_left - n or WINDOW
         out.dream_s += s
         out.pauses.append(s)
         out.stopped += stopped
-        out.stopped_s += s if stopped else 0.0
         last_step[0] = s
         if stopped:
             shaper.record_stopped(s, n, threads)
-        else:
+        elif not resumed:
             shaper.record(s, n, threads)
         after_step = True
         return s
@@ -702,11 +703,8 @@ def test_both_promises_hold_for_every_load_shape(shape, load, pacing):
     pauses = sorted(job.pauses)
     p95 = pauses[max(0, math.ceil(0.95 * len(pauses)) - 1)]
     assert p95 <= 0.250, f"pause p95 {p95 * 1000:.0f} ms"
-    allowance = allowed(base, job, pacing["mode"], pacing["value"])
-    assert job.dream_s >= 0.8 * allowance
-    # a step stopped at the deadline was the job's time, and lost: what was kept
-    # still comes near the allowance, and stops are the exception
-    assert job.dream_s - job.stopped_s >= 0.75 * allowance and job.stopped_s <= 0.2 * job.dream_s
+    assert job.dream_s >= 0.8 * allowed(base, job, pacing["mode"], pacing["value"])
+    assert job.stopped <= 0.15 * len(job.pauses)     # stops (steps slowed past the deadline) are the exception
     if shape.clients:
         if pacing["mode"] == "max_slowdown":
             assert job.slowdown <= pacing["value"] + 0.02
@@ -722,7 +720,7 @@ def test_both_promises_hold_for_every_load_shape(shape, load, pacing):
         if load == "every core taken" and shape.rtt >= 0.05 and pacing["mode"] == "max_slowdown":
             assert job.figures["late_ms"] > 1000       # the starved client's lateness was seen and charged
     else:
-        assert job.dream_s >= 0.8 * job.wall and job.dream_s - job.stopped_s >= 0.75 * job.wall
+        assert job.dream_s >= 0.8 * job.wall
 
 
 def test_the_simulation_is_sensitive_to_the_charges():

@@ -159,6 +159,7 @@ int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, 
             return r.status;
         }
     }
+    dream_suspended_drop(*ds);         // a stopped step of the last window is not continued
     ds->group = dream_group_state{};   // a plain window ends any group (dream-groups.cpp)
     ds->win_loss_scale = 1.0f;
     ds->win_tokens.assign(tokens, tokens + n);
@@ -241,6 +242,7 @@ bool dream_set_parameters(struct dream_stage * ds, const float * in, int64_t n) 
     if (n != ds->n_params) {
         return false;
     }
+    dream_suspended_drop(*ds);   // a stopped step computed its first part with the old values
     dream_adapter_write(*ds, in);
     return true;
 }
@@ -274,6 +276,7 @@ int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon) {
     if (!ds->params.exact) {
         return -1;
     }
+    dream_suspended_drop(*ds);
     ds->horizon = horizon > 0 ? horizon : 0;
     // adjoint buffers already sized for a shorter horizon bound it
     if (ds->adj_rows > 0 && ds->adj_rows < ds->params.window &&
@@ -290,6 +293,9 @@ bool dream_set_chunk(struct dream_stage * ds, int32_t chunk) {
     if (chunk <= 0 || chunk > ds->params.window) {
         return false;
     }
+    if (chunk != ds->params.chunk) {
+        dream_suspended_drop(*ds);   // a stopped step is not continued with another chunk
+    }
     ds->params.chunk = chunk;
     ds->chunk_max = std::max(ds->chunk_max, chunk);
     return true;
@@ -305,6 +311,7 @@ void dream_set_graph_reuse(struct dream_stage * ds, bool on) {
     }
     ds->graph_reuse = on;
     if (!on) {
+        dream_suspended_drop(*ds);
         dream_step_graph_drop(*ds);   // the allocation stays the scheduler's until the next step resets it
     }
 }

@@ -224,6 +224,7 @@ int32_t dream_group_begin(struct dream_stage * ds, const llama_token * prefix, i
         return fail("prompt (%d tokens) + longest reply (%d tokens) exceed the window (%d)", n_prefix, longest, ds->params.window);
     }
 
+    dream_suspended_drop(*ds);   // a stopped step of the last window is not continued
     auto & gs = ds->group;
     gs = dream_group_state{};
     gs.n_prefix = n_prefix;

@@ -193,8 +193,15 @@ bool dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan
     return true;
 }
 
+// Graph nodes per segment when a step has a deadline: each segment is one
+// graph compute on the CPU backend (a few microseconds to start), and the
+// deadline is checked between two. A segment of the default model's step
+// takes 1 to 4 ms on the project machine.
+static constexpr int DREAM_SEGMENT_NODES = 64;
+
 ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, bool allocated,
-                                const std::function<void()> & set_inputs) {
+                                const std::function<void()> & set_inputs, const dream_deadline_t * deadline,
+                                int32_t * next_node) {
     ggml_backend_sched_t se = ds.sched_exec.get();
     // (the exec scheduler was reset before the graph was built; a reset here
     // would drop the backend pins the build set)
@@ -204,8 +211,37 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
     if (ds.fused_attn && !dream_fattn_on_cuda(se, g)) {
         return GGML_STATUS_FAILED;   // ggml's CPU code for the op reads another layout (dream-fattn.cpp)
     }
-    set_inputs();
+    if (set_inputs) {
+        set_inputs();
+    }
     dream_context_access::set_compute_threads(*ds.lctx, batched);
+    ggml_backend_t cpu = dream_context_access::backend_cpu(*ds.lctx);
+    const int n_nodes = ggml_graph_n_nodes(g);
+    // A deadline needs a graph that runs wholly on the CPU backend (one split:
+    // its tensors are the graph's own, no copies): it is then computed there in
+    // segments, and one that is still running at the deadline stops between two,
+    // everything it computed kept, *next_node saying where to go on. A graph
+    // with another backend in it runs to its end.
+    if (deadline && next_node && cpu && ggml_backend_sched_get_n_splits(se) == 1 && n_nodes > 0 &&
+        ggml_backend_sched_get_tensor_backend(se, ggml_graph_node(g, n_nodes - 1)) == cpu) {
+        ds.last_n_splits = 1;
+        for (int i = *next_node; i < n_nodes; i += DREAM_SEGMENT_NODES) {
+            if (i > *next_node && std::chrono::steady_clock::now() >= *deadline) {
+                *next_node = i;
+                return GGML_STATUS_ABORTED;
+            }
+            ggml_cgraph view = ggml_graph_view(g, i, std::min(n_nodes, i + DREAM_SEGMENT_NODES));
+            const ggml_status st = ggml_backend_graph_compute(cpu, &view);
+            if (st != GGML_STATUS_SUCCESS) {
+                return st;
+            }
+        }
+        *next_node = n_nodes;
+        return GGML_STATUS_SUCCESS;
+    }
+    if (next_node && *next_node > 0) {
+        return GGML_STATUS_FAILED;                  // only a segmented graph goes on from a node
+    }
     dream_profile prof;
     if (dream_profile_on()) {
         ggml_backend_sched_synchronize(se);

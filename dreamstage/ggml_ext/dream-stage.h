@@ -11,6 +11,7 @@
 #include "llama-kv-cache.h"
 #include "llama-model.h"
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -40,26 +41,6 @@ struct dream_context_access {
         for (const auto & [backend, set_n_threads] : c.set_n_threads_fns) {
             set_n_threads(backend, n);
         }
-    }
-    // the abort callback every backend of the context that takes one asks
-    // between graph nodes (the CPU's); fn == nullptr puts serving's own back
-    static void set_abort(llama_context & c, ggml_abort_callback fn, void * data) {
-        if (fn == nullptr) {
-            fn = c.abort_callback;
-            data = c.abort_callback_data;
-        }
-        for (auto & b : c.backends) {
-            auto * reg = ggml_backend_dev_backend_reg(ggml_backend_get_device(b.get()));
-            auto * set = reg ? (ggml_backend_set_abort_callback_t) ggml_backend_reg_get_proc_address(
-                                   reg, "ggml_backend_set_abort_callback") : nullptr;
-            if (set) {
-                set(b.get(), fn, data);
-            }
-        }
-    }
-    static ggml_abort_callback serving_abort(const llama_context & c, void ** data) {
-        *data = c.abort_callback_data;
-        return c.abort_callback;
     }
     // removes an adapter the stage is about to free from serving's set
     static void detach_lora(llama_context & c, llama_adapter_lora * a) {
@@ -121,6 +102,21 @@ struct dream_chunk {
 // rows, loss scale; the plain walk only) sets its inputs and computes it again:
 // no build, no plan, no allocation. ggml-opt keeps its graphs for the same
 // reason. Whatever else runs on the exec scheduler drops it first.
+using dream_deadline_t = std::chrono::steady_clock::time_point;
+
+// A micro-step stopped at its deadline (dream_set_step_deadline): its graph
+// stays allocated in dream_stage::step_graph, and the next micro-step computes
+// it on from next_node. Anything that changes what the step computes drops it
+// first (dream_suspended_drop: its cells reverted, the graph freed).
+struct dream_suspended_step {
+    bool    active = false;
+    int32_t next_node = 0;          // the first graph node not computed
+    dream_chunk chunk;
+    int32_t n_loss = 0;
+    bool    train = false, keepable = false, reuse = false, need_opt_state = false, batched = false;
+    double  graph_mib = 0;
+};
+
 struct dream_step_graph {
     bool valid = false;
     int32_t p = 0, n = 0, n_out = 0;
@@ -199,6 +195,7 @@ struct dream_stage {
     bool    graph_reuse  = true;    // dream_set_graph_reuse
     int64_t graph_reuses = 0;       // micro-steps that reused the step graph
     double  step_deadline_ms = 0;   // dream_set_step_deadline; <= 0: none
+    dream_suspended_step suspended; // a step stopped at its deadline, continued by the next micro-step
     bool    fused_attn = false;     // training graphs use FLASH_ATTN_EXT and its backward (dream-fattn.cpp)
 
     // set while a training graph is being built (read by the attention hook)
@@ -263,9 +260,16 @@ struct dream_graph_plan {
 bool   dream_sched_ensure(dream_stage & ds, size_t graph_size);   // makes plan/exec for graphs up to graph_size
 bool   dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan);   // measures a twin of g
 // allocated: g is still allocated on the exec scheduler from an earlier step (no second allocation)
+// Allocates g on the exec scheduler (unless `allocated`), sets its inputs (when
+// given) and computes it. With a deadline and next_node (the first node to
+// compute), a graph wholly on the CPU backend runs in segments and stops
+// between two once the deadline passed: GGML_STATUS_ABORTED, *next_node the
+// first node not computed (dream_set_step_deadline).
 ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, bool allocated,
-                                const std::function<void()> & set_inputs);
+                                const std::function<void()> & set_inputs, const dream_deadline_t * deadline = nullptr,
+                                int32_t * next_node = nullptr);
 void dream_step_graph_drop(dream_stage & ds);
+void dream_suspended_drop(dream_stage & ds);   // forgets a stopped step: its cells reverted, its graph freed
 void   dream_sched_release(dream_stage & ds);         // ends the exec scheduler's use of the last graph
 size_t dream_sched_held_bytes(const dream_stage & ds); // the exec scheduler's compute buffers, all devices
 

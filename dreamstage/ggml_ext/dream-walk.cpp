@@ -95,24 +95,6 @@ static ggml_tensor * dream_join_v(ggml_context * ctx, dream_stage & ds, ggml_ten
     return ggml_permute(ctx, dream_unit_mul(ctx, ds, joined), 0, 2, 1, 3);
 }
 
-// A micro-step's deadline, asked between graph nodes by the CPU backend
-// (dream_set_step_deadline); serving's own abort callback is still asked.
-struct dream_deadline {
-    std::chrono::steady_clock::time_point at{};
-    ggml_abort_callback serving = nullptr;
-    void * serving_data = nullptr;
-    bool fired = false;
-};
-
-static bool dream_deadline_passed(void * data) {
-    auto * d = (dream_deadline *) data;
-    if (std::chrono::steady_clock::now() >= d->at) {
-        d->fired = true;
-        return true;
-    }
-    return d->serving != nullptr && d->serving(d->serving_data);
-}
-
 // [a, b) cut where it wraps around the adjoint buffers' slots (q % adj_rows).
 struct dream_ring_piece {
     int32_t pos, slot, len;
@@ -660,6 +642,111 @@ static int32_t dream_halve_horizon(dream_stage & ds, int32_t p, int32_t leaf_lo)
     return ds.horizon;
 }
 
+// When a micro-step that began at t_start is stopped (dream_set_step_deadline).
+static dream_deadline_t dream_step_deadline(const dream_stage & ds, std::chrono::steady_clock::time_point t_start) {
+    return t_start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                         std::chrono::duration<double, std::milli>(ds.step_deadline_ms));
+}
+
+// After a step's graph computed: the device pools it grew, its loss and its gradient.
+static void dream_step_read(dream_stage & ds, dream_receipt & r, dream_step_graph & sgraph, bool train, bool need_opt_state) {
+    for (const auto & [dev, bytes] : sgraph.pool_need) {
+        bool found = false;
+        for (auto & [d, b] : ds.pool_held) {
+            if (d == dev) {
+                b = std::max(b, bytes);
+                found = true;
+            }
+        }
+        if (!found) {
+            ds.pool_held.push_back({ dev, bytes });
+        }
+    }
+
+    if (train) {
+        float ce_val = 0.0f;
+        if (sgraph.ce) {
+            ggml_backend_tensor_get(sgraph.ce, &ce_val, 0, sizeof(ce_val));
+        }
+        r.loss = (double) ce_val;
+        if (need_opt_state) {
+            ds.grad_acc.assign(ds.n_params, 0.0f);
+            ds.adam_m.assign(ds.n_params, 0.0f);
+            ds.adam_v.assign(ds.n_params, 0.0f);
+        }
+        float * acc = ds.grad_acc.data();
+        std::vector<float> host;
+        size_t ig = 0;
+        for (auto & pr : ds.pairs) {
+            for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
+                const int64_t ne = ggml_nelements(t);
+                if (ggml_tensor * g = sgraph.param_grads[ig++]) {
+                    host.resize(ne);
+                    ggml_backend_tensor_get(g, host.data(), 0, ne * sizeof(float));
+                    for (int64_t i = 0; i < ne; ++i) {
+                        acc[i] += host[i];
+                    }
+                }
+                acc += ne;
+            }
+        }
+    }
+}
+
+// The walk moves past a computed chunk: the step count, the window's position,
+// a group's or the exact walk's bookkeeping, the window's end and the optimizer.
+static int32_t dream_step_advance(dream_stage & ds, dream_receipt & r, const dream_chunk & chunk) {
+    const int32_t p = chunk.p, n = chunk.n;
+    ds.step += 1;
+    ds.win_pos = p + n;
+    bool window_done = !dream_exact_window(ds) && ds.win_pos >= ds.win_n;
+    if (ds.group.active) {
+        window_done = dream_group_chunk_done(ds, chunk, r);
+    } else if (chunk.backward_pass) {
+        // the leaves' cells now hold adjoints; this chunk's own slots are
+        // spent and must read zero when lower positions wrap onto them
+        for (int32_t i = std::max(chunk.leaf_lo, 0); chunk.leaf_lo >= 0 && i < p; ++i) {
+            ds.win_adj[i] = 1;
+        }
+        if (ds.adj_rows > 0 && ds.adj_rows < ds.win_n) {
+            for (const auto & pc : dream_ring_pieces(ds, p, p + n)) {
+                for (auto * adj : { &ds.adj_k, &ds.adj_v }) {
+                    for (ggml_tensor * t : *adj) {
+                        if (t) {
+                            ggml_backend_tensor_memset(t, 0, (size_t) pc.slot * t->nb[2], (size_t) pc.len * t->nb[2]);
+                        }
+                    }
+                }
+            }
+        }
+        ds.rev_end = p;
+        dream_rev_skip(ds);
+        window_done = ds.rev_end == 0;
+    }
+    if (window_done) {
+        ds.win_active = false;
+        if (ds.win_n_masked > 0 && !ds.grad_acc.empty()) {
+            ds.windows_pending += 1;
+            if (ds.windows_pending >= ds.params.accumulate_windows) {
+                dream_adamw(ds);
+                ds.windows_pending = 0;
+            }
+        }
+    }
+    return DREAM_STATUS_OK;
+}
+
+void dream_suspended_drop(dream_stage & ds) {
+    if (!ds.suspended.active) {
+        return;
+    }
+    ds.memory->seq_rm(0, ds.suspended.chunk.p, -1);
+    ds.win_pos = std::min(ds.win_pos, ds.suspended.chunk.p);
+    ds.suspended = dream_suspended_step{};
+    dream_step_graph_drop(ds);
+    dream_sched_release(ds);
+}
+
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     const auto t_start = std::chrono::steady_clock::now();
     dream_receipt_start(ds, r);
@@ -693,6 +780,43 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     if (!ds.win_active || (!dream_exact_window(ds) && ds.win_pos >= ds.win_n)) {
         dream_receipt_message(r, "no window in progress: call dream_window_begin first");
         return finish(DREAM_STATUS_ERROR);
+    }
+
+    // a step stopped at its deadline goes on where it stopped, with a deadline of its own
+    if (ds.suspended.active) {
+        dream_suspended_step & su = ds.suspended;
+        chunk = su.chunk;
+        r.chunk_pos = chunk.p;
+        r.chunk_tokens = chunk.n;
+        r.tokens = su.n_loss;
+        r.horizon = ds.params.exact ? ds.horizon : -1;
+        r.graph_mib = su.graph_mib;
+        std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", su.train ? "backward" : "forward");
+        const dream_deadline_t deadline = dream_step_deadline(ds, t_start);
+        const ggml_status st = dream_sched_compute(ds, ds.step_graph.gb, su.batched, true, nullptr,
+                                                   ds.step_deadline_ms > 0 ? &deadline : nullptr, &su.next_node);
+        if (st == GGML_STATUS_ABORTED) {
+            dream_receipt_message(r, "stopped at the step deadline of %.1f ms again, %d of %d graph nodes computed: the "
+                                  "next micro-step goes on with chunk at %d (%d tokens)", ds.step_deadline_ms, su.next_node,
+                                  ggml_graph_n_nodes(ds.step_graph.gb), chunk.p, chunk.n);
+            return finish(DREAM_STATUS_STOPPED);
+        }
+        if (st != GGML_STATUS_SUCCESS) {
+            dream_suspended_drop(ds);
+            dream_receipt_message(r, "computing the rest of a stopped step failed (ggml status %d)", (int) st);
+            return finish(DREAM_STATUS_ERROR);
+        }
+        const dream_suspended_step done = su;
+        su = dream_suspended_step{};
+        dream_step_read(ds, r, ds.step_graph, done.train, done.need_opt_state);
+        if (done.keepable) {
+            ds.step_graph.valid = true;         // kept for the next chunk of its shape
+            ds.graph_reuses += done.reuse ? 1 : 0;
+        } else {
+            dream_step_graph_drop(ds);
+            dream_sched_release(ds);
+        }
+        return finish(dream_step_advance(ds, r, chunk));
     }
 
     const auto & hp = ds.model->hparams;
@@ -1039,14 +1163,23 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     }
 
     // the step deadline (dream_set_step_deadline): only a graph that writes
-    // nothing but this chunk's own cache cells (reverted below) may stop midway
-    dream_deadline deadline;
-    if (ds.step_deadline_ms > 0 && !chunk.backward_pass && chunk.group_reply < 0) {
-        deadline.at = t_start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                    std::chrono::duration<double, std::milli>(ds.step_deadline_ms));
-        deadline.serving = dream_context_access::serving_abort(lctx, &deadline.serving_data);
-        dream_context_access::set_abort(lctx, dream_deadline_passed, &deadline);
-    }
+    // nothing but this chunk's own cache cells may stop midway and go on later
+    const bool stoppable = ds.step_deadline_ms > 0 && !chunk.backward_pass && chunk.group_reply < 0;
+    const dream_deadline_t deadline = dream_step_deadline(ds, t_start);
+    int32_t next_node = 0;
+    // a freshly built graph into the stage's step graph, with what a later step compares
+    auto keep_fresh = [&](bool valid) {
+        fresh.ctx.reset(scope.ctx);
+        scope.ctx = nullptr;
+        fresh.unit = ds.build_unit;
+        fresh.p = p;
+        fresh.n = n;
+        fresh.n_out = n_out;
+        fresh.train = train;
+        fresh.loss_scale = loss_scale;
+        fresh.valid = valid;
+        sg = std::move(fresh);
+    };
     // allocate the real graph once on the exec scheduler (unless it still is) and compute it
     const ggml_status st = dream_sched_compute(ds, sgraph.gb, n > 1, reuse, [&] {
         ds.res->set_inputs(&mctx.get_ubatch());
@@ -1079,15 +1212,21 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             const float one = 1.0f;
             ggml_backend_tensor_set(sgraph.loss_grad, &one, 0, sizeof(one));
         }
-    });
-    if (deadline.at != std::chrono::steady_clock::time_point{}) {
-        dream_context_access::set_abort(lctx, nullptr, nullptr);   // serving's own again
-    }
-    if (st == GGML_STATUS_ABORTED && deadline.fired) {
-        // nothing was kept: no gradient read, the graph dropped, the chunk's cells reverted
-        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
-        dream_receipt_message(r, "stopped at the step deadline of %.1f ms (%.1f ms in): chunk at %d (%d tokens) changed "
-                              "nothing and may be retried", ds.step_deadline_ms, ms, p, n);
+    }, stoppable ? &deadline : nullptr, &next_node);
+    if (st == GGML_STATUS_ABORTED && stoppable) {
+        // stopped between two segments: the graph, its inputs and the chunk's
+        // cells stay as they are, and the next micro-step computes the rest
+        if (!reuse) {
+            keep_fresh(false);                  // valid again when the step completes (a graph the walk keeps)
+        }
+        sg.valid = false;
+        ds.suspended = dream_suspended_step{ true, next_node, chunk, n_loss, train, keepable, reuse, need_opt_state, n > 1,
+                                             r.graph_mib };
+        scope.keep = true;
+        scope.revert_from = -1;
+        dream_receipt_message(r, "stopped at the step deadline of %.1f ms, %d of %d graph nodes computed: the next "
+                              "micro-step goes on with chunk at %d (%d tokens)", ds.step_deadline_ms, next_node,
+                              ggml_graph_n_nodes(sg.gb), p, n);
         return finish(DREAM_STATUS_STOPPED);
     }
     if (st == GGML_STATUS_ALLOC_FAILED) {
@@ -1102,102 +1241,17 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         dream_receipt_message(r, "computing the training graph failed (ggml status %d)", (int) st);
         return finish(DREAM_STATUS_ERROR);
     }
-    for (const auto & [dev, bytes] : sgraph.pool_need) {
-        bool found = false;
-        for (auto & [d, b] : ds.pool_held) {
-            if (d == dev) {
-                b = std::max(b, bytes);
-                found = true;
-            }
-        }
-        if (!found) {
-            ds.pool_held.push_back({ dev, bytes });
-        }
-    }
-
-    if (train) {
-        float ce_val = 0.0f;
-        if (sgraph.ce) {
-            ggml_backend_tensor_get(sgraph.ce, &ce_val, 0, sizeof(ce_val));
-        }
-        r.loss = (double) ce_val;
-        if (need_opt_state) {
-            ds.grad_acc.assign(ds.n_params, 0.0f);
-            ds.adam_m.assign(ds.n_params, 0.0f);
-            ds.adam_v.assign(ds.n_params, 0.0f);
-        }
-        float * acc = ds.grad_acc.data();
-        std::vector<float> host;
-        size_t ig = 0;
-        for (auto & pr : ds.pairs) {
-            for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
-                const int64_t ne = ggml_nelements(t);
-                if (ggml_tensor * g = sgraph.param_grads[ig++]) {
-                    host.resize(ne);
-                    ggml_backend_tensor_get(g, host.data(), 0, ne * sizeof(float));
-                    for (int64_t i = 0; i < ne; ++i) {
-                        acc[i] += host[i];
-                    }
-                }
-                acc += ne;
-            }
-        }
-    }
+    dream_step_read(ds, r, sgraph, train, need_opt_state);
 
     // the plain walk keeps the graph allocated for the next chunk of this shape
     if (keepable) {
         if (!reuse) {
-            fresh.ctx.reset(scope.ctx);
-            scope.ctx = nullptr;
-            fresh.unit = ds.build_unit;
-            fresh.p = p;
-            fresh.n = n;
-            fresh.n_out = n_out;
-            fresh.train = train;
-            fresh.loss_scale = loss_scale;
-            fresh.valid = true;
-            sg = std::move(fresh);
+            keep_fresh(true);
         } else {
             ds.graph_reuses += 1;
         }
         scope.keep = true;
     }
     scope.revert_from = -1;     // the chunk's K/V stay as constants for later chunks
-    ds.step += 1;
-    ds.win_pos = p + n;
-    bool window_done = !dream_exact_window(ds) && ds.win_pos >= ds.win_n;
-    if (ds.group.active) {
-        window_done = dream_group_chunk_done(ds, chunk, r);
-    } else if (chunk.backward_pass) {
-        // the leaves' cells now hold adjoints; this chunk's own slots are
-        // spent and must read zero when lower positions wrap onto them
-        for (int32_t i = std::max(chunk.leaf_lo, 0); chunk.leaf_lo >= 0 && i < p; ++i) {
-            ds.win_adj[i] = 1;
-        }
-        if (ds.adj_rows > 0 && ds.adj_rows < ds.win_n) {
-            for (const auto & pc : dream_ring_pieces(ds, p, p + n)) {
-                for (auto * adj : { &ds.adj_k, &ds.adj_v }) {
-                    for (ggml_tensor * t : *adj) {
-                        if (t) {
-                            ggml_backend_tensor_memset(t, 0, (size_t) pc.slot * t->nb[2], (size_t) pc.len * t->nb[2]);
-                        }
-                    }
-                }
-            }
-        }
-        ds.rev_end = p;
-        dream_rev_skip(ds);
-        window_done = ds.rev_end == 0;
-    }
-    if (window_done) {
-        ds.win_active = false;
-        if (ds.win_n_masked > 0 && !ds.grad_acc.empty()) {
-            ds.windows_pending += 1;
-            if (ds.windows_pending >= ds.params.accumulate_windows) {
-                dream_adamw(ds);
-                ds.windows_pending = 0;
-            }
-        }
-    }
-    return finish(DREAM_STATUS_OK);
+    return finish(dream_step_advance(ds, r, chunk));
 }

@@ -28,7 +28,7 @@ LLAMA_API const char * dream_build_info(void);
 #define DREAM_STATUS_OK      0
 #define DREAM_STATUS_REFUSED 1
 #define DREAM_STATUS_ERROR   2
-#define DREAM_STATUS_STOPPED 3   // the step ran past its deadline and was stopped (dream_set_step_deadline)
+#define DREAM_STATUS_STOPPED 3   // stopped at its deadline; the next micro-step goes on with it (dream_set_step_deadline)
 
 // One receipt per micro-step (and one for dream_init). Field names are the
 // canonical ones (DESIGN-BRIEF section 5); sizes are MiB (2^20 bytes), times ms.
@@ -228,17 +228,18 @@ LLAMA_API int64_t dream_graph_reuses(const struct dream_stage * ds);
 // head size of 64 or 128, unless DREAMSTAGE_FUSED_ATTN=0 or NVIDIA_TF32_OVERRIDE=0.
 LLAMA_API bool dream_fused_attention(const struct dream_stage * ds);
 
-// A deadline for the micro-steps that follow (the pacer's pause bound): a step
-// whose graph is still computing `ms` after the step began stops after the
-// graph node the CPU backend is on, and returns DREAM_STATUS_STOPPED having
-// changed nothing: no gradient, the window's position and the training cache
-// as before it. The same chunk, or a smaller one, may be retried. Only steps
-// whose graph writes nothing but the chunk's own cache cells stop (the plain
-// walk, the exact walk's forward sweep); a reverse-pass chunk and a group's
-// chunks add into the adjoint buffers as they compute and always finish, as
-// does any part of a graph on a backend without an abort callback (CUDA).
-// ms <= 0: no deadline (the default). A callback the application set with
-// llama_set_abort_callback is still asked during a training step.
+// A deadline for the micro-steps that follow (the pacer's pause bound). A step
+// whose graph runs wholly on the CPU backend is then computed in segments of
+// nodes; one still running `ms` after the step began stops between two
+// segments and returns DREAM_STATUS_STOPPED, keeping everything it computed:
+// the next dream_micro_step goes on from there (with a deadline of its own)
+// and completes the chunk. A call that changes what the step computes drops
+// the stopped part first (dream_window_begin, dream_group_begin, a new chunk,
+// dream_set_horizon, dream_set_parameters, graph reuse off): the chunk's cache
+// cells are reverted and it starts again. Only steps whose graph writes nothing
+// but the chunk's own cache cells stop (the plain walk, the exact walk's forward
+// sweep); a reverse-pass chunk and a group's chunks always finish, as does a
+// graph with a GPU in it. ms <= 0: no deadline (the default).
 LLAMA_API void dream_set_step_deadline(struct dream_stage * ds, double ms);
 
 // The CPU kernel of the backward through a frozen quantized weight, on plain

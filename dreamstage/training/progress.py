@@ -31,8 +31,8 @@ def new_progress(spec: JobSpec) -> dict[str, Any]:
         # (chunk_tokens); train_tok_s = walked per second of micro-step time.
         "tokens": 0, "walked": 0, "train_ms": 0.0, "train_tok_s": None, "current_chunk": spec.chunk,
         "refusals": 0,
-        # micro-steps stopped at the pause deadline (nothing kept; the chunk
-        # retried) and the time they took
+        # micro-steps stopped at the pause deadline (the next one went on with
+        # the chunk) and the time of their parts (in train_ms too)
         "stopped": 0, "stopped_ms": 0.0,
         # the exact walk: the horizon in use (0: whole window; None: plain walk)
         # and the last micro-step's pass (forward | backward)
@@ -82,8 +82,10 @@ def fold_receipt(p: dict[str, Any], d: Mapping[str, Any]) -> None:
     elif d["status"] == "refused":
         p["refusals"] += 1
     elif d["status"] == "stopped":
+        ms = float(d.get("ms") or 0.0)
         p["stopped"] = p.get("stopped", 0) + 1          # (a job stored before stops had neither)
-        p["stopped_ms"] = p.get("stopped_ms", 0.0) + float(d.get("ms") or 0.0)
+        p["stopped_ms"] = p.get("stopped_ms", 0.0) + ms
+        p["train_ms"] += ms                             # the step's first part: its time trained too
     if d.get("group"):
         g = dict(d["group"])
         p.setdefault("groups", {})[g.pop("label")] = g

@@ -20,7 +20,7 @@ RECEIPT_STATUSES = tuple(STATUS_NAMES.values())
 
 @dataclass(frozen=True)
 class Receipt:
-    status: str                 # ok | refused | error | stopped (past the step deadline; nothing changed)
+    status: str                 # ok | refused | error | stopped (at the step deadline; the next micro-step goes on)
     step: int
     window: int
     chunk: int

@@ -138,8 +138,8 @@ class DreamScheduler:
         self._pacer: Pacer | None = None
         self._shaper: StepShaper | None = None
         self._threads: DreamThreads | None = None
-        # (chunk tokens, threads, trained, stopped at the deadline) of next()'s step
-        self._step_ran: tuple[int, int, bool, bool] | None = None
+        # (chunk tokens, threads, trained, "ok" | "stopped" | "resumed") of next()'s step
+        self._step_ran: tuple[int, int, bool, str] | None = None
         self._hook_done_at: float | None = None         # when after_batch last returned with a busy slot
         self._figures_at = 0.0
         self._closing: list[Any] = []   # trainers of the job in progress (closed if the server stops)
@@ -368,10 +368,10 @@ class DreamScheduler:
                     waited = oldest() if oldest is not None else seconds
                 pacer.record_dream(seconds, waited)
             if self._shaper is not None and self._step_ran is not None:
-                tokens, threads, trains, stopped = self._step_ran
-                if stopped:
+                tokens, threads, trains, kind = self._step_ran
+                if kind == "stopped":
                     self._shaper.record_stopped(seconds, tokens, threads)
-                else:
+                elif kind == "ok":
                     self._shaper.record(seconds, tokens, threads, trains)
         return True
 
@@ -502,11 +502,15 @@ class DreamScheduler:
             eval_before = yield from self._evaluate(spec, trainer, rendered.held_out, spec.chunk, notes)
         begun = None
         memory_cap = spec.chunk                         # the memory ladder's chunk (halved on a refusal)
+        resume_threads: int | None = None               # set while a step stopped at its deadline waits to go on
         while (cur := run.current()) is not None:
             group = isinstance(cur[0], TrainGroup)      # the native core picks a group's steps
             trains = None if group else trains_from(cur[0].mask, cur[1].chunk_pos)
-            chunk, threads = (self._shaper.choose(memory_cap, trains)
-                              if self._shaper is not None else (run.walk.chunk, self._threads.serve_batch))
+            if resume_threads is not None:              # the last step stopped at its deadline: go on with it
+                chunk, threads = run.walk.chunk, resume_threads
+            else:
+                chunk, threads = (self._shaper.choose(memory_cap, trains)
+                                  if self._shaper is not None else (run.walk.chunk, self._threads.serve_batch))
             if chunk != run.walk.chunk:
                 run.walk.chunk = chunk                  # the walk and the trainer move together
                 trainer.set_chunk(chunk)
@@ -523,8 +527,11 @@ class DreamScheduler:
                 trainer.set_step_deadline(self._shaper.deadline_ms())
             receipt = clear_receipt(self._threads.run(threads, trainer.micro_step), spec)
             self.stats.record(receipt)
-            self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0, receipt.status == "stopped")
-                              if receipt.status in ("ok", "stopped") else None)      # for the shaper
+            # for the shaper: a whole step, a stopped part, or the end of a stopped step (not fitted)
+            kind = "stopped" if receipt.status == "stopped" else "resumed" if resume_threads is not None else "ok"
+            self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0, kind)
+                              if receipt.status in ("ok", "stopped") else None)
+            resume_threads = threads if receipt.status == "stopped" else None
             try:
                 done = trainer.chunks_left == 0
                 event = run.record(receipt, window_done=done,
@@ -596,7 +603,7 @@ class DreamScheduler:
                         evaluator.set_chunk(step_chunk)   # an evaluation step pauses serving like any other
                     r = (evaluator.micro_step() if self._threads is None
                          else self._threads.run(threads, evaluator.micro_step))
-                    self._step_ran = (r.chunk_tokens, threads, r.tokens > 0, False) if r.status == "ok" else None
+                    self._step_ran = (r.chunk_tokens, threads, r.tokens > 0, "ok") if r.status == "ok" else None
                     pos += r.chunk_tokens
                     yield
                     if r.status != "ok":

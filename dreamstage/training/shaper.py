@@ -88,7 +88,7 @@ class StepShaper:
     EXPLORE_EVERY = 8     # steps between tries of an unmeasured rung above
     RELAX_FOR = 64        # steps a measurement of the smallest rung stands for
     FORWARD_TO_TRAIN = 4.0  # a training step over a forward-only one of the same chunk, until both are measured
-    DEADLINE = 0.9        # a step still computing at this fraction of the bound is stopped (deadline_ms)
+    DEADLINE = 0.9        # a step still computing at this fraction of the bound stops and goes on later (deadline_ms)
 
     def __init__(self, max_pause_ms: float, rungs: Sequence[int], threads: Sequence[int] = (1,),
                  other_load: Callable[[], float] | None = None, cores: int | None = None):
@@ -128,7 +128,6 @@ class StepShaper:
         self._smallest_at = {True: 0, False: 0}
         self.switches = 0
         self.stops = 0                        # steps stopped at the deadline
-        self._free_next = False               # the next step runs without a deadline (see record)
         self._wins: dict[int, int] = {}       # probes in a row that beat the current count
         self._last_seen: dict[int, tuple[int, float]] = {}   # per count: its latest (chunk, seconds)
 
@@ -256,39 +255,34 @@ class StepShaper:
         return others + threads <= self.cores + 0.5
 
     def deadline_ms(self) -> float | None:
-        """The time after which the next step is stopped (`Trainer.set_step_deadline`),
-        or None: let it finish.
+        """The time after which the next step stops (`Trainer.set_step_deadline`),
+        or None: let it run to its end.
 
         A step the prediction said would fit but that is still computing at
         `DEADLINE` of the bound was slowed by something the fit could not see
-        (a descheduled thread, a busy moment); stopping it keeps the pause
-        inside the bound, at the cost of the work it had done. None while the
-        bound cannot be kept at all (the smallest rung is over it: stopping
-        would waste every step) and for one step after a stop at the smallest
-        rung, so that a job always moves on."""
-        if self._free_next or self._limit > self.TARGET * self.max_pause_s:
+        (a descheduled thread, a busy moment). It stops between two segments of
+        its graph, keeping what it computed, and the next step goes on with it;
+        so the pause stays inside the bound and no work is lost. None while the
+        bound cannot be kept at all (the smallest rung is over it)."""
+        if self._limit > self.TARGET * self.max_pause_s:
             return None
         return self.DEADLINE * self.max_pause_s * 1000.0
 
     def record_stopped(self, seconds: float, chunk_tokens: int, threads: int) -> None:
-        """After a step that was stopped at the deadline: it says only that this
-        chunk did not fit now (its time is cut short, so the fit does not take
-        it). The next step is at least one rung smaller and held there like a
-        step over the bound; at the smallest rung the next step runs free."""
+        """After a step that stopped at the deadline (the next step goes on with
+        it, same chunk and threads): its time is a part of the step's, so the
+        fit does not take it. The chunk after that one is at least a rung
+        smaller, held there like after a step over the bound."""
         self.stops += 1
         if self._probe is not None and threads == self._probe:
-            self._probe = None                # a probe that could not finish lost
+            self._probe = None                # a probe that needed two pauses lost
             self._wins.pop(threads, None)
             self._probe_gap[threads] = min(2 * self._probe_gap[threads], self.MAX_PROBE_EVERY)
             self._probe_due[threads] = self._step_no + self._probe_gap[threads]
         self._exploring = None
-        self._step_no += 1
-        if chunk_tokens <= self.rungs[-1]:
-            self._free_next = True
-            return
-        self.chunk = self._rung_below(min(chunk_tokens - 1, chunk_tokens * self.DEADLINE * self.max_pause_s / seconds)
-                                      if seconds > 0 else chunk_tokens - 1)
-        self._hold = (self.chunk, self.HOLD_STEPS if self._last_slow else 2)
+        if chunk_tokens > self.rungs[-1]:
+            self.chunk = self._rung_below(chunk_tokens - 1)
+            self._hold = (self.chunk, self.HOLD_STEPS if self._last_slow else 2)
         self._last_slow = True
 
     def record(self, seconds: float, chunk_tokens: int, threads: int, trains: bool = True) -> None:
@@ -296,7 +290,6 @@ class StepShaper:
         used, and whether it trained (had loss tokens) or only ran forward."""
         if chunk_tokens <= 0:
             return
-        self._free_next = False
         self._last_seen[threads] = (chunk_tokens, seconds)
         if self._probe is not None and threads == self._probe:
             self._probe = None

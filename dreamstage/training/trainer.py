@@ -353,8 +353,9 @@ class Trainer(NativeOwner):
 
     def set_step_deadline(self, ms: float | None) -> None:
         """Stop a micro-step whose graph is still computing `ms` after it began
-        (status "stopped", nothing changed; the chunk may be retried). None or
-        <= 0: no deadline. Reverse-pass and group chunks always finish."""
+        (status "stopped"; the next micro_step goes on with it, keeping what it
+        computed). None or <= 0: no deadline. Only graphs wholly on the CPU stop;
+        reverse-pass and group chunks always finish (dream_set_step_deadline)."""
         if ms is not None and not (isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms)):
             raise ValueError(f"step deadline must be a finite number of ms or None, got {ms!r}")
         self.L.dream_set_step_deadline(self._handle(), float(ms) if ms is not None and ms > 0 else 0.0)

@@ -131,7 +131,7 @@ class Walk:
             if status == "refused":
                 return "retry"          # the native core halved the horizon; the chunk stays
         if status == "stopped":
-            return "stopped"            # past the step deadline, nothing changed: the chunk retries
+            return "stopped"            # stopped at the step deadline: the next micro-step goes on with the chunk
         if status == "refused":
             nxt = next_chunk(self.chunk, self.floor)
             if nxt is None:
