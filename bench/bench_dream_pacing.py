@@ -186,8 +186,9 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
     return {"client": client, "pacer": f,
             "native_step_ms": {"p50": pct(native, 50), "p95": pct(native, 95), "max": max(native, default=None),
                                "steps": len(native)},
-            # steps stopped at the deadline: how many, their native time (how far past
-            # the deadline the node they were on took them), and their share of the job's time
+            # steps stopped at the deadline (each gone on with by the next step): how many, the
+            # native time of those parts (how far past the deadline the segment they were on
+            # took them), and that time's share of the job's
             "stopped": {"steps": len(stopped), "ms_max": max(stopped, default=None),
                         "share_of_dream": (job["progress"]["stopped_ms"] / 1000.0 / f["dream_s"]) if f["dream_s"] else None},
             "job": {"walked_tok_s_wall": (job["progress"]["walked"] - walked0) / client["seconds"],

@@ -209,9 +209,9 @@ int main() {
                 CK(cudaEventElapsedTime(&x, e0, e1)); t[0] += x / 5;
                 CK(cudaEventRecord(e0)); fa_back_dvec<64><<<(T * 32 + WARPS - 1) / WARPS, THREADS>>>(a); CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
                 CK(cudaEventElapsedTime(&x, e0, e1)); t[1] += x / 5;
-                CK(cudaEventRecord(e0)); fa_back_lse<64><<<dim3((T + 63) / 64, 32), THREADS, smem_lse<64>()>>>(a); CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
+                CK(cudaEventRecord(e0)); fa_back_lse<64><<<dim3(32, (T + 63) / 64), THREADS, smem_lse<64>()>>>(a); CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
                 CK(cudaEventElapsedTime(&x, e0, e1)); t[2] += x / 5;
-                CK(cudaEventRecord(e0)); fa_back_main<64><<<dim3((T + 63) / 64, 32), THREADS, smem_main<64>()>>>(a); CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
+                CK(cudaEventRecord(e0)); fa_back_main<64><<<dim3(32, (T + 63) / 64), THREADS, smem_main<64>()>>>(a); CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
                 CK(cudaEventElapsedTime(&x, e0, e1)); t[3] += x / 5;
             }
             std::printf("  kernels, T %d: classify %.3f ms, dvec %.3f, lse %.3f, main %.3f\n", T, t[0], t[1], t[2], t[3]);

@@ -236,13 +236,15 @@ template <int D> __global__ void __launch_bounds__(THREADS) fa_back_lse(fa_args 
     float * ks = qs + 64 * LD;                  // [64][LD]
     float * ss = ks + 64 * LD;                  // [64][LDS]
     half  * ms = (half *) (ss + 64 * LDS);      // [64][LDM]
-    const int i0 = blockIdx.x * BR, h = blockIdx.y, g = h / (a.H / a.Hk);
+    // the last query tiles first: under a causal mask they see the most keys (the
+    // longest blocks start first, so the last wave is short)
+    const int ib = gridDim.y - 1 - blockIdx.y, i0 = ib * BR, h = blockIdx.x, g = h / (a.H / a.Hk);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     load_rows_f32<D>(qs, a.q + h * a.q_head, a.q_row, i0, a.T, a.q_vec);
     // each lane pair keeps the running max and sum of one row (lane / 2) of its warp's 16
     float m_run = -INFINITY, l_run = 0.f;
     const int row = warp * 16 + lane / 2, half_cols = (lane % 2) * 32;
-    const uint8_t * cls = a.cls + blockIdx.x * n_kblocks(a);
+    const uint8_t * cls = a.cls + ib * n_kblocks(a);
     for (int jb = 0; jb < n_kblocks(a); ++jb) {
         const uint8_t c = cls[jb];
         if (c == TILE_EMPTY) {
@@ -304,7 +306,8 @@ template <int D> __global__ void __launch_bounds__(THREADS, D == 64 ? 2 : 1) fa_
     float * lse = dps + 64 * LDS;               // [64]
     float * dv  = lse + 64;                     // [64]
     half  * ms  = (half *) dps;                 // [64 queries][LDM], TILE_MIXED tiles only
-    const int jb = blockIdx.x, j0 = jb * BC, h = blockIdx.y, g = h / (a.H / a.Hk);
+    // the first key tiles first: under a causal mask every query sees them
+    const int jb = blockIdx.y, j0 = jb * BC, h = blockIdx.x, g = h / (a.H / a.Hk);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     load_rows_f16<D>(ks, a.k + g * a.k_head, a.k_row, j0, a.Tk, a.kv_vec);
     load_rows_f16<D>(vs, a.v + g * a.v_head, a.v_row, j0, a.Tk, a.kv_vec);
@@ -456,8 +459,8 @@ template <int D> bool launch(const fa_args & a, cudaStream_t stream) {
     const dim3 tiles((a.T + BR - 1) / BR, (a.Tk + BC - 1) / BC);
     fa_back_classify<<<tiles, THREADS, 0, stream>>>(a);
     fa_back_dvec<D><<<(a.T * a.H + WARPS - 1) / WARPS, THREADS, 0, stream>>>(a);
-    fa_back_lse<D><<<dim3((a.T + BR - 1) / BR, a.H), THREADS, smem_lse<D>(), stream>>>(a);
-    fa_back_main<D><<<dim3((a.Tk + BC - 1) / BC, a.H), THREADS, smem_main<D>(), stream>>>(a);
+    fa_back_lse<D><<<dim3(a.H, (a.T + BR - 1) / BR), THREADS, smem_lse<D>(), stream>>>(a);
+    fa_back_main<D><<<dim3(a.H, (a.Tk + BC - 1) / BC), THREADS, smem_main<D>(), stream>>>(a);
     return cudaGetLastError() == cudaSuccess;
 }
 
