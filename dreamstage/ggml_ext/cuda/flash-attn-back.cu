@@ -97,6 +97,18 @@ template <int ND, bool A_COL> __device__ __forceinline__ void mm_ab(frag_acc (&a
     }
 }
 
+// dst[0..3] += s * v, atomically (one 16-byte atomic where the GPU has them: sm_90)
+__device__ __forceinline__ void add4(float * dst, float4 v, float s) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd((float4 *) dst, make_float4(s * v.x, s * v.y, s * v.z, s * v.w));
+#else
+    atomicAdd(dst, s * v.x);
+    atomicAdd(dst + 1, s * v.y);
+    atomicAdd(dst + 2, s * v.z);
+    atomicAdd(dst + 3, s * v.w);
+#endif
+}
+
 template <int N> __device__ __forceinline__ void store_row(float * dst, int ld, const frag_acc (&acc)[N], int n0) {
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -391,11 +403,11 @@ template <int D> __global__ void __launch_bounds__(THREADS, D == 64 ? 2 : 1) fa_
             for (int n = 0; n < ND; n += 4) {
                 store_row(st, LDS, dq, n);
                 __syncwarp();
-                for (int e = lane; e < 16 * 64; e += 32) {
-                    const int r = e / 64, cc = e % 64;
+                for (int e = lane; e < 16 * 16; e += 32) {   // four columns a lane
+                    const int r = e / 16, cc = (e % 16) * 4;
                     const int t = i0 + warp * 16 + r;
                     if (t < a.T) {
-                        atomicAdd(a.dq + ((int64_t) h * a.T + t) * D + n * 16 + cc, a.scale * st[r * LDS + cc]);
+                        add4(a.dq + ((int64_t) h * a.T + t) * D + n * 16 + cc, *(const float4 *) (st + r * LDS + cc), a.scale);
                     }
                 }
                 __syncwarp();
@@ -416,12 +428,12 @@ template <int D> __global__ void __launch_bounds__(THREADS, D == 64 ? 2 : 1) fa_
                 store_row(st, LDS, dv_acc, n);
             }
             __syncwarp();
-            for (int e = lane; e < 16 * 64; e += 32) {
-                const int r = e / 64, cc = e % 64;
+            for (int e = lane; e < 16 * 16; e += 32) {
+                const int r = e / 16, cc = (e % 16) * 4;
                 const int j = j0 + warp * 16 + r;
                 if (j < a.Tk) {
-                    const float x = st[r * LDS + cc] * (which == 0 ? a.scale : 1.f);
-                    atomicAdd(out + ((int64_t) g * a.Tk + j) * D + n * 16 + cc, x);
+                    add4(out + ((int64_t) g * a.Tk + j) * D + n * 16 + cc, *(const float4 *) (st + r * LDS + cc),
+                         which == 0 ? a.scale : 1.f);
                 }
             }
             __syncwarp();
