@@ -171,7 +171,9 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
     # a body-less POST says application/json, or the server refuses it (cross-site guard)
     http.post(f"/train/{jid}/cancel", headers={"Content-Type": "application/json"}).raise_for_status()
     # the native step time of each ok receipt, beside the pause the pacer measured around it
-    native = [r["ms"] for r in srv.service.jobs.receipts(jid, status="ok")]
+    # (a drift measurement's receipt is "ok" too, and its `ms` is the whole
+    # measurement's decode time over many pauses: not a step)
+    native = [r["ms"] for r in srv.service.jobs.receipts(jid, status="ok") if r.get("kind") is None]
     stopped = [r["ms"] for r in srv.service.jobs.receipts(jid, status="stopped")]
     f = job["pacing"]
     bound = pacing.get("max_slowdown", 0.10)
