@@ -387,6 +387,11 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 ggml_prec_set_src(n, GGML_PREC_F32, 1);
                 dream_pool_need_max(pool_need, dev, (size_t) ggml_nelements(n->src[0]) * sizeof(float));
             }
+        } else if (n->op == GGML_OP_MUL_MAT && n->src[0]->type == GGML_TYPE_F32 && !cpu_only) {
+            // an F32 product keeps F32 all the way in the FP32 mode: ggml-cuda's
+            // small-batch kernel (up to 16 columns) would multiply in TF32 whatever
+            // NVIDIA_TF32_OVERRIDE says (cuda/mul-mat-exact.cu sends it to cuBLAS)
+            ggml_prec_set_src(n, GGML_PREC_F32, 1);
         } else if (n->op == GGML_OP_OUT_PROD && cpu_only && dream_cpu_out_prod_supported(n)) {
             dream_cpu_out_prod_rewrite(ctx, n);
             any = true;

@@ -20,11 +20,35 @@
 // graph product through a GPU-resident quantized weight; serving's graphs never
 // carry them.
 
+//
+// The FP32 mode (NVIDIA_TF32_OVERRIDE=0) reaches cuBLAS only: ggml-cuda's own
+// small-batch kernel (mmf, up to 16 columns) multiplies F32 weights with TF32
+// MMA whatever the override, which moved a GPU exact walk in chunks of 16 by
+// 6.7e-3 from its one-chunk gradient even in FP32 (docs/benchmarks.md, "Exact
+// walk on the H200"). So in that mode a training graph's F32 product, which
+// dream-walk.cpp annotates the same way, goes to cuBLAS as well.
+
 #include "out-prod.cuh"
 #include "convert.cuh"
 
+#include <cstdlib>
+#include <cstring>
+
+static bool dream_fp32_mode() {
+    static const bool on = [] {
+        const char * v = std::getenv("NVIDIA_TF32_OVERRIDE");
+        return v != nullptr && std::strcmp(v, "0") == 0;
+    }();
+    return on;
+}
+
 bool dream_cuda_mul_mat_exact(const ggml_tensor * dst) {
     const ggml_tensor * src0 = dst->src[0];
-    return ggml_is_quantized(src0->type) && ggml_get_op_params_i32(dst, 3) == GGML_PREC_F32 &&
-           ggml_is_contiguous(src0) && ggml_get_to_fp32_cuda(src0->type) != nullptr;
+    if (ggml_get_op_params_i32(dst, 3) != GGML_PREC_F32) {
+        return false;
+    }
+    if (src0->type == GGML_TYPE_F32) {
+        return dream_fp32_mode();
+    }
+    return ggml_is_quantized(src0->type) && ggml_is_contiguous(src0) && ggml_get_to_fp32_cuda(src0->type) != nullptr;
 }
