@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from dreamstage.stats import Histogram
+from dreamstage.training.receipts import RECEIPT_STATUSES
 
 # The classic text format generate_latest writes, as before (every Prometheus reads it).
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -75,7 +76,7 @@ class ServiceCollector:
     def _dream(dream) -> Iterator[Metric]:
         d = dream.stats
         yield _by(CounterMetricFamily("dreamstage_dream_steps", "Training micro-steps by receipt status.",
-                                      labels=["status"]), dict(d.steps), ("ok", "refused", "error", "stopped"))
+                                      labels=["status"]), dict(d.steps), RECEIPT_STATUSES)
         yield _by(CounterMetricFamily("dreamstage_dream_refusals", "Refused micro-steps and job starts, by reason.",
                                       labels=["reason"]), dict(d.refusals), ("memory_gate",))
         yield _counter("dreamstage_dream_tokens", "Tokens run forward (and backward) by training micro-steps.",

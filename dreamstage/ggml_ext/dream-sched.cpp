@@ -205,11 +205,14 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
     ggml_backend_sched_t se = ds.sched_exec.get();
     // (the exec scheduler was reset before the graph was built; a reset here
     // would drop the backend pins the build set)
-    if (!allocated && !ggml_backend_sched_alloc_graph(se, g)) {
-        return GGML_STATUS_ALLOC_FAILED;
-    }
-    if (ds.fused_attn && !dream_fattn_on_cuda(se, g)) {
-        return GGML_STATUS_FAILED;   // ggml's CPU code for the op reads another layout (dream-fattn.cpp)
+    if (!allocated) {
+        if (!ggml_backend_sched_alloc_graph(se, g)) {
+            return GGML_STATUS_ALLOC_FAILED;
+        }
+        // (a kept graph keeps the placement checked here when it was allocated)
+        if (ds.fused_attn && !dream_fattn_on_cuda(se, g)) {
+            return GGML_STATUS_FAILED;   // ggml's CPU code for the op reads another layout (dream-fattn.cpp)
+        }
     }
     if (set_inputs) {
         set_inputs();

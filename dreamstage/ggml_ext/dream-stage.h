@@ -97,11 +97,6 @@ struct dream_chunk {
     int32_t group_reply = -1;       // group: the reply this chunk belongs to, G for the shared prefix; -1: no group
 };
 
-// The last micro-step's training graph, left allocated on the exec scheduler
-// (dream-walk.cpp). The next chunk of the same shape (position, tokens, loss
-// rows, loss scale; the plain walk only) sets its inputs and computes it again:
-// no build, no plan, no allocation. ggml-opt keeps its graphs for the same
-// reason. Whatever else runs on the exec scheduler drops it first.
 using dream_deadline_t = std::chrono::steady_clock::time_point;
 
 // A micro-step stopped at its deadline (dream_set_step_deadline): its graph
@@ -117,6 +112,11 @@ struct dream_suspended_step {
     double  graph_mib = 0;
 };
 
+// The last micro-step's training graph, left allocated on the exec scheduler
+// (dream-walk.cpp). The next chunk of the same shape (position, tokens, loss
+// rows, loss scale; the plain walk only) sets its inputs and computes it again:
+// no build, no plan, no allocation. ggml-opt keeps its graphs for the same
+// reason. Whatever else runs on the exec scheduler drops it first.
 struct dream_step_graph {
     bool valid = false;
     int32_t p = 0, n = 0, n_out = 0;
@@ -259,9 +259,8 @@ struct dream_graph_plan {
 };
 bool   dream_sched_ensure(dream_stage & ds, size_t graph_size);   // makes plan/exec for graphs up to graph_size
 bool   dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan);   // measures a twin of g
-// allocated: g is still allocated on the exec scheduler from an earlier step (no second allocation)
-// Allocates g on the exec scheduler (unless `allocated`), sets its inputs (when
-// given) and computes it. With a deadline and next_node (the first node to
+// Allocates g on the exec scheduler (unless `allocated`: still allocated from an
+// earlier step, no second allocation), sets its inputs (when given) and computes it. With a deadline and next_node (the first node to
 // compute), a graph wholly on the CPU backend runs in segments and stops
 // between two once the deadline passed: GGML_STATUS_ABORTED, *next_node the
 // first node not computed (dream_set_step_deadline).

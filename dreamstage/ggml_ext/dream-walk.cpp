@@ -700,7 +700,7 @@ static void dream_step_read(dream_stage & ds, dream_receipt & r, dream_step_grap
 
 // The walk moves past a computed chunk: the step count, the window's position,
 // a group's or the exact walk's bookkeeping, the window's end and the optimizer.
-static int32_t dream_step_advance(dream_stage & ds, dream_receipt & r, const dream_chunk & chunk) {
+static void dream_step_advance(dream_stage & ds, dream_receipt & r, const dream_chunk & chunk) {
     const int32_t p = chunk.p, n = chunk.n;
     ds.step += 1;
     ds.win_pos = p + n;
@@ -738,7 +738,6 @@ static int32_t dream_step_advance(dream_stage & ds, dream_receipt & r, const dre
             }
         }
     }
-    return DREAM_STATUS_OK;
 }
 
 void dream_suspended_drop(dream_stage & ds) {
@@ -821,7 +820,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             dream_step_graph_drop(ds);
             dream_sched_release(ds);
         }
-        return finish(dream_step_advance(ds, r, chunk));
+        dream_step_advance(ds, r, chunk);
+        return finish(DREAM_STATUS_OK);
     }
 
     const auto & hp = ds.model->hparams;
@@ -1258,5 +1258,6 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         scope.keep = true;
     }
     scope.revert_from = -1;     // the chunk's K/V stay as constants for later chunks
-    return finish(dream_step_advance(ds, r, chunk));
+    dream_step_advance(ds, r, chunk);
+    return finish(DREAM_STATUS_OK);
 }

@@ -268,6 +268,13 @@ class StepShaper:
             return None
         return self.DEADLINE * self.max_pause_s * 1000.0
 
+    def _probe_lost(self, threads: int) -> None:
+        """A probe of `threads` did not win: its run of wins ends and the next
+        probe of that count waits twice as long (up to MAX_PROBE_EVERY)."""
+        self._wins.pop(threads, None)
+        self._probe_gap[threads] = min(2 * self._probe_gap[threads], self.MAX_PROBE_EVERY)
+        self._probe_due[threads] = self._step_no + self._probe_gap[threads]
+
     def record_stopped(self, seconds: float, chunk_tokens: int, threads: int) -> None:
         """After a step that stopped at the deadline (the next step goes on with
         it, same chunk and threads): its time is a part of the step's, so the
@@ -276,9 +283,7 @@ class StepShaper:
         self.stops += 1
         if self._probe is not None and threads == self._probe:
             self._probe = None                # a probe that needed two pauses lost
-            self._wins.pop(threads, None)
-            self._probe_gap[threads] = min(2 * self._probe_gap[threads], self.MAX_PROBE_EVERY)
-            self._probe_due[threads] = self._step_no + self._probe_gap[threads]
+            self._probe_lost(threads)
         self._exploring = None
         if chunk_tokens > self.rungs[-1]:
             self.chunk = self._rung_below(chunk_tokens - 1)
@@ -298,9 +303,7 @@ class StepShaper:
             # win despite that (no flapping on a fit that knows one size only)
             now = self.predict(self.chunk, trains)
             if now is None or seconds / chunk_tokens >= self.SWITCH_GAIN * now / self.chunk:
-                self._wins.pop(threads, None)
-                self._probe_gap[threads] = min(2 * self._probe_gap[threads], self.MAX_PROBE_EVERY)
-                self._probe_due[threads] = self._step_no + self._probe_gap[threads]
+                self._probe_lost(threads)
                 return
             # one lucky step is not enough on a noisy machine: probe again at
             # once, and switch on the second win in a row
