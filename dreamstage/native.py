@@ -342,6 +342,9 @@ def _declare(L: ctypes.CDLL) -> None:
     # bool dream_fused_attention(const struct dream_stage * ds);
     L.dream_fused_attention.argtypes = [p]
     L.dream_fused_attention.restype = ctypes.c_bool
+    # bool dream_optimizer_on_device(const struct dream_stage * ds);
+    L.dream_optimizer_on_device.argtypes = [p]
+    L.dream_optimizer_on_device.restype = ctypes.c_bool
     # void dream_set_step_deadline(struct dream_stage * ds, double ms);
     L.dream_set_step_deadline.argtypes = [p, ctypes.c_double]
     L.dream_set_step_deadline.restype = None

@@ -129,6 +129,7 @@ def test_training_never_touches_serving_compute_buffer():
             assert L.dream_serving_compute_bytes(rm.ctx) == serving
             assert L.dream_last_n_splits(tr._handle()) == 1   # CPU only: one split
             assert not tr.fused_attention    # explicit attention: the fused backward runs on CUDA only
+            assert not tr.optimizer_on_device   # the adapter is in host memory: so is the optimizer
             tr.set_budget(tr.init_receipt.adapter_mib + tr.init_receipt.context_mib + 0.25)
             tr.begin_window(toks, mask)
             assert tr.micro_step().status == "refused"

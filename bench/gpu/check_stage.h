@@ -1,5 +1,5 @@
 // What the GPU check programs share. The dream stage: rank 2 on all seven targets,
-// an f32 training cache, window 96, lr 0, and B's zeros filled from N(0, 0.1)
+// an f32 training cache, window 96, lr 0 (unless asked), and B's zeros filled from N(0, 0.1)
 // (seeded) so that every LoRA factor has a gradient. Returns null with r filled
 // when dream_init refuses.
 #pragma once
@@ -32,11 +32,20 @@ inline bool check_context(const char * path, int n_gpu_layers, llama_model ** mo
     return true;
 }
 
-inline dream_stage * check_stage(llama_context * ctx, int chunk, bool exact, bool recompute, dream_receipt & r) {
+// lr > 0: AdamW with that rate, its gradient clipped at norm 0.05 (the checks' gradients are larger), eps 1e-3
+inline dream_stage * check_stage(llama_context * ctx, int chunk, bool exact, bool recompute, dream_receipt & r,
+                                 float lr = 0.0f) {
     dream_params p = dream_default_params();
     p.targets = "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down";
     p.rank = 2; p.alpha = 4; p.seed = 11; p.context_cache_type = "f32";
-    p.window = 96; p.chunk = chunk; p.lr = 0; p.slack_mib = 0;
+    p.window = 96; p.chunk = chunk; p.lr = lr; p.slack_mib = 0;
+    if (lr > 0) {
+        // eps near the clipped gradient's size keeps the step a smooth function
+        // of g: with a tiny eps, AdamW's first steps are about lr x sign(g), and
+        // two runs that differ by rounding then differ by 2 lr where g is near 0
+        p.grad_clip = 0.05f;
+        p.eps = 1e-3f;
+    }
     p.exact = exact; p.recompute = recompute; p.horizon = exact ? 0 : -1;
     dream_stage * ds = dream_init(ctx, p, &r);
     if (!ds) {

@@ -275,12 +275,12 @@ int main(int argc, char ** argv) {
                       "     \"prefill512_tok_s\": %s,\n     \"step_ms\": %s,\n     \"step_wall_ms\": %s,\n"
                       "     \"train_tok_s\": %s,\n     \"train_tok_s_wall\": %s,\n"
                       "     \"train_tok_s_without_graph_reuse\": %s,\n     \"graph_reuses\": %lld,\n"
-                      "     \"fused_attention\": %s, \"train_tok_s_explicit_attention\": %s, \"graph_mib_explicit_attention\": %.1f,\n"
+                      "     \"optimizer_on_device\": %s, \"fused_attention\": %s, \"train_tok_s_explicit_attention\": %s, \"graph_mib_explicit_attention\": %.1f,\n"
                       "     \"graph_mib\": %.1f, \"context_mib\": %.2f, \"adapter_mib\": %.2f, \"optimizer_mib\": %.2f,\n"
                       "     \"loss_first\": %.4f, \"loss_last\": %.4f, \"loss_fell\": %s}%s\n",
                       C, C, configs[ci].rank, configs[ci].targets.c_str(), n_splits, free_before, free_during, js(summarize(pre)).c_str(), js(summarize(step_ms)).c_str(), js(summarize(wall_ms)).c_str(),
                       js(summarize(tps)).c_str(), js(summarize(tps_wall)).c_str(), js(summarize(tps_fresh)).c_str(), reuses,
-                      dream_fused_attention(ds) ? "true" : "false", js(summarize(tps_explicit)).c_str(), explicit_graph_mib, graph_mib, context_mib, adapter_mib, optimizer_mib,
+                      dream_optimizer_on_device(ds) ? "true" : "false", dream_fused_attention(ds) ? "true" : "false", js(summarize(tps_explicit)).c_str(), explicit_graph_mib, graph_mib, context_mib, adapter_mib, optimizer_mib,
                       loss.front(), loss.back(), loss_fell ? "true" : "false", ci + 1 < configs.size() ? "," : "");
         out += buf;
         all_loss_fell = all_loss_fell && loss_fell;

@@ -16,7 +16,9 @@
 //   - on the CPU the chunked loss stays within 1e-5 of the one-chunk loss.
 // With every layer offloaded, the training graph must run in at most 2 scheduler
 // splits (the host-side token-embedding read, then the GPU), and serving's
-// compute buffer must be the same size before and after training.
+// compute buffer must be the same size before and after training. Three AdamW
+// windows on the GPU with the optimizer on the device (dream-optim.cpp) must
+// update the adapter as the host optimizer does, within the gradient's tolerance.
 #include "dream.h"
 #include "check_stage.h"
 #include "llama.h"
@@ -104,6 +106,51 @@ static double rel_l2(const std::vector<float> & a, const std::vector<float> & re
     return std::sqrt(d / g);
 }
 
+// Three windows of AdamW (lr 1e-3, clipped) on the GPU, the optimizer on the
+// adapter's device or (host) on the host: the parameters' update, and where the
+// optimizer ran. The two must agree: dream-optim.cpp runs the same arithmetic.
+struct opt_result {
+    std::vector<float> update;
+    bool on_device = false, ok = false;
+};
+
+static opt_result opt_run(const char * path, bool host) {
+    opt_result out;
+    llama_model * model = nullptr;
+    llama_context * ctx = nullptr;
+    if (!check_context(path, 99, &model, &ctx)) return out;
+    if (host) setenv("DREAMSTAGE_OPTIMIZER", "host", 1);
+    dream_receipt r{};
+    dream_stage * ds = check_stage(ctx, 24, false, false, r, 1e-3f);
+    unsetenv("DREAMSTAGE_OPTIMIZER");
+    if (ds) {
+        const int64_t n = dream_n_params(ds);
+        std::vector<float> before(n), after(n);
+        dream_get_parameters(ds, before.data(), n);
+        std::vector<llama_token> toks;
+        for (int i = 0; i < 72; ++i) toks.push_back(100 + 53 * i % 5000);
+        std::vector<uint8_t> mask(toks.size(), 1);
+        out.ok = true;
+        for (int w = 0; w < 3 && out.ok; ++w) {
+            dream_window_begin(ds, toks.data() + 4 * w, mask.data(), (int) toks.size() - 4 * w, &r);
+            while (out.ok && dream_chunks_left(ds) > 0) {
+                out.ok = dream_micro_step(ds, &r) == 0;
+            }
+        }
+        int64_t t = -1;
+        std::vector<float> state(2 * n);
+        t = dream_optimizer_state(ds, state.data(), 2 * n);
+        out.ok = out.ok && t == 3;
+        dream_get_parameters(ds, after.data(), n);
+        for (int64_t i = 0; i < n; ++i) out.update.push_back(after[i] - before[i]);
+        out.on_device = dream_optimizer_on_device(ds);
+        dream_free(ds);
+    }
+    llama_free(ctx);
+    llama_model_free(model);
+    return out;
+}
+
 int main(int argc, char ** argv) {
     if (argc < 2) { std::fprintf(stderr, "usage: %s MODEL.gguf [f32|KIND TWIN_F32.gguf]\n", argv[0]); return 2; }
     llama_backend_init();
@@ -179,6 +226,18 @@ int main(int argc, char ** argv) {
                     (long long) rr->reuses, rr->loss_reused, rr->loss_one, d);
         if (rr->reuses != 2 || !close(rr->loss_reused, rr->loss_one, 1e-6) || !(d <= 1e-6)) {
             std::printf("FAILED: a reused training graph did not reproduce the built one\n"); ok = false;
+        }
+    }
+    // the optimizer on the GPU against the host optimizer, both on GPU gradients
+    {
+        const opt_result dev = opt_run(argv[1], false), host = opt_run(argv[1], true);
+        double u = 0;
+        for (float x : host.update) u += (double) x * x;
+        const double d = dev.ok && host.ok ? rel_l2(dev.update, host.update) : -1;
+        std::printf("optimizer: on the device %s, on the host %s; update norm %.3e, device vs host rel L2 %.3e\n",
+                    dev.on_device ? "yes" : "no", host.on_device ? "no (wrong)" : "yes", std::sqrt(u), d);
+        if (!dev.ok || !host.ok || !dev.on_device || host.on_device || !(u > 0) || !(d >= 0 && d <= tol_grad)) {
+            std::printf("FAILED: the device optimizer did not train as the host optimizer\n"); ok = false;
         }
     }
     if (gpu.max_splits > 2) { std::printf("FAILED: the GPU training graph ran in %d splits (at most 2)\n", gpu.max_splits); ok = false; }

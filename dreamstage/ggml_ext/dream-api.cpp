@@ -128,6 +128,7 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
         return nullptr;
     }
     ds->fused_attn = dream_fattn_usable(*ds);
+    dream_opt_choose(*ds);
     dream_receipt_start(*ds, r);
     return ds.release();
 }
@@ -186,7 +187,7 @@ int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, 
     dream_walk_clear(*ds);
     // a fresh gradient for every optimizer step
     if (ds->windows_pending == 0) {
-        std::fill(ds->grad_acc.begin(), ds->grad_acc.end(), 0.0f);
+        dream_opt_zero_acc(*ds);
     }
     r.chunk_pos = 0;
     return DREAM_STATUS_OK;
@@ -226,11 +227,7 @@ bool dream_gradients(const struct dream_stage * ds, float * out, int64_t n) {
     if (n < ds->n_params) {
         return false;
     }
-    if (ds->grad_acc.empty()) {
-        std::fill(out, out + ds->n_params, 0.0f);
-    } else {
-        std::copy(ds->grad_acc.begin(), ds->grad_acc.end(), out);
-    }
+    dream_opt_read(*ds, 0, out);
     return true;
 }
 
@@ -251,11 +248,8 @@ int64_t dream_optimizer_state(const struct dream_stage * ds, float * out, int64_
     if (n < 2 * ds->n_params) {
         return -1;
     }
-    std::fill(out, out + 2 * ds->n_params, 0.0f);
-    if (!ds->adam_m.empty()) {
-        std::copy(ds->adam_m.begin(), ds->adam_m.end(), out);
-        std::copy(ds->adam_v.begin(), ds->adam_v.end(), out + ds->n_params);
-    }
+    dream_opt_read(*ds, 1, out);
+    dream_opt_read(*ds, 2, out + ds->n_params);
     return ds->adam_t;
 }
 
@@ -322,6 +316,10 @@ int64_t dream_graph_reuses(const struct dream_stage * ds) {
 
 bool dream_fused_attention(const struct dream_stage * ds) {
     return ds && ds->fused_attn;
+}
+
+bool dream_optimizer_on_device(const struct dream_stage * ds) {
+    return ds && dream_opt_on_device(*ds);
 }
 
 void dream_set_step_deadline(struct dream_stage * ds, double ms) {

@@ -16,7 +16,7 @@ double dream_held_mib(const struct dream_stage * ds) {
 }
 
 double dream_held_mib(const dream_stage & ds) {
-    const size_t opt = (ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float);
+    const size_t opt = dream_opt_bytes(ds);
     size_t pools = 0;
     for (const auto & [dev, bytes] : ds.pool_held) {
         pools += bytes;

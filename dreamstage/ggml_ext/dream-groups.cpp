@@ -143,9 +143,7 @@ bool dream_group_chunk_done(dream_stage & ds, const dream_chunk & c, const dream
         ds.rev_end = s;
     }
     // the mean over the replies (the accumulator held G x the group's gradient)
-    for (float & x : ds.grad_acc) {
-        x /= (float) G;
-    }
+    dream_opt_scale_acc(ds, 1.0f, (float) G);
     gs.active = false;
     return true;
 }
@@ -251,12 +249,10 @@ int32_t dream_group_begin(struct dream_stage * ds, const llama_token * prefix, i
     }
     dream_walk_clear(*ds);
     if (ds->windows_pending == 0) {
-        std::fill(ds->grad_acc.begin(), ds->grad_acc.end(), 0.0f);
+        dream_opt_zero_acc(*ds);
     } else {
         // earlier windows of this update: divided by G again when the group ends
-        for (float & x : ds->grad_acc) {
-            x *= (float) n_replies;
-        }
+        dream_opt_scale_acc(*ds, (float) n_replies, 1.0f);
     }
     dream_group_load_reply(*ds, 0);
     r.chunk_pos = 0;

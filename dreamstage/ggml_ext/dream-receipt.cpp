@@ -21,7 +21,7 @@ void dream_receipt_start(const dream_stage & ds, dream_receipt & r) {
     std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", "");
     r.context_mib = (double) ds.context_bytes / DREAM_MIB;
     r.adapter_mib = (double) ds.adapter_bytes / DREAM_MIB;
-    r.optimizer_mib = (double) ((ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float)) / DREAM_MIB;
+    r.optimizer_mib = (double) dream_opt_bytes(ds) / DREAM_MIB;
     r.walk_mib = (double) ds.walk_bytes / DREAM_MIB;
     r.refused_chunk_pos = -1;
     r.refused_chunk_tokens = 0;

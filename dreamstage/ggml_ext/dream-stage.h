@@ -131,6 +131,18 @@ struct dream_step_graph {
     size_t graph_bytes = 0;               // what the plan measured, for the receipts
 };
 
+// The optimizer's state on the adapter's device (dream-optim.cpp): per A and
+// B tensor its accumulator and moments, and the update's scalar inputs.
+struct dream_device_opt {
+    ggml_backend_t backend = nullptr;     // serving's backend of that device; null: the host optimizer
+    ggml_context_ptr ctx;
+    ggml_backend_buffer_ptr buf;          // null until the first training step
+    std::vector<ggml_tensor *> acc, m, v;
+    ggml_tensor * grad_scale = nullptr, * adamw_params = nullptr;
+    ggml_gallocr_ptr galloc;              // intermediates of the optimizer's small graphs
+    std::vector<uint8_t> arena;           // their metadata
+};
+
 struct dream_stage {
     llama_context     * lctx  = nullptr;
     llama_model       * model = nullptr;
@@ -146,8 +158,10 @@ struct dream_stage {
     size_t  adapter_bytes = 0;
     int64_t served_version = 0;
 
-    // optimizer (dream-walk.cpp): host F32, canonical order
+    // optimizer (dream-optim.cpp), canonical order: the accumulator and AdamW's
+    // moments as host F32 vectors, or on the adapter's GPU (dev_opt.backend set)
     std::vector<float> grad_acc, adam_m, adam_v;
+    dream_device_opt dev_opt;
     int64_t adam_t = 0;
     int32_t windows_pending = 0;   // finished windows whose gradient awaits an update
 
@@ -218,6 +232,21 @@ bool dream_adapter_read(const dream_stage & ds, bool shadow, float * out);
 void dream_adapter_write(dream_stage & ds, const float * in);
 size_t dream_adapter_bytes_planned(const dream_stage & ds);
 bool dream_plan(dream_stage & ds, std::string & err);  // resolves targets/layers, no allocation
+
+// dream-optim.cpp: the gradient accumulator and AdamW, on the host or the adapter's GPU
+void   dream_opt_choose(dream_stage & ds);            // after the adapter exists: where the state lives
+bool   dream_opt_on_device(const dream_stage & ds);
+bool   dream_opt_ready(const dream_stage & ds);       // the state exists (from the first training step)
+size_t dream_opt_bytes(const dream_stage & ds);       // what the state holds now
+// a micro-step's memory besides its graph: the state at the first training
+// step, and on the host the copy of one step's gradients
+std::vector<std::pair<ggml_backend_dev_t, size_t>> dream_opt_step_needs(const dream_stage & ds, bool train);
+bool   dream_opt_create(dream_stage & ds);
+bool   dream_opt_accumulate(dream_stage & ds, const std::vector<ggml_tensor *> & grads);   // canonical order; null: none
+void   dream_opt_zero_acc(dream_stage & ds);
+void   dream_opt_scale_acc(dream_stage & ds, float mul, float div);   // acc = acc * mul / div
+bool   dream_opt_update(dream_stage & ds);            // AdamW on the mean of the pending windows' gradient
+void   dream_opt_read(const dream_stage & ds, int which, float * out);   // 0: accumulator, 1: m, 2: v
 
 // dream-memory.cpp
 bool dream_cache_type_from_name(const char * name, ggml_type & out);

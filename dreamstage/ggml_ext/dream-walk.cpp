@@ -15,8 +15,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <thread>
 #include <unordered_set>
 
 // The stage whose training graph this thread is building (read by the attention hook).
@@ -430,77 +428,6 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
     return out;
 }
 
-// Runs fn(lo, hi) over [0, n) in blocks of DREAM_OPT_BLOCK on up to `threads`
-// threads (the calling one included). The optimizer's passes are memory-bound:
-// at 11 M parameters (rank 16 on all seven targets of a 1B model) the update
-// took 73 ms in double and 30 ms in float on one core of the project machine,
-// where a 512-token step of that adapter on the H200 took 175 ms.
-constexpr int64_t DREAM_OPT_BLOCK = 1 << 16;
-
-static void dream_opt_parallel(int64_t n, int threads, const std::function<void(int64_t, int64_t)> & fn) {
-    const int64_t blocks = (n + DREAM_OPT_BLOCK - 1) / DREAM_OPT_BLOCK;
-    // a thread only for work worth starting one (four blocks)
-    const int nt = (int) std::max<int64_t>(1, std::min<int64_t>(threads, blocks / 4));
-    auto run = [&](int t) {
-        for (int64_t b = t; b < blocks; b += nt) {
-            fn(b * DREAM_OPT_BLOCK, std::min(n, (b + 1) * DREAM_OPT_BLOCK));
-        }
-    };
-    std::vector<std::thread> pool;
-    for (int t = 1; t < nt; ++t) {
-        pool.emplace_back(run, t);
-    }
-    run(0);
-    for (auto & th : pool) {
-        th.join();
-    }
-}
-
-static void dream_adamw(dream_stage & ds) {
-    const auto & p = ds.params;
-    const int64_t n = ds.n_params;
-    const int threads = std::max(1, (int) ds.lctx->n_threads_batch());
-    std::vector<float> theta(n);
-    dream_adapter_read(ds, true, theta.data());
-    // the mean over the accumulated windows
-    const float mean = 1.0f / (float) std::max(ds.windows_pending, 1);
-    // the squared norm per block, summed in block order: the same on any thread count
-    std::vector<double> part((size_t) ((n + DREAM_OPT_BLOCK - 1) / DREAM_OPT_BLOCK), 0.0);
-    const float * acc = ds.grad_acc.data();
-    dream_opt_parallel(n, threads, [&](int64_t lo, int64_t hi) {
-        double s = 0.0;
-        for (int64_t i = lo; i < hi; ++i) {
-            s += (double) acc[i] * acc[i];
-        }
-        part[(size_t) (lo / DREAM_OPT_BLOCK)] = s;
-    });
-    double norm2 = 0.0;
-    for (double s : part) {
-        norm2 += s;
-    }
-    const double norm = std::sqrt(norm2) * mean;
-    const float clip = (p.grad_clip > 0 && norm > p.grad_clip) ? (float) (p.grad_clip / norm) : 1.0f;
-    ds.adam_t += 1;
-    const float scale = mean * clip;
-    const float b1 = p.beta1, b2 = p.beta2, lr = p.lr, eps = p.eps, wd = p.weight_decay;
-    // bias corrections as reciprocals; the per-parameter arithmetic in float, so it vectorizes
-    const float ib1 = (float) (1.0 / (1.0 - std::pow((double) p.beta1, (double) ds.adam_t)));
-    const float ib2 = (float) (1.0 / (1.0 - std::pow((double) p.beta2, (double) ds.adam_t)));
-    float * m = ds.adam_m.data();
-    float * v = ds.adam_v.data();
-    float * th = theta.data();
-    dream_opt_parallel(n, threads, [&](int64_t lo, int64_t hi) {
-        for (int64_t i = lo; i < hi; ++i) {
-            const float g = acc[i] * scale;
-            m[i] = b1 * m[i] + (1.0f - b1) * g;
-            v[i] = b2 * v[i] + (1.0f - b2) * g * g;
-            // decoupled weight decay (AdamW)
-            th[i] -= lr * ((m[i] * ib1) / (std::sqrt(v[i] * ib2) + eps) + wd * th[i]);
-        }
-    });
-    dream_adapter_write(ds, theta.data());
-}
-
 namespace {
 // Frees the backward context and ends the graph's use of the stage's scheduler
 // on every exit path but one: a step whose graph the stage keeps for the next
@@ -610,13 +537,6 @@ static dream_chunk dream_next_chunk(dream_stage & ds) {
     return c;
 }
 
-// What a micro-step allocates on the host besides its graph: the optimizer
-// state at the first training step and the host copy of the gradients.
-static size_t dream_step_host_bytes(const dream_stage & ds, bool train) {
-    const size_t opt = train && ds.grad_acc.empty() ? (size_t) 3 * ds.n_params : 0;
-    return (opt + (train ? (size_t) ds.n_params : 0)) * sizeof(float);
-}
-
 int32_t dream_walk_chunks_left(const dream_stage & ds) {
     if (!ds.win_active) {
         return 0;
@@ -654,7 +574,7 @@ static dream_deadline_t dream_step_deadline(const dream_stage & ds, std::chrono:
 }
 
 // After a step's graph computed: the device pools it grew, its loss and its gradient.
-static void dream_step_read(dream_stage & ds, dream_receipt & r, dream_step_graph & sgraph, bool train, bool need_opt_state) {
+static bool dream_step_read(dream_stage & ds, dream_receipt & r, dream_step_graph & sgraph, bool train, bool need_opt_state) {
     for (const auto & [dev, bytes] : sgraph.pool_need) {
         bool found = false;
         for (auto & [d, b] : ds.pool_held) {
@@ -674,28 +594,16 @@ static void dream_step_read(dream_stage & ds, dream_receipt & r, dream_step_grap
             ggml_backend_tensor_get(sgraph.ce, &ce_val, 0, sizeof(ce_val));
         }
         r.loss = (double) ce_val;
-        if (need_opt_state) {
-            ds.grad_acc.assign(ds.n_params, 0.0f);
-            ds.adam_m.assign(ds.n_params, 0.0f);
-            ds.adam_v.assign(ds.n_params, 0.0f);
+        if (need_opt_state && !dream_opt_create(ds)) {
+            dream_receipt_message(r, "allocating the optimizer state (%.2f MiB) failed", 3.0 * (double) ds.n_params * sizeof(float) / DREAM_MIB);
+            return false;
         }
-        float * acc = ds.grad_acc.data();
-        std::vector<float> host;
-        size_t ig = 0;
-        for (auto & pr : ds.pairs) {
-            for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
-                const int64_t ne = ggml_nelements(t);
-                if (ggml_tensor * g = sgraph.param_grads[ig++]) {
-                    host.resize(ne);
-                    ggml_backend_tensor_get(g, host.data(), 0, ne * sizeof(float));
-                    for (int64_t i = 0; i < ne; ++i) {
-                        acc[i] += host[i];
-                    }
-                }
-                acc += ne;
-            }
+        if (!dream_opt_accumulate(ds, sgraph.param_grads)) {
+            dream_receipt_message(r, "adding the step's gradients into the accumulator failed");
+            return false;
         }
     }
+    return true;
 }
 
 // The walk moves past a computed chunk: the step count, the window's position,
@@ -730,10 +638,12 @@ static void dream_step_advance(dream_stage & ds, dream_receipt & r, const dream_
     }
     if (window_done) {
         ds.win_active = false;
-        if (ds.win_n_masked > 0 && !ds.grad_acc.empty()) {
+        if (ds.win_n_masked > 0 && dream_opt_ready(ds)) {
             ds.windows_pending += 1;
             if (ds.windows_pending >= ds.params.accumulate_windows) {
-                dream_adamw(ds);
+                if (!dream_opt_update(ds)) {
+                    dream_receipt_message(r, "the optimizer update on the adapter's device failed");
+                }
                 ds.windows_pending = 0;
             }
         }
@@ -778,7 +688,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         }
         r.walk_mib = (double) ds.walk_bytes / DREAM_MIB;
         r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
-        r.optimizer_mib = (double) ((ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float)) / DREAM_MIB;
+        r.optimizer_mib = (double) dream_opt_bytes(ds) / DREAM_MIB;
         return status;
     };
     if (!ds.win_active || (!dream_exact_window(ds) && ds.win_pos >= ds.win_n)) {
@@ -812,7 +722,11 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         }
         const dream_suspended_step done = su;
         su = dream_suspended_step{};
-        dream_step_read(ds, r, ds.step_graph, done.train, done.need_opt_state);
+        if (!dream_step_read(ds, r, ds.step_graph, done.train, done.need_opt_state)) {
+            dream_step_graph_drop(ds);
+            dream_sched_release(ds);
+            return finish(DREAM_STATUS_ERROR);
+        }
         if (done.keepable) {
             ds.step_graph.valid = true;         // kept for the next chunk of its shape
             ds.graph_reuses += done.reuse ? 1 : 0;
@@ -886,7 +800,9 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         for (const auto & nd : needs) {
             total += (double) nd.second / DREAM_MIB;
         }
-        needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train) });
+        for (const auto & nd : dream_opt_step_needs(ds, train)) {
+            needs.push_back(nd);
+        }
         const dream_gate_verdict v = dream_gate_check(ds, needs);
         if (!v.fits) {
             dream_receipt_refused(r, p, n, v.need_mib, v.allowance_mib);
@@ -1150,8 +1066,10 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         }
         needs.push_back({ dev, bytes > held ? bytes - held : 0 });
     }
-    const bool need_opt_state = train && ds.grad_acc.empty();
-    needs.push_back({ dream_host_device(), dream_step_host_bytes(ds, train) });
+    const bool need_opt_state = train && !dream_opt_ready(ds);
+    for (const auto & nd : dream_opt_step_needs(ds, train)) {
+        needs.push_back(nd);
+    }
     r.graph_mib = (double) sgraph.graph_bytes / DREAM_MIB;
     const dream_gate_verdict verdict = dream_gate_check(ds, needs);
     if (!verdict.fits) {
@@ -1246,7 +1164,9 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         dream_receipt_message(r, "computing the training graph failed (ggml status %d)", (int) st);
         return finish(DREAM_STATUS_ERROR);
     }
-    dream_step_read(ds, r, sgraph, train, need_opt_state);
+    if (!dream_step_read(ds, r, sgraph, train, need_opt_state)) {
+        return finish(DREAM_STATUS_ERROR);
+    }
 
     // the plain walk keeps the graph allocated for the next chunk of this shape
     if (keepable) {

@@ -228,6 +228,12 @@ LLAMA_API int64_t dream_graph_reuses(const struct dream_stage * ds);
 // head size of 64 or 128, unless DREAMSTAGE_FUSED_ATTN=0 or NVIDIA_TF32_OVERRIDE=0.
 LLAMA_API bool dream_fused_attention(const struct dream_stage * ds);
 
+// Whether the gradient accumulator and AdamW's state live on the adapter's
+// device (decided at dream_init: true when every A and B lies on one GPU)
+// instead of the host. DREAMSTAGE_OPTIMIZER=host keeps them on the host;
+// =device puts them on the adapter's backend even when that is the CPU.
+LLAMA_API bool dream_optimizer_on_device(const struct dream_stage * ds);
+
 // A deadline for the micro-steps that follow (the pacer's pause bound). A step
 // whose graph runs wholly on the CPU backend is then computed in segments of
 // nodes; one still running `ms` after the step began stops between two

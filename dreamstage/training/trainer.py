@@ -367,6 +367,12 @@ class Trainer(NativeOwner):
         return bool(self.L.dream_fused_attention(self._handle()))
 
     @property
+    def optimizer_on_device(self) -> bool:
+        """Whether the gradient accumulator and AdamW's moments live on the adapter's
+        GPU (every A and B on one GPU) or on the host."""
+        return bool(self.L.dream_optimizer_on_device(self._handle()))
+
+    @property
     def graph_reuses(self) -> int:
         """Micro-steps so far that computed the previous step's graph again."""
         return int(self.L.dream_graph_reuses(self._handle()))
