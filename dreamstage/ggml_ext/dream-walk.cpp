@@ -292,6 +292,14 @@ static bool dream_train_with_serving_kernels() {
     return on;
 }
 
+// What a product through a quantized weight takes from the device's pool: the
+// weight expanded to F32 (cuda/out-prod-dequant.cu, mul-mat-exact.cu), or to F16
+// with the F32 operand converted beside it (cuda/mul-mat-f16.cu), whichever is more.
+static size_t dream_product_pool_bytes(const ggml_tensor * n) {
+    const size_t w = (size_t) ggml_nelements(n->src[0]), x = (size_t) ggml_nelements(n->src[1]);
+    return std::max(w * sizeof(float), (w + x) * sizeof(uint16_t) + 4 * sizeof(float));
+}
+
 static void dream_pool_need_max(std::vector<std::pair<ggml_backend_dev_t, size_t>> & pool_need, ggml_backend_dev_t dev,
                                 size_t bytes) {
     for (auto & [d, b] : pool_need) {
@@ -350,7 +358,7 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
         ggml_tensor * n = ggml_graph_node(gb, i);
         if (n->op == GGML_OP_OUT_PROD && ggml_is_quantized(n->src[0]->type)) {
             if (ggml_backend_dev_t dev = dream_quantized_out_prod_device(ds, n)) {
-                dream_pool_need_max(pool_need, dev, (size_t) ggml_nelements(n->src[0]) * sizeof(float));
+                dream_pool_need_max(pool_need, dev, dream_product_pool_bytes(n));
                 continue;
             }
             ggml_tensor * w = n->src[0];
@@ -383,7 +391,7 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
             if (ggml_backend_dev_t dev = dream_quantized_out_prod_device(ds, n)) {
                 ggml_prec_set_acc(n, GGML_PREC_F32);
                 ggml_prec_set_src(n, GGML_PREC_F32, 1);
-                dream_pool_need_max(pool_need, dev, (size_t) ggml_nelements(n->src[0]) * sizeof(float));
+                dream_pool_need_max(pool_need, dev, dream_product_pool_bytes(n));
             }
         } else if (n->op == GGML_OP_MUL_MAT && n->src[0]->type == GGML_TYPE_F32 && !cpu_only) {
             // an F32 product keeps F32 all the way in the FP32 mode: ggml-cuda's

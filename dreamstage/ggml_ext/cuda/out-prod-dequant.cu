@@ -63,9 +63,15 @@ static bool dream_out_prod_full_fp32() {
     return v != nullptr && std::strcmp(v, "fp32") == 0;
 }
 
+// mul-mat-f16.cu: the same product with F16 operands; false when it does not apply
+bool dream_cuda_out_prod_f16(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+
 void dream_cuda_out_prod_dequant(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * src0 = dst->src[0];
     GGML_ASSERT(dream_cuda_out_prod_src0_supported(src0));
+    if (!dream_out_prod_full_fp32() && dream_cuda_out_prod_f16(ctx, dst)) {
+        return;
+    }
 
     const int64_t n = ggml_nelements(src0);
     cudaStream_t stream = ctx.stream();
