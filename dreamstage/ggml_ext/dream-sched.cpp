@@ -262,7 +262,7 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
         std::sort(rows.begin(), rows.end(), [](const auto & a, const auto & b) { return a.second.first > b.second.first; });
         std::fprintf(stderr, "dream profile: %d nodes, %.1f ms computed, %d splits\n", ggml_graph_n_nodes(g), total,
                      ds.last_n_splits);
-        for (size_t i = 0; i < rows.size() && i < 16; ++i) {
+        for (size_t i = 0; i < rows.size() && i < 28; ++i) {
             std::fprintf(stderr, "  %-36s %9.2f ms %5.1f%% x%d\n", rows[i].first.c_str(), rows[i].second.first,
                          100.0 * rows[i].second.first / total, rows[i].second.second);
         }
