@@ -18,7 +18,9 @@
 // (ggml_prec_set_acc; TF32 tensor ops unless NVIDIA_TF32_OVERRIDE=0, like every
 // other F32 product on this backend). dream-walk.cpp sets both on every training
 // graph product through a GPU-resident quantized weight; serving's graphs never
-// carry them.
+// carry them. Outside the FP32 mode an annotated product through a quantized
+// weight is taken earlier, by patch 0106's hook (mul-mat-f16.cu: F16 operands,
+// the same rounding); this path keeps the shapes that hook leaves.
 
 //
 // The FP32 mode (NVIDIA_TF32_OVERRIDE=0) reaches cuBLAS only: ggml-cuda's own

@@ -7,6 +7,9 @@
 // dream_cuda_out_prod_dequant() for any other src0 type; supports_op asks
 // dream_cuda_out_prod_src0_supported().
 //
+// Outside the FP32 mode the product first goes to mul-mat-f16.cu (F16 operands,
+// the same rounding as TF32); what that file does not take comes here.
+//
 // The method: expand W to F32 in a pooled device buffer with ggml-cuda's own
 // to_fp32 converters (exactly the values the CPU backend dequantizes to), then run
 // upstream's F32 OUT_PROD (cuBLAS SGEMM, with its broadcasting and transposed-src1
