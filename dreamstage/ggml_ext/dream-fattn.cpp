@@ -19,8 +19,9 @@
 //     scheduler put it before a graph computes.
 //
 // The forward reads K and V in F16 (FLASH_ATTN_EXT on CUDA takes no F32 K/V;
-// llama casts them), the backward multiplies in TF32: the precision the check
-// in bench/gpu/dream_gpu_check.cpp holds both to. DREAMSTAGE_FUSED_ATTN=0 turns it off.
+// llama casts them), the backward multiplies F16 operands (TF32's mantissa, dO
+// scaled into F16's range): the precision the check in bench/gpu/dream_gpu_check.cpp
+// holds both to. DREAMSTAGE_FUSED_ATTN=0 turns it off.
 #include "dream-stage.h"
 
 #include "ggml-impl.h"   // ggml_set_op_params
@@ -67,7 +68,7 @@ bool dream_fattn_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * gra
     const int64_t n_cls = ((T + 63) / 64) * ((Tk + 63) / 64);   // a byte per 64 x 64 tile of the mask
     const int64_t off_k = padded(D * T * H), off_v = off_k + padded(D * Tk * Hk), off_lse = off_v + padded(D * Tk * Hk),
                   off_dvec = off_lse + padded(T * H), off_cls = off_dvec + padded(T * H),
-                  total = off_cls + padded((n_cls + 3) / 4);
+                  total = off_cls + padded((n_cls + 3) / 4 + H);   // the classes, then a word per q head
     GGML_ASSERT(total < INT32_MAX && "fused attention backward: offsets beyond int32");
     ggml_tensor * node = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, total);
     node->op = GGML_OP_FLASH_ATTN_BACK;
@@ -100,7 +101,7 @@ bool dream_fattn_usable(const dream_stage & ds) {
         return false;
     }
     // the FP32 mode (docs/architecture/gpu.md, "Precision") is exact F32 throughout:
-    // F16 K/V and TF32 products are not
+    // F16 K/V and F16 (10-bit mantissa) products are not
     const char * tf32 = std::getenv("NVIDIA_TF32_OVERRIDE");
     if (tf32 && std::strcmp(tf32, "0") == 0) {
         return false;

@@ -15,8 +15,17 @@
 //   dS_ij = P_ij (dO_i . v_j - D_i)
 //   dQ_i  = scale sum_j dS_ij k_j,   dK_j = scale sum_i dS_ij q_i
 //
-// Products run on tensor cores in TF32 with F32 accumulation (what cuBLAS does
-// for the explicit path's F32 products by default); everything else is F32.
+// Arithmetic. Every product runs on tensor cores (mma.sync m16n8k16) with F16
+// operands and F32 accumulation; the scores, P, dP and dS stay in registers in
+// F32 and are rounded to F16 only as operands. F16 carries the mantissa TF32
+// carries (10 bits), so this lands where a TF32 product lands, but not F16's
+// range: gradients of a loss averaged over thousands of tokens sit below F16's
+// smallest normal number. So dO is multiplied by a power of two per head,
+// chosen from its largest magnitude (fa_back_dvec finds it) to bring that to
+// [0.5, 1), and the sums that carry dO (dV, dS, hence dK and dQ) are divided
+// by it where they are written. Q is rounded to F16 as the forward kernel
+// rounds it; K and V are F16 already.
+//
 // Layouts are ggml's: Q [D, T, H] (any strides), K and V [D, Tk, Hk] F16
 // (any row and head strides), mask [Tk, >= T] F16 (one for every head), O and
 // dO [D, H, T] contiguous F32. Grouped-query heads: q head h reads kv head
@@ -26,15 +35,11 @@
 #endif
 
 #include <cuda_fp16.h>
-#include <mma.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
-
-using namespace nvcuda;
 
 namespace {
 
@@ -42,57 +47,115 @@ constexpr int BR = 64;      // rows of a query tile
 constexpr int BC = 64;      // rows of a key tile
 constexpr int WARPS = 4;    // a block: each warp owns 16 rows of the tile it iterates over
 constexpr int THREADS = 32 * WARPS;
-constexpr int LDS = BC + 4; // row stride (floats) of the score tiles in shared memory
-constexpr int LDM = BC + 8; // row stride (halves) of the mask tile
+constexpr int LDT = 64 + 8; // row stride (halves) of a 64 x 64 F16 tile: the mask, dS^T
 
-using frag_a_row = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
-using frag_a_col = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major>;
-using frag_b_row = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
-using frag_b_col = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major>;
-using frag_acc = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
-
-// Every operand is rounded to TF32 once, where it is written to shared memory,
-// so fragments load ready to multiply (a conversion per fragment load was most
-// of the instructions: measured on the H200, 2026-12-01).
-__device__ __forceinline__ float tf32(float x) {
-    return wmma::__float_to_tf32(x);
+// Shared tiles are F16 with rows padded by 8 halves (16 bytes), so the eight
+// rows an ldmatrix reads fall in eight different groups of four banks.
+template <int D> __host__ __device__ constexpr int ldh() {
+    return D + 8;
 }
 
-// acc[n] = A B^T for one warp: A is 16 rows of K values (ld la), B is 64 rows
-// of K values (ld lb); acc[n] holds columns [16 n, 16 n + 16)
-template <int K> __device__ __forceinline__ void mm_abt(frag_acc (&acc)[4], const float * a, int la, const float * b, int lb) {
+// ---- tensor-core fragments (PTX ISA, "mma.m16n8k16" and "ldmatrix") -------
+// For a lane l, g = l / 4 and t = l % 4. An m16n8k16 accumulator holds rows g
+// and g + 8, columns 2t and 2t + 1 of a 16 x 8 tile: c[0], c[1] and c[2], c[3].
+// The A operand (16 x 16) holds the same positions of two such tiles side by
+// side, as half pairs, so an accumulator pair becomes an A operand in
+// registers (pack_a). B (16 x 8) holds rows 2t, 2t + 1 and 2t + 8, 2t + 9 of
+// column g.
+
+__device__ __forceinline__ uint32_t smem_addr(const void * p) {
+    return (uint32_t) __cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void ldsm(uint32_t (&r)[4], const half * p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldsm_t(uint32_t (&r)[4], const half * p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const half2 h = __floats2half2_rn(lo, hi);
+    uint32_t u;
+    std::memcpy(&u, &h, sizeof(u));
+    return u;
+}
+
+// the A operand for columns [16 k, 16 k + 16) of a 16 x 64 F32 accumulator
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&c)[8][4], int k) {
+    a[0] = pack(c[2 * k][0], c[2 * k][1]);
+    a[1] = pack(c[2 * k][2], c[2 * k][3]);
+    a[2] = pack(c[2 * k + 1][0], c[2 * k + 1][1]);
+    a[3] = pack(c[2 * k + 1][2], c[2 * k + 1][3]);
+}
+
+// A (16 x 16) from a row-major tile at p (row stride ld halves)
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const half * p, int ld) {
+    const int l = threadIdx.x % 32;
+    ldsm(a, p + (l % 8 + (l / 8) % 2 * 8) * ld + l / 16 * 8);
+}
+
+// A (16 x 16) from a tile at p that holds A transposed (p[k * ld + m] = A[m][k])
+__device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], const half * p, int ld) {
+    const int l = threadIdx.x % 32;
+    ldsm_t(a, p + (l % 8 + l / 16 * 8) * ld + (l / 8) % 2 * 8);
+}
+
+// B for two 16 x 8 tiles side by side (b[0], b[1] the first, b[2], b[3] the
+// second), from a tile at p that holds B transposed (p[n * ld + k] = B[k][n]):
+// a row-major operand's rows, as in Q K^T
+__device__ __forceinline__ void frag_b2(uint32_t (&b)[4], const half * p, int ld) {
+    const int l = threadIdx.x % 32;
+    ldsm(b, p + (l % 8 + l / 16 * 8) * ld + (l / 8) % 2 * 8);
+}
+
+// the same from a row-major B (p[k * ld + n] = B[k][n]), as in P V
+__device__ __forceinline__ void frag_b2_t(uint32_t (&b)[4], const half * p, int ld) {
+    const int l = threadIdx.x % 32;
+    ldsm_t(b, p + (l % 8 + (l / 8) % 2 * 8) * ld + l / 16 * 8);
+}
+
+// c[8][4] += A B^T for one warp: A 16 rows of K halves at a, B 64 rows of K halves at b
+template <int K> __device__ __forceinline__ void mm_abt(float (&c)[8][4], const half * a, int la, const half * b, int lb) {
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-        wmma::fill_fragment(acc[n], 0.f);
-    }
+    for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t af[4];
+        frag_a(af, a + kk * 16, la);
 #pragma unroll
-    for (int kk = 0; kk < K; kk += 8) {
-        frag_a_row fa;
-        wmma::load_matrix_sync(fa, a + kk, la);
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            frag_b_col fb;
-            wmma::load_matrix_sync(fb, b + n * 16 * lb + kk, lb);
-            wmma::mma_sync(acc[n], fa, fb, acc[n]);
+        for (int np = 0; np < 4; ++np) {
+            uint32_t bf[4];
+            frag_b2(bf, b + np * 16 * lb + kk * 16, lb);
+            mma(c[2 * np], af, bf[0], bf[1]);
+            mma(c[2 * np + 1], af, bf[2], bf[3]);
         }
     }
 }
 
-// acc[n] += A B for one warp: A is 16 x 64 (row-major at a with ld la, or, with
-// A_COL, the transpose of a 64 x 16 block: a[k * la + r]), B is 64 rows of
-// 16 ND values (ld lb)
-template <int ND, bool A_COL> __device__ __forceinline__ void mm_ab(frag_acc (&acc)[ND], const float * a, int la,
-                                                                   const float * b, int lb) {
-    using frag_a = typename std::conditional<A_COL, frag_a_col, frag_a_row>::type;
+// c[N][4] += X B for one warp: X the 16 x 64 F32 accumulator x (as F16), B a
+// row-major 64 x 8N tile at b
+template <int N> __device__ __forceinline__ void mm_xb(float (&c)[N][4], const float (&x)[8][4], const half * b, int lb) {
 #pragma unroll
-    for (int kk = 0; kk < 64; kk += 8) {
-        frag_a fa;
-        wmma::load_matrix_sync(fa, A_COL ? a + kk * la : a + kk, la);
+    for (int kk = 0; kk < 4; ++kk) {
+        uint32_t af[4];
+        pack_a(af, x, kk);
 #pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            frag_b_row fb;
-            wmma::load_matrix_sync(fb, b + kk * lb + n * 16, lb);
-            wmma::mma_sync(acc[n], fa, fb, acc[n]);
+        for (int np = 0; np < N / 2; ++np) {
+            uint32_t bf[4];
+            frag_b2_t(bf, b + kk * 16 * lb + np * 16, lb);
+            mma(c[2 * np], af, bf[0], bf[1]);
+            mma(c[2 * np + 1], af, bf[2], bf[3]);
         }
     }
 }
@@ -109,10 +172,18 @@ __device__ __forceinline__ void add4(float * dst, float4 v, float s) {
 #endif
 }
 
-template <int N> __device__ __forceinline__ void store_row(float * dst, int ld, const frag_acc (&acc)[N], int n0) {
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        wmma::store_matrix_sync(dst + m * 16, acc[n0 + m], ld, wmma::mem_row_major);
+// adds s * c, a 16 x 8 accumulator, to rows [r0, r0 + 16) of a row-major F32
+// matrix at base (row stride ld, 16-byte aligned rows), rows from n on left
+// out. Lane pairs swap halves so each lane adds four adjacent columns at once.
+__device__ __forceinline__ void add_tile(float * base, int64_t ld, const float (&c)[4], float s, int r0, int n) {
+    const int l = threadIdx.x % 32, g = l / 4, t = l % 4;
+    const bool odd = t & 1;
+    const float y0 = __shfl_xor_sync(0xffffffff, odd ? c[0] : c[2], 1);
+    const float y1 = __shfl_xor_sync(0xffffffff, odd ? c[1] : c[3], 1);
+    const int r = r0 + g + (odd ? 8 : 0);
+    if (r < n) {
+        add4(base + (int64_t) r * ld + 2 * (t & ~1),
+             odd ? make_float4(y0, y1, c[2], c[3]) : make_float4(c[0], c[1], y0, y1), s);
     }
 }
 
@@ -125,6 +196,7 @@ struct fa_args {
     float * dq; float * dk; float * dv;                  // outputs (zeroed before the main kernel)
     float * lse; float * dvec;                          // [H, T] scratch
     uint8_t * cls;                                      // [T / 64][Tk / 64] tile classes (TILE_*)
+    uint32_t * amax;                                    // [H]: the largest |dO| of each head, as F32 bits
     float scale;
     int T, Tk, H, Hk;
     bool q_vec, kv_vec;                                 // rows aligned for 16-byte loads
@@ -136,6 +208,17 @@ constexpr uint8_t TILE_EMPTY = 0, TILE_FULL = 1, TILE_MIXED = 2;
 
 __device__ __forceinline__ int n_kblocks(const fa_args & a) {
     return (a.Tk + BC - 1) / BC;
+}
+
+// the power of two that takes head h's largest |dO| into [0.5, 1) (1 for an all-zero dO)
+__device__ __forceinline__ float do_scale(const fa_args & a, int h) {
+    const float m = __uint_as_float(a.amax[h]);
+    if (!(m > 0.f) || !isfinite(m)) {
+        return 1.f;
+    }
+    int e = 0;
+    frexpf(m, &e);
+    return ldexpf(1.f, -e);
 }
 
 // one block per tile: classify it (entries past T or Tk count as -inf)
@@ -158,10 +241,47 @@ __global__ void __launch_bounds__(THREADS) fa_back_classify(fa_args a) {
     }
 }
 
-// rows [r0, r0 + 64) of a [*, D] F32 matrix with row stride `row` into shared (ld D + 4); zeros past n
-template <int D> __device__ __forceinline__ void load_rows_f32(float * dst, const float * src, int64_t row, int r0, int n,
-                                                               bool vec) {
-    constexpr int LD = D + 4;
+// D_i = dO_i . O_i, and each head's largest |dO|: one block per (head, 64 rows),
+// a warp per row in turn, one atomic per block
+template <int D> __global__ void __launch_bounds__(THREADS) fa_back_dvec(fa_args a) {
+    const int h = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __shared__ float wmax[WARPS];
+    float m = 0.f;
+    for (int t = blockIdx.y * 64 + warp; t < min(a.T, (int) blockIdx.y * 64 + 64); t += WARPS) {
+        const float * o = a.o + ((int64_t) t * a.H + h) * D;
+        const float * g = a.d_o + ((int64_t) t * a.H + h) * D;
+        float s = 0.f;
+#pragma unroll
+        for (int d = lane; d < D; d += 32) {
+            s += o[d] * g[d];
+            m = fmaxf(m, fabsf(g[d]));
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            s += __shfl_xor_sync(0xffffffff, s, off);
+        }
+        if (lane == 0) {
+            a.dvec[(int64_t) h * a.T + t] = s;
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, off));
+    }
+    if (lane == 0) {
+        wmax[warp] = m;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < WARPS; ++w) {
+            m = fmaxf(m, wmax[w]);
+        }
+        atomicMax(a.amax + h, __float_as_uint(m));   // non-negative floats order as their bits
+    }
+}
+
+// rows [r0, r0 + 64) of a [*, D] F32 matrix with row stride `row`, times mul,
+// into an F16 tile (ld D + 8); zeros past n
+template <int D> __device__ __forceinline__ void load_rows_f32(half * dst, const float * src, int64_t row, int r0, int n,
+                                                               bool vec, float mul) {
     constexpr int PER = 64 * (D / 4) / THREADS;
 #pragma unroll
     for (int it = 0; it < PER; ++it) {
@@ -172,38 +292,34 @@ template <int D> __device__ __forceinline__ void load_rows_f32(float * dst, cons
             const float * p = src + (int64_t) (r0 + r) * row + c;
             x = vec ? __ldg((const float4 *) p) : make_float4(p[0], p[1], p[2], p[3]);
         }
-        *(float4 *) (dst + r * LD + c) = make_float4(tf32(x.x), tf32(x.y), tf32(x.z), tf32(x.w));
+        const uint2 u = make_uint2(pack(mul * x.x, mul * x.y), pack(mul * x.z, mul * x.w));
+        *(uint2 *) (dst + r * ldh<D>() + c) = u;
     }
 }
 
-template <int D> __device__ __forceinline__ void load_rows_f16(float * dst, const half * src, int64_t row, int r0, int n,
+// the same from an F16 matrix (row stride in halves)
+template <int D> __device__ __forceinline__ void load_rows_f16(half * dst, const half * src, int64_t row, int r0, int n,
                                                                bool vec) {
-    constexpr int LD = D + 4;
     constexpr int PER = 64 * (D / 8) / THREADS;
 #pragma unroll
     for (int it = 0; it < PER; ++it) {
         const int e = threadIdx.x + it * THREADS;
         const int r = e / (D / 8), c = (e % (D / 8)) * 8;
-        half2 h[4] = { __float2half2_rn(0.f), __float2half2_rn(0.f), __float2half2_rn(0.f), __float2half2_rn(0.f) };
+        uint4 u = make_uint4(0, 0, 0, 0);
         if (r0 + r < n) {
             const half * p = src + (int64_t) (r0 + r) * row + c;
             if (vec) {
-                const uint4 u = __ldg((const uint4 *) p);
-                std::memcpy(h, &u, sizeof(u));
+                u = __ldg((const uint4 *) p);
             } else {
+                half h[8];
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    h[k] = __halves2half2(p[2 * k], p[2 * k + 1]);
+                for (int k = 0; k < 8; ++k) {
+                    h[k] = p[k];
                 }
+                std::memcpy(&u, h, sizeof(u));
             }
         }
-        float * o = dst + r * LD + c;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float2 f = __half22float2(h[k]);   // an F16 value is a TF32 value already
-            o[2 * k] = f.x;
-            o[2 * k + 1] = f.y;
-        }
+        *(uint4 *) (dst + r * ldh<D>() + c) = u;
     }
 }
 
@@ -215,121 +331,107 @@ __device__ __forceinline__ void load_mask(half * dst, const fa_args & a, int i0,
         if (i0 + i < a.T && j0 + j < a.Tk) {
             m = a.mask ? a.mask[(int64_t) (i0 + i) * a.mask_row + j0 + j] : __float2half(0.f);
         }
-        dst[i * LDM + j] = m;
-    }
-}
-
-// D_i = dO_i . O_i, one warp per (t, h)
-template <int D> __global__ void fa_back_dvec(fa_args a) {
-    const int w = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (w >= a.T * a.H) {
-        return;
-    }
-    const int t = w / a.H, h = w % a.H;
-    const float * o = a.o + ((int64_t) t * a.H + h) * D;
-    const float * g = a.d_o + ((int64_t) t * a.H + h) * D;
-    float s = 0.f;
-    for (int d = lane; d < D; d += 32) {
-        s += o[d] * g[d];
-    }
-    for (int off = 16; off > 0; off >>= 1) {
-        s += __shfl_xor_sync(0xffffffff, s, off);
-    }
-    if (lane == 0) {
-        a.dvec[(int64_t) h * a.T + t] = s;
+        dst[i * LDT + j] = m;
     }
 }
 
 // lse_i for a tile of 64 queries of one head: the scores again, key tile by key tile
 template <int D> __global__ void __launch_bounds__(THREADS) fa_back_lse(fa_args a) {
-    constexpr int LD = D + 4;
-    extern __shared__ __align__(32) unsigned char smem_raw[];
-    float * qs = (float *) smem_raw;            // [64][LD]
-    float * ks = qs + 64 * LD;                  // [64][LD]
-    float * ss = ks + 64 * LD;                  // [64][LDS]
-    half  * ms = (half *) (ss + 64 * LDS);      // [64][LDM]
+    constexpr int LH = ldh<D>();
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    half * qs = (half *) smem_raw;              // [64][LH]
+    half * ks = qs + 64 * LH;                   // [64][LH]
+    half * ms = ks + 64 * LH;                   // [64][LDT]
     // the last query tiles first: under a causal mask they see the most keys (the
     // longest blocks start first, so the last wave is short)
-    const int ib = gridDim.y - 1 - blockIdx.y, i0 = ib * BR, h = blockIdx.x, g = h / (a.H / a.Hk);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    load_rows_f32<D>(qs, a.q + h * a.q_head, a.q_row, i0, a.T, a.q_vec);
-    // each lane pair keeps the running max and sum of one row (lane / 2) of its warp's 16
-    float m_run = -INFINITY, l_run = 0.f;
-    const int row = warp * 16 + lane / 2, half_cols = (lane % 2) * 32;
+    const int ib = gridDim.y - 1 - blockIdx.y, i0 = ib * BR, h = blockIdx.x, grp = h / (a.H / a.Hk);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    load_rows_f32<D>(qs, a.q + h * a.q_head, a.q_row, i0, a.T, a.q_vec, 1.f);
+    // each lane keeps the running max and sum of rows g and g + 8 of its warp's
+    // 16, over its columns; the four lanes of a row agree after each tile
+    float m_run[2] = { -INFINITY, -INFINITY }, l_run[2] = { 0.f, 0.f };
     const uint8_t * cls = a.cls + ib * n_kblocks(a);
     for (int jb = 0; jb < n_kblocks(a); ++jb) {
         const uint8_t c = cls[jb];
         if (c == TILE_EMPTY) {
             continue;
         }
-        const int j0 = jb * BC;
         __syncthreads();                        // the tiles of the last round are read
         if (c == TILE_MIXED) {
-            load_mask(ms, a, i0, j0);
+            load_mask(ms, a, i0, jb * BC);
         }
-        load_rows_f16<D>(ks, a.k + g * a.k_head, a.k_row, j0, a.Tk, a.kv_vec);
+        load_rows_f16<D>(ks, a.k + grp * a.k_head, a.k_row, jb * BC, a.Tk, a.kv_vec);
         __syncthreads();
-        frag_acc acc[4];
-        mm_abt<D>(acc, qs + warp * 16 * LD, LD, ks, LD);
-        store_row(ss + warp * 16 * LDS, LDS, acc, 0);
-        __syncwarp();
-        float x[32];
-        float mx = -INFINITY;
+        float s[8][4] = {};
+        mm_abt<D>(s, qs + warp * 16 * LH, LH, ks, LH);
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            x[k] = a.scale * ss[row * LDS + half_cols + k];
-            if (c == TILE_MIXED) {
-                x[k] += __half2float(ms[row * LDM + half_cols + k]);
-            }
-            mx = fmaxf(mx, x[k]);
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        const float m_new = fmaxf(m_run, mx);
-        float s = 0.f;
-        if (m_new != -INFINITY) {               // else the row has seen no key yet
+        for (int r = 0; r < 2; ++r) {
+            const half * mrow = ms + (warp * 16 + g + 8 * r) * LDT + 2 * t;
+            float mx = -INFINITY;
 #pragma unroll
-            for (int k = 0; k < 32; ++k) {
-                s += __expf(x[k] - m_new);
+            for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float x = a.scale * s[j][2 * r + e];
+                    if (c == TILE_MIXED) {
+                        x += __half2float(mrow[8 * j + e]);
+                    }
+                    s[j][2 * r + e] = x;
+                    mx = fmaxf(mx, x);
+                }
             }
-        }
-        s += __shfl_xor_sync(0xffffffff, s, 1);
-        if (m_new != -INFINITY) {
-            l_run = l_run * __expf(m_run - m_new) + s;
-            m_run = m_new;
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            const float m_new = fmaxf(m_run[r], mx);
+            float sum = 0.f;
+            if (m_new != -INFINITY) {           // else the row has seen no key yet
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    sum += __expf(s[j][2 * r] - m_new) + __expf(s[j][2 * r + 1] - m_new);
+                }
+            }
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            if (m_new != -INFINITY) {
+                l_run[r] = l_run[r] * __expf(m_run[r] - m_new) + sum;
+                m_run[r] = m_new;
+            }
         }
     }
-    if (lane % 2 == 0 && i0 + row < a.T) {
-        a.lse[(int64_t) h * a.T + i0 + row] = l_run > 0.f ? m_run + __logf(l_run) : INFINITY;   // +inf: P = 0
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = i0 + warp * 16 + g + 8 * r;
+        if (t == 0 && row < a.T) {
+            a.lse[(int64_t) h * a.T + row] = l_run[r] > 0.f ? m_run[r] + __logf(l_run[r]) : INFINITY;   // +inf: P = 0
+        }
     }
 }
 
 // dK, dV for one key tile of one q head (atomically added over the group's q
-// heads), dQ added atomically over key tiles
-template <int D> __global__ void __launch_bounds__(THREADS, D == 64 ? 2 : 1) fa_back_main(fa_args a) {
-    constexpr int LD = D + 4;
-    constexpr int ND = D / 16;                  // 16-column tiles across D
-    extern __shared__ __align__(32) unsigned char smem_raw[];
-    float * ks  = (float *) smem_raw;           // [64][LD] this block's keys
-    float * vs  = ks + 64 * LD;                 // [64][LD] and values
-    float * qs  = vs + 64 * LD;                 // [64][LD] the query tile
-    float * gs  = qs + 64 * LD;                 // [64][LD] its dO
-    float * ps  = gs + 64 * LD;                 // [64 keys][LDS] P^T, then dS^T
-    float * dps = ps + 64 * LDS;                // [64][LDS] the mask tile (as halves), dP^T, then dQ staging
-    float * lse = dps + 64 * LDS;               // [64]
-    float * dv  = lse + 64;                     // [64]
-    half  * ms  = (half *) dps;                 // [64 queries][LDM], TILE_MIXED tiles only
+// heads), dQ added atomically over key tiles. Each warp owns 16 of the 64 keys:
+// S^T, P^T, dP^T and dS^T of its rows against a query tile stay in registers;
+// dS^T goes to shared memory once, for dQ, whose rows the warps then split.
+template <int D> __global__ void __launch_bounds__(THREADS, D == 64 ? 3 : 2) fa_back_main(fa_args a) {
+    constexpr int LH = ldh<D>();
+    constexpr int NT = D / 8;                   // 8-column accumulator tiles across D
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    half * ks  = (half *) smem_raw;             // [64][LH] this block's keys
+    half * vs  = ks + 64 * LH;                  // [64][LH] and values
+    half * qs  = vs + 64 * LH;                  // [64][LH] the query tile
+    half * gs  = qs + 64 * LH;                  // [64][LH] its dO, times the head's scale
+    half * dss = gs + 64 * LH;                  // [64 keys][LDT] dS^T
+    half * ms  = dss + 64 * LDT;                // [64 queries][LDT] the mask, TILE_MIXED tiles only
+    float * lse = (float *) (ms + 64 * LDT);    // [64]
+    float * dvs = lse + 64;                     // [64] D_i, times the head's scale
     // the first key tiles first: under a causal mask every query sees them
-    const int jb = blockIdx.y, j0 = jb * BC, h = blockIdx.x, g = h / (a.H / a.Hk);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    load_rows_f16<D>(ks, a.k + g * a.k_head, a.k_row, j0, a.Tk, a.kv_vec);
-    load_rows_f16<D>(vs, a.v + g * a.v_head, a.v_row, j0, a.Tk, a.kv_vec);
-    frag_acc dk_acc[ND], dv_acc[ND];
-#pragma unroll
-    for (int n = 0; n < ND; ++n) {
-        wmma::fill_fragment(dk_acc[n], 0.f);
-        wmma::fill_fragment(dv_acc[n], 0.f);
-    }
+    const int jb = blockIdx.y, j0 = jb * BC, h = blockIdx.x, grp = h / (a.H / a.Hk);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const float sg = do_scale(a, h);
+    load_rows_f16<D>(ks, a.k + grp * a.k_head, a.k_row, j0, a.Tk, a.kv_vec);
+    load_rows_f16<D>(vs, a.v + grp * a.v_head, a.v_row, j0, a.Tk, a.kv_vec);
+    float dk[NT][4] = {}, dv[NT][4] = {};
     const int nk = n_kblocks(a);
+    const half * kw = ks + warp * 16 * LH;      // this warp's keys
     for (int i0 = 0, ib = 0; i0 < a.T; i0 += BR, ++ib) {
         const uint8_t c = a.cls[ib * nk + jb];
         if (c == TILE_EMPTY) {
@@ -339,115 +441,80 @@ template <int D> __global__ void __launch_bounds__(THREADS, D == 64 ? 2 : 1) fa_
         if (c == TILE_MIXED) {
             load_mask(ms, a, i0, j0);
         }
-        load_rows_f32<D>(qs, a.q + h * a.q_head, a.q_row, i0, a.T, a.q_vec);
-        load_rows_f32<D>(gs, a.d_o + (int64_t) h * D, (int64_t) a.H * D, i0, a.T, true);
+        load_rows_f32<D>(qs, a.q + h * a.q_head, a.q_row, i0, a.T, a.q_vec, 1.f);
+        load_rows_f32<D>(gs, a.d_o + (int64_t) h * D, (int64_t) a.H * D, i0, a.T, true, sg);
         for (int r = threadIdx.x; r < 64; r += THREADS) {
             const bool in = i0 + r < a.T;
             lse[r] = in ? a.lse[(int64_t) h * a.T + i0 + r] : INFINITY;
-            dv[r] = in ? a.dvec[(int64_t) h * a.T + i0 + r] : 0.f;
+            dvs[r] = in ? sg * a.dvec[(int64_t) h * a.T + i0 + r] : 0.f;
         }
         __syncthreads();
-        // S^T for this warp's 16 keys x 64 queries, then P^T
-        frag_acc acc[4];
-        mm_abt<D>(acc, ks + warp * 16 * LD, LD, qs, LD);
-        store_row(ps + warp * 16 * LDS, LDS, acc, 0);
-        __syncwarp();
-        if (c == TILE_MIXED) {
-            for (int e = lane; e < 16 * 64; e += 32) {
-                const int kr = warp * 16 + e / 64, qi = e % 64;
-                const float s = a.scale * ps[kr * LDS + qi] + __half2float(ms[qi * LDM + kr]);
-                ps[kr * LDS + qi] = s == -INFINITY ? 0.f : tf32(__expf(s - lse[qi]));
-            }
-            __syncthreads();                    // every warp has read the mask before dP^T overwrites it
-        } else {
-            for (int e = lane; e < 16 * 16; e += 32) {   // four queries a lane, 16 bytes at a time
-                const int kr = warp * 16 + e / 16, qi = (e % 16) * 4;
-                float4 x = *(float4 *) (ps + kr * LDS + qi);
-                x.x = tf32(__expf(a.scale * x.x - lse[qi]));
-                x.y = tf32(__expf(a.scale * x.y - lse[qi + 1]));
-                x.z = tf32(__expf(a.scale * x.z - lse[qi + 2]));
-                x.w = tf32(__expf(a.scale * x.w - lse[qi + 3]));
-                *(float4 *) (ps + kr * LDS + qi) = x;
-            }
-            __syncwarp();
-        }
-        mm_ab<ND, false>(dv_acc, ps + warp * 16 * LDS, LDS, gs, LD);          // dV += P^T dO
-        mm_abt<D>(acc, vs + warp * 16 * LD, LD, gs, LD);                      // dP^T = V dO^T, this warp's keys
-        store_row(dps + warp * 16 * LDS, LDS, acc, 0);
-        __syncwarp();
-        // dS^T = P^T (dP^T - D), over P^T
-        for (int e = lane; e < 16 * 16; e += 32) {
-            const int kr = warp * 16 + e / 16, qi = (e % 16) * 4;
-            float4 x = *(float4 *) (ps + kr * LDS + qi);
-            const float4 y = *(const float4 *) (dps + kr * LDS + qi);
-            x.x = tf32(x.x * (y.x - dv[qi]));
-            x.y = tf32(x.y * (y.y - dv[qi + 1]));
-            x.z = tf32(x.z * (y.z - dv[qi + 2]));
-            x.w = tf32(x.w * (y.w - dv[qi + 3]));
-            *(float4 *) (ps + kr * LDS + qi) = x;
-        }
-        __syncwarp();
-        mm_ab<ND, false>(dk_acc, ps + warp * 16 * LDS, LDS, qs, LD);          // dK += dS^T Q
-        __syncthreads();                        // every warp's rows of dS^T are in place
-        // dQ rows [16 warp, +16) = dS K, added to global
-        {
-            frag_acc dq[ND];
+        // S^T = K Q^T for this warp's 16 keys x 64 queries, then P^T in place
+        float p[8][4] = {};
+        mm_abt<D>(p, kw, LH, qs, LH);
 #pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                wmma::fill_fragment(dq[n], 0.f);
-            }
-            mm_ab<ND, true>(dq, ps + warp * 16, LDS, ks, LD);   // dS[q][k] = dS^T[k][q]: column-major over ps
-            // staged per warp in dps (dP^T is spent), 16 rows x 64 columns at a time, then added
-            float * st = dps + warp * 16 * LDS;
+        for (int j = 0; j < 8; ++j) {
 #pragma unroll
-            for (int n = 0; n < ND; n += 4) {
-                store_row(st, LDS, dq, n);
-                __syncwarp();
-                for (int e = lane; e < 16 * 16; e += 32) {   // four columns a lane
-                    const int r = e / 16, cc = (e % 16) * 4;
-                    const int t = i0 + warp * 16 + r;
-                    if (t < a.T) {
-                        add4(a.dq + ((int64_t) h * a.T + t) * D + n * 16 + cc, *(const float4 *) (st + r * LDS + cc), a.scale);
-                    }
+            for (int e = 0; e < 4; ++e) {
+                const int qi = 8 * j + 2 * t + e % 2, kr = warp * 16 + g + 8 * (e / 2);
+                float x = a.scale * p[j][e];
+                if (c == TILE_MIXED) {
+                    x += __half2float(ms[qi * LDT + kr]);
                 }
-                __syncwarp();
+                p[j][e] = x == -INFINITY ? 0.f : __expf(x - lse[qi]);
+            }
+        }
+        mm_xb<NT>(dv, p, gs, LH);               // dV += P^T dO
+        float dp[8][4] = {};
+        mm_abt<D>(dp, vs + warp * 16 * LH, LH, gs, LH);   // dP^T = V dO^T
+        // dS^T = P^T (dP^T - D), over P^T; to shared memory for dQ
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                p[j][e] *= dp[j][e] - dvs[8 * j + 2 * t + e % 2];
+            }
+            *(uint32_t *) (dss + (warp * 16 + g) * LDT + 8 * j + 2 * t) = pack(p[j][0], p[j][1]);
+            *(uint32_t *) (dss + (warp * 16 + g + 8) * LDT + 8 * j + 2 * t) = pack(p[j][2], p[j][3]);
+        }
+        mm_xb<NT>(dk, p, qs, LH);               // dK += dS^T Q
+        __syncthreads();                        // every warp's rows of dS^T are in place
+        // dQ rows [16 warp, +16) = dS K, 64 columns at a time, added to global
+#pragma unroll
+        for (int dc = 0; dc < D / 64; ++dc) {
+            float dq[8][4] = {};
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                uint32_t af[4];
+                frag_a_t(af, dss + kk * 16 * LDT + warp * 16, LDT);   // dS[q][k] = dS^T[k][q]
+#pragma unroll
+                for (int np = 0; np < 4; ++np) {
+                    uint32_t bf[4];
+                    frag_b2_t(bf, ks + kk * 16 * LH + dc * 64 + np * 16, LH);
+                    mma(dq[2 * np], af, bf[0], bf[1]);
+                    mma(dq[2 * np + 1], af, bf[2], bf[3]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                add_tile(a.dq + (int64_t) h * a.T * D + dc * 64 + 8 * j, D, dq[j], a.scale / sg, i0 + warp * 16, a.T);
             }
         }
     }
-    __syncthreads();
     // this q head's part of dK (scaled) and dV for the block's keys
-    float * st = ps + warp * 16 * LDS;          // 16 x 64 staging per warp (ps and dps are spent)
 #pragma unroll
-    for (int which = 0; which < 2; ++which) {
-        float * out = which == 0 ? a.dk : a.dv;
-#pragma unroll
-        for (int n = 0; n < ND; n += 4) {
-            if (which == 0) {
-                store_row(st, LDS, dk_acc, n);
-            } else {
-                store_row(st, LDS, dv_acc, n);
-            }
-            __syncwarp();
-            for (int e = lane; e < 16 * 16; e += 32) {
-                const int r = e / 16, cc = (e % 16) * 4;
-                const int j = j0 + warp * 16 + r;
-                if (j < a.Tk) {
-                    add4(out + ((int64_t) g * a.Tk + j) * D + n * 16 + cc, *(const float4 *) (st + r * LDS + cc),
-                         which == 0 ? a.scale : 1.f);
-                }
-            }
-            __syncwarp();
-        }
+    for (int j = 0; j < NT; ++j) {
+        add_tile(a.dk + (int64_t) grp * a.Tk * D + 8 * j, D, dk[j], a.scale / sg, j0 + warp * 16, a.Tk);
+        add_tile(a.dv + (int64_t) grp * a.Tk * D + 8 * j, D, dv[j], 1.f / sg, j0 + warp * 16, a.Tk);
     }
 }
 
 template <int D> size_t smem_lse() {
-    return (size_t) (2 * 64 * (D + 4) + 64 * LDS) * sizeof(float) + (size_t) 64 * LDM * sizeof(half);
+    return (size_t) (2 * 64 * ldh<D>() + 64 * LDT) * sizeof(half);
 }
 
 template <int D> size_t smem_main() {
-    static_assert(64 * LDM * sizeof(half) <= 64 * LDS * sizeof(float), "the mask tile fits where dP^T goes");
-    return (size_t) (4 * 64 * (D + 4) + 2 * 64 * LDS + 2 * 64) * sizeof(float);
+    return (size_t) (4 * 64 * ldh<D>() + 2 * 64 * LDT) * sizeof(half) + 2 * 64 * sizeof(float);
 }
 
 template <int D> bool launch(const fa_args & a, cudaStream_t stream) {
@@ -468,16 +535,16 @@ template <int D> bool launch(const fa_args & a, cudaStream_t stream) {
     cudaMemsetAsync(a.dq, 0, sizeof(float) * (size_t) D * a.T * a.H, stream);
     cudaMemsetAsync(a.dk, 0, sizeof(float) * (size_t) D * a.Tk * a.Hk, stream);
     cudaMemsetAsync(a.dv, 0, sizeof(float) * (size_t) D * a.Tk * a.Hk, stream);
+    cudaMemsetAsync(a.amax, 0, sizeof(uint32_t) * (size_t) a.H, stream);
     const dim3 tiles((a.T + BR - 1) / BR, (a.Tk + BC - 1) / BC);
     fa_back_classify<<<tiles, THREADS, 0, stream>>>(a);
-    fa_back_dvec<D><<<(a.T * a.H + WARPS - 1) / WARPS, THREADS, 0, stream>>>(a);
+    fa_back_dvec<D><<<dim3(a.H, (a.T + 63) / 64), THREADS, 0, stream>>>(a);
     fa_back_lse<D><<<dim3(a.H, (a.T + BR - 1) / BR), THREADS, smem_lse<D>(), stream>>>(a);
     fa_back_main<D><<<dim3(a.H, (a.Tk + BC - 1) / BC), THREADS, smem_main<D>(), stream>>>(a);
     return cudaGetLastError() == cudaSuccess;
 }
 
 }  // namespace
-
 // What the kernels take, in plain pointers (strides in elements of each tensor's type).
 struct dream_fa_back_params {
     const float * q; int64_t q_row, q_head;
@@ -488,6 +555,7 @@ struct dream_fa_back_params {
     float * dq; float * dk; float * dv;         // contiguous outputs
     float * lse; float * dvec;                  // [H, T] each
     uint8_t * cls;                              // ceil(T / 64) x ceil(Tk / 64) bytes
+    uint32_t * amax;                            // n_head words
     float scale;
     int64_t head_dim, n_tokens, n_kv, n_head, n_head_kv;
 };
@@ -507,6 +575,7 @@ bool dream_cuda_fa_back(const dream_fa_back_params & p, cudaStream_t stream) {
     a.mask = (const half *) p.mask;  a.mask_row = p.mask_row;
     a.o = p.o;  a.d_o = p.d_o;
     a.dq = p.dq;  a.dk = p.dk;  a.dv = p.dv;  a.lse = p.lse;  a.dvec = p.dvec;  a.cls = p.cls;
+    a.amax = p.amax;
     auto al16 = [](const void * x) { return ((uintptr_t) x) % 16 == 0; };
     a.q_vec = p.q_row % 4 == 0 && p.q_head % 4 == 0 && al16(p.q);
     a.kv_vec = p.k_row % 8 == 0 && p.k_head % 8 == 0 && p.v_row % 8 == 0 && p.v_head % 8 == 0 && al16(p.k) && al16(p.v);
@@ -522,7 +591,9 @@ bool dream_cuda_fa_back(const dream_fa_back_params & p, cudaStream_t stream) {
 // GGML_OP_FLASH_ATTN_BACK as dream-fattn.cpp builds it: src q (F32 [D, T, H]),
 // k, v (F16 [D, Tk, Hk]), mask (F16 [Tk, >= T] or none), O and dO (F32 [D, H, T],
 // contiguous); op params: scale, then the offsets (floats) of dK, dV, lse, D and
-// the tile classes in dst, whose first part is dQ. Anything else is not this op's layout.
+// the tile classes in dst, whose first part is dQ; the tile classes' bytes, rounded
+// up to whole floats, are followed by one word per q head (dO's largest magnitude).
+// Anything else is not this op's layout.
 static bool dream_fa_back_layout(const ggml_tensor * op, dream_fa_back_params & p) {
     const ggml_tensor * q = op->src[0], * k = op->src[1], * v = op->src[2], * m = op->src[3];
     const ggml_tensor * o = op->src[4], * g = op->src[5];
@@ -542,7 +613,7 @@ static bool dream_fa_back_layout(const ggml_tensor * op, dream_fa_back_params & 
     const int32_t * off = (const int32_t *) op->op_params + 1;
     const int64_t n_cls = ((T + 63) / 64) * ((Tk + 63) / 64);
     const int64_t need = std::max({ (int64_t) off[0] + D * Tk * Hk, (int64_t) off[1] + D * Tk * Hk,
-                                    (int64_t) off[2] + T * H, (int64_t) off[3] + T * H, (int64_t) off[4] + (n_cls + 3) / 4 });
+                                    (int64_t) off[2] + T * H, (int64_t) off[3] + T * H, (int64_t) off[4] + (n_cls + 3) / 4 + H });
     if (off[0] < D * T * H || ggml_nelements(op) < need) {
         return false;
     }
@@ -557,6 +628,7 @@ static bool dream_fa_back_layout(const ggml_tensor * op, dream_fa_back_params & 
     float * dst = (float *) op->data;
     p.dq = dst; p.dk = dst + off[0]; p.dv = dst + off[1]; p.lse = dst + off[2]; p.dvec = dst + off[3];
     p.cls = (uint8_t *) (dst + off[4]);
+    p.amax = (uint32_t *) (dst + off[4] + (n_cls + 3) / 4);
     return dream_cuda_fa_back_supported(D, H, Hk) && T > 0 && Tk > 0;
 }
 
