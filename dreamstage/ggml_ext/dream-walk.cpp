@@ -976,20 +976,22 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 // backward assumes every row's labels sum to one, so an all-zero row
                 // would still push its softmax into the gradient.
                 // With a GPU in the scheduler the one-hot labels are made on the
-                // device from the target ids, labels[v, r] = step(1 - |v - target[r]|)
-                // (exact: ids < 2^24 are exact in F32), so only n_loss floats cross
-                // from the host instead of a dense n_vocab x n_loss matrix (400 MB at
-                // 2048 tokens, most of a step's host time on the H200). On the CPU
-                // alone the host fills the matrix in place: no transfer to save, and
-                // the device-side chain's temporaries would double the head's part
-                // of graph_mib (about 100 MiB at chunk 256 on the default model).
+                // device: a zero matrix (FILL, one write) whose n_loss ones are set
+                // through SET_ROWS on its flat view, one element per "row", at
+                // r * n_vocab + target[r]. Only n_loss indices cross from the host
+                // instead of a dense n_vocab x n_loss matrix (400 MB at 2048 tokens,
+                // most of a step's host time on the H200), and the matrix costs one
+                // pass, where a chain of element-wise ops (REPEAT, SUB, ABS, STEP)
+                // cost five. On the CPU alone the host fills the matrix in place: no
+                // transfer to save.
                 ggml_tensor * labels = nullptr;
                 if (ggml_backend_sched_get_n_backends(sched) > 1) {
-                    sgraph.target_ids = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss);
+                    sgraph.target_ids = ggml_new_tensor_1d(cbw, GGML_TYPE_I64, n_loss);
                     ggml_set_name(sgraph.target_ids, "dream_target_ids");
                     ggml_set_input(sgraph.target_ids);
-                    ggml_tensor * vocab_ids = ggml_repeat(cbw, ggml_arange(cbw, 0.0f, (float) n_vocab, 1.0f), logits);
-                    labels = ggml_step(cbw, ggml_scale_bias(cbw, ggml_abs(cbw, ggml_sub(cbw, vocab_ids, sgraph.target_ids)), -1.0f, 1.0f));
+                    ggml_tensor * zeros = ggml_fill_inplace(cbw, ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_vocab * n_loss), 0.0f);
+                    ggml_tensor * ones = ggml_fill_inplace(cbw, ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss), 1.0f);
+                    labels = ggml_reshape_2d(cbw, ggml_set_rows(cbw, zeros, ones, sgraph.target_ids), n_vocab, n_loss);
                 } else {
                     sgraph.host_labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
                     ggml_set_name(sgraph.host_labels, "dream_labels");
@@ -1119,10 +1121,10 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
         }
         if (sgraph.target_ids) {
-            std::vector<float> ids;
+            std::vector<int64_t> ids;   // the flat index of each loss row's one
             for (int32_t i = 0; i < n; ++i) {
                 if (targets[i] >= 0) {
-                    ids.push_back((float) targets[i]);
+                    ids.push_back((int64_t) ids.size() * n_vocab + targets[i]);
                 }
             }
             ggml_backend_tensor_set(sgraph.target_ids, ids.data(), 0, ggml_nbytes(sgraph.target_ids));
