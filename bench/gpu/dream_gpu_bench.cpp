@@ -22,6 +22,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 using clk = std::chrono::steady_clock;
@@ -139,6 +140,10 @@ int main(int argc, char ** argv) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = std::max(4096, max_chunk);
     cp.n_batch = 2048; cp.n_ubatch = 512; cp.n_seq_max = 1;
+    // every core for the CPU's part of a step (the token embeddings: llama keeps the
+    // input layer in host memory), as `dreamstage serve` sets it by default; the
+    // context default is 4 threads
+    cp.n_threads = cp.n_threads_batch = (int32_t) std::max(1u, std::thread::hardware_concurrency());
     llama_context * ctx = llama_init_from_model(model, cp);
     if (!ctx) return fail("context");
 

@@ -30,7 +30,9 @@ def run(seq: int, rank: int, targets: str, steps: int) -> dict:
                       intermediate_size=8192, vocab_size=49152, tie_word_embeddings=True, rope_theta=500000.0,
                       max_position_embeddings=8192, torch_dtype=torch.bfloat16)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+    with torch.device("cuda"):   # random init on the GPU: on the host it took most of the bench's minutes
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype=torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS[targets],
                                              lora_dropout=0.0, bias="none"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)

@@ -3,6 +3,9 @@
 # with -DDREAMSTAGE_BUILD_CHECKS=ON, then
 #   0. (check) dream_op_check: one quantized product per weight type, CPU and CUDA
 #      against the exact product (bench/results/dream_op_check_h200.json);
+#      dream_fa_check: the fused attention backward (cuda/flash-attn-back.cu) alone
+#      against double precision, and its kernels timed at 512 and 2048 tokens;
+#      dream_ce_check: the cross-entropy kernels (cuda/cross-entropy.cu, patch 0107) likewise;
 #   1. dream_gpu_check (CPU vs CUDA: losses, gradient rel L2, scheduler splits,
 #      serving's compute buffer) on the tiny F32 and Q8_0 models and a small
 #      Q4_K_M model, in TF32 (ggml-cuda's default) and FP32 (NVIDIA_TF32_OVERRIDE=0);
@@ -11,6 +14,8 @@
 #      micro-steps for each rank x target set x chunk, attention fused and explicit
 #      (bench/gpu/dream_fa_check.cu checks and times the fused backward alone);
 #   3. bench/gpu/peft_bench.py (PyTorch + PEFT) on the same shapes, same run;
+#   5. (profile) DREAMSTAGE_PROFILE=1 dream_gpu_bench on the Q8_0 model, rank 8 on
+#      attn_q,attn_v at 2048 tokens: where a step's time goes, op by op (profile.txt);
 #   4. (decode) dream_lora_check: the fused LoRA decode kernel (patch 0104) against exact
 #      arithmetic and against upstream's nodes; dream_decode_bench: decode with a served
 #      adapter against the bare model, with the fusion and without.
@@ -41,7 +46,7 @@ if has peft; then
 fi
 # models are written by the CPU while the CUDA build runs
 ( python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/small_f32.gguf --quant f32 --shape small
-  if has bench || has decode; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
+  if has bench || has decode || has profile; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
 ) > "$OUT/make_model.log" 2>&1 &
 GEN=$!
 t0=$(date +%s)
@@ -54,6 +59,13 @@ cat "$OUT/make_model.log"
 rc=0
 if has check; then
     $B/bin/dream_op_check 2048 2048 > "$OUT/op_check.txt" 2>&1 || rc=1
+    { nvcc -O3 -arch=sm_90 -std=c++17 -o $B/dream_fa_check bench/gpu/dream_fa_check.cu && $B/dream_fa_check; } > "$OUT/fa_check.txt" 2>&1 || rc=1
+    echo "== fa_check"; cat "$OUT/fa_check.txt"
+    { nvcc -O3 -arch=sm_90 -std=c++17 -o $B/dream_ce_check bench/gpu/dream_ce_check.cu && $B/dream_ce_check; } > "$OUT/ce_check.txt" 2>&1 || rc=1
+    echo "== ce_check"; cat "$OUT/ce_check.txt"
+    # a failed kernel check leaves its op to ggml-cuda for the rest of the run, so the
+    # benchmark still measures correct steps (the failure is in rc)
+    grep -q "ALL PASS" "$OUT/ce_check.txt" || export DREAMSTAGE_CE_KERNEL=0
     Q=$B/bin/dream_quantize
     { $Q $M/small_f32.gguf $M/small_q4_k_m.gguf q4_k_m && $Q $M/small_q4_k_m.gguf $M/small_q4_k_m_twin.gguf f32 &&
       $Q .gpu/tiny-llama-q8_0-s1234.gguf $M/tiny_q8_0_twin.gguf f32; } > "$OUT/quantize_small.log" 2>&1 || { tail "$OUT/quantize_small.log"; exit 1; }
@@ -115,6 +127,11 @@ for i, r in enumerate(runs[0][0]["runs"]):
     print(f'  decode {base} r{r["rank"]} {"all" if r["targets"].count(",") == 6 else r["targets"]}: ' + "; ".join(cols))
 PY
     done
+fi
+if has profile; then
+    [ -s $M/llama1b_q8_0.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_q8_0.gguf q8_0 > "$OUT/quantize_q8_0.log" 2>&1
+    DREAMSTAGE_PROFILE=1 $B/bin/dream_gpu_bench $M/llama1b_q8_0.gguf 99 2048 3 8 attn_q,attn_v > "$OUT/profile.json" 2> "$OUT/profile.txt" || rc=1
+    echo "== profile (last step)"; tac "$OUT/profile.txt" | grep -m1 -B40 "dream profile: .* nodes, " | tac | head -44
 fi
 if has peft; then
     cat "$OUT/peft.json"

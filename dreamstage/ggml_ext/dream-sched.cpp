@@ -136,8 +136,18 @@ bool dream_profile_eval(ggml_tensor * t, bool ask, void * ud) {
     }
     auto & p = *(dream_profile *) ud;
     const auto now = std::chrono::steady_clock::now();
-    char key[96];
+    char key[160];
     std::snprintf(key, sizeof(key), "%s %s", ggml_op_desc(t), ggml_type_name(t->src[0] ? t->src[0]->type : t->type));
+    if (t->op == GGML_OP_CONT) {
+        // a copy's cost is in which tensors are copied: the name without its layer numbers
+        std::string name;
+        for (const char * c = t->name; *c; ++c) {
+            if (*c < '0' || *c > '9') {
+                name += *c;
+            }
+        }
+        std::snprintf(key + std::strlen(key), sizeof(key) - std::strlen(key), " [%.100s]", name.c_str());
+    }
     auto & e = p.per_op[key];
     e.first += std::chrono::duration<double, std::milli>(now - p.last).count();
     e.second += 1;
