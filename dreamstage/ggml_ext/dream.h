@@ -259,12 +259,12 @@ LLAMA_API bool dream_backward_product(int32_t type, const void * w, int64_t n_in
 // The CPU kernel for a training graph's F32 OUT_PRODs, on plain buffers (for
 // tests): dst[i1][i0] = sum_k a[k * a_k + i0] b[i1 * b_i + k * b_k] (strides in
 // floats), dst ne1 rows of ne0. One thread. Returns false (dst untouched) on a
-// CPU without AVX-512 (the graph then keeps ggml's OUT_PROD) or bad sizes.
+// CPU without AVX2 and FMA (the graph then keeps ggml's OUT_PROD) or bad sizes.
 LLAMA_API bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int64_t a_k, const float * b, int64_t ne1,
                                   int64_t b_i, int64_t b_k, float * dst);
 
 // The vectorized e^x of the CPU cross-entropy and SILU_BACK kernels, on a
-// plain buffer (for tests against libm). False on a CPU without AVX-512.
+// plain buffer (for tests against libm). False on a CPU without AVX2 and FMA.
 LLAMA_API bool dream_cpu_exp_check(const float * x, int64_t n, float * out);
 
 // Bytes of serving's compute buffers on ctx, all devices. Training graphs run
