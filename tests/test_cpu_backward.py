@@ -139,7 +139,7 @@ def test_vectorized_exp_against_libm():
     x = np.concatenate([rng.uniform(-87, 88, 20000), rng.uniform(-1, 1, 5000), [0.0, -0.0, 1e-30, -1e-30]]).astype(np.float32)
     out = np.full_like(x, np.nan)
     if not L.dream_cpu_exp_check(x.ctypes.data_as(f32p), x.size, out.ctypes.data_as(f32p)):
-        pytest.skip("no AVX2 on this CPU: training graphs keep ggml's ops")
+        pytest.skip("no AVX-512 on this CPU: training graphs keep ggml's ops")
     ref = np.exp(x.astype(np.float64))
     rel = np.abs(out.astype(np.float64) - ref) / ref
     assert rel.max() < 2.5e-7, rel.max()

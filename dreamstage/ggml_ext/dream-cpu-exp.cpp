@@ -2,8 +2,8 @@
 // expf once per element in ggml-cpu: the cross-entropy over the vocabulary
 // (49,152 columns per loss row of the default model) and SILU_BACK (the
 // feed-forward's gate, 1,536 columns per token per layer). Together about 4%
-// of a default-model step at chunk 256 on one thread. AVX-512 (16 lanes) and
-// AVX2 + FMA (8 lanes, the same series); other CPUs keep ggml's ops.
+// of a default-model step at chunk 256 on one thread. AVX-512 only; other CPUs
+// keep ggml's ops.
 #include "dream-stage.h"
 
 #include <immintrin.h>
@@ -37,87 +37,6 @@ __attribute__((target("avx512f"))) inline __mmask16 tail_mask(int64_t left) {
     return left >= 16 ? (__mmask16) 0xFFFF : (__mmask16) ((1u << left) - 1);
 }
 
-// e^x, 8 lanes (AVX2 + FMA): exp16's reduction and series; 2^n is built from the
-// exponent bits in two factors, 2^(n >> 1) and 2^(n - (n >> 1)), both normal
-// over the clamped range (n from -126 to 128), where one factor would overflow at 128.
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i ni = _mm256_cvtps_epi32(n), h = _mm256_srai_epi32(ni, 1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, bias), 23));
-    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
-}
-
-__attribute__((target("avx2,fma"))) inline __m256i lanes8(int64_t left) {   // lane j set while j < left
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int) (left < 8 ? left : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-__attribute__((target("avx2,fma"))) inline float hmax8(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// ce_row with 8 lanes; masked-out lanes load as 0 and are masked out of the sums
-__attribute__((target("avx2,fma"))) double ce_row_avx2(const float * x, const float * lab, int64_t n) {
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    __m256 mx = ninf;
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256i k = lanes8(n - i);
-        mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_maskload_ps(x + i, k), _mm256_castsi256_ps(k)));
-    }
-    const __m256 mv = _mm256_set1_ps(hmax8(mx));
-    __m256 se = _mm256_setzero_ps(), sl = _mm256_setzero_ps(), slx = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256i k = lanes8(n - i);
-        const __m256 xv = _mm256_maskload_ps(x + i, k), lv = _mm256_maskload_ps(lab + i, k);
-        se = _mm256_add_ps(se, _mm256_and_ps(exp8(_mm256_sub_ps(xv, mv)), _mm256_castsi256_ps(k)));
-        sl = _mm256_add_ps(sl, lv);
-        slx = _mm256_fmadd_ps(lv, _mm256_sub_ps(xv, mv), slx);
-    }
-    const double lse = std::log((double) hsum8(se));
-    return (double) hsum8(slx) - lse * (double) hsum8(sl);
-}
-
-__attribute__((target("avx2,fma"))) void silu_back_row_avx2(float * dx, const float * x, const float * dy, int64_t n) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256i k = lanes8(n - i);
-        const __m256 xv = _mm256_maskload_ps(x + i, k), gv = _mm256_maskload_ps(dy + i, k);
-        const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), xv))));
-        const __m256 d = _mm256_mul_ps(_mm256_mul_ps(gv, s), _mm256_fmadd_ps(xv, _mm256_sub_ps(one, s), one));
-        _mm256_maskstore_ps(dx + i, k, d);
-    }
-}
-
-__attribute__((target("avx2,fma"))) void exp_all_avx2(const float * x, int64_t n, float * out) {
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256i k = lanes8(n - i);
-        _mm256_maskstore_ps(out + i, k, exp8(_mm256_maskload_ps(x + i, k)));
-    }
-}
-
 // One loss row: sum_i labels[i] * log_softmax(x)[i] = sum labels*x - lse(x) * sum labels.
 __attribute__((target("avx512f"))) double ce_row(const float * x, const float * lab, int64_t n) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -144,9 +63,8 @@ void dream_ce_rows_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) 
     const ggml_tensor * lab = dst->src[1];
     const int64_t nr = ggml_nrows(x), nc = x->ne[0];
     for (int64_t r = ith; r < nr; r += nth) {
-        const float * xr = (const float *) ((const char *) x->data + r * x->nb[1]);
-        const float * lr = (const float *) ((const char *) lab->data + r * lab->nb[1]);
-        ((float *) dst->data)[r] = (float) (dream_cpu_avx512() ? ce_row(xr, lr, nc) : ce_row_avx2(xr, lr, nc));
+        ((float *) dst->data)[r] = (float) ce_row((const float *) ((const char *) x->data + r * x->nb[1]),
+                                                  (const float *) ((const char *) lab->data + r * lab->nb[1]), nc);
     }
 }
 
@@ -168,20 +86,14 @@ void dream_silu_back_op(ggml_tensor * dst, int ith, int nth, void * /*userdata*/
     const int64_t nr = ggml_nrows(dst), nc = dst->ne[0];
     for (int64_t r = ith; r < nr; r += nth) {
         // rows by their flat index: all three are contiguous (checked before the rewrite)
-        float * out = (float *) dst->data + r * nc;
-        const float * xr = (const float *) x->data + r * nc, * gr = (const float *) dy->data + r * nc;
-        if (dream_cpu_avx512()) {
-            silu_back_row(out, xr, gr, nc);
-        } else {
-            silu_back_row_avx2(out, xr, gr, nc);
-        }
+        silu_back_row((float *) dst->data + r * nc, (const float *) x->data + r * nc, (const float *) dy->data + r * nc, nc);
     }
 }
 
 } // namespace
 
 bool dream_cpu_exp_ops_rewrite(ggml_context * ctx, ggml_tensor * n) {
-    if (!dream_cpu_avx512() && !dream_cpu_avx2()) {
+    if (!dream_cpu_avx512()) {
         return false;
     }
     if (n->op == GGML_OP_CROSS_ENTROPY_LOSS) {
@@ -223,13 +135,9 @@ __attribute__((target("avx512f"))) void exp_all(const float * x, int64_t n, floa
 } // namespace
 
 bool dream_cpu_exp_check(const float * x, int64_t n, float * out) {
-    if (!(dream_cpu_avx512() || dream_cpu_avx2()) || !x || !out || n <= 0) {
+    if (!dream_cpu_avx512() || !x || !out || n <= 0) {
         return false;
     }
-    if (dream_cpu_avx512()) {
-        exp_all(x, n, out);
-    } else {
-        exp_all_avx2(x, n, out);
-    }
+    exp_all(x, n, out);
     return true;
 }

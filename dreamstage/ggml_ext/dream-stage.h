@@ -308,7 +308,7 @@ ggml_tensor * dream_cpu_wt_dy(ggml_context * ctx, ggml_tensor * w, ggml_tensor *
 // dream-cpu-out-prod.cpp: a training graph's F32 OUT_PROD as a register-tiled CPU kernel
 void dream_take_op(ggml_tensor * n, const ggml_tensor * k);   // n computes k's op on k's sources (keeps n's users)
 bool dream_cpu_avx512();   // AVX-512: the widest CPU kernels of dream-cpu-*.cpp (others have AVX2 versions or keep ggml's ops)
-bool dream_cpu_avx2();     // AVX2 and FMA: the 8-lane versions of those kernels
+bool dream_cpu_avx2();     // AVX2 and FMA: the 8-lane tiles of the backward and the F32 OUT_PROD
 bool dream_cpu_out_prod_supported(const ggml_tensor * n);
 void dream_cpu_out_prod_rewrite(ggml_context * ctx, ggml_tensor * n);   // n becomes the kernel's op in place
 // dream-cpu-exp.cpp: CROSS_ENTROPY_LOSS and SILU_BACK with a vectorized exp, in place

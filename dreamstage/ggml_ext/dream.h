@@ -264,7 +264,7 @@ LLAMA_API bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int6
                                   int64_t b_i, int64_t b_k, float * dst);
 
 // The vectorized e^x of the CPU cross-entropy and SILU_BACK kernels, on a
-// plain buffer (for tests against libm). False on a CPU without AVX2 and FMA.
+// plain buffer (for tests against libm). False on a CPU without AVX-512.
 LLAMA_API bool dream_cpu_exp_check(const float * x, int64_t n, float * out);
 
 // Bytes of serving's compute buffers on ctx, all devices. Training graphs run
