@@ -2,6 +2,8 @@
 learned nothing, against its drift_kl: the floor under `anchors_changed`.
 
     nice python bench/bench_drift_floor.py [--out bench/results/drift-floor-2026-12-01.json]
+    nice python bench/bench_drift_floor.py --model /tmp/smol-f32.gguf --no-trained-job \
+        --out bench/results/drift-floor-f32-2026-12-02.json          # bench/dequantize_gguf.py wrote the copy
 
 One resident default model (SmolLM2-135M Q4_1), one thread. The held-out
 anchors' base answers are recorded as a job records them; then a rank-8
@@ -13,6 +15,12 @@ top token had probability >= 0.5 there). Nothing is trained: whatever changes,
 changes at the base's own near ties or by the perturbation's size alone.
 docs/architecture/drift.md ("What it does not do") reads the result against
 the trained jobs of bench_drift.py.
+
+Each row also gives the base's margin (log p1 - log p2, its top two tokens) at
+every position a null adapter flipped (`flip_margins`), and `noise_margin`, the
+largest of them over the sigma-1e-4 draws: the widest near tie a perturbation
+that learned nothing crossed. `--model` measures another GGUF (an F32 copy of
+the default model: does the floor come from its quantized arithmetic?).
 """
 from __future__ import annotations
 
@@ -59,16 +67,34 @@ def changed_beyond_noise(probe, noise: list[list[np.ndarray]], trained: list[np.
     return out
 
 
+def base_margins(probe) -> list[np.ndarray]:
+    """Per anchor, at each position of the base's answer: log p1 - log p2 of the base's top two tokens."""
+    out = []
+    for b in probe.bases:
+        lp = np.sort(b.top_logp.astype(np.float64), axis=1)
+        out.append(lp[:, -1] - lp[:, -2])
+    return out
+
+
+def flip_margins(probe, margins, rows) -> list[float]:
+    """The base's margin at every answer position where `rows` (argmax_rows) differs from the base."""
+    return [float(margins[i][j]) for i, b in enumerate(probe.bases)
+            for j in np.flatnonzero(rows[i] != np.asarray(b.answer))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/drift-floor-2026-12-01.json")
+    ap.add_argument("--model", default=None, help="a GGUF to measure instead of the default model")
+    ap.add_argument("--no-trained-job", action="store_true", help="the null adapters only")
     args = ap.parse_args()
     load_start = os.getloadavg()
-    rm = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
+    rm = ResidentModel(ResidentConfig(model_path=args.model, n_ctx=512, n_seq=1, n_threads=1))
     probe = DriftProbe(rm, load_anchors(), seq_id=0)
     t = time.perf_counter()
     run_steps(probe.record())
     record_s = time.perf_counter() - t
+    margins = base_margins(probe)
     spec = parse_train_request({"examples": chat_examples(EVAL_FACTS)}).to_job_spec()   # the defaults
     trainer = native_trainer(rm, spec, spec.chunk)
     rows = []
@@ -84,13 +110,16 @@ def main() -> None:
                 trainer.set_lora_parameters(vec)
                 trainer.promote()
                 d = run_steps(probe.measure(trainer.served_adapter))
+                flips = flip_margins(probe, margins, argmax_rows(rm, probe, trainer.served_adapter))
                 row = {"seed": seed, "sigma": sigma, "drift_kl": d.drift_kl, "anchors_changed": d.anchors_changed,
                        "anchors_changed_count": d.changed, "anchors": d.anchors,
                        "changed_within_6": d.changed_within(6),
                        "changed_where_base_sure": changed_where_sure(d, probe.bases),
-                       "first_change": list(d.first_change)}
+                       "first_change": list(d.first_change), "flips": len(flips),
+                       "max_flip_margin": max(flips, default=None), "flip_margins": sorted(flips)}
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "first_change"}), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("first_change", "flip_margins")}),
+                      flush=True)
         # the null adapters' choices along each base answer (the noise set), then the
         # default job of bench_drift.py (sampled4-ratio2, seed 3) against them
         noise = []
@@ -102,6 +131,21 @@ def main() -> None:
             noise.append(argmax_rows(rm, probe, trainer.served_adapter))
     finally:
         trainer.close()
+    null_flips = [m for r in rows if r["sigma"] == NOISE_SIGMA for m in r["flip_margins"]]
+    every = np.concatenate(margins)
+    head = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
+            "model": rm.model_path.name, "threads": 1, "rank": spec.rank, "targets": spec.targets,
+            "anchors": len(probe.bases), "record_s": record_s, "load_avg_start": load_start, "sure_p": 0.5,
+            "log10_sigmas": [math.log10(s) for s in SIGMAS], "noise_sigma": NOISE_SIGMA,
+            "noise_margin": max(null_flips, default=None),
+            "answer_positions": int(every.size),
+            "base_margin_quantiles": {str(q): float(np.quantile(every, q)) for q in (0.05, 0.1, 0.25, 0.5)},
+            "base_margins": [m.tolist() for m in margins]}
+    if args.no_trained_job:
+        Path(args.out).write_text(json.dumps({**head, "load_avg_end": os.getloadavg(), "results": rows}, indent=1)
+                                  + "\n")
+        rm.close()
+        return
     rehearsal = DriftProbe(rm, rehearsal_anchors(), seq_id=0, samples=4)
     run_steps(rehearsal.record())
     unseen = DriftProbe(rm, UNSEEN_PROMPTS, seq_id=0)
@@ -117,12 +161,9 @@ def main() -> None:
                    first_beyond_noise=beyond, noise_sigma=NOISE_SIGMA, noise_draws=len(SEEDS),
                    first_changes=job["first_changes"])
     print(json.dumps({k: v for k, v in trained.items() if k != "first_changes"}), flush=True)
-    Path(args.out).write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
-        "model": rm.model_path.name, "threads": 1, "rank": spec.rank, "targets": spec.targets,
-        "anchors": len(probe.bases), "record_s": record_s, "load_avg_start": load_start,
-        "load_avg_end": os.getloadavg(), "sure_p": 0.5, "log10_sigmas": [math.log10(s) for s in SIGMAS],
-        "results": rows, "trained_job": trained}, indent=1) + "\n")
+    trained["flip_margins"] = sorted(flip_margins(probe, margins, trained_rows))
+    Path(args.out).write_text(json.dumps({**head, "load_avg_end": os.getloadavg(), "results": rows,
+                                          "trained_job": trained}, indent=1) + "\n")
     rm.close()
 
 
