@@ -74,6 +74,7 @@ class DreamStats:
     drift_job: int | None = None
     drift_kl: float | None = None
     anchors_changed: float | None = None
+    anchors_changed_raw: float | None = None   # near ties included (docs/architecture/drift.md)
     drift_anchors: int | None = None   # anchors it decoded: a slice during training, all of them at the end
     _job_walked: int = 0
     _job_ms: float = 0.0
@@ -84,6 +85,7 @@ class DreamStats:
     def record_drift(self, job_id: int, drift) -> None:
         self.drift_job, self.drift_kl, self.anchors_changed = job_id, drift.drift_kl, drift.anchors_changed
         self.drift_anchors = drift.anchors
+        self.anchors_changed_raw = getattr(drift, "anchors_changed_raw", drift.anchors_changed)
 
     def count_refusal(self, reason: str) -> None:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1

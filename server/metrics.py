@@ -97,7 +97,10 @@ class ServiceCollector:
                     ("dreamstage_dream_drift_kl", "Mean KL(base || adapter) on the anchors' answer tokens, nats, "
                                                   "at the last drift measurement.", d.drift_kl),
                     ("dreamstage_dream_anchors_changed", "Fraction of anchor answers the last measured adapter "
-                                                         "changed.", d.anchors_changed),
+                                                         "changed beyond the noise margin.", d.anchors_changed),
+                    ("dreamstage_dream_anchors_changed_raw", "Fraction of anchor answers the last measured "
+                                                             "adapter changed at all, near ties included.",
+                     d.anchors_changed_raw),
                     ("dreamstage_dream_drift_anchors", "Held-out anchors the last drift measurement decoded "
                                                        "(a slice during training, all after it).", d.drift_anchors)):
                 g = GaugeMetricFamily(name, help_, labels=["job"])

@@ -123,6 +123,46 @@ def test_the_engine_lends_an_idle_slots_sequence_and_takes_it_back_for_a_request
             s.job = None
 
 
+def test_the_noise_margin_is_the_widest_lead_null_adapters_crossed_and_the_shadow_is_put_back(dream_resident,
+                                                                                                   small_probe):
+    """null_margin: adapters that learned nothing (B ~ N(0, 1e-4^2)) flip the base's
+    near ties; the margin is the widest base lead among their flips, so measured
+    again at that margin the same null adapters change nothing, while the raw count
+    keeps their flips; a real perturbation still counts; the shadow adapter is as before."""
+    from dreamstage.training.drift import NULL_SIGMA
+    from dreamstage.training.trainer import LoraConfig, Trainer
+    tr = Trainer(dream_resident, LoraConfig(rank=8, targets="attn_q,attn_v"), window=128, chunk=128)
+    try:
+        before = tr.lora_parameters()
+        probe = DriftProbe(dream_resident, small_probe.prompts, seq_id=0)
+        run_steps(probe.record({b.prompt: b for b in small_probe.bases}))
+        margin = run_steps(probe.null_margin(tr, draws=2, seed=5))
+        assert np.array_equal(tr.lora_parameters(), before) and probe.noise_margin == margin >= 0.0
+        is_b = np.concatenate([np.full(int(np.prod(s)), ab == "b") for (_, ab), s in
+                               zip(tr.parameter_order(), tr.parameter_shapes(), strict=True)])
+        leads, nulls = [], []
+        for d in range(2):                               # the same null adapters, by hand
+            vec = before.copy()
+            vec[is_b] = NULL_SIGMA * np.random.default_rng((5, d)).standard_normal(int(is_b.sum()))
+            tr.set_lora_parameters(vec)
+            tr.promote()
+            null = run_steps(probe.measure(tr.served_adapter))
+            nulls.append(null)
+            leads += [x for lead in null.flip_leads for x in lead]
+            for lead, f in zip(null.flip_leads, null.first_change, strict=True):
+                assert (f is None) == (not lead) and all(x >= 0 for x in lead)
+        assert margin == max(leads, default=0.0)
+        assert all(n.changed == 0 and n.noise_margin == margin and n.changed_raw == sum(map(bool, n.flip_leads))
+                   for n in nulls)
+        tr.set_lora_parameters(before + np.random.default_rng(1).normal(0.0, 0.3, before.shape))
+        tr.promote()
+        moved = run_steps(probe.measure(tr.served_adapter))
+        assert moved.changed >= 1 and moved.changed <= moved.changed_raw
+        assert moved.as_dict()["anchors_changed_raw_count"] == moved.changed_raw
+    finally:
+        tr.close()
+
+
 def test_a_recording_runs_in_short_steps_and_restarts_an_anchor_serving_took_back(dream_resident):
     """Each step decodes at most a piece of PIECE_TOKENS (step_ms tiny: one unit a step);
     a lease that turns invalid mid-anchor makes the anchor start again, with the same record."""
@@ -382,6 +422,7 @@ def jobs(dream_resident, tmp_path_factory):
             if sched._warmup is not None and sched._warmup.done:
                 break
         out["warmup_steps"], out["records"] = sched._warmup.steps, dict(sched._anchor_records)
+        out["noise_margins"] = sched._noise_margins
         base_recall, _ = recall(dream_resident, TEST_FACTS)
         out["default"] = run_job(sched, store, engine, {"examples": chat(TEST_FACTS), "promote": "auto",
                                                         "out": "facts", "max_pause_ms": 0})
@@ -456,8 +497,42 @@ def test_default_job_learns_the_facts_and_its_promotion_follows_its_held_out_dri
     assert kinds[-1] == "drift" and jobs["receipts"]["default"][-1]["anchors_changed"] == drift["anchors_changed"]
 
 
+def test_anchors_changed_counts_beyond_the_noise_margin_a_null_adapter_stays_within_it(dream_resident, jobs):
+    """The jobs measured their held-out anchors at the noise margin the first job
+    measured (once for the process, cached by anchors and adapter shape); the raw
+    count of every change is reported beside it. A null adapter drawn apart from the
+    margin's own draws changes at most 1 of the 20 anchors beyond the margin,
+    though it changes many at all (the floor under the raw count)."""
+    from dreamstage.training.drift import NULL_SIGMA
+    from dreamstage.training.trainer import LoraConfig, Trainer
+    (margin,) = jobs["noise_margins"].values()
+    for k in ("default", "off", "damage"):
+        d = jobs[k]["progress"]["drift"]
+        assert d["noise_margin"] == margin and d["anchors_changed_count"] <= d["anchors_changed_raw_count"]
+        assert f"at all: {d['anchors_changed_raw_count']}/{d['anchors']}" in jobs[k]["message"]
+    probe = DriftProbe(dream_resident, load_anchors(), seq_id=0)
+    run_steps(probe.record(dict(jobs["records"])))
+    probe.noise_margin = margin
+    tr = Trainer(dream_resident, LoraConfig(rank=8, targets="attn_q,attn_v"), window=128, chunk=128)
+    try:
+        v = tr.lora_parameters()
+        is_b = np.concatenate([np.full(int(np.prod(s)), ab == "b") for (_, ab), s in
+                               zip(tr.parameter_order(), tr.parameter_shapes(), strict=True)])
+        v[is_b] = NULL_SIGMA * np.random.default_rng(2024).standard_normal(int(is_b.sum()))
+        tr.set_lora_parameters(v)
+        tr.promote()
+        null = run_steps(probe.measure(tr.served_adapter))
+    finally:
+        tr.close()
+    print(f"\nnoise margin {margin:.3f}; a fresh null adapter: {null.changed}/20 beyond it, "
+          f"{null.changed_raw}/20 at all, drift_kl {null.drift_kl:.4f}; the default job "
+          f"{jobs['default']['progress']['drift']['anchors_changed_count']}/20 beyond it")
+    assert null.changed <= 1 and null.drift_kl < 0.05
+
+
 @pytest.mark.xfail(strict=True, reason="issue 12's 'done when' is not met on held-out anchors: the default job "
-                   "changes 19 or 20 of the 20 held-out anchors' greedy answers, at drift_kl 0.2-0.3 "
+                   "changes 17 to 19 of the 20 held-out anchors' greedy answers beyond the noise margin that "
+                   "adapters which learned nothing cross (19 or 20 counting near ties), at drift_kl 0.2-0.3 "
                    "(docs/benchmarks.md, Drift)")
 def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_out_anchors_and_is_promoted(jobs):
     drift = jobs["default"]["progress"]["drift"]

@@ -8,11 +8,18 @@ are decoded once more with the job's adapter on, and two figures come out:
 
 - `drift_kl`: the mean over all recorded anchor tokens of KL(base || adapter),
   the base's distribution against the adapter's at the same position;
-- `anchors_changed`: the fraction of anchors whose greedy answer changed.
+- `anchors_changed_raw`: the fraction of anchors whose greedy answer changed.
   Greedy decoding is deterministic, so the adapter's greedy answer equals the
   base's exactly when, at every position of the base's answer, the adapter's
   argmax is the base's token. One teacher-forced decode per anchor decides it
   (no generation with the adapter on).
+- `anchors_changed`: the same, counting only the positions where the base's
+  top token led its second by more than the probe's `noise_margin`: the
+  widest lead that adapters which learned nothing (B ~ N(0, NULL_SIGMA^2))
+  crossed on the same anchors (`null_margin_units`). On a quantized model a
+  perturbation of any size flips the base's near ties (the CPU backend's
+  8-bit activations); those flips are the measurement's noise, not the job's.
+  Without a noise margin both figures are the same.
 
 The same records give the regularizer its data: each rehearsal anchor's
 prompt with continuations the base itself sampled at temperature 1 as the
@@ -74,6 +81,13 @@ MAX_ANCHOR_CHARS = 1000
 # gets the same ones, and the first S of 8 are the S of 4.
 REHEARSAL_SAMPLES = 4
 SAMPLE_SEED = 12
+# The adapters that learned nothing, whose flips set a probe's noise margin:
+# the job's A, B drawn from N(0, NULL_SIGMA^2) with NULL_DRAWS seeds. On the
+# default model the flips do not depend on sigma from 1e-4 to 1e-2
+# (bench/bench_drift_floor.py); 1e-4 is well below any trained B.
+NULL_SIGMA = 1e-4
+NULL_DRAWS = 3
+NULL_SEED = 7
 
 
 def _shipped(part: str) -> list[str]:
@@ -114,6 +128,13 @@ class AnchorBase:
     # continuations sampled from the base at temperature 1 (a rehearsal anchor's; see sample_keys)
     samples: tuple[tuple[int, ...], ...] = ()
 
+    def leads(self) -> np.ndarray:
+        """At each answer position, log p1 - log p2 of the base's top two tokens (nats)."""
+        if self.top_logp.shape[1] < 2:
+            return np.full(self.top_logp.shape[0], np.inf)
+        two = -np.partition(-self.top_logp.astype(np.float64), 1, axis=1)[:, :2]
+        return two[:, 0] - two[:, 1]
+
     def window(self, source: int, label: str, reply: Sequence[int] | None = None) -> TrainWindow:
         """A distillation example: the prompt as context, `reply` (the base's
         greedy continuation when None) trained."""
@@ -134,13 +155,25 @@ class Drift:
     """Drift figures of one adapter against the base records."""
 
     drift_kl: float                     # mean KL(base || adapter) over the anchors' answer tokens, nats
-    anchors_changed: float              # fraction of anchors whose greedy answer changed
+    anchors_changed: float              # fraction of anchors whose answer changed beyond the noise margin
     changed: int
     anchors: int
     tokens: int
     # per anchor: the first answer token where the greedy answer changed, or None
     first_change: tuple[int | None, ...] = ()
     ms: float = 0.0                     # the measurement's decodes (not the serving between them)
+    # the fraction (and count) of anchors whose greedy answer changed at all, near ties
+    # included; the same as anchors_changed when no noise margin was measured (None)
+    anchors_changed_raw: float | None = None
+    changed_raw: int | None = None
+    noise_margin: float | None = None
+    # per anchor: the base's lead (log p1 - log p2) at every answer position the adapter's argmax left
+    flip_leads: tuple[tuple[float, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.changed_raw is None:
+            object.__setattr__(self, "changed_raw", self.changed)
+            object.__setattr__(self, "anchors_changed_raw", self.anchors_changed)
 
     def changed_within(self, n_tokens: int) -> float:
         """The fraction of anchors whose answer changed within its first n_tokens."""
@@ -148,7 +181,9 @@ class Drift:
 
     def as_dict(self) -> dict[str, Any]:
         return {"drift_kl": self.drift_kl, "anchors_changed": self.anchors_changed, "anchors": self.anchors,
-                "anchors_changed_count": self.changed, "anchor_tokens": self.tokens}
+                "anchors_changed_count": self.changed, "anchor_tokens": self.tokens,
+                "anchors_changed_raw": self.anchors_changed_raw, "anchors_changed_raw_count": self.changed_raw,
+                "noise_margin": self.noise_margin}
 
 
 def prompt_tokens(tok, prompt: str, renderer: ChatRenderer | None = None) -> tuple[int, ...]:
@@ -374,9 +409,11 @@ def record_units(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
                       top_logp.astype(np.float32), tail, tuple(tuple(d) for d in drawn))
 
 
-def drift_units(resident, seq_id: int, base: AnchorBase) -> Generator[None, None, tuple[float, int, int | None]]:
+def drift_units(resident, seq_id: int, base: AnchorBase
+                ) -> Generator[None, None, tuple[float, int, int | None, tuple[float, ...]]]:
     """(sum of KL(base || now) over the answer's tokens, tokens, the first answer token the
-    greedy answer changes at or None) for whatever adapter the context has on during the units."""
+    greedy answer changes at or None, the base's lead at every position the argmax
+    changes at) for whatever adapter the context has on during the units."""
     n = len(base.answer)
     dec = _Decoder(resident, seq_id)
     try:
@@ -393,8 +430,9 @@ def drift_units(resident, seq_id: int, base: AnchorBase) -> Generator[None, None
     has_tail = np.isfinite(base.tail_logp)
     lt = np.where(has_tail, base.tail_logp, 0.0)
     kl += np.where(has_tail, np.exp(lt) * (lt - np.log(q_rest)), 0.0)
+    leads = tuple(float(x) for x in base.leads()[diff])
     # a coarsened KL is >= 0; float error at identical distributions may dip below
-    return float(np.clip(kl, 0.0, None).sum()), n, first
+    return float(np.clip(kl, 0.0, None).sum()), n, first, leads
 
 
 class DriftProbe:
@@ -428,6 +466,8 @@ class DriftProbe:
         self.step_s = step_ms / 1000.0 if step_ms is not None else math.inf
         self.samples = samples
         self.bases: list[AnchorBase] = []
+        # flips at a base lead at most this wide are not counted in anchors_changed (None: all are)
+        self.noise_margin: float | None = None
         self.anchor_ms: float | None = None     # the recent cost of measuring one anchor (a running mean)
         self.restarts = 0                       # anchors started again after serving took the sequence back
         self._lease: Any = None
@@ -502,21 +542,55 @@ class DriftProbe:
         against the records of every anchor, or of those at `indices`; returns a Drift."""
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring drift")
-        kl_sum, tokens, first, ms = 0.0, 0, [], 0.0
+        kl_sum, tokens, first, leads, ms = 0.0, 0, [], [], 0.0
         try:
             for base in (self.bases if indices is None else [self.bases[i] for i in indices]):
-                (kl, n, f), one = yield from self._anchor(lambda s, b=base: drift_units(self.resident, s, b),
-                                                          adapter_handle)
+                (kl, n, f, lead), one = yield from self._anchor(lambda s, b=base: drift_units(self.resident, s, b),
+                                                                adapter_handle)
                 ms += one
                 self.anchor_ms = one if self.anchor_ms is None else 0.5 * (self.anchor_ms + one)
                 kl_sum, tokens = kl_sum + kl, tokens + n
                 first.append(f)
+                leads.append(lead)
                 yield
         finally:
             self._give_back()
-        changed = sum(f is not None for f in first)
+        raw = sum(f is not None for f in first)
+        margin = self.noise_margin
+        changed = raw if margin is None else sum(any(x > margin for x in lead) for lead in leads)
         return Drift(drift_kl=kl_sum / tokens if tokens else 0.0, anchors_changed=changed / len(first),
-                     changed=changed, anchors=len(first), tokens=tokens, first_change=tuple(first), ms=ms)
+                     changed=changed, anchors=len(first), tokens=tokens, first_change=tuple(first), ms=ms,
+                     anchors_changed_raw=raw / len(first), changed_raw=raw, noise_margin=margin,
+                     flip_leads=tuple(leads))
+
+    def null_margin(self, trainer, draws: int = NULL_DRAWS, sigma: float = NULL_SIGMA,
+                    seed: int = NULL_SEED) -> Generator[None, None, float]:
+        """The noise margin of these records (sets `noise_margin`, and returns it): the
+        widest base lead (log p1 - log p2) at which the argmax of an adapter that
+        learned nothing left a base answer, over `draws` such adapters on every
+        anchor: `trainer`'s shadow adapter with its A as it is and every B drawn
+        from N(0, sigma^2). The shadow adapter is put back as it was (B = 0 at a
+        job's start). 0.0 when no null adapter changed anything: every flip counts."""
+        if not self.bases:
+            raise RuntimeError("record() the base answers before measuring the noise margin")
+        self.noise_margin = None
+        before = trainer.lora_parameters()
+        is_b = np.concatenate([np.full(int(np.prod(shape)), ab == "b") for (_, ab), shape in
+                               zip(trainer.parameter_order(), trainer.parameter_shapes(), strict=True)])
+        widest = 0.0
+        try:
+            for d in range(draws):
+                vec = before.copy()
+                vec[is_b] = sigma * np.random.default_rng((seed, d)).standard_normal(int(is_b.sum()))
+                trainer.set_lora_parameters(vec)
+                trainer.promote()
+                null = yield from self.measure(trainer.served_adapter)
+                widest = max([widest, *(x for lead in null.flip_leads for x in lead)])
+        finally:
+            trainer.set_lora_parameters(before)
+            trainer.promote()
+        self.noise_margin = widest
+        return widest
 
 
 def anchor_visits(n_anchors: int, n_job_windows: int, ratio: float, epoch: int,

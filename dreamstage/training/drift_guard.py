@@ -6,7 +6,10 @@ decides what they are. One guard per job:
 
 1. `record()` (steps): the base's answers on the shipped anchors plus the
    job's own (`anchors`), adapter off; cached across jobs by prompt, since the
-   base model does not change while the process lives.
+   base model does not change while the process lives. Then, given the job's
+   trainer, the noise margin of those records (`DriftProbe.null_margin`: the
+   widest near tie adapters that learned nothing crossed), cached by anchors
+   and adapter shape; `anchors_changed` counts only changes beyond it.
 2. `windows` / `order(epoch)`: the job's windows followed by one window per
    sampled continuation of each rehearsal anchor; each epoch visits every job
    window and `anchor_ratio` x as many anchor windows (a rotating slice of the
@@ -55,8 +58,9 @@ MIN_REHEARSED_REPLY = 4
 
 class DriftGuard:
     def __init__(self, resident, spec, train_windows: Sequence[Any], *, seq_id: Callable[[], Any] | int,
-                 restore: Callable[[], None], cache: dict | None = None):
+                 restore: Callable[[], None], cache: dict | None = None, noise_cache: dict | None = None):
         self.spec = spec
+        self.noise_cache = noise_cache
         self.n_train = len(train_windows)
         self.train_windows = list(train_windows)
         # measured, never trained (the shipped `measure` half and the job's own) ...
@@ -131,14 +135,39 @@ class DriftGuard:
                     "so the regularizer did not run; a longer window turns it on")
         return f"rehearsal on {used} of {total} anchors (the others are longer than window {self.spec.window})"
 
-    def record_or_fail(self) -> Iterator[None]:
-        """record(); a failure is kept (`failure`) and the job trains on without
-        anchor windows: auto promotion then refuses, naming it."""
+    def record_or_fail(self, trainer=None) -> Iterator[None]:
+        """record(), then (given the job's trainer, before its first step) the
+        noise margin; a failure to record is kept (`failure`) and the job trains on
+        without anchor windows: auto promotion then refuses, naming it. A failure
+        of the noise margin is logged and leaves it unmeasured: anchors_changed
+        then counts every change, near ties included (as anchors_changed_raw)."""
         try:
             yield from self.record()
         except Exception as e:
             log.exception("recording the anchors failed")
             self.failure = f"recording the anchors failed: {type(e).__name__}: {e}"
+            return
+        if trainer is None or not hasattr(trainer, "lora_parameters"):
+            return
+        try:
+            yield from self.noise_margin(trainer)
+        except Exception:
+            log.exception("measuring the drift noise margin failed; anchors_changed counts every change")
+            self.probe.noise_margin = None
+
+    def noise_margin(self, trainer) -> Generator[None, None, float]:
+        """The probe's noise margin (DriftProbe.null_margin), measured once per
+        process for these anchors and this adapter shape."""
+        lora: dict[str, Any] = self.spec.lora_fields()
+        key = (tuple(self.probe.prompts), lora["rank"], lora["alpha"], lora["targets"], lora["top_layers"])
+        if self.noise_cache is not None and key in self.noise_cache:
+            margin = self.noise_cache[key]
+            self.probe.noise_margin = margin
+        else:
+            margin = yield from self.probe.null_margin(trainer)
+            if self.noise_cache is not None:
+                self.noise_cache[key] = margin
+        return margin
 
     def measure_or_fail(self, trainer) -> Generator[None, None, Drift | None]:
         """measure() (a Drift), or None after a failure (kept in `failure`):
@@ -211,8 +240,12 @@ def drift_receipt(figures: dict[str, Any], *, step: int, ms: float, memory: dict
 
 
 def summary_of(figures: dict[str, Any]) -> str:
+    beyond = ""
+    if figures.get("noise_margin") is not None:
+        beyond = (f" beyond the noise margin {figures['noise_margin']:.3f} (at all: "
+                  f"{figures['anchors_changed_raw_count']}/{figures['anchors']})")
     return (f"anchors_changed {figures['anchors_changed']:.3f} ({figures['anchors_changed_count']}/"
-            f"{figures['anchors']}), drift_kl {figures['drift_kl']:.4f}")
+            f"{figures['anchors']}){beyond}, drift_kl {figures['drift_kl']:.4f}")
 
 
 def summary(drift: Drift) -> str:

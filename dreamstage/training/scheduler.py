@@ -121,6 +121,7 @@ class DreamScheduler:
         self.store = store
         self.drift_guard = drift_guard
         self._anchor_records: dict = {}   # prompt -> the base's AnchorBase, shared by every job of this process
+        self._noise_margins: dict = {}    # (anchors, adapter shape) -> the drift noise margin (DriftGuard.noise_margin)
         self._warmup: AnchorWarmup | None = None   # records them while idle, before any job (warmup.py)
         self._served_at = -math.inf                # when the last decode batch ended
         self.resident = resident
@@ -487,7 +488,7 @@ class DreamScheduler:
         yield                                           # from here on the pacer decides each step
         guard = self._drift_guard(spec, rendered, engine)
         if guard is not None:
-            yield from guard.record_or_fail()           # the base's anchor answers, in short steps
+            yield from guard.record_or_fail(trainer)    # the base's anchor answers and their noise, in short steps
             if (note := guard.rehearsal_note()) is not None:
                 log.info("dream job %s: %s", jid, note)
         run = JobRun(store, jid, spec, guard.windows if guard else rendered.train, guard.order if guard else None)
@@ -644,7 +645,7 @@ class DreamScheduler:
             return None
         lend, restore = access
         return DriftGuard(self.resident, spec, rendered.train, seq_id=lend, cache=self._anchor_records,
-                          restore=restore)
+                          noise_cache=self._noise_margins, restore=restore)
 
     def _warm_anchors(self, engine) -> None:
         """No job, nobody served: one step of recording the default anchors ahead of time."""

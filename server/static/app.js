@@ -233,7 +233,8 @@ function renderMemory() {
 function receiptRow(seq, r) {
   if (r.kind === "drift") {           // a drift measurement (docs/architecture/drift.md), not a micro-step
     const text = `drift${r.final === false ? ` (epoch ${r.epoch}, a slice of the held-out anchors)` : ""}: ` +
-      `anchors_changed ${num(r.anchors_changed, 3)} (${r.anchors_changed_count}/${r.anchors}), ` +
+      `anchors_changed ${num(r.anchors_changed, 3)} (${r.anchors_changed_count}/${r.anchors}` +
+      `${r.noise_margin != null ? ` beyond the noise; at all ${r.anchors_changed_raw_count}` : ""}), ` +
       `drift_kl ${num(r.drift_kl, 4)}, max_drift ${r.max_drift}`;
     return el("tr", { class: "drift", "data-seq": seq }, el("td", {}, seq), el("td", {}, "drift"),
       ...Array.from({ length: 7 }, () => el("td", {}, "–")), el("td", { class: "msg" }, text));
