@@ -4,6 +4,8 @@
     nice -n 10 python bench/bench_drift.py --out bench/results/drift-sampled.json --only defaults sampled4 sampled8
     nice -n 10 python bench/bench_drift.py --out bench/results/drift-sampled-seed1.json --seed 1 \
         --only defaults sampled4 sampled4-ratio2
+    nice python bench/bench_drift.py --seed 3 --only sampled4-ratio2 --each-epoch --noise-margin \
+        --out bench/results/drift-determined-seed3-2026-12-02.json
 
 One resident default model (SmolLM2-135M Q4_1), one thread (two shared
 cores). The base answers of the shipped anchors (both halves) and of
@@ -18,7 +20,13 @@ temperature 1 (drift.REHEARSAL_SAMPLES; the same seeded samples for every S,
 so S 4 trains the first four of S 8's). Then, with the adapter on: recall (the
 key word in the greedy answer, temperature 0) and the drift figures on the
 held-out `measure` half (what a job reports), on the rehearsed half and on
-the unseen prompts. Results go to JSON; docs/benchmarks.md quotes the table.
+the unseen prompts; `changed_determined` counts the held-out anchors changed
+at a base lead of at least 0.35, 0.5, 0.8 and 1.0 nats (bench_drift_floor.py's
+null adapters flipped leads up to 0.35, the tests' draws up to 0.78),
+`--noise-margin` measures the job's noise margin before training as its
+guard does (so `anchors_changed` is the job's figure, `anchors_changed_raw`
+every change), and `--each-epoch` records the held-out figures after every
+epoch. Results go to JSON; docs/benchmarks.md quotes the table.
 (bench/results/drift-grid.json is the first session's run, before the
 split: its "anchors" were all 40, rehearsed and measured alike.)
 """
@@ -123,12 +131,37 @@ def answer_logprobs(rm, probe, handle) -> list[np.ndarray]:
     return out
 
 
-def first_changes(rm, probe, handle) -> list[dict]:
+# Base margins (log p1 - log p2) above which changes are counted in `changed_determined`:
+# bench_drift_floor.py's null adapters (nothing learned) flipped base choices at margins up
+# to 0.29 (sigma 1e-4) and 0.35 (1e-2) on the default model (drift-floor-2026-12-02.json)
+DETERMINED_MARGINS = (0.35, 0.5, 0.8, 1.0)
+
+
+def changed_determined(probe, lqs, margins=DETERMINED_MARGINS) -> dict:
+    """Per margin m: how many anchors the adapter's argmax leaves the base's answer at a
+    position where the base's top token led its second by at least m nats (a change no
+    null adapter made), and how many before the base's first position with a smaller lead
+    (the answer's prefix up to its first near tie)."""
+    out: dict = {}
+    for m in margins:
+        anywhere = before_tie = 0
+        for b, lq in zip(probe.bases, lqs, strict=True):
+            lp = np.sort(b.top_logp.astype(np.float64), axis=1)
+            lead = lp[:, -1] - lp[:, -2]
+            flips = np.flatnonzero(lq.argmax(axis=1) != np.asarray(b.answer))
+            tie = int(np.argmax(lead < m)) if (lead < m).any() else len(lead)
+            anywhere += bool((lead[flips] >= m).any())
+            before_tie += bool((flips < tie).any())
+        out[str(m)] = {"anywhere": anywhere, "before_first_tie": before_tie}
+    return out
+
+
+def first_changes(rm, probe, handle, lqs=None) -> list[dict]:
     """Per held-out anchor, where the adapter's greedy answer first leaves the
     base's: the position, the base's token and its top two probabilities there,
     and the adapter's choice with the probabilities it gives both."""
     out = []
-    for b, lq in zip(probe.bases, answer_logprobs(rm, probe, handle), strict=True):
+    for b, lq in zip(probe.bases, lqs if lqs is not None else answer_logprobs(rm, probe, handle), strict=True):
         choice = lq.argmax(axis=1)
         diff = np.flatnonzero(choice != np.asarray(b.answer))
         rec: dict = {"prompt": b.prompt, "base_answer": rm.detokenize(list(b.answer))}
@@ -145,7 +178,7 @@ def first_changes(rm, probe, handle) -> list[dict]:
 
 
 def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, ratio, stop_loss, more=None,
-                seed=0, on_adapter=None) -> dict:
+                seed=0, on_adapter=None, each_epoch=False, noise=False) -> dict:
     more = dict(more or {})
     samples = more.pop("samples", 0)
     # the setting's rehearsal data: its first `samples` samples, or the greedy answers
@@ -156,8 +189,13 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     facts = list(render_job(spec, rm).train)
     anchored = 0
     trainer = native_trainer(rm, spec, spec.chunk)
+    # the job's noise margin, as its guard measures it before training (anchors_changed beyond it)
+    probe.noise_margin = None
+    margin_s = time.perf_counter()
+    noise_margin = run_steps(probe.null_margin(trainer)) if noise else None
+    margin_s = time.perf_counter() - margin_s
     t0 = time.perf_counter()
-    epoch_losses, updates, recall_per_epoch = [], 0, []
+    epoch_losses, updates, recall_per_epoch, drift_per_epoch = [], 0, [], []
     try:
         for epoch in range(epochs):
             loss_sum = tok = 0.0
@@ -173,6 +211,15 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             epoch_losses.append(loss_sum / tok)
             trainer.promote()
             recall_per_epoch.append(recall(rm, trainer.served_adapter, EVAL_FACTS)[0])
+            if each_epoch:                   # the held-out figures after every epoch (not timed as training)
+                t_e = time.perf_counter()
+                d_e = run_steps(probe.measure(trainer.served_adapter))
+                drift_per_epoch.append({"epoch": epoch + 1, "drift_kl": d_e.drift_kl, "changed": d_e.changed_raw,
+                                        "changed_beyond_margin": d_e.changed,
+                                        "changed_at_lead": {str(m): sum(any(x >= m for x in lead)
+                                                                        for lead in d_e.flip_leads)
+                                                            for m in DETERMINED_MARGINS}})
+                t0 += time.perf_counter() - t_e
             if stop_loss is not None and epoch_losses[-1] < stop_loss:
                 break
         train_s = time.perf_counter() - t0
@@ -183,7 +230,9 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         drift_rehearsed = run_steps(rehearsal.measure(trainer.served_adapter))
         drift_unseen = run_steps(unseen.measure(trainer.served_adapter))
         rec_frac, answers = recall(rm, trainer.served_adapter, EVAL_FACTS)
-        changes = first_changes(rm, probe, trainer.served_adapter)
+        lqs = answer_logprobs(rm, probe, trainer.served_adapter)
+        changes = first_changes(rm, probe, trainer.served_adapter, lqs)
+        determined = changed_determined(probe, lqs)
         if on_adapter is not None:           # a caller's own look at the final adapter (bench_drift_floor)
             on_adapter(trainer.served_adapter)
     finally:
@@ -194,12 +243,17 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
            "updates": updates, "fact_loss_per_epoch": epoch_losses, "recall_per_epoch": recall_per_epoch,
            "recall": rec_frac, **drift.as_dict(),
            "anchors_changed_12": drift.changed_within(12), "anchors_changed_6": drift.changed_within(6),
-           "anchors_changed_sure": changed_where_sure(drift, probe.bases),
+           "anchors_changed_sure": changed_where_sure(drift, probe.bases), "changed_determined": determined,
            "rehearsed_drift_kl": drift_rehearsed.drift_kl, "rehearsed_changed": drift_rehearsed.anchors_changed,
            "unseen_drift_kl": drift_unseen.drift_kl, "unseen_changed": drift_unseen.anchors_changed,
            "unseen_changed_12": drift_unseen.changed_within(12),
-           "train_s": train_s, "measure_s": measure_s, "answers": answers, "first_changes": changes}
-    print(json.dumps({k: v for k, v in out.items() if k not in ("answers", "first_changes")}), flush=True)
+           "train_s": train_s, "measure_s": measure_s, "answers": answers, "first_changes": changes,
+           "drift_per_epoch": drift_per_epoch, "noise_margin_s": margin_s}
+    probe.noise_margin = None
+    if noise_margin is not None:
+        out["noise_margin"] = noise_margin
+    print(json.dumps({k: v for k, v in out.items() if k not in ("answers", "first_changes", "drift_per_epoch")}),
+          flush=True)
     return out
 
 
@@ -208,6 +262,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/drift-heldout.json")
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--seed", type=int, default=0, help="the job's seed (window order, LoRA init, anchor rotation)")
+    ap.add_argument("--each-epoch", action="store_true", help="measure the held-out anchors after every epoch too")
+    ap.add_argument("--noise-margin", action="store_true",
+                    help="measure the job's noise margin first, as its guard does: anchors_changed beyond it")
     args = ap.parse_args()
     load_start = os.getloadavg()
     rm = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
@@ -225,7 +282,8 @@ def main() -> None:
     for name, cfg in GRID.items():
         if args.only and name not in args.only:
             continue
-        results.append(run_setting(rm, probe, rehearsal, unseen, name, *cfg, seed=args.seed))
+        results.append(run_setting(rm, probe, rehearsal, unseen, name, *cfg, seed=args.seed,
+                                   each_epoch=args.each_epoch, noise=args.noise_margin))
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
             "model": rm.model_path.name, "threads": 1, "seed": args.seed, "anchors": len(probe.bases),
