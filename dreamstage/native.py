@@ -327,6 +327,11 @@ def _declare(L: ctypes.CDLL) -> None:
     L.dream_out_prod_f32.argtypes = [f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, f32p, ctypes.c_int64,
                                      ctypes.c_int64, ctypes.c_int64, f32p]
     L.dream_out_prod_f32.restype = ctypes.c_bool
+    # bool dream_cpu_get_rows_check(int32_t type, const void * w, int64_t n_embd, int64_t n_rows, const int32_t * ids,
+    #                               int64_t n_ids, int32_t n_threads, bool rewrite, float * out, bool * rewritten);
+    L.dream_cpu_get_rows_check.argtypes = [ctypes.c_int32, p, ctypes.c_int64, ctypes.c_int64, p, ctypes.c_int64,
+                                           ctypes.c_int32, ctypes.c_bool, f32p, ctypes.POINTER(ctypes.c_bool)]
+    L.dream_cpu_get_rows_check.restype = ctypes.c_bool
     # bool dream_cpu_exp_check(const float * x, int64_t n, float * out);
     L.dream_cpu_exp_check.argtypes = [f32p, ctypes.c_int64, f32p]
     L.dream_cpu_exp_check.restype = ctypes.c_bool

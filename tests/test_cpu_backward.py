@@ -151,3 +151,43 @@ def test_vectorized_exp_against_libm():
     e = np.zeros(2, np.float32)
     assert L.dream_cpu_exp_check(ends.ctypes.data_as(f32p), 2, e.ctypes.data_as(f32p))
     assert e[0] < 1e-37 and e[1] > 1e38 and np.isfinite(e).all()
+
+
+def _gather(L, qtype: Q, raw: np.ndarray, n_embd: int, n_rows: int, ids: np.ndarray, rewrite: bool,
+            threads: int = 4) -> tuple[bool, np.ndarray, bool]:
+    out = np.full((ids.size, n_embd), np.nan, np.float32)
+    done = ctypes.c_bool(False)
+    ok = L.dream_cpu_get_rows_check(int(qtype), raw.ctypes.data, n_embd, n_rows, ids.ctypes.data, ids.size, threads,
+                                    rewrite, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), ctypes.byref(done))
+    return ok, out, done.value
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q6_K, Q.Q4_K])
+def test_token_embeddings_gathered_on_every_thread_match_ggml_and_numpy(qtype):
+    """A training graph's GET_ROWS of host-resident embeddings (dream-cpu-rows.cpp, one task in
+    ggml-cpu) runs split over the backend's threads: bit for bit ggml's op, rows as the `gguf`
+    package's NumPy code dequantizes them; repeated ids and both ends; fewer than 32 rows (a
+    decode's) and bad ids keep ggml's op or are refused."""
+    L = native.lib()
+    rng = np.random.default_rng(int(qtype))
+    n_embd, n_rows = 512, 300
+    w = rng.standard_normal((n_rows, n_embd)).astype(np.float32)
+    raw = {Q.F32: lambda: w.view(np.uint8).reshape(n_rows, -1),
+           Q.F16: lambda: w.astype(np.float16).view(np.uint8).reshape(n_rows, -1)}.get(qtype, lambda: _quantize(qtype, w))()
+    raw = np.ascontiguousarray(raw)
+    ids = rng.integers(0, n_rows, 77).astype(np.int32)
+    ids[:4] = [0, n_rows - 1, 0, 5]
+    ref = dequantize(raw.reshape(n_rows, -1), qtype).reshape(n_rows, n_embd)[ids]
+    for threads in (1, 3, 8):
+        ok, fast, done = _gather(L, qtype, raw, n_embd, n_rows, ids, True, threads)
+        assert ok and done
+        ok, plain, done = _gather(L, qtype, raw, n_embd, n_rows, ids, False, threads)
+        assert ok and not done
+        assert np.array_equal(fast.view(np.uint32), plain.view(np.uint32))
+        assert np.linalg.norm(fast - ref) / np.linalg.norm(ref) < 1e-6
+    ok, few, done = _gather(L, qtype, raw, n_embd, n_rows, ids[:31], True)
+    assert ok and not done and np.array_equal(few, fast[:31])
+    bad = ids.copy()
+    bad[40] = n_rows
+    ok, out, _ = _gather(L, qtype, raw, n_embd, n_rows, bad, True)
+    assert not ok and np.isnan(out).all()

@@ -313,6 +313,10 @@ bool dream_cpu_out_prod_supported(const ggml_tensor * n);
 void dream_cpu_out_prod_rewrite(ggml_context * ctx, ggml_tensor * n);   // n becomes the kernel's op in place
 // dream-cpu-exp.cpp: CROSS_ENTROPY_LOSS and SILU_BACK with a vectorized exp, in place
 bool dream_cpu_exp_ops_rewrite(ggml_context * ctx, ggml_tensor * n);
+// dream-cpu-rows.cpp: a host GET_ROWS of at least DREAM_GET_ROWS_MIN rows (the token
+// embeddings) on every CPU thread (ggml-cpu runs the op as one task), in place
+constexpr int64_t DREAM_GET_ROWS_MIN = 32;
+bool dream_cpu_get_rows_rewrite(ggml_context * ctx, ggml_tensor * n);
 
 // dream-walk.cpp
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);

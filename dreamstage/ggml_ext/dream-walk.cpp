@@ -339,6 +339,9 @@ static void dream_pool_need_max(std::vector<std::pair<ggml_backend_dev_t, size_t
 //   become dream-cpu-exp.cpp's vectorized kernels.
 // - GET_ROWS_BACK of the output rows on a GPU: a scatter (SET_ROWS into
 //   zeros), since the rows are distinct.
+// - GET_ROWS of the host-resident token embeddings: the same rows on every CPU
+//   thread (dream-cpu-rows.cpp); ggml-cpu gives the op one task, 12.5 ms of a
+//   2048-token step for Q6_K embeddings.
 // - ACC whose added tensor is not contiguous (VIEW's backward fed by a permuted
 //   gradient): ggml-cuda's ACC takes contiguous operands only, so the scheduler
 //   would run it on the CPU, one round trip per block. A CONT first keeps it on
@@ -423,6 +426,8 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
         } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
             n->src[1] = ggml_cont(ctx, n->src[1]);
             any = true;
+        } else if (n->op == GGML_OP_GET_ROWS && dream_cpu_get_rows_rewrite(ctx, n)) {
+            // (no new node: the graph keeps its order)
         }
     }
     if (!any) {

@@ -267,6 +267,16 @@ LLAMA_API bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int6
 // plain buffer (for tests against libm). False on a CPU without AVX-512.
 LLAMA_API bool dream_cpu_exp_check(const float * x, int64_t n, float * out);
 
+// A training graph's row gather of host-resident embeddings (dream-cpu-rows.cpp),
+// on plain buffers (for tests): out[i] = row ids[i] of W (n_rows rows of n_embd
+// values of ggml type `type`, as stored in a GGUF), dequantized to F32, as a
+// one-node ggml graph on a CPU backend of n_threads. rewrite: the node becomes the
+// threaded gather where it qualifies (*rewritten says whether it did); else ggml's
+// GET_ROWS. Returns false (out untouched) for bad sizes, a type without a
+// dequantizer or an id out of range.
+LLAMA_API bool dream_cpu_get_rows_check(int32_t type, const void * w, int64_t n_embd, int64_t n_rows, const int32_t * ids,
+                                        int64_t n_ids, int32_t n_threads, bool rewrite, float * out, bool * rewritten);
+
 // Bytes of serving's compute buffers on ctx, all devices. Training graphs run
 // on the stage's own schedulers, so a micro-step or a refusal never changes it.
 LLAMA_API size_t dream_serving_compute_bytes(struct llama_context * ctx);
