@@ -115,7 +115,7 @@ static case_data make_case(const shape & s, uint32_t seed, bool reference) {
                 const double ds = p[j] * (dp[j] - di);
                 for (int d = 0; d < D; ++d) {
                     c.dv[((size_t) g * Tk + j) * D + d] += p[j] * c.d_o[((size_t) i * H + h) * D + d];
-                    c.dq[((size_t) h * T + i) * D + d] += scale * ds * K(j, g, d);
+                    c.dq[((size_t) i * H + h) * D + d] += scale * ds * K(j, g, d);
                     c.dk[((size_t) g * Tk + j) * D + d] += scale * ds * Q(i, h, d);
                 }
             }
@@ -150,6 +150,8 @@ static dev_case upload(const case_data & c) {
     p.v = d.v; p.v_row = s.D; p.v_head = (int64_t) s.Tk * s.D;
     p.mask = d.mask; p.mask_row = s.Tk;
     p.o = d.o; p.d_o = d.d_o; p.dq = d.dq; p.dk = d.dk; p.dv = d.dv; p.lse = d.lse; p.dvec = d.dvec; p.cls = d.cls; p.amax = d.amax;
+    // dQ token-major, dK and dV head-major, as the ggml op writes them (the reference is laid out so)
+    p.dq_row = (int64_t) s.H * s.D; p.dq_head = s.D; p.dkv_row = s.D; p.dkv_head = (int64_t) s.Tk * s.D;
     p.scale = 1.0f / std::sqrt((float) s.D);
     p.head_dim = s.D; p.n_tokens = s.T; p.n_kv = s.Tk; p.n_head = s.H; p.n_head_kv = s.Hk;
     return d;
@@ -206,6 +208,7 @@ int main() {
             a.q = p.q; a.q_row = p.q_row; a.q_head = p.q_head; a.k = (const half *) p.k; a.k_row = p.k_row; a.k_head = p.k_head;
             a.v = (const half *) p.v; a.v_row = p.v_row; a.v_head = p.v_head; a.mask = (const half *) p.mask; a.mask_row = p.mask_row;
             a.o = p.o; a.d_o = p.d_o; a.dq = p.dq; a.dk = p.dk; a.dv = p.dv; a.lse = p.lse; a.dvec = p.dvec; a.cls = p.cls; a.amax = p.amax;
+            a.dq_row = p.dq_row; a.dq_head = p.dq_head; a.dkv_row = p.dkv_row; a.dkv_head = p.dkv_head;
             a.scale = p.scale; a.T = T; a.Tk = T; a.H = 32; a.Hk = 8; a.q_vec = true; a.kv_vec = true;
             const dim3 tiles((T + 63) / 64, (T + 63) / 64);
             float t[4] = {0, 0, 0, 0};

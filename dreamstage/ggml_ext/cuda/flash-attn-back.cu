@@ -29,7 +29,11 @@
 // Layouts are ggml's: Q [D, T, H] (any strides), K and V [D, Tk, Hk] F16
 // (any row and head strides), mask [Tk, >= T] F16 (one for every head), O and
 // dO [D, H, T] contiguous F32. Grouped-query heads: q head h reads kv head
-// h / (H / Hk). Outputs, contiguous F32: dQ [D, T, H], dK and dV [D, Tk, Hk].
+// h / (H / Hk). Outputs F32 with a row stride and a head stride each (16-byte
+// multiples): dQ [D, T, H], dK and dV [D, Tk, Hk], each head-major ([D, T, H]
+// in memory) or token-major ([D, H, T]). The ggml op writes dQ token-major, the
+// order Q had before attention permuted it, so its gradient goes back with no
+// copy (dream-fattn.cpp says why dK and dV stay head-major).
 #ifndef DREAM_FA_NO_GGML
 #include "out-prod.cuh"
 #endif
@@ -194,6 +198,7 @@ struct fa_args {
     const half  * mask; int64_t mask_row;               // nullptr: no mask
     const float * o;  const float * d_o;                // [D, H, T] contiguous
     float * dq; float * dk; float * dv;                  // outputs (zeroed before the main kernel)
+    int64_t dq_row, dq_head, dkv_row, dkv_head;         // their strides in floats (dK and dV alike)
     float * lse; float * dvec;                          // [H, T] scratch
     uint8_t * cls;                                      // [T / 64][Tk / 64] tile classes (TILE_*)
     uint32_t * amax;                                    // [H]: the largest |dO| of each head, as F32 bits
@@ -497,15 +502,16 @@ template <int D> __global__ void __launch_bounds__(THREADS, D == 64 ? 3 : 2) fa_
             }
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                add_tile(a.dq + (int64_t) h * a.T * D + dc * 64 + 8 * j, D, dq[j], a.scale / sg, i0 + warp * 16, a.T);
+                add_tile(a.dq + (int64_t) h * a.dq_head + dc * 64 + 8 * j, a.dq_row, dq[j], a.scale / sg, i0 + warp * 16,
+                         a.T);
             }
         }
     }
     // this q head's part of dK (scaled) and dV for the block's keys
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-        add_tile(a.dk + (int64_t) grp * a.Tk * D + 8 * j, D, dk[j], a.scale / sg, j0 + warp * 16, a.Tk);
-        add_tile(a.dv + (int64_t) grp * a.Tk * D + 8 * j, D, dv[j], 1.f / sg, j0 + warp * 16, a.Tk);
+        add_tile(a.dk + (int64_t) grp * a.dkv_head + 8 * j, a.dkv_row, dk[j], a.scale / sg, j0 + warp * 16, a.Tk);
+        add_tile(a.dv + (int64_t) grp * a.dkv_head + 8 * j, a.dkv_row, dv[j], 1.f / sg, j0 + warp * 16, a.Tk);
     }
 }
 
@@ -532,6 +538,7 @@ template <int D> bool launch(const fa_args & a, cudaStream_t stream) {
         }
         attrs[dev] = true;
     }
+    // each output is zeroed over its extent (its strides cover a dense block: checked by the caller)
     cudaMemsetAsync(a.dq, 0, sizeof(float) * (size_t) D * a.T * a.H, stream);
     cudaMemsetAsync(a.dk, 0, sizeof(float) * (size_t) D * a.Tk * a.Hk, stream);
     cudaMemsetAsync(a.dv, 0, sizeof(float) * (size_t) D * a.Tk * a.Hk, stream);
@@ -552,7 +559,8 @@ struct dream_fa_back_params {
     const void  * v; int64_t v_row, v_head;     // F16
     const void  * mask; int64_t mask_row;       // F16 or nullptr
     const float * o; const float * d_o;         // [D, H, T] contiguous
-    float * dq; float * dk; float * dv;         // contiguous outputs
+    float * dq; float * dk; float * dv;         // outputs
+    int64_t dq_row, dq_head, dkv_row, dkv_head; // their strides in floats: [D, T, H] or [D, H, T] blocks
     float * lse; float * dvec;                  // [H, T] each
     uint8_t * cls;                              // ceil(T / 64) x ceil(Tk / 64) bytes
     uint32_t * amax;                            // n_head words
@@ -575,6 +583,7 @@ bool dream_cuda_fa_back(const dream_fa_back_params & p, cudaStream_t stream) {
     a.mask = (const half *) p.mask;  a.mask_row = p.mask_row;
     a.o = p.o;  a.d_o = p.d_o;
     a.dq = p.dq;  a.dk = p.dk;  a.dv = p.dv;  a.lse = p.lse;  a.dvec = p.dvec;  a.cls = p.cls;
+    a.dq_row = p.dq_row;  a.dq_head = p.dq_head;  a.dkv_row = p.dkv_row;  a.dkv_head = p.dkv_head;
     a.amax = p.amax;
     auto al16 = [](const void * x) { return ((uintptr_t) x) % 16 == 0; };
     a.q_vec = p.q_row % 4 == 0 && p.q_head % 4 == 0 && al16(p.q);
@@ -582,13 +591,20 @@ bool dream_cuda_fa_back(const dream_fa_back_params & p, cudaStream_t stream) {
     if (!al16(p.d_o)) {
         return false;                           // dO is read 16 bytes at a time (ggml allocations are aligned)
     }
+    // the outputs: dense blocks, head-major or token-major, rows of 16-byte multiples
+    const int64_t D = p.head_dim;
+    const bool dq_ok = (p.dq_row == D && p.dq_head == D * p.n_tokens) || (p.dq_head == D && p.dq_row == D * p.n_head);
+    const bool dkv_ok = (p.dkv_row == D && p.dkv_head == D * p.n_kv) || (p.dkv_head == D && p.dkv_row == D * p.n_head_kv);
+    if (!dq_ok || !dkv_ok || !al16(p.dq) || !al16(p.dk) || !al16(p.dv)) {
+        return false;
+    }
     a.scale = p.scale;
     a.T = (int) p.n_tokens;  a.Tk = (int) p.n_kv;  a.H = (int) p.n_head;  a.Hk = (int) p.n_head_kv;
     return p.head_dim == 64 ? launch<64>(a, stream) : launch<128>(a, stream);
 }
 
 #ifndef DREAM_FA_NO_GGML
-// GGML_OP_FLASH_ATTN_BACK as dream-fattn.cpp builds it: src q (F32 [D, T, H]),
+// GGML_OP_FLASH_ATTN_BACK as dream-fattn.cpp builds it (dQ token-major, dK and dV head-major): src q (F32 [D, T, H]),
 // k, v (F16 [D, Tk, Hk]), mask (F16 [Tk, >= T] or none), O and dO (F32 [D, H, T],
 // contiguous); op params: scale, then the offsets (floats) of dK, dV, lse, D and
 // the tile classes in dst, whose first part is dQ; the tile classes' bytes, rounded
@@ -627,6 +643,7 @@ static bool dream_fa_back_layout(const ggml_tensor * op, dream_fa_back_params & 
     p.o = (const float *) o->data; p.d_o = (const float *) g->data;
     float * dst = (float *) op->data;
     p.dq = dst; p.dk = dst + off[0]; p.dv = dst + off[1]; p.lse = dst + off[2]; p.dvec = dst + off[3];
+    p.dq_row = D * H; p.dq_head = D; p.dkv_row = D; p.dkv_head = D * Tk;
     p.cls = (uint8_t *) (dst + off[4]);
     p.amax = (uint32_t *) (dst + off[4] + (n_cls + 3) / 4);
     return dream_cuda_fa_back_supported(D, H, Hk) && T > 0 && Tk > 0;
