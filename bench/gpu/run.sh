@@ -14,11 +14,14 @@
 #      micro-steps for each rank x target set x chunk, attention fused and explicit
 #      (bench/gpu/dream_fa_check.cu checks and times the fused backward alone);
 #   3. bench/gpu/peft_bench.py (PyTorch + PEFT) on the same shapes, same run;
-#   5. (profile) DREAMSTAGE_PROFILE=1 dream_gpu_bench on the Q8_0 model, rank 8 on
+#   5. (profile) DREAMSTAGE_PROFILE=1 dream_gpu_bench on the Q8_0 model (PROFILE_BASES="q8_0 q4_0" for more), rank 8 on
 #      attn_q,attn_v at 2048 tokens: where a step's time goes, op by op (profile.txt);
+#   6. (serve) bench/gpu/serve_train.py: POST /train against dreamstage serve -ngl 99
+#      on the first base (needs .whl: the server's dependencies as cp312 wheels);
 #   4. (decode) dream_lora_check: the fused LoRA decode kernel (patch 0104) against exact
 #      arithmetic and against upstream's nodes; dream_decode_bench: decode with a served
-#      adapter against the bare model, with the fusion and without.
+#      adapter against the bare model, with the fusion and without (DECODE_RANKS and
+#      DECODE_TARGETS narrow it).
 # Prepared on the dev machine (the tree travels, models do not, except the tiny ones):
 #   python3 bench/gpu/trim_tree.py                    # .gpu/llama.cpp (~18 MiB)
 #   python3 bench/gpu/make_model.py --dump-tokenizer .gpu/tokenizer_kv.json
@@ -111,7 +114,7 @@ if has decode; then
     for base in ${BASES//,/ }; do
         [ -s $M/llama1b_$base.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_$base.gguf $base > "$OUT/quantize_$base.log" 2>&1
         for k in 1 2; do for f in 0 1; do
-            DREAMSTAGE_LORA_FUSION=$f $B/bin/dream_decode_bench $M/llama1b_$base.gguf 99 "$RANKS" "$TARGETS" 5 128 \
+            DREAMSTAGE_LORA_FUSION=$f $B/bin/dream_decode_bench $M/llama1b_$base.gguf 99 "${DECODE_RANKS:-$RANKS}" "${DECODE_TARGETS:-$TARGETS}" 5 128 \
                 > "$OUT/decode_${base}_f${f}_$k.json" 2> "$OUT/decode_${base}_f${f}_$k.err" || rc=1
         done; done
         python3 - "$OUT" "$base" <<'PY'
@@ -128,10 +131,37 @@ for i, r in enumerate(runs[0][0]["runs"]):
 PY
     done
 fi
+# PROFILE_BASES (default q8_0) names the bases profiled; each writes profile_<base>.txt
 if has profile; then
-    [ -s $M/llama1b_q8_0.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_q8_0.gguf q8_0 > "$OUT/quantize_q8_0.log" 2>&1
-    DREAMSTAGE_PROFILE=1 $B/bin/dream_gpu_bench $M/llama1b_q8_0.gguf 99 2048 3 8 attn_q,attn_v > "$OUT/profile.json" 2> "$OUT/profile.txt" || rc=1
-    echo "== profile (last step)"; tac "$OUT/profile.txt" | grep -m1 -B40 "dream profile: .* nodes, " | tac | head -44
+    for base in ${PROFILE_BASES:-q8_0}; do
+        [ -s $M/llama1b_$base.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_$base.gguf $base > "$OUT/quantize_$base.log" 2>&1
+        DREAMSTAGE_PROFILE=1 $B/bin/dream_gpu_bench $M/llama1b_$base.gguf 99 2048 3 8 attn_q,attn_v > "$OUT/profile_$base.json" 2> "$OUT/profile_$base.txt" || rc=1
+        echo "== profile $base (last step)"; tac "$OUT/profile_$base.txt" | grep -m1 -B40 "dream profile: .* nodes, " | tac | head -44
+    done
+fi
+# POST /train against `dreamstage serve -ngl 99` (bench/gpu/serve_train.py) on the
+# first base: the server's Python dependencies travel as wheels in .whl (cp312),
+# the bindings in .gpu/site/llama_cpp; the package is assembled in a site folder
+# with server/ as dreamstage.server, as the editable install maps it
+if has serve; then
+    S=/tmp/dream_serve_site; rm -rf $S; mkdir -p $S
+    base=${BASES%%,*}
+    [ -s $M/llama1b_$base.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_$base.gguf $base > "$OUT/quantize_$base.log" 2>&1
+    if python3 -m pip install -q --no-index --no-deps --no-compile --target $S .whl/*.whl > "$OUT/serve_site.log" 2>&1 &&
+       cp -r dreamstage $S/ && cp -r server $S/dreamstage/server && cp vendor/pin.json $S/dreamstage/ &&
+       cp -r .gpu/site/llama_cpp .gpu/site/gguf $S/; then
+        PYTHONPATH=$S DREAMSTAGE_LIB_DIR=$B/bin python3 bench/gpu/serve_train.py $M/llama1b_$base.gguf \
+            > "$OUT/serve_train.json" 2> "$OUT/serve_train.err" || rc=1
+        echo "== serve_train $base"; python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+j = d.get('job', {})
+print(' ', j.get('state'), j.get('message'), '| before', repr(d.get('before', {}).get('text')), 'after', repr(d.get('after', {}).get('text')),
+      '| GPU MiB serving/peak/after', d.get('gpu_mib_serving'), d.get('gpu_mib_peak_during'), d.get('gpu_mib_after'), '|', d.get('error', ''))
+" "$OUT/serve_train.json" || tail -20 "$OUT/serve_train.err"
+    else
+        rc=1; tail -5 "$OUT/serve_site.log"
+    fi
 fi
 if has peft; then
     cat "$OUT/peft.json"

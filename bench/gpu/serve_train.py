@@ -9,10 +9,12 @@ job. Prints one JSON object; exit 1 when the job does not end promoted.
 
 The GPU machine has no package registry: carry the server's runtime
 dependencies (pyproject.toml's `dependencies`, with their own: pydantic-settings,
-sse-starlette, prometheus-client, httpx-sse, python-dotenv, ...) as wheels
-fetched with `pip download --no-deps` (binary ones for the machine's Python),
-install them with `pip install --no-index --target DIR`, and put DIR on
-PYTHONPATH beside the CUDA build's libraries (DREAMSTAGE_LIB_DIR).
+sse-starlette, prometheus-client, httpx-sse, python-dotenv, and for FastAPI
+0.16x opentelemetry-api, ...) as wheels fetched with `pip download --no-deps`
+(binary ones for the machine's Python) into .whl; `bench/gpu/run.sh ... serve`
+installs them into a site folder beside the package and the bindings and runs
+this with DREAMSTAGE_LIB_DIR at the CUDA build's libraries. The server starts
+outside the checkout, whose ./dreamstage has no dreamstage.server uninstalled.
 """
 from __future__ import annotations
 
@@ -63,7 +65,10 @@ def main() -> int:
     idle_mib = gpu_used_mib()
     srv = subprocess.Popen([sys.executable, "-m", "dreamstage", "serve", "--model", a.model, "--port", str(a.port),
                             "-ngl", str(a.ngl), "--state-dir", state, "--parallel", "2", "--ctx", "2048",
-                            "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT)
+                            "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT,
+                           # not the checkout: there `-m dreamstage` would import ./dreamstage, which
+                           # lacks dreamstage.server unless installed (PYTHONPATH's assembled site has it)
+                           cwd=state)
     out: dict = {"model": a.model, "n_gpu_layers": a.ngl, "gpu_mib_idle": idle_mib}
     try:
         c = Client(f"http://127.0.0.1:{a.port}", timeout=300)
