@@ -531,9 +531,9 @@ def test_anchors_changed_counts_beyond_the_noise_margin_a_null_adapter_stays_wit
 
 
 @pytest.mark.xfail(strict=True, reason="issue 12's 'done when' is not met on held-out anchors: the default job "
-                   "changes 17 to 19 of the 20 held-out anchors' greedy answers beyond the noise margin that "
-                   "adapters which learned nothing cross (19 or 20 counting near ties), at drift_kl 0.2-0.3 "
-                   "(docs/benchmarks.md, Drift)")
+                   "changes 14 of the 20 held-out anchors' greedy answers beyond the noise margin that adapters "
+                   "which learned nothing cross (17-18 on the evaluation facts; 19 or 20 counting near ties), at "
+                   "drift_kl 0.21-0.28 (docs/benchmarks.md, 'The floor's cause, and the changes beyond it')")
 def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_out_anchors_and_is_promoted(jobs):
     drift = jobs["default"]["progress"]["drift"]
     assert jobs["recall"] >= 0.9 and drift["anchors_changed"] <= 0.05 and jobs["default"]["adapter"]["promoted"]
