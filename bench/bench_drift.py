@@ -88,6 +88,9 @@ GRID: dict[str, tuple] = {
     "sampled4": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4}),
     "sampled8": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 8}),
     "sampled4-ratio2": (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4}),
+    # the defaults (sampled4-ratio2) with a smaller step or a smaller adapter (2026-12-02)
+    "sampled4-ratio2-lr3e-4": (3e-4, 30, 8, QV, 2.0, 0.1, {"samples": 4}),
+    "sampled4-ratio2-rank2": (1e-3, 10, 2, QV, 2.0, 0.1, {"samples": 4}),
 }
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 
