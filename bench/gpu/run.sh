@@ -17,7 +17,8 @@
 #   5. (profile) DREAMSTAGE_PROFILE=1 dream_gpu_bench on the Q8_0 model (PROFILE_BASES="q8_0 q4_0" for more), rank 8 on
 #      attn_q,attn_v at 2048 tokens: where a step's time goes, op by op (profile.txt);
 #   6. (serve) bench/gpu/serve_train.py: POST /train against dreamstage serve -ngl 99
-#      on the first base (needs .whl: the server's dependencies as cp312 wheels);
+#      on the first base (needs .whl, carried: the server's dependencies as cp312
+#      wheels, from `bash bench/gpu/fetch_wheels.sh` on the dev machine);
 #   4. (decode) dream_lora_check: the fused LoRA decode kernel (patch 0104) against exact
 #      arithmetic and against upstream's nodes; dream_decode_bench: decode with a served
 #      adapter against the bare model, with the fusion and without (DECODE_RANKS and

@@ -11,7 +11,8 @@ The GPU machine has no package registry: carry the server's runtime
 dependencies (pyproject.toml's `dependencies`, with their own: pydantic-settings,
 sse-starlette, prometheus-client, httpx-sse, python-dotenv, and for FastAPI
 0.16x opentelemetry-api, ...) as wheels fetched with `pip download --no-deps`
-(binary ones for the machine's Python) into .whl; `bench/gpu/run.sh ... serve`
+(binary ones for the machine's Python) into .whl (`bench/gpu/fetch_wheels.sh`
+does it with the dev venv's versions); `bench/gpu/run.sh ... serve`
 installs them into a site folder beside the package and the bindings and runs
 this with DREAMSTAGE_LIB_DIR at the CUDA build's libraries. The server starts
 outside the checkout, whose ./dreamstage has no dreamstage.server uninstalled.
