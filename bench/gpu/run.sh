@@ -39,6 +39,8 @@ export DREAMSTAGE_LLAMA_TREE=$PWD/.gpu/llama.cpp PYTHONPATH=$PWD/.gpu/site
 B=${DREAMSTAGE_GPU_BUILD:-/tmp/dream_cuda_build}
 M=/tmp/dream_models; mkdir -p $M
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
+# the 1B-shape model in base $1, quantized from the F16 one unless an earlier phase made it
+quantized() { [ -s $M/llama1b_$1.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_$1.gguf $1 > "$OUT/quantize_$1.log" 2>&1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 # PyTorch + PEFT first, on a quiet machine: at these sizes its steps are bound
 # by the host's kernel launches, so running it beside the CUDA build (16
@@ -113,7 +115,7 @@ if has decode; then
     $B/bin/dream_lora_check > "$OUT/lora_check.json" 2> "$OUT/lora_check.err" || rc=1
     echo "== lora_check"; grep -E '"pass"|us_per_token|FAILED' "$OUT/lora_check.json"
     for base in ${BASES//,/ }; do
-        [ -s $M/llama1b_$base.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_$base.gguf $base > "$OUT/quantize_$base.log" 2>&1
+        quantized $base
         for k in 1 2; do for f in 0 1; do
             DREAMSTAGE_LORA_FUSION=$f $B/bin/dream_decode_bench $M/llama1b_$base.gguf 99 "${DECODE_RANKS:-$RANKS}" "${DECODE_TARGETS:-$TARGETS}" 5 128 \
                 > "$OUT/decode_${base}_f${f}_$k.json" 2> "$OUT/decode_${base}_f${f}_$k.err" || rc=1
@@ -135,7 +137,7 @@ fi
 # PROFILE_BASES (default q8_0) names the bases profiled; each writes profile_<base>.txt
 if has profile; then
     for base in ${PROFILE_BASES:-q8_0}; do
-        [ -s $M/llama1b_$base.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_$base.gguf $base > "$OUT/quantize_$base.log" 2>&1
+        quantized $base
         DREAMSTAGE_PROFILE=1 $B/bin/dream_gpu_bench $M/llama1b_$base.gguf 99 2048 3 8 attn_q,attn_v > "$OUT/profile_$base.json" 2> "$OUT/profile_$base.txt" || rc=1
         echo "== profile $base (last step)"; tac "$OUT/profile_$base.txt" | grep -m1 -B40 "dream profile: .* nodes, " | tac | head -44
     done
@@ -147,7 +149,7 @@ fi
 if has serve; then
     S=/tmp/dream_serve_site; rm -rf $S; mkdir -p $S
     base=${BASES%%,*}
-    [ -s $M/llama1b_$base.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_$base.gguf $base > "$OUT/quantize_$base.log" 2>&1
+    quantized $base
     if python3 -m pip install -q --no-index --no-deps --no-compile --target $S .whl/*.whl > "$OUT/serve_site.log" 2>&1 &&
        cp -r dreamstage $S/ && cp -r server $S/dreamstage/server && cp vendor/pin.json $S/dreamstage/ &&
        cp -r .gpu/site/llama_cpp .gpu/site/gguf $S/; then
