@@ -262,6 +262,10 @@ def _declare(L: ctypes.CDLL) -> None:
     L.dream_window_begin.argtypes = [p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8),
                                      ctypes.c_int32, R]
     L.dream_window_begin.restype = ctypes.c_int32
+    # int32_t dream_window_soft_targets(struct dream_stage * ds, const int32_t * ids, const float * probs,
+    #                                   int32_t k, int32_t n_rows, struct dream_receipt * receipt);
+    L.dream_window_soft_targets.argtypes = [p, ctypes.POINTER(ctypes.c_int32), f32p, ctypes.c_int32, ctypes.c_int32, R]
+    L.dream_window_soft_targets.restype = ctypes.c_int32
     # int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt);
     L.dream_micro_step.argtypes = [p, R]
     L.dream_micro_step.restype = ctypes.c_int32

@@ -358,12 +358,14 @@ class Forward:
         return dx
 
     # -- loss ----------------------------------------------------------------
-    def loss_and_dz(self, loss_positions):
+    def loss_and_dz(self, loss_positions, targets=None):
         """Mean next-token cross-entropy over `loss_positions` and its gradient
         w.r.t. z, the final-normed hidden states (T, n_embd).
 
         loss_positions: bool (T,); position t's logits predict token t+1, so
         the last position must be False. The mean is over the True positions.
+        targets: optional (loss positions, n_vocab) probability rows, in order:
+        the cross-entropy against each row instead of the next token's one-hot.
         """
         lp = np.asarray(loss_positions, dtype=bool)
         T = len(self.tokens)
@@ -380,9 +382,17 @@ class Forward:
         e = np.exp(x - mx)
         z = e.sum(axis=-1, keepdims=True)
         lse = (np.log(z) + mx)[:, 0]
-        loss = float(np.mean(lse - x[np.arange(n), tgt]))
-        d = e / z
-        d[np.arange(n), tgt] -= 1.0
+        if targets is None:
+            loss = float(np.mean(lse - x[np.arange(n), tgt]))
+            d = e / z
+            d[np.arange(n), tgt] -= 1.0
+        else:
+            q = np.asarray(targets, dtype=np.float64)
+            if q.shape != x.shape:
+                raise ValueError(f"targets {q.shape} must be (loss positions, n_vocab) = {x.shape}")
+            # -sum_v q_v log softmax(x)_v, whose gradient is softmax(x) - q for rows summing to 1
+            loss = float(np.mean(q.sum(axis=-1) * lse - (q * x).sum(axis=-1)))
+            d = e / z * q.sum(axis=-1, keepdims=True) - q
         dz = np.zeros_like(self.z)
         dz[idx] = (self.model.output_t @ (d / n).T).T
         return loss, dz
@@ -445,16 +455,17 @@ def positions_from_mask(loss_mask) -> np.ndarray:
     return np.append(m[1:], False)
 
 
-def plain_walk_grad(model: LlamaRef, tokens, loss_positions, lora: Lora, chunk: int):
+def plain_walk_grad(model: LlamaRef, tokens, loss_positions, lora: Lora, chunk: int, targets=None):
     """Loss and gradient of the plain chunked walk over one window.
 
     Each chunk contributes (its loss tokens / window loss tokens) of the
     window's mean loss; its backward treats the K/V of earlier chunks as
     constants. The forward (and so the loss) equals the unchunked one.
+    `targets`: soft target rows, as Forward.loss_and_dz takes them.
     """
     lp = np.asarray(loss_positions, dtype=bool)
     fw = Forward(model, tokens, lora)
-    value, dz = fw.loss_and_dz(lp)
+    value, dz = fw.loss_and_dz(lp, targets)
     total: dict = {}
     for start in range(0, len(lp), chunk):
         part = np.zeros_like(dz)
@@ -493,9 +504,9 @@ def loss(model: LlamaRef, tokens, loss_positions, lora: Lora | None = None) -> f
     return Forward(model, tokens, lora).loss_and_dz(loss_positions)[0]
 
 
-def loss_and_grad(model: LlamaRef, tokens, loss_positions, lora: Lora):
+def loss_and_grad(model: LlamaRef, tokens, loss_positions, lora: Lora, targets=None):
     fw = Forward(model, tokens, lora)
-    value, dz = fw.loss_and_dz(loss_positions)
+    value, dz = fw.loss_and_dz(loss_positions, targets)
     return value, fw.backward(dz)
 
 

@@ -163,6 +163,7 @@ int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, 
     dream_suspended_drop(*ds);         // a stopped step of the last window is not continued
     ds->group = dream_group_state{};   // a plain window ends any group (dream-groups.cpp)
     ds->win_loss_scale = 1.0f;
+    dream_soft_clear(*ds);             // one-hot labels unless dream_window_soft_targets follows
     ds->win_tokens.assign(tokens, tokens + n);
     ds->win_mask.assign(loss_mask, loss_mask + n);
     ds->win_mask[0] = 0;

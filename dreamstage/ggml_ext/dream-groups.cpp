@@ -174,6 +174,7 @@ int32_t dream_group_begin(struct dream_stage * ds, const llama_token * prefix, i
     dream_receipt tmp;
     dream_receipt & r = receipt ? *receipt : tmp;
     dream_receipt_start(*ds, r);
+    dream_soft_clear(*ds);   // a group's replies train one-hot labels
     auto fail = [&](auto... args) {
         dream_receipt_message(r, args...);
         r.status = DREAM_STATUS_ERROR;

@@ -121,6 +121,7 @@ struct dream_step_graph {
     bool valid = false;
     int32_t p = 0, n = 0, n_out = 0;
     bool train = false;
+    bool soft = false;                    // its labels are host-filled soft targets (dream-soft.cpp)
     float loss_scale = 0.0f;
     ggml_context_ptr ctx;                 // the backward graph's tensors (the forward's live in dream_stage::res)
     ggml_cgraph * gb = nullptr;
@@ -222,6 +223,12 @@ struct dream_stage {
 
     // the current window's loss multiplier: 1, or a group reply's weight (dream-groups.cpp)
     float win_loss_scale = 1.0f;
+    // the current window's soft targets (dream-soft.cpp): win_soft_k (id, probability)
+    // pairs per loss token, the row of window position j at win_soft_row[j]; k 0: one-hot
+    int32_t win_soft_k = 0;
+    std::vector<int32_t> win_soft_ids;
+    std::vector<float>   win_soft_p;
+    std::vector<int32_t> win_soft_row;
     dream_group_state group;
 };
 
@@ -269,6 +276,14 @@ dream_gate_verdict dream_gate_check(const dream_stage & ds,
                                     const std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs);
 ggml_backend_dev_t dream_host_device();
 double dream_held_mib(const dream_stage & ds);
+
+// dream-soft.cpp: soft targets of a plain window (dream_window_soft_targets)
+void dream_soft_clear(dream_stage & ds);
+bool dream_soft_active(const dream_stage & ds);
+// writes the label rows of a chunk at p (targets[i] >= 0: input p+i has a loss row) into
+// lab[rows][n_vocab], each the soft target of the token it predicts
+void dream_soft_fill(const dream_stage & ds, int32_t p, const std::vector<int32_t> & targets, float * lab,
+                     int64_t n_vocab);
 
 // dream-receipt.cpp
 void dream_receipt_start(const dream_stage & ds, dream_receipt & r);
@@ -338,3 +353,8 @@ constexpr double DREAM_MIB = 1024.0 * 1024.0;
 bool dream_fattn_usable(const dream_stage & ds);          // every layer's attention on CUDA (installs the backward hook)
 bool dream_fattn_differentiable(const ggml_tensor * t);   // a FLASH_ATTN_EXT node the hook differentiates
 bool dream_fattn_on_cuda(ggml_backend_sched_t sched, ggml_cgraph * g);   // every fused backward node placed on CUDA
+// the backward dream-fattn.cpp gives a FLASH_ATTN_EXT it differentiates (false for any other op)
+bool dream_fattn_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * grad, ggml_tensor ** out);
+
+// dream-glu.cpp: SwiGLU's backward as one node (installs ggml's backward hooks when the library loads)
+bool dream_is_swiglu_back(const ggml_tensor * t);

@@ -776,6 +776,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     std::vector<int32_t> targets(n, -1);
     int32_t n_loss = 0;
     const bool forward_sweep = dream_exact_window(ds) && !chunk.backward_pass;
+    const bool soft = dream_soft_active(ds);   // labels from dream_window_soft_targets (dream-soft.cpp)
     for (int32_t i = 0; i < n && !forward_sweep; ++i) {
         const int32_t j = p + i + 1;
         if (j < ds.win_n && ds.win_mask[j]) {
@@ -917,7 +918,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     // adjoint views and surrogates that depend on the chunk's place in the pass.
     dream_step_graph & sg = ds.step_graph;
     const bool keepable = ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active;
-    const bool reuse = keepable && sg.valid && sg.p == p && sg.n == n && sg.n_out == n_out && sg.train == train &&
+    const bool reuse = keepable && sg.valid && sg.p == p && sg.n == n && sg.n_out == n_out && sg.train == train && sg.soft == soft &&
                        sg.loss_scale == loss_scale && ds.res->can_reuse(gp);
     // the graph this step computes: the kept one, or one built below
     dream_step_graph fresh;
@@ -988,9 +989,9 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 // most of a step's host time on the H200), and the matrix costs one
                 // pass, where a chain of element-wise ops (REPEAT, SUB, ABS, STEP)
                 // cost five. On the CPU alone the host fills the matrix in place: no
-                // transfer to save.
+                // transfer to save. Soft targets are dense rows: always filled on the host.
                 ggml_tensor * labels = nullptr;
-                if (ggml_backend_sched_get_n_backends(sched) > 1) {
+                if (ggml_backend_sched_get_n_backends(sched) > 1 && !soft) {
                     sgraph.target_ids = ggml_new_tensor_1d(cbw, GGML_TYPE_I64, n_loss);
                     ggml_set_name(sgraph.target_ids, "dream_target_ids");
                     ggml_set_input(sgraph.target_ids);
@@ -1114,6 +1115,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         fresh.n = n;
         fresh.n_out = n_out;
         fresh.train = train;
+        fresh.soft = soft;
         fresh.loss_scale = loss_scale;
         fresh.valid = valid;
         sg = std::move(fresh);
@@ -1138,11 +1140,15 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             // a tensor of the CPU backend: filled where it lies
             GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_labels->buffer));
             float * lab = (float *) sgraph.host_labels->data;
-            std::memset(lab, 0, ggml_nbytes(sgraph.host_labels));
-            int64_t row = 0;
-            for (int32_t i = 0; i < n; ++i) {
-                if (targets[i] >= 0) {
-                    lab[row++ * n_vocab + targets[i]] = 1.0f;
+            if (soft) {
+                dream_soft_fill(ds, p, targets, lab, n_vocab);
+            } else {
+                std::memset(lab, 0, ggml_nbytes(sgraph.host_labels));
+                int64_t row = 0;
+                for (int32_t i = 0; i < n; ++i) {
+                    if (targets[i] >= 0) {
+                        lab[row++ * n_vocab + targets[i]] = 1.0f;
+                    }
                 }
             }
         }

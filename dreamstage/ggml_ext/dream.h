@@ -123,6 +123,21 @@ LLAMA_API void dream_free(struct dream_stage * ds);
 LLAMA_API int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens,
                                      const uint8_t * loss_mask, int32_t n, struct dream_receipt * receipt);
 
+// Soft targets for the window just begun (call after dream_window_begin, before
+// its first micro-step; the next dream_window_begin or dream_group_begin drops
+// them): the prediction of the window's r-th loss token (in window order) is
+// trained against the distribution of row r, probs[r*k + i] on token ids[r*k + i],
+// instead of the one-hot of the token itself, for n_rows = the window's loss
+// tokens rows of k pairs. A pair with id -1 pads a row (its probability must be
+// 0); an id may repeat (its probabilities add). Each row's probabilities are
+// finite, >= 0 and sum to 1 within 1e-3 (rescaled to 1 exactly). The window's
+// loss is then the mean over loss tokens of the cross-entropy against each
+// row: KL(row || model) + the row's entropy. The labels are a dense
+// [n_vocab, rows] matrix filled on the host. Returns DREAM_STATUS_OK, or ERROR
+// with receipt->message naming the bad value (nothing changed).
+LLAMA_API int32_t dream_window_soft_targets(struct dream_stage * ds, const int32_t * ids, const float * probs,
+                                            int32_t k, int32_t n_rows, struct dream_receipt * receipt);
+
 // One micro-step: the next chunk of the current window, forward (+ backward when
 // it has loss tokens), gradient accumulated; at the last chunk of every
 // accumulate_windows-th window one AdamW update of the shadow adapter with the

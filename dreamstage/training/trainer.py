@@ -188,8 +188,13 @@ class Trainer(NativeOwner):
         return out
 
     # -- the walk ---------------------------------------------------------------
-    def begin_window(self, tokens, loss_mask) -> None:
-        """Start a window: tokens (<= window) and a per-token loss mask of the same length."""
+    def begin_window(self, tokens, loss_mask, soft=None) -> None:
+        """Start a window: tokens (<= window) and a per-token loss mask of the same length.
+
+        ``soft``: ``(ids, probs)``, two (loss tokens, k) arrays: the prediction of
+        the window's r-th loss token is trained against the distribution of row r
+        (``probs[r, i]`` on token ``ids[r, i]``; id -1 pads with probability 0;
+        each row sums to 1) instead of the token itself (dream_window_soft_targets)."""
         toks = np.ascontiguousarray(tokens, dtype=np.int32)
         mask = np.ascontiguousarray(loss_mask, dtype=np.uint8)
         if toks.ndim != 1 or mask.shape != toks.shape:
@@ -199,6 +204,17 @@ class Trainer(NativeOwner):
                                        mask.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(toks), ctypes.byref(r))
         if st != native.DREAM_STATUS_OK:
             raise ValueError(Receipt.from_c(r).message)
+        if soft is not None:
+            ids = np.ascontiguousarray(soft[0], dtype=np.int32)
+            probs = np.ascontiguousarray(soft[1], dtype=np.float32)
+            if ids.ndim != 2 or probs.shape != ids.shape:
+                raise ValueError(f"soft target ids {ids.shape} and probs {probs.shape} must be 2-D of one shape "
+                                 "(loss tokens, k)")
+            st = self.L.dream_window_soft_targets(self._handle(), ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                                  probs.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                                  ids.shape[1], ids.shape[0], ctypes.byref(r))
+            if st != native.DREAM_STATUS_OK:
+                raise ValueError(Receipt.from_c(r).message)
 
     def micro_step(self) -> Receipt:
         """One chunk of the current window; the receipt says what happened (never raises on refusal)."""
@@ -210,9 +226,9 @@ class Trainer(NativeOwner):
     def chunks_left(self) -> int:
         return int(self.L.dream_chunks_left(self._handle()))
 
-    def train_window(self, tokens, loss_mask) -> list[Receipt]:
+    def train_window(self, tokens, loss_mask, soft=None) -> list[Receipt]:
         """begin_window, then micro-steps until the window ends or a step is not ok."""
-        self.begin_window(tokens, loss_mask)
+        self.begin_window(tokens, loss_mask, soft)
         return self._steps_to_end()
 
     def _steps_to_end(self) -> list[Receipt]:
