@@ -1,7 +1,8 @@
 // Vectorized CPU kernels for the two element-wise training ops that call
 // expf once per element in ggml-cpu: the cross-entropy over the vocabulary
 // (49,152 columns per loss row of the default model) and SILU_BACK (the
-// feed-forward's gate, 1,536 columns per token per layer). Together about 4%
+// feed-forward's gate, 1,536 columns per token per layer; since 2026-12-02
+// mostly inside dream-glu.cpp's one-pass SwiGLU backward, whose body is here too). Together about 4%
 // of a default-model step at chunk 256 on one thread. AVX-512 only; other CPUs
 // keep ggml's ops.
 #include "dream-stage.h"
@@ -126,6 +127,21 @@ bool dream_cpu_exp_ops_rewrite(ggml_context * ctx, ggml_tensor * n) {
 }
 
 namespace {
+// SwiGLU's backward (dream-glu.cpp): t = dy u; dg = t s (1 + g (1 - s)), du = dy g s
+__attribute__((target("avx512f"))) void swiglu_back_all(const float * dy, const float * g, const float * u, float * dg,
+                                                       float * du, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = tail_mask(n - i);
+        const __m512 yv = _mm512_maskz_loadu_ps(k, dy + i), xv = _mm512_maskz_loadu_ps(k, g + i),
+                     uv = _mm512_maskz_loadu_ps(k, u + i);
+        const __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), xv))));
+        const __m512 d = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(yv, uv), s), _mm512_fmadd_ps(xv, _mm512_sub_ps(one, s), one));
+        _mm512_mask_storeu_ps(dg + i, k, d);
+        _mm512_mask_storeu_ps(du + i, k, _mm512_mul_ps(yv, _mm512_mul_ps(xv, s)));
+    }
+}
+
 __attribute__((target("avx512f"))) void exp_all(const float * x, int64_t n, float * out) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = tail_mask(n - i);
@@ -139,5 +155,13 @@ bool dream_cpu_exp_check(const float * x, int64_t n, float * out) {
         return false;
     }
     exp_all(x, n, out);
+    return true;
+}
+
+bool dream_cpu_swiglu_back(const float * dy, const float * g, const float * u, float * dg, float * du, int64_t n) {
+    if (!dream_cpu_avx512()) {
+        return false;
+    }
+    swiglu_back_all(dy, g, u, dg, du, n);
     return true;
 }

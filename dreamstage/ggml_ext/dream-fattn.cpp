@@ -8,8 +8,9 @@
 // of the graph, never serving's): upstream's FLASH_ATTN_EXT kernel for the
 // forward, and for the backward, which ggml does not have, a node of ours:
 //
-//   - ggml's backward builder asks the hook of patch 0105 (ggml_set_backward_ext)
-//     for ops it does not differentiate; dream_fattn_backward answers for a
+//   - ggml's backward builder asks the hook of patch 0105 (ggml_set_backward_ext,
+//     installed by dream-glu.cpp) for ops it does not differentiate;
+//     dream_fattn_backward answers for a
 //     FLASH_ATTN_EXT without ALiBi, logit soft-capping or sinks;
 //   - the answer is one GGML_OP_FLASH_ATTN_BACK node computing dQ, dK and dV
 //     into one F32 tensor (cuda/flash-attn-back.cu; ggml-cuda dispatches the op
@@ -59,6 +60,8 @@ bool handled(const ggml_tensor * t) {
            v->ne[0] == q->ne[0] && (q->ne[0] == 64 || q->ne[0] == 128) && k->ne[2] > 0 && q->ne[2] % k->ne[2] == 0;
 }
 
+}  // namespace
+
 bool dream_fattn_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * grad, ggml_tensor ** out) {
     if (!handled(t)) {
         return false;
@@ -101,7 +104,6 @@ bool dream_fattn_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * gra
     return true;
 }
 
-}  // namespace
 
 bool dream_fattn_differentiable(const ggml_tensor * t) {
     return handled(t);
@@ -129,8 +131,7 @@ bool dream_fattn_usable(const dream_stage & ds) {
             return false;
         }
     }
-    ggml_set_backward_ext(dream_fattn_backward);   // ggml's backward builder asks it from now on
-    return true;
+    return true;   // ggml's backward builder reaches dream_fattn_backward through dream-glu.cpp's hook
 }
 
 bool dream_fattn_on_cuda(ggml_backend_sched_t sched, ggml_cgraph * g) {

@@ -24,3 +24,10 @@ uint32_t dream_hook_sched_graph_nodes(uint32_t serving_nodes);
 bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv_cache_context * mctx, int32_t il,
                             ggml_tensor * k_cur, ggml_tensor * v_cur, ggml_tensor * k_idxs, ggml_tensor * v_idxs,
                             ggml_tensor ** k, ggml_tensor ** v);
+
+// A GGML_OP_CUSTOM node of ours that ggml-cuda runs too (patch 0108): op params
+// [DREAM_CUSTOM_TAG_PARAM] hold DREAM_CUSTOM_TAG, the next one the kind. The
+// first op params are ggml's custom-op struct (function, tasks, userdata).
+#define DREAM_CUSTOM_TAG_PARAM   12
+#define DREAM_CUSTOM_TAG         0x5357444d   // "MDWS"
+#define DREAM_CUSTOM_SWIGLU_BACK 1            // dream-glu.cpp: SwiGLU's backward, dg then du

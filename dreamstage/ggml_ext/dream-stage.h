@@ -328,6 +328,8 @@ bool dream_cpu_out_prod_supported(const ggml_tensor * n);
 void dream_cpu_out_prod_rewrite(ggml_context * ctx, ggml_tensor * n);   // n becomes the kernel's op in place
 // dream-cpu-exp.cpp: CROSS_ENTROPY_LOSS and SILU_BACK with a vectorized exp, in place
 bool dream_cpu_exp_ops_rewrite(ggml_context * ctx, ggml_tensor * n);
+// SwiGLU's backward over n plain floats with the same vectorized exp (false: no AVX-512, nothing written)
+bool dream_cpu_swiglu_back(const float * dy, const float * g, const float * u, float * dg, float * du, int64_t n);
 // dream-cpu-rows.cpp: a host GET_ROWS of at least DREAM_GET_ROWS_MIN rows (the token
 // embeddings) on every CPU thread (ggml-cpu runs the op as one task), in place
 constexpr int64_t DREAM_GET_ROWS_MIN = 32;

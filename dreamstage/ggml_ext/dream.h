@@ -292,6 +292,14 @@ LLAMA_API bool dream_cpu_exp_check(const float * x, int64_t n, float * out);
 LLAMA_API bool dream_cpu_get_rows_check(int32_t type, const void * w, int64_t n_embd, int64_t n_rows, const int32_t * ids,
                                         int64_t n_ids, int32_t n_threads, bool rewrite, float * out, bool * rewritten);
 
+// SwiGLU's one-node backward (dream-glu.cpp), on a CPU backend of n_threads (for
+// tests): the gradients of g and u (n_ff x n_tok floats each, row-major by token)
+// of loss = sum(w * silu(g) * u), from a backward built with the fused node
+// (fused) or with ggml's own, into dg and du; *fused_nodes counts the fused
+// nodes in that graph. False for bad sizes (at most 2^26 elements) or a failed compute.
+LLAMA_API bool dream_swiglu_back_check(const float * g, const float * u, const float * w, int64_t n_ff, int64_t n_tok,
+                                       int32_t n_threads, bool fused, float * dg, float * du, int32_t * fused_nodes);
+
 // Bytes of serving's compute buffers on ctx, all devices. Training graphs run
 // on the stage's own schedulers, so a micro-step or a refusal never changes it.
 LLAMA_API size_t dream_serving_compute_bytes(struct llama_context * ctx);

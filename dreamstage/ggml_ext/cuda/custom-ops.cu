@@ -1,0 +1,92 @@
+// The dream stage's GGML_OP_CUSTOM nodes on CUDA (patch 0108 sends ggml-cuda's
+// supports_op and compute for GGML_OP_CUSTOM here). A node is ours when its op
+// params carry DREAM_CUSTOM_TAG (dream-hooks.h); the kind after it picks the
+// kernel. Any other custom op stays unsupported, so the scheduler gives it to
+// the CPU as before.
+//
+//   DREAM_CUSTOM_SWIGLU_BACK (dream-glu.cpp): SwiGLU's backward in one pass,
+//   src dy, g, u (F32, contiguous, one shape), dst dg then du.
+
+#include "common.cuh"
+#include "out-prod.cuh"
+
+#include "../dream-hooks.h"
+
+#include <cstdint>
+
+static int dream_custom_kind(const ggml_tensor * op) {
+    const int32_t * p = (const int32_t *) op->op_params;
+    return p[DREAM_CUSTOM_TAG_PARAM] == DREAM_CUSTOM_TAG ? p[DREAM_CUSTOM_TAG_PARAM + 1] : 0;
+}
+
+// the expressions of ggml's SILU_BACK and SILU (and the CPU body in dream-glu.cpp), in their order
+static __device__ __forceinline__ void dream_swiglu_back_one(float dy, float g, float u, float & dg, float & du) {
+    const float e = expf(-g);
+    const float s = 1.0f / (1.0f + e);
+    dg = (dy * u) * s * (1.0f + g * (1.0f - s));
+    du = dy * (g / (1.0f + e));
+}
+
+static __global__ void dream_swiglu_back_f32x4(const float4 * __restrict__ dy, const float4 * __restrict__ g,
+                                               const float4 * __restrict__ u, float4 * __restrict__ dg,
+                                               float4 * __restrict__ du, int64_t n4) {
+    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < n4; i += (int64_t) gridDim.x * blockDim.x) {
+        const float4 a = dy[i], b = g[i], c = u[i];
+        float4 x, y;
+        dream_swiglu_back_one(a.x, b.x, c.x, x.x, y.x);
+        dream_swiglu_back_one(a.y, b.y, c.y, x.y, y.y);
+        dream_swiglu_back_one(a.z, b.z, c.z, x.z, y.z);
+        dream_swiglu_back_one(a.w, b.w, c.w, x.w, y.w);
+        dg[i] = x;
+        du[i] = y;
+    }
+}
+
+static __global__ void dream_swiglu_back_f32(const float * __restrict__ dy, const float * __restrict__ g,
+                                             const float * __restrict__ u, float * __restrict__ dg,
+                                             float * __restrict__ du, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t) blockDim.x + threadIdx.x; i < n; i += (int64_t) gridDim.x * blockDim.x) {
+        dream_swiglu_back_one(dy[i], g[i], u[i], dg[i], du[i]);
+    }
+}
+
+static bool dream_swiglu_back_layout(const ggml_tensor * op) {
+    const ggml_tensor * dy = op->src[0], * g = op->src[1], * u = op->src[2];
+    return dy && g && u && op->src[3] == nullptr && dy->type == GGML_TYPE_F32 && g->type == GGML_TYPE_F32 &&
+           u->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 && ggml_are_same_shape(dy, g) &&
+           ggml_are_same_shape(g, u) && ggml_is_contiguous(dy) && ggml_is_contiguous(g) && ggml_is_contiguous(u) &&
+           ggml_is_contiguous(op) && ggml_nelements(op) == 2 * ggml_nelements(g);
+}
+
+bool dream_cuda_custom_supports(const ggml_tensor * op) {
+    switch (dream_custom_kind(op)) {
+        case DREAM_CUSTOM_SWIGLU_BACK:
+            return dream_swiglu_back_layout(op);
+        default:
+            return false;
+    }
+}
+
+bool dream_cuda_custom_op(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (!dream_cuda_custom_supports(dst)) {
+        return false;
+    }
+    // DREAM_CUSTOM_SWIGLU_BACK, the only kind so far
+    const int64_t n = ggml_nelements(dst->src[1]);
+    const float * dy = (const float *) dst->src[0]->data, * g = (const float *) dst->src[1]->data,
+                * u = (const float *) dst->src[2]->data;
+    float * dg = (float *) dst->data, * du = dg + n;
+    cudaStream_t stream = ctx.stream();
+    const int threads = 256;
+    const bool aligned = n % 4 == 0 && ((uintptr_t) dy | (uintptr_t) g | (uintptr_t) u | (uintptr_t) dg | (uintptr_t) du) % 16 == 0;
+    const int64_t work = aligned ? n / 4 : n;
+    const int blocks = (int) std::min<int64_t>((work + threads - 1) / threads, 4 * 1024);
+    if (aligned) {
+        dream_swiglu_back_f32x4<<<blocks, threads, 0, stream>>>((const float4 *) dy, (const float4 *) g, (const float4 *) u,
+                                                               (float4 *) dg, (float4 *) du, work);
+    } else {
+        dream_swiglu_back_f32<<<blocks, threads, 0, stream>>>(dy, g, u, dg, du, n);
+    }
+    CUDA_CHECK(cudaGetLastError());
+    return true;
+}
