@@ -120,7 +120,7 @@ size_t dream_sched_held_bytes(const dream_stage & ds) {
     return total;
 }
 
-// DREAMSTAGE_PROFILE=1: time every node of each training graph (the scheduler
+// DREAMSTAGE_PROFILE=1: time every node of each training graph (=2: by shape too; the scheduler
 // stops and synchronizes after each one, so the step itself gets slower and
 // loses ggml-cuda's graphs and fusion) and print the time per op to stderr.
 // A profile, not a benchmark: it says where a step's time goes.
@@ -130,14 +130,37 @@ struct dream_profile {
     std::map<std::string, std::pair<double, int>> per_op;   // ms, count
 };
 
+bool dream_profile_shapes() {
+    static const bool on = [] {
+        const char * v = std::getenv("DREAMSTAGE_PROFILE");
+        return v && std::strcmp(v, "2") == 0;
+    }();
+    return on;
+}
+
 bool dream_profile_eval(ggml_tensor * t, bool ask, void * ud) {
     if (ask) {
         return true;
     }
     auto & p = *(dream_profile *) ud;
     const auto now = std::chrono::steady_clock::now();
-    char key[160];
+    char key[256];
     std::snprintf(key, sizeof(key), "%s %s", ggml_op_desc(t), ggml_type_name(t->src[0] ? t->src[0]->type : t->type));
+    if (dream_profile_shapes()) {
+        // DREAMSTAGE_PROFILE=2: by shape too (src0 x src1 -> dst, non-contiguous operands marked)
+        auto dims = [](const ggml_tensor * x) {
+            char b[48];
+            std::snprintf(b, sizeof(b), "%lldx%lld%s", (long long) x->ne[0], (long long) (ggml_nelements(x) / x->ne[0]),
+                          ggml_is_contiguous(x) ? "" : "*");
+            return std::string(b);
+        };
+        std::string shape = t->src[0] ? dims(t->src[0]) : "";
+        if (t->src[1]) {
+            shape += " " + dims(t->src[1]);
+        }
+        shape += " -> " + dims(t);
+        std::snprintf(key + std::strlen(key), sizeof(key) - std::strlen(key), " (%.90s)", shape.c_str());
+    }
     if (t->op == GGML_OP_CONT) {
         // a copy's cost is in which tensors are copied: the name without its layer numbers
         std::string name;
@@ -158,7 +181,7 @@ bool dream_profile_eval(ggml_tensor * t, bool ask, void * ud) {
 bool dream_profile_on() {
     static const bool on = [] {
         const char * v = std::getenv("DREAMSTAGE_PROFILE");
-        return v && std::strcmp(v, "1") == 0;
+        return v && (std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0);
     }();
     return on;
 }
@@ -272,7 +295,7 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
         std::sort(rows.begin(), rows.end(), [](const auto & a, const auto & b) { return a.second.first > b.second.first; });
         std::fprintf(stderr, "dream profile: %d nodes, %.1f ms computed, %d splits\n", ggml_graph_n_nodes(g), total,
                      ds.last_n_splits);
-        for (size_t i = 0; i < rows.size() && i < 28; ++i) {
+        for (size_t i = 0; i < rows.size() && i < (dream_profile_shapes() ? 80u : 28u); ++i) {
             std::fprintf(stderr, "  %-36s %9.2f ms %5.1f%% x%d\n", rows[i].first.c_str(), rows[i].second.first,
                          100.0 * rows[i].second.first / total, rows[i].second.second);
         }
