@@ -144,6 +144,9 @@ int main(int argc, char ** argv) {
     // input layer in host memory), as `dreamstage serve` sets it by default; the
     // context default is 4 threads
     cp.n_threads = cp.n_threads_batch = (int32_t) std::max(1u, std::thread::hardware_concurrency());
+    if (const char * t = std::getenv("DREAM_BENCH_THREADS")) {   // fewer, for a same-run comparison
+        cp.n_threads = cp.n_threads_batch = std::max(1, std::atoi(t));
+    }
     llama_context * ctx = llama_init_from_model(model, cp);
     if (!ctx) return fail("context");
 
@@ -194,7 +197,9 @@ int main(int argc, char ** argv) {
         // the path before fused attention), in a stage of its own, freed before the next
         std::vector<double> explicit_ms;
         double explicit_graph_mib = 0;
-        {
+        // DREAM_BENCH_QUICK=1 skips this and the steps without graph reuse (same-run A/B runs)
+        const bool quick = std::getenv("DREAM_BENCH_QUICK") && std::strcmp(std::getenv("DREAM_BENCH_QUICK"), "1") == 0;
+        if (!quick) {
             setenv("DREAMSTAGE_FUSED_ATTN", "0", 1);
             dream_stage * de = dream_init(ctx, p, &r);
             unsetenv("DREAMSTAGE_FUSED_ATTN");
@@ -245,7 +250,7 @@ int main(int argc, char ** argv) {
         // allocates its graph), then on (the default; the first step builds)
         std::vector<double> fresh_ms;
         dream_set_graph_reuse(ds, false);
-        for (int i = 0; i < reps + 2; ++i) {
+        for (int i = 0; i < (quick ? 0 : reps + 2); ++i) {
             double wall = 0;
             if (!step(i, &wall)) return 1;
             if (i >= 2) fresh_ms.push_back(r.ms);

@@ -14,11 +14,13 @@
 #      micro-steps for each rank x target set x chunk, attention fused and explicit
 #      (bench/gpu/dream_fa_check.cu checks and times the fused backward alone);
 #   3. bench/gpu/peft_bench.py (PyTorch + PEFT) on the same shapes, same run;
-#   5. (profile) DREAMSTAGE_PROFILE=1 dream_gpu_bench on the Q8_0 model (PROFILE_BASES="q8_0 q4_0" for more), rank 8 on
+#   5. (profile) DREAMSTAGE_PROFILE=1 dream_gpu_bench on the Q8_0 model (PROFILE_BASES="q8_0 q4_0" for more; PROFILE_LEVEL=2: by shape), rank 8 on
 #      attn_q,attn_v at 2048 tokens: where a step's time goes, op by op (profile.txt);
 #   6. (serve) bench/gpu/serve_train.py: POST /train against dreamstage serve -ngl 99
 #      on the first base (needs .whl, carried: the server's dependencies as cp312
 #      wheels, from `bash bench/gpu/fetch_wheels.sh` on the dev machine);
+#   7. (ab) AB_VARIANTS: the same quick bench under each set of environment variables, alternating;
+#   8. (nsys) a quick bench under Nsight Systems when the image has it;
 #   4. (decode) dream_lora_check: the fused LoRA decode kernel (patch 0104) against exact
 #      arithmetic and against upstream's nodes; dream_decode_bench: decode with a served
 #      adapter against the bare model, with the fusion and without (DECODE_RANKS and
@@ -52,7 +54,7 @@ if has peft; then
 fi
 # models are written by the CPU while the CUDA build runs
 ( python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/small_f32.gguf --quant f32 --shape small
-  if has bench || has decode || has profile; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
+  if has bench || has decode || has profile || has serve || has ab || has nsys; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
 ) > "$OUT/make_model.log" 2>&1 &
 GEN=$!
 t0=$(date +%s)
@@ -138,9 +140,50 @@ fi
 if has profile; then
     for base in ${PROFILE_BASES:-q8_0}; do
         quantized $base
-        DREAMSTAGE_PROFILE=1 $B/bin/dream_gpu_bench $M/llama1b_$base.gguf 99 2048 3 8 attn_q,attn_v > "$OUT/profile_$base.json" 2> "$OUT/profile_$base.txt" || rc=1
+        DREAMSTAGE_PROFILE=${PROFILE_LEVEL:-1} $B/bin/dream_gpu_bench $M/llama1b_$base.gguf 99 2048 3 8 attn_q,attn_v > "$OUT/profile_$base.json" 2> "$OUT/profile_$base.txt" || rc=1
         echo "== profile $base (last step)"; tac "$OUT/profile_$base.txt" | grep -m1 -B40 "dream profile: .* nodes, " | tac | head -44
     done
+fi
+# (ab) same-run A/B: dream_gpu_bench (DREAM_BENCH_QUICK=1: fused attention, graph reuse)
+# on the first base for each variant of AB_VARIANTS (';'-separated environment
+# assignments, space-separated within one; an empty variant is the default), in
+# alternating processes, twice: ab_<variant index>_<round>.json
+if has ab; then
+    base=${BASES%%,*}; quantized $base
+    IFS=';' read -r -a variants <<< "${AB_VARIANTS:-}"
+    [ ${#variants[@]} -eq 0 ] && variants=("")
+    for k in 1 2; do for i in "${!variants[@]}"; do
+        env DREAM_BENCH_QUICK=1 ${variants[$i]} $B/bin/dream_gpu_bench $M/llama1b_$base.gguf 99 "$CHUNKS" "$REPS" "$RANKS" "$TARGETS" \
+            > "$OUT/ab_${i}_$k.json" 2> "$OUT/ab_${i}_$k.err" || rc=1
+    done; done
+    echo "== ab $base"
+    python3 - "$OUT" "${AB_VARIANTS:-}" <<'PY'
+import json, sys
+out, variants = sys.argv[1], (sys.argv[2].split(";") if sys.argv[2] else [""])
+for i, v in enumerate(variants):
+    for k in (1, 2):
+        try:
+            d = json.load(open(f"{out}/ab_{i}_{k}.json"))
+        except Exception as e:
+            print(f"  [{v or 'default'}] round {k}: no JSON ({e})"); continue
+        print(f"  [{v or 'default'}] round {k}: " + "; ".join(
+            f'r{r["rank"]} {r["targets"] if r["targets"].count(",") < 6 else "all"} {r["chunk"]}: '
+            f'{r["train_tok_s"]["median"]:.0f} tok/s ({r["step_ms"]["median"]:.2f} ms)' for r in d["runs"]))
+PY
+fi
+# (nsys) one quick dream_gpu_bench run of the first base under Nsight Systems, when the
+# image has it: the kernels' total time against the steps' wall time (nsys_kern.csv)
+if has nsys; then
+    base=${BASES%%,*}; quantized $base
+    NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+    if [ -n "$NSYS" ]; then
+        DREAM_BENCH_QUICK=1 $NSYS profile -t cuda -o $OUT/nsys -f true $B/bin/dream_gpu_bench $M/llama1b_$base.gguf 99 "${CHUNKS##*,}" "$REPS" "${RANKS%%,*}" "${TARGETS%%;*}" \
+            > "$OUT/nsys_bench.json" 2> "$OUT/nsys_bench.err" || rc=1
+        $NSYS stats -r cuda_gpu_kern_sum,cuda_api_sum -f csv -o $OUT/nsys $OUT/nsys.nsys-rep > "$OUT/nsys_stats.log" 2>&1
+        echo "== nsys $base"; head -40 $OUT/nsys_cuda_gpu_kern_sum.csv 2>/dev/null | cut -c1-220; head -15 $OUT/nsys_cuda_api_sum.csv 2>/dev/null | cut -c1-200
+    else
+        echo "== nsys: not in this image"; ls /usr/local/cuda/bin | tr '\n' ' '
+    fi
 fi
 # POST /train against `dreamstage serve -ngl 99` (bench/gpu/serve_train.py) on the
 # first base: the server's Python dependencies travel as wheels in .whl (cp312),
