@@ -55,6 +55,7 @@ from dreamstage.training.drift import (
     _log_softmax,
     anchor_visits,
     anchor_windows,
+    consolidation_visits,
     load_anchors,
     prompt_tokens,
     rehearsal_anchors,
@@ -91,6 +92,22 @@ GRID: dict[str, tuple] = {
     # the defaults (sampled4-ratio2) with a smaller step or a smaller adapter (2026-12-02)
     "sampled4-ratio2-lr3e-4": (3e-4, 30, 8, QV, 2.0, 0.1, {"samples": 4}),
     "sampled4-ratio2-rank2": (1e-3, 10, 2, QV, 2.0, 0.1, {"samples": 4}),
+    # soft targets (2026-12-02): "rehearsal" says what a rehearsal window trains (drift.REHEARSAL_MODES)
+    "soft-ratio2": (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft"}),
+    "soft-ratio8": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft"}),
+    "softsamples4-ratio2": (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft-samples"}),
+    "softsamples4-ratio8": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft-samples"}),
+    # AdamW's eps: its first steps move every parameter by about lr x sign(g), however small g is
+    "soft-ratio8-eps1e-5": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "adam_eps": 1e-5}),
+    "soft-ratio8-eps1e-4": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "adam_eps": 1e-4}),
+    "soft-ratio8-eps1e-3": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "adam_eps": 1e-3}),
+    "soft-ratio8-lr5e-4": (5e-4, 20, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft"}),
+    "soft-ratio8-unseen": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "rehearse_unseen": True}),
+    "soft-ratio2-consolidate4": (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4}),
+    "soft-ratio2-consolidate10": (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 10}),
+    "soft-ratio8-consolidate8": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 8}),
+    "soft-ratio2-consolidate4-unseen": (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4,
+                                                                     "rehearse_unseen": True}),
 }
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 
@@ -184,14 +201,26 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
                 seed=0, on_adapter=None, each_epoch=False, noise=False) -> dict:
     more = dict(more or {})
     samples = more.pop("samples", 0)
+    mode = more.pop("rehearsal", "samples")
+    eps = more.pop("adam_eps", None)       # AdamW's eps (not a job field; the trainer's 1e-8 when None)
+    # rehearse the unseen prompts too (40 rehearsal anchors): does more rehearsal data hold the held-out half?
+    plus_unseen = more.pop("rehearse_unseen", False)
+    consolidate = more.pop("consolidate", 0)   # rehearsal-only epochs (every anchor) after the facts' last epoch
     # the setting's rehearsal data: its first `samples` samples, or the greedy answers
-    bases = [replace(b, samples=b.samples[:samples]) for b in rehearsal.bases]
+    bases = [replace(b, samples=b.samples[:samples], sample_top=b.sample_top[:samples]) for b in rehearsal.bases]
+    if plus_unseen:
+        bases += list(unseen.bases)
     body = {"examples": chat_examples(EVAL_FACTS), "lr": lr, "epochs": epochs, "rank": rank, "targets": targets,
             "seed": seed, **more}
     spec = parse_train_request(body).to_job_spec()
     facts = list(render_job(spec, rm).train)
     anchored = 0
     trainer = native_trainer(rm, spec, spec.chunk)
+    if eps is not None:
+        from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+        trainer.close()
+        trainer = Trainer(rm, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
+                          window=spec.window, chunk=spec.chunk, optimizer=OptimizerConfig(lr=lr, eps=eps))
     # the job's noise margin, as its guard measures it before training (anchors_changed beyond it)
     probe.noise_margin = None
     margin_s = time.perf_counter()
@@ -199,32 +228,43 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     margin_s = time.perf_counter() - margin_s
     t0 = time.perf_counter()
     epoch_losses, updates, recall_per_epoch, drift_per_epoch = [], 0, [], []
+
+    def after_epoch(number: int) -> float:
+        """Recall, and with each_epoch the held-out figures; the seconds the measurement took."""
+        trainer.promote()
+        recall_per_epoch.append(recall(rm, trainer.served_adapter, EVAL_FACTS)[0])
+        if not each_epoch:
+            return 0.0
+        t_e = time.perf_counter()
+        d_e = run_steps(probe.measure(trainer.served_adapter))
+        drift_per_epoch.append({"epoch": number, "drift_kl": d_e.drift_kl, "changed": d_e.changed_raw,
+                                "changed_beyond_margin": d_e.changed,
+                                "changed_at_lead": {str(m): sum(any(x >= m for x in lead) for lead in d_e.flip_leads)
+                                                    for m in DETERMINED_MARGINS}})
+        return time.perf_counter() - t_e
     try:
         for epoch in range(epochs):
             loss_sum = tok = 0.0
             windows = facts + anchor_windows(bases, anchor_visits(len(bases), len(facts), ratio, epoch, seed),
-                                             spec.window)
+                                             spec.window, mode)
             anchored += len(windows) - len(facts)
             for w in epoch_order(len(windows), epoch, seed):
-                rec = trainer.train_window(windows[w].tokens, windows[w].mask)
+                rec = trainer.train_window(windows[w].tokens, windows[w].mask, windows[w].soft)
                 updates += 1
                 if w < len(facts):
                     loss_sum += sum(r.loss * r.tokens for r in rec)
                     tok += sum(r.tokens for r in rec)
             epoch_losses.append(loss_sum / tok)
-            trainer.promote()
-            recall_per_epoch.append(recall(rm, trainer.served_adapter, EVAL_FACTS)[0])
-            if each_epoch:                   # the held-out figures after every epoch (not timed as training)
-                t_e = time.perf_counter()
-                d_e = run_steps(probe.measure(trainer.served_adapter))
-                drift_per_epoch.append({"epoch": epoch + 1, "drift_kl": d_e.drift_kl, "changed": d_e.changed_raw,
-                                        "changed_beyond_margin": d_e.changed,
-                                        "changed_at_lead": {str(m): sum(any(x >= m for x in lead)
-                                                                        for lead in d_e.flip_leads)
-                                                            for m in DETERMINED_MARGINS}})
-                t0 += time.perf_counter() - t_e
+            t0 += after_epoch(epoch + 1)
             if stop_loss is not None and epoch_losses[-1] < stop_loss:
                 break
+        for c in range(consolidate):         # as DriftGuard.consolidation_order visits them
+            windows = anchor_windows(bases, consolidation_visits(len(bases), c, seed), spec.window, mode)
+            anchored += len(windows)
+            for w in windows:
+                trainer.train_window(w.tokens, w.mask, w.soft)
+                updates += 1
+            t0 += after_epoch(len(epoch_losses) + c + 1)
         train_s = time.perf_counter() - t0
         trainer.promote()
         t1 = time.perf_counter()
@@ -240,7 +280,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             on_adapter(trainer.served_adapter)
     finally:
         trainer.close()
-    out = {"name": name, **more, "rehearsal_samples": samples, "lr": lr, "epochs": epochs,
+    out = {"name": name, **more, "rehearsal_samples": samples, "rehearsal": mode, "adam_eps": eps,
+           "rehearse_unseen": plus_unseen, "consolidate": consolidate, "lr": lr, "epochs": epochs,
            "epochs_run": len(epoch_losses), "rank": rank,
            "targets": targets, "anchor_ratio": ratio, "anchor_windows_trained": anchored, "stop_loss": stop_loss,
            "updates": updates, "fact_loss_per_epoch": epoch_losses, "recall_per_epoch": recall_per_epoch,

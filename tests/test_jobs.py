@@ -399,6 +399,28 @@ def test_the_walk_visits_every_chunk_of_every_window_each_epoch():
     assert events.count("window") == 6 and events.count("epoch") == 1 and events[-1] == "done"
 
 
+@pytest.mark.parametrize("stop_after", [1, None], ids=["after-an-early-stop", "after-the-last-epoch"])
+def test_consolidation_walks_its_own_epochs_after_the_jobs(stop_after):
+    """Walk.consolidate: after the job's own epochs end (an early stop at an epoch's
+    end, or "done"), `epochs` more, epoch k visiting orders(k) only, then "done"."""
+    walk = Walk([8, 8, 8, 8], epochs=3, seed=0, chunk=8, floor=4, orders=lambda e: [0, 1])
+    events = []
+    while (s := walk.current()) is not None:
+        events.append((s.epoch, s.window_index, walk.advance({"status": "ok"})))
+        if events[-1][2] == "epoch" and stop_after is not None and s.epoch + 1 == stop_after:
+            break
+        if events[-1][2] == "done":
+            break
+    start = walk.epoch
+    assert start == (stop_after or 3)
+    walk.consolidate(2, lambda k: [3 - k, 2])
+    while (s := walk.current()) is not None:
+        events.append((s.epoch, s.window_index, walk.advance({"status": "ok"})))
+    tail = [(e, w) for e, w, _ in events[-4:]]
+    assert tail == [(start, 3), (start, 2), (start + 1, 2), (start + 1, 2)]
+    assert [ev for *_, ev in events[-4:]] == ["window", "epoch", "window", "done"] and walk.finished
+
+
 def test_a_refusal_retries_the_same_position_with_half_the_chunk_until_the_floor():
     walk = Walk([64], epochs=1, seed=0, chunk=32, floor=8)
     assert walk.advance({"status": "ok"}) == "step"
@@ -651,6 +673,26 @@ def test_a_form_2_spec_reads_back_without_a_drift_kl_bound(tmp_path):
         conn.close()
         old = s.spec(jid)
     assert old.max_drift_kl is None and old.max_drift == 0.05 and old.regularizer == now.regularizer
+    assert (old.lr, old.epochs, old.window, old.examples) == (now.lr, now.epochs, now.window, now.examples)
+
+
+def test_a_form_3_spec_reads_back_rehearsing_samples_without_consolidation(tmp_path):
+    """Form 3 had no `rehearsal` and no `consolidate`: its regularizer trained the
+    base's sampled continuations and training ended with the job's own last
+    epoch, and a job queued then keeps doing so after an upgrade."""
+    with JobStore(tmp_path / "state") as s:
+        jid = s.submit(req())["id"]
+        now = s.spec(jid)
+        assert now.rehearsal == "soft" and now.consolidate > 0
+        stored = json.loads(now.to_stored())
+        stored.pop("rehearsal")
+        stored.pop("consolidate")
+        conn = sqlite3.connect(s.path)
+        conn.execute("UPDATE jobs SET spec=?, spec_version=3 WHERE id=?", (json.dumps(stored), jid))
+        conn.commit()
+        conn.close()
+        old = s.spec(jid)
+    assert old.rehearsal == "samples" and old.consolidate == 0 and old.max_drift_kl == now.max_drift_kl
     assert (old.lr, old.epochs, old.window, old.examples) == (now.lr, now.epochs, now.window, now.examples)
 
 

@@ -37,7 +37,6 @@ waiting request waits about one unit, not one anchor.
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
 import math
 import time
@@ -49,8 +48,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from dreamstage.training.examples import ChatRenderer, TrainWindow
-from dreamstage.training.spec import ChatExample, Message
+from dreamstage.training.examples import ChatRenderer, TrainWindow, epoch_order
+from dreamstage.training.spec import DEFAULT_REHEARSAL, REHEARSAL_MODES, ChatExample, Message
 
 T = TypeVar("T")
 
@@ -90,6 +89,22 @@ NULL_DRAWS = 3
 NULL_SEED = 7
 
 
+
+
+def rehearsal_samples(mode: str) -> int:
+    """Continuations to sample per rehearsal anchor for a job's rehearsal `mode`
+    (spec.REHEARSAL_MODES): "soft" trains the greedy answer and needs none."""
+    return 0 if mode == "soft" else REHEARSAL_SAMPLES
+
+
+def soft_targets(ids: np.ndarray, logp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Recorded top-K rows (ids, log-probabilities) as soft targets: (ids int32,
+    probabilities float32), each row renormalized over its K tokens (the mass
+    outside them, 1.4 % on average on the default model, is left out)."""
+    p = np.exp(np.asarray(logp, np.float64) - np.max(logp, axis=1, keepdims=True))
+    return np.ascontiguousarray(ids, np.int32), (p / p.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
 def _shipped(part: str) -> list[str]:
     text = resources.files("dreamstage").joinpath("data/anchors.json").read_text(encoding="utf-8")
     return list(json.loads(text)[part])
@@ -127,6 +142,9 @@ class AnchorBase:
     tail_logp: np.ndarray               # (len(answer),) float64: log of the mass outside top_ids
     # continuations sampled from the base at temperature 1 (a rehearsal anchor's; see sample_keys)
     samples: tuple[tuple[int, ...], ...] = ()
+    # per sample, the base's distribution it was drawn from at each of its tokens:
+    # (ids, log-probabilities), each (len(sample), TOP_K), as top_ids and top_logp
+    sample_top: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
 
     def leads(self) -> np.ndarray:
         """At each answer position, log p1 - log p2 of the base's top two tokens (nats)."""
@@ -135,16 +153,33 @@ class AnchorBase:
         two = -np.partition(-self.top_logp.astype(np.float64), 1, axis=1)[:, :2]
         return two[:, 0] - two[:, 1]
 
-    def window(self, source: int, label: str, reply: Sequence[int] | None = None) -> TrainWindow:
+    def window(self, source: int, label: str, reply: Sequence[int] | None = None,
+               top: tuple[np.ndarray, np.ndarray] | None = None) -> TrainWindow:
         """A distillation example: the prompt as context, `reply` (the base's
-        greedy continuation when None) trained."""
+        greedy continuation when None) trained; with `top` (ids, log-probabilities)
+        per reply token, against those distributions (soft_targets), not the tokens."""
         reply = tuple(self.continuation if reply is None else reply)
         mask = (0,) * len(self.prompt_tokens) + (1,) * len(reply)
-        return TrainWindow(self.prompt_tokens + reply, mask, source, label)
+        return TrainWindow(self.prompt_tokens + reply, mask, source, label,
+                           soft=None if top is None else soft_targets(*top))
 
-    def windows(self, source: int, label: str) -> list[TrainWindow]:
-        """The regularizer's examples of this anchor: one per sampled
-        continuation, in sample order, or the greedy one when none was sampled."""
+    def windows(self, source: int, label: str, mode: str | None = None) -> list[TrainWindow]:
+        """The regularizer's examples of this anchor (`mode`, a job's `rehearsal`; the default when None):
+
+        - "samples": one per sampled continuation, in sample order, each trained
+          on its tokens (the greedy answer when none was sampled);
+        - "soft": one, the greedy answer as the records decoded it (`answer`),
+          each position trained against the base's recorded distribution there;
+        - "soft-samples": one per sample, each position against the distribution
+          it was drawn from (the greedy "soft" window when none was sampled)."""
+        mode = DEFAULT_REHEARSAL if mode is None else mode
+        if mode not in REHEARSAL_MODES:
+            raise ValueError(f"rehearsal mode {mode!r} is not one of {', '.join(REHEARSAL_MODES)}")
+        if mode == "soft" or (mode == "soft-samples" and not self.sample_top):
+            return [self.window(source, f"{label}.soft", self.answer, (self.top_ids, self.top_logp))]
+        if mode == "soft-samples":
+            return [self.window(source, f"{label}.samples[{i}].soft", s, top)
+                    for i, (s, top) in enumerate(zip(self.samples, self.sample_top, strict=True))]
         if not self.samples:
             return [self.window(source, label)]
         return [self.window(source, f"{label}.samples[{i}]", s) for i, s in enumerate(self.samples)]
@@ -298,12 +333,14 @@ class _Decoder:
         self.clear()
         return out
 
-    def sample_units(self, prompt: Sequence[int], max_tokens: int,
-                     rngs: Sequence[np.random.Generator]) -> Generator[None, None, list[list[int]]]:
+    def sample_units(self, prompt: Sequence[int], max_tokens: int, rngs: Sequence[np.random.Generator],
+                     tops: list | None = None) -> Generator[None, None, list[list[int]]]:
         """One continuation per generator in `rngs`, each token drawn from the
         softmax of its logits (temperature 1), as the greedy answer is decoded.
         The prompt is decoded once; each sample drops the one before it from
-        the sequence and starts again from the prompt's last row."""
+        the sequence and starts again from the prompt's last row. `tops`: a
+        list that gets, per sample, the top-K rows (ids, log-probabilities) of
+        the distributions its tokens were drawn from."""
         self.clear()
         row = yield from self._prompt_units(prompt)
         out = []
@@ -311,7 +348,16 @@ class _Decoder:
             if i:
                 yield
                 self.lc.llama_memory_seq_rm(self.rm.memory, self.seq_id, len(prompt), -1)
-            out.append((yield from self._answer_units(row, len(prompt), max_tokens, functools.partial(_draw, rng=rng))))
+            kept: list[np.ndarray] = []
+
+            def pick(logits: np.ndarray, rng=rng, kept=kept) -> int:
+                if tops is not None:
+                    kept.append(logits)
+                return _draw(logits, rng)
+            out.append((yield from self._answer_units(row, len(prompt), max_tokens, pick)))
+            if tops is not None:
+                ids, logp = _top_k(_log_softmax(np.stack(kept)))
+                tops.append((ids, logp.astype(np.float32)))
         self.clear()
         return out
 
@@ -362,6 +408,13 @@ def sample_keys(prompt: str, n: int) -> list[np.random.Generator]:
     return [np.random.default_rng((SAMPLE_SEED, key, i)) for i in range(n)]
 
 
+def _top_k(logp: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
+    """The top k (ids int32, log-probabilities in logp's type) of each row of logp."""
+    k = min(k, logp.shape[1])
+    top = np.argpartition(-logp, k - 1, axis=1)[:, :k].astype(np.int32)
+    return top, np.take_along_axis(logp, top, axis=1)
+
+
 def _log_softmax(rows: np.ndarray) -> np.ndarray:
     m = rows.max(axis=1, keepdims=True)
     return rows - m - np.log(np.exp(rows - m).sum(axis=1, keepdims=True))
@@ -379,9 +432,10 @@ def record_units(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
         forced = (*prompt_toks, *cont[:-1])
         logp = _log_softmax((yield from dec.forced_units(forced, len(prompt_toks) - 1)))
         drawn: list[list[int]] = []
+        tops: list[tuple[np.ndarray, np.ndarray]] = []
         if samples > 0:
             yield
-            drawn = yield from dec.sample_units(prompt_toks, max_tokens, sample_keys(prompt, samples))
+            drawn = yield from dec.sample_units(prompt_toks, max_tokens, sample_keys(prompt, samples), tops)
     finally:
         dec.close()
     # The measurement decodes the answer teacher-forced, in pieces of
@@ -399,14 +453,12 @@ def record_units(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
             answer = cont[:i] + [int(arg[i])]
             logp = logp[:i + 1]
             break
-    k = min(TOP_K, logp.shape[1])
-    top = np.argpartition(-logp, k - 1, axis=1)[:, :k].astype(np.int32)
-    top_logp = np.take_along_axis(logp, top, axis=1)
+    top, top_logp = _top_k(logp)
     rest = 1.0 - np.exp(top_logp).sum(axis=1)
     with np.errstate(divide="ignore"):
         tail = np.where(rest > 1e-12, np.log(np.clip(rest, 1e-300, None)), -np.inf)
     return AnchorBase(prompt, tuple(prompt_toks), tuple(cont), forced, tuple(answer), top,
-                      top_logp.astype(np.float32), tail, tuple(tuple(d) for d in drawn))
+                      top_logp.astype(np.float32), tail, tuple(tuple(d) for d in drawn), tuple(tops))
 
 
 def drift_units(resident, seq_id: int, base: AnchorBase
@@ -607,6 +659,12 @@ def anchor_visits(n_anchors: int, n_job_windows: int, ratio: float, epoch: int,
     return [(int(perm[p % n_anchors]), p // n_anchors) for p in range(epoch * k, epoch * k + k)]
 
 
+def consolidation_visits(n_anchors: int, epoch: int, seed: int) -> list[tuple[int, int]]:
+    """The (anchor, visit) pairs of rehearsal-only epoch `epoch` (0, 1, ... after
+    the job's own training): every anchor once, visit number `epoch`, in a seeded order."""
+    return [(a, epoch) for a in epoch_order(n_anchors, 1000 + epoch, seed)]
+
+
 def run_steps(gen: Iterator[None]) -> Any:
     """Run a step generator to its end (tests, benchmarks); returns its value."""
     while True:
@@ -616,9 +674,9 @@ def run_steps(gen: Iterator[None]) -> Any:
             return stop.value
 
 
-def rehearsal_windows(base: AnchorBase, index: int, window: int) -> list[TrainWindow]:
+def rehearsal_windows(base: AnchorBase, index: int, window: int, mode: str | None = None) -> list[TrainWindow]:
     """Rehearsal anchor `index`'s windows (AnchorBase.windows) that fit the job's window."""
-    return [w for w in base.windows(-1 - index, f"anchors[{index}]") if len(w) <= window]
+    return [w for w in base.windows(-1 - index, f"anchors[{index}]", mode) if len(w) <= window]
 
 
 def visit_choice(options: Sequence[T], visit: int) -> T:
@@ -628,13 +686,14 @@ def visit_choice(options: Sequence[T], visit: int) -> T:
     return options[visit % len(options)]
 
 
-def anchor_windows(bases: Sequence[AnchorBase], visits: Iterable[tuple[int, int]], window: int) -> list[TrainWindow]:
+def anchor_windows(bases: Sequence[AnchorBase], visits: Iterable[tuple[int, int]], window: int,
+                   mode: str | None = None) -> list[TrainWindow]:
     """The regularizer's windows for (anchor, visit) pairs (anchor_visits),
     each the visit's choice (visit_choice) of the anchor's windows (its greedy
     answer when it has no samples); an anchor with no window that fits is left out."""
     out = []
     for i, v in visits:
-        fitting = rehearsal_windows(bases[i], i, window)
+        fitting = rehearsal_windows(bases[i], i, window, mode)
         if fitting:
             out.append(visit_choice(fitting, v))
     return out

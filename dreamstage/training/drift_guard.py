@@ -10,8 +10,9 @@ decides what they are. One guard per job:
    trainer, the noise margin of those records (`DriftProbe.null_margin`: the
    widest near tie adapters that learned nothing crossed), cached by anchors
    and adapter shape; `anchors_changed` counts only changes beyond it.
-2. `windows` / `order(epoch)`: the job's windows followed by one window per
-   sampled continuation of each rehearsal anchor; each epoch visits every job
+2. `windows` / `order(epoch)`: the job's windows followed by each rehearsal
+   anchor's windows (the job's `rehearsal`: its greedy answer against the
+   base's recorded distributions, or one per sampled continuation); each epoch visits every job
    window and `anchor_ratio` x as many anchor windows (a rotating slice of the
    anchors, `drift.anchor_visits`), each anchor's next sample at each visit,
    shuffled together. With the regularizer off no anchor window is visited.
@@ -33,13 +34,14 @@ from typing import Any
 
 from dreamstage.training.drift import (
     DEFAULT_STEP_MS,
-    REHEARSAL_SAMPLES,
     Drift,
     DriftProbe,
     anchor_visits,
+    consolidation_visits,
     load_anchors,
     prompt_tokens,
     rehearsal_anchors,
+    rehearsal_samples,
     rehearsal_windows,
     visit_choice,
 )
@@ -78,7 +80,7 @@ class DriftGuard:
         self._prompt_span = (min(lengths.values(), default=0), max(lengths.values(), default=0))
         roomy = [p for p, n in lengths.items() if n + MIN_REHEARSED_REPLY <= spec.window]
         self.rehearsal = (DriftProbe(resident, roomy, seq_id=seq_id, restore=restore,
-                                     step_ms=step_ms, samples=REHEARSAL_SAMPLES) if roomy else None)
+                                     step_ms=step_ms, samples=rehearsal_samples(spec.rehearsal)) if roomy else None)
         self.cache = cache
         self.windows: list[Any] = list(train_windows)
         self._anchor_pos: dict[int, list[int]] = {}  # rehearsal anchor -> its windows' positions in self.windows
@@ -101,7 +103,7 @@ class DriftGuard:
             yield from self.rehearsal.record(self.cache)
             self._anchor_pos = {}
             for i, base in enumerate(self._rehearsed):
-                fitting = rehearsal_windows(base, i, self.spec.window)
+                fitting = rehearsal_windows(base, i, self.spec.window, self.spec.rehearsal)
                 if fitting:
                     self._anchor_pos[i] = list(range(len(self.windows), len(self.windows) + len(fitting)))
                     self.windows.extend(fitting)
@@ -115,6 +117,17 @@ class DriftGuard:
         visit = list(range(self.n_train)) + picked
         return [visit[i] for i in epoch_order(len(visit), epoch, self.spec.seed)]
 
+    def consolidation_order(self, epoch: int) -> list[int]:
+        """Window indices of rehearsal-only epoch `epoch` (0, 1, ... after the
+        job's own training): every rehearsal anchor's visit choice once, no job window."""
+        return [visit_choice(self._anchor_pos[a], v)
+                for a, v in consolidation_visits(len(self._rehearsed), epoch, self.spec.seed) if a in self._anchor_pos]
+
+    def consolidates(self) -> bool:
+        """Whether the job's training ends with rehearsal-only epochs: `consolidate`
+        > 0, the regularizer on and some rehearsal anchor fits the job's window."""
+        return self.ratio > 0 and self.spec.consolidate > 0 and bool(self._anchor_pos) and self.failure is None
+
     def anchor_windows_per_epoch(self) -> int:
         return len(self.order(0)) - self.n_train
 
@@ -127,7 +140,7 @@ class DriftGuard:
         total, used = len(self.rehearsal_prompts), len(self._anchor_pos)
         if used == total:
             return None
-        lengths = [len(w) for i, b in enumerate(self._rehearsed) for w in b.windows(-1 - i, "")]
+        lengths = [len(w) for i, b in enumerate(self._rehearsed) for w in b.windows(-1 - i, "", self.spec.rehearsal)]
         need = (f"the shortest needs {min(lengths)} tokens" if lengths else
                 "their prompts alone take {} to {} tokens".format(*self._prompt_span))
         if used == 0:

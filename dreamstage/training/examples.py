@@ -109,12 +109,17 @@ class TrainWindow:
     mask: tuple[int, ...]
     source: int = 0          # the body example it came from
     label: str = ""          # e.g. "examples[2]" or "text"
+    # soft targets (ids, probs), each (targets, k): target r is trained against row r's
+    # distribution instead of the token itself (Trainer.begin_window's `soft`); None: one-hot
+    soft: tuple[Any, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if len(self.tokens) != len(self.mask):
             raise ValueError(f"{len(self.tokens)} tokens but {len(self.mask)} mask entries")
         if self.mask and self.mask[0]:
             raise ValueError("mask[0] must be 0: no position predicts a window's first token")
+        if self.soft is not None and len(self.soft[0]) != self.n_targets:
+            raise ValueError(f"{len(self.soft[0])} soft target rows but {self.n_targets} targets")
 
     def __len__(self) -> int:
         return len(self.tokens)

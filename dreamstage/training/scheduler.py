@@ -502,6 +502,7 @@ class DreamScheduler:
         if rendered.held_out and spec.promote == "auto":
             eval_before = yield from self._evaluate(spec, trainer, rendered.held_out, spec.chunk, notes)
         begun = None
+        consolidating = False                           # in the rehearsal-only epochs (spec.consolidate)
         memory_cap = spec.chunk                         # the memory ladder's chunk (halved on a refusal)
         resume_threads: int | None = None               # set while a step stopped at its deadline waits to go on
         while (cur := run.current()) is not None:
@@ -522,7 +523,7 @@ class DreamScheduler:
                 if group:
                     trainer.begin_group(window.prefix, window.replies, window.share_prefix)
                 else:
-                    trainer.begin_window(window.tokens, window.mask)
+                    trainer.begin_window(window.tokens, window.mask, window.soft)
                 begun = (step.epoch, step.order_pos)
             if self._shaper is not None:
                 trainer.set_step_deadline(self._shaper.deadline_ms())
@@ -554,7 +555,16 @@ class DreamScheduler:
                 if rendered.held_out:
                     ev = yield from self._evaluate(spec, trainer, rendered.held_out, memory_cap, notes)
                 run.end_epoch(ev)
-                if own.converged() and event == "epoch":
+                stop = own.converged() and event == "epoch"
+                if (stop or event == "done") and guard is not None and not consolidating and guard.consolidates():
+                    # the job's own training is over: rehearsal-only epochs follow (spec.consolidate)
+                    if stop:
+                        notes.append(own.stop_note(run.walk.epoch))
+                    consolidating = True
+                    run.consolidate(spec.consolidate, guard.consolidation_order)
+                    notes.append(f"then {spec.consolidate} rehearsal-only epochs (consolidate)")
+                    stop, event = False, "epoch"
+                if stop:
                     notes.append(own.stop_note(run.walk.epoch))
                     yield
                     break

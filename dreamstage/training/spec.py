@@ -65,6 +65,18 @@ DEFAULT_EPOCHS = 10            # an upper bound: stop_loss usually ends a small 
 # rehearsal 2 held drift as well as 8 (four seeds side by side, docs/benchmarks.md,
 # Drift) in about 30% less training time
 DEFAULT_ANCHOR_RATIO = 2.0
+# What a rehearsal window trains (drift.AnchorBase.windows): "soft", the base's
+# greedy answer against its recorded next-token distribution at each position
+# (KL(base || adapter) plus a constant); "samples", cross-entropy on the base's
+# sampled continuations (the same term in expectation, one noisy draw a visit);
+# "soft-samples", the samples against the distributions they were drawn from
+Rehearsal = Literal["soft", "samples", "soft-samples"]
+REHEARSAL_MODES: tuple[Rehearsal, ...] = ("soft", "samples", "soft-samples")
+DEFAULT_REHEARSAL: Rehearsal = "soft"
+# rehearsal-only epochs after the job's own training ended (its early stop or
+# its last epoch): each trains every rehearsal anchor once and no job window
+DEFAULT_CONSOLIDATE = 4
+MAX_CONSOLIDATE = 64
 DEFAULT_MAX_DRIFT = 1.0        # auto promotion: at most this fraction of anchor answers changed (1: not bounded)
 DEFAULT_MAX_DRIFT_KL = 1.0     # auto promotion: at most this mean KL (nats) from the base on the held-out anchors
 DEFAULT_STOP_LOSS = 0.1        # end training after an epoch whose own-window loss is below this
@@ -317,10 +329,13 @@ class SourcedExample:
 #    stop_loss) and group_prefix. A form-1 spec was accepted without them and
 #    reads back as it meant then: no rehearsal, no early stop, no grouping.
 # 3: max_drift_kl. A form-2 spec had no bound on drift_kl.
-SPEC_VERSION = 3
+# 4: rehearsal and consolidate. Forms 2 and 3 rehearsed sampled continuations
+#    and ended with the job's own last epoch.
+SPEC_VERSION = 4
 _SPEC_V1_MEANING = {"regularizer": False, "anchor_ratio": 0.0, "anchors": (), "stop_loss": None,
-                    "group_prefix": False, "max_drift_kl": None}
-_SPEC_V2_MEANING = {"max_drift_kl": None}
+                    "group_prefix": False, "max_drift_kl": None, "rehearsal": "samples", "consolidate": 0}
+_SPEC_V2_MEANING = {"max_drift_kl": None, "rehearsal": "samples", "consolidate": 0}
+_SPEC_V3_MEANING = {"rehearsal": "samples", "consolidate": 0}
 
 
 @dataclass(frozen=True)
@@ -351,6 +366,8 @@ class JobSpec:
     out: str | None
     regularizer: bool = True
     anchor_ratio: float = DEFAULT_ANCHOR_RATIO
+    rehearsal: Rehearsal = DEFAULT_REHEARSAL
+    consolidate: int = DEFAULT_CONSOLIDATE
     anchors: tuple[str, ...] = ()
     max_drift: float = DEFAULT_MAX_DRIFT
     max_drift_kl: float | None = DEFAULT_MAX_DRIFT_KL   # None: drift_kl not bounded
@@ -396,13 +413,15 @@ class JobSpec:
 
     @classmethod
     def from_stored(cls, text: str, version: int) -> JobSpec:
-        if version not in (1, 2, SPEC_VERSION):
+        if version not in (1, 2, 3, SPEC_VERSION):
             raise ValueError(f"a job spec stored in form {version}; this dreamstage reads forms 1 to {SPEC_VERSION}")
         d = json.loads(text)
         if version == 1:
             d.update(_SPEC_V1_MEANING)
         elif version == 2:
             d.update(_SPEC_V2_MEANING)
+        elif version == 3:
+            d.update(_SPEC_V3_MEANING)
         d["targets"] = tuple(d["targets"])
         d["anchors"] = tuple(d.get("anchors", ()))
         d["pacing"] = PacingSpec(**d["pacing"])
@@ -469,6 +488,8 @@ class TrainRequest(BaseModel):
     # the drift guard (docs/architecture/drift.md)
     regularizer: bool = True
     anchor_ratio: float = Field(default=DEFAULT_ANCHOR_RATIO, gt=0.0, le=64.0)
+    rehearsal: Rehearsal = DEFAULT_REHEARSAL
+    consolidate: int = Field(default=DEFAULT_CONSOLIDATE, ge=0, le=MAX_CONSOLIDATE)
     anchors: list[str] | None = Field(default=None, max_length=MAX_EXTRA_ANCHORS)
     max_drift: float = Field(default=DEFAULT_MAX_DRIFT, ge=0.0, le=1.0)
     # null: drift_kl not bounded
@@ -639,6 +660,8 @@ class TrainRequest(BaseModel):
             out=self.out,
             regularizer=self.regularizer,
             anchor_ratio=self.anchor_ratio,
+            rehearsal=self.rehearsal,
+            consolidate=self.consolidate,
             anchors=tuple(self.anchors or ()),
             max_drift=self.max_drift,
             max_drift_kl=self.max_drift_kl,

@@ -153,6 +153,15 @@ class Walk:
             return "step"
         return self._next_window()
 
+    def consolidate(self, epochs: int, orders: Callable[[int], list[int]]) -> None:
+        """After the job's own training (its early stop at an epoch's end, or "done"):
+        `epochs` more epochs, epoch k (0, 1, ...) visiting `orders(k)`."""
+        start = self.epoch
+        self.epochs = start + epochs
+        self.orders = lambda e: orders(e - start)
+        self.order_pos = self.chunk_pos = 0
+        self._order = self._epoch_order()
+
     def _next_window(self) -> str:
         self.chunk_pos = 0
         self.order_pos += 1
@@ -231,3 +240,9 @@ class JobRun:
 
     def end_epoch(self, eval_loss: float | None) -> dict[str, Any]:
         return self.store.end_epoch(self.job_id, eval_loss)
+
+    def consolidate(self, epochs: int, orders: Callable[[int], list[int]]) -> None:
+        """Walk.consolidate, with the job's progress (epochs, windows per epoch) to match."""
+        self.walk.consolidate(epochs, orders)
+        self.store.update_progress(self.job_id, epochs=self.walk.epochs, windows=len(self.walk._order),
+                                   window_in_epoch=0)
