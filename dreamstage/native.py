@@ -338,8 +338,8 @@ def _declare(L: ctypes.CDLL) -> None:
     L.dream_cpu_get_rows_check.restype = ctypes.c_bool
     # bool dream_swiglu_back_check(const float * g, const float * u, const float * w, int64_t n_ff, int64_t n_tok,
     #                              int32_t n_threads, bool fused, float * dg, float * du, int32_t * fused_nodes);
-    L.dream_swiglu_back_check.argtypes = [f32p, f32p, f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_bool,
-                                          f32p, f32p, ctypes.POINTER(ctypes.c_int32)]
+    L.dream_swiglu_back_check.argtypes = [f32p, f32p, f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
+                                          ctypes.c_bool, f32p, f32p, ctypes.POINTER(ctypes.c_int32)]
     L.dream_swiglu_back_check.restype = ctypes.c_bool
     # bool dream_cpu_exp_check(const float * x, int64_t n, float * out);
     L.dream_cpu_exp_check.argtypes = [f32p, ctypes.c_int64, f32p]
