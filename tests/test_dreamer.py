@@ -53,9 +53,9 @@ class FakeTrainer:
                            False, False, -1, "backward" if tokens else "forward", loss, tokens, 1.0, 2.0, 0.5, 0.25, 0.5, 0.0,
                            pos if refused else -1, n if refused else 0, need, allowance, message)
 
-    def begin_window(self, tokens, mask):
+    def begin_window(self, tokens, mask, soft=None):
         assert not self.closed
-        self.tokens, self.mask, self.pos = tuple(tokens), tuple(mask), 0
+        self.tokens, self.mask, self.pos, self.soft = tuple(tokens), tuple(mask), 0, soft
 
     @property
     def chunks_left(self):

@@ -459,7 +459,7 @@ class FakeTrainer:
     def __init__(self, chunk, fits):
         self.chunk, self.fits, self.pos, self.n, self.mask, self.step_no = chunk, fits, 0, 0, (), 0
 
-    def begin_window(self, tokens, mask):
+    def begin_window(self, tokens, mask, soft=None):
         self.pos, self.n, self.mask = 0, len(tokens), mask
 
     def micro_step(self):
