@@ -6,6 +6,8 @@
         --only defaults sampled4 sampled4-ratio2
     nice python bench/bench_drift.py --seed 3 --only sampled4-ratio2 --each-epoch --noise-margin \
         --out bench/results/drift-determined-seed3-2026-12-02.json
+    nice -n 5 python bench/bench_drift.py --seed 3 --only soft-ratio2-consolidate4 --each-epoch --noise-margin \
+        --out bench/results/drift-soft-defaults-seed3-2026-12-02.json
 
 One resident default model (SmolLM2-135M Q4_1), one thread (two shared
 cores). The base answers of the shipped anchors (both halves) and of
@@ -27,6 +29,11 @@ null adapters flipped leads up to 0.35, the tests' draws up to 0.78),
 guard does (so `anchors_changed` is the job's figure, `anchors_changed_raw`
 every change), and `--each-epoch` records the held-out figures after every
 epoch. Results go to JSON; docs/benchmarks.md quotes the table.
+A setting's `rehearsal` is the job field (soft targets by default
+since 2026-12-02; "samples" otherwise here), `consolidate` the rehearsal-only
+epochs after the facts' stop (in DriftGuard.consolidation_order's order);
+`adam_eps`, `rehearse_unseen` (the unseen prompts rehearsed too) and
+`consolidate_facts` (the facts in those epochs too) are the benchmark's own.
 (bench/results/drift-grid.json is the first session's run, before the
 split: its "anchors" were all 40, rehearsed and measured alike.)
 """
@@ -108,6 +115,8 @@ GRID: dict[str, tuple] = {
     "soft-ratio8-consolidate8": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 8}),
     "soft-ratio2-consolidate4-unseen": (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4,
                                                                      "rehearse_unseen": True}),
+    "soft-ratio2-consolidate4-unseen-facts": (1e-3, 10, 8, QV, 2.0, 0.1, {
+        "samples": 4, "rehearsal": "soft", "consolidate": 4, "rehearse_unseen": True, "consolidate_facts": True}),
 }
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 
@@ -206,6 +215,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     # rehearse the unseen prompts too (40 rehearsal anchors): does more rehearsal data hold the held-out half?
     plus_unseen = more.pop("rehearse_unseen", False)
     consolidate = more.pop("consolidate", 0)   # rehearsal-only epochs (every anchor) after the facts' last epoch
+    # the facts' windows once in each of those epochs too (not what a job does: a question for more prompts)
+    consolidate_facts = more.pop("consolidate_facts", False)
     # the setting's rehearsal data: its first `samples` samples, or the greedy answers
     bases = [replace(b, samples=b.samples[:samples], sample_top=b.sample_top[:samples]) for b in rehearsal.bases]
     if plus_unseen:
@@ -261,6 +272,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         for c in range(consolidate):         # as DriftGuard.consolidation_order visits them
             windows = anchor_windows(bases, consolidation_visits(len(bases), c, seed), spec.window, mode)
             anchored += len(windows)
+            if consolidate_facts:
+                windows = [(facts + windows)[i] for i in epoch_order(len(facts) + len(windows), 1000 + c, seed)]
             for w in windows:
                 trainer.train_window(w.tokens, w.mask, w.soft)
                 updates += 1
@@ -281,7 +294,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     finally:
         trainer.close()
     out = {"name": name, **more, "rehearsal_samples": samples, "rehearsal": mode, "adam_eps": eps,
-           "rehearse_unseen": plus_unseen, "consolidate": consolidate, "lr": lr, "epochs": epochs,
+           "rehearse_unseen": plus_unseen, "consolidate": consolidate,
+           "consolidate_facts": consolidate_facts, "lr": lr, "epochs": epochs,
            "epochs_run": len(epoch_losses), "rank": rank,
            "targets": targets, "anchor_ratio": ratio, "anchor_windows_trained": anchored, "stop_loss": stop_loss,
            "updates": updates, "fact_loss_per_epoch": epoch_losses, "recall_per_epoch": recall_per_epoch,
