@@ -20,7 +20,6 @@
 #      on the first base (needs .whl, carried: the server's dependencies as cp312
 #      wheels, from `bash bench/gpu/fetch_wheels.sh` on the dev machine);
 #   7. (ab) AB_VARIANTS: the same quick bench under each set of environment variables, alternating;
-#   8. (nsys) a quick bench under Nsight Systems when the image has it;
 #   4. (decode) dream_lora_check: the fused LoRA decode kernel (patch 0104) against exact
 #      arithmetic and against upstream's nodes; dream_decode_bench: decode with a served
 #      adapter against the bare model, with the fusion and without (DECODE_RANKS and
@@ -54,7 +53,7 @@ if has peft; then
 fi
 # models are written by the CPU while the CUDA build runs
 ( python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/small_f32.gguf --quant f32 --shape small
-  if has bench || has decode || has profile || has serve || has ab || has nsys; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
+  if has bench || has decode || has profile || has serve || has ab; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
 ) > "$OUT/make_model.log" 2>&1 &
 GEN=$!
 t0=$(date +%s)
@@ -170,20 +169,6 @@ for i, v in enumerate(variants):
             f'r{r["rank"]} {r["targets"] if r["targets"].count(",") < 6 else "all"} {r["chunk"]}: '
             f'{r["train_tok_s"]["median"]:.0f} tok/s ({r["step_ms"]["median"]:.2f} ms)' for r in d["runs"]))
 PY
-fi
-# (nsys) one quick dream_gpu_bench run of the first base under Nsight Systems, when the
-# image has it: the kernels' total time against the steps' wall time (nsys_kern.csv)
-if has nsys; then
-    base=${BASES%%,*}; quantized $base
-    NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
-    if [ -n "$NSYS" ]; then
-        DREAM_BENCH_QUICK=1 $NSYS profile -t cuda -o $OUT/nsys -f true $B/bin/dream_gpu_bench $M/llama1b_$base.gguf 99 "${CHUNKS##*,}" "$REPS" "${RANKS%%,*}" "${TARGETS%%;*}" \
-            > "$OUT/nsys_bench.json" 2> "$OUT/nsys_bench.err" || rc=1
-        $NSYS stats -r cuda_gpu_kern_sum,cuda_api_sum -f csv -o $OUT/nsys $OUT/nsys.nsys-rep > "$OUT/nsys_stats.log" 2>&1
-        echo "== nsys $base"; head -40 $OUT/nsys_cuda_gpu_kern_sum.csv 2>/dev/null | cut -c1-220; head -15 $OUT/nsys_cuda_api_sum.csv 2>/dev/null | cut -c1-200
-    else
-        echo "== nsys: not in this image"; ls /usr/local/cuda/bin | tr '\n' ' '
-    fi
 fi
 # POST /train against `dreamstage serve -ngl 99` (bench/gpu/serve_train.py) on the
 # first base: the server's Python dependencies travel as wheels in .whl (cp312),

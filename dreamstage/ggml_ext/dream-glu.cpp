@@ -14,7 +14,7 @@
 //
 // The node is a GGML_OP_CUSTOM with a CPU implementation here (all threads;
 // vectorized in dream-cpu-exp.cpp on AVX-512, whose e^x SILU_BACK used) and
-// a CUDA one in cuda/swiglu-back.cu: patch 0108 lets ggml-cuda claim custom ops
+// a CUDA one in cuda/custom-ops.cu: patch 0108 lets ggml-cuda claim custom ops
 // that carry our tag in their op params and lets the application take over the
 // backward of an op ggml differentiates itself (ggml_set_backward_ext_first).
 // Its output is one F32 tensor of twice g's size: dg, then du, each contiguous.
@@ -53,13 +53,12 @@ void swiglu_back_cpu(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     if (r0 >= r1) {
         return;
     }
-    float * out = (float *) dst->data;
-    if (dream_cpu_swiglu_back((const float *) dy->data + r0 * nc, (const float *) g->data + r0 * nc,
-                              (const float *) u->data + r0 * nc, out + r0 * nc, out + n + r0 * nc, (r1 - r0) * nc)) {
-        return;   // AVX-512 (dream-cpu-exp.cpp)
+    const int64_t at = r0 * nc, len = (r1 - r0) * nc;
+    const float * pdy = (const float *) dy->data + at, * pg = (const float *) g->data + at, * pu = (const float *) u->data + at;
+    float * pdg = (float *) dst->data + at, * pdu = (float *) dst->data + n + at;
+    if (!dream_cpu_swiglu_back(pdy, pg, pu, pdg, pdu, len)) {   // AVX-512 (dream-cpu-exp.cpp), else the scalar loop
+        swiglu_back_rows(pdy, pg, pu, pdg, pdu, len);
     }
-    swiglu_back_rows((const float *) dy->data + r0 * nc, (const float *) g->data + r0 * nc,
-                     (const float *) u->data + r0 * nc, out + r0 * nc, out + n + r0 * nc, (r1 - r0) * nc);
 }
 
 bool fused_glu_on() {
@@ -91,10 +90,8 @@ ggml_tensor * swiglu_back_node(ggml_context * ctx, ggml_tensor * dy, ggml_tensor
     return node;
 }
 
-bool swiglu_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * grad, ggml_tensor ** out) {
-    if (!handled(t)) {
-        return false;
-    }
+// for a node claims() took
+void swiglu_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * grad, ggml_tensor ** out) {
     ggml_tensor * g = t->src[0], * u = t->src[1];
     ggml_tensor * node = swiglu_back_node(ctx, grad, g, u);
     ggml_format_name(node, "dream_swiglu_back(%s)", t->name);
@@ -102,14 +99,17 @@ bool swiglu_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * grad, gg
     out[0] = ggml_view_4d(ctx, node, g->ne[0], g->ne[1], g->ne[2], g->ne[3], g->nb[1], g->nb[2], g->nb[3], 0);
     out[1] = ggml_view_4d(ctx, node, g->ne[0], g->ne[1], g->ne[2], g->ne[3], g->nb[1], g->nb[2], g->nb[3],
                           (size_t) ggml_nelements(g) * f);
-    return true;
 }
 
 // ggml's backward builder asks this for every op it meets (patch 0105 for those
 // it does not differentiate, patch 0108 first for those claims() takes over)
 bool backward_ext(ggml_context * ctx, ggml_tensor * t, ggml_tensor * grad, ggml_tensor ** out) {
     if (t->op == GGML_OP_GLU) {
-        return claims(t) && swiglu_backward(ctx, t, grad, out);
+        if (!claims(t)) {
+            return false;
+        }
+        swiglu_backward(ctx, t, grad, out);
+        return true;
     }
     return dream_fattn_backward(ctx, t, grad, out);
 }
