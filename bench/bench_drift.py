@@ -53,7 +53,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from drift_facts import EVAL_FACTS, UNSEEN_PROMPTS, chat_examples
+from drift_facts import EVAL_FACTS, EXTRA_REHEARSAL_PROMPTS, UNSEEN_PROMPTS, chat_examples
 
 from dreamstage.resident import ResidentConfig, ResidentModel
 from dreamstage.training.drift import (
@@ -118,6 +118,25 @@ GRID: dict[str, tuple] = {
     "soft-ratio2-consolidate4-unseen-facts": (1e-3, 10, 8, QV, 2.0, 0.1, {
         "samples": 4, "rehearsal": "soft", "consolidate": 4, "rehearse_unseen": True, "consolidate_facts": True}),
 }
+# 2026-12-02, 16:10-17:50 UTC. The first five were run with the 20 rehearsal prompts shipped
+# then (the projection's and the decay's rows) ...
+for _e in (0.9, 0.99):     # A kept out of the rehearsal windows' input span (drift_project.py)
+    GRID[f"defaults-project{_e}"] = (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4,
+                                                                 "project": _e})
+GRID["defaults-decay"] = (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4,
+                                                        "consolidate_decay": True})
+# ... and the rehearsal step taken 3x (emulated), on the 80 prompts of the set now shipped
+GRID["ratio2-step3-c0"] = (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "rehearsal_step": 3.0})
+# the 80 prompts shipped since: ratio 2 and 4 rehearsal-only epochs (the defaults before), ratio 8
+# with none, with 2 (the defaults since), with 2 and the facts in them; and 140 prompts
+GRID["ratio2-c4"] = (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4})
+GRID["ratio8-c0"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft"})
+GRID["ratio8-c2"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
+GRID["ratio8-c2-facts"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                         "consolidate_facts": True})
+GRID["ratio8-c2-extra60"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                           "rehearse_extra": 60})
+_ACTS: dict = {}
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 
 
@@ -217,10 +236,23 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     consolidate = more.pop("consolidate", 0)   # rehearsal-only epochs (every anchor) after the facts' last epoch
     # the facts' windows once in each of those epochs too (not what a job does: a question for more prompts)
     consolidate_facts = more.pop("consolidate_facts", False)
+    project = more.pop("project", None)      # A kept out of the rehearsal windows' input span (drift_project.py)
+    # the consolidation's step size falling linearly to 0 over its updates (emulated: each update
+    # taken as a fraction of AdamW's step, since lr does not enter the moments)
+    decay = more.pop("consolidate_decay", False)
+    extra = more.pop("rehearse_extra", 0)      # the first this many EXTRA_REHEARSAL_PROMPTS rehearsed too
+    rstep = more.pop("rehearsal_step", 1.0)   # a rehearsal window's update taken at this multiple (emulated)
     # the setting's rehearsal data: its first `samples` samples, or the greedy answers
     bases = [replace(b, samples=b.samples[:samples], sample_top=b.sample_top[:samples]) for b in rehearsal.bases]
     if plus_unseen:
         bases += list(unseen.bases)
+    if extra:
+        key = ("extra", extra)
+        if key not in _ACTS:
+            ex = DriftProbe(rm, EXTRA_REHEARSAL_PROMPTS[:extra], seq_id=0)
+            run_steps(ex.record())
+            _ACTS[key] = list(ex.bases)
+        bases += _ACTS[key]
     body = {"examples": chat_examples(EVAL_FACTS), "lr": lr, "epochs": epochs, "rank": rank, "targets": targets,
             "seed": seed, **more}
     spec = parse_train_request(body).to_job_spec()
@@ -232,6 +264,15 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         trainer.close()
         trainer = Trainer(rm, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
                           window=spec.window, chunk=spec.chunk, optimizer=OptimizerConfig(lr=lr, eps=eps))
+    proj = None
+    if project is not None:
+        from drift_project import Projection, attn_inputs, projectors
+        key = ("acts", len(bases))
+        if key not in _ACTS:
+            _ACTS[key] = attn_inputs(rm.model_path, [b.prompt_tokens + tuple(b.answer) for b in bases])
+        projs, ks = projectors(_ACTS[key], project)
+        print(f"projection energy {project}: k per layer {ks}", flush=True)
+        proj = Projection(trainer, projs)
     # the job's noise margin, as its guard measures it before training (anchors_changed beyond it)
     probe.noise_margin = None
     margin_s = time.perf_counter()
@@ -260,7 +301,12 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
                                              spec.window, mode)
             anchored += len(windows) - len(facts)
             for w in epoch_order(len(windows), epoch, seed):
+                before_step = trainer.lora_parameters() if (rstep != 1.0 and w >= len(facts)) else None
                 rec = trainer.train_window(windows[w].tokens, windows[w].mask, windows[w].soft)
+                if before_step is not None:
+                    trainer.set_lora_parameters(before_step + rstep * (trainer.lora_parameters() - before_step))
+                if proj is not None:
+                    proj.apply()
                 updates += 1
                 if w < len(facts):
                     loss_sum += sum(r.loss * r.tokens for r in rec)
@@ -269,13 +315,24 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             t0 += after_epoch(epoch + 1)
             if stop_loss is not None and epoch_losses[-1] < stop_loss:
                 break
+        plan = []
         for c in range(consolidate):         # as DriftGuard.consolidation_order visits them
             windows = anchor_windows(bases, consolidation_visits(len(bases), c, seed), spec.window, mode)
-            anchored += len(windows)
             if consolidate_facts:
                 windows = [(facts + windows)[i] for i in epoch_order(len(facts) + len(windows), 1000 + c, seed)]
+            plan.append(windows)
+        n_cons, done_cons = sum(len(x) for x in plan), 0
+        for c, windows in enumerate(plan):
+            anchored += len(windows)
             for w in windows:
+                before_step = trainer.lora_parameters() if decay else None
                 trainer.train_window(w.tokens, w.mask, w.soft)
+                if decay:
+                    frac = 1.0 - (done_cons + 0.5) / n_cons
+                    trainer.set_lora_parameters(before_step + frac * (trainer.lora_parameters() - before_step))
+                done_cons += 1
+                if proj is not None:
+                    proj.apply()
                 updates += 1
             t0 += after_epoch(len(epoch_losses) + c + 1)
         train_s = time.perf_counter() - t0
@@ -293,9 +350,10 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             on_adapter(trainer.served_adapter)
     finally:
         trainer.close()
-    out = {"name": name, **more, "rehearsal_samples": samples, "rehearsal": mode, "adam_eps": eps,
+    out = {"name": name, **more, "project": project, "rehearsal_samples": samples, "rehearsal": mode, "adam_eps": eps,
            "rehearse_unseen": plus_unseen, "consolidate": consolidate,
-           "consolidate_facts": consolidate_facts, "lr": lr, "epochs": epochs,
+           "consolidate_facts": consolidate_facts, "consolidate_decay": decay, "rehearse_extra": extra,
+           "rehearsal_step": rstep, "lr": lr, "epochs": epochs,
            "epochs_run": len(epoch_losses), "rank": rank,
            "targets": targets, "anchor_ratio": ratio, "anchor_windows_trained": anchored, "stop_loss": stop_loss,
            "updates": updates, "fact_loss_per_epoch": epoch_losses, "recall_per_epoch": recall_per_epoch,

@@ -7,6 +7,7 @@ job) once per module; the base records of the anchors are shared by them.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -336,7 +337,12 @@ def test_an_epochs_rehearsal_windows_train_each_anchors_samples_in_turn(dream_re
                           z[:, 0], samples=tuple((1000 + k, 2000 + j) for j in range(S)))
 
     cache = {p: fake(k, p) for k, p in enumerate(load_anchors() + rehearsal_anchors())}
-    for ratio, epochs, rounds in [(8.0, S, 1), (2.0, 2 * S, 2)]:       # 5 facts: 20 anchors, then 10, an epoch
+    n = len(rehearsal_anchors())
+    for ratio in (8.0, 2.0):
+        per_epoch = min(n, math.ceil(ratio * len(TEST_FACTS)))   # anchors an epoch
+        rounds = math.ceil(n / per_epoch)                          # epochs that visit every anchor once
+        assert n % per_epoch == 0, "the shipped set is a whole number of rotations at these ratios"
+        epochs = rounds * S
         spec = parse_train_request({"examples": chat(TEST_FACTS), "anchor_ratio": ratio,
                                     "rehearsal": "samples"}).to_job_spec()
         train = list(render_job(spec, dream_resident).train)
@@ -345,20 +351,20 @@ def test_an_epochs_rehearsal_windows_train_each_anchors_samples_in_turn(dream_re
         trained: dict[str, list[int]] = {}
         for epoch in range(epochs):
             picked = [guard.windows[i] for i in guard.order(epoch) if i >= len(train)]
-            assert len(picked) == 20 // rounds
+            assert len(picked) == per_epoch
             for w in picked:
                 base = cache[rehearsal_anchors()[-1 - w.source]]
                 reply = w.tokens[len(base.prompt_tokens):]
                 assert w.tokens[:len(base.prompt_tokens)] == base.prompt_tokens and reply in base.samples
                 assert all(w.mask[len(base.prompt_tokens):]) and not any(w.mask[:len(base.prompt_tokens)])
                 trained.setdefault(base.prompt, []).append(base.samples.index(reply))
-        assert len(trained) == 20 and all(v == list(range(S)) for v in trained.values()), trained
+        assert len(trained) == n and all(v == list(range(S)) for v in trained.values()), trained
     spec = parse_train_request({"examples": chat(TEST_FACTS)}).to_job_spec()
     train = list(render_job(spec, dream_resident).train)
     guard = DriftGuard(dream_resident, spec, train, seq_id=0, restore=lambda: None, cache=cache)
     run_steps(guard.record())
     soft = guard.windows[len(train):]
-    assert len(soft) == 20 and all(w.soft is not None for w in soft)
+    assert len(soft) == n and all(w.soft is not None for w in soft)
     for w in soft:
         base = cache[rehearsal_anchors()[-1 - w.source]]
         assert w.tokens == base.prompt_tokens + base.answer and np.array_equal(w.soft[0], base.top_ids)
@@ -366,7 +372,7 @@ def test_an_epochs_rehearsal_windows_train_each_anchors_samples_in_turn(dream_re
     assert guard.consolidates() and spec.consolidate > 0
     firsts = [guard.consolidation_order(k) for k in range(3)]
     for order in firsts:
-        assert sorted(order) == list(range(len(train), len(train) + 20))
+        assert sorted(order) == list(range(len(train), len(train) + n))
     assert firsts[0] != firsts[1] != firsts[2]
     off = parse_train_request({"examples": chat(TEST_FACTS), "regularizer": False}).to_job_spec()
     none = parse_train_request({"examples": chat(TEST_FACTS), "consolidate": 0}).to_job_spec()
@@ -568,7 +574,8 @@ def test_a_window_too_short_for_every_rehearsal_anchor_records_none_and_says_so(
     assert short.rehearsal is None                     # no prompt leaves room for a reply: nothing recorded
     run_steps(short.record())
     note = short.rehearsal_note()
-    assert note.startswith("no rehearsal: none of the 20 rehearsal anchors fits window 32 (their prompts alone take ")
+    assert note.startswith(f"no rehearsal: none of the {len(rehearsal_anchors())} rehearsal anchors fits window 32 "
+                           "(their prompts alone take ")
     assert short.anchor_windows_per_epoch() == 0
     full = DriftGuard(dream_resident, parse_train_request({"text": "x"}).to_job_spec(), [], seq_id=0,
                       restore=lambda: None, cache=cache)
