@@ -118,7 +118,7 @@ GRID: dict[str, tuple] = {
     "soft-ratio2-consolidate4-unseen-facts": (1e-3, 10, 8, QV, 2.0, 0.1, {
         "samples": 4, "rehearsal": "soft", "consolidate": 4, "rehearse_unseen": True, "consolidate_facts": True}),
 }
-# 2026-12-02, 16:10-17:50 UTC. The first five were run with the 20 rehearsal prompts shipped
+# 2026-12-02, 16:10-17:50 UTC. The first three were run with the 20 rehearsal prompts shipped
 # then (the projection's and the decay's rows) ...
 for _e in (0.9, 0.99):     # A kept out of the rehearsal windows' input span (drift_project.py)
     GRID[f"defaults-project{_e}"] = (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4,
@@ -136,7 +136,7 @@ GRID["ratio8-c2-facts"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal"
                                                          "consolidate_facts": True})
 GRID["ratio8-c2-extra60"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                            "rehearse_extra": 60})
-_ACTS: dict = {}
+_ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 
 
