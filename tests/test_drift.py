@@ -546,6 +546,19 @@ def jobs(dream_resident, tmp_path_factory):
                           if m.name in drift_series}
         out["served_version"] = store.served_version()
         out["adapters"] = store.adapters()
+        # the examples' hold through the rehearsal-only epochs (ExampleHold): the same small job
+        # without them, and with one that the hold must undo (a bound below any loss)
+        import dreamstage.training.drift_guard as drift_guard_module
+        small = {"examples": chat(TEST_FACTS[:1]), "epochs": 2, "stop_loss": None, "anchor_ratio": 1, "seed": 3,
+                 "promote": "never", "max_pause_ms": 0}
+        out["hold_none"] = run_job(sched, store, engine, {**small, "consolidate": 0, "out": "hold-none"})
+        saved_slack = drift_guard_module.HOLD_SLACK
+        drift_guard_module.HOLD_SLACK = -1.0
+        try:
+            out["hold_undone"] = run_job(sched, store, engine, {**small, "consolidate": 1, "out": "hold-undone"})
+        finally:
+            drift_guard_module.HOLD_SLACK = saved_slack
+        out["receipts"].update({k: store.receipts(out[k]["id"]) for k in ("hold_none", "hold_undone")})
         yield out
     finally:
         served.apply(None, None)                       # the session's resident serves the base again
@@ -581,6 +594,98 @@ def test_a_window_too_short_for_every_rehearsal_anchor_records_none_and_says_so(
                       restore=lambda: None, cache=cache)
     run_steps(full.record())
     assert full.rehearsal_note() is None and len(full._anchor_pos) == len(rehearsal_anchors())
+
+
+def test_a_short_job_window_gets_a_trainer_window_that_holds_every_rehearsal_anchor(dream_resident, tmp_path):
+    """The README's window 32 holds no rehearsal prompt (34 to 43 tokens on the default
+    model), so before the trainer's window was widened such a job trained no anchor at all.
+    The scheduler now runs its trainer, walk and guard with room for the longest rehearsal
+    anchor (a chunk of the whole window grows with it; a smaller one stays), the job's own
+    windows stay cut at 32, and the guard built so rehearses every anchor; when the memory
+    gate refuses the longer window, the job's own is used."""
+    import dataclasses
+
+    from dreamstage.training.drift import ANCHOR_TOKENS
+    from dreamstage.training.drift_guard import DriftGuard, rehearsal_window
+
+    spec = parse_train_request({"text": "x", "window": 32}).to_job_spec()
+    longest = max(len(prompt_tokens(dream_resident, p)) for p in rehearsal_anchors())
+    wide = longest + ANCHOR_TOKENS
+    assert longest + 4 > 32 and spec.chunk == 32         # no prompt leaves a reply room in 32 tokens
+    assert rehearsal_window(dream_resident, spec) == wide
+    assert rehearsal_window(dream_resident, parse_train_request({"text": "x"}).to_job_spec()) == 512
+    off = parse_train_request({"text": "x", "window": 32, "regularizer": False}).to_job_spec()
+    assert rehearsal_window(dream_resident, off) == 32
+
+    asked: list[tuple[int, int]] = []
+
+    def make(resident, s, chunk, lr=None, refuse_above=None):
+        asked.append((s.window, chunk))
+        if refuse_above is not None and s.window > refuse_above:
+            raise RuntimeError("refused: need above the allowance")
+        return "trainer"
+
+    sched = DreamScheduler(JobStore(tmp_path / "state"), dream_resident, drift_guard=True, make_trainer=make)
+    engine = OneSlotEngine()                           # an engine that lends the probe a sequence
+    trainer, walked = sched._job_trainer(spec, engine)
+    assert trainer == "trainer" and (walked.window, walked.chunk) == asked[-1] == (wide, wide)
+    assert walked.epochs == spec.epochs and walked.min_chunk == spec.min_chunk    # nothing else moves
+    small = parse_train_request({"text": "x", "window": 32, "chunk": 16}).to_job_spec()
+    assert (sched._job_trainer(small, engine)[1].window, asked[-1]) == (wide, (wide, 16))  # a chosen chunk stays
+    sched.make_trainer = lambda r, s, c, lr=None: make(r, s, c, lr, refuse_above=32)
+    asked.clear()
+    assert sched._job_trainer(spec, engine)[1] is spec and asked == [(wide, wide), (32, 32)]
+    assert sched._job_trainer(spec, object())[1] is spec          # no sequence to lend: no guard, no room
+    assert DreamScheduler(JobStore(tmp_path / "s2"), dream_resident, drift_guard=False,
+                          make_trainer=make)._job_trainer(spec, engine)[1] is spec
+
+    # the guard with that spec records (and so trains) every rehearsal anchor; with the job's, none
+    guard = DriftGuard(dream_resident, walked, [], seq_id=0, restore=lambda: None)
+    assert guard.rehearsal is not None and guard.rehearsal.prompts == rehearsal_anchors()
+    assert DriftGuard(dream_resident, spec, [], seq_id=0, restore=lambda: None).rehearsal is None
+    assert dataclasses.replace(walked, window=32, chunk=32) == spec
+
+
+def test_a_rehearsal_only_epoch_is_kept_only_while_the_examples_still_pass_the_jobs_own_test():
+    """ExampleHold: each checked window's loss must stay within 1 + HOLD_SLACK times
+    max(stop_loss, the loss it ended training with); groups are not checked, and at most
+    EXAMPLES_HELD windows, evenly spaced, are."""
+    from dreamstage.training.drift_guard import EXAMPLES_HELD, HOLD_SLACK, ExampleHold
+
+    f = 1.0 + HOLD_SLACK
+    hold = ExampleHold({0: 0.05, 1: 0.4, 2: 0.02}, 0.1, [0, 1, 2], snapshot="before")
+    assert hold.windows == [0, 1, 2] and hold.bounds == pytest.approx([0.1 * f, 0.4 * f, 0.1 * f])
+    assert hold.check([0.1 * f - 1e-6, 0.4 * f, 0.0]) is None and hold.kept == 1
+    why = hold.check([0.05, 0.39, 0.1 * f + 0.01])
+    assert why == f"example window 2's loss rose to {0.1 * f + 0.01:.4f}, above {0.1 * f:.4f}" and hold.kept == 1
+    assert "window 1's loss rose to" in hold.check([0.0, 0.4 * f + 0.01, 0.0])
+    assert hold.check(None) == "the examples' loss could not be measured" and hold.snapshot == "before"
+    loose = ExampleHold({0: 0.3}, None, [0], snapshot=None)          # stop_loss null: from where it ended
+    assert loose.bounds == pytest.approx([0.3 * f]) and loose.check([0.3 * f]) is None
+    assert loose.check([0.3 * f + 0.01]) is not None
+    assert ExampleHold({0: 0.1, 1: 0.1}, 0.1, [1], snapshot=None).windows == [1]   # window 0: a group
+    many = ExampleHold({i: 0.01 for i in range(500)}, 0.1, range(500), snapshot=None)
+    assert len(many.windows) <= EXAMPLES_HELD and many.windows[0] == 0 and many.windows[-1] >= 440
+
+
+def test_a_rehearsal_only_epoch_the_examples_do_not_survive_is_undone(jobs):
+    """With the hold's bound below any loss, the job's one rehearsal-only epoch runs and is
+    undone: the message says so, and the saved adapter is the one the same job saves without
+    that epoch, tensor for tensor (one thread, no pacing: the runs are deterministic)."""
+    import gguf
+
+    none, undone = jobs["hold_none"], jobs["hold_undone"]
+    assert none["state"] == undone["state"] == "done", (none["message"], undone["message"])
+    assert ("then 0 of 1 rehearsal-only epochs (consolidate): after the next one example window 0's loss rose to "
+            in undone["message"] and "so the adapter is the one before it" in undone["message"]), undone["message"]
+    steps = {k: sum(1 for r in jobs["receipts"][k] if r.get("kind") != "drift" and r["tokens"])
+             for k in ("hold_none", "hold_undone")}
+    assert steps["hold_undone"] >= steps["hold_none"] + 40     # the rehearsal-only epoch did train
+    tensors = [{t.name: np.array(t.data) for t in gguf.GGUFReader(j["adapter"]["path"]).tensors}
+               for j in (none, undone)]
+    assert tensors[0].keys() == tensors[1].keys() and len(tensors[0]) > 0
+    assert all(np.array_equal(tensors[0][k], tensors[1][k]) for k in tensors[0])
+    assert any(np.abs(v).max() > 0 for k, v in tensors[0].items() if "lora_b" in k)   # it did learn
 
 
 def test_default_job_learns_the_facts_and_its_promotion_follows_its_held_out_drift(jobs):
@@ -700,9 +805,10 @@ def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
 
 def test_the_readme_walkthrough_is_promoted_by_a_live_server_with_the_guard_on(tmp_path):
     """The README's one-fact job over HTTP, the drift guard on as a user runs it
-    (every other test server runs with it off): the job's drift is measured on the
-    held-out anchors, reported in GET /train/{id} and /metrics, and the adapter
-    is promoted within the default bounds, so the walkthrough answers with the fact."""
+    (every other test server runs with it off): the job rehearses although its
+    window is 32, its drift is measured on the held-out anchors, reported in
+    GET /train/{id} and /metrics, and the adapter is promoted within the default
+    bounds, so the walkthrough answers with the fact."""
     import httpx
 
     from dreamstage.server.service import BackgroundServer
@@ -713,7 +819,7 @@ def test_the_readme_walkthrough_is_promoted_by_a_live_server_with_the_guard_on(t
     with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600,
                                                           headers={"Content-Type": "application/json"}) as http:
         r = http.post("/train", json={"examples": [{"prompt": prompt, "completion": " Quokka-42."}], "window": 32,
-                                      "epochs": 10, "lr": 0.003, "promote": "auto", "out": "moon"})
+                                      "epochs": 10, "promote": "auto", "out": "moon"})
         assert r.status_code == 202, r.text
         jid = r.json()["id"]
         deadline = time.monotonic() + 600
@@ -723,6 +829,10 @@ def test_the_readme_walkthrough_is_promoted_by_a_live_server_with_the_guard_on(t
         print(f"\nREADME job: {job['message']}")
         assert job["state"] == "done" and drift["final"] and drift["anchors"] == len(load_anchors())
         assert (drift["max_drift"], drift["max_drift_kl"]) == (1.0, 1.0) and drift["drift_kl"] <= 1.0
+        # window 32 holds no rehearsal prompt; the trainer's wider window does (rehearsal_window): the
+        # job rehearses and consolidates, and drifts 0.11 nats where it drifted 0.50 without (2026-12-02)
+        assert "no rehearsal" not in job["message"] and "rehearsal-only epochs" in job["message"], job["message"]
+        assert drift["drift_kl"] < 0.3
         assert job["adapter"]["promoted"] and "within max_drift 1, max_drift_kl 1" in job["message"]
         out = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
         assert "Quokka-42" in out["choices"][0]["text"] and out["adapter_version"] == 1

@@ -33,6 +33,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from dreamstage.training.drift import (
+    ANCHOR_TOKENS,
     DEFAULT_STEP_MS,
     Drift,
     DriftProbe,
@@ -58,10 +59,27 @@ DURING_SHARE = 0.1
 MIN_REHEARSED_REPLY = 4
 
 
+def rehearsal_window(resident, spec) -> int:
+    """The trainer window a job needs for its rehearsal: the job's own `window`,
+    or, with the regularizer on, enough for the longest rehearsal anchor (its
+    chat-rendered prompt and an answer of ANCHOR_TOKENS), if that is longer.
+    The job's examples are still cut to its `window` (render_job); the
+    scheduler gives the trainer, the walk and the guard this one. Without it
+    a short window (the README's 32) trained no anchor at all: the default
+    model's rehearsal prompts alone take 34 to 43 tokens."""
+    if not (spec.regularizer and spec.anchor_ratio > 0):
+        return spec.window
+    longest = max((len(prompt_tokens(resident, p)) for p in rehearsal_anchors()), default=0)
+    return max(spec.window, longest + ANCHOR_TOKENS)
+
+
 class DriftGuard:
     def __init__(self, resident, spec, train_windows: Sequence[Any], *, seq_id: Callable[[], Any] | int,
                  restore: Callable[[], None], cache: dict | None = None, noise_cache: dict | None = None):
         self.spec = spec
+        # the trainer's window (the scheduler's spec carries rehearsal_window): a rehearsal
+        # anchor is trained when its window fits this
+        self.window = spec.window
         self.noise_cache = noise_cache
         self.n_train = len(train_windows)
         self.train_windows = list(train_windows)
@@ -78,7 +96,7 @@ class DriftGuard:
         self.rehearsal_prompts = rehearsal_anchors()
         lengths = {p: len(prompt_tokens(resident, p)) for p in self.rehearsal_prompts} if self.ratio > 0 else {}
         self._prompt_span = (min(lengths.values(), default=0), max(lengths.values(), default=0))
-        roomy = [p for p, n in lengths.items() if n + MIN_REHEARSED_REPLY <= spec.window]
+        roomy = [p for p, n in lengths.items() if n + MIN_REHEARSED_REPLY <= self.window]
         self.rehearsal = (DriftProbe(resident, roomy, seq_id=seq_id, restore=restore,
                                      step_ms=step_ms, samples=rehearsal_samples(spec.rehearsal)) if roomy else None)
         self.cache = cache
@@ -103,7 +121,7 @@ class DriftGuard:
             yield from self.rehearsal.record(self.cache)
             self._anchor_pos = {}
             for i, base in enumerate(self._rehearsed):
-                fitting = rehearsal_windows(base, i, self.spec.window, self.spec.rehearsal)
+                fitting = rehearsal_windows(base, i, self.window, self.spec.rehearsal)
                 if fitting:
                     self._anchor_pos[i] = list(range(len(self.windows), len(self.windows) + len(fitting)))
                     self.windows.extend(fitting)
@@ -144,9 +162,9 @@ class DriftGuard:
         need = (f"the shortest needs {min(lengths)} tokens" if lengths else
                 "their prompts alone take {} to {} tokens".format(*self._prompt_span))
         if used == 0:
-            return (f"no rehearsal: none of the {total} rehearsal anchors fits window {self.spec.window} ({need}), "
+            return (f"no rehearsal: none of the {total} rehearsal anchors fits window {self.window} ({need}), "
                     "so the regularizer did not run; a longer window turns it on")
-        return f"rehearsal on {used} of {total} anchors (the others are longer than window {self.spec.window})"
+        return f"rehearsal on {used} of {total} anchors (the others are longer than window {self.window})"
 
     def record_or_fail(self, trainer=None) -> Iterator[None]:
         """record(), then (given the job's trainer, before its first step) the
@@ -300,6 +318,7 @@ class OwnLoss:
         self.n_job, self.stop_loss = n_job_windows, stop_loss
         self._windows: dict[int, tuple[float, int]] = {}
         self.last: float | None = None     # the epoch's highest window loss
+        self.final: dict[int, float] = {}  # the last finished epoch's loss per window
 
     def note(self, window_index: int, receipt: Any) -> None:
         if window_index < self.n_job and getattr(receipt, "status", None) == "ok" and receipt.tokens:
@@ -308,7 +327,8 @@ class OwnLoss:
 
     def converged(self) -> bool:
         """At an epoch's end: whether each window's loss is below stop_loss. Starts the next epoch's sums."""
-        losses = [s / t for s, t in self._windows.values() if t]
+        self.final = {i: s / t for i, (s, t) in self._windows.items() if t}
+        losses = list(self.final.values())
         self.last = max(losses) if losses else None
         self._windows = {}
         return self.stop_loss is not None and self.last is not None and self.last < self.stop_loss
@@ -316,3 +336,49 @@ class OwnLoss:
     def stop_note(self, epochs_done: int) -> str:
         return (f"stopped after epoch {epochs_done}: every example window's training loss is below stop_loss "
                 f"{self.stop_loss:g} (the highest {self.last:.4f})")
+
+
+# The rehearsal-only epochs (consolidate) pull the adapter back towards the
+# base, the job's examples with it: at lr 3e-3 the README's one-fact job had
+# learned its answer (loss 0.09) and answered " Quokpok." after them. So each
+# such epoch is kept only while the examples' loss stays near where training
+# left it. The bound's factor is measured (bench_drift.py `ratio8-c4`, seeds 3
+# and 4, each fact window's forward loss after each rehearsal-only epoch):
+# every fact was recalled while its window's loss was at most 0.43, and two
+# were lost at 0.44 and 0.52; 3 x stop_loss (0.3) keeps both seeds' two
+# default epochs (their highest: 0.30 and 0.19).
+EXAMPLES_HELD = 64          # at most this many of the job's windows are checked (evenly spaced)
+HOLD_SLACK = 2.0            # a window's bound: max(stop_loss, its last training loss) x (1 + this)
+
+
+class ExampleHold:
+    """The job's own windows through its rehearsal-only epochs.
+
+    At the job's last training epoch each window had a loss (OwnLoss.final);
+    after each rehearsal-only epoch the scheduler measures the forward loss of
+    the checked windows (`windows`) and `check`s it: every window must stay at
+    or below max(stop_loss, its last training loss), times 1 + HOLD_SLACK (so
+    0.3 for a window that passed the default early stop).
+    On a failure the scheduler puts back the adapter as the last kept epoch
+    left it (`snapshot`) and ends the rehearsal-only epochs."""
+
+    def __init__(self, final: dict[int, float], stop_loss: float | None, checkable: Sequence[int], snapshot: Any):
+        """checkable: the job windows a forward loss can be measured for (not groups)."""
+        have = [i for i in checkable if i in final]
+        step = max(1, -(-len(have) // EXAMPLES_HELD))
+        self.windows = have[::step][:EXAMPLES_HELD]
+        self.bounds = [max(stop_loss or 0.0, final[i]) * (1.0 + HOLD_SLACK) for i in self.windows]
+        self.snapshot = snapshot
+        self.kept = 0
+
+    def check(self, losses: Sequence[float] | None) -> str | None:
+        """None when every checked window is within its bound (the epoch is kept),
+        else why the epoch is undone."""
+        if losses is None:
+            return "the examples' loss could not be measured"
+        worst = max(range(len(losses)), key=lambda k: losses[k] - self.bounds[k], default=None)
+        if worst is None or losses[worst] <= self.bounds[worst]:
+            self.kept += 1
+            return None
+        return (f"example window {self.windows[worst]}'s loss rose to {losses[worst]:.4f}, "
+                f"above {self.bounds[worst]:.4f}")

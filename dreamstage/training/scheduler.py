@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import dataclasses
 import logging
 import math
 import os
@@ -37,10 +38,12 @@ from dreamstage.stats import DreamStats
 from dreamstage.training.drift import set_context_adapter
 from dreamstage.training.drift_guard import (
     DriftGuard,
+    ExampleHold,
     OwnLoss,
     drift_figures,
     drift_receipt,
     promotion_decision,
+    rehearsal_window,
     summary,
 )
 from dreamstage.training.examples import RenderedJob, render_job
@@ -54,7 +57,7 @@ from dreamstage.training.served import (
     auto_promote_decision,
 )
 from dreamstage.training.shaper import DreamThreads, StepShaper, load_average, trains_from
-from dreamstage.training.spec import GATE_SLACK_MIB, JobSpec, check_adapter_name
+from dreamstage.training.spec import DEFAULT_CHUNK, GATE_SLACK_MIB, JobSpec, check_adapter_name
 from dreamstage.training.store import TERMINAL, AdapterNotFound, InvalidTransition, JobStore
 from dreamstage.training.walk import JobRun, ladder
 from dreamstage.training.warmup import AnchorWarmup
@@ -454,7 +457,7 @@ class DreamScheduler:
                 return
         yield
         try:
-            trainer = self.make_trainer(self.resident, spec, spec.chunk)
+            trainer, spec = self._job_trainer(spec, engine)
         except Exception as e:  # noqa: BLE001 - the gate's refusal (DreamError) or a bad value
             receipt = getattr(e, "receipt", None)
             if receipt is not None:
@@ -471,6 +474,26 @@ class DreamScheduler:
         finally:
             trainer.close()
             self._closing.remove(trainer)
+
+    def _job_trainer(self, spec: JobSpec, engine) -> tuple[Any, JobSpec]:
+        """The job's Trainer and the spec its walk runs under. When the guard
+        will run (`_probe_access`) with the regularizer on, the trainer's window is long enough for
+        the rehearsal windows (drift_guard.rehearsal_window), and a job whose
+        chunk is its whole window walks them whole too (up to DEFAULT_CHUNK);
+        the job's examples stay cut to its own window (render_job). Should the
+        memory gate refuse that, the job's own window and chunk are tried (the
+        rehearsal then trains the anchors that fit, as the guard's note says)."""
+        guarded = self._probe_access(engine) is not None
+        window = rehearsal_window(self.resident, spec) if guarded else spec.window
+        if window != spec.window:
+            chunk = min(DEFAULT_CHUNK, window) if spec.chunk == spec.window else spec.chunk
+            wide = dataclasses.replace(spec, window=window, chunk=chunk)
+            try:
+                return self.make_trainer(self.resident, wide, wide.chunk), wide
+            except Exception as e:  # noqa: BLE001 - refused (or failed) at the longer window: try the job's own
+                log.info("a trainer window of %d for the rehearsal failed (%s); using the job's %d",
+                         window, getattr(getattr(e, "receipt", None), "message", "") or e, spec.window)
+        return self.make_trainer(self.resident, spec, spec.chunk), spec
 
     def _train(self, jid: int, spec: JobSpec, rendered: RenderedJob, trainer, engine) -> Generator[None, None, None]:
         store = self.store
@@ -503,6 +526,8 @@ class DreamScheduler:
             eval_before = yield from self._evaluate(spec, trainer, rendered.held_out, spec.chunk, notes)
         begun = None
         consolidating = False                           # in the rehearsal-only epochs (spec.consolidate)
+        hold: ExampleHold | None = None                 # the examples through those epochs
+        consolidate_note = -1                           # where `notes` says how many of them ran
         memory_cap = spec.chunk                         # the memory ladder's chunk (halved on a refusal)
         resume_threads: int | None = None               # set while a step stopped at its deadline waits to go on
         while (cur := run.current()) is not None:
@@ -551,6 +576,20 @@ class DreamScheduler:
             elif event in ("refused", "error"):
                 return                                  # JobRun moved the job and kept every receipt
             elif event in ("epoch", "done"):
+                if consolidating and hold is not None:
+                    # a rehearsal-only epoch ended: kept only while the examples hold (ExampleHold)
+                    per = yield from self._window_losses(spec, trainer, [rendered.train[i] for i in hold.windows],
+                                                         memory_cap, notes, "the examples' loss")
+                    why = hold.check(None if per is None else [loss for loss, _ in per])
+                    if why is None:
+                        hold.snapshot = trainer.lora_parameters()
+                    else:
+                        trainer.set_lora_parameters(hold.snapshot)
+                        run.walk.epochs = run.walk.epoch            # no more rehearsal-only epochs
+                        notes[consolidate_note] = (
+                            f"then {hold.kept} of {spec.consolidate} rehearsal-only epochs (consolidate): after the "
+                            f"next one {why}, so the adapter is the one before it")
+                        event = "done"
                 ev = None
                 if rendered.held_out:
                     ev = yield from self._evaluate(spec, trainer, rendered.held_out, memory_cap, notes)
@@ -561,7 +600,11 @@ class DreamScheduler:
                     if stop:
                         notes.append(own.stop_note(run.walk.epoch))
                     consolidating = True
+                    hold = ExampleHold(own.final, spec.stop_loss,
+                                       [i for i, w in enumerate(rendered.train) if not isinstance(w, TrainGroup)],
+                                       trainer.lora_parameters())
                     run.consolidate(spec.consolidate, guard.consolidation_order)
+                    consolidate_note = len(notes)
                     notes.append(f"then {spec.consolidate} rehearsal-only epochs (consolidate)")
                     stop, event = False, "epoch"
                 if stop:
@@ -584,28 +627,37 @@ class DreamScheduler:
 
     def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int,
                   notes: list[str]) -> Generator[None, None, float | None]:
-        """Held-out loss of the shadow adapter as it is now.
+        """Held-out loss of the shadow adapter as it is now (the token-weighted
+        mean of `_window_losses`); None when it could not be measured, noted."""
+        per = yield from self._window_losses(spec, trainer, windows, chunk, notes, "held-out loss")
+        tokens = sum(t for _, t in per or ())
+        return sum(loss * t for loss, t in per) / tokens if per and tokens else None
+
+    def _window_losses(self, spec: JobSpec, trainer, windows, chunk: int, notes: list[str],
+                       what: str) -> Generator[None, None, list[tuple[float, int]] | None]:
+        """Each window's forward loss (and loss tokens) under the shadow adapter as it is now.
 
         The native core has no forward-only pass yet, so an evaluator is a
         second Trainer of the same shape with lr 0 (its AdamW update moves
         nothing) holding a copy of the shadow's parameters; its micro-steps'
         losses are exactly the forward loss. It costs a second training cache
         and a wasted backward, goes through the same memory gate, and its
-        receipts are not the job's. A refusal leaves eval_loss null, noted."""
+        receipts are not the job's. A refusal or a failed step returns None
+        and notes that `what` was not measured."""
         try:
             evaluator = self.make_trainer(self.resident, spec, chunk, 0.0)
-        except Exception as e:  # noqa: BLE001 - any refusal or failure of the evaluator only costs the held-out loss
+        except Exception as e:  # noqa: BLE001 - any refusal or failure of the evaluator only costs the figure
             receipt = getattr(e, "receipt", None)
             why = (receipt is not None and receipt.message) or e
-            notes.append(f"held-out loss not measured: the evaluator was refused ({why})")
+            notes.append(f"{what} not measured: the evaluator was refused ({why})")
             return None
         self._closing.append(evaluator)
         try:
             evaluator.set_lora_parameters(trainer.lora_parameters())
-            loss_sum, tokens = 0.0, 0
+            out = []
             for w in windows:
                 evaluator.begin_window(w.tokens, w.mask)
-                pos = 0
+                pos, loss_sum, tokens = 0, 0.0, 0
                 while evaluator.chunks_left:
                     step_chunk, threads = (self._shaper.choose(chunk, trains_from(w.mask, pos))
                                            if self._shaper is not None
@@ -618,11 +670,12 @@ class DreamScheduler:
                     pos += r.chunk_tokens
                     yield
                     if r.status != "ok":
-                        notes.append(f"held-out loss not measured: {r.message}")
+                        notes.append(f"{what} not measured: {r.message}")
                         return None
                     loss_sum += r.loss * r.tokens
                     tokens += r.tokens
-            return loss_sum / tokens if tokens else None
+                out.append((loss_sum / tokens if tokens else 0.0, tokens))
+            return out
         finally:
             evaluator.close()
             self._closing.remove(evaluator)
