@@ -136,6 +136,17 @@ GRID["ratio8-c2-facts"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal"
                                                          "consolidate_facts": True})
 GRID["ratio8-c2-extra60"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                            "rehearse_extra": 60})
+# 2026-12-02, 19:40 UTC (the defaults: ratio 8, 2 rehearsal-only epochs, 80 prompts): more rehearsal-only
+# epochs, recall and drift after each; and the adapter on the top half of the blocks only
+GRID["ratio8-c6"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 6})
+GRID["ratio8-c2-top15"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                         "top_layers": 15})
+# 19:55 UTC: a smaller step for the rehearsal windows (emulated), or for every window
+GRID["ratio8-c2-rstep0.5"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                            "rehearsal_step": 0.5})
+GRID["ratio8-c2-lr5e-4"] = (5e-4, 20, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
+# 20:55 UTC: each fact window's loss after each of 4 rehearsal-only epochs (with --each-epoch)
+GRID["ratio8-c4"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 
@@ -281,13 +292,20 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     t0 = time.perf_counter()
     epoch_losses, updates, recall_per_epoch, drift_per_epoch = [], 0, [], []
 
+    evaluator = native_trainer(rm, spec, spec.chunk, 0.0) if each_epoch else None   # lr 0: forward losses
+    fact_window_losses: list[list[float]] = []
+
     def after_epoch(number: int) -> float:
-        """Recall, and with each_epoch the held-out figures; the seconds the measurement took."""
+        """Recall, and with each_epoch the held-out figures and each fact window's
+        forward loss; the seconds the measurement took."""
         trainer.promote()
         recall_per_epoch.append(recall(rm, trainer.served_adapter, EVAL_FACTS)[0])
         if not each_epoch:
             return 0.0
         t_e = time.perf_counter()
+        evaluator.set_lora_parameters(trainer.lora_parameters())
+        fact_window_losses.append([round(evaluator.window_loss(evaluator.train_window(f.tokens, f.mask)), 4)
+                                   for f in facts])
         d_e = run_steps(probe.measure(trainer.served_adapter))
         drift_per_epoch.append({"epoch": number, "drift_kl": d_e.drift_kl, "changed": d_e.changed_raw,
                                 "changed_beyond_margin": d_e.changed,
@@ -350,6 +368,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             on_adapter(trainer.served_adapter)
     finally:
         trainer.close()
+        if evaluator is not None:
+            evaluator.close()
     out = {"name": name, **more, "project": project, "rehearsal_samples": samples, "rehearsal": mode, "adam_eps": eps,
            "rehearse_unseen": plus_unseen, "consolidate": consolidate,
            "consolidate_facts": consolidate_facts, "consolidate_decay": decay, "rehearse_extra": extra,
@@ -357,6 +377,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
            "epochs_run": len(epoch_losses), "rank": rank,
            "targets": targets, "anchor_ratio": ratio, "anchor_windows_trained": anchored, "stop_loss": stop_loss,
            "updates": updates, "fact_loss_per_epoch": epoch_losses, "recall_per_epoch": recall_per_epoch,
+           "fact_window_losses_per_epoch": fact_window_losses,
            "recall": rec_frac, **drift.as_dict(),
            "anchors_changed_12": drift.changed_within(12), "anchors_changed_6": drift.changed_within(6),
            "anchors_changed_sure": changed_where_sure(drift, probe.bases), "changed_determined": determined,
