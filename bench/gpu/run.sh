@@ -19,6 +19,9 @@
 #   6. (serve) bench/gpu/serve_train.py: POST /train against dreamstage serve -ngl 99
 #      on the first base (needs .whl, carried: the server's dependencies as cp312
 #      wheels, from `bash bench/gpu/fetch_wheels.sh` on the dev machine);
+#   8. (soft) bench/gpu/soft_check.py: tests/test_soft_targets.py's checks on the GPU (the
+#      regularizer's default rehearsal: soft-target loss and gradient against the NumPy
+#      reference), FP32 math, the tiny model carried in .gpu; needs pytest importable;
 #   7. (ab) AB_VARIANTS: the same quick bench under each set of environment variables, alternating;
 #   4. (decode) dream_lora_check: the fused LoRA decode kernel (patch 0104) against exact
 #      arithmetic and against upstream's nodes; dream_decode_bench: decode with a served
@@ -174,14 +177,20 @@ fi
 # first base: the server's Python dependencies travel as wheels in .whl (cp312),
 # the bindings in .gpu/site/llama_cpp; the package is assembled in a site folder
 # with server/ as dreamstage.server, as the editable install maps it
+# the package, its server and their dependencies (.whl) in a site folder $1 (the checkout's
+# ./dreamstage has no dreamstage.server uninstalled); the log in $OUT/$2
+make_site() {
+    rm -rf "$1"; mkdir -p "$1"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$1" .whl/*.whl > "$OUT/$2" 2>&1 &&
+    cp -r dreamstage "$1"/ && cp -r server "$1"/dreamstage/server && cp vendor/pin.json "$1"/dreamstage/ &&
+    cp -r .gpu/site/llama_cpp .gpu/site/gguf "$1"/
+}
 if has serve; then
-    S=/tmp/dream_serve_site; rm -rf $S; mkdir -p $S
+    S=/tmp/dream_serve_site
     base=${BASES%%,*}
     quantized $base
-    if python3 -m pip install -q --no-index --no-deps --no-compile --target $S .whl/*.whl > "$OUT/serve_site.log" 2>&1 &&
-       cp -r dreamstage $S/ && cp -r server $S/dreamstage/server && cp vendor/pin.json $S/dreamstage/ &&
-       cp -r .gpu/site/llama_cpp .gpu/site/gguf $S/; then
-        PYTHONPATH=$S DREAMSTAGE_LIB_DIR=$B/bin python3 bench/gpu/serve_train.py $M/llama1b_$base.gguf \
+    if make_site $S serve_site.log; then
+        PYTHONPATH=$S DREAMSTAGE_LIB_DIR=$B/bin python3 bench/gpu/serve_train.py $M/llama1b_$base.gguf ${SERVE_ARGS:-} \
             > "$OUT/serve_train.json" 2> "$OUT/serve_train.err" || rc=1
         echo "== serve_train $base"; python3 -c "
 import json, sys
@@ -193,6 +202,15 @@ print(' ', j.get('state'), j.get('message'), '| before', repr(d.get('before', {}
     else
         rc=1; tail -5 "$OUT/serve_site.log"
     fi
+fi
+if has soft; then
+    S=/tmp/dream_soft_site
+    make_site $S soft_site.log || { rc=1; tail -5 "$OUT/soft_site.log"; }
+    # every layer offloaded (ResidentConfig's n_gpu_layers -1); the native log says where they went;
+    # -P: the package from the site folder, not the checkout's ./dreamstage (no server there)
+    NVIDIA_TF32_OVERRIDE=0 DREAMSTAGE_NATIVE_LOG=1 PYTHONPATH=$S:$PWD/tests DREAMSTAGE_LIB_DIR=$B/bin \
+        python3 -P bench/gpu/soft_check.py .gpu/tiny-llama-f32-s1234.gguf > "$OUT/soft_check.txt" 2>&1 || rc=1
+    echo "== soft_check"; grep -E "offloaded|using device|\[oracle\]|PASS|FAIL|Error" "$OUT/soft_check.txt" | head -30
 fi
 if has peft; then
     cat "$OUT/peft.json"

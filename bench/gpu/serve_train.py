@@ -5,7 +5,7 @@ small teaching job with auto promotion, polls it to its end, asks again, and
 samples GPU memory (nvidia-smi) and the server's RSS before, during and after the
 job. Prints one JSON object; exit 1 when the job does not end promoted.
 
-    python3 bench/gpu/serve_train.py MODEL.gguf [--port 8093] [--epochs 8]
+    python3 bench/gpu/serve_train.py MODEL.gguf [--port 8093] [--epochs 10] [--lr X]
 
 The GPU machine has no package registry: carry the server's runtime
 dependencies (pyproject.toml's `dependencies`, with their own: pydantic-settings,
@@ -57,8 +57,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--port", type=int, default=8093)
-    ap.add_argument("--epochs", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=None, help="the job's lr; the server's default (1e-3) when left out")
     ap.add_argument("--ngl", type=int, default=99)
     a = ap.parse_args()
     state = tempfile.mkdtemp(prefix="ds-state-")
@@ -89,8 +89,9 @@ def main() -> int:
         r = c.complete(PROMPT, max_tokens=8, temperature=0)
         out["before"] = {"text": r.text, "adapter_version": r.adapter_version}
         t1 = time.time()
-        job = c.train([{"prompt": PROMPT, "completion": ANSWER}], window=32, epochs=a.epochs, lr=a.lr,
-                      promote="auto", out="moonbase")
+        lr = {} if a.lr is None else {"lr": a.lr}          # the README's job: window 32, 10 epochs, the default lr
+        job = c.train([{"prompt": PROMPT, "completion": ANSWER}], window=32, epochs=a.epochs, promote="auto",
+                      out="moonbase", **lr)
         peak_gpu, peak_rss, view = 0, 0.0, job
         while True:
             view = c.train_state(job["id"])
