@@ -146,6 +146,7 @@ class DreamScheduler:
         self._step_ran: tuple[int, int, bool, str] | None = None
         self._hook_done_at: float | None = None         # when after_batch last returned with a busy slot
         self._figures_at = 0.0
+        self._figures_final: int | None = None          # the job whose final figures _end stored
         self._closing: list[Any] = []   # trainers of the job in progress (closed if the server stops)
         self._unrecorded: dict[int, str] = {}   # job -> error message the store could not take yet
         self._stepping = False          # the engine thread is inside the job's next()
@@ -381,7 +382,9 @@ class DreamScheduler:
 
     def _end_job(self) -> None:
         job, jid = self._job, self._job_id
-        self._flush_figures(final=True)
+        if self._figures_final != jid or jid is None:
+            self._flush_figures(final=True)             # ended elsewhere (refused, error, cancelled)
+        self._figures_final = None
         self._job = self._job_id = None
         self._pacer = self._shaper = None
         if job is not None:
@@ -432,7 +435,11 @@ class DreamScheduler:
                 log.warning("job %s: pacing figures not stored: %s", self._job_id, e)
 
     def _end(self, jid: int, target: str, message: str) -> Generator[None, None, None]:
-        """Move the job to a final state; a pause that raced in waits for resume."""
+        """Move the job to a final state; a pause that raced in waits for resume.
+        The pacing figures are stored first, so the final state's event and a
+        GET /train/{id} after it show the same job (_end_job then leaves them)."""
+        self._flush_figures(final=True)
+        self._figures_final = jid
         while True:
             try:
                 self.store.transition(jid, target, message)
