@@ -77,9 +77,6 @@ class DriftGuard:
     def __init__(self, resident, spec, train_windows: Sequence[Any], *, seq_id: Callable[[], Any] | int,
                  restore: Callable[[], None], cache: dict | None = None, noise_cache: dict | None = None):
         self.spec = spec
-        # the trainer's window (the scheduler's spec carries rehearsal_window): a rehearsal
-        # anchor is trained when its window fits this
-        self.window = spec.window
         self.noise_cache = noise_cache
         self.n_train = len(train_windows)
         self.train_windows = list(train_windows)
@@ -96,7 +93,7 @@ class DriftGuard:
         self.rehearsal_prompts = rehearsal_anchors()
         lengths = {p: len(prompt_tokens(resident, p)) for p in self.rehearsal_prompts} if self.ratio > 0 else {}
         self._prompt_span = (min(lengths.values(), default=0), max(lengths.values(), default=0))
-        roomy = [p for p, n in lengths.items() if n + MIN_REHEARSED_REPLY <= self.window]
+        roomy = [p for p, n in lengths.items() if n + MIN_REHEARSED_REPLY <= spec.window]
         self.rehearsal = (DriftProbe(resident, roomy, seq_id=seq_id, restore=restore,
                                      step_ms=step_ms, samples=rehearsal_samples(spec.rehearsal)) if roomy else None)
         self.cache = cache
@@ -121,7 +118,7 @@ class DriftGuard:
             yield from self.rehearsal.record(self.cache)
             self._anchor_pos = {}
             for i, base in enumerate(self._rehearsed):
-                fitting = rehearsal_windows(base, i, self.window, self.spec.rehearsal)
+                fitting = rehearsal_windows(base, i, self.spec.window, self.spec.rehearsal)
                 if fitting:
                     self._anchor_pos[i] = list(range(len(self.windows), len(self.windows) + len(fitting)))
                     self.windows.extend(fitting)
@@ -162,9 +159,9 @@ class DriftGuard:
         need = (f"the shortest needs {min(lengths)} tokens" if lengths else
                 "their prompts alone take {} to {} tokens".format(*self._prompt_span))
         if used == 0:
-            return (f"no rehearsal: none of the {total} rehearsal anchors fits window {self.window} ({need}), "
+            return (f"no rehearsal: none of the {total} rehearsal anchors fits window {self.spec.window} ({need}), "
                     "so the regularizer did not run; a longer window turns it on")
-        return f"rehearsal on {used} of {total} anchors (the others are longer than window {self.window})"
+        return f"rehearsal on {used} of {total} anchors (the others are longer than window {self.spec.window})"
 
     def record_or_fail(self, trainer=None) -> Iterator[None]:
         """record(), then (given the job's trainer, before its first step) the
