@@ -8,11 +8,16 @@
         --out bench/results/drift-determined-seed3-2026-12-02.json
     nice -n 5 python bench/bench_drift.py --seed 3 --only soft-ratio2-consolidate4 --each-epoch --noise-margin \
         --out bench/results/drift-soft-defaults-seed3-2026-12-02.json
+    nice python bench/bench_drift.py --facts tests --only ratio8-c2 --noise-margin \
+        --out bench/results/drift-tests-facts-seed0-2026-12-02.json
+    nice python bench/bench_drift.py --seed 4 --only ratio8-c2 --noise-margin --scales 1 0.9 0.8 0.7 0.6 0.5 0.4 \
+        --out bench/results/drift-scaled-seed4-2026-12-02.json
 
 One resident default model (SmolLM2-135M Q4_1), one thread (two shared
 cores). The base answers of the shipped anchors (both halves) and of
 UNSEEN_PROMPTS are recorded once; each setting then trains the EVALUATION
-facts (bench/drift_facts.py, not the tests' facts) as a job would: the
+facts (bench/drift_facts.py, not the tests' facts; `--facts tests` teaches the
+tests' instead) as a job would: the
 job's windows plus the regularizer's windows on the `rehearse` half,
 shuffled per epoch, one AdamW update per window, early stop when the facts'
 epoch loss falls below `stop_loss`. A setting's `samples` (S) says what a
@@ -28,7 +33,9 @@ null adapters flipped leads up to 0.35, the tests' draws up to 0.78),
 `--noise-margin` measures the job's noise margin before training as its
 guard does (so `anchors_changed` is the job's figure, `anchors_changed_raw`
 every change), and `--each-epoch` records the held-out figures after every
-epoch. Results go to JSON; docs/benchmarks.md quotes the table.
+epoch, and `--scales` the final adapter with its B scaled down (recall, drift,
+each fact window's loss at each scale). Results go to JSON; docs/benchmarks.md
+quotes the table.
 A setting's `rehearsal` is the job field (soft targets by default
 since 2026-12-02; "samples" otherwise here), `consolidate` the rehearsal-only
 epochs after the facts' stop (in DriftGuard.consolidation_order's order);
@@ -149,6 +156,17 @@ GRID["ratio8-c2-lr5e-4"] = (5e-4, 20, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal
 GRID["ratio8-c4"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
+FACTS = EVAL_FACTS        # what a setting teaches: the evaluation facts, or with --facts tests the tests'
+
+
+def tests_facts() -> list[tuple[str, str, str]]:
+    """tests/test_drift.py's TEST_FACTS, read from its source (not imported: the module needs pytest)."""
+    import ast
+    tree = ast.parse((Path(__file__).resolve().parent.parent / "tests" / "test_drift.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TEST_FACTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise LookupError("tests/test_drift.py has no TEST_FACTS")
 
 
 def recall(rm, handle, facts) -> tuple[float, list[str]]:
@@ -236,8 +254,41 @@ def first_changes(rm, probe, handle, lqs=None) -> list[dict]:
     return out
 
 
+def at_scales(rm, probe, unseen, spec, trainer, facts, scales) -> list[dict]:
+    """The final adapter with every B scaled by s (the adapter a job would save
+    scaled down): recall, the held-out figures, the unseen prompts' drift_kl and
+    each fact window's forward loss, for each s. The trainer is put back as it was."""
+    before = trainer.lora_parameters()
+    is_b = np.concatenate([np.full(int(np.prod(shape)), ab == "b") for (_, ab), shape in
+                           zip(trainer.parameter_order(), trainer.parameter_shapes(), strict=True)])
+    evaluator = native_trainer(rm, spec, spec.chunk, 0.0)              # lr 0: forward losses
+    rows = []
+    try:
+        for s in scales:
+            vec = before.copy()
+            vec[is_b] *= s
+            trainer.set_lora_parameters(vec)
+            trainer.promote()
+            evaluator.set_lora_parameters(vec)
+            losses = [round(evaluator.window_loss(evaluator.train_window(f.tokens, f.mask)), 4) for f in facts]
+            rec, answers = recall(rm, trainer.served_adapter, FACTS)
+            d = run_steps(probe.measure(trainer.served_adapter))
+            du = run_steps(unseen.measure(trainer.served_adapter))
+            row = {"scale": s, "recall": rec, "drift_kl": d.drift_kl, "changed_beyond_margin": d.changed,
+                   "changed": d.changed_raw, "noise_margin": d.noise_margin,
+                   "widest_flip_lead": max((x for lead in d.flip_leads for x in lead), default=0.0),
+                   "unseen_drift_kl": du.drift_kl, "fact_window_losses": losses, "answers": answers}
+            print(json.dumps({k: v for k, v in row.items() if k != "answers"}), flush=True)
+            rows.append(row)
+    finally:
+        evaluator.close()
+        trainer.set_lora_parameters(before)
+        trainer.promote()
+    return rows
+
+
 def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, ratio, stop_loss, more=None,
-                seed=0, on_adapter=None, each_epoch=False, noise=False) -> dict:
+                seed=0, on_adapter=None, each_epoch=False, noise=False, scales=()) -> dict:
     more = dict(more or {})
     samples = more.pop("samples", 0)
     mode = more.pop("rehearsal", "samples")
@@ -264,7 +315,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             run_steps(ex.record())
             _ACTS[key] = list(ex.bases)
         bases += _ACTS[key]
-    body = {"examples": chat_examples(EVAL_FACTS), "lr": lr, "epochs": epochs, "rank": rank, "targets": targets,
+    body = {"examples": chat_examples(FACTS), "lr": lr, "epochs": epochs, "rank": rank, "targets": targets,
             "seed": seed, **more}
     spec = parse_train_request(body).to_job_spec()
     facts = list(render_job(spec, rm).train)
@@ -299,7 +350,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         """Recall, and with each_epoch the held-out figures and each fact window's
         forward loss; the seconds the measurement took."""
         trainer.promote()
-        recall_per_epoch.append(recall(rm, trainer.served_adapter, EVAL_FACTS)[0])
+        recall_per_epoch.append(recall(rm, trainer.served_adapter, FACTS)[0])
         if not each_epoch:
             return 0.0
         t_e = time.perf_counter()
@@ -360,12 +411,13 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         measure_s = time.perf_counter() - t1
         drift_rehearsed = run_steps(rehearsal.measure(trainer.served_adapter))
         drift_unseen = run_steps(unseen.measure(trainer.served_adapter))
-        rec_frac, answers = recall(rm, trainer.served_adapter, EVAL_FACTS)
+        rec_frac, answers = recall(rm, trainer.served_adapter, FACTS)
         lqs = answer_logprobs(rm, probe, trainer.served_adapter)
         changes = first_changes(rm, probe, trainer.served_adapter, lqs)
         determined = changed_determined(probe, lqs)
         if on_adapter is not None:           # a caller's own look at the final adapter (bench_drift_floor)
             on_adapter(trainer.served_adapter)
+        scaled = at_scales(rm, probe, unseen, spec, trainer, facts, scales) if scales else []
     finally:
         trainer.close()
         if evaluator is not None:
@@ -385,12 +437,13 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
            "unseen_drift_kl": drift_unseen.drift_kl, "unseen_changed": drift_unseen.anchors_changed,
            "unseen_changed_12": drift_unseen.changed_within(12),
            "train_s": train_s, "measure_s": measure_s, "answers": answers, "first_changes": changes,
-           "drift_per_epoch": drift_per_epoch, "noise_margin_s": margin_s}
+           "drift_per_epoch": drift_per_epoch, "noise_margin_s": margin_s, "flip_leads": drift.flip_leads,
+           "at_scales": scaled}
     probe.noise_margin = None
     if noise_margin is not None:
         out["noise_margin"] = noise_margin
-    print(json.dumps({k: v for k, v in out.items() if k not in ("answers", "first_changes", "drift_per_epoch")}),
-          flush=True)
+    quiet = ("answers", "first_changes", "drift_per_epoch", "flip_leads", "at_scales")
+    print(json.dumps({k: v for k, v in out.items() if k not in quiet}), flush=True)
     return out
 
 
@@ -402,7 +455,13 @@ def main() -> None:
     ap.add_argument("--each-epoch", action="store_true", help="measure the held-out anchors after every epoch too")
     ap.add_argument("--noise-margin", action="store_true",
                     help="measure the job's noise margin first, as its guard does: anchors_changed beyond it")
+    ap.add_argument("--scales", type=float, nargs="*", default=[],
+                    help="measure the final adapter with B scaled by each of these too (at_scales)")
+    ap.add_argument("--facts", choices=("eval", "tests"), default="eval",
+                    help="teach the evaluation facts (bench/drift_facts.py) or the tests' (tests/test_drift.py)")
     args = ap.parse_args()
+    global FACTS
+    FACTS = EVAL_FACTS if args.facts == "eval" else tests_facts()
     load_start = os.getloadavg()
     rm = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
     probe = DriftProbe(rm, load_anchors(), seq_id=0)            # held out: what the job reports
@@ -414,16 +473,17 @@ def main() -> None:
     record_s = time.perf_counter() - t
     unseen = DriftProbe(rm, UNSEEN_PROMPTS, seq_id=0)
     run_steps(unseen.record())
-    base_recall, base_answers = recall(rm, None, EVAL_FACTS)
+    base_recall, base_answers = recall(rm, None, FACTS)
     results = []
     for name, cfg in GRID.items():
         if args.only and name not in args.only:
             continue
         results.append(run_setting(rm, probe, rehearsal, unseen, name, *cfg, seed=args.seed,
-                                   each_epoch=args.each_epoch, noise=args.noise_margin))
+                                   each_epoch=args.each_epoch, noise=args.noise_margin, scales=args.scales))
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
-            "model": rm.model_path.name, "threads": 1, "seed": args.seed, "anchors": len(probe.bases),
+            "model": rm.model_path.name, "threads": 1, "seed": args.seed, "facts": args.facts,
+            "anchors": len(probe.bases),
             "rehearsal_anchors": len(rehearsal.bases), "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
             "unseen_prompts": len(UNSEEN_PROMPTS), "record_s": record_s,
             "base_recall": base_recall, "base_answers": base_answers, "results": results}, indent=1) + "\n")

@@ -743,7 +743,10 @@ def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_ou
     """Issue 12's "done when", on the tests' facts with every default: recall >= 90 % at
     temperature 0, at most 5 % of the held-out anchors' greedy answers changed beyond
     the job's noise margin, and promoted by promote "auto". (The defaults were chosen on
-    the evaluation facts of bench/drift_facts.py, docs/benchmarks.md, "Drift".)"""
+    the evaluation facts of bench/drift_facts.py, docs/benchmarks.md, "Drift".) The margin
+    here is 0.778, the top of what three null draws give (bench_null_margin.py: 0.25 to
+    0.40 for most jobs); beyond 0.40 this job changes 3 of 20, so this holds the job to
+    the bound at its own margin, and docs/architecture/drift.md says how far that moves."""
     job = jobs["default"]
     drift = job["progress"]["drift"]
     assert drift["final"] and drift["anchors"] == len(load_anchors()) and drift["noise_margin"] is not None
