@@ -660,9 +660,11 @@ def test_a_rehearsal_only_epoch_is_kept_only_while_the_examples_still_pass_the_j
     assert why == f"example window 2's loss rose to {0.1 * f + 0.01:.4f}, above {0.1 * f:.4f}" and hold.kept == 1
     assert "window 1's loss rose to" in hold.check([0.0, 0.4 * f + 0.01, 0.0])
     assert hold.check(None) == "the examples' loss could not be measured" and hold.snapshot == "before"
-    loose = ExampleHold({0: 0.3}, None, [0], snapshot=None)          # stop_loss null: from where it ended
-    assert loose.bounds == pytest.approx([0.3 * f]) and loose.check([0.3 * f]) is None
-    assert loose.check([0.3 * f + 0.01]) is not None
+    # stop_loss null: from where each ended, but never below the default stop_loss's bound
+    from dreamstage.training.spec import DEFAULT_STOP_LOSS
+    loose = ExampleHold({0: 0.3, 1: 0.02}, None, [0, 1], snapshot=None)
+    assert loose.bounds == pytest.approx([0.3 * f, DEFAULT_STOP_LOSS * f]) and loose.check([0.3 * f, 0.2]) is None
+    assert loose.check([0.3 * f + 0.01, 0.0]) is not None and loose.check([0.0, DEFAULT_STOP_LOSS * f + 0.01])
     assert ExampleHold({0: 0.1, 1: 0.1}, 0.1, [1], snapshot=None).windows == [1]   # window 0: a group
     many = ExampleHold({i: 0.01 for i in range(500)}, 0.1, range(500), snapshot=None)
     assert len(many.windows) <= EXAMPLES_HELD and many.windows[0] == 0 and many.windows[-1] >= 440

@@ -48,6 +48,7 @@ from dreamstage.training.drift import (
 )
 from dreamstage.training.examples import epoch_order
 from dreamstage.training.receipts import kind_receipt
+from dreamstage.training.spec import DEFAULT_STOP_LOSS
 
 log = logging.getLogger("dreamstage.drift")
 
@@ -355,7 +356,11 @@ class ExampleHold:
     after each rehearsal-only epoch the scheduler measures the forward loss of
     the checked windows (`windows`) and `check`s it: every window must stay at
     or below max(stop_loss, its last training loss), times 1 + HOLD_SLACK (so
-    0.3 for a window that passed the default early stop).
+    0.3 for a window that passed the default early stop). A job without an
+    early stop (stop_loss null) is held from the default's 0.1 all the same:
+    its windows end training far lower, and three times that (0.065 in
+    examples/teach_facts.py) undid an epoch at 0.27, where the facts measured
+    were all still recalled (up to 0.43).
     On a failure the scheduler puts back the adapter as the last kept epoch
     left it (`snapshot`) and ends the rehearsal-only epochs."""
 
@@ -364,7 +369,8 @@ class ExampleHold:
         have = [i for i in checkable if i in final]
         step = max(1, -(-len(have) // EXAMPLES_HELD))
         self.windows = have[::step][:EXAMPLES_HELD]
-        self.bounds = [max(stop_loss or 0.0, final[i]) * (1.0 + HOLD_SLACK) for i in self.windows]
+        floor = DEFAULT_STOP_LOSS if stop_loss is None else stop_loss
+        self.bounds = [max(floor, final[i]) * (1.0 + HOLD_SLACK) for i in self.windows]
         self.snapshot = snapshot
         self.kept = 0
 
