@@ -71,6 +71,7 @@ from dreamstage.training.drift import (
     anchor_windows,
     consolidation_visits,
     load_anchors,
+    lora_b_mask,
     prompt_tokens,
     rehearsal_anchors,
     run_steps,
@@ -254,13 +255,18 @@ def first_changes(rm, probe, handle, lqs=None) -> list[dict]:
     return out
 
 
+def window_losses(evaluator, params, windows) -> list[float]:
+    """Each window's forward loss with `params` in the lr-0 `evaluator` (rounded for the JSON)."""
+    evaluator.set_lora_parameters(params)
+    return [round(evaluator.window_loss(evaluator.train_window(w.tokens, w.mask)), 4) for w in windows]
+
+
 def at_scales(rm, probe, unseen, spec, trainer, facts, scales) -> list[dict]:
     """The final adapter with every B scaled by s (the adapter a job would save
     scaled down): recall, the held-out figures, the unseen prompts' drift_kl and
     each fact window's forward loss, for each s. The trainer is put back as it was."""
     before = trainer.lora_parameters()
-    is_b = np.concatenate([np.full(int(np.prod(shape)), ab == "b") for (_, ab), shape in
-                           zip(trainer.parameter_order(), trainer.parameter_shapes(), strict=True)])
+    is_b = lora_b_mask(trainer)
     evaluator = native_trainer(rm, spec, spec.chunk, 0.0)              # lr 0: forward losses
     rows = []
     try:
@@ -269,8 +275,7 @@ def at_scales(rm, probe, unseen, spec, trainer, facts, scales) -> list[dict]:
             vec[is_b] *= s
             trainer.set_lora_parameters(vec)
             trainer.promote()
-            evaluator.set_lora_parameters(vec)
-            losses = [round(evaluator.window_loss(evaluator.train_window(f.tokens, f.mask)), 4) for f in facts]
+            losses = window_losses(evaluator, vec, facts)
             rec, answers = recall(rm, trainer.served_adapter, FACTS)
             d = run_steps(probe.measure(trainer.served_adapter))
             du = run_steps(unseen.measure(trainer.served_adapter))
@@ -354,9 +359,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         if not each_epoch:
             return 0.0
         t_e = time.perf_counter()
-        evaluator.set_lora_parameters(trainer.lora_parameters())
-        fact_window_losses.append([round(evaluator.window_loss(evaluator.train_window(f.tokens, f.mask)), 4)
-                                   for f in facts])
+        fact_window_losses.append(window_losses(evaluator, trainer.lora_parameters(), facts))
         d_e = run_steps(probe.measure(trainer.served_adapter))
         drift_per_epoch.append({"epoch": number, "drift_kl": d_e.drift_kl, "changed": d_e.changed_raw,
                                 "changed_beyond_margin": d_e.changed,

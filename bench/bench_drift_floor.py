@@ -41,7 +41,7 @@ from bench_drift import GRID, answer_logprobs, changed_where_sure, run_setting
 from drift_facts import EVAL_FACTS, UNSEEN_PROMPTS, chat_examples
 
 from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift import DriftProbe, load_anchors, rehearsal_anchors, run_steps
+from dreamstage.training.drift import DriftProbe, load_anchors, lora_b_mask, rehearsal_anchors, run_steps
 from dreamstage.training.scheduler import native_trainer
 from dreamstage.training.spec import parse_train_request
 
@@ -100,8 +100,7 @@ def main() -> None:
     rows = []
     try:
         base = trainer.lora_parameters()
-        is_b = np.concatenate([np.full(int(np.prod(s)), ab == "b") for (_, ab), s in
-                               zip(trainer.parameter_order(), trainer.parameter_shapes(), strict=True)])
+        is_b = lora_b_mask(trainer)
         for seed in SEEDS:
             draw = np.random.default_rng(seed).standard_normal(int(is_b.sum()))
             for sigma in SIGMAS:

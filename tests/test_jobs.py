@@ -421,6 +421,17 @@ def test_consolidation_walks_its_own_epochs_after_the_jobs(stop_after):
     assert [ev for *_, ev in events[-4:]] == ["window", "epoch", "window", "done"] and walk.finished
 
 
+def test_a_walk_ended_after_an_epoch_has_no_more():
+    """Walk.end_here (a rehearsal-only epoch undone): the epoch that just ended is the last."""
+    walk = Walk([8, 8], epochs=1, seed=0, chunk=8, floor=4)
+    while walk.advance({"status": "ok"}) != "done":
+        pass
+    walk.consolidate(3, lambda k: [0])
+    assert walk.advance({"status": "ok"}) == "epoch" and walk.epoch == 2 and not walk.finished
+    walk.end_here()
+    assert walk.finished and walk.current() is None and walk.epochs == 2
+
+
 def test_a_refusal_retries_the_same_position_with_half_the_chunk_until_the_floor():
     walk = Walk([64], epochs=1, seed=0, chunk=32, floor=8)
     assert walk.advance({"status": "ok"}) == "step"

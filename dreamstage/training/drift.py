@@ -627,8 +627,7 @@ class DriftProbe:
             raise RuntimeError("record() the base answers before measuring the noise margin")
         self.noise_margin = None
         before = trainer.lora_parameters()
-        is_b = np.concatenate([np.full(int(np.prod(shape)), ab == "b") for (_, ab), shape in
-                               zip(trainer.parameter_order(), trainer.parameter_shapes(), strict=True)])
+        is_b = lora_b_mask(trainer)
         widest = 0.0
         try:
             for d in range(draws):
@@ -643,6 +642,12 @@ class DriftProbe:
             trainer.promote()
         self.noise_margin = widest
         return widest
+
+
+def lora_b_mask(trainer) -> np.ndarray:
+    """Which entries of `trainer.lora_parameters()` belong to a B matrix (the rest: A)."""
+    return np.concatenate([np.full(int(np.prod(shape)), ab == "b") for (_, ab), shape in
+                           zip(trainer.parameter_order(), trainer.parameter_shapes(), strict=True)])
 
 
 def anchor_visits(n_anchors: int, n_job_windows: int, ratio: float, epoch: int,

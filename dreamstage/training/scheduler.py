@@ -592,7 +592,7 @@ class DreamScheduler:
                         hold.snapshot = trainer.lora_parameters()
                     else:
                         trainer.set_lora_parameters(hold.snapshot)
-                        run.walk.epochs = run.walk.epoch            # no more rehearsal-only epochs
+                        run.end_here()                              # no more rehearsal-only epochs
                         notes[consolidate_note] = (
                             f"then {hold.kept} of {spec.consolidate} rehearsal-only epochs (consolidate): after the "
                             f"next one {why}, so the adapter is the one before it")

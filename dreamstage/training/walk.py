@@ -162,6 +162,11 @@ class Walk:
         self.order_pos = self.chunk_pos = 0
         self._order = self._epoch_order()
 
+    def end_here(self) -> None:
+        """No more epochs after the one that just ended (a rehearsal-only epoch
+        undone): the walk is finished."""
+        self.epochs = self.epoch
+
     def _next_window(self) -> str:
         self.chunk_pos = 0
         self.order_pos += 1
@@ -240,6 +245,11 @@ class JobRun:
 
     def end_epoch(self, eval_loss: float | None) -> dict[str, Any]:
         return self.store.end_epoch(self.job_id, eval_loss)
+
+    def end_here(self) -> None:
+        """Walk.end_here, with the job's progress (its epochs) to match."""
+        self.walk.end_here()
+        self.store.update_progress(self.job_id, epochs=self.walk.epochs)
 
     def consolidate(self, epochs: int, orders: Callable[[int], list[int]]) -> None:
         """Walk.consolidate, with the job's progress (epochs, windows per epoch) to match."""
