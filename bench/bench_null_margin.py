@@ -1,18 +1,28 @@
-"""How wide a near tie an adapter that learned nothing crosses: the spread of
-the noise margin a job's guard estimates from NULL_DRAWS draws.
+"""How far rounding noise reaches: the spread of the noise margin a job's guard
+estimates from NULL_DRAWS null adapters, by two statistics.
 
     nice python bench/bench_null_margin.py --seeds 0,3,4,5 --draws 10 \
-        --out bench/results/drift-null-margin-2026-12-02.json
+        --out bench/results/drift-null-margin-drops-2026-12-03.json
 
 One resident default model (SmolLM2-135M Q4_1), one thread. The held-out
 anchors are recorded as a job records them. For each job seed (which draws
 the adapter's A, as the evaluation facts' job of bench_drift.py initializes
 it) and each sigma, `--draws` null adapters, B ~ N(0, sigma^2) with draw keys
-apart from the guard's own (NULL_SEED), are measured one at a time by
-`DriftProbe.null_margin(draws=1)`: each row's `widest` is the widest base
-lead (log p1 - log p2) at which that one adapter moved the argmax. A job's
-margin is the largest of its NULL_DRAWS such values, so the spread of
-`widest` is the spread of what a job's anchors_changed is counted against.
+apart from the guard's own (NULL_SEED; the same draws as
+`DriftProbe.null_margin(draws=1, seed=DRAW_KEYS + d)`), are measured one at a
+time. Each row has
+
+- `widest`: the widest base lead (log p1 - log p2) at which that adapter moved
+  the argmax (the margin's statistic until 2026-12-03);
+- `drop`: the widest drop of the base token's lead it made at any answer
+  position (`drift.lead_drops`; the margin's statistic since), never below
+  `widest`.
+
+A job's margin is the largest of its NULL_DRAWS such values, so the spread of
+each is the spread of what a job's anchors_changed is counted against; per
+seed, `guard` is the margin the job's guard itself measures (its own draws).
+`--flips FILE ...` (bench_drift.py results, which keep each held-out anchor's
+`flip_leads`) counts each job's changes beyond the margins of its seed.
 docs/architecture/drift.md ("The noise margin") reads the result.
 """
 from __future__ import annotations
@@ -33,11 +43,33 @@ from bench_drift import QV
 from drift_facts import EVAL_FACTS, chat_examples
 
 from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift import NULL_DRAWS, DriftProbe, load_anchors, run_steps
+from dreamstage.training.drift import NULL_DRAWS, DriftProbe, load_anchors, lora_b_mask, run_steps
 from dreamstage.training.scheduler import native_trainer
 from dreamstage.training.spec import parse_train_request
 
 DRAW_KEYS = 1000      # the draws' keys start here (the guard's NULL_SEED is 7)
+
+
+def null_drift(probe, trainer, sigma: float, key: int):
+    """The held-out figures of one null adapter: B ~ N(0, sigma^2) drawn as
+    DriftProbe.null_margin draws its first with seed `key`; the trainer is put back."""
+    before = trainer.lora_parameters()
+    is_b = lora_b_mask(trainer)
+    vec = before.copy()
+    vec[is_b] = sigma * np.random.default_rng((key, 0)).standard_normal(int(is_b.sum()))
+    try:
+        trainer.set_lora_parameters(vec)
+        trainer.promote()
+        return run_steps(probe.measure(trainer.served_adapter))
+    finally:
+        trainer.set_lora_parameters(before)
+        trainer.promote()
+
+
+def spread(values) -> dict:
+    w = np.array(values)
+    return {"median": float(np.median(w)), "q90": float(np.quantile(w, 0.9)), "max": float(w.max()),
+            "min": float(w.min())}
 
 
 def main() -> None:
@@ -46,39 +78,60 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,3,4,5", help="job seeds (each draws its own A)")
     ap.add_argument("--draws", type=int, default=10, help="null adapters per seed and sigma")
     ap.add_argument("--sigmas", type=float, nargs="*", default=[1e-4, 1e-3])
+    ap.add_argument("--flips", nargs="*", default=[], help="bench_drift.py results whose changes to count")
     args = ap.parse_args()
     rm = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
     probe = DriftProbe(rm, load_anchors(), seq_id=0)
     run_steps(probe.record())
-    rows = []
+    rows, guards = [], {}
     for seed in (int(x) for x in args.seeds.split(",")):
         body = {"examples": chat_examples(EVAL_FACTS), "rank": 8, "targets": QV, "seed": seed}
         spec = parse_train_request(body).to_job_spec()
         trainer = native_trainer(rm, spec, spec.chunk)
         try:
+            # the margin this seed's job measures (the guard's own draws, every default)
+            t = time.perf_counter()
+            guards[seed] = {"drop": run_steps(probe.null_margin(trainer)), "s": round(time.perf_counter() - t, 2)}
+            print(json.dumps({"seed": seed, "guard": guards[seed]}), flush=True)
             for sigma in args.sigmas:
                 for d in range(args.draws):
                     t = time.perf_counter()
-                    widest = run_steps(probe.null_margin(trainer, draws=1, sigma=sigma, seed=DRAW_KEYS + d))
-                    rows.append({"seed": seed, "sigma": sigma, "draw": d, "widest": widest,
+                    null = null_drift(probe, trainer, sigma, DRAW_KEYS + d)
+                    rows.append({"seed": seed, "sigma": sigma, "draw": d,
+                                 "widest": max((x for lead in null.flip_leads for x in lead), default=0.0),
+                                 "drop": null.widest_drop, "changed_raw": null.changed_raw,
                                  "s": round(time.perf_counter() - t, 2)})
                     print(json.dumps(rows[-1]), flush=True)
         finally:
             trainer.close()
-    w = np.array([r["widest"] for r in rows])
-    # what a job's margin (the largest of NULL_DRAWS draws) comes to: disjoint groups of one seed's and sigma's draws
-    groups = []
-    for key in sorted({(r["seed"], r["sigma"]) for r in rows}):
-        one = [r["widest"] for r in rows if (r["seed"], r["sigma"]) == key]
-        groups += [max(one[i:i + NULL_DRAWS]) for i in range(0, len(one) - NULL_DRAWS + 1, NULL_DRAWS)]
-    summary = {"draws": len(w), "median": float(np.median(w)), "q90": float(np.quantile(w, 0.9)),
-               "max": float(w.max()), "at_least_0.5": int((w >= 0.5).sum()),
-               "margins_of_null_draws_groups": groups}
-    print(json.dumps(summary), flush=True)
+    summary: dict = {"draws": len(rows)}
+    for stat in ("widest", "drop"):
+        # what a job's margin (the largest of NULL_DRAWS draws) comes to: disjoint groups of one seed's and sigma's
+        # draws
+        groups = []
+        for key in sorted({(r["seed"], r["sigma"]) for r in rows}):
+            one = [r[stat] for r in rows if (r["seed"], r["sigma"]) == key]
+            groups += [max(one[i:i + NULL_DRAWS]) for i in range(0, len(one) - NULL_DRAWS + 1, NULL_DRAWS)]
+        summary[stat] = {**spread([r[stat] for r in rows]), "at_least_0.5": sum(r[stat] >= 0.5 for r in rows),
+                         "job_margins": spread(groups), "job_margins_of_groups": groups}
+        print(json.dumps({stat: summary[stat]}), flush=True)
+    jobs = []
+    for f in args.flips:       # each job's changes, counted beyond its seed's guard margin
+        data = json.loads(Path(f).read_text())
+        for res in data["results"]:
+            margin = guards.get(data["seed"], {}).get("drop")
+            flips = res["flip_leads"]
+            jobs.append({"file": f, "name": res["name"], "seed": data["seed"], "facts": data.get("facts", "eval"),
+                         "margin_before": res.get("noise_margin"), "beyond_before": res.get("anchors_changed_count"),
+                         "margin_now": margin, "raw": sum(map(bool, flips)),
+                         "beyond_now": None if margin is None else sum(any(x > margin for x in lead)
+                                                                       for lead in flips),
+                         "leads_above_0.45": sorted(round(x, 3) for lead in flips for x in lead if x > 0.45)})
+            print(json.dumps(jobs[-1]), flush=True)
     Path(args.out).write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
         "model": rm.model_path.name, "threads": 1, "anchors": len(probe.bases), "null_draws_per_job": NULL_DRAWS,
-        "summary": summary, "rows": rows}, indent=1) + "\n")
+        "guard_margins": guards, "summary": summary, "jobs": jobs, "rows": rows}, indent=1) + "\n")
     rm.close()
 
 

@@ -15,8 +15,9 @@ are decoded once more with the job's adapter on, and two figures come out:
   (no generation with the adapter on).
 - `anchors_changed`: the same, counting only the positions where the base's
   top token led its second by more than the probe's `noise_margin`: the
-  widest lead that adapters which learned nothing (B ~ N(0, NULL_SIGMA^2))
-  crossed on the same anchors (`null_margin_units`). On a quantized model a
+  widest drop of the base token's lead that adapters which learned nothing
+  (B ~ N(0, NULL_SIGMA^2)) made at any position of the same anchors
+  (`DriftProbe.null_margin`, `lead_drops`). On a quantized model a
   perturbation of any size flips the base's near ties (the CPU backend's
   8-bit activations); those flips are the measurement's noise, not the job's.
   Without a noise margin both figures are the same.
@@ -204,6 +205,8 @@ class Drift:
     noise_margin: float | None = None
     # per anchor: the base's lead (log p1 - log p2) at every answer position the adapter's argmax left
     flip_leads: tuple[tuple[float, ...], ...] = ()
+    # the widest lead drop at any answer position of any anchor (lead_drops), nats
+    widest_drop: float = 0.0
 
     def __post_init__(self) -> None:
         if self.changed_raw is None:
@@ -462,10 +465,12 @@ def record_units(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
 
 
 def drift_units(resident, seq_id: int, base: AnchorBase
-                ) -> Generator[None, None, tuple[float, int, int | None, tuple[float, ...]]]:
+                ) -> Generator[None, None, tuple[float, int, int | None, tuple[float, ...], float]]:
     """(sum of KL(base || now) over the answer's tokens, tokens, the first answer token the
     greedy answer changes at or None, the base's lead at every position the argmax
-    changes at) for whatever adapter the context has on during the units."""
+    changes at, the widest lead drop: the most the base token's lead over every other
+    token fell at any answer position, lead_drops) for whatever adapter the context
+    has on during the units."""
     n = len(base.answer)
     dec = _Decoder(resident, seq_id)
     try:
@@ -482,9 +487,25 @@ def drift_units(resident, seq_id: int, base: AnchorBase
     has_tail = np.isfinite(base.tail_logp)
     lt = np.where(has_tail, base.tail_logp, 0.0)
     kl += np.where(has_tail, np.exp(lt) * (lt - np.log(q_rest)), 0.0)
-    leads = tuple(float(x) for x in base.leads()[diff])
+    base_leads = base.leads()
+    leads = tuple(float(x) for x in base_leads[diff])
+    drop = float(lead_drops(base_leads, logq, base.answer).max(initial=0.0))
     # a coarsened KL is >= 0; float error at identical distributions may dip below
-    return float(np.clip(kl, 0.0, None).sum()), n, first, leads
+    return float(np.clip(kl, 0.0, None).sum()), n, first, leads, drop
+
+
+def lead_drops(base_leads: np.ndarray, logq: np.ndarray, answer: Sequence[int]) -> np.ndarray:
+    """At each answer position, how far the base token's lead over every other token
+    fell: the base's lead (log p1 - log p2) less the lead of the same token under
+    `logq` (its log-probability less the best other's; negative where the argmax
+    left it). The argmax leaves the base token exactly where the drop exceeds the
+    base's lead, so the widest drop a null adapter makes anywhere bounds the
+    leads its rounding could cross, near tie or not (DriftProbe.null_margin)."""
+    pos = np.arange(len(answer))
+    own = logq[pos, np.asarray(answer)]
+    other = logq.copy()
+    other[pos, np.asarray(answer)] = -np.inf
+    return base_leads - (own - other.max(axis=1))
 
 
 class DriftProbe:
@@ -594,16 +615,17 @@ class DriftProbe:
         against the records of every anchor, or of those at `indices`; returns a Drift."""
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring drift")
-        kl_sum, tokens, first, leads, ms = 0.0, 0, [], [], 0.0
+        kl_sum, tokens, first, leads, ms, drop = 0.0, 0, [], [], 0.0, 0.0
         try:
             for base in (self.bases if indices is None else [self.bases[i] for i in indices]):
-                (kl, n, f, lead), one = yield from self._anchor(lambda s, b=base: drift_units(self.resident, s, b),
+                (kl, n, f, lead, d), one = yield from self._anchor(lambda s, b=base: drift_units(self.resident, s, b),
                                                                 adapter_handle)
                 ms += one
                 self.anchor_ms = one if self.anchor_ms is None else 0.5 * (self.anchor_ms + one)
                 kl_sum, tokens = kl_sum + kl, tokens + n
                 first.append(f)
                 leads.append(lead)
+                drop = max(drop, d)
                 yield
         finally:
             self._give_back()
@@ -613,16 +635,21 @@ class DriftProbe:
         return Drift(drift_kl=kl_sum / tokens if tokens else 0.0, anchors_changed=changed / len(first),
                      changed=changed, anchors=len(first), tokens=tokens, first_change=tuple(first), ms=ms,
                      anchors_changed_raw=raw / len(first), changed_raw=raw, noise_margin=margin,
-                     flip_leads=tuple(leads))
+                     flip_leads=tuple(leads), widest_drop=drop)
 
     def null_margin(self, trainer, draws: int = NULL_DRAWS, sigma: float = NULL_SIGMA,
                     seed: int = NULL_SEED) -> Generator[None, None, float]:
         """The noise margin of these records (sets `noise_margin`, and returns it): the
-        widest base lead (log p1 - log p2) at which the argmax of an adapter that
-        learned nothing left a base answer, over `draws` such adapters on every
-        anchor: `trainer`'s shadow adapter with its A as it is and every B drawn
-        from N(0, sigma^2). The shadow adapter is put back as it was (B = 0 at a
-        job's start). 0.0 when no null adapter changed anything: every flip counts."""
+        widest lead drop (lead_drops) of an adapter that learned nothing at any answer
+        position of any anchor, over `draws` such adapters: `trainer`'s shadow adapter
+        with its A as it is and every B drawn from N(0, sigma^2). A null adapter's
+        argmax leaves the base token only where its drop exceeds the base's lead, so
+        the margin is never below the widest lead such a flip crossed; it reads every
+        position, not only the near ties a draw happened to cross, which makes it the
+        reach of the rounding noise rather than of the few flips it made
+        (docs/architecture/drift.md, "The noise margin"). The shadow adapter is put
+        back as it was (B = 0 at a job's start). 0.0 when no null adapter lowered any
+        lead: every flip counts."""
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring the noise margin")
         self.noise_margin = None
@@ -636,7 +663,7 @@ class DriftProbe:
                 trainer.set_lora_parameters(vec)
                 trainer.promote()
                 null = yield from self.measure(trainer.served_adapter)
-                widest = max([widest, *(x for lead in null.flip_leads for x in lead)])
+                widest = max(widest, null.widest_drop)
         finally:
             trainer.set_lora_parameters(before)
             trainer.promote()

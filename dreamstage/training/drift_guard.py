@@ -8,7 +8,8 @@ decides what they are. One guard per job:
    job's own (`anchors`), adapter off; cached across jobs by prompt, since the
    base model does not change while the process lives. Then, given the job's
    trainer, the noise margin of those records (`DriftProbe.null_margin`: the
-   widest near tie adapters that learned nothing crossed), cached by anchors
+   widest drop of a base token's lead that adapters which learned nothing
+   made at any answer position), cached by anchors
    and adapter shape; `anchors_changed` counts only changes beyond it.
 2. `windows` / `order(epoch)`: the job's windows followed by each rehearsal
    anchor's windows (the job's `rehearsal`: its greedy answer against the
