@@ -40,7 +40,8 @@ A setting's `rehearsal` is the job field (soft targets by default
 since 2026-12-02; "samples" otherwise here), `consolidate` the rehearsal-only
 epochs after the facts' stop (in DriftGuard.consolidation_order's order);
 `adam_eps`, `rehearse_unseen` (the unseen prompts rehearsed too) and
-`consolidate_facts` (the facts in those epochs too) are the benchmark's own.
+`consolidate_facts` (the facts in those epochs too) and `rehearse_forms`
+(drift_facts.FORM_PROMPTS rehearsed too) are the benchmark's own.
 (bench/results/drift-grid.json is the first session's run, before the
 split: its "anchors" were all 40, rehearsed and measured alike.)
 """
@@ -60,7 +61,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from drift_facts import EVAL_FACTS, EXTRA_REHEARSAL_PROMPTS, UNSEEN_PROMPTS, chat_examples
+from drift_facts import EVAL_FACTS, EXTRA_REHEARSAL_PROMPTS, FORM_PROMPTS, UNSEEN_PROMPTS, chat_examples
 
 from dreamstage.resident import ResidentConfig, ResidentModel
 from dreamstage.training.drift import (
@@ -155,6 +156,9 @@ GRID["ratio8-c2-rstep0.5"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehears
 GRID["ratio8-c2-lr5e-4"] = (5e-4, 20, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
 # 20:55 UTC: each fact window's loss after each of 4 rehearsal-only epochs (with --each-epoch)
 GRID["ratio8-c4"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4})
+# 2026-12-03: the defaults with questions of the taught forms rehearsed too (drift_facts.FORM_PROMPTS)
+GRID["ratio8-c2-forms"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                         "rehearse_forms": True})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 FACTS = EVAL_FACTS        # what a setting teaches: the evaluation facts, or with --facts tests the tests'
@@ -308,6 +312,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     # taken as a fraction of AdamW's step, since lr does not enter the moments)
     decay = more.pop("consolidate_decay", False)
     extra = more.pop("rehearse_extra", 0)      # the first this many EXTRA_REHEARSAL_PROMPTS rehearsed too
+    forms = more.pop("rehearse_forms", False)  # FORM_PROMPTS rehearsed too (the taught forms' questions)
     rstep = more.pop("rehearsal_step", 1.0)   # a rehearsal window's update taken at this multiple (emulated)
     # the setting's rehearsal data: its first `samples` samples, or the greedy answers
     bases = [replace(b, samples=b.samples[:samples], sample_top=b.sample_top[:samples]) for b in rehearsal.bases]
@@ -320,6 +325,12 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             run_steps(ex.record())
             _ACTS[key] = list(ex.bases)
         bases += _ACTS[key]
+    if forms:
+        if "forms" not in _ACTS:
+            fp = DriftProbe(rm, FORM_PROMPTS, seq_id=0)
+            run_steps(fp.record())
+            _ACTS["forms"] = list(fp.bases)
+        bases += _ACTS["forms"]
     body = {"examples": chat_examples(FACTS), "lr": lr, "epochs": epochs, "rank": rank, "targets": targets,
             "seed": seed, **more}
     spec = parse_train_request(body).to_job_spec()
@@ -428,6 +439,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     out = {"name": name, **more, "project": project, "rehearsal_samples": samples, "rehearsal": mode, "adam_eps": eps,
            "rehearse_unseen": plus_unseen, "consolidate": consolidate,
            "consolidate_facts": consolidate_facts, "consolidate_decay": decay, "rehearse_extra": extra,
+           "rehearse_forms": forms,
            "rehearsal_step": rstep, "lr": lr, "epochs": epochs,
            "epochs_run": len(epoch_losses), "rank": rank,
            "targets": targets, "anchor_ratio": ratio, "anchor_windows_trained": anchored, "stop_loss": stop_loss,

@@ -111,3 +111,19 @@ EXTRA_REHEARSAL_PROMPTS = [
     "How many strings does a violin have?",
     "What is cheese made from?",
 ]
+
+# Questions of the two forms whose measured anchors the evaluation facts' jobs
+# still changed beyond the noise margin on every seed (2026-12-03: "What is the
+# currency of Japan?" beside "The currency of Tessaly Isle is the brindle.",
+# "What is the tallest mountain on Earth?" beside "The tallest tower in
+# Marisport is ..."): bench_drift.py's `rehearse_forms` setting rehearses them
+# on top of the shipped set, to see whether rehearsing a taught form holds its
+# measured neighbour. Neither a measured anchor nor a shipped one.
+FORM_PROMPTS = [
+    "What is the currency of the United Kingdom?",
+    "What is the currency of Mexico?",
+    "What is the currency of India?",
+    "What is the tallest building in the world?",
+    "What is the highest waterfall in the world?",
+    "What is the tallest animal?",
+]
