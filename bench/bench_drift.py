@@ -296,6 +296,15 @@ def at_scales(rm, probe, unseen, spec, trainer, facts, scales) -> list[dict]:
     return rows
 
 
+def recorded(rm, key, prompts) -> list:
+    """The base records of `prompts` (rehearsed beside the shipped set), made once per process under `key`."""
+    if key not in _ACTS:
+        extra = DriftProbe(rm, prompts, seq_id=0)
+        run_steps(extra.record())
+        _ACTS[key] = list(extra.bases)
+    return _ACTS[key]
+
+
 def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, ratio, stop_loss, more=None,
                 seed=0, on_adapter=None, each_epoch=False, noise=False, scales=()) -> dict:
     more = dict(more or {})
@@ -319,18 +328,9 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     if plus_unseen:
         bases += list(unseen.bases)
     if extra:
-        key = ("extra", extra)
-        if key not in _ACTS:
-            ex = DriftProbe(rm, EXTRA_REHEARSAL_PROMPTS[:extra], seq_id=0)
-            run_steps(ex.record())
-            _ACTS[key] = list(ex.bases)
-        bases += _ACTS[key]
+        bases += recorded(rm, ("extra", extra), EXTRA_REHEARSAL_PROMPTS[:extra])
     if forms:
-        if "forms" not in _ACTS:
-            fp = DriftProbe(rm, FORM_PROMPTS, seq_id=0)
-            run_steps(fp.record())
-            _ACTS["forms"] = list(fp.bases)
-        bases += _ACTS["forms"]
+        bases += recorded(rm, ("forms",), FORM_PROMPTS)
     body = {"examples": chat_examples(FACTS), "lr": lr, "epochs": epochs, "rank": rank, "targets": targets,
             "seed": seed, **more}
     spec = parse_train_request(body).to_job_spec()

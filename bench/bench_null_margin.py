@@ -8,9 +8,8 @@ One resident default model (SmolLM2-135M Q4_1), one thread. The held-out
 anchors are recorded as a job records them. For each job seed (which draws
 the adapter's A, as the evaluation facts' job of bench_drift.py initializes
 it) and each sigma, `--draws` null adapters, B ~ N(0, sigma^2) with draw keys
-apart from the guard's own (NULL_SEED; the same draws as
-`DriftProbe.null_margin(draws=1, seed=DRAW_KEYS + d)`), are measured one at a
-time. Each row has
+apart from the guard's own (NULL_SEED), are measured one at a time
+(`DriftProbe.null_drifts(draws=1, seed=DRAW_KEYS + d)`). Each row has
 
 - `widest`: the widest base lead (log p1 - log p2) at which that adapter moved
   the argmax (the margin's statistic until 2026-12-03);
@@ -43,27 +42,11 @@ from bench_drift import QV
 from drift_facts import EVAL_FACTS, chat_examples
 
 from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift import NULL_DRAWS, DriftProbe, load_anchors, lora_b_mask, run_steps
+from dreamstage.training.drift import NULL_DRAWS, DriftProbe, load_anchors, run_steps
 from dreamstage.training.scheduler import native_trainer
 from dreamstage.training.spec import parse_train_request
 
 DRAW_KEYS = 1000      # the draws' keys start here (the guard's NULL_SEED is 7)
-
-
-def null_drift(probe, trainer, sigma: float, key: int):
-    """The held-out figures of one null adapter: B ~ N(0, sigma^2) drawn as
-    DriftProbe.null_margin draws its first with seed `key`; the trainer is put back."""
-    before = trainer.lora_parameters()
-    is_b = lora_b_mask(trainer)
-    vec = before.copy()
-    vec[is_b] = sigma * np.random.default_rng((key, 0)).standard_normal(int(is_b.sum()))
-    try:
-        trainer.set_lora_parameters(vec)
-        trainer.promote()
-        return run_steps(probe.measure(trainer.served_adapter))
-    finally:
-        trainer.set_lora_parameters(before)
-        trainer.promote()
 
 
 def spread(values) -> dict:
@@ -96,7 +79,7 @@ def main() -> None:
             for sigma in args.sigmas:
                 for d in range(args.draws):
                     t = time.perf_counter()
-                    null = null_drift(probe, trainer, sigma, DRAW_KEYS + d)
+                    (null,) = run_steps(probe.null_drifts(trainer, draws=1, sigma=sigma, seed=DRAW_KEYS + d))
                     rows.append({"seed": seed, "sigma": sigma, "draw": d,
                                  "widest": max((x for lead in null.flip_leads for x in lead), default=0.0),
                                  "drop": null.widest_drop, "changed_raw": null.changed_raw,

@@ -653,22 +653,30 @@ class DriftProbe:
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring the noise margin")
         self.noise_margin = None
+        nulls = yield from self.null_drifts(trainer, draws, sigma, seed)
+        self.noise_margin = max((n.widest_drop for n in nulls), default=0.0)
+        return self.noise_margin
+
+    def null_drifts(self, trainer, draws: int = NULL_DRAWS, sigma: float = NULL_SIGMA,
+                    seed: int = NULL_SEED) -> Generator[None, None, list[Drift]]:
+        """The figures of `draws` adapters that learned nothing, one Drift each:
+        `trainer`'s shadow adapter with its A as it is and every B drawn from
+        N(0, sigma^2), draw d seeded by (seed, d); the shadow adapter is put back
+        as it was (null_margin reads their lead drops)."""
         before = trainer.lora_parameters()
         is_b = lora_b_mask(trainer)
-        widest = 0.0
+        out = []
         try:
             for d in range(draws):
                 vec = before.copy()
                 vec[is_b] = sigma * np.random.default_rng((seed, d)).standard_normal(int(is_b.sum()))
                 trainer.set_lora_parameters(vec)
                 trainer.promote()
-                null = yield from self.measure(trainer.served_adapter)
-                widest = max(widest, null.widest_drop)
+                out.append((yield from self.measure(trainer.served_adapter)))
         finally:
             trainer.set_lora_parameters(before)
             trainer.promote()
-        self.noise_margin = widest
-        return widest
+        return out
 
 
 def lora_b_mask(trainer) -> np.ndarray:
