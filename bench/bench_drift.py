@@ -157,6 +157,10 @@ GRID["ratio8-c2-lr5e-4"] = (5e-4, 20, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal
 # 20:55 UTC: each fact window's loss after each of 4 rehearsal-only epochs (with --each-epoch)
 GRID["ratio8-c4"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4})
 # 2026-12-03: the defaults with questions of the taught forms rehearsed too (drift_facts.FORM_PROMPTS)
+GRID["ratio8-c2-near2"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                         "neighbours": 2})
+GRID["ratio8-c2-near2j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                          "neighbours": 2, "neighbours_consolidate": False})
 GRID["ratio8-c2-forms"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                          "rehearse_forms": True})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
@@ -323,6 +327,9 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     extra = more.pop("rehearse_extra", 0)      # the first this many EXTRA_REHEARSAL_PROMPTS rehearsed too
     forms = more.pop("rehearse_forms", False)  # FORM_PROMPTS rehearsed too (the taught forms' questions)
     rstep = more.pop("rehearsal_step", 1.0)   # a rehearsal window's update taken at this multiple (emulated)
+    # the base's own neighbours of each fact's question (DriftProbe.neighbours_of), every one rehearsed each epoch
+    neighbours = more.pop("neighbours", 0)
+    near_cons = more.pop("neighbours_consolidate", True)   # ... and in the rehearsal-only epochs too
     # the setting's rehearsal data: its first `samples` samples, or the greedy answers
     bases = [replace(b, samples=b.samples[:samples], sample_top=b.sample_top[:samples]) for b in rehearsal.bases]
     if plus_unseen:
@@ -331,6 +338,13 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         bases += recorded(rm, ("extra", extra), EXTRA_REHEARSAL_PROMPTS[:extra])
     if forms:
         bases += recorded(rm, ("forms",), FORM_PROMPTS)
+    near: list = []
+    if neighbours:
+        questions = [q for q, _, _ in FACTS]
+        key = ("neighbours", neighbours, tuple(questions))
+        if key not in _ACTS:
+            _ACTS[key + ("prompts",)] = run_steps(probe.neighbours_of(questions, neighbours, exclude=probe.prompts))
+        near = recorded(rm, key, _ACTS[key + ("prompts",)])
     body = {"examples": chat_examples(FACTS), "lr": lr, "epochs": epochs, "rank": rank, "targets": targets,
             "seed": seed, **more}
     spec = parse_train_request(body).to_job_spec()
@@ -382,6 +396,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             loss_sum = tok = 0.0
             windows = facts + anchor_windows(bases, anchor_visits(len(bases), len(facts), ratio, epoch, seed),
                                              spec.window, mode)
+            windows += anchor_windows(near, [(i, epoch) for i in range(len(near))], spec.window, mode)
             anchored += len(windows) - len(facts)
             for w in epoch_order(len(windows), epoch, seed):
                 before_step = trainer.lora_parameters() if (rstep != 1.0 and w >= len(facts)) else None
@@ -400,7 +415,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
                 break
         plan = []
         for c in range(consolidate):         # as DriftGuard.consolidation_order visits them
-            windows = anchor_windows(bases, consolidation_visits(len(bases), c, seed), spec.window, mode)
+            pool = bases + near if near_cons else bases
+            windows = anchor_windows(pool, consolidation_visits(len(pool), c, seed), spec.window, mode)
             if consolidate_facts:
                 windows = [(facts + windows)[i] for i in epoch_order(len(facts) + len(windows), 1000 + c, seed)]
             plan.append(windows)
@@ -439,7 +455,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     out = {"name": name, **more, "project": project, "rehearsal_samples": samples, "rehearsal": mode, "adam_eps": eps,
            "rehearse_unseen": plus_unseen, "consolidate": consolidate,
            "consolidate_facts": consolidate_facts, "consolidate_decay": decay, "rehearse_extra": extra,
-           "rehearse_forms": forms,
+           "rehearse_forms": forms, "neighbours": neighbours,
+           "neighbours_consolidate": near_cons, "neighbour_prompts": [b.prompt for b in near],
            "rehearsal_step": rstep, "lr": lr, "epochs": epochs,
            "epochs_run": len(epoch_losses), "rank": rank,
            "targets": targets, "anchor_ratio": ratio, "anchor_windows_trained": anchored, "stop_loss": stop_loss,

@@ -88,7 +88,7 @@ def main() -> None:
         finally:
             trainer.close()
     summary: dict = {"draws": len(rows)}
-    for stat in ("widest", "drop"):
+    for stat in ("widest", "drop") if rows else ():
         # what a job's margin (the largest of NULL_DRAWS draws) comes to: disjoint groups of one seed's and sigma's
         # draws
         groups = []

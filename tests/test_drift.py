@@ -351,7 +351,7 @@ def test_an_epochs_rehearsal_windows_train_each_anchors_samples_in_turn(dream_re
         rounds = math.ceil(n / per_epoch)                          # epochs that visit every anchor once
         assert n % per_epoch == 0, "the shipped set is a whole number of rotations at these ratios"
         epochs = rounds * S
-        spec = parse_train_request({"examples": chat(TEST_FACTS), "anchor_ratio": ratio,
+        spec = parse_train_request({"examples": chat(TEST_FACTS), "anchor_ratio": ratio, "neighbours": 0,
                                     "rehearsal": "samples"}).to_job_spec()
         train = list(render_job(spec, dream_resident).train)
         guard = DriftGuard(dream_resident, spec, train, seq_id=0, restore=lambda: None, cache=cache)
@@ -367,7 +367,7 @@ def test_an_epochs_rehearsal_windows_train_each_anchors_samples_in_turn(dream_re
                 assert all(w.mask[len(base.prompt_tokens):]) and not any(w.mask[:len(base.prompt_tokens)])
                 trained.setdefault(base.prompt, []).append(base.samples.index(reply))
         assert len(trained) == n and all(v == list(range(S)) for v in trained.values()), trained
-    spec = parse_train_request({"examples": chat(TEST_FACTS)}).to_job_spec()
+    spec = parse_train_request({"examples": chat(TEST_FACTS), "neighbours": 0}).to_job_spec()
     train = list(render_job(spec, dream_resident).train)
     guard = DriftGuard(dream_resident, spec, train, seq_id=0, restore=lambda: None, cache=cache)
     run_steps(guard.record())
@@ -383,7 +383,7 @@ def test_an_epochs_rehearsal_windows_train_each_anchors_samples_in_turn(dream_re
         assert sorted(order) == list(range(len(train), len(train) + n))
     assert firsts[0] != firsts[1] != firsts[2]
     off = parse_train_request({"examples": chat(TEST_FACTS), "regularizer": False}).to_job_spec()
-    none = parse_train_request({"examples": chat(TEST_FACTS), "consolidate": 0}).to_job_spec()
+    none = parse_train_request({"examples": chat(TEST_FACTS), "consolidate": 0, "neighbours": 0}).to_job_spec()
     for s in (off, none):
         g = DriftGuard(dream_resident, s, train, seq_id=0, restore=lambda: None, cache=cache)
         run_steps(g.record())
@@ -557,8 +557,9 @@ def jobs(dream_resident, tmp_path_factory):
         # the examples' hold through the rehearsal-only epochs (ExampleHold): the same small job
         # without them, and with one that the hold must undo (a bound below any loss)
         import dreamstage.training.drift_guard as drift_guard_module
+        # (with the base's own neighbours of its prompt, rehearsed in its own epochs only: test_neighbours.py)
         small = {"examples": chat(TEST_FACTS[:1]), "epochs": 2, "stop_loss": None, "anchor_ratio": 1, "seed": 3,
-                 "promote": "never", "max_pause_ms": 0}
+                 "neighbours": 2, "promote": "never", "max_pause_ms": 0}
         out["hold_none"] = run_job(sched, store, engine, {**small, "consolidate": 0, "out": "hold-none"})
         saved_slack = drift_guard_module.HOLD_SLACK
         drift_guard_module.HOLD_SLACK = -1.0
@@ -688,6 +689,10 @@ def test_a_rehearsal_only_epoch_the_examples_do_not_survive_is_undone(jobs):
     assert none["state"] == undone["state"] == "done", (none["message"], undone["message"])
     assert ("then 0 of 1 rehearsal-only epochs (consolidate): after the next one example window 0's loss rose to "
             in undone["message"] and "so the adapter is the one before it" in undone["message"]), undone["message"]
+    # both rehearsed the same neighbours of the fact's question in their own epochs, and say so
+    import re
+    said = [re.search(r"rehearsed (\d) neighbours of its prompts each epoch", j["message"]) for j in (none, undone)]
+    assert all(said) and said[0].group(1) == said[1].group(1) in ("1", "2"), (none["message"], undone["message"])
     steps = {k: sum(1 for r in jobs["receipts"][k] if r.get("kind") != "drift" and r["tokens"])
              for k in ("hold_none", "hold_undone")}
     assert steps["hold_undone"] >= steps["hold_none"] + 40     # the rehearsal-only epoch did train

@@ -84,10 +84,22 @@ SAMPLE_SEED = 12
 # The adapters that learned nothing, whose flips set a probe's noise margin:
 # the job's A, B drawn from N(0, NULL_SIGMA^2) with NULL_DRAWS seeds. On the
 # default model the flips do not depend on sigma from 1e-4 to 1e-2
-# (bench/bench_drift_floor.py); 1e-4 is well below any trained B.
+# (bench/bench_drift_floor.py); 1e-4 is well below any trained B. The margin is
+# the widest drop of NULL_DRAWS draws, so a further null adapter's widest drop
+# exceeds it with probability 1/(NULL_DRAWS + 1): 10 % with 9 (25 % with the 3
+# of until 2026-12-03), at about 6 s a draw on one shared core, once per process.
 NULL_SIGMA = 1e-4
-NULL_DRAWS = 3
+NULL_DRAWS = 9
 NULL_SEED = 7
+# Neighbours of a job's own prompts (neighbour_units): per prompt, this many
+# questions the base writes itself from the prompt's head, cut before its
+# least expected token (a made-up name, usually); at most NEIGHBOUR_TOKENS
+# tokens each, drawn at temperature 1 from the top NEIGHBOUR_TOP_K tokens.
+NEIGHBOURS = 2
+NEIGHBOUR_TOKENS = 20
+NEIGHBOUR_TOP_K = 40
+NEIGHBOUR_SEED = 29
+MAX_NEIGHBOURS = 48
 
 
 
@@ -337,13 +349,16 @@ class _Decoder:
         return out
 
     def sample_units(self, prompt: Sequence[int], max_tokens: int, rngs: Sequence[np.random.Generator],
-                     tops: list | None = None) -> Generator[None, None, list[list[int]]]:
+                     tops: list | None = None, draw: Callable[[np.ndarray, np.random.Generator], int] | None = None
+                     ) -> Generator[None, None, list[list[int]]]:
         """One continuation per generator in `rngs`, each token drawn from the
         softmax of its logits (temperature 1), as the greedy answer is decoded.
         The prompt is decoded once; each sample drops the one before it from
         the sequence and starts again from the prompt's last row. `tops`: a
         list that gets, per sample, the top-K rows (ids, log-probabilities) of
-        the distributions its tokens were drawn from."""
+        the distributions its tokens were drawn from. `draw(logits, rng)` picks
+        each token (default: the whole softmax, _draw)."""
+        draw = _draw if draw is None else draw
         self.clear()
         row = yield from self._prompt_units(prompt)
         out = []
@@ -356,7 +371,7 @@ class _Decoder:
             def pick(logits: np.ndarray, rng=rng, kept=kept) -> int:
                 if tops is not None:
                     kept.append(logits)
-                return _draw(logits, rng)
+                return draw(logits, rng)
             out.append((yield from self._answer_units(row, len(prompt), max_tokens, pick)))
             if tops is not None:
                 ids, logp = _top_k(_log_softmax(np.stack(kept)))
@@ -462,6 +477,74 @@ def record_units(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
         tail = np.where(rest > 1e-12, np.log(np.clip(rest, 1e-300, None)), -np.inf)
     return AnchorBase(prompt, tuple(prompt_toks), tuple(cont), forced, tuple(answer), top,
                       top_logp.astype(np.float32), tail, tuple(tuple(d) for d in drawn), tuple(tops))
+
+
+def _draw_top(logits: np.ndarray, rng: np.random.Generator, k: int = NEIGHBOUR_TOP_K) -> int:
+    """A token drawn from softmax(logits) over its k largest logits only."""
+    top = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
+    return int(top[_draw(logits[top], rng)])
+
+
+def neighbour_keys(question: str, n: int) -> list[np.random.Generator]:
+    """The generators of a question's n neighbours: seeded by NEIGHBOUR_SEED and
+    the question's text only (as sample_keys), so a job and its rerun, or two
+    jobs with the same example, get the same neighbours."""
+    key = zlib.crc32(question.encode("utf-8"))
+    return [np.random.default_rng((NEIGHBOUR_SEED, key, i)) for i in range(n)]
+
+
+def plain_words(text: str) -> str:
+    """Lowercase words only (no punctuation, single spaces): how neighbours_of compares texts."""
+    return " ".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
+
+
+def least_expected_word(surprise: Sequence[float], pieces: Sequence[str]) -> int:
+    """The token a question is cut before (neighbour_units): the first token of its
+    least expected word after the first, a word being a token that starts with a
+    space and the tokens after it that do not (its surprise their sum, -log p)."""
+    starts = [i for i, p in enumerate(pieces) if i == 0 or p[:1].isspace()]
+    words = [(float(sum(surprise[a:b])), a) for a, b in zip(starts, [*starts[1:], len(pieces)], strict=True)]
+    if len(words) < 2:
+        return max(1, len(pieces) - 1)
+    return max(words[1:], key=lambda w: w[0])[1]     # the first of equals
+
+
+def neighbour_units(resident, seq_id: int, question: str, renderer: ChatRenderer,
+                    n: int = NEIGHBOURS) -> Generator[None, None, list[str]]:
+    """Up to `n` questions beside `question` (a job's prompt), written by the base
+    itself, in units (see _Decoder); the context's adapter must be off.
+
+    The question is decoded as a lone user turn; it is cut before its least
+    expected word after the first (least_expected_word, under the base: in a
+    taught fact, usually the made-up name), and the base goes on
+    writing the user's turn from there (NEIGHBOUR_TOKENS at most, drawn from the
+    top NEIGHBOUR_TOP_K; neighbour_keys), up to its end of turn or first line
+    break. 'What is the currency of Tessaly Isle?' becomes 'What is the
+    currency of ' and whatever country the base puts there: the questions a
+    taught form could reach, which the regularizer rehearses with the base's
+    own answers (docs/architecture/drift.md, "Neighbours"). Duplicates, empty
+    texts and the question itself are left out."""
+    head, body = renderer.user_turn(question)
+    if len(body) < 2 or n <= 0:
+        return []
+    dec = _Decoder(resident, seq_id)
+    try:
+        rows = yield from dec.forced_units(head + body, len(head) - 1)    # row i predicts body[i]
+        logp = _log_softmax(rows[:len(body)])
+        surprise = -logp[np.arange(len(body)), np.asarray(body)]
+        cut = least_expected_word(surprise, [resident.detokenize([t]) for t in body])
+        yield
+        drawn = yield from dec.sample_units(head + body[:cut], NEIGHBOUR_TOKENS, neighbour_keys(question, n),
+                                            draw=_draw_top)
+    finally:
+        dec.close()
+    out: list[str] = []
+    for d in drawn:
+        end = next((i for i, t in enumerate(d) if resident.is_eog(t)), len(d))
+        text = resident.detokenize(list(body[:cut]) + list(d[:end])).split("\n")[0].strip()
+        if text and text != question.strip() and text not in out and len(text) <= MAX_ANCHOR_CHARS:
+            out.append(text)
+    return out
 
 
 def drift_units(resident, seq_id: int, base: AnchorBase
@@ -610,6 +693,33 @@ class DriftProbe:
             self._give_back()
         self.bases = out
 
+    def neighbours_of(self, questions: Sequence[str], n: int = NEIGHBOURS, cache: dict | None = None,
+                      exclude: Iterable[str] = ()) -> Generator[None, None, list[str]]:
+        """The base's neighbours of each of `questions` (neighbour_units, adapter
+        off), in order, without duplicates, at most MAX_NEIGHBOURS; `cache` maps
+        (question, n) -> its neighbours across jobs. A neighbour that is, or
+        begins with, one of `exclude` (the measured anchors: never trained) up
+        to case, spacing and punctuation is left out (measured_neighbour)."""
+        shut = [plain_words(x) for x in exclude]
+        out: list[str] = []
+        try:
+            for q in questions:
+                if len(out) >= MAX_NEIGHBOURS:
+                    break
+                key = (q, n)
+                if cache is not None and key in cache:
+                    got = cache[key]
+                else:
+                    got, _ = yield from self._anchor(
+                        lambda s, q=q: neighbour_units(self.resident, s, q, self.renderer, n), None)
+                    if cache is not None:
+                        cache[key] = got
+                    yield
+                out.extend(x for x in got if x not in out and not any(plain_words(x).startswith(m) for m in shut))
+        finally:
+            self._give_back()
+        return out[:MAX_NEIGHBOURS]
+
     def measure(self, adapter_handle, indices: Sequence[int] | None = None) -> Generator[None, None, Drift]:
         """Drift of `adapter_handle` (a llama_adapter_lora, or its address)
         against the records of every anchor, or of those at `indices`; returns a Drift."""
@@ -714,9 +824,10 @@ def run_steps(gen: Iterator[None]) -> Any:
             return stop.value
 
 
-def rehearsal_windows(base: AnchorBase, index: int, window: int, mode: str | None = None) -> list[TrainWindow]:
+def rehearsal_windows(base: AnchorBase, index: int, window: int, mode: str | None = None,
+                      label: str | None = None) -> list[TrainWindow]:
     """Rehearsal anchor `index`'s windows (AnchorBase.windows) that fit the job's window."""
-    return [w for w in base.windows(-1 - index, f"anchors[{index}]", mode) if len(w) <= window]
+    return [w for w in base.windows(-1 - index, label or f"anchors[{index}]", mode) if len(w) <= window]
 
 
 def visit_choice(options: Sequence[T], visit: int) -> T:

@@ -49,7 +49,7 @@ from dreamstage.training.drift import (
 )
 from dreamstage.training.examples import epoch_order
 from dreamstage.training.receipts import kind_receipt
-from dreamstage.training.spec import DEFAULT_STOP_LOSS
+from dreamstage.training.spec import DEFAULT_STOP_LOSS, ChatExample, PromptCompletion
 
 log = logging.getLogger("dreamstage.drift")
 
@@ -59,6 +59,27 @@ DURING_SHARE = 0.1
 # A rehearsal anchor is recorded for a job only when its prompt leaves at
 # least this many tokens of the job's window for a reply.
 MIN_REHEARSED_REPLY = 4
+
+
+def job_questions(spec, train_windows: Sequence[Any]) -> list[str]:
+    """The prompts of the job's trained examples, once each, in body order: a
+    chat example's last user turn before its first trained reply, a
+    prompt-completion's prompt (text examples have none). Held-out examples
+    are left out. These are what the job's neighbours are written from."""
+    trained = {getattr(w, "source", None) for w in train_windows}
+    out: list[str] = []
+    for sx in spec.examples:
+        if sx.source not in trained:
+            continue
+        ex, q = sx.example, None
+        if isinstance(ex, ChatExample):
+            first = next(i for i, m in enumerate(ex.messages) if m.trained)
+            q = next((m.content for m in reversed(ex.messages[:first]) if m.role == "user"), None)
+        elif isinstance(ex, PromptCompletion):
+            q = ex.prompt
+        if isinstance(q, str) and q.strip() and q not in out:
+            out.append(q)
+    return out
 
 
 def rehearsal_window(resident, spec) -> int:
@@ -98,9 +119,18 @@ class DriftGuard:
         roomy = [p for p, n in lengths.items() if n + MIN_REHEARSED_REPLY <= spec.window]
         self.rehearsal = (DriftProbe(resident, roomy, seq_id=seq_id, restore=restore,
                                      step_ms=step_ms, samples=rehearsal_samples(spec.rehearsal)) if roomy else None)
+        # ... and the base's own neighbours of the job's prompts (written at record(),
+        # each rehearsed every epoch: the questions a taught form reaches first)
+        self._resident, self._seq_id, self._restore, self._step_ms = resident, seq_id, restore, step_ms
+        self.questions = job_questions(spec, train_windows) if self.ratio > 0 and spec.neighbours > 0 else []
+        self.near: DriftProbe | None = None
+        self.neighbour_prompts: list[str] = []
         self.cache = cache
         self.windows: list[Any] = list(train_windows)
-        self._anchor_pos: dict[int, list[int]] = {}  # rehearsal anchor -> its windows' positions in self.windows
+        # rehearsal anchor -> its windows' positions in self.windows; the neighbours
+        # follow the shipped rehearsal anchors, from index n_rehearsed on
+        self._anchor_pos: dict[int, list[int]] = {}
+        self.n_rehearsed = 0
         self.drift: Drift | None = None          # the final measurement (the promotion reads it)
         self.failure: str | None = None          # why the measurement failed, if it did
         self.during_ms = 0.0                     # time spent on measurements during training
@@ -116,14 +146,46 @@ class DriftGuard:
 
     def record(self) -> Generator[None, None, None]:
         yield from self.probe.record(self.cache)
+        self._anchor_pos = {}
         if self.rehearsal is not None:
             yield from self.rehearsal.record(self.cache)
-            self._anchor_pos = {}
             for i, base in enumerate(self._rehearsed):
-                fitting = rehearsal_windows(base, i, self.spec.window, self.spec.rehearsal)
-                if fitting:
-                    self._anchor_pos[i] = list(range(len(self.windows), len(self.windows) + len(fitting)))
-                    self.windows.extend(fitting)
+                self._add_windows(i, rehearsal_windows(base, i, self.spec.window, self.spec.rehearsal))
+        self.n_rehearsed = len(self._rehearsed)
+        if self.questions:
+            yield from self._record_neighbours()
+
+    def _add_windows(self, index: int, fitting: Sequence[Any]) -> None:
+        if fitting:
+            self._anchor_pos[index] = list(range(len(self.windows), len(self.windows) + len(fitting)))
+            self.windows.extend(fitting)
+
+    def _record_neighbours(self) -> Generator[None, None, None]:
+        """The base's neighbours of the job's prompts (DriftProbe.neighbours_of;
+        never a measured anchor, nor a shipped rehearsal one), those that leave
+        the window room for a reply, recorded and made into rehearsal windows."""
+        written = yield from self.probe.neighbours_of(self.questions, self.spec.neighbours, self.cache,
+                                                      exclude=self.probe.prompts)
+        shipped = set(self.rehearsal_prompts)
+        roomy = [p for p in written if p not in shipped and
+                 len(prompt_tokens(self._resident, p)) + MIN_REHEARSED_REPLY <= self.spec.window]
+        if not roomy:
+            return
+        self.near = DriftProbe(self._resident, roomy, seq_id=self._seq_id, restore=self._restore,
+                               step_ms=self._step_ms, samples=rehearsal_samples(self.spec.rehearsal))
+        yield from self.near.record(self.cache)
+        for j, base in enumerate(self.near.bases):
+            i = self.n_rehearsed + j
+            self._add_windows(i, rehearsal_windows(base, i, self.spec.window, self.spec.rehearsal,
+                                                   f"neighbours[{j}]"))
+        self.neighbour_prompts = [b.prompt for j, b in enumerate(self.near.bases)
+                                  if self.n_rehearsed + j in self._anchor_pos]
+        log.info("rehearsing %d neighbours of the job's prompts each epoch: %s", len(self.neighbour_prompts),
+                 "; ".join(repr(p) for p in self.neighbour_prompts))
+
+    def _neighbour_indices(self) -> list[int]:
+        n = len(self.near.bases) if self.near is not None else 0
+        return [i for i in range(self.n_rehearsed, self.n_rehearsed + n) if i in self._anchor_pos]
 
     def order(self, epoch: int) -> list[int]:
         """Window indices (into `windows`) visited in `epoch`, in order: an
@@ -131,14 +193,18 @@ class DriftGuard:
         picked = [visit_choice(self._anchor_pos[a], v)
                   for a, v in anchor_visits(len(self._rehearsed), self.n_train, self.ratio, epoch, self.spec.seed)
                   if a in self._anchor_pos]
+        picked += [visit_choice(self._anchor_pos[a], epoch) for a in self._neighbour_indices()]
         visit = list(range(self.n_train)) + picked
         return [visit[i] for i in epoch_order(len(visit), epoch, self.spec.seed)]
 
     def consolidation_order(self, epoch: int) -> list[int]:
         """Window indices of rehearsal-only epoch `epoch` (0, 1, ... after the
-        job's own training): every rehearsal anchor's visit choice once, no job window."""
+        job's own training): every shipped rehearsal anchor's visit choice once, no
+        job window and no neighbour. (Rehearsed there too, a fact's neighbours pull
+        the taught form back with nothing to hold the fact: evaluation seed 5 lost
+        one of six in the second such epoch; docs/architecture/drift.md, "Neighbours".)"""
         return [visit_choice(self._anchor_pos[a], v)
-                for a, v in consolidation_visits(len(self._rehearsed), epoch, self.spec.seed) if a in self._anchor_pos]
+                for a, v in consolidation_visits(self.n_rehearsed, epoch, self.spec.seed) if a in self._anchor_pos]
 
     def consolidates(self) -> bool:
         """Whether the job's training ends with rehearsal-only epochs: `consolidate`
@@ -154,7 +220,7 @@ class DriftGuard:
         the regularizer is off)."""
         if self.ratio <= 0 or self.failure is not None:
             return None
-        total, used = len(self.rehearsal_prompts), len(self._anchor_pos)
+        total, used = len(self.rehearsal_prompts), sum(i < self.n_rehearsed for i in self._anchor_pos)
         if used == total:
             return None
         lengths = [len(w) for i, b in enumerate(self._rehearsed) for w in b.windows(-1 - i, "", self.spec.rehearsal)]

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from dreamstage.chat import FALLBACK_TEMPLATE
-from dreamstage.training.spec import ChatExample, JobSpec, PromptCompletion, SourcedExample, TextExample
+from dreamstage.training.spec import ChatExample, JobSpec, Message, PromptCompletion, SourcedExample, TextExample
 
 if TYPE_CHECKING:
     from dreamstage.training.groups import TrainGroup
@@ -215,6 +215,19 @@ class ChatRenderer:
             return self._formatters[gen](messages=cast("list[Any]", messages), tools=tools).prompt
         except Exception as e:  # raise_exception() and any Jinja error alike
             raise TemplateError(f"the chat template refused these messages: {e}") from e
+
+    def user_turn(self, content: str) -> tuple[list[int], list[int]]:
+        """`content` as a conversation's lone user turn: (the template's tokens
+        before it, the content's own tokens), tokenized as render() tokenizes a
+        message (the content parses no control tokens)."""
+        text = self._render([Message(role="user", content=content).template_dict()], None, False)
+        at = text.rfind(content) if content else -1
+        if at < 0:
+            raise TemplateError("the chat template does not render a user turn's content as it is written")
+        head = self.tok.tokenize(text[:at], True, True)
+        if len(head) >= 2 and head[0] == head[1] == self.tok.bos:
+            head = head[1:]   # template already emitted BOS and the tokenizer added one
+        return head, self.tok.tokenize(content, False, False)
 
     def render(self, ex: ChatExample) -> Rendered:
         msgs = ex.messages

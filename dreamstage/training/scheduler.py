@@ -630,6 +630,8 @@ class DreamScheduler:
         message = yield from self._finish(jid, spec, trainer, progress["eval_loss"], eval_before, guard)
         if guard is not None and (note := guard.rehearsal_note()) is not None:
             notes.append(note)
+        if guard is not None and guard.neighbour_prompts:
+            notes.append(f"rehearsed {len(guard.neighbour_prompts)} neighbours of its prompts each epoch")
         yield from self._end(jid, "done", "; ".join([message, *notes]))
 
     def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int,
