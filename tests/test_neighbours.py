@@ -149,3 +149,24 @@ def test_neighbours_is_a_validated_job_field_and_older_stored_jobs_read_as_none(
     stored = spec.to_stored()
     assert JobSpec.from_stored(stored, 5).neighbours == 5
     assert JobSpec.from_stored(stored, 4).neighbours == 0, "a form-4 job was accepted when none were rehearsed"
+
+
+def test_a_failure_to_write_neighbours_leaves_the_rest_of_the_guard_as_it_was(dream_resident, monkeypatch):
+    shipped = {p: _fake(p, dream_resident) for p in load_anchors() + rehearsal_anchors()}
+    spec = parse_train_request({"examples": chat(QUESTIONS), "neighbours": 2}).to_job_spec()
+    train = list(render_job(spec, dream_resident).train)
+    plain = DriftGuard(dream_resident, parse_train_request({"examples": chat(QUESTIONS)}).to_job_spec(), train,
+                       seq_id=0, restore=lambda: None, cache=dict(shipped))
+    run_steps(plain.record())
+    original = DriftProbe.record
+
+    def record_then_fail(self, cache=None):       # the neighbours are written; their records fail
+        if self.prompts[0] not in shipped:
+            raise RuntimeError("no decode today")
+        return (yield from original(self, cache))
+    monkeypatch.setattr(DriftProbe, "record", record_then_fail)
+    guard = DriftGuard(dream_resident, spec, train, seq_id=0, restore=lambda: None, cache=dict(shipped))
+    run_steps(guard.record())
+    assert guard.failure is None and guard.neighbour_prompts == [] and guard.consolidates()
+    assert [w.label for w in guard.windows] == [w.label for w in plain.windows]
+    assert guard.order(1) == plain.order(1) and guard.consolidation_order(0) == plain.consolidation_order(0)

@@ -16,7 +16,9 @@ decides what they are. One guard per job:
    base's recorded distributions, or one per sampled continuation); each epoch visits every job
    window and `anchor_ratio` x as many anchor windows (a rotating slice of the
    anchors, `drift.anchor_visits`), each anchor's next sample at each visit,
-   shuffled together. With the regularizer off no anchor window is visited.
+   shuffled together. With `neighbours` > 0, the base's own neighbours of the
+   job's prompts (drift.neighbour_units) are rehearsed too, every one in every
+   epoch of the job's own. With the regularizer off no anchor window is visited.
 3. `measure(trainer)` (steps): the shadow adapter's drift, copied to the
    stage's own served adapter (`Trainer.promote`; never set on the context
    for serving) and decoded against the records.
@@ -153,7 +155,19 @@ class DriftGuard:
                 self._add_windows(i, rehearsal_windows(base, i, self.spec.window, self.spec.rehearsal))
         self.n_rehearsed = len(self._rehearsed)
         if self.questions:
-            yield from self._record_neighbours()
+            try:
+                yield from self._record_neighbours()
+            except Exception:
+                # an extra: the shipped rehearsal and the measurement stand without it
+                log.exception("writing the neighbours of the job's prompts failed; it rehearses none")
+                self._drop_neighbours()
+
+    def _drop_neighbours(self) -> None:
+        for i in [i for i in self._anchor_pos if i >= self.n_rehearsed]:
+            del self._anchor_pos[i]
+        self.windows = self.windows[:max((p for v in self._anchor_pos.values() for p in v), default=self.n_train - 1)
+                                    + 1]
+        self.near, self.neighbour_prompts = None, []
 
     def _add_windows(self, index: int, fitting: Sequence[Any]) -> None:
         if fitting:
@@ -209,7 +223,8 @@ class DriftGuard:
     def consolidates(self) -> bool:
         """Whether the job's training ends with rehearsal-only epochs: `consolidate`
         > 0, the regularizer on and some rehearsal anchor fits the job's window."""
-        return self.ratio > 0 and self.spec.consolidate > 0 and bool(self._anchor_pos) and self.failure is None
+        return (self.ratio > 0 and self.spec.consolidate > 0 and any(i < self.n_rehearsed for i in self._anchor_pos)
+                and self.failure is None)
 
     def anchor_windows_per_epoch(self) -> int:
         return len(self.order(0)) - self.n_train
