@@ -93,7 +93,7 @@ NULL_DRAWS = 9
 NULL_SEED = 7
 # Neighbours of a job's own prompts (neighbour_units): per prompt, this many
 # questions the base writes itself from the prompt's head, cut before its
-# least expected token (a made-up name, usually); at most NEIGHBOUR_TOKENS
+# least expected word (a made-up name, usually); at most NEIGHBOUR_TOKENS
 # tokens each, drawn at temperature 1 from the top NEIGHBOUR_TOP_K tokens.
 NEIGHBOURS = 2
 NEIGHBOUR_TOKENS = 20
@@ -699,7 +699,7 @@ class DriftProbe:
         off), in order, without duplicates, at most MAX_NEIGHBOURS; `cache` maps
         (question, n) -> its neighbours across jobs. A neighbour that is, or
         begins with, one of `exclude` (the measured anchors: never trained) up
-        to case, spacing and punctuation is left out (measured_neighbour)."""
+        to case, spacing and punctuation is left out (plain_words)."""
         shut = [plain_words(x) for x in exclude]
         out: list[str] = []
         try:

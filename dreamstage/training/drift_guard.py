@@ -155,19 +155,15 @@ class DriftGuard:
                 self._add_windows(i, rehearsal_windows(base, i, self.spec.window, self.spec.rehearsal))
         self.n_rehearsed = len(self._rehearsed)
         if self.questions:
+            shipped_windows = len(self.windows)
             try:
                 yield from self._record_neighbours()
             except Exception:
                 # an extra: the shipped rehearsal and the measurement stand without it
                 log.exception("writing the neighbours of the job's prompts failed; it rehearses none")
-                self._drop_neighbours()
-
-    def _drop_neighbours(self) -> None:
-        for i in [i for i in self._anchor_pos if i >= self.n_rehearsed]:
-            del self._anchor_pos[i]
-        self.windows = self.windows[:max((p for v in self._anchor_pos.values() for p in v), default=self.n_train - 1)
-                                    + 1]
-        self.near, self.neighbour_prompts = None, []
+                self._anchor_pos = {i: v for i, v in self._anchor_pos.items() if i < self.n_rehearsed}
+                del self.windows[shipped_windows:]
+                self.near, self.neighbour_prompts = None, []
 
     def _add_windows(self, index: int, fitting: Sequence[Any]) -> None:
         if fitting:
