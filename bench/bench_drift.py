@@ -12,6 +12,8 @@
         --out bench/results/drift-tests-facts-seed0-2026-12-02.json
     nice python bench/bench_drift.py --seed 4 --only ratio8-c2 --noise-margin --scales 1 0.9 0.8 0.7 0.6 0.5 0.4 \
         --out bench/results/drift-scaled-seed4-2026-12-02.json
+    nice python bench/bench_drift.py --seed 3 --only ratio8-c2 --noise-margin --jitters 9 \
+        --out bench/results/drift-jitter-seed3-2026-12-03.json      # bench/drift_jitter.py reads it
 
 One resident default model (SmolLM2-135M Q4_1), one thread (two shared
 cores). The base answers of the shipped anchors (both halves) and of
@@ -34,7 +36,10 @@ null adapters flipped leads up to 0.35, the tests' draws up to 0.78),
 guard does (so `anchors_changed` is the job's figure, `anchors_changed_raw`
 every change), and `--each-epoch` records the held-out figures after every
 epoch, and `--scales` the final adapter with its B scaled down (recall, drift,
-each fact window's loss at each scale). Results go to JSON; docs/benchmarks.md
+each fact window's loss at each scale), and `--jitters K` the final adapter K
+more times with the null draws' noise added to its B (`jitter`: every
+position's lead drop under each of them and under the null draws, which
+bench/drift_jitter.py reads). Results go to JSON; docs/benchmarks.md
 quotes the table.
 A setting's `rehearsal` is the job field (soft targets by default
 since 2026-12-02; "samples" otherwise here), `consolidate` the rehearsal-only
@@ -65,6 +70,7 @@ from drift_facts import EVAL_FACTS, EXTRA_REHEARSAL_PROMPTS, FORM_PROMPTS, UNSEE
 
 from dreamstage.resident import ResidentConfig, ResidentModel
 from dreamstage.training.drift import (
+    NULL_SIGMA,
     DriftProbe,
     _Decoder,
     _log_softmax,
@@ -161,6 +167,12 @@ GRID["ratio8-c2-near2"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal"
                                                          "neighbours": 2})
 GRID["ratio8-c2-near2j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                           "neighbours": 2, "neighbours_consolidate": False})
+# 2026-12-03 (afternoon): the defaults with the adapter on the MLP instead of attention's q and v
+GRID["ratio8-c2-down"] = (1e-3, 10, 8, "ffn_down", 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
+GRID["ratio8-c2-updown"] = (1e-3, 10, 8, "ffn_up,ffn_down", 8.0, 0.1, {"samples": 4, "rehearsal": "soft",
+                                                                        "consolidate": 2})
+# ... and the defaults stopping a step earlier (the facts' loss under 0.2, not 0.1)
+GRID["ratio8-c2-stop0.2"] = (1e-3, 10, 8, QV, 8.0, 0.2, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
 GRID["ratio8-c2-forms"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                          "rehearse_forms": True})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
@@ -221,6 +233,7 @@ def answer_logprobs(rm, probe, handle) -> list[np.ndarray]:
 # bench_drift_floor.py's null adapters (nothing learned) flipped base choices at margins up
 # to 0.29 (sigma 1e-4) and 0.35 (1e-2) on the default model (drift-floor-2026-12-02.json)
 DETERMINED_MARGINS = (0.35, 0.5, 0.8, 1.0)
+JITTER_SEED = 41      # the adapter jitters (--jitters), apart from the null draws (NULL_SEED)
 
 
 def changed_determined(probe, lqs, margins=DETERMINED_MARGINS) -> dict:
@@ -300,6 +313,13 @@ def at_scales(rm, probe, unseen, spec, trainer, facts, scales) -> list[dict]:
     return rows
 
 
+def at_jitters(probe, trainer, k: int, seed: int = JITTER_SEED) -> list:
+    """The final adapter measured k more times, each with NULL_SIGMA noise added to
+    every B (DriftProbe.null_drifts around it, draw d seeded by (seed, d)). The
+    trainer is put back."""
+    return run_steps(probe.null_drifts(trainer, k, NULL_SIGMA, seed, around=True))
+
+
 def recorded(rm, key, prompts) -> list:
     """The base records of `prompts` (rehearsed beside the shipped set), made once per process under `key`."""
     if key not in _ACTS:
@@ -310,7 +330,7 @@ def recorded(rm, key, prompts) -> list:
 
 
 def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, ratio, stop_loss, more=None,
-                seed=0, on_adapter=None, each_epoch=False, noise=False, scales=()) -> dict:
+                seed=0, on_adapter=None, each_epoch=False, noise=False, scales=(), jitters=0) -> dict:
     more = dict(more or {})
     samples = more.pop("samples", 0)
     mode = more.pop("rehearsal", "samples")
@@ -368,7 +388,9 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     # the job's noise margin, as its guard measures it before training (anchors_changed beyond it)
     probe.noise_margin = None
     margin_s = time.perf_counter()
-    noise_margin = run_steps(probe.null_margin(trainer)) if noise else None
+    nulls = run_steps(probe.null_drifts(trainer)) if noise else []
+    noise_margin = max((n.widest_drop for n in nulls), default=0.0) if noise else None
+    probe.noise_margin = noise_margin
     margin_s = time.perf_counter() - margin_s
     t0 = time.perf_counter()
     epoch_losses, updates, recall_per_epoch, drift_per_epoch = [], 0, [], []
@@ -448,6 +470,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         if on_adapter is not None:           # a caller's own look at the final adapter (bench_drift_floor)
             on_adapter(trainer.served_adapter)
         scaled = at_scales(rm, probe, unseen, spec, trainer, facts, scales) if scales else []
+        jittered = at_jitters(probe, trainer, jitters) if jitters else []
     finally:
         trainer.close()
         if evaluator is not None:
@@ -471,10 +494,15 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
            "train_s": train_s, "measure_s": measure_s, "answers": answers, "first_changes": changes,
            "drift_per_epoch": drift_per_epoch, "noise_margin_s": margin_s, "flip_leads": drift.flip_leads,
            "at_scales": scaled}
+    if jitters:
+        out["jitter"] = {"sigma": NULL_SIGMA, "base_leads": [b.leads().round(4).tolist() for b in probe.bases],
+                         "adapter_drops": [[round(x, 4) for x in d] for d in drift.drops],
+                         "null_drops": [[[round(x, 4) for x in d] for d in n.drops] for n in nulls],
+                         "jitter_drops": [[[round(x, 4) for x in d] for d in j.drops] for j in jittered]}
     probe.noise_margin = None
     if noise_margin is not None:
         out["noise_margin"] = noise_margin
-    quiet = ("answers", "first_changes", "drift_per_epoch", "flip_leads", "at_scales")
+    quiet = ("answers", "first_changes", "drift_per_epoch", "flip_leads", "at_scales", "jitter")
     print(json.dumps({k: v for k, v in out.items() if k not in quiet}), flush=True)
     return out
 
@@ -487,6 +515,8 @@ def main() -> None:
     ap.add_argument("--each-epoch", action="store_true", help="measure the held-out anchors after every epoch too")
     ap.add_argument("--noise-margin", action="store_true",
                     help="measure the job's noise margin first, as its guard does: anchors_changed beyond it")
+    ap.add_argument("--jitters", type=int, default=0,
+                    help="measure the final adapter this many times more with NULL_SIGMA noise on B (jitter)")
     ap.add_argument("--scales", type=float, nargs="*", default=[],
                     help="measure the final adapter with B scaled by each of these too (at_scales)")
     ap.add_argument("--facts", choices=("eval", "tests"), default="eval",
@@ -511,7 +541,8 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         results.append(run_setting(rm, probe, rehearsal, unseen, name, *cfg, seed=args.seed,
-                                   each_epoch=args.each_epoch, noise=args.noise_margin, scales=args.scales))
+                                   each_epoch=args.each_epoch, noise=args.noise_margin, scales=args.scales,
+                                   jitters=args.jitters))
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
             "model": rm.model_path.name, "threads": 1, "seed": args.seed, "facts": args.facts,

@@ -49,8 +49,12 @@ from dreamstage.training.spec import parse_train_request
 DRAW_KEYS = 1000      # the draws' keys start here (the guard's NULL_SEED is 7)
 
 
-def spread(values) -> dict:
+def spread(values) -> dict | None:
+    """median, 90th percentile, max and min of `values` (None when there are none:
+    fewer draws than NULL_DRAWS make no group)."""
     w = np.array(values)
+    if w.size == 0:
+        return None
     return {"median": float(np.median(w)), "q90": float(np.quantile(w, 0.9)), "max": float(w.max()),
             "min": float(w.min())}
 
@@ -83,6 +87,8 @@ def main() -> None:
                     rows.append({"seed": seed, "sigma": sigma, "draw": d,
                                  "widest": max((x for lead in null.flip_leads for x in lead), default=0.0),
                                  "drop": null.widest_drop, "changed_raw": null.changed_raw,
+                                 "changed_beyond_guard": null.changed,       # beyond this seed's guard margin
+                                 "drift_kl": round(null.drift_kl, 5),
                                  "s": round(time.perf_counter() - t, 2)})
                     print(json.dumps(rows[-1]), flush=True)
         finally:

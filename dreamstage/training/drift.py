@@ -219,6 +219,8 @@ class Drift:
     flip_leads: tuple[tuple[float, ...], ...] = ()
     # the widest lead drop at any answer position of any anchor (lead_drops), nats
     widest_drop: float = 0.0
+    # per anchor: the lead drop at every answer position (lead_drops), nats
+    drops: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.changed_raw is None:
@@ -548,12 +550,12 @@ def neighbour_units(resident, seq_id: int, question: str, renderer: ChatRenderer
 
 
 def drift_units(resident, seq_id: int, base: AnchorBase
-                ) -> Generator[None, None, tuple[float, int, int | None, tuple[float, ...], float]]:
+                ) -> Generator[None, None, tuple[float, int, int | None, tuple[float, ...], np.ndarray]]:
     """(sum of KL(base || now) over the answer's tokens, tokens, the first answer token the
     greedy answer changes at or None, the base's lead at every position the argmax
-    changes at, the widest lead drop: the most the base token's lead over every other
-    token fell at any answer position, lead_drops) for whatever adapter the context
-    has on during the units."""
+    changes at, the lead drop at every answer position: how far the base token's lead
+    over every other token fell, lead_drops) for whatever adapter the context has on
+    during the units."""
     n = len(base.answer)
     dec = _Decoder(resident, seq_id)
     try:
@@ -572,9 +574,9 @@ def drift_units(resident, seq_id: int, base: AnchorBase
     kl += np.where(has_tail, np.exp(lt) * (lt - np.log(q_rest)), 0.0)
     base_leads = base.leads()
     leads = tuple(float(x) for x in base_leads[diff])
-    drop = float(lead_drops(base_leads, logq, base.answer).max(initial=0.0))
+    drops = lead_drops(base_leads, logq, base.answer)
     # a coarsened KL is >= 0; float error at identical distributions may dip below
-    return float(np.clip(kl, 0.0, None).sum()), n, first, leads, drop
+    return float(np.clip(kl, 0.0, None).sum()), n, first, leads, drops
 
 
 def lead_drops(base_leads: np.ndarray, logq: np.ndarray, answer: Sequence[int]) -> np.ndarray:
@@ -725,7 +727,7 @@ class DriftProbe:
         against the records of every anchor, or of those at `indices`; returns a Drift."""
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring drift")
-        kl_sum, tokens, first, leads, ms, drop = 0.0, 0, [], [], 0.0, 0.0
+        kl_sum, tokens, first, leads, ms, drops = 0.0, 0, [], [], 0.0, []
         try:
             for base in (self.bases if indices is None else [self.bases[i] for i in indices]):
                 (kl, n, f, lead, d), one = yield from self._anchor(lambda s, b=base: drift_units(self.resident, s, b),
@@ -735,7 +737,7 @@ class DriftProbe:
                 kl_sum, tokens = kl_sum + kl, tokens + n
                 first.append(f)
                 leads.append(lead)
-                drop = max(drop, d)
+                drops.append(tuple(float(x) for x in d))
                 yield
         finally:
             self._give_back()
@@ -745,7 +747,8 @@ class DriftProbe:
         return Drift(drift_kl=kl_sum / tokens if tokens else 0.0, anchors_changed=changed / len(first),
                      changed=changed, anchors=len(first), tokens=tokens, first_change=tuple(first), ms=ms,
                      anchors_changed_raw=raw / len(first), changed_raw=raw, noise_margin=margin,
-                     flip_leads=tuple(leads), widest_drop=drop)
+                     flip_leads=tuple(leads), widest_drop=max([0.0, *(x for d in drops for x in d)]),
+                     drops=tuple(drops))
 
     def null_margin(self, trainer, draws: int = NULL_DRAWS, sigma: float = NULL_SIGMA,
                     seed: int = NULL_SEED) -> Generator[None, None, float]:
@@ -768,18 +771,21 @@ class DriftProbe:
         return self.noise_margin
 
     def null_drifts(self, trainer, draws: int = NULL_DRAWS, sigma: float = NULL_SIGMA,
-                    seed: int = NULL_SEED) -> Generator[None, None, list[Drift]]:
+                    seed: int = NULL_SEED, around: bool = False) -> Generator[None, None, list[Drift]]:
         """The figures of `draws` adapters that learned nothing, one Drift each:
         `trainer`'s shadow adapter with its A as it is and every B drawn from
         N(0, sigma^2), draw d seeded by (seed, d); the shadow adapter is put back
-        as it was (null_margin reads their lead drops)."""
+        as it was (null_margin reads their lead drops). `around`: the noise is
+        added to the B it has instead (the rounding's reach around a trained
+        adapter, as the null draws are around the base; bench_drift --jitters)."""
         before = trainer.lora_parameters()
         is_b = lora_b_mask(trainer)
         out = []
         try:
             for d in range(draws):
                 vec = before.copy()
-                vec[is_b] = sigma * np.random.default_rng((seed, d)).standard_normal(int(is_b.sum()))
+                noise = sigma * np.random.default_rng((seed, d)).standard_normal(int(is_b.sum()))
+                vec[is_b] = vec[is_b] + noise if around else noise
                 trainer.set_lora_parameters(vec)
                 trainer.promote()
                 out.append((yield from self.measure(trainer.served_adapter)))
