@@ -759,8 +759,9 @@ def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_ou
     temperature 0, at most 5 % of the held-out anchors' greedy answers changed beyond
     the job's noise margin, and promoted by promote "auto". (The defaults were chosen on
     the evaluation facts of bench/drift_facts.py, docs/benchmarks.md, "Drift".) The margin
-    here is 0.800, the widest lead drop of the job's three null draws, near the top of
-    what three draws give (bench_null_margin.py: 0.50 to 0.81, median 0.59); beyond 0.51
+    here is 0.800, the widest lead drop of the job's nine null draws (its first three
+    already reached it, near the top of what three draws give: bench_null_margin.py,
+    0.50 to 0.81, median 0.59); beyond 0.51
     this job changes 1 of 20, and the evaluation facts' jobs 1 to 3 at their own
     margins (docs/architecture/drift.md, "What is counted beyond it")."""
     job = jobs["default"]
@@ -789,6 +790,18 @@ def test_drift_is_reported_during_training_on_a_rotating_slice_within_its_time_s
     during_ms = sum(r["ms"] for r in receipts if not r["final"])
     # the share is planned at each epoch end from the last anchor's cost; one anchor may overrun it
     assert during_ms <= DURING_SHARE * p["train_ms"] + max(r["ms"] / r["anchors"] for r in receipts)
+
+
+def test_the_examples_loss_is_reported_apart_from_the_rehearsal_windows(jobs):
+    """progress.examples_loss_per_epoch: the job's own windows only, none in a
+    rehearsal-only epoch; train_loss_per_epoch mixes in the rehearsal windows,
+    whose loss stays near the base's entropy."""
+    p = jobs["default"]["progress"]
+    own, mixed = p["examples_loss_per_epoch"], p["train_loss_per_epoch"]
+    assert len(own) == len(mixed) and own[-1] is None          # the default job ends with rehearsal-only epochs
+    last = max(i for i, x in enumerate(own) if x is not None)
+    assert all(x is not None for x in own[:last + 1]) and all(x is None for x in own[last + 1:])
+    assert own[last] < own[0] / 4 and own[last] < mixed[last] and mixed[last + 1] is not None
 
 
 def test_without_the_regularizer_the_same_job_changes_more(jobs):

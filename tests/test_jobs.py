@@ -256,8 +256,9 @@ def test_window_and_epoch_losses_come_from_the_receipts(store):
     assert p["windows_done"] == 2 and p["tokens"] == 40
     store.append_receipt(jid, Receipt(loss=1.0, tokens=5))
     store.end_window(jid)
-    p = store.end_epoch(jid, eval_loss=1.5)
+    p = store.end_epoch(jid, eval_loss=1.5, examples_loss=0.75)
     assert p["train_loss_per_epoch"] == [pytest.approx(2.55), 1.0] and p["eval_loss_per_epoch"] == [None, 1.5]
+    assert p["examples_loss_per_epoch"] == [None, 0.75]          # the job's own windows: the scheduler's figure
     assert p["train_loss"] == 1.0 and p["eval_loss"] == 1.5
     assert store.end_window(jid) is None                         # an empty window changes no loss
     store.update_progress(jid, window_in_epoch=3, windows=9)

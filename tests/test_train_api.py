@@ -334,6 +334,9 @@ def test_auto_promotion_teaches_a_made_up_fact(server, http, moon):
     p = job["progress"]
     assert len(p["eval_loss_per_epoch"]) == 10 and p["eval_loss"] < p["eval_loss_per_epoch"][0]
     assert p["train_loss_per_epoch"][-1] < p["train_loss_per_epoch"][0] / 2
+    # the examples' own loss per epoch (none in a rehearsal-only epoch), apart from the rehearsal windows'
+    own = [x for x in p["examples_loss_per_epoch"] if x is not None]
+    assert len(p["examples_loss_per_epoch"]) == len(p["train_loss_per_epoch"]) and own[-1] < own[0] / 4
     assert job["adapter"]["promoted"] and "promoted as served version" in job["message"]
     version = job["adapter"]["served_version"]
     assert "Quokka-42" in after["choices"][0]["text"], after

@@ -394,6 +394,7 @@ class OwnLoss:
         self.n_job, self.stop_loss = n_job_windows, stop_loss
         self._windows: dict[int, tuple[float, int]] = {}
         self.last: float | None = None     # the epoch's highest window loss
+        self.mean: float | None = None     # the epoch's token-weighted loss over the job's windows
         self.final: dict[int, float] = {}  # the last finished epoch's loss per window
 
     def note(self, window_index: int, receipt: Any) -> None:
@@ -406,6 +407,8 @@ class OwnLoss:
         self.final = {i: s / t for i, (s, t) in self._windows.items() if t}
         losses = list(self.final.values())
         self.last = max(losses) if losses else None
+        tokens = sum(t for _, t in self._windows.values())
+        self.mean = sum(s for s, _ in self._windows.values()) / tokens if tokens else None
         self._windows = {}
         return self.stop_loss is not None and self.last is not None and self.last < self.stop_loss
 

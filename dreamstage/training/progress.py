@@ -39,6 +39,10 @@ def new_progress(spec: JobSpec) -> dict[str, Any]:
         "horizon": (spec.horizon or 0) if spec.exact else None, "walk_pass": None,
         "loss": None, "loss_avg": None, "train_loss": None, "eval_loss": None,
         "train_loss_per_epoch": [], "eval_loss_per_epoch": [],
+        # the job's own windows only (the loss train_loss_per_epoch mixes with the
+        # drift guard's rehearsal windows, which starts at the base's entropy);
+        # null for a rehearsal-only epoch, which trains none of them
+        "examples_loss_per_epoch": [],
         # the last drift measurement (docs/architecture/drift.md), null until one
         # ran, and every one in order (those during training cover a slice of the anchors)
         "drift": None, "drift_history": [],
@@ -115,12 +119,14 @@ def close_window(p: dict[str, Any]) -> float | None:
     return loss
 
 
-def close_epoch(p: dict[str, Any], eval_loss: float | None) -> None:
-    """Close the epoch: its token-weighted train loss and held-out loss (None
-    when nothing is held out)."""
+def close_epoch(p: dict[str, Any], eval_loss: float | None, examples_loss: float | None = None) -> None:
+    """Close the epoch: its token-weighted train loss, held-out loss (None
+    when nothing is held out) and the job's own windows' loss (None when it
+    trained none of them)."""
     train = p["_epoch_loss_sum"] / p["_epoch_tokens"] if p["_epoch_tokens"] else None
     p["train_loss_per_epoch"].append(train)
     p["eval_loss_per_epoch"].append(eval_loss)
+    p.setdefault("examples_loss_per_epoch", []).append(examples_loss)
     p["train_loss"], p["eval_loss"] = train, eval_loss
     p["_epoch_loss_sum"], p["_epoch_tokens"] = 0.0, 0
     p["epoch"] = len(p["train_loss_per_epoch"])

@@ -600,8 +600,8 @@ class DreamScheduler:
                 ev = None
                 if rendered.held_out:
                     ev = yield from self._evaluate(spec, trainer, rendered.held_out, memory_cap, notes)
-                run.end_epoch(ev)
                 stop = own.converged() and event == "epoch"
+                run.end_epoch(ev, own.mean)
                 if (stop or event == "done") and guard is not None and not consolidating and guard.consolidates():
                     # the job's own training is over: rehearsal-only epochs follow (spec.consolidate)
                     if stop:

@@ -351,9 +351,10 @@ class JobStore:
         self._edit_progress(job_id, fold)
         return out[0]
 
-    def end_epoch(self, job_id: int, eval_loss: float | None = None) -> dict[str, Any]:
+    def end_epoch(self, job_id: int, eval_loss: float | None = None,
+                  examples_loss: float | None = None) -> dict[str, Any]:
         """Close the epoch (`progress.close_epoch`). Returns the progress."""
-        return self._edit_progress(job_id, lambda p: close_epoch(p, eval_loss))
+        return self._edit_progress(job_id, lambda p: close_epoch(p, eval_loss, examples_loss))
 
     def set_pacing(self, job_id: int, figures: Mapping[str, Any]) -> None:
         with self._write(durable=False) as c:

@@ -243,8 +243,8 @@ class JobRun:
             self.store.transition(self.job_id, "error", message=d.get("message") or "the micro-step failed")
         return event
 
-    def end_epoch(self, eval_loss: float | None) -> dict[str, Any]:
-        return self.store.end_epoch(self.job_id, eval_loss)
+    def end_epoch(self, eval_loss: float | None, examples_loss: float | None = None) -> dict[str, Any]:
+        return self.store.end_epoch(self.job_id, eval_loss, examples_loss)
 
     def end_here(self) -> None:
         """Walk.end_here, with the job's progress (its epochs) to match."""

@@ -125,7 +125,11 @@ function drawLoss() {
   }
   drawChart($("#loss-chart"), [{ points: pts, cls: "train" }, { points: avg, cls: "avg" }], "receipt");
   const p = (state.job && state.job.progress) || {};
-  const train = (p.train_loss_per_epoch || []).map((v, i) => [i + 1, v]);
+  // the examples' own loss (train_loss_per_epoch mixes in the drift guard's rehearsal windows,
+  // which stay near the base's entropy); a rehearsal-only epoch has none and draws no dot
+  const own = p.examples_loss_per_epoch && p.examples_loss_per_epoch.length ? p.examples_loss_per_epoch
+    : (p.train_loss_per_epoch || []);
+  const train = own.map((v, i) => [i + 1, v]);
   const held = (p.eval_loss_per_epoch || []).map((v, i) => [i + 1, v]).filter((q) => q[1] !== null);
   drawChart($("#epoch-chart"), [{ points: train, cls: "avg", dots: "avgdot" }, { points: held, cls: "eval", dots: "evaldot" }], "epoch");
 }
