@@ -173,6 +173,8 @@ GRID["ratio8-c2-updown"] = (1e-3, 10, 8, "ffn_up,ffn_down", 8.0, 0.1, {"samples"
                                                                         "consolidate": 2})
 # ... and the defaults stopping a step earlier (the facts' loss under 0.2, not 0.1)
 GRID["ratio8-c2-stop0.2"] = (1e-3, 10, 8, QV, 8.0, 0.2, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
+# ... and every rehearsal anchor in every epoch of the facts (ratio 16: 96 wanted, all 80)
+GRID["ratio16-c2"] = (1e-3, 10, 8, QV, 16.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
 GRID["ratio8-c2-forms"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                          "rehearse_forms": True})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
