@@ -241,6 +241,13 @@ def test_malformed_receipts_are_refused_and_nothing_is_written(store, bad, words
     assert store.receipts(jid) == []
 
 
+def test_a_job_stored_before_examples_loss_gets_null_for_its_earlier_epochs():
+    from dreamstage.training.progress import close_epoch
+    p = {"_epoch_loss_sum": 3.0, "_epoch_tokens": 2, "train_loss_per_epoch": [2.0, 1.8], "eval_loss_per_epoch": [None] * 2}
+    close_epoch(p, None, 0.4)
+    assert p["examples_loss_per_epoch"] == [None, None, 0.4] and p["train_loss_per_epoch"] == [2.0, 1.8, 1.5]
+
+
 def test_window_and_epoch_losses_come_from_the_receipts(store):
     jid = store.submit(req(epochs=2))["id"]
     store.append_receipt(jid, Receipt(loss=5.0, tokens=6))      # window 1: two chunks

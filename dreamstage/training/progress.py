@@ -126,7 +126,9 @@ def close_epoch(p: dict[str, Any], eval_loss: float | None, examples_loss: float
     train = p["_epoch_loss_sum"] / p["_epoch_tokens"] if p["_epoch_tokens"] else None
     p["train_loss_per_epoch"].append(train)
     p["eval_loss_per_epoch"].append(eval_loss)
-    p.setdefault("examples_loss_per_epoch", []).append(examples_loss)
+    own = p.setdefault("examples_loss_per_epoch", [])      # a job stored before it was kept: null for those epochs
+    own.extend([None] * (len(p["train_loss_per_epoch"]) - 1 - len(own)))
+    own.append(examples_loss)
     p["train_loss"], p["eval_loss"] = train, eval_loss
     p["_epoch_loss_sum"], p["_epoch_tokens"] = 0.0, 0
     p["epoch"] = len(p["train_loss_per_epoch"])
