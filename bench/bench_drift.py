@@ -79,6 +79,7 @@ from dreamstage.training.drift import (
     consolidation_visits,
     load_anchors,
     lora_b_mask,
+    noise_margin_of,
     prompt_tokens,
     rehearsal_anchors,
     run_steps,
@@ -391,7 +392,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     probe.noise_margin = None
     margin_s = time.perf_counter()
     nulls = run_steps(probe.null_drifts(trainer)) if noise else []
-    noise_margin = max((n.widest_drop for n in nulls), default=0.0) if noise else None
+    noise_margin = noise_margin_of(nulls) if noise else None
     probe.noise_margin = noise_margin
     margin_s = time.perf_counter() - margin_s
     t0 = time.perf_counter()

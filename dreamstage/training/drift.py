@@ -217,8 +217,6 @@ class Drift:
     noise_margin: float | None = None
     # per anchor: the base's lead (log p1 - log p2) at every answer position the adapter's argmax left
     flip_leads: tuple[tuple[float, ...], ...] = ()
-    # the widest lead drop at any answer position of any anchor (lead_drops), nats
-    widest_drop: float = 0.0
     # per anchor: the lead drop at every answer position (lead_drops), nats
     drops: tuple[tuple[float, ...], ...] = ()
 
@@ -226,6 +224,11 @@ class Drift:
         if self.changed_raw is None:
             object.__setattr__(self, "changed_raw", self.changed)
             object.__setattr__(self, "anchors_changed_raw", self.anchors_changed)
+
+    @property
+    def widest_drop(self) -> float:
+        """The widest lead drop at any answer position of any anchor (0.0 when none fell), nats."""
+        return max([0.0, *(x for d in self.drops for x in d)])
 
     def changed_within(self, n_tokens: int) -> float:
         """The fraction of anchors whose answer changed within its first n_tokens."""
@@ -747,8 +750,7 @@ class DriftProbe:
         return Drift(drift_kl=kl_sum / tokens if tokens else 0.0, anchors_changed=changed / len(first),
                      changed=changed, anchors=len(first), tokens=tokens, first_change=tuple(first), ms=ms,
                      anchors_changed_raw=raw / len(first), changed_raw=raw, noise_margin=margin,
-                     flip_leads=tuple(leads), widest_drop=max([0.0, *(x for d in drops for x in d)]),
-                     drops=tuple(drops))
+                     flip_leads=tuple(leads), drops=tuple(drops))
 
     def null_margin(self, trainer, draws: int = NULL_DRAWS, sigma: float = NULL_SIGMA,
                     seed: int = NULL_SEED) -> Generator[None, None, float]:
@@ -767,7 +769,7 @@ class DriftProbe:
             raise RuntimeError("record() the base answers before measuring the noise margin")
         self.noise_margin = None
         nulls = yield from self.null_drifts(trainer, draws, sigma, seed)
-        self.noise_margin = max((n.widest_drop for n in nulls), default=0.0)
+        self.noise_margin = noise_margin_of(nulls)
         return self.noise_margin
 
     def null_drifts(self, trainer, draws: int = NULL_DRAWS, sigma: float = NULL_SIGMA,
@@ -793,6 +795,11 @@ class DriftProbe:
             trainer.set_lora_parameters(before)
             trainer.promote()
         return out
+
+
+def noise_margin_of(nulls: Sequence[Drift]) -> float:
+    """The noise margin the null adapters' figures give: the widest lead drop any of them made."""
+    return max((n.widest_drop for n in nulls), default=0.0)
 
 
 def lora_b_mask(trainer) -> np.ndarray:
