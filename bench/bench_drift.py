@@ -178,6 +178,20 @@ GRID["ratio8-c2-stop0.2"] = (1e-3, 10, 8, QV, 8.0, 0.2, {"samples": 4, "rehearsa
 GRID["ratio16-c2"] = (1e-3, 10, 8, QV, 16.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
 GRID["ratio8-c2-forms"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                          "rehearse_forms": True})
+# 2026-12-03 (evening): SGD with momentum instead of AdamW's per-parameter normalized step (emulated: AdamW
+# with eps 1, far above every sqrt(v), takes lr x the bias-corrected first moment), at two lr
+GRID["ratio8-c2-sgd0.5"] = (0.5, 15, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                          "adam_eps": 1.0})
+GRID["ratio8-c2-sgd1"] = (1.0, 15, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                        "adam_eps": 1.0})
+# ... and AdamW on the mean gradient of 9 windows (one update where there were 9: a fact's window and
+# 8 rehearsal windows on average, the regularized objective's gradient), and rank 2
+GRID["ratio8-c2-acc9"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                        "accumulate": 9})
+GRID["ratio8-c2-r2"] = (1e-3, 10, 2, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
+# ... and the mean of the rehearsal-only epochs' iterates as the final adapter
+GRID["ratio8-c2-avg"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                       "consolidate_average": True})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 FACTS = EVAL_FACTS        # what a setting teaches: the evaluation facts, or with --facts tests the tests'
@@ -338,6 +352,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     samples = more.pop("samples", 0)
     mode = more.pop("rehearsal", "samples")
     eps = more.pop("adam_eps", None)       # AdamW's eps (not a job field; the trainer's 1e-8 when None)
+    accumulate = more.pop("accumulate", 1)   # windows per AdamW update, their gradients averaged (not a job field)
     # rehearse the unseen prompts too (40 rehearsal anchors): does more rehearsal data hold the held-out half?
     plus_unseen = more.pop("rehearse_unseen", False)
     consolidate = more.pop("consolidate", 0)   # rehearsal-only epochs (every anchor) after the facts' last epoch
@@ -347,6 +362,9 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     # the consolidation's step size falling linearly to 0 over its updates (emulated: each update
     # taken as a fraction of AdamW's step, since lr does not enter the moments)
     decay = more.pop("consolidate_decay", False)
+    # the adapter at the end: the mean of its iterates over the rehearsal-only epochs' updates (the step's
+    # jitter about where the rehearsal pulls averaged out), not the last one
+    average = more.pop("consolidate_average", False)
     extra = more.pop("rehearse_extra", 0)      # the first this many EXTRA_REHEARSAL_PROMPTS rehearsed too
     forms = more.pop("rehearse_forms", False)  # FORM_PROMPTS rehearsed too (the taught forms' questions)
     rstep = more.pop("rehearsal_step", 1.0)   # a rehearsal window's update taken at this multiple (emulated)
@@ -374,11 +392,12 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     facts = list(render_job(spec, rm).train)
     anchored = 0
     trainer = native_trainer(rm, spec, spec.chunk)
-    if eps is not None:
+    if eps is not None or accumulate != 1:
         from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
         trainer.close()
+        opt = OptimizerConfig(lr=lr, eps=1e-8 if eps is None else eps, accumulate_windows=accumulate)
         trainer = Trainer(rm, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
-                          window=spec.window, chunk=spec.chunk, optimizer=OptimizerConfig(lr=lr, eps=eps))
+                          window=spec.window, chunk=spec.chunk, optimizer=opt)
     proj = None
     if project is not None:
         from drift_project import Projection, attn_inputs, projectors
@@ -446,6 +465,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
                 windows = [(facts + windows)[i] for i in epoch_order(len(facts) + len(windows), 1000 + c, seed)]
             plan.append(windows)
         n_cons, done_cons = sum(len(x) for x in plan), 0
+        iterate_sum = None
         for c, windows in enumerate(plan):
             anchored += len(windows)
             for w in windows:
@@ -457,8 +477,15 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
                 done_cons += 1
                 if proj is not None:
                     proj.apply()
+                if average:
+                    theta = trainer.lora_parameters().astype(np.float64)
+                    iterate_sum = theta if iterate_sum is None else iterate_sum + theta
                 updates += 1
             t0 += after_epoch(len(epoch_losses) + c + 1)
+        if iterate_sum is not None:
+            trainer.set_lora_parameters((iterate_sum / done_cons).astype(np.float32))
+            trainer.promote()
+            recall_per_epoch.append(recall(rm, trainer.served_adapter, FACTS)[0])
         train_s = time.perf_counter() - t0
         trainer.promote()
         t1 = time.perf_counter()
@@ -479,6 +506,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         if evaluator is not None:
             evaluator.close()
     out = {"name": name, **more, "project": project, "rehearsal_samples": samples, "rehearsal": mode, "adam_eps": eps,
+           "accumulate": accumulate, "consolidate_average": average,
            "rehearse_unseen": plus_unseen, "consolidate": consolidate,
            "consolidate_facts": consolidate_facts, "consolidate_decay": decay, "rehearse_extra": extra,
            "rehearse_forms": forms, "neighbours": neighbours,
