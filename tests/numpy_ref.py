@@ -365,7 +365,9 @@ class Forward:
         loss_positions: bool (T,); position t's logits predict token t+1, so
         the last position must be False. The mean is over the True positions.
         targets: optional (loss positions, n_vocab) probability rows, in order:
-        the cross-entropy against each row instead of the next token's one-hot.
+        the cross-entropy against each row instead of the next token's one-hot;
+        a row summing below 1 leaves the rest on the tokens it gives 0, as one
+        outcome (dream_window_soft_targets).
         """
         lp = np.asarray(loss_positions, dtype=bool)
         T = len(self.tokens)
@@ -390,9 +392,20 @@ class Forward:
             q = np.asarray(targets, dtype=np.float64)
             if q.shape != x.shape:
                 raise ValueError(f"targets {q.shape} must be (loss positions, n_vocab) = {x.shape}")
-            # -sum_v q_v log softmax(x)_v, whose gradient is softmax(x) - q for rows summing to 1
-            loss = float(np.mean(q.sum(axis=-1) * lse - (q * x).sum(axis=-1)))
-            d = e / z * q.sum(axis=-1, keepdims=True) - q
+            # -sum_v q_v log softmax(x)_v, whose gradient is softmax(x) - q for rows summing to 1;
+            # a row summing to s < 1 leaves rest = 1 - s on the tokens it sets to 0, as one outcome:
+            # - rest log(sum of softmax(x) over those tokens)
+            p = e / z
+            loss_rows = q.sum(axis=-1) * lse - (q * x).sum(axis=-1)
+            d = p * q.sum(axis=-1, keepdims=True) - q
+            rest = np.clip(1.0 - q.sum(axis=-1), 0.0, None)
+            tail = q <= 0
+            q_rest = (p * tail).sum(axis=-1)
+            has = rest > 0
+            loss_rows[has] -= rest[has] * np.log(q_rest[has])
+            # d/dx of -rest log Q_rest: rest (p - tail p / Q_rest)
+            d[has] += rest[has, None] * (p[has] - tail[has] * p[has] / q_rest[has, None])
+            loss = float(np.mean(loss_rows))
         dz = np.zeros_like(self.z)
         dz[idx] = (self.model.output_t @ (d / n).T).T
         return loss, dz

@@ -295,8 +295,9 @@ def test_each_sample_keeps_the_distributions_it_was_drawn_from(dream_resident, s
                           np.take_along_axis(want_logp, np.argsort(want_ids, axis=1), 1))
     soft_ids, probs = soft_targets(want_ids, want_logp)
     assert np.array_equal(soft_ids, want_ids)
-    assert np.allclose(probs.sum(axis=1), 1.0, atol=1e-6)
-    np.testing.assert_allclose(probs, np.exp(want_logp) / np.exp(want_logp).sum(axis=1, keepdims=True), rtol=1e-5)
+    # the recorded probabilities themselves: the mass outside the top K is the rest, not spread over them
+    assert np.all(probs.sum(axis=1) <= 1.0 + 1e-6) and np.all(probs.sum(axis=1) > 0.5)
+    np.testing.assert_allclose(probs, np.exp(want_logp), rtol=1e-5)
 
 
 def test_rehearsal_modes_make_the_windows_they_name(dream_resident):

@@ -1,7 +1,9 @@
 """Soft targets for a window (dream_window_soft_targets, Trainer.begin_window(soft=)):
 the native loss and gradient against the float64 NumPy reference
-(tests/numpy_ref.py) trained on the same target distributions, and the
-call's refusals of bad input."""
+(tests/numpy_ref.py) trained on the same target distributions, rows that
+sum to 1 and rows that leave a rest (the mass of every token outside them,
+one outcome), the model's own truncated distribution as a stationary
+target, and the call's refusals of bad input."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,21 +32,34 @@ def _soft_rows(n_rows: int, n_vocab: int, k: int, seed: int = 5) -> tuple[np.nda
     return ids, probs
 
 
+def _with_rest(probs: np.ndarray, seed: int = 9) -> np.ndarray:
+    """Every other row scaled to a sum in [0.6, 0.99]: the rest, 1 - its sum, on every token it leaves out."""
+    out = probs.copy()
+    rng = np.random.default_rng(seed)
+    out[::2] *= rng.uniform(0.6, 0.99, size=(len(out[::2]), 1)).astype(np.float32)
+    return out
+
+
 def _dense(ids: np.ndarray, probs: np.ndarray, n_vocab: int) -> np.ndarray:
+    """The rows over the vocabulary, as the native side takes them: rescaled only where
+    rounding takes them over 1 (a row that sums below 1 leaves its rest out)."""
     out = np.zeros((ids.shape[0], n_vocab))
     for r in range(ids.shape[0]):
         for i, p in zip(ids[r], probs[r].astype(np.float64), strict=True):
             if i >= 0:
                 out[r, i] += p
-    return out / out.sum(axis=1, keepdims=True)
+    return out / np.maximum(out.sum(axis=1, keepdims=True), 1.0)
 
 
+@pytest.mark.parametrize("rest", [False, True], ids=["rows-sum-to-1", "rows-leave-a-rest"])
 @pytest.mark.parametrize("chunk", [32, 8], ids=["one-chunk", "three-chunks"])
-def test_soft_target_gradient_matches_reference(tiny_resident, tiny_ref, chunk):
+def test_soft_target_gradient_matches_reference(tiny_resident, tiny_ref, chunk, rest):
     tokens, mask = _window(tiny_resident)
     lp = ref.positions_from_mask(mask)
     n_vocab = tiny_resident.n_vocab
     ids, probs = _soft_rows(int(mask[1:].sum()), n_vocab, k=24)
+    if rest:
+        probs = _with_rest(probs)
     with _trainer(tiny_resident, chunk=chunk) as tr:
         theta = _with_random_b(tr)
         tr.begin_window(tokens, mask, soft=(ids, probs))
@@ -61,13 +76,52 @@ def test_soft_target_gradient_matches_reference(tiny_resident, tiny_ref, chunk):
     ref_grad = ref.flat_grad(grads, order)
     err, loss_err = rel_l2(native_grad, ref_grad), abs(native_loss - ref_loss) / abs(ref_loss)
     hard_err = rel_l2(hard_grad, ref_grad)
-    report(f"soft targets (k 24, chunk {chunk}, {ref_grad.size} params): gradient rel L2 {err:.2e}, loss "
+    report(f"soft targets (k 24, chunk {chunk}, rest {rest}, {ref_grad.size} params): gradient rel L2 {err:.2e}, loss "
            f"{native_loss:.6f} vs {ref_loss:.6f}; the one-hot gradient is {hard_err:.2f} away")
     assert np.count_nonzero(ref_grad) == ref_grad.size
     assert np.count_nonzero(native_grad) == native_grad.size
     assert loss_err <= 1e-5
     assert err <= 1e-4
     assert hard_err > 0.1
+
+
+def test_the_models_own_top_k_with_its_rest_is_a_stationary_target(tiny_resident, tiny_ref):
+    """Rows of the model's own next-token probabilities on its top k tokens, not
+    renormalized (the drift guard's rehearsal targets): the rest is the mass of
+    every other token, so the model is already the target and the gradient
+    vanishes. The same rows renormalized over the k tokens ask the model to move
+    the rest onto them: a gradient as large as a real target's. The reference's
+    loss at its minimum is the target's entropy with the rest as one outcome."""
+    tokens, mask = _window(tiny_resident)
+    lp = ref.positions_from_mask(mask)
+    k = 8
+    with _trainer(tiny_resident) as tr:
+        theta = _with_random_b(tr)
+        lora = _ref_lora(tr, theta)
+        x = ref.Forward(tiny_ref, tokens, lora)
+        idx = np.nonzero(lp)[0]
+        logits = x.z[idx] @ tiny_ref.output_t
+        logp = logits - logits.max(axis=1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+        top = np.argsort(-logp, axis=1)[:, :k].astype(np.int32)
+        p_top = np.take_along_axis(np.exp(logp), top, axis=1)
+        own = (top, p_top.astype(np.float32))
+        renormalized = (top, (p_top / p_top.sum(axis=1, keepdims=True)).astype(np.float32))
+        grads, losses = {}, {}
+        other = _soft_rows(len(idx), tiny_resident.n_vocab, k)
+        for name, soft in (("own", own), ("renormalized", renormalized), ("other", other)):
+            losses[name] = tr.window_loss(tr.train_window(tokens, mask, soft=soft))
+            grads[name] = tr.gradients()
+    rest = 1.0 - p_top.sum(axis=1)
+    entropy = float(np.mean(-(p_top * np.log(p_top)).sum(axis=1) - rest * np.log(rest)))
+    norm = {name: float(np.linalg.norm(g)) for name, g in grads.items()}
+    report(f"soft targets at the model's own top {k} (rest {rest.mean():.3f} on average): gradient norm "
+           f"{norm['own']:.2e}, renormalized {norm['renormalized']:.2e}, another target {norm['other']:.2e}; "
+           f"loss {losses['own']:.6f} against the entropy {entropy:.6f}")
+    assert rest.min() > 0.01                     # the rows do leave mass out
+    assert norm["own"] < 1e-3 * norm["other"]
+    assert norm["renormalized"] > 100 * norm["own"]
+    assert abs(losses["own"] - entropy) <= 1e-4 * entropy
 
 
 def test_one_hot_soft_targets_give_the_one_hot_gradient(tiny_resident):
@@ -99,8 +153,8 @@ def test_soft_targets_refuse_bad_input(tiny_resident):
                 tr.begin_window(tokens, mask, soft=(ids_, probs_))
         refused(ids[:-1], probs[:-1], rf"n_rows {n - 1} must be the window's {n} loss tokens")
         bad = probs.copy()
-        bad[3] *= 0.5
-        refused(ids, bad, r"row 3's probabilities sum to 0\.5")
+        bad[3] *= 1.5
+        refused(ids, bad, r"row 3's probabilities sum to 1\.5, over 1")
         bad_ids = ids.copy()
         bad_ids[2, 1] = v
         refused(bad_ids, probs, rf"row 2, pair 1: id {v} ")

@@ -8,8 +8,10 @@ on a CUDA build the label rows are filled on the host into the device's label
 matrix, a path the CPU tests never take. This loads the tiny model with every
 layer offloaded (ResidentConfig's n_gpu_layers -1) and calls the test module's
 functions with it: the loss and the whole LoRA gradient against the float64
-NumPy reference (one chunk and three), one-hot soft rows against the one-hot
-labels, and the refusals of bad rows. The functions are called directly, not
+NumPy reference (one chunk and three; rows that sum to 1 and rows that leave
+a rest, whose loss nodes the scheduler runs on the host), the model's own
+truncated distribution as a stationary target, one-hot soft rows against the
+one-hot labels, and the refusals of bad rows. The functions are called directly, not
 under pytest: on the GPU machine a pytest run of the same module crashed in
 llama's model load (2026-12-02; a plain Python process loads the same file).
 Prints each check's [oracle] line and PASS, or the failure; exit 1 on a failure.
@@ -33,8 +35,11 @@ def main() -> int:
     import test_soft_targets as t
 
     tiny_ref = ref.LlamaRef.from_gguf(path)
-    checks = [("gradient, one chunk", lambda: t.test_soft_target_gradient_matches_reference(model, tiny_ref, 32)),
-              ("gradient, three chunks", lambda: t.test_soft_target_gradient_matches_reference(model, tiny_ref, 8)),
+    checks = [(f"gradient, {name}{', rows with a rest' if rest else ''}",
+               lambda c=c, rest=rest: t.test_soft_target_gradient_matches_reference(model, tiny_ref, c, rest))
+              for name, c in (("one chunk", 32), ("three chunks", 8)) for rest in (False, True)]
+    checks += [("the model's own top k with its rest, stationary",
+                lambda: t.test_the_models_own_top_k_with_its_rest_is_a_stationary_target(model, tiny_ref)),
               ("one-hot rows", lambda: t.test_one_hot_soft_targets_give_the_one_hot_gradient(model)),
               ("refusals", lambda: t.test_soft_targets_refuse_bad_input(model))]
     failed = 0

@@ -111,7 +111,7 @@ bool backward_ext(ggml_context * ctx, ggml_tensor * t, ggml_tensor * grad, ggml_
         swiglu_backward(ctx, t, grad, out);
         return true;
     }
-    return dream_fattn_backward(ctx, t, grad, out);
+    return dream_soft_rest_backward(ctx, t, grad, out) || dream_fattn_backward(ctx, t, grad, out);
 }
 
 // installed once, when the library loads: every backward a dream stage builds asks them

@@ -31,3 +31,5 @@ bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv
 #define DREAM_CUSTOM_TAG_PARAM   12
 #define DREAM_CUSTOM_TAG         0x5357444d   // "MDWS"
 #define DREAM_CUSTOM_SWIGLU_BACK 1            // dream-glu.cpp: SwiGLU's backward, dg then du
+#define DREAM_CUSTOM_SOFT_REST_CE      2      // dream-soft.cpp: soft targets' loss rows with their rest (CPU only)
+#define DREAM_CUSTOM_SOFT_REST_CE_BACK 3      // ... and its backward (CPU only)

@@ -122,10 +122,12 @@ struct dream_step_graph {
     int32_t p = 0, n = 0, n_out = 0;
     bool train = false;
     bool soft = false;                    // its labels are host-filled soft targets (dream-soft.cpp)
+    bool soft_rest = false;               // ... and its loss counts their rest (dream_soft_rest_ce)
     float loss_scale = 0.0f;
     ggml_context_ptr ctx;                 // the backward graph's tensors (the forward's live in dream_stage::res)
     ggml_cgraph * gb = nullptr;
     ggml_tensor * target_ids = nullptr, * host_labels = nullptr, * ce = nullptr, * loss_grad = nullptr;
+    ggml_tensor * host_rest = nullptr;    // the loss rows' rest masses, with soft_rest
     ggml_tensor * unit = nullptr;         // dream_unit's input, when the graph has one
     std::vector<ggml_tensor *> param_grads;
     std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_need;
@@ -229,6 +231,10 @@ struct dream_stage {
     std::vector<int32_t> win_soft_ids;
     std::vector<float>   win_soft_p;
     std::vector<int32_t> win_soft_row;
+    // per row, the mass its pairs leave out (1 - their sum): the target's probability of
+    // every other token together, trained as one outcome (dream_soft_rest_ce); all zero: none
+    std::vector<float>   win_soft_rest;
+    bool win_soft_has_rest = false;
     dream_group_state group;
 };
 
@@ -282,8 +288,19 @@ void dream_soft_clear(dream_stage & ds);
 bool dream_soft_active(const dream_stage & ds);
 // writes the label rows of a chunk at p (targets[i] >= 0: input p+i has a loss row) into
 // lab[rows][n_vocab], each the soft target of the token it predicts
+// lab[rows][n_vocab], each the soft target of the token it predicts, and with rest (not null) each
+// row's rest mass into rest[rows]
 void dream_soft_fill(const dream_stage & ds, int32_t p, const std::vector<int32_t> & targets, float * lab,
-                     int64_t n_vocab);
+                     int64_t n_vocab, float * rest);
+// whether the window's soft rows leave mass out (their loss is then dream_soft_rest_ce's)
+bool dream_soft_has_rest(const dream_stage & ds);
+// The mean over rows of -sum_i lab_i log q_i - rest log(sum of q_j over the tokens j the row's labels
+// leave at 0), q = softmax(logits): the soft targets' cross-entropy with their rest as one outcome.
+// logits and labels [n_vocab, rows] F32, rest [rows] F32; a scalar with its own backward (the hook below)
+ggml_tensor * dream_soft_rest_ce(ggml_context * ctx, ggml_tensor * logits, ggml_tensor * labels, ggml_tensor * rest);
+// ggml's backward builder: the gradient of a dream_soft_rest_ce node's rows; false for any other node
+bool dream_soft_rest_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * grad, ggml_tensor ** out);
+bool dream_is_soft_rest_ce(const ggml_tensor * t);
 
 // dream-receipt.cpp
 void dream_receipt_start(const dream_stage & ds, dream_receipt & r);

@@ -193,6 +193,8 @@ static bool dream_op_has_backward(const ggml_tensor * t) {
             return ggml_get_glu_op(t) == GGML_GLU_OP_SWIGLU && t->src[1] != nullptr;
         case GGML_OP_FLASH_ATTN_EXT:
             return dream_fattn_differentiable(t);
+        case GGML_OP_CUSTOM:
+            return dream_is_soft_rest_ce(t);
         default:
             return false;
     }
@@ -777,6 +779,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     int32_t n_loss = 0;
     const bool forward_sweep = dream_exact_window(ds) && !chunk.backward_pass;
     const bool soft = dream_soft_active(ds);   // labels from dream_window_soft_targets (dream-soft.cpp)
+    const bool soft_rest = dream_soft_has_rest(ds);   // ... whose rows leave mass out: dream_soft_rest_ce
     for (int32_t i = 0; i < n && !forward_sweep; ++i) {
         const int32_t j = p + i + 1;
         if (j < ds.win_n && ds.win_mask[j]) {
@@ -918,7 +921,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     // adjoint views and surrogates that depend on the chunk's place in the pass.
     dream_step_graph & sg = ds.step_graph;
     const bool keepable = ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active;
-    const bool reuse = keepable && sg.valid && sg.p == p && sg.n == n && sg.n_out == n_out && sg.train == train && sg.soft == soft &&
+    const bool reuse = keepable && sg.valid && sg.p == p && sg.n == n && sg.n_out == n_out && sg.train == train && sg.soft == soft && sg.soft_rest == soft_rest &&
                        sg.loss_scale == loss_scale && ds.res->can_reuse(gp);
     // the graph this step computes: the kept one, or one built below
     dream_step_graph fresh;
@@ -1004,7 +1007,14 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                     ggml_set_input(sgraph.host_labels);
                     labels = sgraph.host_labels;
                 }
-                sgraph.ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
+                if (soft_rest) {
+                    sgraph.host_rest = ggml_new_tensor_1d(cbw, GGML_TYPE_F32, n_loss);
+                    ggml_set_name(sgraph.host_rest, "dream_soft_rest");
+                    ggml_set_input(sgraph.host_rest);
+                    sgraph.ce = dream_soft_rest_ce(cbw, logits, labels, sgraph.host_rest);   // mean over loss rows
+                } else {
+                    sgraph.ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
+                }
                 ggml_set_output(sgraph.ce);
                 loss = ggml_scale(cbw, sgraph.ce, loss_scale);
             }
@@ -1116,6 +1126,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         fresh.n_out = n_out;
         fresh.train = train;
         fresh.soft = soft;
+        fresh.soft_rest = soft_rest;
         fresh.loss_scale = loss_scale;
         fresh.valid = valid;
         sg = std::move(fresh);
@@ -1141,7 +1152,12 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_labels->buffer));
             float * lab = (float *) sgraph.host_labels->data;
             if (soft) {
-                dream_soft_fill(ds, p, targets, lab, n_vocab);
+                float * rest = nullptr;
+                if (sgraph.host_rest) {
+                    GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_rest->buffer));
+                    rest = (float *) sgraph.host_rest->data;
+                }
+                dream_soft_fill(ds, p, targets, lab, n_vocab, rest);
             } else {
                 std::memset(lab, 0, ggml_nbytes(sgraph.host_labels));
                 int64_t row = 0;

@@ -130,11 +130,17 @@ LLAMA_API int32_t dream_window_begin(struct dream_stage * ds, const llama_token 
 // instead of the one-hot of the token itself, for n_rows = the window's loss
 // tokens rows of k pairs. A pair with id -1 pads a row (its probability must be
 // 0); an id may repeat (its probabilities add). Each row's probabilities are
-// finite, >= 0 and sum to 1 within 1e-3 (rescaled to 1 exactly). The window's
-// loss is then the mean over loss tokens of the cross-entropy against each
-// row: KL(row || model) + the row's entropy. The labels are a dense
-// [n_vocab, rows] matrix filled on the host. Returns DREAM_STATUS_OK, or ERROR
-// with receipt->message naming the bad value (nothing changed).
+// finite, >= 0 and sum to at most 1 (within 1e-3, rescaled to 1 above it).
+// What a row leaves out, rest = 1 - its sum, is the target's probability of
+// every token outside the row together (a top-k record's tail), trained as one
+// outcome: the window's loss is the mean over loss tokens of
+// -sum_i p_i log q_i - rest log(sum of q over the tokens outside the row),
+// KL(row and rest || model's same outcomes) + their entropy, and zero
+// gradient where the model is the target. Rows that sum to 1 are plain
+// cross-entropy (ggml's CROSS_ENTROPY_LOSS; with a rest, a node of ours that
+// runs on the CPU backend). The labels are a dense [n_vocab, rows] matrix
+// filled on the host. Returns DREAM_STATUS_OK, or ERROR with
+// receipt->message naming the bad value (nothing changed).
 LLAMA_API int32_t dream_window_soft_targets(struct dream_stage * ds, const int32_t * ids, const float * probs,
                                             int32_t k, int32_t n_rows, struct dream_receipt * receipt);
 

@@ -112,10 +112,18 @@ def rehearsal_samples(mode: str) -> int:
 
 def soft_targets(ids: np.ndarray, logp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Recorded top-K rows (ids, log-probabilities) as soft targets: (ids int32,
-    probabilities float32), each row renormalized over its K tokens (the mass
-    outside them, 1.4 % on average on the default model, is left out)."""
-    p = np.exp(np.asarray(logp, np.float64) - np.max(logp, axis=1, keepdims=True))
-    return np.ascontiguousarray(ids, np.int32), (p / p.sum(axis=1, keepdims=True)).astype(np.float32)
+    probabilities float32), as recorded. A row sums to the mass of its K tokens
+    (all but 1.4 % on average on the default model, at least 75 %); the native
+    loss trains what they leave out as one more outcome, "any other token"
+    (dream_window_soft_targets). Renormalized over the K tokens (until
+    2026-12-04) the target was not the base: at the base itself the loss sat
+    0.018 nats a token above its minimum, and the rehearsal moved the adapter
+    to push the rest's mass onto the K tokens (docs/architecture/drift.md,
+    "The rest of the distribution")."""
+    p = np.exp(np.asarray(logp, np.float64))
+    s = p.sum(axis=1, keepdims=True)
+    p = np.where(s > 1.0, p / s, p)      # rounding: never over one
+    return np.ascontiguousarray(ids, np.int32), p.astype(np.float32)
 
 
 def _shipped(part: str) -> list[str]:

@@ -194,7 +194,9 @@ class Trainer(NativeOwner):
         ``soft``: ``(ids, probs)``, two (loss tokens, k) arrays: the prediction of
         the window's r-th loss token is trained against the distribution of row r
         (``probs[r, i]`` on token ``ids[r, i]``; id -1 pads with probability 0;
-        each row sums to 1) instead of the token itself (dream_window_soft_targets)."""
+        each row sums to at most 1, and what it leaves out is the probability of
+        every other token together, trained as one more outcome) instead of the
+        token itself (dream_window_soft_targets)."""
         toks = np.ascontiguousarray(tokens, dtype=np.int32)
         mask = np.ascontiguousarray(loss_mask, dtype=np.uint8)
         if toks.ndim != 1 or mask.shape != toks.shape:
