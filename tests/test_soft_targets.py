@@ -183,3 +183,25 @@ def test_soft_targets_refuse_bad_input(tiny_resident):
         with pytest.raises(ValueError):
             tr.begin_window(tokens, mask, soft=(ids, bad))
         assert [r.loss for r in tr._steps_to_end()] == plain
+
+
+def test_rows_with_a_rest_through_the_exact_walk_and_recompute(tiny_resident):
+    """The rest's loss node in the exact walk (three chunks) gives the one-chunk
+    gradient, and with recompute the plain walk's, to float rounding."""
+    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+    tokens, mask = _window(tiny_resident)
+    ids, probs = _soft_rows(int(mask[1:].sum()), tiny_resident.n_vocab, k=24)
+    soft = (ids, _with_rest(probs))
+    grads = {}
+    for name, chunk, kw in (("one chunk", 32, {}), ("exact", 8, {"exact": True}), ("plain", 8, {}),
+                            ("recompute", 8, {"recompute": True})):
+        with Trainer(tiny_resident, LoraConfig(rank=4, alpha=8, targets=("attn_q", "attn_v"), seed=11),
+                     cache_type="f32", window=32, chunk=chunk, optimizer=OptimizerConfig(lr=0.0), **kw) as tr:
+            _with_random_b(tr)
+            assert all(r.ok for r in tr.train_window(tokens, mask, soft=soft))
+            grads[name] = tr.gradients()
+    exact, recompute = rel_l2(grads["exact"], grads["one chunk"]), rel_l2(grads["recompute"], grads["plain"])
+    report(f"soft rows with a rest: exact walk vs one chunk rel L2 {exact:.2e}, recompute vs plain {recompute:.2e}")
+    assert np.count_nonzero(grads["one chunk"]) == grads["one chunk"].size
+    assert exact <= 1e-5 and recompute <= 1e-6
+    assert rel_l2(grads["plain"], grads["one chunk"]) > 0.1     # the plain walk's chunks do stop the gradient
