@@ -14,6 +14,8 @@
         --out bench/results/drift-scaled-seed4-2026-12-02.json
     nice python bench/bench_drift.py --seed 3 --only ratio8-c2 --noise-margin --jitters 9 \
         --out bench/results/drift-jitter-seed3-2026-12-03.json      # bench/drift_jitter.py reads it
+    nice python bench/bench_drift.py --seed 3 --only ratio8-c6 --noise-margin --each-epoch \
+        --out bench/results/drift-rest-c6-seed3-2026-12-04.json   # --rehearsal-top-k K: wider soft-target rows
 
 One resident default model (SmolLM2-135M Q4_1), one thread (two shared
 cores). The base answers of the shipped anchors (both halves) and of
@@ -71,6 +73,7 @@ from drift_facts import EVAL_FACTS, EXTRA_REHEARSAL_PROMPTS, FORM_PROMPTS, UNSEE
 from dreamstage.resident import ResidentConfig, ResidentModel
 from dreamstage.training.drift import (
     NULL_SIGMA,
+    TOP_K,
     DriftProbe,
     _Decoder,
     _log_softmax,
@@ -192,6 +195,24 @@ GRID["ratio8-c2-r2"] = (1e-3, 10, 2, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "
 # ... and the mean of the rehearsal-only epochs' iterates as the final adapter
 GRID["ratio8-c2-avg"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                        "consolidate_average": True})
+# 2026-12-04: decoupled weight decay on the B matrices only (emulated: after each update B -= lr x wd x B), in the
+# facts' epochs and, with "wd_consolidate", in the rehearsal-only epochs too; and a linear lr warm-up over the
+# first `warmup` updates (emulated: each such update taken at a fraction of AdamW's step)
+for _wd in (2, 5, 10, 20, 50):
+    GRID[f"ratio8-c2-wdb{_wd}"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                                "weight_decay_b": float(_wd)})
+    GRID[f"ratio8-c2-wdb{_wd}c"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                                 "weight_decay_b": float(_wd), "wd_consolidate": True})
+for _wd in (10, 30):   # ... in the rehearsal-only epochs alone, the facts trained in them too (they hold what B needs)
+    GRID[f"ratio8-c2-facts-wdb{_wd}only"] = (1e-3, 10, 8, QV, 8.0, 0.1, {
+        "samples": 4, "rehearsal": "soft", "consolidate": 2, "consolidate_facts": True, "weight_decay_b": float(_wd),
+        "wd_consolidate": "only"})
+# ... and (the soft targets' rest counted, 2026-12-04) six rehearsal-only epochs with the facts' windows in them
+GRID["ratio8-c6-facts"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 6,
+                                                        "consolidate_facts": True})
+for _w in (50, 200):
+    GRID[f"ratio8-c2-warm{_w}"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                                "warmup": _w})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 FACTS = EVAL_FACTS        # what a setting teaches: the evaluation facts, or with --facts tests the tests'
@@ -371,6 +392,9 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     # the base's own neighbours of each fact's question (DriftProbe.neighbours_of), every one rehearsed each epoch
     neighbours = more.pop("neighbours", 0)
     near_cons = more.pop("neighbours_consolidate", True)   # ... and in the rehearsal-only epochs too
+    wd_b = more.pop("weight_decay_b", 0.0)      # decoupled weight decay on B only (emulated), the facts' epochs
+    wd_cons = more.pop("wd_consolidate", False)  # ... and the rehearsal-only epochs ("only": there alone)
+    warmup = more.pop("warmup", 0)                # linear lr warm-up over this many updates (emulated)
     # the setting's rehearsal data: its first `samples` samples, or the greedy answers
     bases = [replace(b, samples=b.samples[:samples], sample_top=b.sample_top[:samples]) for b in rehearsal.bases]
     if plus_unseen:
@@ -418,6 +442,15 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     epoch_losses, updates, recall_per_epoch, drift_per_epoch = [], 0, [], []
 
     evaluator = native_trainer(rm, spec, spec.chunk, 0.0) if each_epoch else None   # lr 0: forward losses
+    b_mask = lora_b_mask(trainer) if wd_b else None
+
+    def emulate_step(before: np.ndarray, frac: float, wd: float) -> None:
+        """The update just taken, at `frac` of AdamW's step (lr does not enter the moments), then
+        decoupled weight decay on B: B -= lr x wd x B (from before the update, as AdamW decays)."""
+        theta = before + frac * (trainer.lora_parameters() - before)
+        if wd:
+            theta[b_mask] -= lr * wd * before[b_mask]
+        trainer.set_lora_parameters(theta)
     fact_window_losses: list[list[float]] = []
 
     def after_epoch(number: int) -> float:
@@ -443,10 +476,13 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             windows += anchor_windows(near, [(i, epoch) for i in range(len(near))], spec.window, mode)
             anchored += len(windows) - len(facts)
             for w in epoch_order(len(windows), epoch, seed):
-                before_step = trainer.lora_parameters() if (rstep != 1.0 and w >= len(facts)) else None
+                frac = rstep if w >= len(facts) else 1.0
+                if warmup:
+                    frac *= min(1.0, (updates + 1) / warmup)
+                before_step = trainer.lora_parameters() if (frac != 1.0 or (wd_b and wd_cons != "only")) else None
                 rec = trainer.train_window(windows[w].tokens, windows[w].mask, windows[w].soft)
                 if before_step is not None:
-                    trainer.set_lora_parameters(before_step + rstep * (trainer.lora_parameters() - before_step))
+                    emulate_step(before_step, frac, 0.0 if wd_cons == "only" else wd_b)
                 if proj is not None:
                     proj.apply()
                 updates += 1
@@ -469,11 +505,11 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         for c, windows in enumerate(plan):
             anchored += len(windows)
             for w in windows:
-                before_step = trainer.lora_parameters() if decay else None
+                cons_wd = wd_b if wd_cons else 0.0
+                before_step = trainer.lora_parameters() if (decay or cons_wd) else None
                 trainer.train_window(w.tokens, w.mask, w.soft)
-                if decay:
-                    frac = 1.0 - (done_cons + 0.5) / n_cons
-                    trainer.set_lora_parameters(before_step + frac * (trainer.lora_parameters() - before_step))
+                if before_step is not None:
+                    emulate_step(before_step, 1.0 - (done_cons + 0.5) / n_cons if decay else 1.0, cons_wd)
                 done_cons += 1
                 if proj is not None:
                     proj.apply()
@@ -511,7 +547,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
            "consolidate_facts": consolidate_facts, "consolidate_decay": decay, "rehearse_extra": extra,
            "rehearse_forms": forms, "neighbours": neighbours,
            "neighbours_consolidate": near_cons, "neighbour_prompts": [b.prompt for b in near],
-           "rehearsal_step": rstep, "lr": lr, "epochs": epochs,
+           "rehearsal_step": rstep, "weight_decay_b": wd_b, "wd_consolidate": wd_cons, "warmup": warmup,
+           "lr": lr, "epochs": epochs,
            "epochs_run": len(epoch_losses), "rank": rank,
            "targets": targets, "anchor_ratio": ratio, "anchor_windows_trained": anchored, "stop_loss": stop_loss,
            "updates": updates, "fact_loss_per_epoch": epoch_losses, "recall_per_epoch": recall_per_epoch,
@@ -552,6 +589,8 @@ def main() -> None:
                     help="measure the final adapter with B scaled by each of these too (at_scales)")
     ap.add_argument("--facts", choices=("eval", "tests"), default="eval",
                     help="teach the evaluation facts (bench/drift_facts.py) or the tests' (tests/test_drift.py)")
+    ap.add_argument("--rehearsal-top-k", type=int, default=0,
+                    help="record the rehearsal anchors' distributions with this many top tokens (default drift.TOP_K)")
     args = ap.parse_args()
     global FACTS
     FACTS = EVAL_FACTS if args.facts == "eval" else tests_facts()
@@ -562,7 +601,16 @@ def main() -> None:
     rehearsal = DriftProbe(rm, rehearsal_anchors(), seq_id=0, samples=MAX_SAMPLES)
     t = time.perf_counter()
     run_steps(probe.record())
-    run_steps(rehearsal.record())
+    if args.rehearsal_top_k:     # the soft targets' rows wider than the measurement's (drift.TOP_K)
+        import dreamstage.training.drift as drift_mod
+        narrow = drift_mod._top_k
+        drift_mod._top_k = lambda logp, k=args.rehearsal_top_k: narrow(logp, k)
+        try:
+            run_steps(rehearsal.record())
+        finally:
+            drift_mod._top_k = narrow
+    else:
+        run_steps(rehearsal.record())
     record_s = time.perf_counter() - t
     unseen = DriftProbe(rm, UNSEEN_PROMPTS, seq_id=0)
     run_steps(unseen.record())
@@ -578,7 +626,8 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
             "model": rm.model_path.name, "threads": 1, "seed": args.seed, "facts": args.facts,
             "anchors": len(probe.bases),
-            "rehearsal_anchors": len(rehearsal.bases), "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
+            "rehearsal_anchors": len(rehearsal.bases), "rehearsal_top_k": args.rehearsal_top_k or TOP_K,
+            "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
             "unseen_prompts": len(UNSEEN_PROMPTS), "record_s": record_s,
             "base_recall": base_recall, "base_answers": base_answers, "results": results}, indent=1) + "\n")
     rm.close()
