@@ -85,9 +85,7 @@ ggml_tensor * swiglu_back_node(ggml_context * ctx, ggml_tensor * dy, ggml_tensor
     ggml_tensor * args[3] = { ggml_is_contiguous(dy) ? dy : ggml_cont(ctx, dy), g, u };
     ggml_tensor * node = ggml_custom_4d(ctx, GGML_TYPE_F32, g->ne[0], g->ne[1], g->ne[2], 2 * g->ne[3], args, 3,
                                         swiglu_back_cpu, GGML_N_TASKS_MAX, nullptr);
-    ggml_set_op_params_i32(node, DREAM_CUSTOM_TAG_PARAM, DREAM_CUSTOM_TAG);
-    ggml_set_op_params_i32(node, DREAM_CUSTOM_TAG_PARAM + 1, DREAM_CUSTOM_SWIGLU_BACK);
-    return node;
+    return dream_custom_tagged(node, DREAM_CUSTOM_SWIGLU_BACK);
 }
 
 // for a node claims() took
@@ -123,9 +121,19 @@ const bool hooks_installed = [] {
 
 }  // namespace
 
-bool dream_is_swiglu_back(const ggml_tensor * t) {
+ggml_tensor * dream_custom_tagged(ggml_tensor * node, int32_t kind) {
+    ggml_set_op_params_i32(node, DREAM_CUSTOM_TAG_PARAM, DREAM_CUSTOM_TAG);
+    ggml_set_op_params_i32(node, DREAM_CUSTOM_TAG_PARAM + 1, kind);
+    return node;
+}
+
+bool dream_is_custom(const ggml_tensor * t, int32_t kind) {
     return t->op == GGML_OP_CUSTOM && ggml_get_op_params_i32(t, DREAM_CUSTOM_TAG_PARAM) == DREAM_CUSTOM_TAG &&
-           ggml_get_op_params_i32(t, DREAM_CUSTOM_TAG_PARAM + 1) == DREAM_CUSTOM_SWIGLU_BACK;
+           ggml_get_op_params_i32(t, DREAM_CUSTOM_TAG_PARAM + 1) == kind;
+}
+
+bool dream_is_swiglu_back(const ggml_tensor * t) {
+    return dream_is_custom(t, DREAM_CUSTOM_SWIGLU_BACK);
 }
 
 // dream.h: the check of tests/test_cpu_backward.py

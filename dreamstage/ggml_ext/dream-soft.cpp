@@ -19,8 +19,6 @@
 // whose rows all sum to one keeps ggml's CROSS_ENTROPY_LOSS.
 #include "dream-stage.h"
 
-#include "ggml-impl.h"   // ggml_get_op_params_i32, ggml_set_op_params_i32
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -31,11 +29,11 @@ void dream_soft_clear(dream_stage & ds) {
     ds.win_soft_p.clear();
     ds.win_soft_row.clear();
     ds.win_soft_rest.clear();
-    ds.win_soft_has_rest = false;
 }
 
 bool dream_soft_has_rest(const dream_stage & ds) {
-    return dream_soft_active(ds) && ds.win_soft_has_rest;
+    return dream_soft_active(ds) &&
+           std::any_of(ds.win_soft_rest.begin(), ds.win_soft_rest.end(), [](float x) { return x > 0.0f; });
 }
 
 bool dream_soft_active(const dream_stage & ds) {
@@ -115,7 +113,6 @@ int32_t dream_window_soft_targets(struct dream_stage * ds, const int32_t * ids, 
     ds->win_soft_k = k;
     ds->win_soft_ids.assign(ids, ids + (size_t) n_rows * k);
     ds->win_soft_p = std::move(p);
-    ds->win_soft_has_rest = std::any_of(rest.begin(), rest.end(), [](float x) { return x > 0.0f; });
     ds->win_soft_rest = std::move(rest);
     ds->win_soft_row.assign((size_t) ds->win_n, -1);
     int32_t row = 0;
@@ -194,21 +191,10 @@ void soft_rest_ce_back_cpu(ggml_tensor * dst, int ith, int nth, void * /*userdat
     }
 }
 
-ggml_tensor * tagged(ggml_tensor * node, int kind) {
-    ggml_set_op_params_i32(node, DREAM_CUSTOM_TAG_PARAM, DREAM_CUSTOM_TAG);
-    ggml_set_op_params_i32(node, DREAM_CUSTOM_TAG_PARAM + 1, kind);
-    return node;
-}
-
-bool is_kind(const ggml_tensor * t, int kind) {
-    return t->op == GGML_OP_CUSTOM && ggml_get_op_params_i32(t, DREAM_CUSTOM_TAG_PARAM) == DREAM_CUSTOM_TAG &&
-           ggml_get_op_params_i32(t, DREAM_CUSTOM_TAG_PARAM + 1) == kind;
-}
-
 }  // namespace
 
 bool dream_is_soft_rest_ce(const ggml_tensor * t) {
-    return is_kind(t, DREAM_CUSTOM_SOFT_REST_CE);
+    return dream_is_custom(t, DREAM_CUSTOM_SOFT_REST_CE);
 }
 
 ggml_tensor * dream_soft_rest_ce(ggml_context * ctx, ggml_tensor * logits, ggml_tensor * labels, ggml_tensor * rest) {
@@ -216,8 +202,9 @@ ggml_tensor * dream_soft_rest_ce(ggml_context * ctx, ggml_tensor * logits, ggml_
     GGML_ASSERT(ggml_are_same_shape(logits, labels) && ggml_n_dims(logits) <= 2 && rest->ne[0] == logits->ne[1] &&
                 ggml_nelements(rest) == rest->ne[0] && logits->nb[0] == sizeof(float) && labels->nb[0] == sizeof(float));
     ggml_tensor * args[3] = { logits, labels, rest };
-    ggml_tensor * rows = tagged(ggml_custom_4d(ctx, GGML_TYPE_F32, logits->ne[1], 1, 1, 1, args, 3, soft_rest_ce_cpu,
-                                               GGML_N_TASKS_MAX, nullptr), DREAM_CUSTOM_SOFT_REST_CE);
+    ggml_tensor * rows = dream_custom_tagged(ggml_custom_4d(ctx, GGML_TYPE_F32, logits->ne[1], 1, 1, 1, args, 3,
+                                                            soft_rest_ce_cpu, GGML_N_TASKS_MAX, nullptr),
+                                             DREAM_CUSTOM_SOFT_REST_CE);
     ggml_set_name(rows, "dream_soft_rest_ce");
     return ggml_scale(ctx, ggml_sum(ctx, rows), 1.0f / (float) logits->ne[1]);   // the mean over rows
 }
@@ -228,8 +215,9 @@ bool dream_soft_rest_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor *
     }
     ggml_tensor * z = t->src[0];
     ggml_tensor * args[4] = { ggml_is_contiguous(grad) ? grad : ggml_cont(ctx, grad), z, t->src[1], t->src[2] };
-    ggml_tensor * dz = tagged(ggml_custom_4d(ctx, GGML_TYPE_F32, z->ne[0], z->ne[1], 1, 1, args, 4, soft_rest_ce_back_cpu,
-                                             GGML_N_TASKS_MAX, nullptr), DREAM_CUSTOM_SOFT_REST_CE_BACK);
+    ggml_tensor * dz = dream_custom_tagged(ggml_custom_4d(ctx, GGML_TYPE_F32, z->ne[0], z->ne[1], 1, 1, args, 4,
+                                                          soft_rest_ce_back_cpu, GGML_N_TASKS_MAX, nullptr),
+                                           DREAM_CUSTOM_SOFT_REST_CE_BACK);
     ggml_set_name(dz, "dream_soft_rest_ce_back");
     out[0] = dz;       // the labels and the rest are inputs: no gradient
     return true;

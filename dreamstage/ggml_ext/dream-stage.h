@@ -234,7 +234,6 @@ struct dream_stage {
     // per row, the mass its pairs leave out (1 - their sum): the target's probability of
     // every other token together, trained as one outcome (dream_soft_rest_ce); all zero: none
     std::vector<float>   win_soft_rest;
-    bool win_soft_has_rest = false;
     dream_group_state group;
 };
 
@@ -287,7 +286,6 @@ double dream_held_mib(const dream_stage & ds);
 void dream_soft_clear(dream_stage & ds);
 bool dream_soft_active(const dream_stage & ds);
 // writes the label rows of a chunk at p (targets[i] >= 0: input p+i has a loss row) into
-// lab[rows][n_vocab], each the soft target of the token it predicts
 // lab[rows][n_vocab], each the soft target of the token it predicts, and with rest (not null) each
 // row's rest mass into rest[rows]
 void dream_soft_fill(const dream_stage & ds, int32_t p, const std::vector<int32_t> & targets, float * lab,
@@ -377,3 +375,6 @@ bool dream_fattn_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * gra
 
 // dream-glu.cpp: SwiGLU's backward as one node (installs ggml's backward hooks when the library loads)
 bool dream_is_swiglu_back(const ggml_tensor * t);
+// a GGML_OP_CUSTOM node of ours: its op params carry DREAM_CUSTOM_TAG and `kind` (dream-hooks.h)
+ggml_tensor * dream_custom_tagged(ggml_tensor * node, int32_t kind);
+bool dream_is_custom(const ggml_tensor * t, int32_t kind);

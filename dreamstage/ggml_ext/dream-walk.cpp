@@ -921,8 +921,8 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     // adjoint views and surrogates that depend on the chunk's place in the pass.
     dream_step_graph & sg = ds.step_graph;
     const bool keepable = ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active;
-    const bool reuse = keepable && sg.valid && sg.p == p && sg.n == n && sg.n_out == n_out && sg.train == train && sg.soft == soft && sg.soft_rest == soft_rest &&
-                       sg.loss_scale == loss_scale && ds.res->can_reuse(gp);
+    const bool reuse = keepable && sg.valid && sg.p == p && sg.n == n && sg.n_out == n_out && sg.train == train && sg.soft == soft &&
+                       sg.soft_rest == soft_rest && sg.loss_scale == loss_scale && ds.res->can_reuse(gp);
     // the graph this step computes: the kept one, or one built below
     dream_step_graph fresh;
     dream_step_graph & sgraph = reuse ? sg : fresh;
