@@ -213,6 +213,31 @@ GRID["ratio8-c6-facts"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal"
 for _w in (50, 200):
     GRID[f"ratio8-c2-warm{_w}"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                                 "warmup": _w})
+# 2026-12-04 (afternoon): the regularizer alone, from B = 0 (no fact window trained; six epochs of the facts' rehearsal
+# windows and the two rehearsal-only epochs), and rehearsal-only epochs that repair the facts: after every 8
+# rehearsal windows each fact window above a forward loss of 0.15 (or 0.2) is trained once
+GRID["ratio8-c2-nofacts"] = (1e-3, 6, 8, QV, 8.0, None, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                          "no_facts": True})
+# ... the regularizer alone at a tenth of the step (each rehearsal update at 0.1 of AdamW's, emulated: lr 1e-4)
+GRID["ratio8-nofacts-rstep0.1"] = (1e-3, 6, 8, QV, 8.0, None, {"samples": 4, "rehearsal": "soft", "no_facts": True,
+                                                                "rehearsal_step": 0.1})
+GRID["ratio8-nofacts"] = (1e-3, 6, 8, QV, 8.0, None, {"samples": 4, "rehearsal": "soft", "no_facts": True})
+# ... and, since the regularizer's own jitter scales with the step, the rehearsal-only epochs' step falling linearly
+# to 0 over their updates (consolidate_decay) with the rest counted
+for _c in (2, 4):
+    GRID[f"ratio8-c{_c}-decay"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": _c,
+                                                               "consolidate_decay": True})
+# ... and AdamW's eps raised (a step proportional to g where |g| is below it: no lr-sized steps along coordinates
+# whose gradient is only the regularizer's noise), with the rest counted
+for _e in ("1e-6", "1e-5", "1e-4"):
+    GRID[f"ratio8-c2-eps{_e}"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                              "adam_eps": float(_e)})
+    GRID[f"ratio8-nofacts-eps{_e}"] = (1e-3, 6, 8, QV, 8.0, None, {"samples": 4, "rehearsal": "soft", "no_facts": True,
+                                                                   "adam_eps": float(_e)})
+for _c in (2, 4, 6):
+    for _t in (0.15, 0.2):
+        GRID[f"ratio8-c{_c}-repair{_t}"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft",
+                                                                        "consolidate": _c, "repair": (_t, 8)})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 FACTS = EVAL_FACTS        # what a setting teaches: the evaluation facts, or with --facts tests the tests'
@@ -395,6 +420,12 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     wd_b = more.pop("weight_decay_b", 0.0)      # decoupled weight decay on B only (emulated), the facts' epochs
     wd_cons = more.pop("wd_consolidate", False)  # ... and the rehearsal-only epochs ("only": there alone)
     warmup = more.pop("warmup", 0)                # linear lr warm-up over this many updates (emulated)
+    # the facts' windows left out of every epoch (the rehearsal windows as the facts' count would visit them):
+    # the drift the regularizer makes by itself, from B = 0
+    no_facts = more.pop("no_facts", False)
+    # in the rehearsal-only epochs, after every `every` rehearsal windows, each fact window whose forward loss is
+    # above `threshold` is trained once (a repair step): the facts as a constraint, not a pull
+    repair = more.pop("repair", None)
     # the setting's rehearsal data: its first `samples` samples, or the greedy answers
     bases = [replace(b, samples=b.samples[:samples], sample_top=b.sample_top[:samples]) for b in rehearsal.bases]
     if plus_unseen:
@@ -441,7 +472,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     t0 = time.perf_counter()
     epoch_losses, updates, recall_per_epoch, drift_per_epoch = [], 0, [], []
 
-    evaluator = native_trainer(rm, spec, spec.chunk, 0.0) if each_epoch else None   # lr 0: forward losses
+    evaluator = native_trainer(rm, spec, spec.chunk, 0.0) if (each_epoch or repair) else None   # lr 0: losses
+    repairs: list[int] = []     # repair steps per rehearsal-only epoch
     b_mask = lora_b_mask(trainer) if wd_b else None
 
     def emulate_step(before: np.ndarray, frac: float, wd: float) -> None:
@@ -476,6 +508,8 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             windows += anchor_windows(near, [(i, epoch) for i in range(len(near))], spec.window, mode)
             anchored += len(windows) - len(facts)
             for w in epoch_order(len(windows), epoch, seed):
+                if no_facts and w < len(facts):
+                    continue
                 frac = rstep if w >= len(facts) else 1.0
                 if warmup:
                     frac *= min(1.0, (updates + 1) / warmup)
@@ -489,7 +523,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
                 if w < len(facts):
                     loss_sum += sum(r.loss * r.tokens for r in rec)
                     tok += sum(r.tokens for r in rec)
-            epoch_losses.append(loss_sum / tok)
+            epoch_losses.append(loss_sum / tok if tok else float("nan"))
             t0 += after_epoch(epoch + 1)
             if stop_loss is not None and epoch_losses[-1] < stop_loss:
                 break
@@ -502,9 +536,18 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             plan.append(windows)
         n_cons, done_cons = sum(len(x) for x in plan), 0
         iterate_sum = None
+
+        def repair_facts() -> int:
+            threshold = repair[0]
+            losses = window_losses(evaluator, trainer.lora_parameters(), facts)
+            high = [i for i, loss in enumerate(losses) if loss > threshold]
+            for i in high:
+                trainer.train_window(facts[i].tokens, facts[i].mask, facts[i].soft)
+            return len(high)
         for c, windows in enumerate(plan):
             anchored += len(windows)
-            for w in windows:
+            repairs.append(0)
+            for k, w in enumerate(windows):
                 cons_wd = wd_b if wd_cons else 0.0
                 before_step = trainer.lora_parameters() if (decay or cons_wd) else None
                 trainer.train_window(w.tokens, w.mask, w.soft)
@@ -513,6 +556,10 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
                 done_cons += 1
                 if proj is not None:
                     proj.apply()
+                if repair and ((k + 1) % repair[1] == 0 or k + 1 == len(windows)):
+                    n = repair_facts()
+                    repairs[-1] += n
+                    updates += n
                 if average:
                     theta = trainer.lora_parameters().astype(np.float64)
                     iterate_sum = theta if iterate_sum is None else iterate_sum + theta
@@ -547,6 +594,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
            "consolidate_facts": consolidate_facts, "consolidate_decay": decay, "rehearse_extra": extra,
            "rehearse_forms": forms, "neighbours": neighbours,
            "neighbours_consolidate": near_cons, "neighbour_prompts": [b.prompt for b in near],
+           "no_facts": no_facts, "repair": list(repair) if repair else None, "repairs_per_epoch": repairs,
            "rehearsal_step": rstep, "weight_decay_b": wd_b, "wd_consolidate": wd_cons, "warmup": warmup,
            "lr": lr, "epochs": epochs,
            "epochs_run": len(epoch_losses), "rank": rank,
