@@ -214,8 +214,7 @@ for _w in (50, 200):
     GRID[f"ratio8-c2-warm{_w}"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                                 "warmup": _w})
 # 2026-12-04 (afternoon): the regularizer alone, from B = 0 (no fact window trained; six epochs of the facts' rehearsal
-# windows and the two rehearsal-only epochs), and rehearsal-only epochs that repair the facts: after every 8
-# rehearsal windows each fact window above a forward loss of 0.15 is trained once
+# windows and the two rehearsal-only epochs)
 GRID["ratio8-c2-nofacts"] = (1e-3, 6, 8, QV, 8.0, None, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                           "no_facts": True})
 # ... the regularizer alone at a tenth of the step (each rehearsal update at 0.1 of AdamW's, emulated: lr 1e-4)
@@ -231,6 +230,8 @@ for _c in (2, 4):
 for _e in ("1e-5", "1e-4"):
     GRID[f"ratio8-c2-eps{_e}"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                               "adam_eps": float(_e)})
+# ... and six rehearsal-only epochs that repair the facts: after every 8 rehearsal windows each fact window above a
+# forward loss of 0.15 is trained once
 GRID["ratio8-c6-repair0.15"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 6,
                                                               "repair": (0.15, 8)})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
