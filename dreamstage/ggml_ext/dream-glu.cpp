@@ -27,7 +27,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <vector>
 
 namespace {
@@ -61,7 +60,15 @@ void swiglu_back_cpu(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     }
 }
 
+// dream_swiglu_back_check's choice for the graph it builds on this thread: -1 none (the
+// environment decides), 0 off, 1 on. Per thread, so a check never changes what a
+// training graph built on another thread at the same time gets.
+thread_local int fused_glu_forced = -1;
+
 bool fused_glu_on() {
+    if (fused_glu_forced >= 0) {
+        return fused_glu_forced == 1;
+    }
     const char * v = std::getenv("DREAMSTAGE_FUSED_GLU");
     return !(v && std::strcmp(v, "0") == 0);
 }
@@ -152,9 +159,7 @@ bool dream_swiglu_back_check(const float * gv, const float * uv, const float * w
             ggml_backend_dev_backend_reg(ggml_backend_get_device(cpu)), "ggml_backend_set_n_threads")) {
         set_threads(cpu, n_threads);
     }
-    const char * prev = std::getenv("DREAMSTAGE_FUSED_GLU");
-    const std::string saved = prev ? prev : "";
-    setenv("DREAMSTAGE_FUSED_GLU", fused ? "1" : "0", 1);
+    fused_glu_forced = fused ? 1 : 0;
     ggml_init_params ip = { 64 * ggml_tensor_overhead() + ggml_graph_overhead_custom(256, true), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * g = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_ff, n_tok);
@@ -167,11 +172,7 @@ bool dream_swiglu_back_check(const float * gv, const float * uv, const float * w
     ggml_cgraph * gb = ggml_new_graph_custom(ctx, 256, true);
     ggml_build_forward_expand(gb, loss);
     ggml_build_backward_expand(ctx, gb, nullptr);
-    if (prev) {
-        setenv("DREAMSTAGE_FUSED_GLU", saved.c_str(), 1);
-    } else {
-        unsetenv("DREAMSTAGE_FUSED_GLU");
-    }
+    fused_glu_forced = -1;
     ggml_tensor * dg = ggml_graph_get_grad(gb, g), * du = ggml_graph_get_grad(gb, u);
     *fused_nodes = 0;
     for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {

@@ -302,7 +302,9 @@ LLAMA_API bool dream_cpu_get_rows_check(int32_t type, const void * w, int64_t n_
 // tests): the gradients of g and u (n_ff x n_tok floats each, row-major by token)
 // of loss = sum(w * silu(g) * u), from a backward built with the fused node
 // (fused) or with ggml's own, into dg and du; *fused_nodes counts the fused
-// nodes in that graph. False for bad sizes (at most 2^26 elements) or a failed compute.
+// nodes in that graph. The choice holds for that graph only, on the calling thread
+// (DREAMSTAGE_FUSED_GLU is not touched). False for bad sizes (at most 2^26
+// elements) or a failed compute.
 LLAMA_API bool dream_swiglu_back_check(const float * g, const float * u, const float * w, int64_t n_ff, int64_t n_tok,
                                        int32_t n_threads, bool fused, float * dg, float * du, int32_t * fused_nodes);
 
