@@ -16,6 +16,8 @@
         --out bench/results/drift-jitter-seed3-2026-12-03.json      # bench/drift_jitter.py reads it
     nice python bench/bench_drift.py --seed 3 --only ratio8-c6 --noise-margin --each-epoch \
         --out bench/results/drift-rest-c6-seed3-2026-12-04.json   # --rehearsal-top-k K: wider soft-target rows
+    nice python bench/bench_drift.py --seed 3 --only ratio8-c2 ratio8-c2-order4 ratio8-c2-order5 --noise-margin \
+        --save-params /tmp/params --out ...; then --only ratio8-c2-order-mean --save-params /tmp/params (their mean)
 
 One resident default model (SmolLM2-135M Q4_1), one thread (two shared
 cores). The base answers of the shipped anchors (both halves) and of
@@ -48,7 +50,10 @@ since 2026-12-02; "samples" otherwise here), `consolidate` the rehearsal-only
 epochs after the facts' stop (in DriftGuard.consolidation_order's order);
 `adam_eps`, `rehearse_unseen` (the unseen prompts rehearsed too) and
 `consolidate_facts` (the facts in those epochs too) and `rehearse_forms`
-(drift_facts.FORM_PROMPTS rehearsed too) are the benchmark's own.
+(drift_facts.FORM_PROMPTS rehearsed too), `no_eot` (the facts' end-of-turn
+tokens out of their loss), `order_seed` (the windows' order from another seed)
+and `load_mean` (no training: the mean of adapters --save-params kept) are the
+benchmark's own.
 (bench/results/drift-grid.json is the first session's run, before the
 split: its "anchors" were all 40, rehearsed and measured alike.)
 """
@@ -234,6 +239,20 @@ for _e in ("1e-5", "1e-4"):
 # forward loss of 0.15 is trained once
 GRID["ratio8-c6-repair0.15"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 6,
                                                               "repair": (0.15, 8)})
+# 2026-12-04 (afternoon): the facts' end-of-turn token out of their loss, and the "." before it too
+GRID["ratio8-c2-noeot"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                        "no_eot": True})
+GRID["ratio8-c2-noeot-period"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                               "no_eot": "period"})
+# ... and the defaults' adapter averaged over three runs that differ only in the windows' order (the same
+# initial A, job seed 3): --save-params DIR keeps each run's parameters, the mean setting reads them there
+for _o in (4, 5):
+    GRID[f"ratio8-c2-order{_o}"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                                 "order_seed": _o})
+GRID["ratio8-c2-order-mean"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                            "load_mean": ["ratio8-c2-seed3.npy",
+                                                                          "ratio8-c2-order4-seed3.npy",
+                                                                          "ratio8-c2-order5-seed3.npy"]})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 FACTS = EVAL_FACTS        # what a setting teaches: the evaluation facts, or with --facts tests the tests'
@@ -388,8 +407,20 @@ def recorded(rm, key, prompts) -> list:
     return _ACTS[key]
 
 
+def unmask_end(rm, tokens, mask, period: bool) -> list[int]:
+    """`mask` without its end-of-turn loss tokens (and, with `period`, the loss token just before each)."""
+    out = list(mask)
+    for i, t in enumerate(tokens):
+        if out[i] and rm.is_eog(int(t)):
+            out[i] = 0
+            if period and i > 0:
+                out[i - 1] = 0
+    return tuple(out)
+
+
 def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, ratio, stop_loss, more=None,
-                seed=0, on_adapter=None, each_epoch=False, noise=False, scales=(), jitters=0) -> dict:
+                seed=0, on_adapter=None, each_epoch=False, noise=False, scales=(), jitters=0,
+                save_params=None) -> dict:
     more = dict(more or {})
     samples = more.pop("samples", 0)
     mode = more.pop("rehearsal", "samples")
@@ -422,6 +453,15 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     # in the rehearsal-only epochs, after every `every` rehearsal windows, each fact window whose forward loss is
     # above `threshold` is trained once (a repair step): the facts as a constraint, not a pull
     repair = more.pop("repair", None)
+    # the facts' windows without their end-of-turn token in the loss (and with "period", the sentence's last
+    # "." before it too): the style the one-sentence answers teach (stop after one sentence) kept out of the
+    # gradient; at B = 0 the end-of-turn token's gradient alone is 0.37 to 0.91 cosine with its window's
+    no_eot = more.pop("no_eot", False)
+    # the windows' order (epoch_order, anchor_visits, consolidation_visits) from this seed, the adapter's
+    # initial A still from the job's `seed`: runs that differ in their order only
+    order_seed = more.pop("order_seed", None)
+    # no training: the adapter is the mean of these saved parameter vectors (--save-params), then measured
+    load_mean = more.pop("load_mean", None)
     # the setting's rehearsal data: its first `samples` samples, or the greedy answers
     bases = [replace(b, samples=b.samples[:samples], sample_top=b.sample_top[:samples]) for b in rehearsal.bases]
     if plus_unseen:
@@ -441,7 +481,10 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             "seed": seed, **more}
     spec = parse_train_request(body).to_job_spec()
     facts = list(render_job(spec, rm).train)
+    if no_eot:
+        facts = [replace(w, mask=unmask_end(rm, w.tokens, w.mask, no_eot == "period")) for w in facts]
     anchored = 0
+    oseed = seed if order_seed is None else order_seed
     trainer = native_trainer(rm, spec, spec.chunk)
     if eps is not None or accumulate != 1:
         from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
@@ -496,14 +539,20 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
                                 "changed_at_lead": {str(m): sum(any(x >= m for x in lead) for lead in d_e.flip_leads)
                                                     for m in DETERMINED_MARGINS}})
         return time.perf_counter() - t_e
+    if load_mean:
+        epochs, consolidate = 0, 0
+        if not save_params:
+            raise SystemExit(f"{name}: load_mean reads its files from --save-params")
+        vecs = [np.load(Path(save_params) / f) for f in load_mean]
+        trainer.set_lora_parameters(np.mean(vecs, axis=0).astype(np.float32))
     try:
         for epoch in range(epochs):
             loss_sum = tok = 0.0
-            windows = facts + anchor_windows(bases, anchor_visits(len(bases), len(facts), ratio, epoch, seed),
+            windows = facts + anchor_windows(bases, anchor_visits(len(bases), len(facts), ratio, epoch, oseed),
                                              spec.window, mode)
             windows += anchor_windows(near, [(i, epoch) for i in range(len(near))], spec.window, mode)
             anchored += len(windows) - len(facts)
-            for w in epoch_order(len(windows), epoch, seed):
+            for w in epoch_order(len(windows), epoch, oseed):
                 if no_facts and w < len(facts):
                     continue
                 frac = rstep if w >= len(facts) else 1.0
@@ -526,9 +575,9 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         plan = []
         for c in range(consolidate):         # as DriftGuard.consolidation_order visits them
             pool = bases + near if near_cons else bases
-            windows = anchor_windows(pool, consolidation_visits(len(pool), c, seed), spec.window, mode)
+            windows = anchor_windows(pool, consolidation_visits(len(pool), c, oseed), spec.window, mode)
             if consolidate_facts:
-                windows = [(facts + windows)[i] for i in epoch_order(len(facts) + len(windows), 1000 + c, seed)]
+                windows = [(facts + windows)[i] for i in epoch_order(len(facts) + len(windows), 1000 + c, oseed)]
             plan.append(windows)
         n_cons, done_cons = sum(len(x) for x in plan), 0
         iterate_sum = None
@@ -567,6 +616,9 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
             recall_per_epoch.append(recall(rm, trainer.served_adapter, FACTS)[0])
         train_s = time.perf_counter() - t0
         trainer.promote()
+        if save_params:
+            Path(save_params).mkdir(parents=True, exist_ok=True)
+            np.save(Path(save_params) / f"{name}-seed{seed}.npy", trainer.lora_parameters().astype(np.float32))
         t1 = time.perf_counter()
         drift = run_steps(probe.measure(trainer.served_adapter))
         measure_s = time.perf_counter() - t1
@@ -590,7 +642,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
            "consolidate_facts": consolidate_facts, "consolidate_decay": decay, "rehearse_extra": extra,
            "rehearse_forms": forms, "neighbours": neighbours,
            "neighbours_consolidate": near_cons, "neighbour_prompts": [b.prompt for b in near],
-           "no_facts": no_facts, "repair": list(repair) if repair else None, "repairs_per_epoch": repairs,
+           "no_facts": no_facts, "no_eot": no_eot, "order_seed": order_seed, "load_mean": load_mean, "repair": list(repair) if repair else None, "repairs_per_epoch": repairs,
            "rehearsal_step": rstep, "weight_decay_b": wd_b, "wd_consolidate": wd_cons, "warmup": warmup,
            "lr": lr, "epochs": epochs,
            "epochs_run": len(epoch_losses), "rank": rank,
@@ -635,6 +687,8 @@ def main() -> None:
                     help="teach the evaluation facts (bench/drift_facts.py) or the tests' (tests/test_drift.py)")
     ap.add_argument("--rehearsal-top-k", type=int, default=0,
                     help="record the rehearsal anchors' distributions with this many top tokens (default drift.TOP_K)")
+    ap.add_argument("--save-params", default=None,
+                    help="save each setting's final LoRA parameters here (NAME-seedS.npy; load_mean reads them)")
     args = ap.parse_args()
     global FACTS
     FACTS = EVAL_FACTS if args.facts == "eval" else tests_facts()
@@ -665,7 +719,7 @@ def main() -> None:
             continue
         results.append(run_setting(rm, probe, rehearsal, unseen, name, *cfg, seed=args.seed,
                                    each_epoch=args.each_epoch, noise=args.noise_margin, scales=args.scales,
-                                   jitters=args.jitters))
+                                   jitters=args.jitters, save_params=args.save_params))
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
             "model": rm.model_path.name, "threads": 1, "seed": args.seed, "facts": args.facts,
