@@ -336,18 +336,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:
-        # libllama first, before the parser's imports bring in numpy: on the H200
-        # machine's image (numpy 2.5.2 with its bundled OpenBLAS and libgfortran), a
-        # process that had imported numpy first crashed (SIGSEGV) in
-        # llama_model_load_from_file, even with no layer offloaded; loading our
-        # libraries first did not. The cause is not identified
-        # (docs/architecture/gpu.md, "The Python server on the GPU").
-        from dreamstage import native
-        try:
-            native.lib()
-        except native.NativeLibraryError:
-            pass        # reported in one line when the model loads
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

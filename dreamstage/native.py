@@ -54,6 +54,24 @@ def lib_dir() -> Path:
         + "); build it with `./dev.sh build` or `pip install` the checkout")
 
 
+def _shared_libstdcxx_first(d: Path) -> None:
+    """Put the system's libstdc++ in the process's global symbol scope before a
+    CUDA build's libraries load. libggml-cuda.so, as nvcc links it, holds a
+    static libstdc++ of its own and exports it (no DT_NEEDED libstdc++.so.6);
+    loaded into the global scope by llama_cpp, that copy's locale then served
+    libllama's std::regex, and the BPE tokenizer crashed in the model load
+    whenever numpy (which loads the shared libstdc++ first) had been imported
+    (seen on the H200: docs/architecture/gpu.md, "One libstdc++"). With the
+    shared library global first, every library binds to it, as with
+    LD_PRELOAD=libstdc++.so.6. CPU builds link the shared one already."""
+    if sys.platform != "linux" or not (d / "libggml-cuda.so").is_file():
+        return
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        pass    # no shared libstdc++ to prefer: the libraries load as they link
+
+
 @lru_cache(maxsize=1)
 def llama_cpp():
     """The llama_cpp (llama-cpp-python) module, bound to our libllama."""
@@ -65,6 +83,7 @@ def llama_cpp():
             raise NativeLibraryError(
                 f"llama_cpp was imported before dreamstage and loaded libllama from {loaded}, not {d}")
     os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
+    _shared_libstdcxx_first(d)
     try:
         import llama_cpp as mod
     except (OSError, RuntimeError) as e:

@@ -43,3 +43,36 @@ def test_backends_and_devices_report_cpu_memory():
     assert "CPU" in native.backends()
     cpu = [d for d in native.devices() if d["name"] == "CPU"]
     assert cpu and 0 < cpu[0]["free"] <= cpu[0]["total"]
+
+
+@pytest.mark.parametrize("cuda_build", [True, False])
+def test_a_cuda_build_gets_the_shared_libstdcxx_in_the_global_scope_first(tmp_path, cuda_build):
+    """A library directory with libggml-cuda.so (whose static libstdc++ crashed the
+    model load: docs/architecture/gpu.md, "One libstdc++") makes the loader open the
+    shared libstdc++.so.6 globally first: a libstdc++ symbol then resolves from the
+    process's global scope. A CPU build's directory leaves the scope as it was. In a
+    fresh interpreter with numpy imported (which loads libstdc++ only locally)."""
+    import subprocess
+    import sys
+    (tmp_path / "libllama.so").write_bytes(b"")
+    if cuda_build:
+        (tmp_path / "libggml-cuda.so").write_bytes(b"")
+    probe = (
+        "import ctypes, sys\n"
+        "from pathlib import Path\n"
+        "import numpy\n"
+        "from dreamstage import native\n"
+        "def global_sym():\n"
+        "    try:\n"
+        "        ctypes.CDLL(None)._ZNSt6locale7classicEv\n"
+        "        return True\n"
+        "    except AttributeError:\n"
+        "        return False\n"
+        "before = global_sym()\n"
+        "native._shared_libstdcxx_first(Path(sys.argv[1]))\n"
+        "print(before, global_sym())\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    before, after = out.stdout.split()
+    assert before == "False"
+    assert after == str(cuda_build)
