@@ -56,12 +56,12 @@ def lib_dir() -> Path:
 
 def _shared_libstdcxx_first(d: Path) -> None:
     """Put the system's libstdc++ in the process's global symbol scope before a
-    CUDA build's libraries load. libggml-cuda.so, as nvcc links it, holds a
-    static libstdc++ of its own and exports it (no DT_NEEDED libstdc++.so.6);
-    loaded into the global scope by llama_cpp, that copy's locale then served
-    libllama's std::regex, and the BPE tokenizer crashed in the model load
-    whenever numpy (which loads the shared libstdc++ first) had been imported
-    (seen on the H200: docs/architecture/gpu.md, "One libstdc++"). With the
+    CUDA build's libraries load. libggml-cuda.so, as the CUDA toolchain links
+    it, holds a static libstdc++ of its own and exports it (no DT_NEEDED
+    libstdc++.so.6); loaded into the global scope by llama_cpp, that copy
+    served libllama's std::regex, and the BPE tokenizer crashed in the model
+    load whenever numpy (which loads the shared libstdc++) had been imported
+    first (seen on the H200: docs/architecture/gpu.md, "One libstdc++"). With the
     shared library global first, every library binds to it, as with
     LD_PRELOAD=libstdc++.so.6. CPU builds link the shared one already."""
     if sys.platform != "linux" or not (d / "libggml-cuda.so").is_file():
