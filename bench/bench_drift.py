@@ -253,6 +253,11 @@ GRID["ratio8-c2-order-mean"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehea
                                                             "load_mean": ["ratio8-c2-seed3.npy",
                                                                           "ratio8-c2-order4-seed3.npy",
                                                                           "ratio8-c2-order5-seed3.npy"]})
+# ... and the two that each held one of the changes left: the facts' neighbours rehearsed in their epochs
+# (near2j) with four rehearsal-only epochs whose step falls to 0 (c4-decay)
+GRID["ratio8-c4-decay-near2j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4,
+                                                               "consolidate_decay": True, "neighbours": 2,
+                                                               "neighbours_consolidate": False})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 FACTS = EVAL_FACTS        # what a setting teaches: the evaluation facts, or with --facts tests the tests'
