@@ -335,6 +335,9 @@ def _declare(L: ctypes.CDLL) -> None:
     # double dream_held_mib(const struct dream_stage * ds);
     L.dream_held_mib.argtypes = [p]
     L.dream_held_mib.restype = ctypes.c_double
+    # bool dream_set_lr(struct dream_stage * ds, float lr);
+    L.dream_set_lr.argtypes = [p, ctypes.c_float]
+    L.dream_set_lr.restype = ctypes.c_bool
     # int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon);
     L.dream_set_horizon.argtypes = [p, ctypes.c_int32]
     L.dream_set_horizon.restype = ctypes.c_int32

@@ -177,6 +177,41 @@ def test_adamw_update_matches_the_reference_formula(rm):
     assert np.abs(theta1 - theta0).max() > 1e-3
 
 
+def test_set_lr_changes_the_next_updates_step_and_not_the_moments(rm):
+    """set_lr (the rehearsal-only epochs' decaying step): the second update, taken
+    at another lr, matches AdamW's formula at that lr with moments carried over
+    from the first; lr 0 moves nothing; a bad value is refused by name."""
+    toks, mask = _example(rm, 20)
+    opt = OptimizerConfig(lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, grad_clip=0.0)
+    with Trainer(rm, LoraConfig(top_layers=1, seed=7), cache_type="q8_0", window=20, chunk=20, optimizer=opt) as tr:
+        assert tr.lr == opt.lr
+        tr.train_window(toks, mask)
+        m1, v1, _ = tr.optimizer_state()
+        theta1 = tr.lora_parameters()
+        tr.set_lr(2.5e-3)
+        assert tr.lr == 2.5e-3
+        tr.train_window(toks, mask)
+        g = tr.gradients()
+        theta2 = tr.lora_parameters()
+        m2, v2, t = tr.optimizer_state()
+        tr.set_lr(0)
+        tr.train_window(toks, mask)
+        theta3 = tr.lora_parameters()
+        for bad in (-1e-3, float("nan"), float("inf"), "1e-3", True):
+            with pytest.raises(ValueError, match="lr must be"):
+                tr.set_lr(bad)
+        assert tr.lr == 0.0
+    assert t == 2
+    m_ref = opt.beta1 * m1 + (1 - opt.beta1) * g
+    v_ref = opt.beta2 * v1 + (1 - opt.beta2) * g * g
+    np.testing.assert_allclose(m2, m_ref, rtol=1e-4, atol=1e-10)
+    np.testing.assert_allclose(v2, v_ref, rtol=1e-4, atol=1e-14)
+    step = (m_ref / (1 - opt.beta1 ** 2)) / (np.sqrt(v_ref / (1 - opt.beta2 ** 2)) + opt.eps)
+    np.testing.assert_allclose(theta2, theta1 - 2.5e-3 * step, rtol=1e-4, atol=1e-7)
+    assert np.abs(theta2 - theta1).max() > 1e-4
+    np.testing.assert_array_equal(theta3, theta2)
+
+
 def test_unlabelled_window_is_decode_only(rm):
     toks, _ = _example(rm, 24)
     with Trainer(rm, LoraConfig(top_layers=1), window=24, chunk=12) as tr:

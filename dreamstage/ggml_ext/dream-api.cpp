@@ -296,6 +296,15 @@ bool dream_set_chunk(struct dream_stage * ds, int32_t chunk) {
     return true;
 }
 
+bool dream_set_lr(struct dream_stage * ds, float lr) {
+    // both updates (host and device) read params.lr at each update
+    if (!ds || !(lr >= 0) || !std::isfinite(lr)) {
+        return false;
+    }
+    ds->params.lr = lr;
+    return true;
+}
+
 int32_t dream_last_n_splits(const struct dream_stage * ds) {
     return ds ? ds->last_n_splits : 0;
 }

@@ -230,6 +230,12 @@ LLAMA_API int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon);
 // changed) for a value out of range.
 LLAMA_API bool dream_set_chunk(struct dream_stage * ds, int32_t chunk);
 
+// Replaces AdamW's learning rate from the next optimizer update on (a schedule
+// the caller runs: the rehearsal-only epochs' step falling to 0). The moments
+// do not depend on it. Returns false (nothing changed) for a negative or
+// non-finite value.
+LLAMA_API bool dream_set_lr(struct dream_stage * ds, float lr);
+
 // Scheduler splits of the stage's last computed training graph (0 before the
 // first). 1 means the whole graph ran on one backend; with every layer on a
 // GPU, 2 means only the host-side input reads (the token embedding) ran apart.

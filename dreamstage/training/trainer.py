@@ -133,6 +133,7 @@ class Trainer(NativeOwner):
         p.accumulate_windows = int(opt.accumulate_windows)
         p.memory_budget_mib, p.slack_mib = float(budget_mib), float(slack_mib)
         self.window, self.chunk = int(window), int(chunk)
+        self.lr = float(opt.lr)
         self.slack_mib = float(slack_mib)
         r = native.DreamReceiptC()
         self._ds = L.dream_init(resident.ctx, p, ctypes.byref(r))
@@ -363,6 +364,14 @@ class Trainer(NativeOwner):
         if not isinstance(chunk, int) or not self.L.dream_set_chunk(self._handle(), chunk):
             raise ValueError(f"chunk must be an integer in 1..{self.window}, got {chunk!r}")
         self.chunk = chunk
+
+    def set_lr(self, lr: float) -> None:
+        """AdamW's learning rate from the next optimizer update on (the moments
+        do not depend on it, so a schedule is this call between windows)."""
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not self.L.dream_set_lr(self._handle(),
+                                                                                             float(lr)):
+            raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+        self.lr = float(lr)
 
     def set_graph_reuse(self, on: bool) -> None:
         """Reuse the last micro-step's allocated graph for a chunk of the same shape
