@@ -22,7 +22,7 @@ from dreamstage.training.receipts import RECEIPT_FIELDS
 from dreamstage.training.drift_guard import promotion_decision
 from dreamstage.training.scheduler import DreamScheduler
 from dreamstage.training.served import ServedAdapters
-from dreamstage.training.spec import parse_train_request
+from dreamstage.training.spec import DEFAULT_LR, parse_train_request
 from dreamstage.training.store import TERMINAL, JobStore
 
 TEST_FACTS = [
@@ -406,7 +406,8 @@ def test_guard_fields_are_validated_by_name():
                         ({"stop_loss": -1}, "stop_loss"), ({"regularizer": "yes"}, "regularizer"),
                         ({"rehearsal": "kl"}, "rehearsal"), ({"rehearsal": 1}, "rehearsal"),
                         ({"consolidate": -1}, "consolidate"), ({"consolidate": 65}, "consolidate"),
-                        ({"consolidate": "some"}, "consolidate")]:
+                        ({"consolidate": "some"}, "consolidate"), ({"consolidate_decay": "yes"}, "consolidate_decay"),
+                        ({"consolidate_decay": 1}, "consolidate_decay")]:
         with pytest.raises(ValidationError) as e:
             parse_train_request({"text": "x", **body})
         assert e.value.errors()[0]["loc"][0] == field
@@ -415,6 +416,12 @@ def test_guard_fields_are_validated_by_name():
     # the measured defaults: drift_kl bounded, the changed-answer fraction not (it saturates on this model)
     assert spec.max_drift_kl == 1.0 and spec.max_drift == 1.0
     assert parse_train_request({"text": "x", "max_drift_kl": None}).to_job_spec().max_drift_kl is None
+    # the rehearsal-only epochs' step decays only when a job asks; a job stored before the field took the full step
+    from dreamstage.training.spec import JobSpec
+    decaying = parse_train_request({"text": "x", "consolidate_decay": True}).to_job_spec()
+    assert not spec.consolidate_decay and decaying.consolidate_decay
+    assert JobSpec.from_stored(decaying.to_stored(), 6).consolidate_decay
+    assert not JobSpec.from_stored(decaying.to_stored(), 5).consolidate_decay
 
 
 def test_promotion_rule_needs_held_out_and_drift():
@@ -564,10 +571,20 @@ def jobs(dream_resident, tmp_path_factory):
         out["hold_none"] = run_job(sched, store, engine, {**small, "consolidate": 0, "out": "hold-none"})
         saved_slack = drift_guard_module.HOLD_SLACK
         drift_guard_module.HOLD_SLACK = -1.0
+        # ... and the lr each of its rehearsal-only windows was given (consolidate_decay on)
+        from dreamstage.training.trainer import Trainer
+        saved_set_lr, out["consolidation_lrs"] = Trainer.set_lr, []
+
+        def set_lr(trainer, lr):
+            out["consolidation_lrs"].append(lr)
+            saved_set_lr(trainer, lr)
+        Trainer.set_lr = set_lr
         try:
-            out["hold_undone"] = run_job(sched, store, engine, {**small, "consolidate": 1, "out": "hold-undone"})
+            out["hold_undone"] = run_job(sched, store, engine, {**small, "consolidate": 1, "consolidate_decay": True,
+                                                                "out": "hold-undone"})
         finally:
             drift_guard_module.HOLD_SLACK = saved_slack
+            Trainer.set_lr = saved_set_lr
         out["receipts"].update({k: store.receipts(out[k]["id"]) for k in ("hold_none", "hold_undone")})
         yield out
     finally:
@@ -697,6 +714,11 @@ def test_a_rehearsal_only_epoch_the_examples_do_not_survive_is_undone(jobs):
     steps = {k: sum(1 for r in jobs["receipts"][k] if r.get("kind") != "drift" and r["tokens"])
              for k in ("hold_none", "hold_undone")}
     assert steps["hold_undone"] >= steps["hold_none"] + 40     # the rehearsal-only epoch did train
+    # each of its windows at its share of a step falling linearly to 0 (consolidate_decay, asked): the
+    # job's lr x (1 - (k + 1/2) / n), one call a window, before the window's update
+    lrs, n = jobs["consolidation_lrs"], len(jobs["consolidation_lrs"])
+    assert 40 <= n <= steps["hold_undone"] - steps["hold_none"], (n, steps)   # a window is one step or more
+    assert lrs == pytest.approx([DEFAULT_LR * (1 - (k + 0.5) / n) for k in range(n)], rel=1e-9)
     tensors = [{t.name: np.array(t.data) for t in gguf.GGUFReader(j["adapter"]["path"]).tensors}
                for j in (none, undone)]
     assert tensors[0].keys() == tensors[1].keys() and len(tensors[0]) > 0

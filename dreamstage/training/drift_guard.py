@@ -430,6 +430,16 @@ EXAMPLES_HELD = 64          # at most this many of the job's windows are checked
 HOLD_SLACK = 2.0            # a window's bound: max(stop_loss, its last training loss) x (1 + this)
 
 
+def consolidation_lr(lr: float, begun: int, total: int) -> float:
+    """The optimizer's lr for the next window of a job's rehearsal-only epochs
+    when their step decays (`consolidate_decay`): `lr` falling linearly to 0
+    over their `total` windows, at the middle of window `begun` (0-based), so
+    the first update takes almost the whole step and the last almost none."""
+    if total <= 0:
+        return lr
+    return lr * max(0.0, 1.0 - (begun + 0.5) / total)
+
+
 class ExampleHold:
     """The job's own windows through its rehearsal-only epochs.
 

@@ -40,6 +40,7 @@ from dreamstage.training.drift_guard import (
     DriftGuard,
     ExampleHold,
     OwnLoss,
+    consolidation_lr,
     drift_figures,
     drift_receipt,
     promotion_decision,
@@ -535,6 +536,7 @@ class DreamScheduler:
         consolidating = False                           # in the rehearsal-only epochs (spec.consolidate)
         hold: ExampleHold | None = None                 # the examples through those epochs
         consolidate_note = -1                           # where `notes` says how many of them ran
+        decay: tuple[int, int] | None = None            # (windows begun, windows in all) of a decaying consolidation
         memory_cap = spec.chunk                         # the memory ladder's chunk (halved on a refusal)
         resume_threads: int | None = None               # set while a step stopped at its deadline waits to go on
         while (cur := run.current()) is not None:
@@ -555,6 +557,9 @@ class DreamScheduler:
                 if group:
                     trainer.begin_group(window.prefix, window.replies, window.share_prefix)
                 else:
+                    if decay is not None:               # the window's update at its share of the falling step
+                        trainer.set_lr(consolidation_lr(spec.lr, *decay))
+                        decay = (decay[0] + 1, decay[1])
                     trainer.begin_window(window.tokens, window.mask, window.soft)
                 begun = (step.epoch, step.order_pos)
             if self._shaper is not None:
@@ -611,6 +616,8 @@ class DreamScheduler:
                                        [i for i, w in enumerate(rendered.train) if not isinstance(w, TrainGroup)],
                                        trainer.lora_parameters())
                     run.consolidate(spec.consolidate, guard.consolidation_order)
+                    if spec.consolidate_decay:
+                        decay = (0, sum(len(guard.consolidation_order(c)) for c in range(spec.consolidate)))
                     consolidate_note = len(notes)
                     notes.append(f"then {spec.consolidate} rehearsal-only epochs (consolidate)")
                     stop, event = False, "epoch"

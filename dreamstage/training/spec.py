@@ -84,6 +84,12 @@ DEFAULT_REHEARSAL: Rehearsal = "soft"
 # (2 with the 80 anchors: with ratio 2, 4 such epochs over 80 erased the facts)
 DEFAULT_CONSOLIDATE = 2
 MAX_CONSOLIDATE = 64
+# consolidate_decay: the rehearsal-only epochs' step falls linearly to 0 over
+# their updates (the optimizer's lr at each is the job's lr x (1 - (k + 1/2) /
+# their number)). Off by default: with 4 such epochs and 4 neighbours it drifted
+# a third less in bench_drift.py's loop, but as real jobs no less than the
+# defaults at 75 % more time (docs/architecture/drift.md, "Defaults, and why")
+DEFAULT_CONSOLIDATE_DECAY = False
 # the base's own neighbours of each of the job's prompts (drift.neighbour_units:
 # the prompt cut before its least expected word, the rest written by the base),
 # each rehearsed in every epoch of its own (not in the rehearsal-only ones); 0,
@@ -346,13 +352,16 @@ class SourcedExample:
 # 4: rehearsal and consolidate. Forms 2 and 3 rehearsed sampled continuations
 #    and ended with the job's own last epoch.
 # 5: neighbours. Forms 1 to 4 rehearsed none.
-SPEC_VERSION = 5
+# 6: consolidate_decay. Forms 4 and 5 took the full step in every rehearsal-only epoch.
+SPEC_VERSION = 6
 _SPEC_V1_MEANING = {"regularizer": False, "anchor_ratio": 0.0, "anchors": (), "stop_loss": None,
                     "group_prefix": False, "max_drift_kl": None, "rehearsal": "samples", "consolidate": 0,
-                    "neighbours": 0}
-_SPEC_V2_MEANING = {"max_drift_kl": None, "rehearsal": "samples", "consolidate": 0, "neighbours": 0}
-_SPEC_V3_MEANING = {"rehearsal": "samples", "consolidate": 0, "neighbours": 0}
-_SPEC_V4_MEANING = {"neighbours": 0}
+                    "neighbours": 0, "consolidate_decay": False}
+_SPEC_V2_MEANING = {"max_drift_kl": None, "rehearsal": "samples", "consolidate": 0, "neighbours": 0,
+                    "consolidate_decay": False}
+_SPEC_V3_MEANING = {"rehearsal": "samples", "consolidate": 0, "neighbours": 0, "consolidate_decay": False}
+_SPEC_V4_MEANING = {"neighbours": 0, "consolidate_decay": False}
+_SPEC_V5_MEANING = {"consolidate_decay": False}
 
 
 @dataclass(frozen=True)
@@ -385,6 +394,7 @@ class JobSpec:
     anchor_ratio: float = DEFAULT_ANCHOR_RATIO
     rehearsal: Rehearsal = DEFAULT_REHEARSAL
     consolidate: int = DEFAULT_CONSOLIDATE
+    consolidate_decay: bool = DEFAULT_CONSOLIDATE_DECAY
     neighbours: int = DEFAULT_NEIGHBOURS
     anchors: tuple[str, ...] = ()
     max_drift: float = DEFAULT_MAX_DRIFT
@@ -431,7 +441,7 @@ class JobSpec:
 
     @classmethod
     def from_stored(cls, text: str, version: int) -> JobSpec:
-        if version not in (1, 2, 3, 4, SPEC_VERSION):
+        if version not in (1, 2, 3, 4, 5, SPEC_VERSION):
             raise ValueError(f"a job spec stored in form {version}; this dreamstage reads forms 1 to {SPEC_VERSION}")
         d = json.loads(text)
         if version == 1:
@@ -442,6 +452,8 @@ class JobSpec:
             d.update(_SPEC_V3_MEANING)
         elif version == 4:
             d.update(_SPEC_V4_MEANING)
+        elif version == 5:
+            d.update(_SPEC_V5_MEANING)
         d["targets"] = tuple(d["targets"])
         d["anchors"] = tuple(d.get("anchors", ()))
         d["pacing"] = PacingSpec(**d["pacing"])
@@ -510,6 +522,7 @@ class TrainRequest(BaseModel):
     anchor_ratio: float = Field(default=DEFAULT_ANCHOR_RATIO, gt=0.0, le=64.0)
     rehearsal: Rehearsal = DEFAULT_REHEARSAL
     consolidate: int = Field(default=DEFAULT_CONSOLIDATE, ge=0, le=MAX_CONSOLIDATE)
+    consolidate_decay: bool = DEFAULT_CONSOLIDATE_DECAY
     neighbours: int = Field(default=DEFAULT_NEIGHBOURS, ge=0, le=MAX_NEIGHBOURS)
     anchors: list[str] | None = Field(default=None, max_length=MAX_EXTRA_ANCHORS)
     max_drift: float = Field(default=DEFAULT_MAX_DRIFT, ge=0.0, le=1.0)
@@ -683,6 +696,7 @@ class TrainRequest(BaseModel):
             anchor_ratio=self.anchor_ratio,
             rehearsal=self.rehearsal,
             consolidate=self.consolidate,
+            consolidate_decay=self.consolidate_decay,
             neighbours=self.neighbours,
             anchors=tuple(self.anchors or ()),
             max_drift=self.max_drift,
