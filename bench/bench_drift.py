@@ -25,8 +25,9 @@ UNSEEN_PROMPTS are recorded once; each setting then trains the EVALUATION
 facts (bench/drift_facts.py, not the tests' facts; `--facts tests` teaches the
 tests' instead) as a job would: the
 job's windows plus the regularizer's windows on the `rehearse` half,
-shuffled per epoch, one AdamW update per window, early stop when the facts'
-epoch loss falls below `stop_loss`. A setting's `samples` (S) says what a
+shuffled per epoch, one AdamW update per window, early stop when every fact
+window's loss in the epoch falls below `stop_loss` (a job's rule; `--stop-rule
+mean`: their mean, as every run recorded before 2026-12-04, 18:50 UTC did). A setting's `samples` (S) says what a
 rehearsal window trains: the base's greedy answer (0), or, at each visit of
 the anchor, the next of its first S continuations sampled from the base at
 temperature 1 (drift.REHEARSAL_SAMPLES; the same seeded samples for every S,
@@ -256,9 +257,19 @@ GRID["ratio8-c2-order-mean"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehea
 GRID["ratio8-c4-decay-near2j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4,
                                                                "consolidate_decay": True, "neighbours": 2,
                                                                "neighbours_consolidate": False})
+# 2026-12-04 (evening): the same with four neighbours a prompt (the currency of Japan moved on both seeds with two)
+GRID["ratio8-c4-decay-near4j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4,
+                                                               "consolidate_decay": True, "neighbours": 4,
+                                                               "neighbours_consolidate": False})
+# ... and the defaults with four neighbours a prompt (no other change: `neighbours` is a job field already)
+GRID["ratio8-c2-near4j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
+                                                          "neighbours": 4, "neighbours_consolidate": False})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 FACTS = EVAL_FACTS        # what a setting teaches: the evaluation facts, or with --facts tests the tests'
+# the early stop: "each" (a job's rule, OwnLoss: every fact window's training loss of the epoch below stop_loss)
+# or "mean" (their token-weighted mean; every run recorded before 2026-12-04, 18:50 UTC)
+STOP_RULE = "each"
 
 
 def tests_facts() -> list[tuple[str, str, str]]:
@@ -545,6 +556,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     try:
         for epoch in range(epochs):
             loss_sum = tok = 0.0
+            window_loss: list[float] = []
             windows = facts + anchor_windows(bases, anchor_visits(len(bases), len(facts), ratio, epoch, oseed),
                                              spec.window, mode)
             windows += anchor_windows(near, [(i, epoch) for i in range(len(near))], spec.window, mode)
@@ -565,9 +577,11 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
                 if w < len(facts):
                     loss_sum += sum(r.loss * r.tokens for r in rec)
                     tok += sum(r.tokens for r in rec)
+                    window_loss.append(sum(r.loss * r.tokens for r in rec) / max(1, sum(r.tokens for r in rec)))
             epoch_losses.append(loss_sum / tok if tok else float("nan"))
             t0 += after_epoch(epoch + 1)
-            if stop_loss is not None and epoch_losses[-1] < stop_loss:
+            stop_on = max(window_loss, default=float("nan")) if STOP_RULE == "each" else epoch_losses[-1]
+            if stop_loss is not None and stop_on < stop_loss:
                 break
         plan = []
         for c in range(consolidate):         # as DriftGuard.consolidation_order visits them
@@ -687,9 +701,13 @@ def main() -> None:
                     help="record the rehearsal anchors' distributions with this many top tokens (default drift.TOP_K)")
     ap.add_argument("--save-params", default=None,
                     help="save each setting's final LoRA parameters here (NAME-seedS.npy; load_mean reads them)")
+    ap.add_argument("--stop-rule", choices=("each", "mean"), default="each",
+                    help="the early stop on every fact window's loss (a job's rule) or on their mean (the runs "
+                         "recorded before 2026-12-04, 18:50 UTC)")
     args = ap.parse_args()
-    global FACTS
+    global FACTS, STOP_RULE
     FACTS = EVAL_FACTS if args.facts == "eval" else tests_facts()
+    STOP_RULE = args.stop_rule
     load_start = os.getloadavg()
     rm = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
     probe = DriftProbe(rm, load_anchors(), seq_id=0)            # held out: what the job reports
@@ -721,6 +739,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
             "model": rm.model_path.name, "threads": 1, "seed": args.seed, "facts": args.facts,
+            "stop_rule": args.stop_rule,
             "anchors": len(probe.bases),
             "rehearsal_anchors": len(rehearsal.bases), "rehearsal_top_k": args.rehearsal_top_k or TOP_K,
             "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
