@@ -26,8 +26,9 @@ facts (bench/drift_facts.py, not the tests' facts; `--facts tests` teaches the
 tests' instead) as a job would: the
 job's windows plus the regularizer's windows on the `rehearse` half,
 shuffled per epoch, one AdamW update per window, early stop when every fact
-window's loss in the epoch falls below `stop_loss` (a job's rule; `--stop-rule
-mean`: their mean, as every run recorded before 2026-12-04, 18:50 UTC did). A setting's `samples` (S) says what a
+window's loss in the epoch falls below `stop_loss` (a job's rule, through the
+job's own OwnLoss; `--stop-rule mean`: their mean, as every run recorded
+before 2026-12-04, 18:50 UTC did). A setting's `samples` (S) says what a
 rehearsal window trains: the base's greedy answer (0), or, at each visit of
 the anchor, the next of its first S continuations sampled from the base at
 temperature 1 (drift.REHEARSAL_SAMPLES; the same seeded samples for every S,
@@ -94,6 +95,7 @@ from dreamstage.training.drift import (
     run_steps,
     set_context_adapter,
 )
+from dreamstage.training.drift_guard import OwnLoss
 from dreamstage.training.examples import epoch_order, render_job
 from dreamstage.training.scheduler import native_trainer
 from dreamstage.training.spec import parse_train_request
@@ -555,8 +557,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
         trainer.set_lora_parameters(np.mean(vecs, axis=0).astype(np.float32))
     try:
         for epoch in range(epochs):
-            loss_sum = tok = 0.0
-            window_loss: list[float] = []
+            own = OwnLoss(len(facts), stop_loss)     # the job's own early-stop bookkeeping
             windows = facts + anchor_windows(bases, anchor_visits(len(bases), len(facts), ratio, epoch, oseed),
                                              spec.window, mode)
             windows += anchor_windows(near, [(i, epoch) for i in range(len(near))], spec.window, mode)
@@ -574,14 +575,12 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
                 if proj is not None:
                     proj.apply()
                 updates += 1
-                if w < len(facts):
-                    loss_sum += sum(r.loss * r.tokens for r in rec)
-                    tok += sum(r.tokens for r in rec)
-                    window_loss.append(sum(r.loss * r.tokens for r in rec) / max(1, sum(r.tokens for r in rec)))
-            epoch_losses.append(loss_sum / tok if tok else float("nan"))
+                for r in rec:
+                    own.note(w, r)
+            each_below = own.converged()
+            epoch_losses.append(own.mean if own.mean is not None else float("nan"))
             t0 += after_epoch(epoch + 1)
-            stop_on = max(window_loss, default=float("nan")) if STOP_RULE == "each" else epoch_losses[-1]
-            if stop_loss is not None and stop_on < stop_loss:
+            if each_below if STOP_RULE == "each" else (stop_loss is not None and epoch_losses[-1] < stop_loss):
                 break
         plan = []
         for c in range(consolidate):         # as DriftGuard.consolidation_order visits them
