@@ -59,6 +59,44 @@ def test_adapter_off_and_a_zero_adapter_measure_no_drift(dream_resident, small_p
     assert zero.anchors_changed == 0 and zero.drift_kl == pytest.approx(off.drift_kl, abs=1e-9)
 
 
+def test_a_reply_lead_is_above_zero_exactly_when_every_trained_token_is_the_greedy_choice(dream_resident):
+    """drift.reply_lead_units, what the early stop and the hold read: the smallest lead of a
+    trained token over the best other, checked against the same decode's logits row by row
+    (a reply whose tokens are the argmax chain, one with a gap in its mask, one with a token
+    that is not the argmax)."""
+    from dreamstage.training.drift import reply_lead_units
+    prompt = list(prompt_tokens(dream_resident, "What is the capital of France?"))
+    reply: list[int] = []
+    for _ in range(6):          # the batched argmax chain: each token the argmax of the decode before it
+        rows = _Decoder(dream_resident, 0).logits(prompt + reply, len(prompt) + len(reply) - 1)
+        reply.append(int(rows[-1].argmax()))
+    tokens = prompt + reply
+    rows = _Decoder(dream_resident, 0).logits(tokens, len(prompt) - 1)
+
+    def ref(mask):
+        out = math.inf
+        for t, m in enumerate(mask):
+            if m:
+                row = rows[t - len(prompt)].copy()
+                own = row[tokens[t]]
+                row[tokens[t]] = -np.inf
+                out = min(out, own - row.max())
+        return out
+    full = [0] * len(prompt) + [1] * len(reply)
+    gap = [0] * len(prompt) + [1, 1, 0, 0, 1, 1]
+    for mask in (full, gap):
+        lead = run_steps(reply_lead_units(dream_resident, 0, tokens, mask))
+        assert lead == pytest.approx(ref(mask), abs=1e-4) and lead > 0
+    # the third reply token swapped for the row's second choice: no longer the greedy reply
+    second = int(np.argsort(rows[2])[-2])        # rows[2]: the logits that predict reply token 2
+    wrong = tokens[:len(prompt) + 2] + [second] + tokens[len(prompt) + 3:]
+    assert wrong != tokens
+    lead = run_steps(reply_lead_units(dream_resident, 0, wrong, full))
+    assert lead < 0
+    with pytest.raises(ValueError, match="trained position"):
+        run_steps(reply_lead_units(dream_resident, 0, tokens, [0] * len(tokens)))
+
+
 def test_drift_matches_a_full_vocabulary_reference(dream_resident, small_probe):
     """KL from the top-K records against the exact KL over the whole vocabulary
     (both sides' full logits, NumPy), `changed` against the argmax directly, and the
@@ -416,12 +454,14 @@ def test_guard_fields_are_validated_by_name():
     # the measured defaults: drift_kl bounded, the changed-answer fraction not (it saturates on this model)
     assert spec.max_drift_kl == 1.0 and spec.max_drift == 1.0
     assert parse_train_request({"text": "x", "max_drift_kl": None}).to_job_spec().max_drift_kl is None
-    # the rehearsal-only epochs' step decays only when a job asks; a job stored before the field took the full step
+    # the rehearsal-only epochs' step decays by default and a job can turn it off; a job stored
+    # before the field existed took the full step, whatever it says now
     from dreamstage.training.spec import JobSpec
-    decaying = parse_train_request({"text": "x", "consolidate_decay": True}).to_job_spec()
-    assert not spec.consolidate_decay and decaying.consolidate_decay
-    assert JobSpec.from_stored(decaying.to_stored(), 6).consolidate_decay
-    assert not JobSpec.from_stored(decaying.to_stored(), 5).consolidate_decay
+    full = parse_train_request({"text": "x", "consolidate_decay": False}).to_job_spec()
+    assert spec.consolidate_decay and not full.consolidate_decay
+    assert JobSpec.from_stored(spec.to_stored(), 6).consolidate_decay
+    assert not JobSpec.from_stored(full.to_stored(), 6).consolidate_decay
+    assert not JobSpec.from_stored(spec.to_stored(), 5).consolidate_decay
 
 
 def test_promotion_rule_needs_held_out_and_drift():
@@ -687,14 +727,22 @@ def test_a_rehearsal_only_epoch_is_kept_only_while_the_examples_still_pass_the_j
     assert why == f"example window 2's loss rose to {0.1 * f + 0.01:.4f}, above {0.1 * f:.4f}" and hold.kept == 1
     assert "window 1's loss rose to" in hold.check([0.0, 0.4 * f + 0.01, 0.0])
     assert hold.check(None) == "the examples' loss could not be measured" and hold.snapshot == "before"
-    # stop_loss null: from where each ended, but never below the default stop_loss's bound
-    from dreamstage.training.spec import DEFAULT_STOP_LOSS
+    # stop_loss null: from where each ended, but never below HOLD_FLOOR's bound
+    from dreamstage.training.drift_guard import HOLD_FLOOR
     loose = ExampleHold({0: 0.3, 1: 0.02}, None, [0, 1], snapshot=None)
-    assert loose.bounds == pytest.approx([0.3 * f, DEFAULT_STOP_LOSS * f]) and loose.check([0.3 * f, 0.2]) is None
-    assert loose.check([0.3 * f + 0.01, 0.0]) is not None and loose.check([0.0, DEFAULT_STOP_LOSS * f + 0.01])
+    assert loose.bounds == pytest.approx([0.3 * f, HOLD_FLOOR * f]) and loose.check([0.3 * f, 0.2]) is None
+    assert loose.check([0.3 * f + 0.01, 0.0]) is not None and loose.check([0.0, HOLD_FLOOR * f + 0.01])
     assert ExampleHold({0: 0.1, 1: 0.1}, 0.1, [1], snapshot=None).windows == [1]   # window 0: a group
     many = ExampleHold({i: 0.01 for i in range(500)}, 0.1, range(500), snapshot=None)
     assert len(many.windows) <= EXAMPLES_HELD and many.windows[0] == 0 and many.windows[-1] >= 440
+    # the greedy replies: a window answered when the epochs began (lead > 0) must still be
+    from dreamstage.training.drift_guard import held_windows, reply_lost
+    assert held_windows({0: 0.1, 2: 0.1, 3: 0.2}, [0, 1, 2]) == [0, 2] and many.windows == held_windows(
+        {i: 0.01 for i in range(500)}, range(500))
+    assert reply_lost([4, 7], [0.5, -0.1], [0.2, -0.3]) is None           # window 7 was never answered
+    assert reply_lost([4, 7], [0.5, 0.2], [0.5, 0.0]) == (
+        "example window 7's greedy reply changed (its smallest lead fell from 0.200 to 0.000)")
+    assert reply_lost([4], [0.5], None) is None and reply_lost([4], None, [-1.0]) is None
 
 
 def test_a_rehearsal_only_epoch_the_examples_do_not_survive_is_undone(jobs):

@@ -103,7 +103,7 @@ def _fake(prompt: str, resident) -> AnchorBase:
 def test_every_neighbour_is_rehearsed_in_each_of_the_jobs_epochs_and_not_after(dream_resident):
     # the shipped anchors' records are stand-ins (no decode); the neighbours are written and recorded for real
     shipped = {p: _fake(p, dream_resident) for p in load_anchors() + rehearsal_anchors()}
-    assert parse_train_request({"examples": chat(QUESTIONS)}).to_job_spec().neighbours == DEFAULT_NEIGHBOURS == 0
+    assert parse_train_request({"examples": chat(QUESTIONS)}).to_job_spec().neighbours == DEFAULT_NEIGHBOURS == 4
     spec = parse_train_request({"examples": chat(QUESTIONS), "neighbours": 2}).to_job_spec()
     train = list(render_job(spec, dream_resident).train)
     guard = DriftGuard(dream_resident, spec, train, seq_id=0, restore=lambda: None, cache=dict(shipped))

@@ -590,6 +590,36 @@ def drift_units(resident, seq_id: int, base: AnchorBase
     return float(np.clip(kl, 0.0, None).sum()), n, first, leads, drops
 
 
+def reply_lead_units(resident, seq_id: int, tokens: Sequence[int], mask: Sequence[int]
+                     ) -> Generator[None, None, float]:
+    """The smallest lead, over a training window's trained positions, of the
+    token trained there over the best other token (log-probabilities, nats),
+    for whatever adapter the context has on during the units: one
+    teacher-forced decode of the window in the records' fixed pieces. Above 0
+    exactly when every trained token is the greedy choice after the tokens
+    before it, so a reply is answered at temperature 0 as it was taught (up
+    to the rounding a serving batch of another shape adds). A mean loss
+    cannot say that: one token the model no longer prefers is a small share
+    of a reply's loss, and a greedy answer turns on it."""
+    trained = [t for t, m in enumerate(mask) if m]
+    if not trained or trained[0] < 1:
+        raise ValueError("a window needs a trained position after its first token")
+    first = trained[0] - 1
+    dec = _Decoder(resident, seq_id)
+    try:
+        rows = yield from dec.forced_units(tokens[:trained[-1]], first)
+    finally:
+        dec.close()
+    lead = math.inf
+    for t in trained:
+        row = rows[t - 1 - first]
+        own = row[tokens[t]]
+        row = row.copy()
+        row[tokens[t]] = -np.inf
+        lead = min(lead, float(own - row.max()))
+    return lead
+
+
 def lead_drops(base_leads: np.ndarray, logq: np.ndarray, answer: Sequence[int]) -> np.ndarray:
     """At each answer position, how far the base token's lead over every other token
     fell: the base's lead (log p1 - log p2) less the lead of the same token under
@@ -759,6 +789,20 @@ class DriftProbe:
                      changed=changed, anchors=len(first), tokens=tokens, first_change=tuple(first), ms=ms,
                      anchors_changed_raw=raw / len(first), changed_raw=raw, noise_margin=margin,
                      flip_leads=tuple(leads), drops=tuple(drops))
+
+    def reply_leads(self, adapter_handle, windows: Sequence[Any]) -> Generator[None, None, list[float]]:
+        """reply_lead_units of each of `windows` (TrainWindows: tokens and mask)
+        with `adapter_handle` on the context, in short steps; one lead a window."""
+        out = []
+        try:
+            for w in windows:
+                lead, _ = yield from self._anchor(
+                    lambda s, w=w: reply_lead_units(self.resident, s, w.tokens, w.mask), adapter_handle)
+                out.append(lead)
+                yield
+        finally:
+            self._give_back()
+        return out
 
     def null_margin(self, trainer, draws: int = NULL_DRAWS, sigma: float = NULL_SIGMA,
                     seed: int = NULL_SEED) -> Generator[None, None, float]:

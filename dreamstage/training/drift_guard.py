@@ -32,7 +32,7 @@ base's own entropy on its samples, and does not fall towards zero).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 from dreamstage.training.drift import (
@@ -51,7 +51,7 @@ from dreamstage.training.drift import (
 )
 from dreamstage.training.examples import epoch_order
 from dreamstage.training.receipts import kind_receipt
-from dreamstage.training.spec import DEFAULT_STOP_LOSS, ChatExample, PromptCompletion
+from dreamstage.training.spec import ChatExample, PromptCompletion
 
 log = logging.getLogger("dreamstage.drift")
 
@@ -295,6 +295,18 @@ class DriftGuard:
         self.drift = yield from self.probe.measure(trainer.served_adapter)
         return self.drift
 
+    def reply_leads(self, trainer, windows: Sequence[Any]) -> Generator[None, None, list[float] | None]:
+        """The shadow adapter's reply leads on the job's `windows`
+        (drift.reply_lead_units: above 0 where the window's every trained token is
+        the greedy choice), through serving's decode like a measurement; None
+        after a failure (logged), which leaves the caller to its loss rule."""
+        try:
+            trainer.promote()
+            return (yield from self.probe.reply_leads(trainer.served_adapter, windows))
+        except Exception:
+            log.exception("reading the examples' greedy replies failed")
+            return None
+
     def during_count(self, train_ms: float, steps: int) -> int:
         """How many measured anchors an epoch-end measurement may decode now:
         as many as keep all measurements during training within DURING_SHARE
@@ -428,6 +440,9 @@ class OwnLoss:
 # default epochs (their highest: 0.30 and 0.19).
 EXAMPLES_HELD = 64          # at most this many of the job's windows are checked (evenly spaced)
 HOLD_SLACK = 2.0            # a window's bound: max(stop_loss, its last training loss) x (1 + this)
+# a job without an early stop (stop_loss null) is held from this: the default
+# stop_loss when the bound was measured (it is 0.2 since 2026-12-04)
+HOLD_FLOOR = 0.1
 
 
 def consolidation_lr(lr: float, begun: int, total: int) -> float:
@@ -440,6 +455,27 @@ def consolidation_lr(lr: float, begun: int, total: int) -> float:
     return lr * max(0.0, 1.0 - (begun + 0.5) / total)
 
 
+def held_windows(final: dict[int, float], checkable: Iterable[int]) -> list[int]:
+    """The job windows the early stop's and the hold's checks read: those with a
+    training loss (`final`) among `checkable` (not groups), at most
+    EXAMPLES_HELD, evenly spaced."""
+    have = [i for i in checkable if i in final]
+    step = max(1, -(-len(have) // EXAMPLES_HELD))
+    return have[::step][:EXAMPLES_HELD]
+
+
+def reply_lost(windows: Sequence[int], before: Sequence[float] | None, now: Sequence[float] | None) -> str | None:
+    """Why the greedy replies no longer hold, or None: a window whose every
+    trained token was the greedy choice (lead above 0 in `before`) has one
+    that is not (`now`). Nothing to say when either reading is missing."""
+    if before is None or now is None:
+        return None
+    for i, b, n in zip(windows, before, now, strict=True):
+        if b > 0.0 >= n:
+            return f"example window {i}'s greedy reply changed (its smallest lead fell from {b:.3f} to {n:.3f})"
+    return None
+
+
 class ExampleHold:
     """The job's own windows through its rehearsal-only epochs.
 
@@ -447,23 +483,27 @@ class ExampleHold:
     after each rehearsal-only epoch the scheduler measures the forward loss of
     the checked windows (`windows`) and `check`s it: every window must stay at
     or below max(stop_loss, its last training loss), times 1 + HOLD_SLACK (so
-    0.3 for a window that passed the default early stop). A job without an
-    early stop (stop_loss null) is held from the default's 0.1 all the same:
+    0.6 for a window that passed the default early stop of 0.2). A job
+    without an early stop (stop_loss null) is held from HOLD_FLOOR, 0.1:
     its windows end training far lower, and three times that (0.065 in
     examples/teach_facts.py) undid an epoch at 0.27, where the facts measured
     were all still recalled (up to 0.43).
+    Before the losses, the scheduler reads the checked windows' greedy
+    replies (DriftGuard.reply_leads, against `leads` as the epochs began):
+    one that was answered and no longer is fails the epoch (reply_lost).
     On a failure the scheduler puts back the adapter as the last kept epoch
     left it (`snapshot`) and ends the rehearsal-only epochs."""
 
     def __init__(self, final: dict[int, float], stop_loss: float | None, checkable: Sequence[int], snapshot: Any):
         """checkable: the job windows a forward loss can be measured for (not groups)."""
-        have = [i for i in checkable if i in final]
-        step = max(1, -(-len(have) // EXAMPLES_HELD))
-        self.windows = have[::step][:EXAMPLES_HELD]
-        floor = DEFAULT_STOP_LOSS if stop_loss is None else stop_loss
+        self.windows = held_windows(final, checkable)
+        floor = HOLD_FLOOR if stop_loss is None else stop_loss
         self.bounds = [max(floor, final[i]) * (1.0 + HOLD_SLACK) for i in self.windows]
         self.snapshot = snapshot
         self.kept = 0
+        # each checked window's reply lead as the rehearsal-only epochs began
+        # (drift.reply_lead_units), or None when it could not be read
+        self.leads: list[float] | None = None
 
     def check(self, losses: Sequence[float] | None) -> str | None:
         """None when every checked window is within its bound (the epoch is kept),

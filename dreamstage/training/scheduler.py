@@ -43,8 +43,10 @@ from dreamstage.training.drift_guard import (
     consolidation_lr,
     drift_figures,
     drift_receipt,
+    held_windows,
     promotion_decision,
     rehearsal_window,
+    reply_lost,
     summary,
 )
 from dreamstage.training.examples import RenderedJob, render_job
@@ -536,6 +538,9 @@ class DreamScheduler:
         consolidating = False                           # in the rehearsal-only epochs (spec.consolidate)
         hold: ExampleHold | None = None                 # the examples through those epochs
         consolidate_note = -1                           # where `notes` says how many of them ran
+        checkable = [i for i, w in enumerate(rendered.train) if not isinstance(w, TrainGroup)]
+        stop_leads: tuple[list[int], list[float]] | None = None   # the replies' leads the early stop read
+        waited = 0                                      # epochs the early stop waited for the greedy replies
         decay: tuple[int, int] | None = None            # (windows begun, windows in all) of a decaying consolidation
         memory_cap = spec.chunk                         # the memory ladder's chunk (halved on a refusal)
         resume_threads: int | None = None               # set while a step stopped at its deadline waits to go on
@@ -589,10 +594,16 @@ class DreamScheduler:
                 return                                  # JobRun moved the job and kept every receipt
             elif event in ("epoch", "done"):
                 if consolidating and hold is not None:
-                    # a rehearsal-only epoch ended: kept only while the examples hold (ExampleHold)
-                    per = yield from self._window_losses(spec, trainer, [rendered.train[i] for i in hold.windows],
-                                                         memory_cap, notes, "the examples' loss")
-                    why = hold.check(None if per is None else [loss for loss, _ in per])
+                    # a rehearsal-only epoch ended: kept only while the examples hold (ExampleHold):
+                    # every greedy reply that was answered still is, and every loss within its bound
+                    why = None
+                    if guard is not None and hold.leads is not None:
+                        now = yield from guard.reply_leads(trainer, [rendered.train[i] for i in hold.windows])
+                        why = reply_lost(hold.windows, hold.leads, now)
+                    if why is None:
+                        per = yield from self._window_losses(spec, trainer, [rendered.train[i] for i in hold.windows],
+                                                             memory_cap, notes, "the examples' loss")
+                        why = hold.check(None if per is None else [loss for loss, _ in per])
                     if why is None:
                         hold.snapshot = trainer.lora_parameters()
                     else:
@@ -606,15 +617,28 @@ class DreamScheduler:
                 if rendered.held_out:
                     ev = yield from self._evaluate(spec, trainer, rendered.held_out, memory_cap, notes)
                 stop = own.converged() and event == "epoch"
+                if stop and guard is not None and not consolidating:
+                    # the loss says stop; the greedy replies must say so too (a mean hides one token)
+                    idx = held_windows(own.final, checkable)
+                    leads = yield from guard.reply_leads(trainer, [rendered.train[i] for i in idx])
+                    if leads is not None and min(leads, default=1.0) <= 0.0:
+                        stop, waited = False, waited + 1
+                    elif leads is not None:
+                        stop_leads = (idx, leads)
                 run.end_epoch(ev, own.mean)
                 if (stop or event == "done") and guard is not None and not consolidating and guard.consolidates():
                     # the job's own training is over: rehearsal-only epochs follow (spec.consolidate)
                     if stop:
                         notes.append(own.stop_note(run.walk.epoch))
+                    if waited:
+                        notes.append(f"the early stop waited {waited} epoch{'s' * (waited > 1)} for every "
+                                     "example's greedy reply")
                     consolidating = True
-                    hold = ExampleHold(own.final, spec.stop_loss,
-                                       [i for i, w in enumerate(rendered.train) if not isinstance(w, TrainGroup)],
-                                       trainer.lora_parameters())
+                    hold = ExampleHold(own.final, spec.stop_loss, checkable, trainer.lora_parameters())
+                    if stop_leads is not None and stop_leads[0] == hold.windows:
+                        hold.leads = stop_leads[1]
+                    else:
+                        hold.leads = yield from guard.reply_leads(trainer, [rendered.train[i] for i in hold.windows])
                     run.consolidate(spec.consolidate, guard.consolidation_order)
                     if spec.consolidate_decay:
                         decay = (0, sum(len(guard.consolidation_order(c)) for c in range(spec.consolidate)))
@@ -623,6 +647,9 @@ class DreamScheduler:
                     stop, event = False, "epoch"
                 if stop:
                     notes.append(own.stop_note(run.walk.epoch))
+                    if waited:
+                        notes.append(f"the early stop waited {waited} epoch{'s' * (waited > 1)} for every "
+                                     "example's greedy reply")
                     yield
                     break
                 if guard is not None and event == "epoch":
