@@ -89,8 +89,8 @@ MAX_CONSOLIDATE = 64
 # their updates (the optimizer's lr at each is the job's lr x (1 - (k + 1/2) /
 # their number)). On by default since 2026-12-04, with 4 such epochs, 4
 # neighbours a prompt and stop_loss 0.2: as real jobs over HTTP the facts jobs
-# changed at most 1 of 20 held-out answers beyond the noise margin on every run
-# (the defaults before: 3 and 1 on the evaluation facts), every fact recalled,
+# changed at most 1 of 20 held-out answers beyond the noise margin on nine runs
+# of ten, 2 on the tenth (the defaults before: 3 and 1), every fact recalled,
 # at about 1.5 times the training time (docs/architecture/drift.md, "Defaults,
 # and why")
 DEFAULT_CONSOLIDATE_DECAY = True
