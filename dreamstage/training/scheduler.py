@@ -118,6 +118,13 @@ def clear_receipt(receipt: Any, spec: JobSpec) -> Any:
     return receipt
 
 
+def _waited_note(waited: int) -> list[str]:
+    """The job's note on epochs its early stop waited for the examples' greedy replies (none: [])."""
+    if not waited:
+        return []
+    return [f"the early stop waited {waited} epoch{'s' * (waited > 1)} for every example's greedy reply"]
+
+
 class DreamScheduler:
     """The DreamHook: runs the job queue on the engine thread, paced."""
 
@@ -630,9 +637,7 @@ class DreamScheduler:
                     # the job's own training is over: rehearsal-only epochs follow (spec.consolidate)
                     if stop:
                         notes.append(own.stop_note(run.walk.epoch))
-                    if waited:
-                        notes.append(f"the early stop waited {waited} epoch{'s' * (waited > 1)} for every "
-                                     "example's greedy reply")
+                    notes.extend(_waited_note(waited))
                     consolidating = True
                     hold = ExampleHold(own.final, spec.stop_loss, checkable, trainer.lora_parameters())
                     if stop_leads is not None and stop_leads[0] == hold.windows:
@@ -647,9 +652,7 @@ class DreamScheduler:
                     stop, event = False, "epoch"
                 if stop:
                     notes.append(own.stop_note(run.walk.epoch))
-                    if waited:
-                        notes.append(f"the early stop waited {waited} epoch{'s' * (waited > 1)} for every "
-                                     "example's greedy reply")
+                    notes.extend(_waited_note(waited))
                     yield
                     break
                 if guard is not None and event == "epoch":
