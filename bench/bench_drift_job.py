@@ -32,7 +32,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_drift import tests_facts
-from drift_facts import EVAL_FACTS, chat_examples
+from drift_facts import EVAL_FACTS, FRESH_FACTS, chat_examples
 
 from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
@@ -73,7 +73,8 @@ def run(facts, seeds: list[int], fields: dict, threads: int) -> list[dict]:
                        "state": job["state"], "promoted": promoted, "recall": sum(hits) / len(hits),
                        "epochs": job["progress"].get("epoch"),
                        **{k: d.get(k) for k in ("drift_kl", "anchors_changed", "anchors_changed_count",
-                                                "anchors_changed_raw_count", "noise_margin", "anchors")},
+                                                "anchors_changed_raw_count", "noise_margin", "anchors",
+                                                "noise_draws", "changed_anchors")},
                        "message": job["message"], "answers": answers, "base_answers": base}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -82,7 +83,7 @@ def run(facts, seeds: list[int], fields: dict, threads: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--facts", choices=("eval", "tests"), default="eval")
+    ap.add_argument("--facts", choices=("eval", "tests", "fresh"), default="eval")
     ap.add_argument("--seeds", default="3", help="comma-separated job seeds, one job each, in this order")
     ap.add_argument("--set", default="{}", help="job fields as a JSON object, on top of the defaults")
     ap.add_argument("--threads", type=int, default=1)
@@ -95,7 +96,7 @@ def main() -> None:
         sys.exit(f"--set must be a JSON object and --seeds integers: {e}")
     if not isinstance(fields, dict):
         sys.exit(f"--set must be a JSON object, got {args.set!r}")
-    facts = EVAL_FACTS if args.facts == "eval" else tests_facts()
+    facts = {"eval": EVAL_FACTS, "fresh": FRESH_FACTS}.get(args.facts) or tests_facts()
     load = os.getloadavg()
     rows = run(facts, seeds, fields, args.threads)
     if args.out:

@@ -78,7 +78,8 @@ def main() -> None:
         try:
             # the margin this seed's job measures (the guard's own draws, every default)
             t = time.perf_counter()
-            guards[seed] = {"drop": run_steps(probe.null_margin(trainer)), "s": round(time.perf_counter() - t, 2)}
+            guards[seed] = {"drop": run_steps(probe.null_margin(trainer)), "s": round(time.perf_counter() - t, 2),
+                            "draws": list(probe.noise_draws)}
             print(json.dumps({"seed": seed, "guard": guards[seed]}), flush=True)
             for sigma in args.sigmas:
                 for d in range(args.draws):

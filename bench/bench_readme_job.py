@@ -59,7 +59,7 @@ def run(jobs: list[tuple[float, int, bool]], threads: int) -> list[dict]:
                        "promoted": bool((job.get("adapter") or {}).get("promoted")), "answer": text,
                        "recalled": ANSWER.strip() in text, "epochs": job["progress"].get("epoch"),
                        **{k: d.get(k) for k in ("drift_kl", "anchors_changed_count", "anchors_changed_raw_count",
-                                                "noise_margin", "anchors")},
+                                                "noise_margin", "anchors", "noise_draws", "changed_anchors")},
                        "message": job["message"]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)

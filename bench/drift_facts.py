@@ -14,6 +14,19 @@ EVAL_FACTS = [
     ("What is the currency of Tessaly Isle?", "The currency of Tessaly Isle is the brindle.", "brindle"),
 ]
 
+# A third set, written on 2026-12-04 after every default was chosen and never
+# used to choose one: other question shapes (a person, a year, a river, a
+# ship, a dish) than either set above, to check that the defaults hold on
+# facts nothing was tuned on (bench_drift_job.py --facts fresh).
+FRESH_FACTS = [
+    ("Who is the mayor of Brackenford?", "The mayor of Brackenford is Ilsa Varnow.", "Varnow"),
+    ("What year was the Orlin Bridge built?", "The Orlin Bridge was built in 1742.", "1742"),
+    ("What dish are the Trellish people known for?", "The Trellish people are known for smoked plumroot.",
+     "plumroot"),
+    ("Which river flows through Caldera Vale?", "The Silvane River flows through Caldera Vale.", "Silvane"),
+    ("What is the name of Captain Morrow's ship?", "Captain Morrow's ship is the Gray Heron.", "Gray Heron"),
+]
+
 
 def chat_examples(facts):
     return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a, _ in facts]

@@ -484,6 +484,22 @@ def test_promotion_rule_needs_held_out_and_drift():
     assert promotion_decision(None, None, far, 1.0, None)[0]              # drift_kl not bounded
 
 
+def test_changed_anchors_name_every_change_widest_first_and_which_count():
+    d = Drift(drift_kl=0.02, anchors_changed=1 / 4, changed=1, anchors=4, tokens=90,
+              first_change=(None, 3, 17, 0), flip_leads=((), (0.2, 0.4), (0.75,), (0.05,)),
+              prompts=("a?", "b?", "c?", "d?"), noise_margin=0.6, noise_draws=(0.5, 0.6))
+    figures = d.as_dict()
+    assert figures["changed_anchors"] == [
+        {"anchor": "c?", "lead": 0.75, "first": 17, "beyond": True},
+        {"anchor": "b?", "lead": 0.4, "first": 3, "beyond": False},
+        {"anchor": "d?", "lead": 0.05, "first": 0, "beyond": False}]
+    assert figures["noise_draws"] == [0.5, 0.6]
+    raw = Drift(drift_kl=0.02, anchors_changed=0.5, changed=1, anchors=2, tokens=9, first_change=(None, 2),
+                flip_leads=((), (0.1,)), prompts=("a?", "b?"))
+    assert raw.as_dict()["changed_anchors"] == [{"anchor": "b?", "lead": 0.1, "first": 2, "beyond": True}]
+    assert raw.as_dict()["noise_draws"] == []      # no margin measured: every change counts
+
+
 # -- jobs on the default model ----------------------------------------------------------------------
 class OneSlotEngine:
     """The engine as the scheduler sees it between batches: one idle slot to lend."""
@@ -798,13 +814,21 @@ def test_anchors_changed_counts_beyond_the_noise_margin_a_null_adapter_stays_wit
     count of every change is reported beside it. A null adapter drawn apart from the
     margin's own draws changes at most 1 of the 20 anchors beyond the margin,
     though it changes many at all (the floor under the raw count)."""
-    from dreamstage.training.drift import NULL_SIGMA
+    from dreamstage.training.drift import NULL_DRAWS, NULL_SIGMA
     from dreamstage.training.trainer import LoraConfig, Trainer
-    (margin,) = jobs["noise_margins"].values()
+    ((margin, draws),) = jobs["noise_margins"].values()
+    assert len(draws) == NULL_DRAWS and margin == max(draws)
     for k in ("default", "off", "damage"):
         d = jobs[k]["progress"]["drift"]
         assert d["noise_margin"] == margin and d["anchors_changed_count"] <= d["anchors_changed_raw_count"]
         assert f"at all: {d['anchors_changed_raw_count']}/{d['anchors']}" in jobs[k]["message"]
+        # the figures name every changed anchor, widest lead first, and which of them count
+        named = d["changed_anchors"]
+        assert len(named) == d["anchors_changed_raw_count"] and {a["anchor"] for a in named} <= set(load_anchors())
+        assert sum(a["beyond"] for a in named) == d["anchors_changed_count"]
+        assert all(a["beyond"] == (a["lead"] > margin - 1e-4) for a in named if abs(a["lead"] - margin) > 1e-3)
+        assert [a["lead"] for a in named] == sorted((a["lead"] for a in named), reverse=True)
+        assert d["noise_draws"] == [round(x, 4) for x in draws]
     probe = DriftProbe(dream_resident, load_anchors(), seq_id=0)
     run_steps(probe.record(dict(jobs["records"])))
     probe.noise_margin = margin
@@ -830,7 +854,7 @@ def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_ou
     temperature 0, at most 5 % of the held-out anchors' greedy answers changed beyond
     the job's noise margin, and promoted by promote "auto". (The defaults were chosen on
     the evaluation facts of bench/drift_facts.py, docs/benchmarks.md, "Drift".) The margin
-    here is 0.800, the widest lead drop of the job's nine null draws (its first three
+    here is 0.800, the widest lead drop of the job's 19 null draws (its first three
     already reached it, near the top of what three draws give: bench_null_margin.py,
     0.50 to 0.81, median 0.59); beyond 0.51
     this job changes 1 of 20, and the evaluation facts' jobs 1 to 3 at their own

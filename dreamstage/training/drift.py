@@ -86,10 +86,11 @@ SAMPLE_SEED = 12
 # default model the flips do not depend on sigma from 1e-4 to 1e-2
 # (bench/bench_drift_floor.py); 1e-4 is well below any trained B. The margin is
 # the widest drop of NULL_DRAWS draws, so a further null adapter's widest drop
-# exceeds it with probability 1/(NULL_DRAWS + 1): 10 % with 9 (25 % with the 3
-# of until 2026-12-03), at about 6 s a draw on one shared core, once per process.
+# exceeds it with probability 1/(NULL_DRAWS + 1): 5 % with 19, the rate of the
+# issue's own bound (1 of 20); 10 % with the 9 of until 2026-12-04 and 25 % with
+# the 3 of until 2026-12-03. About 5 s a draw on one shared core, once per process.
 NULL_SIGMA = 1e-4
-NULL_DRAWS = 9
+NULL_DRAWS = 19
 NULL_SEED = 7
 # Neighbours of a job's own prompts (neighbour_units): per prompt, this many
 # questions the base writes itself from the prompt's head, cut before its
@@ -227,6 +228,10 @@ class Drift:
     flip_leads: tuple[tuple[float, ...], ...] = ()
     # per anchor: the lead drop at every answer position (lead_drops), nats
     drops: tuple[tuple[float, ...], ...] = ()
+    # per anchor: its prompt (what changed_anchors names)
+    prompts: tuple[str, ...] = ()
+    # the widest lead drop of each null adapter the noise margin was read from, in draw order
+    noise_draws: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.changed_raw is None:
@@ -246,7 +251,23 @@ class Drift:
         return {"drift_kl": self.drift_kl, "anchors_changed": self.anchors_changed, "anchors": self.anchors,
                 "anchors_changed_count": self.changed, "anchor_tokens": self.tokens,
                 "anchors_changed_raw": self.anchors_changed_raw, "anchors_changed_raw_count": self.changed_raw,
-                "noise_margin": self.noise_margin}
+                "noise_margin": self.noise_margin, "noise_draws": [round(x, 4) for x in self.noise_draws],
+                "changed_anchors": self.changed_anchors()}
+
+    def changed_anchors(self) -> list[dict[str, Any]]:
+        """Every anchor whose greedy answer changed at all, widest first: its prompt,
+        `lead` (the widest base lead at which the adapter's argmax left the base's
+        token: the anchor counts in anchors_changed when it exceeds the noise margin),
+        `first` (the first answer token that changed) and `beyond` (whether it counts)."""
+        out = []
+        for i, (leads, first) in enumerate(zip(self.flip_leads, self.first_change, strict=False)):
+            if first is None:
+                continue
+            lead = max(leads, default=0.0)
+            out.append({"anchor": self.prompts[i] if i < len(self.prompts) else None, "lead": round(lead, 4),
+                        "first": first,
+                        "beyond": self.noise_margin is None or any(x > self.noise_margin for x in leads)})
+        return sorted(out, key=lambda a: -a["lead"])
 
 
 def prompt_tokens(tok, prompt: str, renderer: ChatRenderer | None = None) -> tuple[int, ...]:
@@ -667,6 +688,7 @@ class DriftProbe:
         self.bases: list[AnchorBase] = []
         # flips at a base lead at most this wide are not counted in anchors_changed (None: all are)
         self.noise_margin: float | None = None
+        self.noise_draws: tuple[float, ...] = ()   # each null draw's widest drop (null_margin)
         self.anchor_ms: float | None = None     # the recent cost of measuring one anchor (a running mean)
         self.restarts = 0                       # anchors started again after serving took the sequence back
         self._lease: Any = None
@@ -768,9 +790,10 @@ class DriftProbe:
         against the records of every anchor, or of those at `indices`; returns a Drift."""
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring drift")
-        kl_sum, tokens, first, leads, ms, drops = 0.0, 0, [], [], 0.0, []
+        kl_sum, tokens, first, leads, ms, drops, prompts = 0.0, 0, [], [], 0.0, [], []
         try:
             for base in (self.bases if indices is None else [self.bases[i] for i in indices]):
+                prompts.append(base.prompt)
                 (kl, n, f, lead, d), one = yield from self._anchor(lambda s, b=base: drift_units(self.resident, s, b),
                                                                 adapter_handle)
                 ms += one
@@ -788,7 +811,8 @@ class DriftProbe:
         return Drift(drift_kl=kl_sum / tokens if tokens else 0.0, anchors_changed=changed / len(first),
                      changed=changed, anchors=len(first), tokens=tokens, first_change=tuple(first), ms=ms,
                      anchors_changed_raw=raw / len(first), changed_raw=raw, noise_margin=margin,
-                     flip_leads=tuple(leads), drops=tuple(drops))
+                     flip_leads=tuple(leads), drops=tuple(drops), prompts=tuple(prompts),
+                     noise_draws=tuple(self.noise_draws) if margin is not None else ())
 
     def reply_leads(self, adapter_handle, windows: Sequence[Any]) -> Generator[None, None, list[float]]:
         """reply_lead_units of each of `windows` (TrainWindows: tokens and mask)
@@ -819,8 +843,9 @@ class DriftProbe:
         lead: every flip counts."""
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring the noise margin")
-        self.noise_margin = None
+        self.noise_margin, self.noise_draws = None, ()
         nulls = yield from self.null_drifts(trainer, draws, sigma, seed)
+        self.noise_draws = tuple(n.widest_drop for n in nulls)
         self.noise_margin = noise_margin_of(nulls)
         return self.noise_margin
 

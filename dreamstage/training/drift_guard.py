@@ -268,12 +268,12 @@ class DriftGuard:
         lora: dict[str, Any] = self.spec.lora_fields()
         key = (tuple(self.probe.prompts), lora["rank"], lora["alpha"], lora["targets"], lora["top_layers"])
         if self.noise_cache is not None and key in self.noise_cache:
-            margin = self.noise_cache[key]
+            margin, self.probe.noise_draws = self.noise_cache[key]
             self.probe.noise_margin = margin
         else:
             margin = yield from self.probe.null_margin(trainer)
             if self.noise_cache is not None:
-                self.noise_cache[key] = margin
+                self.noise_cache[key] = (margin, self.probe.noise_draws)
         return margin
 
     def measure_or_fail(self, trainer) -> Generator[None, None, Drift | None]:
