@@ -85,6 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--facts", choices=("eval", "tests", "fresh"), default="eval")
     ap.add_argument("--seeds", default="3", help="comma-separated job seeds, one job each, in this order")
+    ap.add_argument("--first", type=int, default=None, help="teach only the set's first N facts")
     ap.add_argument("--set", default="{}", help="job fields as a JSON object, on top of the defaults")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
@@ -96,14 +97,16 @@ def main() -> None:
         sys.exit(f"--set must be a JSON object and --seeds integers: {e}")
     if not isinstance(fields, dict):
         sys.exit(f"--set must be a JSON object, got {args.set!r}")
-    facts = {"eval": EVAL_FACTS, "fresh": FRESH_FACTS}.get(args.facts) or tests_facts()
+    facts = ({"eval": EVAL_FACTS, "fresh": FRESH_FACTS}.get(args.facts) or tests_facts())[:args.first]
+    if not facts:
+        sys.exit(f"--first {args.first} leaves no fact to teach")
     load = os.getloadavg()
     rows = run(facts, seeds, fields, args.threads)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "threads": args.threads,
-            "facts": args.facts, "load_avg_start": load, "load_avg_end": os.getloadavg(), "jobs": rows},
+            "facts": args.facts, "first": args.first, "load_avg_start": load, "load_avg_end": os.getloadavg(), "jobs": rows},
             indent=1) + "\n")
 
 

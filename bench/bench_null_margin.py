@@ -17,7 +17,8 @@ apart from the guard's own (NULL_SEED), are measured one at a time
   position (`drift.lead_drops`; the margin's statistic since), never below
   `widest`.
 
-A job's margin is the largest of its NULL_DRAWS such values, so the spread of
+A job's margin is the NULL_RANK-th largest of its NULL_DRAWS such values (the
+largest until 2026-12-04), so the spread of
 each is the spread of what a job's anchors_changed is counted against; per
 seed, `guard` is the margin the job's guard itself measures (its own draws).
 `--flips FILE ...` (bench_drift.py results, which keep each held-out anchor's
@@ -42,7 +43,7 @@ from bench_drift import QV
 from drift_facts import EVAL_FACTS, chat_examples
 
 from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift import NULL_DRAWS, DriftProbe, load_anchors, run_steps
+from dreamstage.training.drift import NULL_DRAWS, NULL_RANK, DriftProbe, load_anchors, run_steps
 from dreamstage.training.scheduler import native_trainer
 from dreamstage.training.spec import parse_train_request
 
@@ -96,12 +97,13 @@ def main() -> None:
             trainer.close()
     summary: dict = {"draws": len(rows)}
     for stat in ("widest", "drop") if rows else ():
-        # what a job's margin (the largest of NULL_DRAWS draws) comes to: disjoint groups of one seed's and sigma's
-        # draws
+        # what a job's margin (the NULL_RANK-th largest of NULL_DRAWS draws) comes to: disjoint groups of one
+        # seed's and sigma's draws
         groups = []
         for key in sorted({(r["seed"], r["sigma"]) for r in rows}):
             one = [r[stat] for r in rows if (r["seed"], r["sigma"]) == key]
-            groups += [max(one[i:i + NULL_DRAWS]) for i in range(0, len(one) - NULL_DRAWS + 1, NULL_DRAWS)]
+            groups += [sorted(one[i:i + NULL_DRAWS])[-NULL_RANK]
+                       for i in range(0, len(one) - NULL_DRAWS + 1, NULL_DRAWS)]
         summary[stat] = {**spread([r[stat] for r in rows]), "at_least_0.5": sum(r[stat] >= 0.5 for r in rows),
                          "job_margins": spread(groups), "job_margins_of_groups": groups}
         print(json.dumps({stat: summary[stat]}), flush=True)
