@@ -839,7 +839,7 @@ class DriftProbe:
         adapters (noise_margin_of): `trainer`'s shadow adapter
         with its A as it is and every B drawn from N(0, sigma^2). A null adapter's
         argmax leaves the base token only where its drop exceeds the base's lead, so
-        the margin is never below the widest lead such a flip crossed; it reads every
+        a draw's widest drop is never below the widest lead its flips crossed; it reads every
         position, not only the near ties a draw happened to cross, which makes it the
         reach of the rounding noise rather than of the few flips it made
         (docs/architecture/drift.md, "The noise margin"). The shadow adapter is put
