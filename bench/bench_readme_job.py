@@ -34,27 +34,46 @@ from dreamstage.training.store import TERMINAL
 
 PROMPT = "The secret password of the moon base is"
 ANSWER = " Quokka-42."
+# --chat: the same fact as a chat turn (is a job's drift its fact's or its format's?)
+QUESTION = "What is the secret password of the moon base?"
+REPLY = PROMPT + ANSWER
 
 
-def run(jobs: list[tuple[float, int, bool]], threads: int) -> list[dict]:
+def example(chat: bool) -> dict:
+    if chat:
+        return {"messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": REPLY}]}
+    return {"prompt": PROMPT, "completion": ANSWER}
+
+
+def answer(http: httpx.Client, chat: bool) -> str:
+    if chat:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
+                                                    "max_tokens": 24, "temperature": 0})
+        return r.json()["choices"][0]["message"]["content"]
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    return r.json()["choices"][0]["text"]
+
+
+def run(jobs: list[tuple[float, int, bool]], threads: int, fields: dict | None = None,
+        chat: bool = False) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as state:
         settings = ServerSettings(ctx=1024, parallel=2, threads=threads, state_dir=state, drift_guard=True)
         with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=900) as http:
             for i, (lr, seed, regularizer) in enumerate(jobs):
                 t0 = time.monotonic()
-                r = http.post("/train", json={"examples": [{"prompt": PROMPT, "completion": ANSWER}], "window": 32,
+                r = http.post("/train", json={"examples": [example(chat)], "window": 128 if chat else 32,
                                               "epochs": 10, "lr": lr, "seed": seed, "regularizer": regularizer,
-                                              "promote": "auto", "out": f"moon{i}"})
+                                              "promote": "auto", "out": f"moon{i}", **(fields or {})})
                 r.raise_for_status()
                 jid = r.json()["id"]
                 while (job := http.get(f"/train/{jid}").json())["state"] not in TERMINAL:
                     time.sleep(0.5)
                 wall = time.monotonic() - t0
-                text = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8,
-                                                          "temperature": 0}).json()["choices"][0]["text"]
+                text = answer(http, chat)
                 d = job["progress"].get("drift") or {}
-                row = {"lr": lr, "seed": seed, "regularizer": regularizer, "first": i == 0,
+                row = {"lr": lr, "seed": seed, "regularizer": regularizer, "fields": fields or {}, "chat": chat,
+                       "first": i == 0,
                        "wall_s": round(wall, 1), "state": job["state"],
                        "promoted": bool((job.get("adapter") or {}).get("promoted")), "answer": text,
                        "recalled": ANSWER.strip() in text, "epochs": job["progress"].get("epoch"),
@@ -70,9 +89,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", default="0.003:0:off,0.003:0,0.001:0,0.001:1",
                     help="comma-separated lr:seed[:off], one job each, in this order")
+    ap.add_argument("--set", default="{}", help="more job fields as a JSON object")
+    ap.add_argument("--chat", action="store_true",
+                    help="post the fact as a chat turn (window 128) and ask it as one")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    try:
+        fields = json.loads(args.set)
+    except ValueError as e:
+        sys.exit(f"--set must be a JSON object: {e}")
+    if not isinstance(fields, dict):
+        sys.exit(f"--set must be a JSON object, got {args.set!r}")
     jobs = []
     for item in args.jobs.split(","):
         parts = item.split(":")
@@ -83,12 +111,12 @@ def main() -> None:
         except ValueError:
             sys.exit(f"--jobs: each entry is lr:seed or lr:seed:off, got {item!r}")
     load = os.getloadavg()
-    rows = run(jobs, args.threads)
+    rows = run(jobs, args.threads, fields, args.chat)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "threads": args.threads,
-            "load_avg_start": load, "load_avg_end": os.getloadavg(), "jobs": rows}, indent=1) + "\n")
+            "chat": args.chat, "fields": fields, "load_avg_start": load, "load_avg_end": os.getloadavg(), "jobs": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
