@@ -46,28 +46,23 @@ def test_a_question_is_cut_before_its_least_expected_word():
     assert least_expected_word([1.0, 2.0, 3.0], ["Sky", "lo", "om"]) == 2
 
 
-def test_the_jobs_questions_are_its_trained_chat_questions_once_each(dream_resident):
+def test_the_jobs_questions_are_its_trained_prompts_once_each(dream_resident):
     body = {"examples": [
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                       {"role": "assistant", "content": "Hello", "train": False},
                       {"role": "user", "content": "Who built the Kelthorn Bridge?"},
                       {"role": "assistant", "content": "Orla Venn built it."}]},
         {"prompt": "Q: What is the main export of Quillmere?\nA:", "completion": " Glass."},
-        {"messages": [{"role": "user", "content": "What colour is the flag of Varnet?"},
-                      {"role": "assistant", "content": "It is teal."}]},
-        {"messages": [{"role": "user", "content": "What colour is the flag of Varnet?"},
-                      {"role": "assistant", "content": "Teal."}]},
+        {"prompt": "Q: What is the main export of Quillmere?\nA:", "completion": " Salt."},
         {"text": "Plain text has no question."},
     ]}
     spec = parse_train_request(body).to_job_spec()
     train = list(render_job(spec, dream_resident).train)
-    assert {w.source for w in train} == {0, 1, 2, 3, 4}
-    assert job_questions(spec, train) == ["Who built the Kelthorn Bridge?", "What colour is the flag of Varnet?"]
-    # a held-out example's question is not a neighbour's seed
-    assert job_questions(spec, [w for w in train if w.source != 0]) == ["What colour is the flag of Varnet?"]
-    # nor is a prompt-completion's prompt: raw text, never trained as a user turn
-    alone = parse_train_request({"examples": [body["examples"][1]]}).to_job_spec()
-    assert job_questions(alone, list(render_job(alone, dream_resident).train)) == []
+    assert job_questions(spec, train) == ["Who built the Kelthorn Bridge?",
+                                          "Q: What is the main export of Quillmere?\nA:"]
+    # a held-out example's prompt is not a neighbour's seed
+    assert job_questions(spec, [w for w in train if w.source != 0]) == [
+        "Q: What is the main export of Quillmere?\nA:"]
 
 
 def test_the_base_writes_neighbours_from_the_head_of_each_question_seeded_by_its_text(dream_resident):

@@ -51,7 +51,7 @@ from dreamstage.training.drift import (
 )
 from dreamstage.training.examples import epoch_order
 from dreamstage.training.receipts import kind_receipt
-from dreamstage.training.spec import ChatExample
+from dreamstage.training.spec import ChatExample, PromptCompletion
 
 log = logging.getLogger("dreamstage.drift")
 
@@ -64,15 +64,10 @@ MIN_REHEARSED_REPLY = 4
 
 
 def job_questions(spec, train_windows: Sequence[Any]) -> list[str]:
-    """The questions of the job's trained chat examples, once each, in body
-    order: each one's last user turn before its first trained reply. Held-out
-    examples are left out. These are what the job's neighbours are written
-    from, as user turns. A prompt-completion's prompt is not one: it is raw
-    text that the job never trains as a user turn, and written as one it gave
-    neighbours unrelated to it (the README's "The secret password of the moon
-    base is" gave "The local market is busiest with Easter. ...") whose
-    rehearsal raised the job's drift (docs/architecture/drift.md,
-    "Neighbours"); text examples have none either."""
+    """The prompts of the job's trained examples, once each, in body order: a
+    chat example's last user turn before its first trained reply, a
+    prompt-completion's prompt (text examples have none). Held-out examples
+    are left out. These are what the job's neighbours are written from."""
     trained = {getattr(w, "source", None) for w in train_windows}
     out: list[str] = []
     for sx in spec.examples:
@@ -82,6 +77,8 @@ def job_questions(spec, train_windows: Sequence[Any]) -> list[str]:
         if isinstance(ex, ChatExample):
             first = next(i for i, m in enumerate(ex.messages) if m.trained)
             q = next((m.content for m in reversed(ex.messages[:first]) if m.role == "user"), None)
+        elif isinstance(ex, PromptCompletion):
+            q = ex.prompt
         if isinstance(q, str) and q.strip() and q not in out:
             out.append(q)
     return out
