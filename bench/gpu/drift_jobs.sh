@@ -7,7 +7,7 @@
 # carry (64 MiB with the tree), so it travels in parts, one call each, back to
 # back: the machine keeps /tmp while it stays warm. On the dev machine:
 #   python3 bench/gpu/trim_tree.py; mkdir -p .gpu/parts
-#   split -b 30M -d ~/.cache/dreamstage/models/SmolLM2-135M-Instruct.Q4_1.gguf .gpu/parts/model.
+#   split -b 33M -d ~/.cache/dreamstage/models/SmolLM2-135M-Instruct.Q4_1.gguf .gpu/parts/model.   # 3 parts
 # then, each call carrying .gpu/part (one part copied there before the call):
 #   bash bench/gpu/drift_jobs.sh build     # + .gpu/llama.cpp .gpu/site .whl: the CUDA
 #                                          #   build and the server's site folder
