@@ -49,8 +49,10 @@ def answer(http: httpx.Client, chat: bool) -> str:
     if chat:
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
                                                     "max_tokens": 24, "temperature": 0})
+        r.raise_for_status()
         return r.json()["choices"][0]["message"]["content"]
     r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    r.raise_for_status()
     return r.json()["choices"][0]["text"]
 
 
