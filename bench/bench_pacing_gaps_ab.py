@@ -1,4 +1,7 @@
-"""A/B of the pacer's gaps-first rule (pacing._gap_reserve) on one load shape.
+"""A/B of one pacing rule on one load shape: the pacer's gaps-first rule
+(`--rule gaps`, pacing._gap_reserve) or the shaper's kept chunk (`--rule keep`,
+StepShaper.keep_chunk: the plain walk's chunk is never cut, the deadline alone
+bounds the pause; off, the shaper cuts chunks to the bound as before 2026-12-05).
 
 (A second rule, the shaper's whole-tail noise room on an oversubscribed
 machine, was measured with this script's `--rule noise` at commit fd73f86 and
@@ -9,8 +12,9 @@ One server, the chat clients in its process (in their own with
 the drift anchors (so no segment pays for that), each repetition runs the rule
 on, then off: a segment without a job and one with a job, as
 bench_dream_pacing.py does. Switching the rule off sets RECUR_WINDOW_S below zero,
-so no gap ever counts as recent and nothing is reserved. The server runs in this
-process, so the switch reaches the next job's pacer.
+so no gap ever counts as recent and nothing is reserved; switching the kept
+chunk off makes the scheduler's shapers with `keep_chunk=False`. The server
+runs in this process, so the switch reaches the next job's pacer.
 
     .venv/bin/python bench/bench_pacing_gaps_ab.py --shape 1x24 --seconds 20 --reps 3 \
         --out bench/results/dream-pacing-gaps-ab-2026-11-30.json
@@ -30,13 +34,29 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_dream_pacing as pacing_bench  # noqa: E402
 
-from dreamstage.training import pacing  # noqa: E402
+from dreamstage.training import pacing, scheduler  # noqa: E402
+from dreamstage.training.shaper import StepShaper  # noqa: E402
 
 PACING = {"max_slowdown": 0.10, "max_pause_ms": 250}
+KEEP = {"on": True}
 
 
-def one(srv, http, shape, seconds: float, rule: str, rep: int) -> dict:
-    pacing.RECUR_WINDOW_S = 5.0 if rule == "on" else -1.0
+class _SwitchedShaper(StepShaper):
+    """The scheduler's shaper, its kept chunk switched by KEEP (--rule keep)."""
+
+    def __init__(self, *args, keep_chunk: bool = False, **kwargs):
+        super().__init__(*args, keep_chunk=keep_chunk and KEEP["on"], **kwargs)
+
+
+def switch(which: str, on: bool) -> None:
+    if which == "gaps":
+        pacing.RECUR_WINDOW_S = 5.0 if on else -1.0
+    else:
+        KEEP["on"] = on
+
+
+def one(srv, http, shape, seconds: float, which: str, rule: str, rep: int) -> dict:
+    switch(which, rule == "on")
     base = pacing_bench.load_apart(srv.url, shape, seconds)
     job = pacing_bench.with_job(srv, http, shape, seconds, PACING)
     p, j = job["pacer"], job["job"]
@@ -48,11 +68,14 @@ def one(srv, http, shape, seconds: float, rule: str, rep: int) -> dict:
             "pause_ms_p50": p["micro_step_ms_p50"], "pause_ms_p95": p["micro_step_ms_p95"],
             "pause_ms_max": p["micro_step_ms_max"], "pauses_over_max": p["pauses_over_max"],
             "step_chunk": p.get("step_chunk"), "step_noise": p.get("step_noise"),
+            "chunk_kept": p.get("chunk_kept"), "steps_stopped": p.get("steps_stopped"),
+            "dream_threads": p.get("dream_threads"),
             "walked_tok_s_wall": j["walked_tok_s_wall"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--rule", default="gaps", choices=("gaps", "keep"))
     ap.add_argument("--shape", default="1x24", choices=sorted(pacing_bench.SHAPES))
     ap.add_argument("--clients-apart", action="store_true", help="the job segments' clients in their own process too")
     ap.add_argument("--seconds", type=float, default=20.0)
@@ -61,6 +84,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     shape = pacing_bench.SHAPES[args.shape]
+    scheduler.StepShaper = _SwitchedShaper
     if args.clients_apart:
         pacing_bench.LOAD["load"] = pacing_bench.load_apart
     rows = []
@@ -74,14 +98,15 @@ def main() -> None:
                 time.sleep(0.5)                                                 # the anchors are recorded
             for rep in range(args.reps):
                 for rule in ("on", "off"):
-                    rows.append(one(srv, http, shape, args.seconds, rule, rep))
+                    rows.append(one(srv, http, shape, args.seconds, args.rule, rule, rep))
                     print(json.dumps(rows[-1]), flush=True)
     mean = {rule: {k: sum(r[k] for r in rows if r["rule"] == rule) / args.reps
                    for k in ("client_slowdown", "pacer_slowdown", "share_vs_allowed", "dream_s", "walked_tok_s_wall",
                              "pause_ms_p95", "pauses_over_max", "steps")}
             for rule in ("on", "off")}
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                          "shape": shape.name, "seconds_per_segment": args.seconds,
+                                          "rule": args.rule, "shape": shape.name,
+                                          "seconds_per_segment": args.seconds,
                                           "clients_apart": args.clients_apart, "load_average_at_end": os.getloadavg(),
                                           "pacing": PACING, "rows": rows, "mean": mean}, indent=2) + "\n")
     print(json.dumps(mean, indent=2))

@@ -369,6 +369,9 @@ def _declare(L: ctypes.CDLL) -> None:
     # int32_t dream_last_n_splits(const struct dream_stage * ds);
     L.dream_last_n_splits.argtypes = [p]
     L.dream_last_n_splits.restype = ctypes.c_int32
+    # bool dream_last_step_stoppable(const struct dream_stage * ds);
+    L.dream_last_step_stoppable.argtypes = [p]
+    L.dream_last_step_stoppable.restype = ctypes.c_bool
     # void dream_set_graph_reuse(struct dream_stage * ds, bool on);
     L.dream_set_graph_reuse.argtypes = [p, ctypes.c_bool]
     L.dream_set_graph_reuse.restype = None

@@ -34,6 +34,8 @@ class FakeTrainer:
     """Loss falls 10% per window (lr > 0). `refuse_above`: chunks longer than this are refused."""
 
     live: list["FakeTrainer"] = []
+    # computes the same at any chunk, as the exact walk does: the pause shaper may cut it
+    exact = True
 
     def __init__(self, spec, chunk, lr=None, *, refuse_above=None, refuse_init=False):
         self.spec, self.chunk, self.lr = spec, chunk, spec.lr if lr is None else lr
@@ -460,14 +462,15 @@ def test_the_pause_bound_picks_the_chunk_and_the_walk_follows(tmp_path):
     assert f["step_chunk"] == 4 and f["micro_steps"] >= len(sizes)    # the save and the first yield pause too
 
 
-def spiky_job(tmp_path):
-    """A 3-epoch job with a 100 ms pause bound on a SpikyTrainer, run to its end."""
+def spiky_job(tmp_path, trainer=None):
+    """A 3-epoch job with a 100 ms pause bound on a SpikyTrainer (or `trainer`, a subclass), run to its end."""
+    trainer = trainer or SpikyTrainer
     store = JobStore(tmp_path / "state")
     FakeTrainer.live = []
     TimedTrainer.clock = Clock(tick=0.0001)
     SpikyTrainer.calls = 0
     sched = DreamScheduler(store, CharTokenizer(), served=FakeServed(), clock=TimedTrainer.clock, idle_grace_s=0.05,
-                           make_trainer=lambda rm, spec, chunk, lr=None: SpikyTrainer(spec, chunk, lr))
+                           make_trainer=lambda rm, spec, chunk, lr=None: trainer(spec, chunk, lr))
     engine = FakeEngine()
     sched.startup(engine)
     jid = submit(store, sched, chunk=64, max_pause_ms=100, epochs=3, promote="never")
@@ -494,6 +497,61 @@ def test_a_step_past_the_deadline_is_stopped_and_the_walk_retries_it(tmp_path):
     assert job["progress"]["tokens"] == 3 * 135          # every stopped chunk was trained later
     f = job["pacing"]
     assert f["pauses_over_max"] <= 1 and f["micro_step_ms_p95"] <= 100
+
+
+class PlainSpikyTrainer(SpikyTrainer):
+    """A spiky trainer whose gradient depends on the chunk, as the plain walk's
+    does: the shaper keeps the job's chunk and only the deadline bounds the
+    pause. `stoppable`: whether its steps can stop (False: a graph on a GPU)."""
+
+    exact = False
+    stoppable = True
+
+    @property
+    def last_step_stoppable(self):
+        return self.stoppable
+
+    def micro_step(self):
+        if not self.stoppable:
+            self.deadline_ms = None          # the native core ignores it for such a graph
+        return super().micro_step()
+
+
+def plain_job(tmp_path, stoppable):
+    PlainSpikyTrainer.stoppable = stoppable
+    return spiky_job(tmp_path, PlainSpikyTrainer)
+
+
+def test_the_plain_walk_keeps_its_chunk_and_the_deadline_bounds_the_pause(tmp_path):
+    # A plain-walk window cut smaller trains on another gradient, so the pause
+    # bound must not cut it: every step runs at the job's chunk (64 tokens:
+    # 660 ms against a 100 ms bound) and stops at the deadline as often as it
+    # needs. No pause passes the bound, and every token is trained.
+    store, jid = plain_job(tmp_path, stoppable=True)
+    job = store.get(jid)
+    assert job["state"] == "done", job["message"]
+    receipts = store.receipts(jid)
+    ok = [r for r in receipts if r["status"] == "ok"]
+    # each window is cut only where the chunk grid cuts it: 64 tokens, its end shorter
+    assert max(r["chunk_tokens"] for r in ok) == 64
+    assert all(r["chunk_tokens"] == 64 or nxt["chunk_pos"] == 0 for r, nxt in zip(ok, ok[1:] + [{"chunk_pos": 0}]))
+    assert all(r["chunk_pos"] % 64 == 0 for r in ok)
+    assert job["progress"]["tokens"] == 3 * 135
+    assert len([r for r in receipts if r["status"] == "stopped"]) >= 3 * 2 * 6   # each 64-token step in 7 parts
+    f = job["pacing"]
+    assert f["chunk_kept"] is True and f["pauses_over_max"] == 0 and f["micro_step_ms_p95"] <= 100
+
+
+def test_a_plain_walk_whose_steps_cannot_stop_is_cut_to_the_bound(tmp_path):
+    # the same trainer on a graph that ignores the deadline (a GPU): the first
+    # step runs whole at the job's chunk; from then on the shaper cuts chunks
+    store, jid = plain_job(tmp_path, stoppable=False)
+    job = store.get(jid)
+    assert job["state"] == "done", job["message"]
+    sizes = [r["chunk_tokens"] for r in store.receipts(jid)]
+    # at most 4 tokens (60 ms) after that: the spikes, which nothing stops here, hold it lower
+    assert sizes[0] == 64 and max(sizes[1:]) <= 4
+    assert job["pacing"]["chunk_kept"] is False and job["progress"]["stopped"] == 0
 
 
 def test_without_a_deadline_the_same_spikes_pass_the_bound(tmp_path, monkeypatch):

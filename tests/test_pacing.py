@@ -534,15 +534,18 @@ IDLE_INTERVAL_S = 0.05  # the engine's idle wake-up
 WINDOW = 64            # tokens per training window
 
 
-def simulate(shape: Shape, load: Load, pacing: dict | None, seconds: float = 480.0, seed: int = 0) -> Outcome:
-    """The engine loop and the scheduler's calls, on a simulated clock."""
+def simulate(shape: Shape, load: Load, pacing: dict | None, seconds: float = 480.0, seed: int = 0,
+             keep_chunk: bool = False) -> Outcome:
+    """The engine loop and the scheduler's calls, on a simulated clock.
+    `keep_chunk`: the shaper keeps the job's chunk (the plain walk), so the
+    deadline alone bounds the pause."""
     rng = random.Random(seed)                # batches: the same draws with and without a job
     rng_step = random.Random(seed + 1)       # steps
     clock = FakeClock(0.0)
     pacer = shaper = None
     if pacing is not None:
         pacer = Pacer(pacing["mode"], pacing["value"], clock=clock, max_pause_ms=pacing.get("max_pause_ms", 250))
-        shaper = StepShaper(pacing.get("max_pause_ms", 250), ladder(64, 1), [2, 1])
+        shaper = StepShaper(pacing.get("max_pause_ms", 250), ladder(64, 1), [2, 1], keep_chunk=keep_chunk)
     n_slots = shape.slots or max(2, shape.clients)
     next_at = [i * 0.013 for i in range(shape.clients)]   # when each client sends its next request
     waiting: list[tuple[int, float]] = []                # (client, arrival)
@@ -595,7 +598,9 @@ def simulate(shape: Shape, load: Load, pacing: dict | None, seconds: float = 480
         last_step[0] = s
         if stopped:
             shaper.record_stopped(s, n, threads)
-        elif not resumed:
+        elif resumed:
+            shaper.record_rest(s, n, threads)
+        else:
             shaper.record(s, n, threads)
         after_step = True
         return s
@@ -721,6 +726,53 @@ def test_both_promises_hold_for_every_load_shape(shape, load, pacing):
             assert job.figures["late_ms"] > 1000       # the starved client's lateness was seen and charged
     else:
         assert job.dream_s >= 0.8 * job.wall
+
+
+@pytest.mark.parametrize("load", list(LOADS), ids=["quiet", "loaded", "starved"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.name.replace(",", "").replace(" ", "-") for s in SHAPES])
+def test_with_the_chunk_kept_the_deadline_alone_keeps_the_pause_and_chat_its_bound(shape, load):
+    # The plain walk's chunk is kept (StepShaper.keep_chunk): every step is the
+    # job's 64 tokens (0.9 s quiet, 2.4 s loaded on one thread), cut into
+    # pauses only by the deadline. The pause and chat's bound hold as with cut
+    # chunks, and the job gets as much of its allowance.
+    ld, pacing = LOADS[load], {"mode": "max_slowdown", "value": 0.10}
+    base = simulate(shape, ld, None, seed=3)
+    job = simulate(shape, ld, pacing, seed=3, keep_chunk=True)
+    pauses = sorted(job.pauses)
+    assert pauses[max(0, math.ceil(0.95 * len(pauses)) - 1)] <= 0.250
+    assert max(pauses) <= StepShaper.DEADLINE * 0.250 + NODE_S + 1e-9   # every step could stop
+    assert job.stopped > 0.5 * len(job.pauses)                          # and most did
+    assert job.dream_s >= 0.8 * allowed(base, job, "max_slowdown", 0.10)
+    assert job.figures["chunk_kept"] is True and job.figures["step_chunk"] == 64
+    if shape.clients:
+        assert job.slowdown <= 0.10 + 0.02
+        assert job.figures["realized_slowdown"] == pytest.approx(job.slowdown, abs=0.03)
+
+
+def test_the_kept_chunk_fits_whole_steps_probes_threads_and_can_be_cut():
+    sh = StepShaper(250, ladder(64, 1), [2, 1], keep_chunk=True)
+    assert sh.choose() == (64, 1) and sh.choose(cap=32) == (32, 1)     # the memory ladder's chunk, never cut
+    assert sh.deadline_ms() == pytest.approx(StepShaper.DEADLINE * 250)   # before anything is measured too
+    for _ in range(3):                           # a 0.9 s step in four parts
+        sh.record_stopped(0.23, 64, 1)
+    sh.record_rest(0.21, 64, 1)
+    assert sh.predict(64) == pytest.approx(0.9) and sh.figures()["steps_stopped"] == 3
+    for _ in range(4):
+        sh.choose()
+        sh.record(0.9, 64, 1)
+    chunk, threads = sh.choose()
+    assert (chunk, threads) == (64, 2)           # a probe of two threads, at the same chunk
+    sh.record_stopped(0.23, 64, 2)               # a probe stopped at the deadline is not lost
+    sh.record_rest(0.17, 64, 2)                  # 0.4 s: faster; again, and it switches
+    sh.choose()
+    sh.record(0.4, 64, 2)
+    assert sh.threads == 2 and sh.switches == 1
+    # a step that could not stop: the shaper cuts from then on, starting small
+    sh.cut()
+    assert not sh.keep_chunk and sh.choose()[0] == 8 and sh.figures()["chunk_kept"] is False
+    sh.record(0.05, 8, 2)
+    sh.record_rest(9.0, 8, 2)                    # not fitted once cut
+    assert sh.predict(8) == pytest.approx(0.05)
 
 
 def test_the_simulation_is_sensitive_to_the_charges():

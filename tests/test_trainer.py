@@ -391,6 +391,7 @@ def test_a_stopped_step_goes_on_where_it_stopped_and_trains_as_an_unstopped_one(
                 else:
                     got.append(stopped.micro_step())
             assert [r.status for r in got] == ["ok"] * len(ref)
+            assert stopped.last_step_stoppable and plain.last_step_stoppable   # with or without a deadline
             assert [r.loss for r in got] == [r.loss for r in ref]
             assert [(r.chunk_pos, r.chunk_tokens) for r in got] == [(r.chunk_pos, r.chunk_tokens) for r in ref]
             np.testing.assert_array_equal(stopped.gradients(), plain.gradients())
@@ -434,11 +435,14 @@ def test_the_exact_walks_reverse_pass_is_never_stopped(rm):
         while not got or got[-1].walk_pass == "forward":   # the forward sweep stops and goes on
             r = tr.micro_step()
             stops += r.status == "stopped"
+            # the forward sweep's graphs can stop; the reverse pass's cannot
+            assert tr.last_step_stoppable == (r.walk_pass == "forward")
             if r.status != "stopped":
                 got.append(r)
         assert stops >= 2
         while tr.chunks_left:                        # the reverse pass, same deadline: never stopped
             got.append(tr.micro_step())
+            assert not tr.last_step_stoppable        # the pacer then cuts chunks instead (StepShaper.cut)
         reverse = [r for r in got if r.walk_pass == "backward"]
         assert len(reverse) >= 2 and [r.status for r in got] == ["ok"] * len(want)
         assert [r.loss for r in got] == [r.loss for r in want]

@@ -309,6 +309,10 @@ int32_t dream_last_n_splits(const struct dream_stage * ds) {
     return ds ? ds->last_n_splits : 0;
 }
 
+bool dream_last_step_stoppable(const struct dream_stage * ds) {
+    return ds && ds->last_step_stoppable;
+}
+
 void dream_set_graph_reuse(struct dream_stage * ds, bool on) {
     if (!ds) {
         return;

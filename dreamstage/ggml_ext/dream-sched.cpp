@@ -258,8 +258,9 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
     // segments, and one that is still running at the deadline stops between two,
     // everything it computed kept, *next_node saying where to go on. A graph
     // with another backend in it runs to its end.
-    if (deadline && next_node && cpu && ggml_backend_sched_get_n_splits(se) == 1 && n_nodes > 0 &&
-        ggml_backend_sched_get_tensor_backend(se, ggml_graph_node(g, n_nodes - 1)) == cpu) {
+    ds.last_one_cpu_split = cpu && ggml_backend_sched_get_n_splits(se) == 1 && n_nodes > 0 &&
+                            ggml_backend_sched_get_tensor_backend(se, ggml_graph_node(g, n_nodes - 1)) == cpu;
+    if (deadline && next_node && ds.last_one_cpu_split) {
         ds.last_n_splits = 1;
         for (int i = *next_node; i < n_nodes; i += DREAM_SEGMENT_NODES) {
             if (i > *next_node && std::chrono::steady_clock::now() >= *deadline) {

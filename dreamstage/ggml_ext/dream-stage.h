@@ -203,6 +203,8 @@ struct dream_stage {
     size_t  sched_capacity = 0;    // graph size both were made for
     std::vector<uint8_t> twin_arena;   // metadata of the graph twin the plan measures
     int32_t last_n_splits  = 0;    // scheduler splits of the last computed training graph
+    bool    last_one_cpu_split = false;   // that graph ran wholly on the CPU backend, one split (so it can be segmented)
+    bool    last_step_stoppable = false;  // dream_last_step_stoppable
     // bytes each device's ggml-cuda pool already grew to for quantized OUT_PROD expansions
     std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_held;
 

@@ -724,6 +724,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
         const dream_deadline_t deadline = dream_step_deadline(ds, t_start);
         const ggml_status st = dream_sched_compute(ds, ds.step_graph.gb, su.batched, true, nullptr,
                                                    ds.step_deadline_ms > 0 ? &deadline : nullptr, &su.next_node);
+        ds.last_step_stoppable = true;            // it stopped once
         if (st == GGML_STATUS_ABORTED) {
             dream_receipt_message(r, "stopped at the step deadline of %.1f ms again, %d of %d graph nodes computed: the "
                                   "next micro-step goes on with chunk at %d (%d tokens)", ds.step_deadline_ms, su.next_node,
@@ -1173,6 +1174,7 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
             ggml_backend_tensor_set(sgraph.loss_grad, &one, 0, sizeof(one));
         }
     }, stoppable ? &deadline : nullptr, &next_node);
+    ds.last_step_stoppable = !chunk.backward_pass && chunk.group_reply < 0 && ds.last_one_cpu_split;
     if (st == GGML_STATUS_ABORTED && stoppable) {
         // stopped between two segments: the graph, its inputs and the chunk's
         // cells stay as they are, and the next micro-step computes the rest

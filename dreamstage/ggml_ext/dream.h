@@ -241,6 +241,13 @@ LLAMA_API bool dream_set_lr(struct dream_stage * ds, float lr);
 // GPU, 2 means only the host-side input reads (the token embedding) ran apart.
 LLAMA_API int32_t dream_last_n_splits(const struct dream_stage * ds);
 
+// Whether the stage's last micro-step could have stopped at a step deadline
+// (dream_set_step_deadline), whether or not one was set: a plain-walk chunk (no
+// reverse pass, no group reply) whose graph ran wholly on the CPU backend. False
+// before the first step. The pacer reads it to know whether the deadline alone
+// bounds a step's pause or the chunk has to be cut.
+LLAMA_API bool dream_last_step_stoppable(const struct dream_stage * ds);
+
 // Graph reuse (on by default): a plain-walk micro-step whose chunk has the
 // last step's shape (position, tokens, loss rows) computes the graph that step
 // built and allocated, instead of building, planning and allocating it again.

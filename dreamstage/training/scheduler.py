@@ -386,6 +386,8 @@ class DreamScheduler:
                 tokens, threads, trains, kind = self._step_ran
                 if kind == "stopped":
                     self._shaper.record_stopped(seconds, tokens, threads)
+                elif kind == "resumed":
+                    self._shaper.record_rest(seconds, tokens, threads, trains)
                 elif kind == "ok":
                     self._shaper.record(seconds, tokens, threads, trains)
         return True
@@ -520,8 +522,11 @@ class DreamScheduler:
         # (min_chunk) too, since a small chunk is the only way to a short pause
         self._shaper = None
         if spec.pacing.max_pause_ms is not None:
+            # the plain walk's gradient depends on where a window is cut: keep its
+            # chunk and let the step deadline bound the pause (StepShaper.keep_chunk)
             self._shaper = StepShaper(spec.pacing.max_pause_ms, ladder(spec.chunk, 1), self._threads.counts,
-                                      other_load=load_average, cores=os.cpu_count())
+                                      other_load=load_average, cores=os.cpu_count(),
+                                      keep_chunk=not getattr(trainer, "exact", False))
         self._figures_at = self.clock()
         store.transition(jid, "running")
         self.stats.job_started()
@@ -557,7 +562,7 @@ class DreamScheduler:
             if resume_threads is not None:              # the last step stopped at its deadline: go on with it
                 chunk, threads = run.walk.chunk, resume_threads
             else:
-                chunk, threads = (self._shaper.choose(memory_cap, trains)
+                chunk, threads = (self._shaper.choose(memory_cap, trains, cut=group)
                                   if self._shaper is not None else (run.walk.chunk, self._threads.serve_batch))
             if chunk != run.walk.chunk:
                 run.walk.chunk = chunk                  # the walk and the trainer move together
@@ -583,6 +588,11 @@ class DreamScheduler:
             self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0, kind)
                               if receipt.status in ("ok", "stopped") else None)
             resume_threads = threads if receipt.status == "stopped" else None
+            if (self._shaper is not None and self._shaper.keep_chunk and not group
+                    and receipt.status == "ok" and not getattr(trainer, "last_step_stoppable", False)):
+                # the deadline cannot bound this walk's steps (a graph on a GPU): cut chunks instead
+                log.info("dream job %s: its steps cannot stop at a deadline; the pause bound cuts chunks", jid)
+                self._shaper.cut()
             try:
                 done = trainer.chunks_left == 0
                 event = run.record(receipt, window_done=done,
@@ -705,7 +715,7 @@ class DreamScheduler:
                 evaluator.begin_window(w.tokens, w.mask)
                 pos, loss_sum, tokens = 0, 0.0, 0
                 while evaluator.chunks_left:
-                    step_chunk, threads = (self._shaper.choose(chunk, trains_from(w.mask, pos))
+                    step_chunk, threads = (self._shaper.choose(chunk, trains_from(w.mask, pos), cut=True)
                                            if self._shaper is not None
                                            else (chunk, self._threads.serve_batch if self._threads is not None else 0))
                     if step_chunk != evaluator.chunk:

@@ -63,6 +63,18 @@ class StepShaper:
     `HOLD_STEPS` (a whole fit window) when the step before was slow too, while
     the fit catches up with a machine that got slower.
 
+    `keep_chunk`: the chunk is not cut at all. The plain walk reads earlier
+    chunks' K/V as constants, so a window cut into smaller chunks trains on
+    another (truncated) gradient: on a loaded machine the pause bound changed
+    what the job learned and how much it drifted (docs/benchmarks.md, "The
+    pause bound keeps the arithmetic"). With `keep_chunk` every step runs at
+    the memory ladder's chunk, and the step deadline alone bounds the pause:
+    a step still computing at `DEADLINE` of the bound stops between two
+    segments of its graph and the next step goes on with it, so only when a
+    step runs, never what it computes, depends on the load. That needs graphs
+    that can stop (wholly on the CPU); the scheduler calls `cut()` when a step
+    could not, and the shaper cuts chunks from then on.
+
     Threads: it starts on the fewest (one thread has no barrier to spin at,
     the safe choice on a machine shared with other programs; measured on the
     project VM under load: 0.2-0.4 s per step on one thread, 1.5-4.7 s on
@@ -91,7 +103,8 @@ class StepShaper:
     DEADLINE = 0.9        # a step still computing at this fraction of the bound stops and goes on later (deadline_ms)
 
     def __init__(self, max_pause_ms: float, rungs: Sequence[int], threads: Sequence[int] = (1,),
-                 other_load: Callable[[], float] | None = None, cores: int | None = None):
+                 other_load: Callable[[], float] | None = None, cores: int | None = None,
+                 keep_chunk: bool = False):
         """`other_load` (optional) says how many cores other work keeps busy now
         (the load average less our own threads); more threads are then probed
         only when that many cores are free: a probe that spins costs seconds."""
@@ -130,6 +143,24 @@ class StepShaper:
         self.stops = 0                        # steps stopped at the deadline
         self._wins: dict[int, int] = {}       # probes in a row that beat the current count
         self._last_seen: dict[int, tuple[int, float]] = {}   # per count: its latest (chunk, seconds)
+        self.keep_chunk = bool(keep_chunk)
+        self._stopped_s = 0.0                 # keep_chunk: the parts of a stopped step so far
+        if self.keep_chunk:
+            self.chunk = self.rungs[0]
+
+    def cut(self) -> None:
+        """From now on cut chunks to keep the bound (a step could not stop at its
+        deadline: a graph on a GPU, a reverse pass); the fit starts over, since
+        its steps ran whole at the kept chunk."""
+        if not self.keep_chunk:
+            return
+        self.keep_chunk = False
+        self._stopped_s = 0.0
+        self._hold = None
+        for times in self._times.values():
+            times.clear()
+        self._ratios.clear()
+        self.chunk = self._rung_below(self.FIRST_CHUNK)
 
     # -- the model ----------------------------------------------------------------------
     def predict(self, chunk: int, trains: bool = True) -> float | None:
@@ -195,10 +226,16 @@ class StepShaper:
         return self.rungs[-1]
 
     # -- the choice -------------------------------------------------------------------------
-    def choose(self, cap: int | None = None, trains: Callable[[int], bool] | None = None) -> tuple[int, int]:
+    def choose(self, cap: int | None = None, trains: Callable[[int], bool] | None = None,
+               cut: bool = False) -> tuple[int, int]:
         """(chunk, threads) for the next micro-step. `cap` is the memory
         ladder's chunk; `trains(chunk)` says whether a step of that many
-        tokens from the walk's position would hold loss tokens (None: yes)."""
+        tokens from the walk's position would hold loss tokens (None: yes).
+        `cut`: this step computes the same at any chunk (a forward-only
+        evaluation, an exact group), so it is cut to the bound even with
+        `keep_chunk`."""
+        if self.keep_chunk and not cut:
+            return self._choose_kept(cap)
         if self._hold is not None:
             cap = self._hold[0] if cap is None else min(cap, self._hold[0])
         if self._measured():
@@ -222,6 +259,19 @@ class StepShaper:
                 want = chunk / 2                      # more threads may spin: half, to be safe
             return self._rung_below(want), other
         return chunk, self.threads
+
+    def _choose_kept(self, cap: int | None) -> tuple[int, int]:
+        """keep_chunk: the memory ladder's chunk (or the biggest rung), on the
+        current threads, or on another count when a probe is due (at the same
+        chunk: the deadline bounds a probe's pause as any other step's)."""
+        self.chunk = cap if cap is not None else self.rungs[0]
+        self._probe = None
+        due = [t for t in self.thread_counts if t != self.threads and self._step_no >= self._probe_due[t]
+               and self._cores_free_for(t)]
+        if due and self._measured():
+            self._probe = min(due, key=lambda t: abs(math.log(t / self.threads)))
+            return self.chunk, self._probe
+        return self.chunk, self.threads
 
     def _explore(self, cap: int | None, trains: Callable[[int], bool] | None) -> None:
         """While no rung keeps the bound, now and then try the rung above when
@@ -263,7 +313,10 @@ class StepShaper:
         (a descheduled thread, a busy moment). It stops between two segments of
         its graph, keeping what it computed, and the next step goes on with it;
         so the pause stays inside the bound and no work is lost. None while the
-        bound cannot be kept at all (the smallest rung is over it)."""
+        bound cannot be kept at all (the smallest rung is over it). With
+        `keep_chunk` always: it is what bounds the pause."""
+        if self.keep_chunk:
+            return self.DEADLINE * self.max_pause_s * 1000.0
         if self._limit > self.TARGET * self.max_pause_s:
             return None
         return self.DEADLINE * self.max_pause_s * 1000.0
@@ -279,8 +332,12 @@ class StepShaper:
         """After a step that stopped at the deadline (the next step goes on with
         it, same chunk and threads): its time is a part of the step's, so the
         fit does not take it. The chunk after that one is at least a rung
-        smaller, held there like after a step over the bound."""
+        smaller, held there like after a step over the bound. With `keep_chunk`
+        the chunk stays, and the parts add up to the step's time (`record_rest`)."""
         self.stops += 1
+        if self.keep_chunk:
+            self._stopped_s += seconds
+            return
         if self._probe is not None and threads == self._probe:
             self._probe = None                # a probe that needed two pauses lost
             self._probe_lost(threads)
@@ -289,6 +346,16 @@ class StepShaper:
             self.chunk = self._rung_below(chunk_tokens - 1)
             self._hold = (self.chunk, self.HOLD_STEPS if self._last_slow else 2)
         self._last_slow = True
+
+    def record_rest(self, seconds: float, chunk_tokens: int, threads: int, trains: bool = True) -> None:
+        """After the part of a stopped step that finished it. With `keep_chunk`
+        the step's parts together are fitted as one step (every step there is
+        the same chunk, cut into pauses by the deadline); otherwise not fitted
+        (the first part made the shaper cut the chunk already)."""
+        if not self.keep_chunk:
+            return
+        total, self._stopped_s = self._stopped_s + seconds, 0.0
+        self.record(total, chunk_tokens, threads, trains)
 
     def record(self, seconds: float, chunk_tokens: int, threads: int, trains: bool = True) -> None:
         """After a micro-step: its whole time, the tokens it ran, the threads it
@@ -321,6 +388,14 @@ class StepShaper:
             self._times[trains].add(chunk_tokens, seconds)
             self._hold = None
             self.switches += 1
+            return
+        if self.keep_chunk:
+            # the fit serves the thread probes only: nothing to move down or hold
+            predicted = self.predict(chunk_tokens, trains) if self._times[trains] else None
+            if predicted:
+                self._ratios.append(seconds / predicted)
+            self._times[trains].add(chunk_tokens, seconds)
+            self._step_no += 1
             return
         predicted = self.predict(chunk_tokens, trains) if self._times[trains] else None
         slow = predicted is not None and seconds > predicted * self.noise()
@@ -358,6 +433,7 @@ class StepShaper:
             "dream_threads": self.threads,
             "thread_switches": self.switches,
             "steps_stopped": self.stops,
+            "chunk_kept": self.keep_chunk,
             "step_ms_predicted": p * 1000.0 if p is not None else None,
             "step_noise": self.noise(),
         }

@@ -133,6 +133,7 @@ class Trainer(NativeOwner):
         p.accumulate_windows = int(opt.accumulate_windows)
         p.memory_budget_mib, p.slack_mib = float(budget_mib), float(slack_mib)
         self.window, self.chunk = int(window), int(chunk)
+        self.exact = bool(exact)        # the exact walk: the gradient does not depend on the chunk
         self.lr = float(opt.lr)
         self.slack_mib = float(slack_mib)
         r = native.DreamReceiptC()
@@ -386,6 +387,13 @@ class Trainer(NativeOwner):
         if ms is not None and not (isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms)):
             raise ValueError(f"step deadline must be a finite number of ms or None, got {ms!r}")
         self.L.dream_set_step_deadline(self._handle(), float(ms) if ms is not None and ms > 0 else 0.0)
+
+    @property
+    def last_step_stoppable(self) -> bool:
+        """Whether the last micro-step could have stopped at a step deadline: a
+        plain-walk chunk whose graph ran wholly on the CPU (False before the
+        first step). Where it is False, a deadline does not bound the pause."""
+        return bool(self.L.dream_last_step_stoppable(self._handle()))
 
     @property
     def fused_attention(self) -> bool:
