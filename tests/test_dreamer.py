@@ -9,6 +9,7 @@ Trainer is exercised end to end in tests/test_train_api.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -462,7 +463,7 @@ def test_the_pause_bound_picks_the_chunk_and_the_walk_follows(tmp_path):
     assert f["step_chunk"] == 4 and f["micro_steps"] >= len(sizes)    # the save and the first yield pause too
 
 
-def spiky_job(tmp_path, trainer=None):
+def spiky_job(tmp_path, trainer=None, max_pause_ms=100):
     """A 3-epoch job with a 100 ms pause bound on a SpikyTrainer (or `trainer`, a subclass), run to its end."""
     trainer = trainer or SpikyTrainer
     store = JobStore(tmp_path / "state")
@@ -473,7 +474,7 @@ def spiky_job(tmp_path, trainer=None):
                            make_trainer=lambda rm, spec, chunk, lr=None: trainer(spec, chunk, lr))
     engine = FakeEngine()
     sched.startup(engine)
-    jid = submit(store, sched, chunk=64, max_pause_ms=100, epochs=3, promote="never")
+    jid = submit(store, sched, chunk=64, max_pause_ms=max_pause_ms, epochs=3, promote="never")
     drive(sched, engine, lambda: store.state(jid) in ("done", "error"))
     return store, jid
 
@@ -514,12 +515,14 @@ class PlainSpikyTrainer(SpikyTrainer):
     def micro_step(self):
         if not self.stoppable:
             self.deadline_ms = None          # the native core ignores it for such a graph
-        return super().micro_step()
+        t0 = TimedTrainer.clock.t
+        r = super().micro_step()
+        return dataclasses.replace(r, ms=(TimedTrainer.clock.t - t0) * 1000.0)   # the native step time
 
 
-def plain_job(tmp_path, stoppable):
+def plain_job(tmp_path, stoppable, max_pause_ms=100):
     PlainSpikyTrainer.stoppable = stoppable
-    return spiky_job(tmp_path, PlainSpikyTrainer)
+    return spiky_job(tmp_path, PlainSpikyTrainer, max_pause_ms)
 
 
 def test_the_plain_walk_keeps_its_chunk_and_the_deadline_bounds_the_pause(tmp_path):
@@ -542,9 +545,10 @@ def test_the_plain_walk_keeps_its_chunk_and_the_deadline_bounds_the_pause(tmp_pa
     assert f["chunk_kept"] is True and f["pauses_over_max"] == 0 and f["micro_step_ms_p95"] <= 100
 
 
-def test_a_plain_walk_whose_steps_cannot_stop_is_cut_to_the_bound(tmp_path):
+def test_a_plain_walk_whose_steps_cannot_stop_is_cut_once_one_passes_the_bound(tmp_path):
     # the same trainer on a graph that ignores the deadline (a GPU): the first
-    # step runs whole at the job's chunk; from then on the shaper cuts chunks
+    # step runs whole at the job's chunk (660 ms against 100); from then on the
+    # shaper cuts chunks
     store, jid = plain_job(tmp_path, stoppable=False)
     job = store.get(jid)
     assert job["state"] == "done", job["message"]
@@ -552,6 +556,14 @@ def test_a_plain_walk_whose_steps_cannot_stop_is_cut_to_the_bound(tmp_path):
     # at most 4 tokens (60 ms) after that: the spikes, which nothing stops here, hold it lower
     assert sizes[0] == 64 and max(sizes[1:]) <= 4
     assert job["pacing"]["chunk_kept"] is False and job["progress"]["stopped"] == 0
+    # with a 1 s bound its whole steps fit: the chunk is kept until the first
+    # spike (every 7th step, 8x: 5.3 s) passes it
+    store, jid = plain_job(tmp_path / "wide", stoppable=False, max_pause_ms=1000)
+    receipts = store.receipts(jid)
+    over = next(i for i, r in enumerate(receipts) if r["ms"] > 1000)
+    assert over == 6 and all(r["chunk_pos"] % 64 == 0 for r in receipts[:over + 1])       # the job's own grid
+    assert max(r["chunk_tokens"] for r in receipts[over + 1:]) < 64
+    assert store.get(jid)["pacing"]["chunk_kept"] is False
 
 
 def test_without_a_deadline_the_same_spikes_pass_the_bound(tmp_path, monkeypatch):

@@ -588,10 +588,12 @@ class DreamScheduler:
             self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0, kind)
                               if receipt.status in ("ok", "stopped") else None)
             resume_threads = threads if receipt.status == "stopped" else None
-            if (self._shaper is not None and self._shaper.keep_chunk and not group
-                    and receipt.status == "ok" and not getattr(trainer, "last_step_stoppable", False)):
-                # the deadline cannot bound this walk's steps (a graph on a GPU): cut chunks instead
-                log.info("dream job %s: its steps cannot stop at a deadline; the pause bound cuts chunks", jid)
+            if (self._shaper is not None and self._shaper.keep_chunk and not group and receipt.status == "ok"
+                    and receipt.ms > spec.pacing.max_pause_ms
+                    and not getattr(trainer, "last_step_stoppable", False)):
+                # a step the deadline could not stop (a graph on a GPU) passed the bound: cut chunks from now on
+                log.info("dream job %s: a %.0f ms step could not stop at its deadline; the pause bound cuts chunks "
+                         "from now on", jid, receipt.ms)
                 self._shaper.cut()
             try:
                 done = trainer.chunks_left == 0

@@ -73,7 +73,8 @@ class StepShaper:
     segments of its graph and the next step goes on with it, so only when a
     step runs, never what it computes, depends on the load. That needs graphs
     that can stop (wholly on the CPU); the scheduler calls `cut()` when a step
-    could not, and the shaper cuts chunks from then on.
+    that could not stop (a graph on a GPU) passed the bound, and the shaper
+    cuts chunks from then on.
 
     Threads: it starts on the fewest (one thread has no barrier to spin at,
     the safe choice on a machine shared with other programs; measured on the
@@ -149,9 +150,8 @@ class StepShaper:
             self.chunk = self.rungs[0]
 
     def cut(self) -> None:
-        """From now on cut chunks to keep the bound (a step could not stop at its
-        deadline: a graph on a GPU, a reverse pass); the fit starts over, since
-        its steps ran whole at the kept chunk."""
+        """From now on cut chunks to keep the bound (a step that could not stop at
+        its deadline, a graph on a GPU, passed it); the fit starts over."""
         if not self.keep_chunk:
             return
         self.keep_chunk = False
