@@ -69,7 +69,9 @@ def one(srv, http, shape, seconds: float, which: str, rule: str, rep: int) -> di
             "pause_ms_max": p["micro_step_ms_max"], "pauses_over_max": p["pauses_over_max"],
             "step_chunk": p.get("step_chunk"), "step_noise": p.get("step_noise"),
             "chunk_kept": p.get("chunk_kept"), "steps_stopped": p.get("steps_stopped"),
-            "dream_threads": p.get("dream_threads"),
+            "dream_threads": p.get("dream_threads"), "pause_overhead_ms_p95": p.get("pause_overhead_ms_p95"),
+            "step_deadline_ms": p.get("step_deadline_ms"), "native_step_ms": job["native_step_ms"],
+            "stopped": job["stopped"],
             "walked_tok_s_wall": j["walked_tok_s_wall"]}
 
 

@@ -382,6 +382,11 @@ class TimedTrainer(FakeTrainer):
     clock: Clock | None = None
 
     def micro_step(self):
+        t0 = TimedTrainer.clock.t
+        r = self._timed_step()
+        return dataclasses.replace(r, ms=(TimedTrainer.clock.t - t0) * 1000.0)   # the native step time
+
+    def _timed_step(self):
         r = super().micro_step()
         if r.status == "ok":
             TimedTrainer.clock.t += 0.020 + 0.010 * r.chunk_tokens
@@ -396,7 +401,7 @@ class SpikyTrainer(TimedTrainer):
     calls = 0
     left: float | None = None        # seconds a stopped step still needs
 
-    def micro_step(self):
+    def _timed_step(self):
         p = self.pos
         n = min(self.chunk, len(self.tokens) - p)
         if self.left is None:
@@ -512,12 +517,10 @@ class PlainSpikyTrainer(SpikyTrainer):
     def last_step_stoppable(self):
         return self.stoppable
 
-    def micro_step(self):
+    def _timed_step(self):
         if not self.stoppable:
             self.deadline_ms = None          # the native core ignores it for such a graph
-        t0 = TimedTrainer.clock.t
-        r = super().micro_step()
-        return dataclasses.replace(r, ms=(TimedTrainer.clock.t - t0) * 1000.0)   # the native step time
+        return super()._timed_step()
 
 
 def plain_job(tmp_path, stoppable, max_pause_ms=100):

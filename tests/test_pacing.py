@@ -775,6 +775,23 @@ def test_the_kept_chunk_fits_whole_steps_probes_threads_and_can_be_cut():
     assert sh.predict(8) == pytest.approx(0.05)
 
 
+def test_the_deadline_leaves_room_for_the_pauses_overhead():
+    # a pause is the native step plus the engine's work around it (the store
+    # write, the walk): the deadline on the native step leaves room for it
+    sh = StepShaper(250, ladder(64, 1), [1], keep_chunk=True)
+    assert sh.deadline_ms() == pytest.approx(225.0)        # 0.9 of the bound until measured
+    for _ in range(8):
+        sh.record_overhead(0.010)
+    assert sh.deadline_ms() == pytest.approx(225.0)        # 10 ms fits in 0.95 of the bound beside it
+    for _ in range(8):
+        sh.record_overhead(0.060)
+    assert sh.deadline_ms() == pytest.approx(237.5 - 60.0)
+    assert sh.figures()["pause_overhead_ms_p95"] == pytest.approx(60.0)
+    for _ in range(32):
+        sh.record_overhead(0.200)                          # never below half the bound
+    assert sh.deadline_ms() == pytest.approx(125.0)
+
+
 def test_the_simulation_is_sensitive_to_the_charges():
     """Without the contention charge the bound breaks: the test above can fail."""
     ld = Load(contention=1.0)

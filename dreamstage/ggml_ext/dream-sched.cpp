@@ -229,8 +229,17 @@ bool dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan
 // Graph nodes per segment when a step has a deadline: each segment is one
 // graph compute on the CPU backend (a few microseconds to start), and the
 // deadline is checked between two. A segment of the default model's step
-// takes 1 to 4 ms on the project machine.
+// takes 1 to 4 ms on the project machine, but the one holding the output
+// head's product and its backward takes tens of ms at a chunk of 64 or more.
 static constexpr int DREAM_SEGMENT_NODES = 64;
+static constexpr size_t DREAM_SEGMENT_SHAPES = 64;   // graph shapes whose segment times are kept
+
+// A graph's shape for its segment times: its node count and its first node's
+// size (which grows with the chunk's tokens).
+static uint64_t dream_segment_key(ggml_cgraph * g) {
+    const int n_nodes = ggml_graph_n_nodes(g);
+    return ((uint64_t) n_nodes << 40) ^ (uint64_t) ggml_nelements(ggml_graph_node(g, 0));
+}
 
 ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, bool allocated,
                                 const std::function<void()> & set_inputs, const dream_deadline_t * deadline,
@@ -262,8 +271,19 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
                             ggml_backend_sched_get_tensor_backend(se, ggml_graph_node(g, n_nodes - 1)) == cpu;
     if (deadline && next_node && ds.last_one_cpu_split) {
         ds.last_n_splits = 1;
+        // A segment is begun only when it is predicted to end before the
+        // deadline (what it took when this shape last ran; unknown: 0). The
+        // first segment of a call always runs, so every call makes progress.
+        if (ds.segment_ms.size() > DREAM_SEGMENT_SHAPES) {
+            ds.segment_ms.clear();
+        }
+        std::vector<float> & took = ds.segment_ms[dream_segment_key(g)];
+        took.resize((n_nodes + DREAM_SEGMENT_NODES - 1) / DREAM_SEGMENT_NODES, 0.0f);
         for (int i = *next_node; i < n_nodes; i += DREAM_SEGMENT_NODES) {
-            if (i > *next_node && std::chrono::steady_clock::now() >= *deadline) {
+            const auto t_seg = std::chrono::steady_clock::now();
+            const float predicted = took[i / DREAM_SEGMENT_NODES];
+            if (i > *next_node &&
+                t_seg + std::chrono::duration<double, std::milli>(predicted) >= *deadline) {
                 *next_node = i;
                 return GGML_STATUS_ABORTED;
             }
@@ -272,6 +292,8 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
             if (st != GGML_STATUS_SUCCESS) {
                 return st;
             }
+            took[i / DREAM_SEGMENT_NODES] =
+                (float) std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_seg).count();
         }
         *next_node = n_nodes;
         return GGML_STATUS_SUCCESS;

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 // Private members of llama_context that the dream stage reads (the scheduler,
@@ -215,6 +216,9 @@ struct dream_stage {
     int64_t graph_reuses = 0;       // micro-steps that reused the step graph
     double  step_deadline_ms = 0;   // dream_set_step_deadline; <= 0: none
     dream_suspended_step suspended; // a step stopped at its deadline, continued by the next micro-step
+    // per graph shape (dream-sched.cpp), how long each segment took when it last
+    // ran: a segment predicted to end past the deadline is not begun
+    std::unordered_map<uint64_t, std::vector<float>> segment_ms;
     bool    fused_attn = false;     // training graphs use FLASH_ATTN_EXT and its backward (dream-fattn.cpp)
 
     // set while a training graph is being built (read by the attention hook)

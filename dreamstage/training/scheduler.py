@@ -152,8 +152,10 @@ class DreamScheduler:
         self._pacer: Pacer | None = None
         self._shaper: StepShaper | None = None
         self._threads: DreamThreads | None = None
-        # (chunk tokens, threads, trained, "ok" | "stopped" | "resumed") of next()'s step
-        self._step_ran: tuple[int, int, bool, str] | None = None
+        # next()'s step, for the shaper: chunk tokens, threads, trained, "ok" | "stopped" | "resumed",
+        # its native ms, and the pause's time before it
+        self._step_ran: tuple[int, int, bool, str, float, float] | None = None
+        self._pause_t0 = 0.0                            # when the current pause began (the scheduler's clock)
         self._hook_done_at: float | None = None         # when after_batch last returned with a busy slot
         self._figures_at = 0.0
         self._figures_final: int | None = None          # the job whose final figures _end stored
@@ -349,7 +351,7 @@ class DreamScheduler:
         pacer = self._pacer
         if pacer is not None and state == "running" and not pacer.should_dream(active_slots):
             return False
-        t0 = self.clock()
+        t0 = self._pause_t0 = self.clock()
         self._stepping = True
         self._step_ran = None
         try:
@@ -383,7 +385,8 @@ class DreamScheduler:
                     waited = oldest() if oldest is not None else seconds
                 pacer.record_dream(seconds, waited)
             if self._shaper is not None and self._step_ran is not None:
-                tokens, threads, trains, kind = self._step_ran
+                tokens, threads, trains, kind, native_ms, before = self._step_ran
+                self._shaper.record_overhead(seconds - before - native_ms / 1000.0)
                 if kind == "stopped":
                     self._shaper.record_stopped(seconds, tokens, threads)
                 elif kind == "resumed":
@@ -579,13 +582,16 @@ class DreamScheduler:
                         decay = (decay[0] + 1, decay[1])
                     trainer.begin_window(window.tokens, window.mask, window.soft)
                 begun = (step.epoch, step.order_pos)
+            before = self.clock() - self._pause_t0      # this pause's work so far (a new window's set-up)
             if self._shaper is not None:
-                trainer.set_step_deadline(self._shaper.deadline_ms())
+                deadline = self._shaper.deadline_ms()
+                # the deadline is on the native step; the pause began earlier
+                trainer.set_step_deadline(None if deadline is None else max(1.0, deadline - 1000.0 * before))
             receipt = clear_receipt(self._threads.run(threads, trainer.micro_step), spec)
             self.stats.record(receipt)
-            # for the shaper: a whole step, a stopped part, or the end of a stopped step (not fitted)
+            # for the shaper: a whole step, a stopped part, or the end of a stopped step (record_rest)
             kind = "stopped" if receipt.status == "stopped" else "resumed" if resume_threads is not None else "ok"
-            self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0, kind)
+            self._step_ran = ((receipt.chunk_tokens, threads, receipt.tokens > 0, kind, receipt.ms, before)
                               if receipt.status in ("ok", "stopped") else None)
             resume_threads = threads if receipt.status == "stopped" else None
             if (self._shaper is not None and self._shaper.keep_chunk and not group and receipt.status == "ok"
@@ -724,7 +730,8 @@ class DreamScheduler:
                         evaluator.set_chunk(step_chunk)   # an evaluation step pauses serving like any other
                     r = (evaluator.micro_step() if self._threads is None
                          else self._threads.run(threads, evaluator.micro_step))
-                    self._step_ran = (r.chunk_tokens, threads, r.tokens > 0, "ok") if r.status == "ok" else None
+                    self._step_ran = ((r.chunk_tokens, threads, r.tokens > 0, "ok", r.ms, 0.0)
+                                      if r.status == "ok" else None)
                     pos += r.chunk_tokens
                     yield
                     if r.status != "ok":

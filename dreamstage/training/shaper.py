@@ -101,7 +101,8 @@ class StepShaper:
     EXPLORE_EVERY = 8     # steps between tries of an unmeasured rung above
     RELAX_FOR = 64        # steps a measurement of the smallest rung stands for
     FORWARD_TO_TRAIN = 4.0  # a training step over a forward-only one of the same chunk, until both are measured
-    DEADLINE = 0.9        # a step still computing at this fraction of the bound stops and goes on later (deadline_ms)
+    DEADLINE = 0.9        # a step still computing at this fraction of the bound stops, goes on later (deadline_ms)...
+    MIN_DEADLINE = 0.5    # ...less the pause's own overhead, but never below this fraction
 
     def __init__(self, max_pause_ms: float, rungs: Sequence[int], threads: Sequence[int] = (1,),
                  other_load: Callable[[], float] | None = None, cores: int | None = None,
@@ -146,6 +147,7 @@ class StepShaper:
         self._last_seen: dict[int, tuple[int, float]] = {}   # per count: its latest (chunk, seconds)
         self.keep_chunk = bool(keep_chunk)
         self._stopped_s = 0.0                 # keep_chunk: the parts of a stopped step so far
+        self._overhead: deque[float] = deque(maxlen=2 * self.SAMPLES)   # a pause less its native step, seconds
         if self.keep_chunk:
             self.chunk = self.rungs[0]
 
@@ -304,6 +306,18 @@ class StepShaper:
         others = max(0.0, self.other_load() - self.threads)
         return others + threads <= self.cores + 0.5
 
+    def record_overhead(self, seconds: float) -> None:
+        """The part of a pause outside the native step (the receipt's store
+        write, the walk, the pacer): the deadline leaves room for it."""
+        if math.isfinite(seconds):
+            self._overhead.append(max(0.0, seconds))
+
+    def overhead(self) -> float:
+        """95th percentile of the recent pauses' overhead, seconds (0 until four are measured)."""
+        if len(self._overhead) < 4:
+            return 0.0
+        return percentile(sorted(self._overhead), 95) or 0.0
+
     def deadline_ms(self) -> float | None:
         """The time after which the next step stops (`Trainer.set_step_deadline`),
         or None: let it run to its end.
@@ -314,12 +328,16 @@ class StepShaper:
         its graph, keeping what it computed, and the next step goes on with it;
         so the pause stays inside the bound and no work is lost. None while the
         bound cannot be kept at all (the smallest rung is over it). With
-        `keep_chunk` always: it is what bounds the pause."""
-        if self.keep_chunk:
-            return self.DEADLINE * self.max_pause_s * 1000.0
-        if self._limit > self.TARGET * self.max_pause_s:
+        `keep_chunk` always: it is what bounds the pause.
+
+        The deadline is on the native step, the pause is more: so it is
+        `DEADLINE` of the bound, or less where the pauses' overhead (its 95th
+        percentile) needs more room inside `TARGET` of it, but never below
+        `MIN_DEADLINE` of the bound."""
+        if not self.keep_chunk and self._limit > self.TARGET * self.max_pause_s:
             return None
-        return self.DEADLINE * self.max_pause_s * 1000.0
+        room = self.TARGET * self.max_pause_s - self.overhead()
+        return max(self.MIN_DEADLINE * self.max_pause_s, min(self.DEADLINE * self.max_pause_s, room)) * 1000.0
 
     def _probe_lost(self, threads: int) -> None:
         """A probe of `threads` did not win: its run of wins ends and the next
@@ -436,6 +454,8 @@ class StepShaper:
             "chunk_kept": self.keep_chunk,
             "step_ms_predicted": p * 1000.0 if p is not None else None,
             "step_noise": self.noise(),
+            "pause_overhead_ms_p95": self.overhead() * 1000.0,
+            "step_deadline_ms": self.deadline_ms(),
         }
 
 
