@@ -244,13 +244,8 @@ class StepShaper:
             self.chunk = self._best_rung(cap, trains)
             self._explore(cap, trains)
         chunk = min(self.chunk, cap) if cap is not None else self.chunk
-        self._probe = None
-        due = [t for t in self.thread_counts if t != self.threads and self._step_no >= self._probe_due[t]
-               and self._cores_free_for(t)]
-        if due and self._measured():
-            # the nearest count first (2 before 8 when on 1)
-            other = min(due, key=lambda t: abs(math.log(t / self.threads)))
-            self._probe = other
+        self._probe = other = self._due_probe()
+        if other is not None:
             seen = self._last_seen.get(other)
             if seen is not None:
                 # what that count last did, scaled to the bound (and never bigger than now)
@@ -267,13 +262,16 @@ class StepShaper:
         current threads, or on another count when a probe is due (at the same
         chunk: the deadline bounds a probe's pause as any other step's)."""
         self.chunk = cap if cap is not None else self.rungs[0]
-        self._probe = None
+        self._probe = self._due_probe()
+        return self.chunk, self.threads if self._probe is None else self._probe
+
+    def _due_probe(self) -> int | None:
+        """The thread count a probe is due for now (the nearest first: 2 before 8 when on 1), or None."""
         due = [t for t in self.thread_counts if t != self.threads and self._step_no >= self._probe_due[t]
                and self._cores_free_for(t)]
-        if due and self._measured():
-            self._probe = min(due, key=lambda t: abs(math.log(t / self.threads)))
-            return self.chunk, self._probe
-        return self.chunk, self.threads
+        if not due or not self._measured():
+            return None
+        return min(due, key=lambda t: abs(math.log(t / self.threads)))
 
     def _explore(self, cap: int | None, trains: Callable[[int], bool] | None) -> None:
         """While no rung keeps the bound, now and then try the rung above when
