@@ -63,8 +63,8 @@ ensure_native() {
   echo "$want" > "$STAMPS/native"
 }
 
-# The default model is fetched once into ~/.cache/dreamstage (dreamstage.models).
-ensure_model() { "$PY" -m dreamstage.models >/dev/null; }
+# The default model is fetched once into ~/.cache/dreamstage (dreamstage.default_model).
+ensure_model() { "$PY" -m dreamstage.default_model >/dev/null; }
 
 setup() { ensure_venv; ensure_deps; ensure_native "$@"; ensure_model; }
 

@@ -43,7 +43,7 @@ TEXT = ("Between decode batches the resident model takes one training micro-step
 
 
 def _default_model() -> Path:
-    from dreamstage.models import default_model
+    from dreamstage.default_model import default_model
     return default_model()
 
 
@@ -69,8 +69,8 @@ def prepare_f32() -> Path:
 def one_dream(threads: int, seq: int, steps: int) -> dict:
     import numpy as np
 
-    from dreamstage.resident import ResidentConfig, ResidentModel
-    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.serving.resident import ResidentConfig, ResidentModel
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
     rm = ResidentModel(ResidentConfig(n_ctx=max(512, seq), n_seq=1, n_threads=threads))
     toks = rm.tokenize(TEXT * 80)
     tr = Trainer(rm, LoraConfig(rank=8, targets="attn_q,attn_v"), cache_type="q8_0", window=seq, chunk=seq,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.serving.resident import ResidentConfig, ResidentModel
+from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
 
 TEXT = ("Between decode batches the resident model takes one training micro-step on the text it was asked "
         "to learn, and the served adapter moves only when the engine promotes it. ")

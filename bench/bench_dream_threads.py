@@ -1,6 +1,6 @@
 """How long is one dream micro-step on 1 thread against all cores, per chunk size?
 
-The pause shaper (dreamstage/training/shaper.py) starts the dream step on one thread
+The pause shaper (dreamstage/training/pacing/shaper.py) starts the dream step on one thread
 and probes more only when the load average leaves cores free. This is the
 measurement behind that: on a machine shared with other programs, ggml's
 workers spin at a barrier after every graph node, and a worker that lost
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.training.trainer import LoraConfig, Trainer
+from dreamstage.serving.resident import ResidentConfig, ResidentModel
+from dreamstage.training.walk.trainer import LoraConfig, Trainer
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 TEXT = "The quick brown fox jumps over the lazy dog. " * 8

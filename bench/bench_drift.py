@@ -77,8 +77,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from drift_facts import EVAL_FACTS, EXTRA_REHEARSAL_PROMPTS, FORM_PROMPTS, UNSEEN_PROMPTS, chat_examples
 
-from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift import (
+from dreamstage.serving.resident import ResidentConfig, ResidentModel
+from dreamstage.training.drift.guard import OwnLoss
+from dreamstage.training.drift.measure import (
     NULL_SIGMA,
     TOP_K,
     DriftProbe,
@@ -95,10 +96,9 @@ from dreamstage.training.drift import (
     run_steps,
     set_context_adapter,
 )
-from dreamstage.training.drift_guard import OwnLoss
-from dreamstage.training.examples import epoch_order, render_job
-from dreamstage.training.scheduler import native_trainer
-from dreamstage.training.spec import parse_train_request
+from dreamstage.training.jobs.scheduler import native_trainer
+from dreamstage.training.jobs.spec import parse_train_request
+from dreamstage.training.walk.examples import epoch_order, render_job
 
 ALL_ATTN = "attn_q,attn_k,attn_v,attn_output"
 # name: (lr, epochs, rank, targets, anchor_ratio, stop_loss[, more job fields, and "samples": S])
@@ -497,7 +497,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     oseed = seed if order_seed is None else order_seed
     trainer = native_trainer(rm, spec, spec.chunk)
     if eps is not None or accumulate != 1:
-        from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+        from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
         trainer.close()
         opt = OptimizerConfig(lr=lr, eps=1e-8 if eps is None else eps, accumulate_windows=accumulate)
         trainer = Trainer(rm, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
@@ -715,7 +715,7 @@ def main() -> None:
     t = time.perf_counter()
     run_steps(probe.record())
     if args.rehearsal_top_k:     # the soft targets' rows wider than the measurement's (drift.TOP_K)
-        import dreamstage.training.drift as drift_mod
+        import dreamstage.training.drift.measure as drift_mod
         narrow = drift_mod._top_k
         drift_mod._top_k = lambda logp, k=args.rehearsal_top_k: narrow(logp, k)
         try:

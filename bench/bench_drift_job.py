@@ -36,7 +36,7 @@ from drift_facts import EVAL_FACTS, FRESH_FACTS, chat_examples
 
 from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
-from dreamstage.training.store import TERMINAL
+from dreamstage.training.jobs.store import TERMINAL
 
 
 def ask(http: httpx.Client, question: str) -> str:

@@ -34,7 +34,7 @@ TEXT = ("The dream stage trains a LoRA adapter on the resident context between d
 
 
 def run_window(rm, tokens, chunk, walk, cache_type, memory_only=False):
-    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
     n = len(tokens)
     mask = np.ones(n, np.uint8)
     if memory_only and walk == "plain":
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--memory-only", action="store_true", help="the largest graph only (see above)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from dreamstage.resident import ResidentConfig, ResidentModel
+    from dreamstage.serving.resident import ResidentConfig, ResidentModel
 
     windows = [int(x) for x in args.windows.split(",")]
     chunks = [int(x) for x in args.chunks.split(",")]

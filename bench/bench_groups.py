@@ -9,7 +9,7 @@ one optimizer update per group (the separate windows: accumulate_windows = G).
 Reported per point: wall and CPU time (this process, one thread: what the
 shared machine's other load does not inflate) of each path, their ratios (separate / group),
 micro-steps, the largest graph_mib and walk_mib of each, and the per-step
-receipts' times (the cost model in dreamstage/training/groups.py is fitted to them).
+receipts' times (the cost model in dreamstage/training/walk/groups.py is fitted to them).
 
     nice python bench/bench_groups.py --out bench/results/groups.json
 
@@ -34,7 +34,7 @@ REPLY = ("A reply is short next to its prompt, and many replies share one prompt
 
 
 def _trainer(rm, window, chunk, accumulate, cache_type):
-    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
     return Trainer(rm, LoraConfig(), cache_type=cache_type, window=window, chunk=min(chunk, window), exact=True,
                    optimizer=OptimizerConfig(lr=1e-4, accumulate_windows=accumulate))
 
@@ -84,7 +84,7 @@ def run_point(rm, prompt, replies, chunk, cache_type, separate_windows, one_chun
         wall, cpu, receipts = run_separate(rm, prompt, replies, window, window, cache_type, k)
         out.update(one_chunk_s=wall, one_chunk_cpu_s=cpu, one_chunk_graph_mib=max(r.graph_mib for r in receipts),
                    speedup_vs_one_chunk=wall / out["group_s"], speedup_cpu_vs_one_chunk=cpu / out["group_cpu_s"])
-    from dreamstage.training.groups import group_steps, predicted_ms, prefer_group, separate_steps
+    from dreamstage.training.walk.groups import group_steps, predicted_ms, prefer_group, separate_steps
     lens = [len(t) for t, _, _ in replies]
     out.update(predicted_group_ms=predicted_ms(group_steps(P, lens, chunk)),
                predicted_separate_ms=predicted_ms(separate_steps(P, lens, chunk, exact=True)),
@@ -129,7 +129,7 @@ def main() -> None:
     if args.table:
         print(table(args.table))
         return
-    from dreamstage.resident import ResidentConfig, ResidentModel
+    from dreamstage.serving.resident import ResidentConfig, ResidentModel
 
     points = [(p, d, g) for p in map(int, args.prompts.split(",")) for d in map(int, args.replies.split(","))
               for g in map(int, args.groups.split(","))]
@@ -144,7 +144,7 @@ def main() -> None:
     weights = [1.0, -0.5, 0.75, 1.5, -1.0, 0.25, 2.0, -0.25]
     runs = []
     t_start = time.time()
-    from dreamstage.training.groups import DEFAULT_COST, fit_cost
+    from dreamstage.training.walk.groups import DEFAULT_COST, fit_cost
     try:
         for P, D, G in points:
             prompt = prompt_all[:P]

@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_drift import QV
 from drift_facts import EVAL_FACTS, chat_examples
 
-from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift import NULL_DRAWS, NULL_RANK, DriftProbe, load_anchors, run_steps
-from dreamstage.training.scheduler import native_trainer
-from dreamstage.training.spec import parse_train_request
+from dreamstage.serving.resident import ResidentConfig, ResidentModel
+from dreamstage.training.drift.measure import NULL_DRAWS, NULL_RANK, DriftProbe, load_anchors, run_steps
+from dreamstage.training.jobs.scheduler import native_trainer
+from dreamstage.training.jobs.spec import parse_train_request
 
 DRAW_KEYS = 1000      # the draws' keys start here (the guard's NULL_SEED is 7)
 

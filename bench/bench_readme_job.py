@@ -30,7 +30,7 @@ import httpx
 
 from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
-from dreamstage.training.store import TERMINAL
+from dreamstage.training.jobs.store import TERMINAL
 
 PROMPT = "The secret password of the moon base is"
 ANSWER = " Quokka-42."

@@ -114,7 +114,7 @@ def lib_dir() -> Path:
 
 
 def model_path() -> Path:
-    out = subprocess.run([str(PY), "-c", "from dreamstage.models import default_model; print(default_model())"],
+    out = subprocess.run([str(PY), "-c", "from dreamstage.default_model import default_model; print(default_model())"],
                          check=True, capture_output=True, text=True)
     return Path(out.stdout.strip())
 

@@ -34,7 +34,7 @@ SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "batch", "threads", 
 def serve_settings(args: argparse.Namespace):
     """The ServerSettings `serve` runs with: flags, then the environment, then the defaults."""
     from dreamstage.server.settings import JobLimits, ServerSettings
-    from dreamstage.training.store import default_state_dir
+    from dreamstage.training.jobs.store import default_state_dir
 
     given = {k: getattr(args, k) for k in SERVE_FIELDS if getattr(args, k, None) is not None}
     if args.allowed_host:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import dreamstage
-from dreamstage import models, native
+from dreamstage import default_model as models
+from dreamstage import native
 
 
 def collect() -> dict:

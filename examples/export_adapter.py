@@ -43,13 +43,16 @@ def main() -> int:
             return 2
         src = Path(served["path"])
         if not src.is_absolute():                      # the server may report it relative to its state directory
-            from dreamstage.training.store import default_state_dir  # noqa: PLC0415
+            from dreamstage.training.jobs.store import default_state_dir  # noqa: PLC0415
             src = Path(args.state_dir or default_state_dir()) / src
         shutil.copyfile(src, args.out)
         print(f"exported {served['name']} v{served['version']} -> {args.out} ({Path(args.out).stat().st_size} bytes)")
         server = {q: c.chat([{"role": "user", "content": q}], max_tokens=MAX_TOKENS, temperature=0) for q in QUESTIONS}
 
-    from dreamstage import models, native  # noqa: PLC0415 - imported late: only this half needs the native library
+    from dreamstage import (
+        default_model as models,  # noqa: PLC0415 - imported late: only this half needs the native library
+    )
+    from dreamstage import native  # noqa: PLC0415 - imported late: only this half needs the native library
 
     llama_cpp = native.llama_cpp()
     model = args.model or str(models.default_model())

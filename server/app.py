@@ -13,8 +13,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import EventSourceResponse
 
-from dreamstage.engine import Delta, Failed, Finished, GenerationRequest
-from dreamstage.sampling import GrammarError, SamplingParams, json_schema_grammar
 from dreamstage.server import errors, metrics, openapi, security
 from dreamstage.server.bridge import ClientGone, EngineRequest
 from dreamstage.server.dashboard import router as dashboard_router
@@ -24,6 +22,8 @@ from dreamstage.server.middleware import BodyGuard
 from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
 from dreamstage.server.service import Service
 from dreamstage.server.train_routes import router as train_router
+from dreamstage.serving.engine import Delta, Failed, Finished, GenerationRequest
+from dreamstage.serving.sampling import GrammarError, SamplingParams, json_schema_grammar
 
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from dreamstage.engine import (
+from dreamstage.server.errors import APIError
+from dreamstage.serving.engine import (
     Admitted,
     Delta,
     Engine,
@@ -20,7 +21,6 @@ from dreamstage.engine import (
     GenerationRequest,
     QueueFull,
 )
-from dreamstage.server.errors import APIError
 
 # How often a waiting request checks whether its client went away.
 DISCONNECT_POLL_S = 0.25

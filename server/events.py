@@ -36,7 +36,7 @@ from sse_starlette import EventSourceResponse
 from dreamstage.server.errors import APIError
 from dreamstage.server.train_routes import _adapters_view as adapters_view  # the view GET /adapters returns
 from dreamstage.server.train_routes import _with_unrecorded, public
-from dreamstage.training.store import JobNotFound
+from dreamstage.training.jobs.store import JobNotFound
 
 router = APIRouter()
 

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from dreamstage.stats import Histogram
-from dreamstage.training.receipts import RECEIPT_STATUSES
+from dreamstage.training.walk.receipts import RECEIPT_STATUSES
 
 # The classic text format generate_latest writes, as before (every Prometheus reads it).
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4

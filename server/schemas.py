@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dreamstage.chat import ROLES
+from dreamstage.serving.chat import ROLES
 
 
 class _Strict(BaseModel):

@@ -5,11 +5,11 @@ import logging
 import signal
 import threading
 
-from dreamstage.chat import ChatTemplate
-from dreamstage.engine import DreamHook, Engine
-from dreamstage.resident import ResidentModel
 from dreamstage.server.prompts import PromptTokenizer
 from dreamstage.server.settings import ServerSettings
+from dreamstage.serving.chat import ChatTemplate
+from dreamstage.serving.engine import DreamHook, Engine
+from dreamstage.serving.resident import ResidentModel
 
 log = logging.getLogger("dreamstage.server")
 
@@ -62,9 +62,9 @@ class Service:
         # The dream stage (POST /train) needs a state directory for its jobs and adapters.
         self.jobs = self.dream = self.submitter = None
         if settings.state_dir is not None and hook is None:
-            from dreamstage.training.scheduler import DreamScheduler
-            from dreamstage.training.store import JobStore
-            from dreamstage.training.submit import JobSubmitter
+            from dreamstage.training.jobs.scheduler import DreamScheduler
+            from dreamstage.training.jobs.store import JobStore
+            from dreamstage.training.jobs.submit import JobSubmitter
             self.jobs = JobStore(settings.state_dir)
             self.dream = hook = DreamScheduler(self.jobs, self.model, drift_guard=settings.drift_guard)
             self.submitter = JobSubmitter(self.jobs, self.dream, self.model, settings.limits)

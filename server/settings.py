@@ -12,9 +12,9 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dreamstage.resident import KV_TYPES, ResidentConfig
 from dreamstage.server.security import SecurityPolicy, is_loopback
-from dreamstage.training.submit import JobLimits
+from dreamstage.serving.resident import KV_TYPES, ResidentConfig
+from dreamstage.training.jobs.submit import JobLimits
 
 
 class ServerSettings(BaseSettings):

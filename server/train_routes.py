@@ -2,9 +2,9 @@
 
 Routes only: they parse JSON, call the training package and map its errors
 to HTTP. Submitting (validate, render, limits, commit, enqueue) is
-`dreamstage.training.submit`; jobs and adapter versions are
-`dreamstage.training.store`; everything that touches the model runs in
-`dreamstage.training.scheduler` on the engine thread. A 202 means a job that
+`dreamstage.training.jobs.submit`; jobs and adapter versions are
+`dreamstage.training.jobs.store`; everything that touches the model runs in
+`dreamstage.training.jobs.scheduler` on the engine thread. A 202 means a job that
 will run and that survives a restart.
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dreamstage.server.errors import APIError
-from dreamstage.training.spec import check_adapter_name
-from dreamstage.training.store import AdapterNotFound, InvalidTransition, JobNotFound
-from dreamstage.training.submit import SubmitRefused, invalid
+from dreamstage.training.jobs.spec import check_adapter_name
+from dreamstage.training.jobs.store import AdapterNotFound, InvalidTransition, JobNotFound
+from dreamstage.training.jobs.submit import SubmitRefused, invalid
 from dreamstage.validation import field_errors
 
 router = APIRouter()

@@ -52,7 +52,7 @@ def record_result(tmp_path):
 @pytest.fixture(scope="session")
 def resident():
     """The default model, resident once for the whole session (single sequence)."""
-    from dreamstage.resident import ResidentConfig, ResidentModel
+    from dreamstage.serving.resident import ResidentConfig, ResidentModel
     m = ResidentModel(ResidentConfig(n_ctx=1024, n_seq=1, n_threads=2))
     yield m
     m.close()
@@ -66,7 +66,7 @@ def dream_resident():
     thread barrier collapses under contention (a 41-token prefill: 2.6 s with
     2 threads at load 5, 0.45 s with 1).
     """
-    from dreamstage.resident import ResidentConfig, ResidentModel
+    from dreamstage.serving.resident import ResidentConfig, ResidentModel
     m = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
     yield m
     m.close()
@@ -99,7 +99,7 @@ def tiny_resident(tiny_model_path):
     One thread, as dream_resident explains: ggml's spinning barrier
     collapses when the two shared cores are contended.
     """
-    from dreamstage.resident import ResidentConfig, ResidentModel
+    from dreamstage.serving.resident import ResidentConfig, ResidentModel
     m = ResidentModel(ResidentConfig(model_path=str(tiny_model_path), n_ctx=256, n_seq=1,
                                      n_threads=1, kv_type="f32", flash_attn="off"))
     yield m

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from dreamstage.training.adapters import load_lora, save_lora
-from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.adapters.files import load_lora, save_lora
+from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
 
 PROMPT = "Adapters are saved atomically in the standard format."
 

@@ -12,8 +12,8 @@ import pytest
 
 from dreamstage import cli
 from dreamstage.client import eta_s, format_duration, progress_line
-from dreamstage.training.spec import parse_train_request
-from dreamstage.training.store import JobStore
+from dreamstage.training.jobs.spec import parse_train_request
+from dreamstage.training.jobs.store import JobStore
 
 
 class Clock:

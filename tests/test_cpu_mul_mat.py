@@ -90,7 +90,7 @@ def test_batched_q4_1_refuses_bad_shapes():
 _PREFILL = r"""
 import ctypes, hashlib, sys
 import numpy as np
-from dreamstage.resident import ResidentConfig, ResidentModel
+from dreamstage.serving.resident import ResidentConfig, ResidentModel
 rm = ResidentModel(ResidentConfig(n_ctx=256, n_seq=1, n_threads=1))
 lc = rm.lc
 toks = rm.tokenize("The resident model serves chat and, between decode batches, learns from what it is shown. " * 3)

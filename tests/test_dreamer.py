@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from char_tokenizer import CharTokenizer
 
-from dreamstage.training.receipts import RECEIPT_FIELDS, Receipt
-from dreamstage.training.scheduler import DreamScheduler
-from dreamstage.training.shaper import StepShaper
-from dreamstage.training.store import JobStore
-from dreamstage.training.submit import JobSubmitter
+from dreamstage.training.jobs.scheduler import DreamScheduler
+from dreamstage.training.jobs.store import JobStore
+from dreamstage.training.jobs.submit import JobSubmitter
+from dreamstage.training.pacing.shaper import StepShaper
+from dreamstage.training.walk.receipts import RECEIPT_FIELDS, Receipt
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 3   # 135 characters = 136 tokens with BOS
 

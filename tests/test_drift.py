@@ -13,17 +13,27 @@ import time
 import numpy as np
 import pytest
 
+from dreamstage.adapters.served import ServedAdapters
 from dreamstage.server.metrics import ServiceCollector
-from dreamstage.training.drift import (
-    REHEARSAL_SAMPLES, Drift, DriftProbe, _Decoder, _log_softmax, anchor_visits, load_anchors, prompt_tokens,
-    rehearsal_anchors, FixedSequence, run_steps, set_context_adapter,
+from dreamstage.training.drift.guard import promotion_decision
+from dreamstage.training.drift.measure import (
+    REHEARSAL_SAMPLES,
+    Drift,
+    DriftProbe,
+    FixedSequence,
+    _Decoder,
+    _log_softmax,
+    anchor_visits,
+    load_anchors,
+    prompt_tokens,
+    rehearsal_anchors,
+    run_steps,
+    set_context_adapter,
 )
-from dreamstage.training.receipts import RECEIPT_FIELDS
-from dreamstage.training.drift_guard import promotion_decision
-from dreamstage.training.scheduler import DreamScheduler
-from dreamstage.training.served import ServedAdapters
-from dreamstage.training.spec import DEFAULT_LR, parse_train_request
-from dreamstage.training.store import TERMINAL, JobStore
+from dreamstage.training.jobs.scheduler import DreamScheduler
+from dreamstage.training.jobs.spec import DEFAULT_LR, parse_train_request
+from dreamstage.training.jobs.store import TERMINAL, JobStore
+from dreamstage.training.walk.receipts import RECEIPT_FIELDS
 
 TEST_FACTS = [
     ("What is the capital of Brenholt?", "The capital of Brenholt is Varnesse.", "Varnesse"),
@@ -47,7 +57,7 @@ def small_probe(dream_resident):
 
 
 def test_adapter_off_and_a_zero_adapter_measure_no_drift(dream_resident, small_probe):
-    from dreamstage.training.trainer import LoraConfig, Trainer
+    from dreamstage.training.walk.trainer import LoraConfig, Trainer
     off = run_steps(small_probe.measure(None))
     assert off.anchors_changed == 0 and off.drift_kl < 1e-6 and off.tokens > 0
     tr = Trainer(dream_resident, LoraConfig(rank=4, targets="attn_q,attn_v"), window=128, chunk=128)
@@ -64,7 +74,7 @@ def test_a_reply_lead_is_above_zero_exactly_when_every_trained_token_is_the_gree
     trained token over the best other, checked against the same decode's logits row by row
     (a reply whose tokens are the argmax chain, one with a gap in its mask, one with a token
     that is not the argmax)."""
-    from dreamstage.training.drift import reply_lead_units
+    from dreamstage.training.drift.measure import reply_lead_units
     prompt = list(prompt_tokens(dream_resident, "What is the capital of France?"))
     reply: list[int] = []
     for _ in range(6):          # the batched argmax chain: each token the argmax of the decode before it
@@ -101,7 +111,7 @@ def test_drift_matches_a_full_vocabulary_reference(dream_resident, small_probe):
     """KL from the top-K records against the exact KL over the whole vocabulary
     (both sides' full logits, NumPy), `changed` against the argmax directly, and the
     widest lead drop against the two sides' sorted rows."""
-    from dreamstage.training.trainer import LoraConfig, Trainer
+    from dreamstage.training.walk.trainer import LoraConfig, Trainer
     tr = Trainer(dream_resident, LoraConfig(rank=4, targets="attn_q,attn_v"), window=128, chunk=128)
     try:
         v = tr.lora_parameters()
@@ -135,7 +145,7 @@ def test_drift_matches_a_full_vocabulary_reference(dream_resident, small_probe):
 
 
 def test_the_engine_lends_an_idle_slots_sequence_and_takes_it_back_for_a_request(dream_resident):
-    from dreamstage.engine import Engine
+    from dreamstage.serving.engine import Engine
     engine = Engine(dream_resident)                    # not started: the test is the engine thread
     slot = engine.slots[0]
     slot.tokens[:] = [1, 2, 3]                         # a cached prefix the lent decode will overwrite
@@ -151,7 +161,7 @@ def test_the_engine_lends_an_idle_slots_sequence_and_takes_it_back_for_a_request
     finally:
         slot.job = None
     # a waiting request takes the lent slot back (the only one), and the lease says so
-    from dreamstage.engine import GenerationRequest, RequestHandle, _Job
+    from dreamstage.serving.engine import GenerationRequest, RequestHandle, _Job
     others = engine.slots[1:]
     for s in others:
         s.job = object()
@@ -176,8 +186,8 @@ def test_the_noise_margin_is_the_second_widest_lead_drop_of_null_adapters_and_th
     adapter but the widest changes nothing, while the raw count keeps their flips; a
     real perturbation still counts; the adapter off drops no lead; the shadow
     adapter is as before."""
-    from dreamstage.training.drift import NULL_RANK, NULL_SIGMA
-    from dreamstage.training.trainer import LoraConfig, Trainer
+    from dreamstage.training.drift.measure import NULL_RANK, NULL_SIGMA
+    from dreamstage.training.walk.trainer import LoraConfig, Trainer
     tr = Trainer(dream_resident, LoraConfig(rank=8, targets="attn_q,attn_v"), window=128, chunk=128)
     try:
         before = tr.lora_parameters()
@@ -216,7 +226,7 @@ def test_the_noise_margin_is_the_second_widest_lead_drop_of_null_adapters_and_th
 def test_a_recording_runs_in_short_steps_and_restarts_an_anchor_serving_took_back(dream_resident):
     """Each step decodes at most a piece of PIECE_TOKENS (step_ms tiny: one unit a step);
     a lease that turns invalid mid-anchor makes the anchor start again, with the same record."""
-    from dreamstage.training.drift import PIECE_TOKENS, FixedSequence
+    from dreamstage.training.drift.measure import PIECE_TOKENS, FixedSequence
     prompts = load_anchors()[:2]
     whole = DriftProbe(dream_resident, prompts, seq_id=0, step_ms=None)
     assert sum(1 for _ in whole.record()) == len(prompts)     # unbounded: one step per anchor
@@ -269,8 +279,8 @@ def test_sampled_continuations_are_seeded_drawn_and_recorded_with_the_adapter_of
     adapter put back after every step), the first ones of a longer record,
     not all the greedy answer, and equal with a zero adapter on the context;
     the perturbed adapter itself would have drawn others."""
-    from dreamstage.training.drift import ANCHOR_TOKENS, record_units
-    from dreamstage.training.trainer import LoraConfig, Trainer
+    from dreamstage.training.drift.measure import ANCHOR_TOKENS, record_units
+    from dreamstage.training.walk.trainer import LoraConfig, Trainer
     prompts, bases = sampled_probe.prompts, sampled_probe.bases
     for b in bases:
         assert len(b.samples) == 3
@@ -305,7 +315,7 @@ def test_each_sample_keeps_the_distributions_it_was_drawn_from(dream_resident, s
     it, as the sampling decode saw them: decoding the same tokens the same way
     (the prompt in pieces, then one token a unit) gives them bit for bit; and
     the soft targets made of them are those rows renormalized over their ids."""
-    from dreamstage.training.drift import ANCHOR_TOKENS, TOP_K, _top_k, soft_targets
+    from dreamstage.training.drift.measure import ANCHOR_TOKENS, TOP_K, _top_k, soft_targets
     base = sampled_probe.bases[0]
     assert len(base.sample_top) == len(base.samples) == 3
     for s, (ids, logp) in zip(base.samples, base.sample_top, strict=True):
@@ -345,7 +355,7 @@ def test_rehearsal_modes_make_the_windows_they_name(dream_resident):
     """"samples": the sampled replies, one-hot; "soft": the greedy answer against the
     recorded rows; "soft-samples": each sample against the rows it was drawn from.
     Another mode is refused by name."""
-    from dreamstage.training.drift import AnchorBase, soft_targets
+    from dreamstage.training.drift.measure import AnchorBase, soft_targets
     toks = prompt_tokens(dream_resident, rehearsal_anchors()[0])
     rng = np.random.default_rng(4)
 
@@ -375,9 +385,9 @@ def test_an_epochs_rehearsal_windows_train_each_anchors_samples_in_turn(dream_re
     a rotation of 2 x S epochs at half the anchors an epoch trains every sample
     once. By default ("soft") each anchor has one window: its greedy answer
     against the recorded distributions."""
-    from dreamstage.training.drift import AnchorBase
-    from dreamstage.training.drift_guard import DriftGuard
-    from dreamstage.training.examples import render_job
+    from dreamstage.training.drift.guard import DriftGuard
+    from dreamstage.training.drift.measure import AnchorBase
+    from dreamstage.training.walk.examples import render_job
     S = REHEARSAL_SAMPLES
 
     def fake(k, prompt):                               # a record with marked samples: no decode needed
@@ -459,7 +469,7 @@ def test_guard_fields_are_validated_by_name():
     assert parse_train_request({"text": "x", "max_drift_kl": None}).to_job_spec().max_drift_kl is None
     # the rehearsal-only epochs' step decays by default and a job can turn it off; a job stored
     # before the field existed took the full step, whatever it says now
-    from dreamstage.training.spec import JobSpec
+    from dreamstage.training.jobs.spec import JobSpec
     full = parse_train_request({"text": "x", "consolidate_decay": False}).to_job_spec()
     assert spec.consolidate_decay and not full.consolidate_decay
     assert JobSpec.from_stored(spec.to_stored(), 6).consolidate_decay
@@ -488,7 +498,7 @@ def test_promotion_rule_needs_held_out_and_drift():
 
 
 def test_the_noise_margin_is_the_second_widest_null_drop_so_one_draw_far_out_does_not_set_it():
-    from dreamstage.training.drift import NULL_RANK, noise_margin_of
+    from dreamstage.training.drift.measure import NULL_RANK, noise_margin_of
 
     def nulls(*widest):
         return [Drift(drift_kl=0.0, anchors_changed=0.0, changed=0, anchors=1, tokens=3, drops=((w, w / 2),))
@@ -636,7 +646,7 @@ def jobs(dream_resident, tmp_path_factory):
         out["adapters"] = store.adapters()
         # the examples' hold through the rehearsal-only epochs (ExampleHold): the same small job
         # without them, and with one that the hold must undo (a bound below any loss)
-        import dreamstage.training.drift_guard as drift_guard_module
+        import dreamstage.training.drift.guard as drift_guard_module
         # (with the base's own neighbours of its prompt, rehearsed in its own epochs only: test_neighbours.py)
         small = {"examples": chat(TEST_FACTS[:1]), "epochs": 2, "stop_loss": None, "anchor_ratio": 1, "seed": 3,
                  "neighbours": 2, "promote": "never", "max_pause_ms": 0}
@@ -644,7 +654,7 @@ def jobs(dream_resident, tmp_path_factory):
         saved_slack = drift_guard_module.HOLD_SLACK
         drift_guard_module.HOLD_SLACK = -1.0
         # ... and the lr each of its rehearsal-only windows was given (consolidate_decay on)
-        from dreamstage.training.trainer import Trainer
+        from dreamstage.training.walk.trainer import Trainer
         saved_set_lr, out["consolidation_lrs"] = Trainer.set_lr, []
 
         def set_lr(trainer, lr):
@@ -679,7 +689,7 @@ def test_the_anchors_are_recorded_while_idle_before_any_job_in_short_steps(jobs)
 
 
 def test_a_window_too_short_for_every_rehearsal_anchor_records_none_and_says_so(dream_resident, jobs):
-    from dreamstage.training.drift_guard import DriftGuard
+    from dreamstage.training.drift.guard import DriftGuard
     cache = dict(jobs["records"])                      # the measured anchors are recorded already
     short = DriftGuard(dream_resident, parse_train_request({"text": "x", "window": 32}).to_job_spec(), [],
                        seq_id=0, restore=lambda: None, cache=cache)
@@ -704,8 +714,8 @@ def test_a_short_job_window_gets_a_trainer_window_that_holds_every_rehearsal_anc
     gate refuses the longer window, the job's own is used."""
     import dataclasses
 
-    from dreamstage.training.drift import ANCHOR_TOKENS
-    from dreamstage.training.drift_guard import DriftGuard, rehearsal_window
+    from dreamstage.training.drift.guard import DriftGuard, rehearsal_window
+    from dreamstage.training.drift.measure import ANCHOR_TOKENS
 
     spec = parse_train_request({"text": "x", "window": 32}).to_job_spec()
     longest = max(len(prompt_tokens(dream_resident, p)) for p in rehearsal_anchors())
@@ -749,7 +759,7 @@ def test_a_rehearsal_only_epoch_is_kept_only_while_the_examples_still_pass_the_j
     """ExampleHold: each checked window's loss must stay within 1 + HOLD_SLACK times
     max(stop_loss, the loss it ended training with); groups are not checked, and at most
     EXAMPLES_HELD windows, evenly spaced, are."""
-    from dreamstage.training.drift_guard import EXAMPLES_HELD, HOLD_SLACK, ExampleHold
+    from dreamstage.training.drift.guard import EXAMPLES_HELD, HOLD_SLACK, ExampleHold
 
     f = 1.0 + HOLD_SLACK
     hold = ExampleHold({0: 0.05, 1: 0.4, 2: 0.02}, 0.1, [0, 1, 2], snapshot="before")
@@ -760,7 +770,7 @@ def test_a_rehearsal_only_epoch_is_kept_only_while_the_examples_still_pass_the_j
     assert "window 1's loss rose to" in hold.check([0.0, 0.4 * f + 0.01, 0.0])
     assert hold.check(None) == "the examples' loss could not be measured" and hold.snapshot == "before"
     # stop_loss null: from where each ended, but never below HOLD_FLOOR's bound
-    from dreamstage.training.drift_guard import HOLD_FLOOR
+    from dreamstage.training.drift.guard import HOLD_FLOOR
     loose = ExampleHold({0: 0.3, 1: 0.02}, None, [0, 1], snapshot=None)
     assert loose.bounds == pytest.approx([0.3 * f, HOLD_FLOOR * f]) and loose.check([0.3 * f, 0.2]) is None
     assert loose.check([0.3 * f + 0.01, 0.0]) is not None and loose.check([0.0, HOLD_FLOOR * f + 0.01])
@@ -768,7 +778,7 @@ def test_a_rehearsal_only_epoch_is_kept_only_while_the_examples_still_pass_the_j
     many = ExampleHold({i: 0.01 for i in range(500)}, 0.1, range(500), snapshot=None)
     assert len(many.windows) <= EXAMPLES_HELD and many.windows[0] == 0 and many.windows[-1] >= 440
     # the greedy replies: a window answered when the epochs began (lead > 0) must still be
-    from dreamstage.training.drift_guard import held_windows, reply_lost
+    from dreamstage.training.drift.guard import held_windows, reply_lost
     assert held_windows({0: 0.1, 2: 0.1, 3: 0.2}, [0, 1, 2]) == [0, 2] and many.windows == held_windows(
         {i: 0.01 for i in range(500)}, range(500))
     assert reply_lost([4, 7], [0.5, -0.1], [0.2, -0.3]) is None           # window 7 was never answered
@@ -830,8 +840,8 @@ def test_anchors_changed_counts_beyond_the_noise_margin_a_null_adapter_stays_wit
     count of every change is reported beside it. A null adapter drawn apart from the
     margin's own draws changes at most 1 of the 20 anchors beyond the margin,
     though it changes many at all (the floor under the raw count)."""
-    from dreamstage.training.drift import NULL_DRAWS, NULL_RANK, NULL_SIGMA
-    from dreamstage.training.trainer import LoraConfig, Trainer
+    from dreamstage.training.drift.measure import NULL_DRAWS, NULL_RANK, NULL_SIGMA
+    from dreamstage.training.walk.trainer import LoraConfig, Trainer
     ((margin, draws),) = jobs["noise_margins"].values()
     assert len(draws) == NULL_DRAWS and margin == sorted(draws)[-NULL_RANK] < max(draws) + 1e-12
     for k in ("default", "off", "damage"):
@@ -885,7 +895,7 @@ def test_drift_is_reported_during_training_on_a_rotating_slice_within_its_time_s
     """Epoch ends measure a slice of the held-out anchors (receipts, progress,
     /metrics), costing at most DURING_SHARE of the micro-step time; the last
     measurement is the final one, on every anchor."""
-    from dreamstage.training.drift_guard import DURING_SHARE
+    from dreamstage.training.drift.guard import DURING_SHARE
     job = jobs["default"]
     history, p = job["progress"]["drift_history"], job["progress"]
     during = [h for h in history if not h["final"]]

@@ -5,10 +5,18 @@ import threading
 
 import pytest
 
-from dreamstage.engine import (Admitted, Delta, Engine, Failed, Finished, GenerationRequest, QueueFull,
-                               TextStream)
-from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.sampling import SamplingParams, json_schema_grammar
+from dreamstage.serving.engine import (
+    Admitted,
+    Delta,
+    Engine,
+    Failed,
+    Finished,
+    GenerationRequest,
+    QueueFull,
+    TextStream,
+)
+from dreamstage.serving.resident import ResidentConfig, ResidentModel
+from dreamstage.serving.sampling import SamplingParams, json_schema_grammar
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = SamplingParams(temperature=0.0)

@@ -15,7 +15,7 @@ import pytest
 
 from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
-from dreamstage.training.spec import DEFAULT_STOP_LOSS
+from dreamstage.training.jobs.spec import DEFAULT_STOP_LOSS
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dreamstage.training.examples import (
+from dreamstage.training.jobs.spec import ChatExample, Message, PromptCompletion, parse_train_request
+from dreamstage.training.walk.examples import (
     ChatRenderer,
     ExampleError,
     ExampleErrors,
@@ -20,7 +21,6 @@ from dreamstage.training.examples import (
     render_prompt_completion,
     text_windows,
 )
-from dreamstage.training.spec import ChatExample, Message, PromptCompletion, parse_train_request
 
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

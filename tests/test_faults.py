@@ -23,10 +23,10 @@ import httpx
 import numpy as np
 import pytest
 
+from dreamstage.adapters.files import file_sha256, save_lora
 from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
-from dreamstage.training.adapters import file_sha256, save_lora
-from dreamstage.training.spec import GATE_SLACK_MIB
+from dreamstage.training.jobs.spec import GATE_SLACK_MIB
 
 JSON = {"Content-Type": "application/json"}
 LESSON = "A lesson about moons and tides, repeated many times over. " * 20

@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from schemathesis.python import asgi
 from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
     response_schema_conformance,
     status_code_conformance,
 )
+from schemathesis.python import asgi
 
 from dreamstage.server.app import create_app
 from dreamstage.server.service import Service

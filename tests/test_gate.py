@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dreamstage import native
-from dreamstage.training.receipts import DreamError, Receipt
-from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.training.walk.receipts import DreamError, Receipt
+from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_training_never_touches_serving_compute_buffer():
     """Training graphs run on the stage's own schedulers: a step, a refusal and
     the end of a job leave serving's compute buffer at its own size, and
     serving's output is the same as before the job."""
-    from dreamstage.resident import ResidentConfig, ResidentModel
+    from dreamstage.serving.resident import ResidentConfig, ResidentModel
     L = native.lib()
     prompt = "The memory gate keeps serving's buffers"
     # a small serving batch, so the training graph is larger than serving's buffer

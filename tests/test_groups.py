@@ -38,7 +38,7 @@ def report(msg: str) -> None:
 
 
 def _trainer(resident, *, chunk, window, lr=0.0, accumulate=1, exact=False, horizon=-1):
-    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
     # eps = 1: the AdamW step is a smooth function of g (see test_exact_walk.py)
     return Trainer(resident, LoraConfig(rank=RANK, alpha=ALPHA, targets=ref.TARGETS, seed=11),
                    cache_type="f32", window=window, chunk=chunk, exact=exact, horizon=horizon,
@@ -259,9 +259,9 @@ def test_a_horizon_stage_refuses_groups(tiny_resident, material):
 @pytest.mark.parametrize("chunk", [7, 16])
 def test_both_paths_and_the_cost_model_schedule(tiny_resident, material, chunk):
     """share_prefix=False (G separate exact windows in one update) gives the same
-    gradient; each path's micro-steps are exactly what dreamstage.training.groups predicts
+    gradient; each path's micro-steps are exactly what dreamstage.training.walk.groups predicts
     for it (the cost model prices those lists)."""
-    from dreamstage.training.groups import group_steps, prefer_group, separate_steps
+    from dreamstage.training.walk.groups import group_steps, prefer_group, separate_steps
     prompt, replies = material
     replies = [(t, np.ones_like(m), w) for t, m, w in replies[:4]]
     lens = [len(t) for t, _, _ in replies]
@@ -290,8 +290,8 @@ def test_rendered_windows_assemble_into_groups():
     """Pure bookkeeping: the prefix stops before the first trained token of any
     window, windows() gives the separate windows back, group_by_prefix joins
     only windows with one rendered prompt of at least two tokens."""
-    from dreamstage.training.examples import TrainWindow
-    from dreamstage.training.groups import assemble_group, group_by_prefix
+    from dreamstage.training.walk.examples import TrainWindow
+    from dreamstage.training.walk.groups import assemble_group, group_by_prefix
     a = TrainWindow((1, 2, 3, 4, 5), (0, 0, 0, 1, 1), 0, "a")
     b = TrainWindow((1, 2, 3, 7), (0, 0, 0, 1), 1, "b")
     c = TrainWindow((1, 2, 9, 9), (0, 0, 1, 1), 2, "c")      # shares 2 tokens, trains from the third

@@ -91,7 +91,7 @@ def test_many_surrogate_requests_do_not_leak_queue_places(http, server):
 
 
 def test_an_engine_intake_failure_fails_that_request_only_and_health_reports_a_failing_engine(server, http):
-    from dreamstage.engine import Failed, GenerationRequest
+    from dreamstage.serving.engine import Failed, GenerationRequest
     engine = server.service.engine
     events, done = [], threading.Event()
 

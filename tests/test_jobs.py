@@ -10,14 +10,11 @@ import threading
 
 import pytest
 
-from dreamstage.training import spec as spec_module
-from dreamstage.training.examples import TrainWindow
-from dreamstage.training.receipts import RECEIPT_FIELDS
-from dreamstage.training.receipts import Receipt as NativeReceipt
-from dreamstage.training.schema import SCHEMA_VERSION
-from dreamstage.training.served import auto_promote_decision
-from dreamstage.training.spec import SPEC_VERSION, parse_train_request
-from dreamstage.training.store import (
+from dreamstage.adapters.served import auto_promote_decision
+from dreamstage.training.jobs import spec as spec_module
+from dreamstage.training.jobs.schema import SCHEMA_VERSION
+from dreamstage.training.jobs.spec import SPEC_VERSION, parse_train_request
+from dreamstage.training.jobs.store import (
     STATES,
     TERMINAL,
     TRANSITIONS,
@@ -28,7 +25,10 @@ from dreamstage.training.store import (
     JobStore,
     check_transition,
 )
-from dreamstage.training.walk import JobRun, Walk, chunk_after_refusal, ladder, next_chunk
+from dreamstage.training.walk.examples import TrainWindow
+from dreamstage.training.walk.plan import JobRun, Walk, chunk_after_refusal, ladder, next_chunk
+from dreamstage.training.walk.receipts import RECEIPT_FIELDS
+from dreamstage.training.walk.receipts import Receipt as NativeReceipt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -161,9 +161,9 @@ def test_a_cancel_and_a_done_race_and_exactly_one_wins(store):
 # close, no checkpoint, no atexit; whatever survives was committed.
 DIES_WITH_THE_STORE_OPEN = """
 import json, os, signal, sys
-from dreamstage.training.receipts import Receipt
-from dreamstage.training.spec import parse_train_request
-from dreamstage.training.store import JobStore
+from dreamstage.training.walk.receipts import Receipt
+from dreamstage.training.jobs.spec import parse_train_request
+from dreamstage.training.jobs.store import JobStore
 s = JobStore(sys.argv[1])
 ids = [s.submit(parse_train_request({"text": "some text", "window": 64, "seed": i}))["id"] for i in range(6)]
 s.transition(ids[0], "starting")                                # starting
@@ -242,7 +242,7 @@ def test_malformed_receipts_are_refused_and_nothing_is_written(store, bad, words
 
 
 def test_a_job_stored_before_examples_loss_gets_null_for_its_earlier_epochs():
-    from dreamstage.training.progress import close_epoch
+    from dreamstage.training.jobs.progress import close_epoch
     p = {"_epoch_loss_sum": 3.0, "_epoch_tokens": 2, "train_loss_per_epoch": [2.0, 1.8], "eval_loss_per_epoch": [None] * 2}
     close_epoch(p, None, 0.4)
     assert p["examples_loss_per_epoch"] == [None, None, 0.4] and p["train_loss_per_epoch"] == [2.0, 1.8, 1.5]
@@ -493,7 +493,7 @@ class FakeTrainer:
 
 
 def drive(store, jid, trainer, text_tokens):
-    from dreamstage.training.examples import render_job
+    from dreamstage.training.walk.examples import render_job
 
     class Tok:  # text needs tokenize only
         bos, eos = 0, 1

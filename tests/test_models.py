@@ -3,9 +3,9 @@ import zipfile
 
 import pytest
 
-from dreamstage import models
-from dreamstage.models import ModelFileError, check_model_file, default_model
-from dreamstage.resident import ResidentConfig, ResidentModel
+from dreamstage import default_model as models
+from dreamstage.default_model import ModelFileError, check_model_file, default_model
+from dreamstage.serving.resident import ResidentConfig, ResidentModel
 
 
 def test_default_model_is_embedded_gguf():

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from dreamstage.training.drift import (
+from dreamstage.training.drift.guard import DriftGuard, job_questions
+from dreamstage.training.drift.measure import (
     AnchorBase,
     DriftProbe,
     least_expected_word,
@@ -21,9 +22,8 @@ from dreamstage.training.drift import (
     rehearsal_anchors,
     run_steps,
 )
-from dreamstage.training.drift_guard import DriftGuard, job_questions
-from dreamstage.training.examples import ChatRenderer, render_job
-from dreamstage.training.spec import DEFAULT_NEIGHBOURS, JobSpec, parse_train_request
+from dreamstage.training.jobs.spec import DEFAULT_NEIGHBOURS, JobSpec, parse_train_request
+from dreamstage.training.walk.examples import ChatRenderer, render_job
 
 QUESTIONS = ["What is the capital of Zandoria?", "Who built the Kelthorn Bridge?",
              "What is the main export of Quillmere?"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
 
 TEXT = "The dream stage trains a small adapter between decode batches, on the same context. "
 

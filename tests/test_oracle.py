@@ -11,9 +11,8 @@ See docs/architecture/oracle.md for the measured numbers.
 from __future__ import annotations
 
 import numpy as np
-import pytest
-
 import numpy_ref as ref
+import pytest
 
 PROMPT = ("The dream stage trains a LoRA adapter between decode batches, "
           "on the same llama context that serves.")
@@ -167,7 +166,7 @@ def test_reference_logits_match_llama_cpp_q8_0_with_activation_quantization(tiny
     the activation rounding emulated it matches to float32 accuracy, which
     pins the discrepancy on that one mechanism.
     """
-    from dreamstage.resident import ResidentConfig, ResidentModel
+    from dreamstage.serving.resident import ResidentConfig, ResidentModel
     model = ref.LlamaRef.from_gguf(tiny_model_q8_path)
     assert set(model.weight_types.values()) == {ref.GGML_TYPE_Q8_0}
     with ResidentModel(ResidentConfig(model_path=str(tiny_model_q8_path), n_ctx=64, n_seq=1,
@@ -202,7 +201,7 @@ def _window(resident):
 
 def _trainer(resident, *, targets=ref.TARGETS, top_layers=0, chunk=32, lr=0.0, weight_decay=0.0,
              grad_clip=0.0, cache_type="f32"):
-    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
     return Trainer(resident, LoraConfig(rank=RANK, alpha=ALPHA, targets=tuple(targets), top_layers=top_layers, seed=11),
                    cache_type=cache_type, window=32, chunk=chunk,
                    optimizer=OptimizerConfig(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip))
@@ -409,7 +408,7 @@ def test_native_gradient_on_q8_0_weights(tiny_model_q8_path):
     (backward treats it as identity, as ggml's backward of a quantized matmul
     multiplies by the dequantized weight) the bound is the F32 one.
     """
-    from dreamstage.resident import ResidentConfig, ResidentModel
+    from dreamstage.serving.resident import ResidentConfig, ResidentModel
     model = ref.LlamaRef.from_gguf(tiny_model_q8_path)
     with ResidentModel(ResidentConfig(model_path=str(tiny_model_q8_path), n_ctx=64, n_seq=1,
                                       n_threads=1, kv_type="f32", flash_attn="off")) as m:

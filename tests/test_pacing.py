@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dreamstage.training.pacing import Pacer, SizeTimes
-from dreamstage.training.shaper import StepShaper
-from dreamstage.training.spec import PacingSpec
-from dreamstage.training.walk import ladder
+from dreamstage.training.jobs.spec import PacingSpec
+from dreamstage.training.pacing.pacer import Pacer, SizeTimes
+from dreamstage.training.pacing.shaper import StepShaper
+from dreamstage.training.walk.plan import ladder
 
 
 class FakeClock:

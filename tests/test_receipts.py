@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from dreamstage import native
-from dreamstage.training.receipts import RECEIPT_FIELDS, Receipt, mirror_mismatch
+from dreamstage.training.walk.receipts import RECEIPT_FIELDS, Receipt, mirror_mismatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +86,7 @@ try:
 except native.NativeLibraryError as e:
     print("load:", e)
 try:
-    import dreamstage.training.receipts
+    import dreamstage.training.walk.receipts
 except ImportError as e:
     print("import:", e)
 """
@@ -100,7 +100,7 @@ def test_a_field_added_on_one_side_only_fails_at_load_and_at_import():
     load, imp = r.stdout.splitlines()
     assert load.startswith("load: dreamstage.native.DreamReceiptC does not match struct dream_receipt")
     assert "retries is in DreamReceiptC but not in struct dream_receipt" in load
-    assert imp == "import: dreamstage.training.receipts: Receipt has nothing that DreamReceiptC lacks, " \
+    assert imp == "import: dreamstage.training.walk.receipts: Receipt has nothing that DreamReceiptC lacks, " \
                   "and lacks ['retries']"
 
 
@@ -110,10 +110,10 @@ def test_a_drift_receipt_carries_every_canonical_field_and_folds_as_no_micro_ste
     it too, and the job's progress takes its figures without counting a step."""
     import pytest
 
-    from dreamstage.training.drift_guard import drift_receipt
-    from dreamstage.training.receipts import kind_receipt
-    from dreamstage.training.spec import parse_train_request
-    from dreamstage.training.store import JobStore
+    from dreamstage.training.drift.guard import drift_receipt
+    from dreamstage.training.jobs.spec import parse_train_request
+    from dreamstage.training.jobs.store import JobStore
+    from dreamstage.training.walk.receipts import kind_receipt
 
     figures = {"drift_kl": 0.25, "anchors_changed": 0.1, "anchors": 20, "anchors_changed_count": 2,
                "anchor_tokens": 400, "max_drift": 0.05, "epoch": 1, "final": True}
@@ -145,7 +145,7 @@ def test_the_early_stop_needs_every_job_window_below_stop_loss():
     (indices past the job's) and refused steps do not count."""
     from types import SimpleNamespace as R
 
-    from dreamstage.training.drift_guard import OwnLoss
+    from dreamstage.training.drift.guard import OwnLoss
 
     own = OwnLoss(n_job_windows=3, stop_loss=0.1)
     for w, loss in ((0, 0.01), (1, 0.02), (2, 0.25), (5, 3.0)):      # mean of the job's 0.093, one window 0.25

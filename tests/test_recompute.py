@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from test_exact_walk import TEXT, rel_l2   # the shared window text
+from test_exact_walk import TEXT, rel_l2  # the shared window text
 from test_oracle import _with_random_b
 
 
@@ -18,7 +17,7 @@ def report(msg: str) -> None:
 
 
 def _grad(resident, tokens, mask, *, chunk, recompute, exact=False, lora=None):
-    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
     with Trainer(resident, lora or LoraConfig(rank=2, alpha=4.0, targets=("attn_q", "attn_k", "attn_v", "attn_output",
                                                                            "ffn_gate", "ffn_up", "ffn_down"), seed=11),
                  cache_type="f32", window=len(tokens), chunk=chunk, exact=exact, recompute=recompute,
@@ -49,7 +48,7 @@ def test_recompute_gives_the_same_gradient_on_the_tiny_model(tiny_resident, chun
 
 def test_recompute_halves_graph_mib_at_chunk_256_on_the_default_model(dream_resident):
     """The default model, one chunk of 256 tokens, rank 8 on attn_q, attn_v."""
-    from dreamstage.training.trainer import LoraConfig
+    from dreamstage.training.walk.trainer import LoraConfig
     tokens = dream_resident.tokenize(TEXT * 8)[:256]
     assert len(tokens) == 256
     mask = np.ones(256, np.uint8)
@@ -64,7 +63,7 @@ def test_recompute_halves_graph_mib_at_chunk_256_on_the_default_model(dream_resi
 
 def test_recompute_lowers_graph_mib_with_the_same_gradient_on_the_default_model(dream_resident):
     """What holds today at chunk 128: the same gradient, a smaller plan."""
-    from dreamstage.training.trainer import LoraConfig
+    from dreamstage.training.walk.trainer import LoraConfig
     tokens = dream_resident.tokenize(TEXT * 4)[:128]
     mask = np.ones(128, np.uint8)
     g_off, (r_off,) = _grad(dream_resident, tokens, mask, chunk=128, recompute=False, lora=LoraConfig(seed=3))

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.training.trainer import LoraConfig, Trainer
+from dreamstage.serving.resident import ResidentConfig, ResidentModel
+from dreamstage.training.walk.trainer import LoraConfig, Trainer
 
 
 def _q4_0_copy(src: Path, dst: Path) -> Path:

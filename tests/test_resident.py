@@ -21,10 +21,9 @@ def test_special_tokens_parse_as_one_token(resident):
 def test_n_gpu_layers_reaches_the_model_config_and_is_validated():
     import pytest
 
-    from dreamstage.server.settings import ServerSettings
-
     from dreamstage.cli import build_parser
-    from dreamstage.resident import ResidentConfig
+    from dreamstage.server.settings import ServerSettings
+    from dreamstage.serving.resident import ResidentConfig
     args = build_parser().parse_args(["serve", "-ngl", "99"])
     assert args.n_gpu_layers == 99
     assert ServerSettings(n_gpu_layers=args.n_gpu_layers).resident_config().n_gpu_layers == 99

@@ -12,7 +12,7 @@ import pytest
 from test_oracle import _ref_lora, _trainer, _window, _with_random_b, rel_l2, report
 
 from dreamstage import native
-from dreamstage.training.receipts import Receipt
+from dreamstage.training.walk.receipts import Receipt
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_soft_targets_refuse_bad_input(tiny_resident):
 def test_rows_with_a_rest_through_the_exact_walk_and_recompute(tiny_resident):
     """The rest's loss node in the exact walk (three chunks) gives the one-chunk
     gradient, and with recompute the plain walk's, to float rounding."""
-    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
     tokens, mask = _window(tiny_resident)
     ids, probs = _soft_rows(int(mask[1:].sum()), tiny_resident.n_vocab, k=24)
     soft = (ids, _with_rest(probs))

@@ -1,4 +1,4 @@
-"""The submit use case (dreamstage.training.submit) without a server or a model."""
+"""The submit use case (dreamstage.training.jobs.submit) without a server or a model."""
 from __future__ import annotations
 
 import threading
@@ -6,8 +6,8 @@ import threading
 import pytest
 from char_tokenizer import CharTokenizer
 
-from dreamstage.training.store import JobStore
-from dreamstage.training.submit import JobLimits, JobSubmitter, SubmitRefused
+from dreamstage.training.jobs.store import JobStore
+from dreamstage.training.jobs.submit import JobLimits, JobSubmitter, SubmitRefused
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 3
 

@@ -18,8 +18,8 @@ import pytest
 
 from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
-from dreamstage.training.examples import held_out_sources
-from dreamstage.training.receipts import RECEIPT_FIELDS
+from dreamstage.training.walk.examples import held_out_sources
+from dreamstage.training.walk.receipts import RECEIPT_FIELDS
 
 FACT_PROMPT = "The secret password of the moon base is"
 FACT = " Quokka-42."

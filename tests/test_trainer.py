@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from dreamstage.training.receipts import RECEIPT_FIELDS, Receipt
-from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.training.walk.receipts import RECEIPT_FIELDS, Receipt
+from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
 
 TEXT = "The dream stage trains a small adapter between decode batches, on the same context. "
 

@@ -4,7 +4,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from dreamstage.training.spec import (
+from dreamstage.training.jobs.spec import (
     DEFAULT_CONTEXT_CACHE_TYPE,
     ChatExample,
     PromptCompletion,

@@ -75,7 +75,7 @@ def write_tiny_model(directory: Path, *, quant: str = "f32", seed: int = 1234,
     """
     import gguf  # noqa: PLC0415
 
-    from dreamstage.models import default_model  # noqa: PLC0415
+    from dreamstage.default_model import default_model  # noqa: PLC0415
 
     if quant not in ("f32", "q8_0"):
         raise ValueError(f"quant {quant!r} is not one of f32, q8_0")

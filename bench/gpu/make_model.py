@@ -42,7 +42,7 @@ def dump_tokenizer(out: Path) -> None:
     sys.path.insert(0, str(ROOT))
     from tiny_model import _tokenizer_fields  # noqa: PLC0415
 
-    from dreamstage.models import default_model  # noqa: PLC0415
+    from dreamstage.default_model import default_model  # noqa: PLC0415
 
     rows = []
     for key, value, vtype, sub in _tokenizer_fields(default_model()):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 import traceback
 
-from dreamstage.resident import ResidentConfig, ResidentModel
+from dreamstage.serving.resident import ResidentConfig, ResidentModel
 
 
 def main() -> int:

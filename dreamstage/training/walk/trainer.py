@@ -1,7 +1,7 @@
 """The dream stage from Python: LoRA micro-steps on the resident context.
 
-    from dreamstage.resident import ResidentModel
-    from dreamstage.training.trainer import Trainer, LoraConfig, OptimizerConfig
+    from dreamstage.serving.resident import ResidentModel
+    from dreamstage.training.walk.trainer import Trainer, LoraConfig, OptimizerConfig
 
     rm = ResidentModel()
     tr = Trainer(rm, LoraConfig(rank=8, alpha=16, targets="attn_q,attn_v"),
@@ -53,7 +53,7 @@ import numpy as np
 
 from dreamstage import native
 from dreamstage.owner import NativeOwner
-from dreamstage.training.receipts import DreamError, Receipt
+from dreamstage.training.walk.receipts import DreamError, Receipt
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -256,7 +256,7 @@ class Trainer(NativeOwner):
         ``share_prefix=False`` computes the same loss as G separate exact windows: the
         native group then shares only the prompt's first token (its cells never
         need a second pass), and each reply re-runs the rest of the prompt
-        (faster for one reply or a short prompt: dreamstage.training.groups.prefer_group)."""
+        (faster for one reply or a short prompt: dreamstage.training.walk.groups.prefer_group)."""
         pre = np.ascontiguousarray(prefix, dtype=np.int32)
         if pre.ndim != 1 or len(pre) < 1:
             raise ValueError(f"prefix must be 1-D with at least one token, got shape {pre.shape}")
@@ -434,13 +434,13 @@ class Trainer(NativeOwner):
     # -- files ----------------------------------------------------------------------
     def save(self, path) -> None:
         """Write the shadow adapter as a standard GGUF LoRA (atomically)."""
-        from dreamstage.training.adapters import save_lora
+        from dreamstage.adapters.files import save_lora
         save_lora(path, self.unflatten(self.lora_parameters()), alpha=self.lora.alpha,
                   model_arch=self.resident.meta("general.architecture") or "llama")
 
     def load(self, path) -> None:
         """Replace the shadow adapter's parameters by a GGUF LoRA file of the same layout."""
-        from dreamstage.training.adapters import load_lora
+        from dreamstage.adapters.files import load_lora
         factors, alpha = load_lora(path)
         if abs(alpha - self.lora.alpha) > 1e-6:
             raise ValueError(f"{path}: alpha {alpha} differs from this trainer's {self.lora.alpha}")

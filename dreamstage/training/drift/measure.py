@@ -49,8 +49,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from dreamstage.training.examples import ChatRenderer, TrainWindow, epoch_order
-from dreamstage.training.spec import DEFAULT_REHEARSAL, REHEARSAL_MODES, ChatExample, Message
+from dreamstage.training.jobs.spec import DEFAULT_REHEARSAL, REHEARSAL_MODES, ChatExample, Message
+from dreamstage.training.walk.examples import ChatRenderer, TrainWindow, epoch_order
 
 T = TypeVar("T")
 

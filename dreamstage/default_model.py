@@ -83,7 +83,7 @@ def check_model_file(path: str | Path) -> Path:
 
 
 if __name__ == "__main__":
-    # `python -m dreamstage.models`: fetch the default model if needed (dev.sh does), print its path.
+    # `python -m dreamstage.default_model`: fetch the default model if needed (dev.sh does), print its path.
     try:
         print(default_model())
     except ModelFileError as e:

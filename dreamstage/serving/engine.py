@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
-from dreamstage.requests import (
+from dreamstage.serving.generation import (
     Admitted,
     Delta,
     EngineStopped,
@@ -38,8 +38,8 @@ from dreamstage.requests import (
     Sink,
     TextStream,
 )
-from dreamstage.resident import ResidentModel
-from dreamstage.sampling import GrammarError, build_chain
+from dreamstage.serving.resident import ResidentModel
+from dreamstage.serving.sampling import GrammarError, build_chain
 from dreamstage.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from llama_cpp.llama_cpp import llama_batch
 
-log = logging.getLogger("dreamstage.engine")
+log = logging.getLogger("dreamstage.serving.engine")
 
 
 class DreamHook(Protocol):

@@ -26,9 +26,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dreamstage.training.adapters import atomic_file, file_sha256
-from dreamstage.training.spec import check_adapter_name
-from dreamstage.training.store import AdapterNotFound, JobStore
+from dreamstage.adapters.files import atomic_file, file_sha256
+from dreamstage.training.jobs.spec import check_adapter_name
+from dreamstage.training.jobs.store import AdapterNotFound, JobStore
 
 log = logging.getLogger("dreamstage.served")
 

@@ -13,7 +13,7 @@ import sqlite3
 
 from pydantic import ValidationError
 
-from dreamstage.training.spec import SPEC_VERSION, TrainRequest
+from dreamstage.training.jobs.spec import SPEC_VERSION, TrainRequest
 
 SCHEMA_VERSION = 2
 

@@ -106,7 +106,7 @@ def mirror_mismatch(names: tuple[str, ...], mirror: type[ctypes.Structure] = Dre
 
 
 if (_why := mirror_mismatch(RECEIPT_FIELDS)) is not None:
-    raise ImportError(f"dreamstage.training.receipts: {_why}")
+    raise ImportError(f"dreamstage.training.walk.receipts: {_why}")
 MEMORY_FIELDS = ("graph_mib", "context_mib", "adapter_mib", "optimizer_mib", "walk_mib")
 
 # A job stores one more kind of receipt beside its micro-steps': a drift

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamstage import native
-from dreamstage.models import check_model_file, default_model
+from dreamstage.default_model import check_model_file, default_model
 from dreamstage.owner import NativeOwner
 
 # Serving K/V cache types accepted by --kv-type, mapped to ggml_type ids.

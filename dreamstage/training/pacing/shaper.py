@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dreamstage.training.pacing import SizeTimes, percentile
+from dreamstage.training.pacing.pacer import SizeTimes, percentile
 
 
 class DreamThreads:

@@ -16,8 +16,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from dreamstage.training.receipts import MEMORY_FIELDS, RECEIPT_FIELDS
-from dreamstage.training.spec import JobSpec
+from dreamstage.training.jobs.spec import JobSpec
+from dreamstage.training.walk.receipts import MEMORY_FIELDS, RECEIPT_FIELDS
 
 # what progress.drift_history keeps of each drift measurement
 DRIFT_HISTORY_FIELDS = ("epoch", "step", "final", "anchors", "anchors_changed", "drift_kl")

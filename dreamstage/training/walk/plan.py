@@ -10,11 +10,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dreamstage.training.examples import epoch_order
-from dreamstage.training.groups import TrainGroup
-from dreamstage.training.receipts import receipt_dict
-from dreamstage.training.spec import JobSpec
-from dreamstage.training.store import TERMINAL, JobStore
+from dreamstage.training.jobs.spec import JobSpec
+from dreamstage.training.jobs.store import TERMINAL, JobStore
+from dreamstage.training.walk.examples import epoch_order
+from dreamstage.training.walk.groups import TrainGroup
+from dreamstage.training.walk.receipts import receipt_dict
 
 
 # -- the chunk ladder ------------------------------------------------------------

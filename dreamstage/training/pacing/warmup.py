@@ -21,8 +21,8 @@ import logging
 from collections.abc import Callable, Generator
 from typing import Any
 
-from dreamstage.training.drift_guard import DriftGuard
-from dreamstage.training.spec import parse_train_request
+from dreamstage.training.drift.guard import DriftGuard
+from dreamstage.training.jobs.spec import parse_train_request
 
 log = logging.getLogger("dreamstage.drift")
 

@@ -160,7 +160,7 @@ class TrainGroup:
 
     def windows(self) -> list:
         """The G separate windows (prompt + reply), e.g. for held-out loss."""
-        from dreamstage.training.examples import TrainWindow
+        from dreamstage.training.walk.examples import TrainWindow
         return [TrainWindow(self.prefix + t, (0,) * len(self.prefix) + m, self.source, self.label)
                 for t, m, _ in self.replies]
 

@@ -66,7 +66,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dreamstage.training.spec import DEFAULT_MAX_PAUSE_MS, PacingSpec
+from dreamstage.training.jobs.spec import DEFAULT_MAX_PAUSE_MS, PacingSpec
 
 DEFAULT_IDLE_GRACE_S = 0.2
 MIN_BASELINE_BATCHES = 3       # undisturbed batches needed before max_slowdown dreams under load

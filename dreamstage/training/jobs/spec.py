@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from dreamstage.chat import ROLES  # one list for chat requests and training examples
+from dreamstage.serving.chat import ROLES  # one list for chat requests and training examples
 
 DEFAULT_CONTEXT_CACHE_TYPE = "q8_0"
 LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -245,7 +245,7 @@ class GroupExample(BaseModel):
 
     The prompt is context only; each completion is one trained reply, a plain
     string (weight 1) or `{text | message, weight}`. The job trains the group as
-    one shared-prefix group (`dreamstage.training.groups`): the prompt once, every reply
+    one shared-prefix group (`dreamstage.training.walk.groups`): the prompt once, every reply
     against it, one update for the group.
     """
 
@@ -550,7 +550,7 @@ class TrainRequest(BaseModel):
             if len(a) > MAX_ANCHOR_CHARS:
                 raise ValueError(f"anchors[{i}] has {len(a)} characters, more than {MAX_ANCHOR_CHARS}")
         if v:
-            from dreamstage.training.drift import rehearsal_anchors  # drift imports this module
+            from dreamstage.training.drift.measure import rehearsal_anchors  # drift imports this module
             rehearsed = set(rehearsal_anchors())
             for i, a in enumerate(v):
                 if a in rehearsed:

@@ -34,9 +34,14 @@ from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any
 
+from dreamstage.adapters.served import (
+    AdapterLoadError,
+    AdapterSwitch,
+    ServedAdapters,
+    auto_promote_decision,
+)
 from dreamstage.stats import DreamStats
-from dreamstage.training.drift import set_context_adapter
-from dreamstage.training.drift_guard import (
+from dreamstage.training.drift.guard import (
     DriftGuard,
     ExampleHold,
     OwnLoss,
@@ -49,21 +54,16 @@ from dreamstage.training.drift_guard import (
     reply_lost,
     summary,
 )
-from dreamstage.training.examples import RenderedJob, render_job
-from dreamstage.training.groups import TrainGroup
-from dreamstage.training.pacing import DEFAULT_IDLE_GRACE_S, Pacer
-from dreamstage.training.receipts import Receipt
-from dreamstage.training.served import (
-    AdapterLoadError,
-    AdapterSwitch,
-    ServedAdapters,
-    auto_promote_decision,
-)
-from dreamstage.training.shaper import DreamThreads, StepShaper, load_average, trains_from
-from dreamstage.training.spec import DEFAULT_CHUNK, GATE_SLACK_MIB, JobSpec, check_adapter_name
-from dreamstage.training.store import TERMINAL, AdapterNotFound, InvalidTransition, JobStore
-from dreamstage.training.walk import JobRun, ladder
-from dreamstage.training.warmup import AnchorWarmup
+from dreamstage.training.drift.measure import set_context_adapter
+from dreamstage.training.jobs.spec import DEFAULT_CHUNK, GATE_SLACK_MIB, JobSpec, check_adapter_name
+from dreamstage.training.jobs.store import TERMINAL, AdapterNotFound, InvalidTransition, JobStore
+from dreamstage.training.pacing.pacer import DEFAULT_IDLE_GRACE_S, Pacer
+from dreamstage.training.pacing.shaper import DreamThreads, StepShaper, load_average, trains_from
+from dreamstage.training.pacing.warmup import AnchorWarmup
+from dreamstage.training.walk.examples import RenderedJob, render_job
+from dreamstage.training.walk.groups import TrainGroup
+from dreamstage.training.walk.plan import JobRun, ladder
+from dreamstage.training.walk.receipts import Receipt
 
 log = logging.getLogger("dreamstage.scheduler")
 
@@ -102,7 +102,7 @@ def native_trainer(resident, spec: JobSpec, chunk: int, lr: float | None = None)
     An evaluator (lr given) runs the plain walk: it needs only the forward
     loss, which both walks compute alike, and the exact walk would add a
     reverse pass and adjoint buffers for nothing."""
-    from dreamstage.training.trainer import LoraConfig, OptimizerConfig, Trainer  # needs the native core
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer  # needs the native core
 
     exact = spec.exact and lr is None
     return Trainer(resident, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,

@@ -3,7 +3,7 @@ through a request's sink, the request itself, the engine's refusals, and the
 text stream that turns sampled tokens' bytes into text safe to emit.
 
 Plain data and one small state machine, with no llama calls: the HTTP layer
-and tests build and read these without the engine (dreamstage.engine
+and tests build and read these without the engine (dreamstage.serving.engine
 re-exports them, the names callers have always used).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import codecs
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dreamstage.sampling import SamplingParams
+from dreamstage.serving.sampling import SamplingParams
 
 
 # -- events sent to a request's sink ---------------------------------------------

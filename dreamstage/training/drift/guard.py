@@ -35,7 +35,7 @@ import logging
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
 
-from dreamstage.training.drift import (
+from dreamstage.training.drift.measure import (
     ANCHOR_TOKENS,
     DEFAULT_STEP_MS,
     Drift,
@@ -49,9 +49,9 @@ from dreamstage.training.drift import (
     rehearsal_windows,
     visit_choice,
 )
-from dreamstage.training.examples import epoch_order
-from dreamstage.training.receipts import kind_receipt
-from dreamstage.training.spec import ChatExample, PromptCompletion
+from dreamstage.training.jobs.spec import ChatExample, PromptCompletion
+from dreamstage.training.walk.examples import epoch_order
+from dreamstage.training.walk.receipts import kind_receipt
 
 log = logging.getLogger("dreamstage.drift")
 

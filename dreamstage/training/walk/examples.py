@@ -44,11 +44,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from dreamstage.chat import FALLBACK_TEMPLATE
-from dreamstage.training.spec import ChatExample, JobSpec, Message, PromptCompletion, SourcedExample, TextExample
+from dreamstage.serving.chat import FALLBACK_TEMPLATE
+from dreamstage.training.jobs.spec import ChatExample, JobSpec, Message, PromptCompletion, SourcedExample, TextExample
 
 if TYPE_CHECKING:
-    from dreamstage.training.groups import TrainGroup
+    from dreamstage.training.walk.groups import TrainGroup
 
 
 class Tokenizer(Protocol):
@@ -189,7 +189,7 @@ class ChatRenderer:
     """Renders chats through a model's Jinja2 chat template, message by message.
 
     It uses llama-cpp-python's Jinja2ChatFormatter, the formatter serving uses
-    (dreamstage/chat.py), so a trained conversation renders exactly as the same
+    (dreamstage/serving/chat.py), so a trained conversation renders exactly as the same
     conversation would be prompted: same environment, filters and globals.
     """
 
@@ -416,7 +416,7 @@ def render_job(spec: JobSpec, tok: Tokenizer) -> RenderedJob:
     Raises ExampleErrors listing every example that cannot be rendered, so the
     server can refuse the body (422) before the job is accepted.
     """
-    from dreamstage.training.groups import assemble_group, group_by_prefix
+    from dreamstage.training.walk.groups import assemble_group, group_by_prefix
 
     chat = ChatRenderer(tok) if any(isinstance(s.example, ChatExample) for s in spec.examples) else None
     held = held_out_sources([s.source for s in spec.examples], spec.val_split, spec.seed)

@@ -32,11 +32,11 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from dreamstage.training.adapters import file_sha256
-from dreamstage.training.progress import close_epoch, close_window, fold_receipt, new_progress, public_progress
-from dreamstage.training.receipts import receipt_dict
-from dreamstage.training.schema import SCHEMA, SchemaTooNew, migrate
-from dreamstage.training.spec import SPEC_VERSION, JobSpec, TrainRequest, check_adapter_name
+from dreamstage.adapters.files import file_sha256
+from dreamstage.training.jobs.progress import close_epoch, close_window, fold_receipt, new_progress, public_progress
+from dreamstage.training.jobs.schema import SCHEMA, SchemaTooNew, migrate
+from dreamstage.training.jobs.spec import SPEC_VERSION, JobSpec, TrainRequest, check_adapter_name
+from dreamstage.training.walk.receipts import receipt_dict
 
 STATES = ("queued", "starting", "running", "paused", "done", "cancelled", "refused", "error", "interrupted")
 ACTIVE = ("starting", "running", "paused")

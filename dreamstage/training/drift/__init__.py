@@ -1,0 +1,1 @@
+"""Drift: the base's answers on anchor prompts, how far an adapter moves them, and the guard."""
