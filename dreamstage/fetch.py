@@ -23,13 +23,6 @@ class FetchError(RuntimeError):
     """A pinned file could not be downloaded or did not match its sha256."""
 
 
-def cache_dir() -> Path:
-    """DREAMSTAGE_CACHE, else $XDG_CACHE_HOME/dreamstage, else ~/.cache/dreamstage."""
-    base = os.environ.get("DREAMSTAGE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dreamstage")
-    return Path(base)
-
-
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

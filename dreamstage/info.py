@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dreamstage
 from dreamstage import default_model as models
-from dreamstage import native
+from dreamstage import environment, native
 
 
 def collect() -> dict:
@@ -19,6 +19,7 @@ def collect() -> dict:
         "default_model_cached": models.default_model_path().is_file(),
         "backends": native.backends(),
         "devices": native.devices(),
+        "environment": environment.report(),
     }
 
 
@@ -36,4 +37,6 @@ def render(i: dict) -> str:
     ]
     for d in i["devices"]:
         lines.append(f"  {d['name']:<8} {d['description']}: {d['free'] // mib} MiB free of {d['total'] // mib} MiB")
+    for name, value in i["environment"].items():
+        lines.append(f"env              {name}={value}")
     return "\n".join(lines)

@@ -4,19 +4,20 @@ Exactly one libllama exists in a dreamstage process: ours, built from the
 pinned, patched tree. llama-cpp-python's pure-Python package (the `llama_cpp`
 mirror of llama.h, from the same pinned sdist, never built natively) is
 installed by our build with our libraries in its own `llama_cpp/lib/`, so a
-plain `import llama_cpp` binds them too; `llama_cpp()` below also points
-LLAMA_CPP_LIB_PATH at lib_dir() first, for a DREAMSTAGE_LIB_DIR override.
+plain `import llama_cpp` binds them too. LLAMA_CPP_LIB_PATH (llama-cpp-python's
+own variable, read by both) points both at a prebuilt directory instead.
 """
 from __future__ import annotations
 
 import ctypes
 import importlib.util
 import json
-import os
 import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from dreamstage import environment
 
 _PKG = Path(__file__).resolve().parent
 
@@ -36,16 +37,18 @@ def _pin() -> dict:
 def lib_dir() -> Path:
     """Directory holding our libllama.so and the ggml libraries.
 
-    DREAMSTAGE_LIB_DIR when set; else llama_cpp/lib/, where wheels and editable
-    installs put them; else dreamstage/lib/ (a plain `cmake --install`).
+    LLAMA_CPP_LIB_PATH when set; else llama_cpp/lib/, where wheels and editable
+    installs put them; else dreamstage/lib/ (a plain `cmake --install`, which
+    then needs LLAMA_CPP_LIB_PATH for llama_cpp to load it too).
     """
-    env = os.environ.get("DREAMSTAGE_LIB_DIR")
+    env = environment.get("LLAMA_CPP_LIB_PATH")
     candidates = [Path(env)] if env else []
     # Located without importing llama_cpp: importing it loads a library.
     spec = importlib.util.find_spec("llama_cpp")
-    if spec is not None and spec.submodule_search_locations:
+    if not env and spec is not None and spec.submodule_search_locations:
         candidates.append(Path(list(spec.submodule_search_locations)[0]) / "lib")
-    candidates.append(_PKG / "lib")
+    if not env:
+        candidates.append(_PKG / "lib")
     for c in candidates:
         if (c / "libllama.so").is_file() or (c / "libllama.dylib").is_file():
             return c.resolve()
@@ -82,7 +85,6 @@ def llama_cpp():
         if loaded != d:
             raise NativeLibraryError(
                 f"llama_cpp was imported before dreamstage and loaded libllama from {loaded}, not {d}")
-    os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
     _shared_libstdcxx_first(d)
     try:
         import llama_cpp as mod
@@ -90,7 +92,8 @@ def llama_cpp():
         raise NativeLibraryError(f"could not load libllama from {d}: {e}") from e
     lib_path = Path(mod.llama_cpp._lib._name).resolve()
     if lib_path.parent != d:
-        raise NativeLibraryError(f"llama_cpp loaded {lib_path}, not dreamstage's {d}")
+        raise NativeLibraryError(f"llama_cpp loaded {lib_path}, not dreamstage's {d}: "
+                                 f"set LLAMA_CPP_LIB_PATH={d}")
     _check_identity(mod.llama_cpp._lib, lib_path)
     return mod
 

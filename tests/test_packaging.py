@@ -3,7 +3,7 @@ library, and the package's dependencies cover what the runtime needs.
 
 These check the install the build made (a wheel's or dev.sh's editable one,
 laid out by the same CMake install rules), so they look the libraries up the
-way a user's process would: without DREAMSTAGE_LIB_DIR or LLAMA_CPP_LIB_PATH.
+way a user's process would: without LLAMA_CPP_LIB_PATH.
 """
 import importlib.metadata
 import json
@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _plain_env() -> dict:
     env = dict(os.environ)
-    env.pop("DREAMSTAGE_LIB_DIR", None)
     env.pop("LLAMA_CPP_LIB_PATH", None)
     return env
 

@@ -44,19 +44,21 @@ SKIP_TOP = frozenset({".git", "models", "docs", "media", "benches", "tests", ".g
 SKIP_BINDINGS = frozenset({"server", "__pycache__"})
 
 
-def _load_fetch():
-    # dreamstage/fetch.py by path: this script runs at build time, before the
+def _load(name: str):
+    # dreamstage/<name>.py by path: this script runs at build time, before the
     # package (and its dependencies) are importable.
     spec = importlib.util.spec_from_file_location(
-        "_dreamstage_fetch", VENDOR.parent / "dreamstage" / "fetch.py")
+        f"_dreamstage_{name}", VENDOR.parent / "dreamstage" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod      # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
 
-fetch = _load_fetch()
+fetch = _load("fetch")
+environment = _load("environment")
 sha256_of = fetch.sha256_of
-cache_dir = fetch.cache_dir
+cache_dir = environment.cache_dir
 
 
 class MaterializeError(RuntimeError):
@@ -90,7 +92,7 @@ def read_stamp(tree: Path) -> dict | None:
 
 
 def find_sdist(pin: dict) -> Path:
-    env = os.environ.get("DREAMSTAGE_LLAMA_SDIST")
+    env = environment.get("DREAMSTAGE_LLAMA_SDIST")
     if env:
         p = Path(env)
         if not p.is_file():
@@ -200,7 +202,7 @@ def materialize(dest: Path, pin: dict) -> Path:
 
 def resolve_tree(dest: Path | None = None) -> Path:
     pin = load_pin()
-    env = os.environ.get("DREAMSTAGE_LLAMA_TREE")
+    env = environment.get("DREAMSTAGE_LLAMA_TREE")
     if env:
         tree = Path(env).resolve()
         stamp = read_stamp(tree)

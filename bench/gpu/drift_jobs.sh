@@ -61,7 +61,7 @@ drift|readme)
     rm -rf $S/dreamstage && cp -r dreamstage $S/ && cp -r server $S/dreamstage/server && cp vendor/pin.json $S/dreamstage/
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
     bench=bench/bench_drift_job.py; [ "$PHASE" = readme ] && bench=bench/bench_readme_job.py
-    DREAMSTAGE_CACHE=$CACHE PYTHONPATH=$S DREAMSTAGE_LIB_DIR=$B/bin python3 $bench "$@"
+    DREAMSTAGE_CACHE=$CACHE PYTHONPATH=$S LLAMA_CPP_LIB_PATH=$B/bin python3 $bench "$@"
     ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -190,7 +190,7 @@ if has serve; then
     base=${BASES%%,*}
     quantized $base
     if make_site $S serve_site.log; then
-        PYTHONPATH=$S DREAMSTAGE_LIB_DIR=$B/bin python3 bench/gpu/serve_train.py $M/llama1b_$base.gguf ${SERVE_ARGS:-} \
+        PYTHONPATH=$S LLAMA_CPP_LIB_PATH=$B/bin python3 bench/gpu/serve_train.py $M/llama1b_$base.gguf ${SERVE_ARGS:-} \
             > "$OUT/serve_train.json" 2> "$OUT/serve_train.err" || rc=1
         echo "== serve_train $base"; python3 -c "
 import json, sys
@@ -208,7 +208,7 @@ if has soft; then
     make_site $S soft_site.log || { rc=1; tail -5 "$OUT/soft_site.log"; }
     # every layer offloaded (ResidentConfig's n_gpu_layers -1); the native log says where they went;
     # -P: the package from the site folder, not the checkout's ./dreamstage (no server there)
-    NVIDIA_TF32_OVERRIDE=0 DREAMSTAGE_NATIVE_LOG=1 PYTHONPATH=$S:$PWD/tests DREAMSTAGE_LIB_DIR=$B/bin \
+    NVIDIA_TF32_OVERRIDE=0 DREAMSTAGE_NATIVE_LOG=1 PYTHONPATH=$S:$PWD/tests LLAMA_CPP_LIB_PATH=$B/bin \
         python3 -P bench/gpu/soft_check.py .gpu/tiny-llama-f32-s1234.gguf > "$OUT/soft_check.txt" 2>&1 || rc=1
     echo "== soft_check"; grep -E "offloaded|using device|\[oracle\]|PASS|FAIL|Error" "$OUT/soft_check.txt" | head -30
 fi

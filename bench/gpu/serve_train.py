@@ -14,7 +14,7 @@ sse-starlette, prometheus-client, httpx-sse, python-dotenv, and for FastAPI
 (binary ones for the machine's Python) into .whl (`bench/gpu/fetch_wheels.sh`
 does it with the dev venv's versions); `bench/gpu/run.sh ... serve`
 installs them into a site folder beside the package and the bindings and runs
-this with DREAMSTAGE_LIB_DIR at the CUDA build's libraries. The server starts
+this with LLAMA_CPP_LIB_PATH at the CUDA build's libraries. The server starts
 outside the checkout, whose ./dreamstage has no dreamstage.server uninstalled.
 """
 from __future__ import annotations

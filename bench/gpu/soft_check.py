@@ -1,6 +1,6 @@
 """tests/test_soft_targets.py's checks on whatever device the resident offloads to.
 
-    PYTHONPATH=SITE:tests DREAMSTAGE_LIB_DIR=BUILD/bin NVIDIA_TF32_OVERRIDE=0 \
+    PYTHONPATH=SITE:tests LLAMA_CPP_LIB_PATH=BUILD/bin NVIDIA_TF32_OVERRIDE=0 \
         python3 bench/gpu/soft_check.py .gpu/tiny-llama-f32-s1234.gguf
 
 The regularizer's default rehearsal trains soft targets (dream_window_soft_targets):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dreamstage import native
+from dreamstage import environment, native
 from dreamstage.default_model import check_model_file, default_model
 from dreamstage.owner import NativeOwner
 
@@ -32,7 +32,7 @@ def quiet_native_logs(enabled: bool = True) -> None:
     global _log_cb
     lc = native.llama_cpp()
     with _log_lock:
-        if enabled and os.environ.get("DREAMSTAGE_NATIVE_LOG") != "1":
+        if enabled and not environment.flag("DREAMSTAGE_NATIVE_LOG"):
             @lc.llama_log_callback
             def _drop(level, text, user_data):
                 return None

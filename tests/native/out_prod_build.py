@@ -2,7 +2,7 @@
 
 Shared by tests/test_out_prod_native.py and bench/bench_out_prod.py. The headers
 come from the materialized tree (DREAMSTAGE_LLAMA_TREE, else vendor/llama.cpp),
-the libraries from dreamstage.native.lib_dir() (DREAMSTAGE_LIB_DIR, else the
+the libraries from dreamstage.native.lib_dir() (LLAMA_CPP_LIB_PATH, else the
 package's lib/), with that directory as RUNPATH.
 """
 from __future__ import annotations

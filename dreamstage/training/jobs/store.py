@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from dreamstage import environment
 from dreamstage.adapters.files import file_sha256
 from dreamstage.training.jobs.progress import close_epoch, close_window, fold_receipt, new_progress, public_progress
 from dreamstage.training.jobs.schema import SCHEMA, SchemaTooNew, migrate
@@ -57,8 +58,7 @@ STARTING_FIELDS = ("context_cache_type", "chunk", "recompute", "exact", "horizon
 
 def default_state_dir() -> Path:
     """$XDG_DATA_HOME/dreamstage, else ~/.local/share/dreamstage."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "dreamstage"
+    return environment.data_dir()
 
 
 class JobError(Exception):
