@@ -148,7 +148,7 @@ def ledger(srv: BackgroundServer) -> tuple[float, float, float, float]:
     pacer (`Pacer.ledger`), read in process: the share over the clients' own
     window, without the job's start and the idle tail after them that the
     job's figures include."""
-    ledger = srv.service.dream.pacing_ledger()
+    ledger = srv.service.scheduler.pacing_ledger()
     if ledger is None:
         raise RuntimeError("no job is being paced")
     return ledger
@@ -173,8 +173,8 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
     # the native step time of each ok receipt, beside the pause the pacer measured around it
     # (a drift measurement's receipt is "ok" too, and its `ms` is the whole
     # measurement's decode time over many pauses: not a step)
-    native = [r["ms"] for r in srv.service.jobs.receipts(jid, status="ok") if r.get("kind") is None]
-    stopped = [r["ms"] for r in srv.service.jobs.receipts(jid, status="stopped")]
+    native = [r["ms"] for r in srv.service.store.receipts(jid, status="ok") if r.get("kind") is None]
+    stopped = [r["ms"] for r in srv.service.store.receipts(jid, status="stopped")]
     f = job["pacing"]
     bound = pacing.get("max_slowdown", 0.10)
     # What the bound and the idle time allow: the bound's part of chat's time (the

@@ -34,8 +34,7 @@ from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
 from dreamstage.server.errors import APIError
-from dreamstage.server.train_routes import _adapters_view as adapters_view  # the view GET /adapters returns
-from dreamstage.server.train_routes import _with_unrecorded, public
+from dreamstage.server.views import adapters_view, public, with_unrecorded
 from dreamstage.training.jobs.store import JobNotFound
 
 router = APIRouter()
@@ -96,7 +95,7 @@ class Follower:
         return True
 
     def _target(self) -> int | None:
-        jobs = self.service.jobs
+        jobs = self.service.store
         if self.pinned is not None:
             return self.pinned
         current = jobs.current_id()
@@ -111,7 +110,7 @@ class Follower:
     def store_events(self) -> list[dict[str, str]]:
         """The job, its new receipts and the adapters (a worker thread: SQLite reads)."""
         service = self.service
-        if service.jobs is None:
+        if service.store is None:
             return []
         out: list[dict[str, str]] = []
         target = self._target()
@@ -120,12 +119,12 @@ class Follower:
             self.last.pop("job", None)
         if self.job_id is not None:
             try:
-                job = _finite(public(_with_unrecorded(service, service.jobs.get(self.job_id))))   # as GET /train/{id}
+                job = _finite(public(with_unrecorded(service, service.store.get(self.job_id))))   # as GET /train/{id}
             except JobNotFound:
                 raise APIError(404, f"no job {self.job_id}", "job", "not_found") from None
             if self.seq == 0 and job["receipts"] > self.backlog:
                 self.seq = job["receipts"] - self.backlog
-            new = service.jobs.receipts(self.job_id, after_seq=self.seq)
+            new = service.store.receipts(self.job_id, after_seq=self.seq)
             if self._changed("job", job):
                 out.append(sse("job", job))
             for receipt in new:
@@ -147,7 +146,7 @@ def _devices() -> dict:
 async def stream(follower: Follower, tick_s: float = TICK_S) -> AsyncIterator[dict[str, str]]:
     service = follower.service
     engine = service.engine
-    yield sse("hello", {"training": service.jobs is not None, "follow": follower.pinned, "tick_s": tick_s})
+    yield sse("hello", {"training": service.store is not None, "follow": follower.pinned, "tick_s": tick_s})
     generated, at = engine.stats.generated_tokens, time.monotonic()
     devices_at = -1e9
     # Ends when the engine stops: a shutdown that stops the engine first then
@@ -164,7 +163,7 @@ async def stream(follower: Follower, tick_s: float = TICK_S) -> AsyncIterator[di
             yield sse("slots", slots)
         for event in await asyncio.to_thread(follower.store_events):
             yield event
-        if service.jobs is not None and now - devices_at >= DEVICES_EVERY_S:
+        if service.store is not None and now - devices_at >= DEVICES_EVERY_S:
             devices_at = now
             yield sse("devices", await asyncio.to_thread(_devices))
         await asyncio.sleep(tick_s)
@@ -178,7 +177,7 @@ async def events(request: Request):
     assert backlog is not None  # it has a default
     follower = Follower(service, pinned, backlog)
     if pinned is not None:
-        if service.jobs is None:
+        if service.store is None:
             raise APIError(503, "training is off: this server was started without a state directory (--state-dir)",
                            None, "training_off")
         await asyncio.to_thread(follower.store_events)   # 404 now, not mid-stream

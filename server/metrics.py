@@ -63,7 +63,7 @@ class ServiceCollector:
         yield _gauge("dreamstage_slots", "Slots (parallel sequences).", engine.n_seq)
         yield _gauge("dreamstage_queue_depth", "Requests waiting for a slot.", engine.queue_depth)
         yield _gauge("dreamstage_adapter_version", "Served adapter version (0 = base model).", engine.adapter_version)
-        dream = getattr(self.service, "dream", None)
+        dream = getattr(self.service, "scheduler", None)
         if dream is not None:
             yield from self._dream(dream)
         submitter = getattr(self.service, "submitter", None)

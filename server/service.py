@@ -29,7 +29,7 @@ def run_uvicorn(service: Service, app, *, host: str, port: int, log_level: str =
     marks the job interrupted and frees native memory."""
     import uvicorn
 
-    from dreamstage.server.app import SHUTDOWN_GRACE_S
+    from dreamstage.server.openai_routes import SHUTDOWN_GRACE_S
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -60,24 +60,24 @@ class Service:
         self.chat = ChatTemplate.for_model(self.model)
         self.model_id = settings.model_alias or self.model.model_path.stem
         # The dream stage (POST /train) needs a state directory for its jobs and adapters.
-        self.jobs = self.dream = self.submitter = None
+        self.store = self.scheduler = self.submitter = None
         if settings.state_dir is not None and hook is None:
             from dreamstage.training.jobs.scheduler import DreamScheduler
             from dreamstage.training.jobs.store import JobStore
             from dreamstage.training.jobs.submit import JobSubmitter
-            self.jobs = JobStore(settings.state_dir)
-            self.dream = hook = DreamScheduler(self.jobs, self.model, drift_guard=settings.drift_guard)
-            self.submitter = JobSubmitter(self.jobs, self.dream, self.model, settings.limits)
+            self.store = JobStore(settings.state_dir)
+            self.scheduler = hook = DreamScheduler(self.store, self.model, drift_guard=settings.drift_guard)
+            self.submitter = JobSubmitter(self.store, self.scheduler, self.model, settings.limits)
         elif settings.adapter is not None:
             raise ValueError("--adapter needs a state directory (--state-dir) to keep its versions in")
         self.engine = Engine(self.model, max_queue=settings.max_queue, hook=hook)
         self.prompts = PromptTokenizer(self.model, self.engine.slot_ctx)
-        if self.dream is not None:
+        if self.scheduler is not None:
             try:
-                self.dream.startup(self.engine, settings.adapter)   # before the engine thread: reload what was served
+                self.scheduler.startup(self.engine, settings.adapter)   # before the engine thread: reload the served
             except BaseException:
-                if self.jobs is not None:
-                    self.jobs.close()
+                if self.store is not None:
+                    self.store.close()
                 self.model.close()
                 raise
 
@@ -101,13 +101,13 @@ class Service:
         if not self.engine.stop(timeout=step_wait_s):
             log.error("the engine thread is still inside a step after %.0f s; leaving native memory alone "
                       "(the job is marked interrupted at the next start)", step_wait_s)
-            if self.jobs is not None:
-                self.jobs.close()
+            if self.store is not None:
+                self.store.close()
             return
-        if self.dream is not None:
-            self.dream.close()
-        if self.jobs is not None:
-            self.jobs.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
+        if self.store is not None:
+            self.store.close()
         self.model.close()
 
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import os
 import sqlite3
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dreamstage.server.errors import APIError
+from dreamstage.server.views import adapters_view, public, with_unrecorded
 from dreamstage.training.jobs.spec import check_adapter_name
 from dreamstage.training.jobs.store import AdapterNotFound, InvalidTransition, JobNotFound
 from dreamstage.training.jobs.submit import SubmitRefused, invalid
@@ -40,9 +39,10 @@ class PromoteBody(BaseModel):
     version: int | None = Field(default=None, ge=1)
 
 
-def _dream(request: Request):
+def _training_service(request: Request):
+    """The service, when it trains (it has a state directory); else 503 naming the missing flag."""
     service = request.app.state.service
-    if getattr(service, "dream", None) is None:
+    if getattr(service, "scheduler", None) is None:
         raise APIError(503, "training is off: this server was started without a state directory (--state-dir)",
                        None, "training_off")
     return service
@@ -102,7 +102,7 @@ def _refused(e: SubmitRefused) -> APIError:
 
 @router.post("/train", status_code=202)
 async def submit(request: Request):
-    service = _dream(request)
+    service = _training_service(request)
     body = await _json_object(request, required=True)
     assert body is not None  # required=True: an empty body is a 4xx
     try:
@@ -116,15 +116,15 @@ async def submit(request: Request):
 
 @router.get("/train")
 async def overview(request: Request):
-    service = _dream(request)
-    return public({**service.jobs.overview(), "adapter_version": service.engine.adapter_version})
+    service = _training_service(request)
+    return public({**service.store.overview(), "adapter_version": service.engine.adapter_version})
 
 
 @router.get("/train/{job_id}")
 async def one_job(job_id: str, request: Request):
-    service = _dream(request)
+    service = _training_service(request)
     try:
-        return public(_with_unrecorded(service, service.jobs.get(_job_id(job_id))))
+        return public(with_unrecorded(service, service.store.get(_job_id(job_id))))
     except JobNotFound as e:
         raise APIError(404, str(e), "id", "not_found") from None
 
@@ -132,24 +132,15 @@ async def one_job(job_id: str, request: Request):
 @router.get("/train/{job_id}/receipts")
 async def job_receipts(job_id: str, request: Request, after: int = 0):
     """Every micro-step's receipt (after seq `after`): its pass, horizon, memory, refusal."""
-    service = _dream(request)
+    service = _training_service(request)
     try:
-        return public({"receipts": service.jobs.receipts(_job_id(job_id), after_seq=after)})
+        return public({"receipts": service.store.receipts(_job_id(job_id), after_seq=after)})
     except JobNotFound as e:
         raise APIError(404, str(e), "id", "not_found") from None
 
 
-def _with_unrecorded(service, view: dict) -> dict:
-    """A job that ended while the store could not be written (a full disk) is
-    shown as it is, an error, with `persisted: false` until the store takes it."""
-    message = service.dream.unrecorded_error(view["id"])
-    if message is None:
-        return view
-    return {**view, "state": "error", "message": message, "persisted": False}
-
-
 async def _move(request: Request, job_id: str, target: str) -> dict:
-    service = _dream(request)
+    service = _training_service(request)
     jid = _job_id(job_id)
     try:
         view = await asyncio.to_thread(service.submitter.transition, jid, target)
@@ -177,33 +168,9 @@ async def resume(job_id: str, request: Request):
     return await _move(request, job_id, "running")
 
 
-def _adapters_view(service) -> dict:
-    jobs = service.jobs
-    return public({"served_version": service.engine.adapter_version, "served": jobs.served(),
-                   "served_error": service.dream.served_error, "promotions": jobs.promotions(),
-                   "adapters": jobs.adapters()})
-
-
-def public(view):
-    """A view without absolute paths: an adapter's `path` is given relative to
-    the state directory (`adapters/notes/v3.gguf`), which a client can use and
-    which does not tell a caller where the server's files live."""
-    if isinstance(view, dict):
-        out = {}
-        for k, v in view.items():
-            if k == "path" and isinstance(v, str) and os.path.isabs(v):
-                parts = Path(v).parts
-                v = str(Path(*parts[-3:]))      # adapters/<name>/v<N>.gguf
-            out[k] = public(v)
-        return out
-    if isinstance(view, list):
-        return [public(v) for v in view]
-    return view
-
-
 @router.get("/adapters")
 async def adapters(request: Request):
-    return _adapters_view(_dream(request))
+    return adapters_view(_training_service(request))
 
 
 async def _swap(service, fut) -> JSONResponse:
@@ -225,15 +192,15 @@ async def _swap(service, fut) -> JSONResponse:
         done = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(applied)), SWAP_WAIT_S)
     except asyncio.TimeoutError:
         done = False
-    body = {"applied": bool(done), "served": view, **_adapters_view(service)}
+    body = {"applied": bool(done), "served": view, **adapters_view(service)}
     return JSONResponse(body, status_code=200 if done else 202)
 
 
 @router.post("/adapters/rollback")
 async def rollback(request: Request):
-    service = _dream(request)
+    service = _training_service(request)
     try:
-        return await _swap(service, service.dream.rollback())
+        return await _swap(service, service.scheduler.rollback())
     except APIError as e:
         if e.status == 404:               # nothing to roll back is a state conflict, not a missing name
             raise APIError(409, e.message, None, "nothing_to_roll_back") from None
@@ -242,7 +209,7 @@ async def rollback(request: Request):
 
 @router.post("/adapters/{name}/promote")
 async def promote(name: str, request: Request):
-    service = _dream(request)
+    service = _training_service(request)
     try:
         check_adapter_name(name)
     except ValueError as e:
@@ -252,4 +219,4 @@ async def promote(name: str, request: Request):
         version = PromoteBody.model_validate(body or {}).version
     except ValidationError as e:
         raise _invalid(field_errors(e)) from None
-    return await _swap(service, service.dream.promote(name, version))
+    return await _swap(service, service.scheduler.promote(name, version))

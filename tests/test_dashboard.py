@@ -164,7 +164,7 @@ def test_stream_carries_the_receipts_of_get_train(server, http):
     assert last == http.get(f"/train/{jid}").json()
     streamed = [d for k, d in events if k == "receipt"]
     assert [d["seq"] for d in streamed] == list(range(1, last["receipts"] + 1))
-    stored = server.service.jobs.receipts(jid)
+    stored = server.service.store.receipts(jid)
     assert [d["receipt"] for d in streamed] == stored           # unchanged, canonical fields, in order
     assert [r for r in stored if r["status"] == "refused"] == last["refusals"]
     # A progress curve exists to draw: every micro-step is a receipt (forward-only
@@ -241,7 +241,7 @@ def post_form(b, examples: str, *, window: int, epochs: int, out: str, promote: 
 def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser):
     b = browser
     served_before = http.get("/adapters").json()["served_version"]
-    jobs_before = server.service.jobs.job_ids(1)
+    jobs_before = server.service.store.job_ids(1)
     b.get(server.url + "/")
     b.js("localStorage.setItem('dreamstage.apiKey', arguments[0])", API_KEY)
     b.get(server.url + "/")
@@ -314,7 +314,7 @@ def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser
     b.wait_for("return document.querySelector('#job-title').dataset.state === 'done'", timeout=300,
                what="the job finishing")
     job = http.get(f"/train/{jid}").json()
-    ok_losses = [r for r in server.service.jobs.receipts(jid) if r["status"] == "ok" and r["tokens"]]
+    ok_losses = [r for r in server.service.store.receipts(jid) if r["status"] == "ok" and r["tokens"]]
     points = b.wait_for("const n = +document.querySelector('#loss-chart').dataset.points; return n >= arguments[0] && n",
                         len(ok_losses), what="every loss point drawn")
     assert points == len(ok_losses) > held

@@ -233,7 +233,7 @@ def test_a_group_is_counted_by_its_expanded_completions(http, server):
     body = {"examples": [{"prompt": "q", "completions": ["a"] * (LIMITS.max_job_examples + 1)}]}
     msg = refused(http.post("/train", json=body), 413, "examples")
     assert f"max_job_examples = {LIMITS.max_job_examples}" in msg and str(LIMITS.max_job_examples + 1) in msg
-    assert server.service.jobs.overview()["queue"] == []
+    assert server.service.store.overview()["queue"] == []
 
 
 def test_token_limits_per_example_and_per_job(http):
@@ -250,18 +250,18 @@ def test_the_queue_of_jobs_is_capped_and_a_cancelled_job_lets_go_of_its_memory(h
               "stop_loss": None, "rank": 2}
     first = http.post("/train", json=lesson)
     assert first.status_code == 202, first.text
-    jobs = server.service.jobs
+    jobs = server.service.store
     # wait until the first one left the queue (it is training now)
     import time
     while jobs.state(first.json()["id"]) == "queued":
         time.sleep(0.05)
     second = http.post("/train", json=lesson)
     assert second.status_code == 202
-    assert server.service.dream.queued_tokens() > 0
+    assert server.service.scheduler.queued_tokens() > 0
     third = http.post("/train", json=lesson)
     assert third.status_code == 422 and f"max_queued_jobs = {LIMITS.max_queued_jobs}" in third.json()["error"]["message"]
     assert http.post(f"/train/{second.json()['id']}/cancel").json()["state"] == "cancelled"
-    assert server.service.dream.queued_tokens() == 0          # its rendered windows are gone at once
+    assert server.service.scheduler.queued_tokens() == 0          # its rendered windows are gone at once
     assert http.post(f"/train/{first.json()['id']}/cancel").json()["state"] == "cancelled"
     still_serves(http)
 
@@ -272,7 +272,7 @@ def test_concurrent_posts_cannot_overfill_the_queue(http, server):
     lesson = {"text": "A lesson about moons and tides, repeated. " * 4, "window": 32, "chunk": 32, "epochs": 1000,
               "stop_loss": None, "rank": 2}
     first = http.post("/train", json=lesson).json()["id"]
-    while server.service.jobs.state(first) == "queued":
+    while server.service.store.state(first) == "queued":
         time.sleep(0.05)
 
     def post(_):

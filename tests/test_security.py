@@ -214,7 +214,7 @@ def test_keyed_server_end_to_end(keyed):
     assert r.status_code == 401
     r = httpx.post(f"{url}/train", content=body, headers={"Content-Type": "text/plain", "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 415
-    assert keyed.service.jobs.overview() == {"current": None, "queue": []}
+    assert keyed.service.store.overview() == {"current": None, "queue": []}
 
 
 def test_keyed_server_serves_the_openai_sdk_and_our_client(keyed):

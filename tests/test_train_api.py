@@ -435,7 +435,7 @@ def test_client_trains_waits_with_a_progress_bar_and_lists_adapters(server):
         job = c.train(text=LESSON, window=32, chunk=32, rank=4, promote="never", out="client-made",
                       stop_loss=None, max_drift_kl=None)
         assert job["state"] == "queued"
-        spec = server.service.jobs.spec(job["id"])
+        spec = server.service.store.spec(job["id"])
         assert spec.stop_loss is None and spec.max_drift_kl is None
         assert job["spec"]["stop_loss"] is None and job["spec"]["max_drift_kl"] is None   # shown as sent
         bar = io.StringIO()

@@ -1,0 +1,34 @@
+"""Service routes: /health, /slots and /metrics."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from dreamstage.server import metrics
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request):
+    engine = request.app.state.service.engine
+    # "ok" only when the engine thread runs and its last iteration did not fail.
+    status = "stopped" if not engine.running else ("failing" if engine.failing else "ok")
+    body = {"status": status, "slots": engine.n_seq,
+            "slots_busy": engine.busy_slots(), "queue_depth": engine.queue_depth,
+            "adapter_version": engine.adapter_version}
+    if status == "failing":
+        body["error"] = engine.failing
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+
+@router.get("/slots")
+async def slots(request: Request):
+    service = request.app.state.service
+    return {"slot_context": service.engine.slot_ctx, "n_ctx": service.model.n_ctx,
+            "slots": service.engine.slots_info()}
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def prometheus(request: Request):
+    return Response(metrics.render(request.app.state.metrics), media_type=metrics.CONTENT_TYPE)
