@@ -23,12 +23,12 @@ static thread_local int32_t g_hook_calls = 0;
 
 // The unit scalar of dream_unit_mul, one graph input per training graph.
 static ggml_tensor * dream_unit(ggml_context * ctx, dream_stage & ds) {
-    if (!ds.build_unit) {
-        ds.build_unit = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1);
-        ggml_set_name(ds.build_unit, "dream_unit");
-        ggml_set_input(ds.build_unit);
+    if (!ds.build.unit) {
+        ds.build.unit = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1);
+        ggml_set_name(ds.build.unit, "dream_unit");
+        ggml_set_input(ds.build.unit);
     }
-    return ds.build_unit;
+    return ds.build.unit;
 }
 
 // SET's backward views its incoming gradient with the forward strides, which
@@ -62,10 +62,10 @@ static ggml_tensor * dream_leaf(ggml_context * ctx, ggml_tensor * cached, int32_
 static ggml_tensor * dream_join_k(ggml_context * ctx, dream_stage & ds, ggml_tensor * cached, ggml_tensor * k_cur,
                                   int32_t pos, int32_t il) {
     ggml_tensor * base = ggml_cast(ctx, cached, GGML_TYPE_F32);
-    const int32_t lo = ds.build_leaf_lo;
+    const int32_t lo = ds.build.leaf_lo;
     if (lo >= 0 && lo < pos) {
         ggml_tensor * leaf = dream_leaf(ctx, cached, lo, pos, "dream_leaf_k", il);
-        ds.build_leaf_k[il] = leaf;
+        ds.build.leaf_k[il] = leaf;
         base = ggml_set(ctx, base, leaf, base->nb[1], base->nb[2], base->nb[3], (size_t) lo * base->nb[2]);
     }
     ggml_tensor * own = ggml_is_contiguous(k_cur) ? k_cur : ggml_cont(ctx, k_cur);
@@ -81,10 +81,10 @@ static ggml_tensor * dream_join_v(ggml_context * ctx, dream_stage & ds, ggml_ten
                                   int32_t pos, int32_t il) {
     // [head_dim, n_head_kv, cells] -> contiguous [cells, head_dim, n_head_kv]
     ggml_tensor * base = ggml_cont(ctx, ggml_permute(ctx, ggml_cast(ctx, cached, GGML_TYPE_F32), 1, 2, 0, 3));
-    const int32_t lo = ds.build_leaf_lo;
+    const int32_t lo = ds.build.leaf_lo;
     if (lo >= 0 && lo < pos) {
         ggml_tensor * leaf = dream_leaf(ctx, cached, lo, pos, "dream_leaf_v", il);
-        ds.build_leaf_v[il] = leaf;
+        ds.build.leaf_v[il] = leaf;
         ggml_tensor * leaf_t = ggml_cont(ctx, ggml_permute(ctx, leaf, 1, 2, 0, 3));
         base = ggml_set(ctx, base, leaf_t, base->nb[1], base->nb[2], base->nb[3], (size_t) lo * base->nb[0]);
     }
@@ -101,8 +101,8 @@ struct dream_ring_piece {
 static std::vector<dream_ring_piece> dream_ring_pieces(const dream_stage & ds, int32_t a, int32_t b) {
     std::vector<dream_ring_piece> out;
     while (a < b) {
-        const int32_t slot = a % ds.adj_rows;
-        const int32_t len = std::min(b - a, ds.adj_rows - slot);
+        const int32_t slot = a % ds.mem.adj_rows;
+        const int32_t len = std::min(b - a, ds.mem.adj_rows - slot);
         out.push_back({ a, slot, len });
         a += len;
     }
@@ -126,13 +126,13 @@ static ggml_tensor * dream_cells_view(ggml_context * ctx, ggml_tensor * t, int32
 static void dream_add_surrogate(ggml_context * ctx, dream_stage & ds, ggml_tensor * k_cur, ggml_tensor * v_cur,
                                 int32_t pos, int32_t il) {
     ggml_tensor * cur[2] = { k_cur, v_cur };
-    ggml_tensor * adj[2] = { ds.adj_k[il], ds.adj_v[il] };
+    ggml_tensor * adj[2] = { ds.mem.adj_k[il], ds.mem.adj_v[il] };
     for (int i = 0; i < 2; ++i) {
         ggml_tensor * own = ggml_is_contiguous(cur[i]) ? cur[i] : ggml_cont(ctx, cur[i]);
         for (const auto & pc : dream_ring_pieces(ds, pos, pos + (int32_t) own->ne[2])) {
             ggml_tensor * term = ggml_sum(ctx, ggml_mul(ctx, dream_cells_view(ctx, own, pos, pc.pos, pc.len),
                                                         dream_adj_view(ctx, adj[i], pc.slot, pc.len)));
-            ds.build_sur = ds.build_sur ? ggml_add(ctx, ds.build_sur, term) : term;
+            ds.build.sur = ds.build.sur ? ggml_add(ctx, ds.build.sur, term) : term;
         }
     }
 }
@@ -148,16 +148,16 @@ bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv
     // the chunk's K/V become constants for the chunks after it
     ggml_build_forward_expand(gf, mctx->cpy_k(ctx, k_cur, k_idxs, il));
     ggml_build_forward_expand(gf, mctx->cpy_v(ctx, v_cur, v_idxs, il));
-    if (ds->build_surrogate) {
-        dream_add_surrogate(ctx, *ds, k_cur, v_cur, ds->build_pos, il);
+    if (ds->build.surrogate) {
+        dream_add_surrogate(ctx, *ds, k_cur, v_cur, ds->build.pos, il);
     }
-    if (ds->build_pos == 0 && mctx->get_n_kv() == (uint32_t) k_cur->ne[2]) {
+    if (ds->build.pos == 0 && mctx->get_n_kv() == (uint32_t) k_cur->ne[2]) {
         *k = k_cur;
         *v = v_cur;
         return true;
     }
-    *k = dream_join_k(ctx, *ds, mctx->get_k(ctx, il), k_cur, ds->build_pos, il);
-    *v = dream_join_v(ctx, *ds, mctx->get_v(ctx, il), v_cur, ds->build_pos, il);
+    *k = dream_join_k(ctx, *ds, mctx->get_k(ctx, il), k_cur, ds->build.pos, il);
+    *v = dream_join_v(ctx, *ds, mctx->get_v(ctx, il), v_cur, ds->build.pos, il);
     return true;
 }
 
@@ -243,7 +243,7 @@ static ggml_backend_dev_t dream_quantized_out_prod_device(dream_stage & ds, ggml
     if (!w->buffer || ggml_backend_buffer_is_host(w->buffer)) {
         return nullptr;
     }
-    ggml_backend_sched_t s = ds.sched_exec.get();
+    ggml_backend_sched_t s = ds.exec.sched_exec.get();
     for (int b = 0; b < ggml_backend_sched_get_n_backends(s); ++b) {
         ggml_backend_t be = ggml_backend_sched_get_backend(s, b);
         ggml_backend_dev_t dev = ggml_backend_get_device(be);
@@ -286,13 +286,6 @@ static ggml_tensor * dream_sliced_out_prod(ggml_context * ctx, ggml_tensor * w, 
 // DREAMSTAGE_CUDA_TRAIN_MMQ=1 keeps serving's quantized kernels (8-bit
 // activations) in training graphs too: the speed side of the precision choice,
 // for measuring it (bench/gpu/run.sh runs both).
-static bool dream_train_with_serving_kernels() {
-    static const bool on = [] {
-        const char * v = std::getenv("DREAMSTAGE_CUDA_TRAIN_MMQ");
-        return v != nullptr && std::strcmp(v, "1") == 0;
-    }();
-    return on;
-}
 
 // What a product through a quantized weight takes from the device's pool: the
 // weight expanded to F32 (cuda/out-prod-dequant.cu, mul-mat-exact.cu), or to F16
@@ -311,6 +304,34 @@ static void dream_pool_need_max(std::vector<std::pair<ggml_backend_dev_t, size_t
         }
     }
     pool_need.push_back({ dev, bytes });
+}
+
+// A host OUT_PROD through a frozen quantized weight n->src[0], rewritten in place (dream_fit_backward).
+static void dream_fit_quantized_out_prod(ggml_context * ctx, ggml_tensor * n) {
+    ggml_tensor * w = n->src[0];
+    ggml_tensor * dyt = n->src[1];
+    ggml_tensor * dy = dyt->op == GGML_OP_TRANSPOSE ? dyt->src[0] : ggml_transpose(ctx, dyt);
+    if (dream_cpu_wt_dy_supported(w, dy)) {
+        // the blocked kernel of dream-cpu-backward.cpp computes the same
+        // product with no F32 copy of W; the node becomes that op in
+        // place, so its users and shape stay
+        dream_take_op(n, dream_cpu_wt_dy(ctx, w, dy));
+        // The old transposed view of dy stays in the graph; without a
+        // reader it would never release dy, and the allocator would keep
+        // every such gradient to the end of the graph (measured: 100 MiB
+        // more at chunk 256 with recompute). The op ignores this source.
+        if (dyt != dy && !n->src[2]) {
+            n->src[2] = dyt;
+        }
+    } else if (ggml_tensor * sum = dream_sliced_out_prod(ctx, w, dyt)) {
+        // n becomes the last partial sum's ADD, so its readers are unchanged
+        n->op = GGML_OP_ADD;
+        std::memset(n->op_params, 0, sizeof(n->op_params));
+        n->src[0] = sum->src[0];
+        n->src[1] = sum->src[1];
+    } else {
+        n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
+    }
 }
 
 // Rewrites the backward graph so each node can run where its data lives:
@@ -355,8 +376,8 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
     // F32 OUT_PRODs become the CPU kernel only when every node runs on the CPU
     // (a GPU backend's OUT_PROD is cuBLAS already)
     bool cpu_only = true;
-    for (int b = 0; b < ggml_backend_sched_get_n_backends(ds.sched_exec.get()); ++b) {
-        ggml_backend_dev_t dev = ggml_backend_get_device(ggml_backend_sched_get_backend(ds.sched_exec.get(), b));
+    for (int b = 0; b < ggml_backend_sched_get_n_backends(ds.exec.sched_exec.get()); ++b) {
+        ggml_backend_dev_t dev = ggml_backend_get_device(ggml_backend_sched_get_backend(ds.exec.sched_exec.get(), b));
         cpu_only = cpu_only && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     }
     for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
@@ -366,32 +387,9 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
                 dream_pool_need_max(pool_need, dev, dream_product_pool_bytes(n));
                 continue;
             }
-            ggml_tensor * w = n->src[0];
-            ggml_tensor * dyt = n->src[1];
-            ggml_tensor * dy = dyt->op == GGML_OP_TRANSPOSE ? dyt->src[0] : ggml_transpose(ctx, dyt);
-            if (dream_cpu_wt_dy_supported(w, dy)) {
-                // the blocked kernel of dream-cpu-backward.cpp computes the same
-                // product with no F32 copy of W; the node becomes that op in
-                // place, so its users and shape stay
-                dream_take_op(n, dream_cpu_wt_dy(ctx, w, dy));
-                // The old transposed view of dy stays in the graph; without a
-                // reader it would never release dy, and the allocator would keep
-                // every such gradient to the end of the graph (measured: 100 MiB
-                // more at chunk 256 with recompute). The op ignores this source.
-                if (dyt != dy && !n->src[2]) {
-                    n->src[2] = dyt;
-                }
-            } else if (ggml_tensor * sum = dream_sliced_out_prod(ctx, w, dyt)) {
-                // n becomes the last partial sum's ADD, so its readers are unchanged
-                n->op = GGML_OP_ADD;
-                std::memset(n->op_params, 0, sizeof(n->op_params));
-                n->src[0] = sum->src[0];
-                n->src[1] = sum->src[1];
-            } else {
-                n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
-            }
+            dream_fit_quantized_out_prod(ctx, n);
             any = true;
-        } else if (n->op == GGML_OP_MUL_MAT && ggml_is_quantized(n->src[0]->type) && !dream_train_with_serving_kernels() &&
+        } else if (n->op == GGML_OP_MUL_MAT && ggml_is_quantized(n->src[0]->type) && !ds.switches.cuda_train_mmq &&
                    n->src[0]->buffer && ggml_backend_buffer_get_usage(n->src[0]->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS) {
             if (ggml_backend_dev_t dev = dream_quantized_out_prod_device(ds, n)) {
                 ggml_prec_set_acc(n, GGML_PREC_F32);
@@ -446,7 +444,7 @@ static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, gg
 namespace {
 // Frees the backward context and ends the graph's use of the stage's scheduler
 // on every exit path but one: a step whose graph the stage keeps for the next
-// chunk of its shape (keep; the context then belongs to ds.step_graph).
+// chunk of its shape (keep; the context then belongs to ds.exec.step_graph).
 struct dream_graph_scope {
     dream_stage & ds;
     ggml_context * ctx = nullptr;
@@ -460,7 +458,7 @@ struct dream_graph_scope {
             dream_sched_release(ds);
         }
         if (revert_from >= 0) {
-            ds.memory->seq_rm(0, revert_from, -1);
+            ds.mem.cache->seq_rm(0, revert_from, -1);
         }
         if (ctx) {
             ggml_free(ctx);
@@ -469,37 +467,10 @@ struct dream_graph_scope {
 };
 }
 
-// Rows in [p, e) whose next token carries loss.
-int32_t dream_loss_rows(const dream_stage & ds, int32_t p, int32_t e) {
-    int32_t n = 0;
-    for (int32_t i = p; i < e; ++i) {
-        n += (i + 1 < ds.win_n && ds.win_mask[i + 1]) ? 1 : 0;
-    }
-    return n;
-}
-
-void dream_reverse_chunk(dream_stage & ds, dream_chunk & c, int32_t start, int32_t end) {
-    ds.win_reverse = true;
-    ds.rev_end = end;
-    c.backward_pass = true;
-    c.p = start;
-    c.n = end - start;
-    c.surrogate = dream_has_adjoint(ds, c.p, end);
-}
-
-bool dream_has_adjoint(const dream_stage & ds, int32_t p, int32_t e) {
-    for (int32_t i = p; i < e; ++i) {
-        if (ds.win_adj[i]) {
-            return true;
-        }
-    }
-    return false;
-}
-
 // A window the exact walk runs (one without loss tokens is forward only, as in
 // the plain walk); a shared-prefix group always does (dream-groups.cpp).
 static bool dream_exact_window(const dream_stage & ds) {
-    return (ds.params.exact && ds.win_n_masked > 0) || ds.group.active;
+    return (ds.params.exact && ds.win.n_masked > 0) || ds.group.active;
 }
 
 // The reverse pass's chunk that ends at e starts on the chunk grid (which
@@ -510,19 +481,19 @@ static int32_t dream_rev_start(const dream_stage & ds, int32_t e) {
 
 // Moves rev_end past chunks with nothing to carry back (no loss rows, no adjoint).
 static void dream_rev_skip(dream_stage & ds) {
-    while (ds.rev_end > 0) {
-        const int32_t s = dream_rev_start(ds, ds.rev_end);
-        if (dream_loss_rows(ds, s, ds.rev_end) > 0 || dream_has_adjoint(ds, s, ds.rev_end)) {
+    while (ds.win.rev_end > 0) {
+        const int32_t s = dream_rev_start(ds, ds.win.rev_end);
+        if (dream_loss_rows(ds, s, ds.win.rev_end) > 0 || dream_has_adjoint(ds, s, ds.win.rev_end)) {
             return;
         }
-        ds.rev_end = s;
+        ds.win.rev_end = s;
     }
 }
 
 // The exact walk: the forward sweep fills the cache up to where the reverse
 // pass's next chunk starts (that chunk runs forward and backward in one
 // graph); the reverse pass then walks back from the last loss token to 0. The
-// cache holds [0, win_pos): a reverse chunk gives up its own cells, so a
+// cache holds [0, win.pos): a reverse chunk gives up its own cells, so a
 // smaller chunk after a refusal first refills the cells it now needs.
 static dream_chunk dream_next_chunk(dream_stage & ds) {
     if (ds.group.active) {
@@ -530,22 +501,22 @@ static dream_chunk dream_next_chunk(dream_stage & ds) {
     }
     dream_chunk c;
     if (!dream_exact_window(ds)) {
-        c.p = ds.win_pos;
-        c.n = std::min(ds.params.chunk, ds.win_n - c.p);
+        c.p = ds.win.pos;
+        c.n = std::min(ds.params.chunk, ds.win.n - c.p);
         return c;
     }
-    const int32_t end = ds.win_reverse ? ds.rev_end : ds.win_loss_end;
+    const int32_t end = ds.win.reverse ? ds.win.rev_end : ds.win.loss_end;
     const int32_t start = dream_rev_start(ds, end);
-    if (ds.win_pos < start) {
-        c.p = ds.win_pos;
+    if (ds.win.pos < start) {
+        c.p = ds.win.pos;
         c.n = std::min(ds.params.chunk, start - c.p);
         return c;
     }
     dream_reverse_chunk(ds, c, start, end);
     if (c.p > 0) {
-        int32_t h = ds.horizon > 0 ? std::min(ds.horizon, c.p) : c.p;
-        if (ds.adj_rows > 0) {
-            h = std::min(h, ds.adj_rows - c.n);   // the live adjoints must fit the slots
+        int32_t h = ds.mem.horizon > 0 ? std::min(ds.mem.horizon, c.p) : c.p;
+        if (ds.mem.adj_rows > 0) {
+            h = std::min(h, ds.mem.adj_rows - c.n);   // the live adjoints must fit the slots
         }
         c.leaf_lo = h > 0 ? c.p - h : -1;
     }
@@ -553,7 +524,7 @@ static dream_chunk dream_next_chunk(dream_stage & ds) {
 }
 
 int32_t dream_walk_chunks_left(const dream_stage & ds) {
-    if (!ds.win_active) {
+    if (!ds.win.active) {
         return 0;
     }
     if (ds.group.active) {
@@ -561,11 +532,11 @@ int32_t dream_walk_chunks_left(const dream_stage & ds) {
     }
     const int32_t ch = ds.params.chunk;
     if (!dream_exact_window(ds)) {
-        return (ds.win_n - ds.win_pos + ch - 1) / ch;
+        return (ds.win.n - ds.win.pos + ch - 1) / ch;
     }
     // an upper bound: the forward chunks still to fill, then every reverse chunk
-    const int32_t end = ds.win_reverse ? ds.rev_end : ds.win_loss_end;
-    const int32_t fwd = (std::max(0, dream_rev_start(ds, end) - ds.win_pos) + ch - 1) / ch;
+    const int32_t end = ds.win.reverse ? ds.win.rev_end : ds.win.loss_end;
+    const int32_t fwd = (std::max(0, dream_rev_start(ds, end) - ds.win.pos) + ch - 1) / ch;
     return std::max(1, fwd + (end + ch - 1) / ch);
 }
 
@@ -578,28 +549,28 @@ static int32_t dream_halve_horizon(dream_stage & ds, int32_t p, int32_t leaf_lo)
     if (leaf_lo < 0 || in_use <= ch) {
         return 0;
     }
-    ds.horizon = std::max(ch, (in_use / 2) / ch * ch);
-    return ds.horizon;
+    ds.mem.horizon = std::max(ch, (in_use / 2) / ch * ch);
+    return ds.mem.horizon;
 }
 
 // When a micro-step that began at t_start is stopped (dream_set_step_deadline).
 static dream_deadline_t dream_step_deadline(const dream_stage & ds, std::chrono::steady_clock::time_point t_start) {
     return t_start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                         std::chrono::duration<double, std::milli>(ds.step_deadline_ms));
+                         std::chrono::duration<double, std::milli>(ds.exec.step_deadline_ms));
 }
 
 // After a step's graph computed: the device pools it grew, its loss and its gradient.
 static bool dream_step_read(dream_stage & ds, dream_receipt & r, dream_step_graph & sgraph, bool train, bool need_opt_state) {
     for (const auto & [dev, bytes] : sgraph.pool_need) {
         bool found = false;
-        for (auto & [d, b] : ds.pool_held) {
+        for (auto & [d, b] : ds.exec.pool_held) {
             if (d == dev) {
                 b = std::max(b, bytes);
                 found = true;
             }
         }
         if (!found) {
-            ds.pool_held.push_back({ dev, bytes });
+            ds.exec.pool_held.push_back({ dev, bytes });
         }
     }
 
@@ -610,7 +581,7 @@ static bool dream_step_read(dream_stage & ds, dream_receipt & r, dream_step_grap
         }
         r.loss = (double) ce_val;
         if (need_opt_state && !dream_opt_create(ds)) {
-            dream_receipt_message(r, "allocating the optimizer state (%.2f MiB) failed", 3.0 * (double) ds.n_params * sizeof(float) / DREAM_MIB);
+            dream_receipt_message(r, "allocating the optimizer state (%.2f MiB) failed", 3.0 * (double) ds.lora.n_params * sizeof(float) / DREAM_MIB);
             return false;
         }
         if (!dream_opt_accumulate(ds, sgraph.param_grads)) {
@@ -626,19 +597,19 @@ static bool dream_step_read(dream_stage & ds, dream_receipt & r, dream_step_grap
 static void dream_step_advance(dream_stage & ds, dream_receipt & r, const dream_chunk & chunk) {
     const int32_t p = chunk.p, n = chunk.n;
     ds.step += 1;
-    ds.win_pos = p + n;
-    bool window_done = !dream_exact_window(ds) && ds.win_pos >= ds.win_n;
+    ds.win.pos = p + n;
+    bool window_done = !dream_exact_window(ds) && ds.win.pos >= ds.win.n;
     if (ds.group.active) {
         window_done = dream_group_chunk_done(ds, chunk, r);
     } else if (chunk.backward_pass) {
         // the leaves' cells now hold adjoints; this chunk's own slots are
         // spent and must read zero when lower positions wrap onto them
         for (int32_t i = std::max(chunk.leaf_lo, 0); chunk.leaf_lo >= 0 && i < p; ++i) {
-            ds.win_adj[i] = 1;
+            ds.win.adj[i] = 1;
         }
-        if (ds.adj_rows > 0 && ds.adj_rows < ds.win_n) {
+        if (ds.mem.adj_rows > 0 && ds.mem.adj_rows < ds.win.n) {
             for (const auto & pc : dream_ring_pieces(ds, p, p + n)) {
-                for (auto * adj : { &ds.adj_k, &ds.adj_v }) {
+                for (auto * adj : { &ds.mem.adj_k, &ds.mem.adj_v }) {
                     for (ggml_tensor * t : *adj) {
                         if (t) {
                             ggml_backend_tensor_memset(t, 0, (size_t) pc.slot * t->nb[2], (size_t) pc.len * t->nb[2]);
@@ -647,121 +618,132 @@ static void dream_step_advance(dream_stage & ds, dream_receipt & r, const dream_
                 }
             }
         }
-        ds.rev_end = p;
+        ds.win.rev_end = p;
         dream_rev_skip(ds);
-        window_done = ds.rev_end == 0;
+        window_done = ds.win.rev_end == 0;
     }
     if (window_done) {
-        ds.win_active = false;
-        if (ds.win_n_masked > 0 && dream_opt_ready(ds)) {
-            ds.windows_pending += 1;
-            if (ds.windows_pending >= ds.params.accumulate_windows) {
+        ds.win.active = false;
+        if (ds.win.n_masked > 0 && dream_opt_ready(ds)) {
+            ds.opt.windows_pending += 1;
+            if (ds.opt.windows_pending >= ds.params.accumulate_windows) {
                 if (!dream_opt_update(ds)) {
                     dream_receipt_message(r, "the optimizer update on the adapter's device failed");
                 }
-                ds.windows_pending = 0;
+                ds.opt.windows_pending = 0;
             }
         }
     }
 }
 
 void dream_suspended_drop(dream_stage & ds) {
-    if (!ds.suspended.active) {
+    if (!ds.exec.suspended.active) {
         return;
     }
-    ds.memory->seq_rm(0, ds.suspended.chunk.p, -1);
-    ds.win_pos = std::min(ds.win_pos, ds.suspended.chunk.p);
-    ds.suspended = dream_suspended_step{};
+    ds.mem.cache->seq_rm(0, ds.exec.suspended.chunk.p, -1);
+    ds.win.pos = std::min(ds.win.pos, ds.exec.suspended.chunk.p);
+    ds.exec.suspended = dream_suspended_step{};
     dream_step_graph_drop(ds);
     dream_sched_release(ds);
 }
 
-int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
-    const auto t_start = std::chrono::steady_clock::now();
-    dream_receipt_start(ds, r);
-    r.step = ds.step + 1;
+namespace {
+// One micro-step in progress: what the end of its receipt needs (dream_step_finish).
+struct dream_step_run {
+    std::chrono::steady_clock::time_point t_start;
     dream_chunk chunk;
     bool walk_new = false;   // the adjoint buffers were allocated by this micro-step
-    auto finish = [&](int32_t status) {
-        r.status = status;
-        if (status != DREAM_STATUS_OK && walk_new) {
-            if (status == DREAM_STATUS_REFUSED) {
-                const size_t len = std::strlen(r.message);
-                std::snprintf(r.message + len, sizeof(r.message) - len,
-                              "; the job held the exact walk's adjoint buffers for it (%d positions, walk_mib %.2f), freed again",
-                              ds.adj_rows, (double) ds.walk_bytes / DREAM_MIB);
-            }
-            dream_walk_free(ds);   // a refused or failed step leaves nothing allocated
-        }
-        if (status == DREAM_STATUS_REFUSED && chunk.backward_pass && !ds.group.active) {
-            if (const int32_t h = dream_halve_horizon(ds, chunk.p, chunk.leaf_lo)) {
-                const size_t len = std::strlen(r.message);
-                std::snprintf(r.message + len, sizeof(r.message) - len, "; horizon halved from %d to %d, the chunk retries",
-                              chunk.p - chunk.leaf_lo, h);
-                r.horizon = h;   // the receipt names the horizon the retry uses
-            }
-        }
-        r.walk_mib = (double) ds.walk_bytes / DREAM_MIB;
-        r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
-        r.optimizer_mib = (double) dream_opt_bytes(ds) / DREAM_MIB;
-        return status;
-    };
-    if (!ds.win_active || (!dream_exact_window(ds) && ds.win_pos >= ds.win_n)) {
-        dream_receipt_message(r, "no window in progress: call dream_window_begin first");
-        return finish(DREAM_STATUS_ERROR);
-    }
+};
 
-    // a step stopped at its deadline goes on where it stopped, with a deadline of its own
-    if (ds.suspended.active) {
-        dream_suspended_step & su = ds.suspended;
-        chunk = su.chunk;
-        r.chunk_pos = chunk.p;
-        r.chunk_tokens = chunk.n;
-        r.tokens = su.n_loss;
-        r.horizon = ds.params.exact ? ds.horizon : -1;
-        r.graph_mib = su.graph_mib;
-        std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", su.train ? "backward" : "forward");
-        const dream_deadline_t deadline = dream_step_deadline(ds, t_start);
-        const ggml_status st = dream_sched_compute(ds, ds.step_graph.gb, su.batched, true, nullptr,
-                                                   ds.step_deadline_ms > 0 ? &deadline : nullptr, &su.next_node);
-        ds.last_step_stoppable = true;            // it stopped once
-        if (st == GGML_STATUS_ABORTED) {
-            dream_receipt_message(r, "stopped at the step deadline of %.1f ms again, %d of %d graph nodes computed: the "
-                                  "next micro-step goes on with chunk at %d (%d tokens)", ds.step_deadline_ms, su.next_node,
-                                  ggml_graph_n_nodes(ds.step_graph.gb), chunk.p, chunk.n);
-            return finish(DREAM_STATUS_STOPPED);
-        }
-        if (st != GGML_STATUS_SUCCESS) {
-            dream_suspended_drop(ds);
-            dream_receipt_message(r, "computing the rest of a stopped step failed (ggml status %d)", (int) st);
-            return finish(DREAM_STATUS_ERROR);
-        }
-        const dream_suspended_step done = su;
-        su = dream_suspended_step{};
-        if (!dream_step_read(ds, r, ds.step_graph, done.train, done.need_opt_state)) {
-            dream_step_graph_drop(ds);
-            dream_sched_release(ds);
-            return finish(DREAM_STATUS_ERROR);
-        }
-        if (done.keepable) {
-            ds.step_graph.valid = true;         // kept for the next chunk of its shape
-            ds.graph_reuses += done.reuse ? 1 : 0;
-        } else {
-            dream_step_graph_drop(ds);
-            dream_sched_release(ds);
-        }
-        dream_step_advance(ds, r, chunk);
-        return finish(DREAM_STATUS_OK);
-    }
+// What a chunk's graph computes (dream_step_plan_chunk): its loss rows and the graph's shape.
+struct dream_step_shape {
+    std::vector<int32_t> targets;   // row i (input p+i): the token it predicts with loss, or -1
+    int32_t n_loss = 0;
+    int32_t n_out = 1;              // logits rows: the loss rows, or one
+    bool train = false;             // the step goes backward
+    bool soft = false;              // labels from dream_window_soft_targets (dream-soft.cpp)
+    bool soft_rest = false;         // ... whose rows leave mass out: dream_soft_rest_ce
+    float loss_scale = 0.0f;        // this chunk's share of the window's mean loss (times a group reply's weight)
+};
+}
 
-    const auto & hp = ds.model->hparams;
-    chunk = dream_next_chunk(ds);
-    const int32_t p = chunk.p;
-    const int32_t n = chunk.n;
-    const int64_t n_vocab = ds.model->vocab.n_tokens();
+// Ends a micro-step's receipt with status; a refused or failed step frees the adjoint buffers it made.
+static int32_t dream_step_finish(dream_stage & ds, dream_receipt & r, const dream_step_run & run, int32_t status) {
+    r.status = status;
+    if (status != DREAM_STATUS_OK && run.walk_new) {
+        if (status == DREAM_STATUS_REFUSED) {
+            const size_t len = std::strlen(r.message);
+            std::snprintf(r.message + len, sizeof(r.message) - len,
+                          "; the job held the exact walk's adjoint buffers for it (%d positions, walk_mib %.2f), freed again",
+                          ds.mem.adj_rows, (double) ds.mem.walk_bytes / DREAM_MIB);
+        }
+        dream_walk_free(ds);   // a refused or failed step leaves nothing allocated
+    }
+    const dream_chunk & chunk = run.chunk;
+    if (status == DREAM_STATUS_REFUSED && chunk.backward_pass && !ds.group.active) {
+        if (const int32_t h = dream_halve_horizon(ds, chunk.p, chunk.leaf_lo)) {
+            const size_t len = std::strlen(r.message);
+            std::snprintf(r.message + len, sizeof(r.message) - len, "; horizon halved from %d to %d, the chunk retries",
+                          chunk.p - chunk.leaf_lo, h);
+            r.horizon = h;   // the receipt names the horizon the retry uses
+        }
+    }
+    r.walk_mib = (double) ds.mem.walk_bytes / DREAM_MIB;
+    r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - run.t_start).count();
+    r.optimizer_mib = (double) dream_opt_bytes(ds) / DREAM_MIB;
+    return status;
+}
+
+// Resume: computes on a step stopped at its deadline, with a deadline of its own; a receipt status.
+static int32_t dream_step_resume(dream_stage & ds, dream_receipt & r, dream_step_run & run) {
+    dream_suspended_step & su = ds.exec.suspended;
+    const dream_chunk & chunk = run.chunk = su.chunk;
+    r.chunk_pos = chunk.p;
+    r.chunk_tokens = chunk.n;
+    r.tokens = su.n_loss;
+    r.horizon = ds.params.exact ? ds.mem.horizon : -1;
+    r.graph_mib = su.graph_mib;
+    std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", su.train ? "backward" : "forward");
+    const dream_deadline_t deadline = dream_step_deadline(ds, run.t_start);
+    const ggml_status st = dream_sched_compute(ds, ds.exec.step_graph.gb, su.batched, true, nullptr,
+                                               ds.exec.step_deadline_ms > 0 ? &deadline : nullptr, &su.next_node);
+    ds.exec.last_step_stoppable = true;            // it stopped once
+    if (st == GGML_STATUS_ABORTED) {
+        dream_receipt_message(r, "stopped at the step deadline of %.1f ms again, %d of %d graph nodes computed: the "
+                              "next micro-step goes on with chunk at %d (%d tokens)", ds.exec.step_deadline_ms,
+                              su.next_node, ggml_graph_n_nodes(ds.exec.step_graph.gb), chunk.p, chunk.n);
+        return DREAM_STATUS_STOPPED;
+    }
+    if (st != GGML_STATUS_SUCCESS) {
+        dream_suspended_drop(ds);
+        dream_receipt_message(r, "computing the rest of a stopped step failed (ggml status %d)", (int) st);
+        return DREAM_STATUS_ERROR;
+    }
+    const dream_suspended_step done = su;
+    su = dream_suspended_step{};
+    if (!dream_step_read(ds, r, ds.exec.step_graph, done.train, done.need_opt_state)) {
+        dream_step_graph_drop(ds);
+        dream_sched_release(ds);
+        return DREAM_STATUS_ERROR;
+    }
+    if (done.keepable) {
+        ds.exec.step_graph.valid = true;         // kept for the next chunk of its shape
+        ds.exec.graph_reuses += done.reuse ? 1 : 0;
+    } else {
+        dream_step_graph_drop(ds);
+        dream_sched_release(ds);
+    }
+    dream_step_advance(ds, r, chunk);
+    return DREAM_STATUS_OK;
+}
+
+// Plan: the next chunk into run.chunk, its loss rows and graph shape, and their receipt fields.
+static dream_step_shape dream_step_plan_chunk(dream_stage & ds, dream_receipt & r, dream_step_run & run) {
+    const dream_chunk & chunk = run.chunk = dream_next_chunk(ds);
+    const int32_t p = chunk.p, n = chunk.n;
     r.chunk_pos = p;
     r.chunk_tokens = n;
-    r.horizon = ds.params.exact ? ds.horizon : -1;
+    r.horizon = ds.params.exact ? ds.mem.horizon : -1;
     r.group_reply = chunk.group_reply;
     if (chunk.group_reply >= 0) {   // a group's walk is exact on any stage, over the whole prefix
         r.exact = true;
@@ -769,108 +751,115 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     }
     // a chunk larger than the adjoint slots were sized for gets fewer leaves:
     // the receipt says how many positions it actually gave gradient
-    if (chunk.leaf_lo >= 0 && ds.horizon > 0 && chunk.p - chunk.leaf_lo < std::min(ds.horizon, chunk.p)) {
+    if (chunk.leaf_lo >= 0 && ds.mem.horizon > 0 && chunk.p - chunk.leaf_lo < std::min(ds.mem.horizon, chunk.p)) {
         r.horizon = chunk.p - chunk.leaf_lo;
     }
-
     // row i (input token p+i) predicts token p+i+1 when that token carries loss
     // (the exact walk's forward sweep only fills the cache: its loss rows are
     // trained when the reverse pass comes back to them)
-    std::vector<int32_t> targets(n, -1);
-    int32_t n_loss = 0;
+    dream_step_shape sh;
+    sh.targets.assign(n, -1);
     const bool forward_sweep = dream_exact_window(ds) && !chunk.backward_pass;
-    const bool soft = dream_soft_active(ds);   // labels from dream_window_soft_targets (dream-soft.cpp)
-    const bool soft_rest = dream_soft_has_rest(ds);   // ... whose rows leave mass out: dream_soft_rest_ce
+    sh.soft = dream_soft_active(ds);
+    sh.soft_rest = dream_soft_has_rest(ds);
     for (int32_t i = 0; i < n && !forward_sweep; ++i) {
         const int32_t j = p + i + 1;
-        if (j < ds.win_n && ds.win_mask[j]) {
-            targets[i] = ds.win_tokens[j];
-            ++n_loss;
+        if (j < ds.win.n && ds.win.mask[j]) {
+            sh.targets[i] = ds.win.tokens[j];
+            ++sh.n_loss;
         }
     }
-    r.tokens = n_loss;
+    r.tokens = sh.n_loss;
     // only the rows with a target get logits (the graph gathers their hidden
     // states before the head, as serving does for its output rows): the head
     // is a [n_vocab, rows] product and tensor, and its rows without a target
     // would be computed for nothing; a chunk without loss rows keeps one
-    const int32_t n_out = std::max(n_loss, 1);
+    sh.n_out = std::max(sh.n_loss, 1);
     // the plain walk (and the exact walk's forward sweep) goes backward only
     // for loss rows; a reverse-pass chunk also for the adjoints it carries
-    const bool train = n_loss > 0 || (chunk.backward_pass && chunk.surrogate);
-    std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", train ? "backward" : "forward");
+    sh.train = sh.n_loss > 0 || (chunk.backward_pass && chunk.surrogate);
+    std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", sh.train ? "backward" : "forward");
+    sh.loss_scale = sh.n_loss > 0 ? (float) sh.n_loss / (float) ds.win.n_masked * ds.win.loss_scale : 0.0f;
+    return sh;
+}
 
-    if (hp.n_pos_per_embd() != 1) {
-        dream_receipt_message(r, "models with %u positions per token (M-RoPE) are not supported by the dream stage", hp.n_pos_per_embd());
-        return finish(DREAM_STATUS_ERROR);
+// Plan: the exact walk's adjoint buffers at its first backward chunk, gated and made; a receipt status.
+// The graph reads and writes them, so they exist before it is built: first their own gate (with the
+// step's host memory, which the graph's gate counts again), then, held by the job, the graph's gate
+// sees the rest of the need; a refusal there frees them again (dream_step_finish).
+static int32_t dream_step_walk_buffers(dream_stage & ds, dream_receipt & r, dream_step_run & run, bool train) {
+    if (!train || !run.chunk.backward_pass || ds.mem.adj_rows != 0) {
+        return DREAM_STATUS_OK;
     }
-
-    // the exact walk's adjoint buffers, at its first backward chunk. The graph
-    // reads and writes them, so they exist before it is built: first their own
-    // gate (with the step's host memory, which the graph's gate counts again),
-    // then, held by the job, the graph's gate below sees the rest of the need;
-    // a refusal there frees them again.
-    if (train && chunk.backward_pass && ds.adj_rows == 0) {
-        // (the job's largest chunk, not this one: a pacer may start small)
-        const int32_t rows = ds.horizon > 0 ? std::min(ds.params.window, ds.horizon + std::max(ds.chunk_max, ds.params.chunk))
-                                            : ds.params.window;
-        auto needs = dream_walk_bytes_planned(ds, rows);
-        double total = 0;
-        for (const auto & nd : needs) {
-            total += (double) nd.second / DREAM_MIB;
-        }
-        for (const auto & nd : dream_opt_step_needs(ds, train)) {
-            needs.push_back(nd);
-        }
-        const dream_gate_verdict v = dream_gate_check(ds, needs);
-        if (!v.fits) {
-            dream_receipt_refused(r, p, n, v.need_mib, v.allowance_mib);
-            dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
-                                  "memory need %.2f MiB on %s, allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, "
-                                  "slack %.2f MiB)%s", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
-                                  ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, v.why.c_str());
-            return finish(DREAM_STATUS_REFUSED);
-        }
-        std::string err;
-        if (!dream_walk_create(ds, rows, err)) {
-            dream_receipt_message(r, "%s", err.c_str());
-            return finish(DREAM_STATUS_ERROR);
-        }
-        walk_new = true;
-        chunk = dream_next_chunk(ds);   // the same chunk, its leaves bounded by the slots
+    // (the job's largest chunk, not this one: a pacer may start small)
+    const int32_t rows = ds.mem.horizon > 0
+                             ? std::min(ds.params.window, ds.mem.horizon + std::max(ds.mem.chunk_max, ds.params.chunk))
+                             : ds.params.window;
+    auto needs = dream_walk_bytes_planned(ds, rows);
+    double total = 0;
+    for (const auto & nd : needs) {
+        total += (double) nd.second / DREAM_MIB;
     }
+    for (const auto & nd : dream_opt_step_needs(ds, train)) {
+        needs.push_back(nd);
+    }
+    const dream_gate_verdict v = dream_gate_check(ds, needs);
+    if (!v.fits) {
+        dream_receipt_refused(r, run.chunk.p, run.chunk.n, v.need_mib, v.allowance_mib);
+        dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
+                              "memory need %.2f MiB on %s, allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, "
+                              "slack %.2f MiB)%s", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
+                              ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, v.why.c_str());
+        return DREAM_STATUS_REFUSED;
+    }
+    std::string err;
+    if (!dream_walk_create(ds, rows, err)) {
+        dream_receipt_message(r, "%s", err.c_str());
+        return DREAM_STATUS_ERROR;
+    }
+    run.walk_new = true;
+    run.chunk = dream_next_chunk(ds);   // the same chunk, its leaves bounded by the slots
+    return DREAM_STATUS_OK;
+}
 
-    dream_graph_scope scope(ds);
-    llama_context & lctx = *ds.lctx;
-
-    // the chunk's cells in the training cache (a refused earlier try left none)
-    ds.memory->seq_rm(0, p, -1);
-    ds.win_pos = std::min(ds.win_pos, p);
-    llama_batch_allocr balloc(hp.n_pos_per_embd());
+// Build: places the chunk's cells [p, p + n) in the training cache (scope reverts them on failure); null on error.
+static std::unique_ptr<llama_kv_cache_context> dream_step_place(dream_stage & ds, dream_receipt & r, const dream_chunk & c,
+                                                                const dream_step_shape & sh, dream_graph_scope & scope) {
+    const int32_t p = c.p, n = c.n;
+    // a refused earlier try left none
+    ds.mem.cache->seq_rm(0, p, -1);
+    ds.win.pos = std::min(ds.win.pos, p);
+    llama_batch_allocr balloc(ds.model->hparams.n_pos_per_embd());
     llama_ubatch ub = balloc.ubatch_reserve(n, 1);
     for (int32_t i = 0; i < n; ++i) {
-        ub.token[i] = ds.win_tokens[p + i];
+        ub.token[i] = ds.win.tokens[p + i];
         ub.pos[i] = p + i;
         ub.n_seq_id[i] = 1;
         ub.seq_id[i] = &ub.seq_id_unq[0];
         // logits only for the rows that carry a loss (the output head is 49,152
         // x n_embd per row, and its backward is a scatter over all of them);
         // a chunk without loss tokens keeps its last row so the graph has one
-        ub.output[i] = n_loss > 0 ? targets[i] >= 0 : i == n - 1;
+        ub.output[i] = sh.n_loss > 0 ? sh.targets[i] >= 0 : i == n - 1;
     }
-    auto sinfos = ds.memory->prepare({ ub });
+    auto sinfos = ds.mem.cache->prepare({ ub });
     if (sinfos.empty()) {
         dream_receipt_message(r, "the training cache (%d cells) has no room for chunk at %d (%d tokens)", ds.params.window, p, n);
-        return finish(DREAM_STATUS_ERROR);
+        return nullptr;
     }
     if (!sinfos[0].is_contiguous() || sinfos[0].head() != (uint32_t) p) {
         dream_receipt_message(r, "training cache placed chunk at %d into cell %u, not %d", p, sinfos[0].head(), p);
-        return finish(DREAM_STATUS_ERROR);
+        return nullptr;
     }
-    llama_kv_cache_context mctx(ds.memory.get(), sinfos, { ub });
+    auto mctx = std::make_unique<llama_kv_cache_context>(ds.mem.cache.get(), sinfos, std::vector<llama_ubatch>{ ub });
     scope.revert_from = p;
-    mctx.apply();
+    mctx->apply();
+    return mctx;
+}
 
-    // training-only graph parameters: serving's cparams are copied, never changed
+// Build: the training graph's parameters over serving's (copied, never changed) for the placed chunk.
+static llm_graph_params dream_step_graph_params(dream_stage & ds, const dream_step_shape & sh,
+                                                const llama_kv_cache_context & mctx, ggml_backend_sched_t sched) {
+    llama_context & lctx = *ds.lctx;
     llama_cparams cp = dream_context_access::cparams(lctx);
     cp.training = true;
     cp.flash_attn = ds.fused_attn;   // ggml has no backward for FLASH_ATTN_EXT; dream-fattn.cpp gives one on CUDA
@@ -878,31 +867,21 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
     cp.causal_attn = true;
     cp.embeddings = false;
     cp.warmup = false;
-
-    const uint32_t sched_nodes = lctx.graph_max_nodes(std::min(lctx.n_ctx(), lctx.n_ubatch()));
-    if (!dream_sched_ensure(ds, sched_nodes)) {
-        dream_receipt_message(r, "could not create the dream stage's schedulers");
-        return finish(DREAM_STATUS_ERROR);
-    }
-    ggml_backend_sched_t sched = ds.sched_exec.get();
-    if (!ds.res) {
-        ds.res.reset(new llm_graph_result(sched_nodes));
-    }
-    llm_graph_params gp = {
+    return {
         /*.arch        =*/ ds.model->arch,
-        /*.hparams     =*/ hp,
+        /*.hparams     =*/ ds.model->hparams,
         /*.cparams     =*/ cp,
         /*.ubatch      =*/ mctx.get_ubatch(),
         /*.gtype       =*/ LLM_GRAPH_TYPE_DEFAULT,
         /*.sched       =*/ sched,
         /*.backend_cpu =*/ dream_context_access::backend_cpu(lctx),
         /*.cvec        =*/ dream_context_access::cvec(lctx),
-        /*.loras       =*/ &ds.shadow_set,
+        /*.loras       =*/ &ds.lora.shadow_set,
         /*.mctx        =*/ &mctx,
         /*.cross       =*/ dream_context_access::cross(lctx),
         /*.prec_policy =*/ &ds.model->prec_policy,
         /*.samplers    =*/ {},
-        /*.n_outputs   =*/ (uint32_t) n_out,
+        /*.n_outputs   =*/ (uint32_t) sh.n_out,
         /*.cb          =*/ [](const llama_ubatch &, ggml_tensor * cur, const char * name, int il) {
             if (il >= 0) {
                 ggml_format_name(cur, "%s-%d", name, il);
@@ -910,313 +889,415 @@ int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
                 ggml_set_name(cur, name);
             }
         },
-        /*.res         =*/ ds.res.get(),
+        /*.res         =*/ ds.exec.res.get(),
     };
+}
 
-    // this chunk's share of the window's mean over its loss tokens (times a group reply's weight)
-    const float loss_scale = n_loss > 0 ? (float) n_loss / (float) ds.win_n_masked * ds.win_loss_scale : 0.0f;
-
-    // The last step's graph, when this chunk has its shape, is still allocated
-    // on the exec scheduler: set its inputs and compute it again (dream_step_graph).
-    // Only the plain walk: the exact walk's and a group's graphs carry leaves,
-    // adjoint views and surrogates that depend on the chunk's place in the pass.
-    dream_step_graph & sg = ds.step_graph;
-    const bool keepable = ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active;
-    const bool reuse = keepable && sg.valid && sg.p == p && sg.n == n && sg.n_out == n_out && sg.train == train && sg.soft == soft &&
-                       sg.soft_rest == soft_rest && sg.loss_scale == loss_scale && ds.res->can_reuse(gp);
-    // the graph this step computes: the kept one, or one built below
-    dream_step_graph fresh;
-    dream_step_graph & sgraph = reuse ? sg : fresh;
-    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;       // what the step allocates, per device
-    if (reuse) {
-        // allocated already: nothing to plan, the gate sees only the step's host memory
-        ds.build_unit = sg.unit;
-    } else {
-        dream_step_graph_drop(ds);
-        // the graph build may pin nodes to a backend on the scheduler it is given
-        // (build_attn without offload_kqv): the exec scheduler, reset, so the pins
-        // hold until it allocates the graph
-        ggml_backend_sched_reset(sched);
-        ds.res->reset();
-
-        ggml_cgraph * gf = nullptr;
-        ggml_tensor * loss = nullptr;
-        g_building = &ds;
-        g_hook_calls = 0;
-        ds.build_pos = p;
-        ds.build_unit = nullptr;
-        ds.build_leaf_lo = chunk.leaf_lo;
-        ds.build_surrogate = chunk.surrogate;
-        ds.build_leaf_k.assign(hp.n_layer(), nullptr);
-        ds.build_leaf_v.assign(hp.n_layer(), nullptr);
-        ds.build_sur = nullptr;
-        try {
-            gf = ds.model->build_graph(gp);
-        } catch (const std::exception & e) {
-            dream_receipt_message(r, "building the training graph failed: %s", e.what());
-            return finish(DREAM_STATUS_ERROR);
-        }
-        g_building = nullptr;
-        uint32_t n_kv_layers = 0;
-        for (uint32_t il = 0; il < hp.n_layer(); ++il) {
-            n_kv_layers += hp.has_kv(il) ? 1 : 0;
-        }
-        if (!gf || (uint32_t) g_hook_calls != n_kv_layers) {
-            dream_receipt_message(r, "architecture %s did not build its attention through the dream memory (%d of %u layers)",
-                                  llm_arch_name(ds.model->arch), g_hook_calls, n_kv_layers);
-            return finish(DREAM_STATUS_ERROR);
-        }
-        ggml_tensor * logits = ds.res->get_logits();
-        if (!logits || logits->ne[0] != n_vocab || logits->ne[1] != n_out) {
-            dream_receipt_message(r, "the training graph has no [n_vocab, %d] logits", n_out);
-            return finish(DREAM_STATUS_ERROR);
-        }
-
-        // backward context: loss, labels, gradients, the combined graph
-        // ggml_graph_cpy needs a hash set at least as large as the forward graph's
-        const size_t cap = std::max<size_t>((size_t) 6 * (ggml_graph_n_nodes(gf) + gf->n_leafs) + 1024, (size_t) gf->size);
-        ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
-        scope.ctx = ggml_init(ip);
-        ggml_context * cbw = scope.ctx;
-        sgraph.gb = ggml_new_graph_custom(cbw, cap, train);
-        ggml_graph_cpy(gf, sgraph.gb);
-        if (train) {
-            if (n_loss > 0) {
-                // the logits hold only the rows with a target (ub.output): cross_entropy_loss's
-                // backward assumes every row's labels sum to one, so an all-zero row
-                // would still push its softmax into the gradient.
-                // With a GPU in the scheduler the one-hot labels are made on the
-                // device: a zero matrix (FILL, one write) whose n_loss ones are set
-                // through SET_ROWS on its flat view, one element per "row", at
-                // r * n_vocab + target[r]. Only n_loss indices cross from the host
-                // instead of a dense n_vocab x n_loss matrix (400 MB at 2048 tokens,
-                // most of a step's host time on the H200), and the matrix costs one
-                // pass, where a chain of element-wise ops (REPEAT, SUB, ABS, STEP)
-                // cost five. On the CPU alone the host fills the matrix in place: no
-                // transfer to save. Soft targets are dense rows: always filled on the host.
-                ggml_tensor * labels = nullptr;
-                if (ggml_backend_sched_get_n_backends(sched) > 1 && !soft) {
-                    sgraph.target_ids = ggml_new_tensor_1d(cbw, GGML_TYPE_I64, n_loss);
-                    ggml_set_name(sgraph.target_ids, "dream_target_ids");
-                    ggml_set_input(sgraph.target_ids);
-                    ggml_tensor * zeros = ggml_fill_inplace(cbw, ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_vocab * n_loss), 0.0f);
-                    ggml_tensor * ones = ggml_fill_inplace(cbw, ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss), 1.0f);
-                    labels = ggml_reshape_2d(cbw, ggml_set_rows(cbw, zeros, ones, sgraph.target_ids), n_vocab, n_loss);
-                } else {
-                    sgraph.host_labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
-                    ggml_set_name(sgraph.host_labels, "dream_labels");
-                    ggml_set_input(sgraph.host_labels);
-                    labels = sgraph.host_labels;
-                }
-                if (soft_rest) {
-                    sgraph.host_rest = ggml_new_tensor_1d(cbw, GGML_TYPE_F32, n_loss);
-                    ggml_set_name(sgraph.host_rest, "dream_soft_rest");
-                    ggml_set_input(sgraph.host_rest);
-                    sgraph.ce = dream_soft_rest_ce(cbw, logits, labels, sgraph.host_rest);   // mean over loss rows
-                } else {
-                    sgraph.ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
-                }
-                ggml_set_output(sgraph.ce);
-                loss = ggml_scale(cbw, sgraph.ce, loss_scale);
-            }
-            // the exact walk: the later chunks' adjoints enter through the surrogate
-            if (ds.build_sur) {
-                loss = loss ? ggml_add(cbw, loss, ds.build_sur) : ds.build_sur;
-            }
-            ggml_set_loss(loss);
-            ggml_build_forward_expand(sgraph.gb, loss);
-            if (const ggml_tensor * bad = dream_find_undifferentiable(sgraph.gb, loss)) {
-                dream_receipt_message(r, "op %s (%s, node %s) has no backward pass in ggml", ggml_op_desc(bad),
-                                      ggml_op_name(bad->op), bad->name);
-                return finish(DREAM_STATUS_ERROR);
-            }
-            const int n_forward = ggml_graph_n_nodes(sgraph.gb);
-            ggml_build_backward_expand(cbw, sgraph.gb, nullptr);
-            sgraph.loss_grad = ggml_graph_get_grad(sgraph.gb, loss);
-            for (auto & pr : ds.pairs) {
-                for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
-                    ggml_tensor * g = ggml_graph_get_grad(sgraph.gb, t);
-                    if (g) {
-                        ggml_set_output(g);
-                    }
-                    sgraph.param_grads.push_back(g);
-                }
-            }
-            // the exact walk: add each leaf's gradient into gK/gV at its cells, in
-            // this graph (the buffers are the stage's, so it persists to the chunks before)
-            for (uint32_t il = 0; il < hp.n_layer(); ++il) {
-                ggml_tensor * leaves[2] = { ds.build_leaf_k[il], ds.build_leaf_v[il] };
-                ggml_tensor * adj[2] = { ds.adj_k.empty() ? nullptr : ds.adj_k[il], ds.adj_v.empty() ? nullptr : ds.adj_v[il] };
-                for (int i = 0; i < 2; ++i) {
-                    ggml_tensor * g = leaves[i] ? ggml_graph_get_grad(sgraph.gb, leaves[i]) : nullptr;
-                    if (!g) {
-                        continue;
-                    }
-                    g = ggml_reshape(cbw, ggml_is_contiguous(g) ? g : ggml_cont(cbw, g), leaves[i]);
-                    for (const auto & pc : dream_ring_pieces(ds, chunk.leaf_lo, p)) {
-                        ggml_tensor * slots = dream_adj_view(cbw, adj[i], pc.slot, pc.len);
-                        ggml_tensor * sum = ggml_add(cbw, slots, dream_cells_view(cbw, g, chunk.leaf_lo, pc.pos, pc.len));
-                        ggml_build_forward_expand(sgraph.gb, ggml_cpy(cbw, sum, slots));
-                    }
-                }
-            }
-            if (ds.params.recompute) {
-                std::string err;
-                sgraph.gb = dream_recompute(cbw, sgraph.gb, n_forward, cap, err);
-                if (!sgraph.gb) {
-                    dream_receipt_message(r, "%s", err.c_str());
-                    return finish(DREAM_STATUS_ERROR);
-                }
-            }
-        }
-        sgraph.gb = dream_fit_backward(ds, cbw, sgraph.gb, cap, sgraph.pool_need);
-        if (ggml_graph_n_nodes(sgraph.gb) + sgraph.gb->n_leafs > (int) sched_nodes) {
-            dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
-                                  ggml_graph_n_nodes(sgraph.gb) + sgraph.gb->n_leafs, sched_nodes);
-            return finish(DREAM_STATUS_ERROR);
-        }
-
-        // the gate: plan a twin of this graph with ggml's allocator on the stage's planning scheduler
-        dream_graph_plan plan;
-        if (!dream_sched_plan(ds, sgraph.gb, plan)) {
-            dream_receipt_message(r, "planning the training graph failed");
-            return finish(DREAM_STATUS_ERROR);
-        }
-        needs = plan.needs;
-        sgraph.graph_bytes = plan.graph_bytes;
+// Build: the forward graph through the model's builder, the attention hook
+// joining the training cache (and the exact walk's leaves); null on error.
+static ggml_cgraph * dream_step_build_forward(dream_stage & ds, dream_receipt & r, const dream_chunk & c,
+                                              const llm_graph_params & gp, int32_t n_out) {
+    const auto & hp = ds.model->hparams;
+    g_building = &ds;
+    g_hook_calls = 0;
+    ds.build.pos = c.p;
+    ds.build.unit = nullptr;
+    ds.build.leaf_lo = c.leaf_lo;
+    ds.build.surrogate = c.surrogate;
+    ds.build.leaf_k.assign(hp.n_layer(), nullptr);
+    ds.build.leaf_v.assign(hp.n_layer(), nullptr);
+    ds.build.sur = nullptr;
+    ggml_cgraph * gf = nullptr;
+    try {
+        gf = ds.model->build_graph(gp);
+    } catch (const std::exception & e) {
+        dream_receipt_message(r, "building the training graph failed: %s", e.what());
+        return nullptr;
     }
+    g_building = nullptr;
+    uint32_t n_kv_layers = 0;
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        n_kv_layers += hp.has_kv(il) ? 1 : 0;
+    }
+    if (!gf || (uint32_t) g_hook_calls != n_kv_layers) {
+        dream_receipt_message(r, "architecture %s did not build its attention through the dream memory (%d of %u layers)",
+                              llm_arch_name(ds.model->arch), g_hook_calls, n_kv_layers);
+        return nullptr;
+    }
+    ggml_tensor * logits = ds.exec.res->get_logits();
+    if (!logits || logits->ne[0] != ds.model->vocab.n_tokens() || logits->ne[1] != n_out) {
+        dream_receipt_message(r, "the training graph has no [n_vocab, %d] logits", n_out);
+        return nullptr;
+    }
+    return gf;
+}
+
+// Build: the chunk's scaled loss over its loss rows (labels, cross-entropy) into sgraph.
+static ggml_tensor * dream_step_build_loss(dream_stage & ds, ggml_context * cbw, dream_step_graph & sgraph,
+                                           const dream_step_shape & sh, ggml_backend_sched_t sched) {
+    const int64_t n_vocab = ds.model->vocab.n_tokens();
+    const int32_t n_loss = sh.n_loss;
+    ggml_tensor * logits = ds.exec.res->get_logits();
+    // the logits hold only the rows with a target (ub.output): cross_entropy_loss's backward assumes
+    // every row's labels sum to one, so an all-zero row would still push its softmax into the gradient.
+    // With a GPU in the scheduler the one-hot labels are made on the device: a zero matrix (FILL, one
+    // write) whose n_loss ones are set through SET_ROWS on its flat view, at r * n_vocab + target[r]:
+    // only n_loss indices cross from the host, not a dense n_vocab x n_loss matrix. On the CPU alone
+    // the host fills the matrix in place. Soft targets are dense rows: always filled on the host.
+    ggml_tensor * labels = nullptr;
+    if (ggml_backend_sched_get_n_backends(sched) > 1 && !sh.soft) {
+        sgraph.target_ids = ggml_new_tensor_1d(cbw, GGML_TYPE_I64, n_loss);
+        ggml_set_name(sgraph.target_ids, "dream_target_ids");
+        ggml_set_input(sgraph.target_ids);
+        ggml_tensor * zeros = ggml_fill_inplace(cbw, ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_vocab * n_loss), 0.0f);
+        ggml_tensor * ones = ggml_fill_inplace(cbw, ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss), 1.0f);
+        labels = ggml_reshape_2d(cbw, ggml_set_rows(cbw, zeros, ones, sgraph.target_ids), n_vocab, n_loss);
+    } else {
+        sgraph.host_labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
+        ggml_set_name(sgraph.host_labels, "dream_labels");
+        ggml_set_input(sgraph.host_labels);
+        labels = sgraph.host_labels;
+    }
+    if (sh.soft_rest) {
+        sgraph.host_rest = ggml_new_tensor_1d(cbw, GGML_TYPE_F32, n_loss);
+        ggml_set_name(sgraph.host_rest, "dream_soft_rest");
+        ggml_set_input(sgraph.host_rest);
+        sgraph.ce = dream_soft_rest_ce(cbw, logits, labels, sgraph.host_rest);   // mean over loss rows
+    } else {
+        sgraph.ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
+    }
+    ggml_set_output(sgraph.ce);
+    return ggml_scale(cbw, sgraph.ce, sh.loss_scale);
+}
+
+// Build: the exact walk adds each leaf's gradient into gK/gV at its cells, in this
+// graph (the buffers are the stage's, so it persists to the chunks before).
+static void dream_step_build_adjoints(dream_stage & ds, ggml_context * cbw, ggml_cgraph * gb, const dream_chunk & c) {
+    for (uint32_t il = 0; il < ds.model->hparams.n_layer(); ++il) {
+        ggml_tensor * leaves[2] = { ds.build.leaf_k[il], ds.build.leaf_v[il] };
+        ggml_tensor * adj[2] = { ds.mem.adj_k.empty() ? nullptr : ds.mem.adj_k[il],
+                                 ds.mem.adj_v.empty() ? nullptr : ds.mem.adj_v[il] };
+        for (int i = 0; i < 2; ++i) {
+            ggml_tensor * g = leaves[i] ? ggml_graph_get_grad(gb, leaves[i]) : nullptr;
+            if (!g) {
+                continue;
+            }
+            g = ggml_reshape(cbw, ggml_is_contiguous(g) ? g : ggml_cont(cbw, g), leaves[i]);
+            for (const auto & pc : dream_ring_pieces(ds, c.leaf_lo, c.p)) {
+                ggml_tensor * slots = dream_adj_view(cbw, adj[i], pc.slot, pc.len);
+                ggml_tensor * sum = ggml_add(cbw, slots, dream_cells_view(cbw, g, c.leaf_lo, pc.pos, pc.len));
+                ggml_build_forward_expand(gb, ggml_cpy(cbw, sum, slots));
+            }
+        }
+    }
+}
+
+// Build: the backward of loss (with the exact walk's surrogate) into sgraph.gb, the
+// adapter's gradients marked as outputs, rematerialized when params.recompute; false on error.
+static bool dream_step_build_backward(dream_stage & ds, dream_receipt & r, ggml_context * cbw, dream_step_graph & sgraph,
+                                      const dream_chunk & c, ggml_tensor * loss, size_t cap) {
+    // the exact walk: the later chunks' adjoints enter through the surrogate
+    if (ds.build.sur) {
+        loss = loss ? ggml_add(cbw, loss, ds.build.sur) : ds.build.sur;
+    }
+    ggml_set_loss(loss);
+    ggml_build_forward_expand(sgraph.gb, loss);
+    if (const ggml_tensor * bad = dream_find_undifferentiable(sgraph.gb, loss)) {
+        dream_receipt_message(r, "op %s (%s, node %s) has no backward pass in ggml", ggml_op_desc(bad),
+                              ggml_op_name(bad->op), bad->name);
+        return false;
+    }
+    const int n_forward = ggml_graph_n_nodes(sgraph.gb);
+    ggml_build_backward_expand(cbw, sgraph.gb, nullptr);
+    sgraph.loss_grad = ggml_graph_get_grad(sgraph.gb, loss);
+    for (auto & pr : ds.lora.pairs) {
+        for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
+            ggml_tensor * g = ggml_graph_get_grad(sgraph.gb, t);
+            if (g) {
+                ggml_set_output(g);
+            }
+            sgraph.param_grads.push_back(g);
+        }
+    }
+    dream_step_build_adjoints(ds, cbw, sgraph.gb, c);
+    if (ds.params.recompute) {
+        std::string err;
+        sgraph.gb = dream_recompute(cbw, sgraph.gb, n_forward, cap, err);
+        if (!sgraph.gb) {
+            dream_receipt_message(r, "%s", err.c_str());
+            return false;
+        }
+    }
+    return true;
+}
+
+// Build: a fresh training graph into sgraph (its context held by scope) and planned;
+// needs: what allocating it grows, per device. False on error (the receipt says why).
+static bool dream_step_build(dream_stage & ds, dream_receipt & r, const dream_chunk & c, const dream_step_shape & sh,
+                             const llm_graph_params & gp, uint32_t sched_nodes, dream_graph_scope & scope,
+                             dream_step_graph & sgraph, std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs) {
+    ggml_backend_sched_t sched = ds.exec.sched_exec.get();
+    dream_step_graph_drop(ds);
+    // the graph build may pin nodes to a backend on the scheduler it is given
+    // (build_attn without offload_kqv): the exec scheduler, reset, so the pins
+    // hold until it allocates the graph
+    ggml_backend_sched_reset(sched);
+    ds.exec.res->reset();
+    ggml_cgraph * gf = dream_step_build_forward(ds, r, c, gp, sh.n_out);
+    if (!gf) {
+        return false;
+    }
+    // backward context: loss, labels, gradients, the combined graph
+    // ggml_graph_cpy needs a hash set at least as large as the forward graph's
+    const size_t cap = std::max<size_t>((size_t) 6 * (ggml_graph_n_nodes(gf) + gf->n_leafs) + 1024, (size_t) gf->size);
+    ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
+    scope.ctx = ggml_init(ip);
+    ggml_context * cbw = scope.ctx;
+    sgraph.gb = ggml_new_graph_custom(cbw, cap, sh.train);
+    ggml_graph_cpy(gf, sgraph.gb);
+    if (sh.train) {
+        ggml_tensor * loss = sh.n_loss > 0 ? dream_step_build_loss(ds, cbw, sgraph, sh, sched) : nullptr;
+        if (!dream_step_build_backward(ds, r, cbw, sgraph, c, loss, cap)) {
+            return false;
+        }
+    }
+    sgraph.gb = dream_fit_backward(ds, cbw, sgraph.gb, cap, sgraph.pool_need);
+    if (ggml_graph_n_nodes(sgraph.gb) + sgraph.gb->n_leafs > (int) sched_nodes) {
+        dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
+                              ggml_graph_n_nodes(sgraph.gb) + sgraph.gb->n_leafs, sched_nodes);
+        return false;
+    }
+    // the gate's need: plan a twin of this graph with ggml's allocator on the stage's planning scheduler
+    dream_graph_plan plan;
+    if (!dream_sched_plan(ds, sgraph.gb, plan)) {
+        dream_receipt_message(r, "planning the training graph failed");
+        return false;
+    }
+    needs = plan.needs;
+    sgraph.graph_bytes = plan.graph_bytes;
+    return true;
+}
+
+// Compute: the memory gate over what the step allocates (graph, pool growth, optimizer); false: refused.
+static bool dream_step_gate(dream_stage & ds, dream_receipt & r, const dream_chunk & c, const dream_step_graph & sgraph,
+                            std::vector<std::pair<ggml_backend_dev_t, size_t>> needs, bool train, bool need_opt_state) {
     // a device pool grows to its largest quantized-weight expansion once and keeps it
     for (const auto & [dev, bytes] : sgraph.pool_need) {
         size_t held = 0;
-        for (const auto & [d, b] : ds.pool_held) {
+        for (const auto & [d, b] : ds.exec.pool_held) {
             held = d == dev ? b : held;
         }
         needs.push_back({ dev, bytes > held ? bytes - held : 0 });
     }
-    const bool need_opt_state = train && !dream_opt_ready(ds);
     for (const auto & nd : dream_opt_step_needs(ds, train)) {
         needs.push_back(nd);
     }
     r.graph_mib = (double) sgraph.graph_bytes / DREAM_MIB;
     const dream_gate_verdict verdict = dream_gate_check(ds, needs);
-    if (!verdict.fits) {
-        r.refused_chunk_pos = p;
-        r.refused_chunk_tokens = n;
-        r.refused_need_mib = verdict.need_mib;
-        r.refused_allowance_mib = verdict.allowance_mib;
-        dream_receipt_message(r, "chunk at %d (%d tokens) needs %.2f MiB more on %s (training graph %.2f MiB planned%s), "
-                              "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)%s",
-                              p, n, verdict.need_mib, verdict.device.c_str(), r.graph_mib,
-                              need_opt_state ? " + optimizer state" : "", verdict.allowance_mib,
-                              ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, verdict.why.c_str());
-        return finish(DREAM_STATUS_REFUSED);
+    if (verdict.fits) {
+        return true;
     }
+    r.refused_chunk_pos = c.p;
+    r.refused_chunk_tokens = c.n;
+    r.refused_need_mib = verdict.need_mib;
+    r.refused_allowance_mib = verdict.allowance_mib;
+    dream_receipt_message(r, "chunk at %d (%d tokens) needs %.2f MiB more on %s (training graph %.2f MiB planned%s), "
+                          "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)%s",
+                          c.p, c.n, verdict.need_mib, verdict.device.c_str(), r.graph_mib,
+                          need_opt_state ? " + optimizer state" : "", verdict.allowance_mib,
+                          ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, verdict.why.c_str());
+    return false;
+}
 
+// Compute: the graph's inputs for the placed chunk (ubatch, unit, labels, loss gradient seed).
+static void dream_step_set_inputs(dream_stage & ds, const dream_step_graph & sgraph, const dream_step_shape & sh,
+                                  int32_t p, const llama_kv_cache_context & mctx) {
+    const int64_t n_vocab = ds.model->vocab.n_tokens();
+    const int32_t n = (int32_t) sh.targets.size();
+    ds.exec.res->set_inputs(&mctx.get_ubatch());
+    if (ds.build.unit) {
+        const float unit = 1.0f;
+        ggml_backend_tensor_set(ds.build.unit, &unit, 0, sizeof(unit));
+    }
+    if (sgraph.target_ids) {
+        std::vector<int64_t> ids;   // the flat index of each loss row's one
+        for (int32_t i = 0; i < n; ++i) {
+            if (sh.targets[i] >= 0) {
+                ids.push_back((int64_t) ids.size() * n_vocab + sh.targets[i]);
+            }
+        }
+        ggml_backend_tensor_set(sgraph.target_ids, ids.data(), 0, ggml_nbytes(sgraph.target_ids));
+    }
+    if (sgraph.host_labels) {
+        // a tensor of the CPU backend: filled where it lies
+        GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_labels->buffer));
+        float * lab = (float *) sgraph.host_labels->data;
+        if (sh.soft) {
+            float * rest = nullptr;
+            if (sgraph.host_rest) {
+                GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_rest->buffer));
+                rest = (float *) sgraph.host_rest->data;
+            }
+            dream_soft_fill(ds, p, sh.targets, lab, n_vocab, rest);
+        } else {
+            std::memset(lab, 0, ggml_nbytes(sgraph.host_labels));
+            int64_t row = 0;
+            for (int32_t i = 0; i < n; ++i) {
+                if (sh.targets[i] >= 0) {
+                    lab[row++ * n_vocab + sh.targets[i]] = 1.0f;
+                }
+            }
+        }
+    }
+    if (sgraph.loss_grad) {
+        const float one = 1.0f;
+        ggml_backend_tensor_set(sgraph.loss_grad, &one, 0, sizeof(one));
+    }
+}
+
+// Compute: a freshly built graph into the stage's step graph, with what a later step compares.
+static void dream_step_keep_fresh(dream_stage & ds, dream_step_graph & fresh, dream_graph_scope & scope,
+                                  const dream_chunk & c, const dream_step_shape & sh, bool valid) {
+    fresh.ctx.reset(scope.ctx);
+    scope.ctx = nullptr;
+    fresh.unit = ds.build.unit;
+    fresh.p = c.p;
+    fresh.n = c.n;
+    fresh.n_out = sh.n_out;
+    fresh.train = sh.train;
+    fresh.soft = sh.soft;
+    fresh.soft_rest = sh.soft_rest;
+    fresh.loss_scale = sh.loss_scale;
+    fresh.valid = valid;
+    ds.exec.step_graph = std::move(fresh);
+}
+
+// Compute: a stopped step (its graph, inputs and cells kept) becomes ds.exec.suspended; a receipt status.
+static int32_t dream_step_suspend(dream_stage & ds, dream_receipt & r, const dream_step_run & run, const dream_step_shape & sh,
+                                  dream_step_graph & fresh, dream_graph_scope & scope, bool keepable, bool reuse,
+                                  bool need_opt_state, int32_t next_node) {
+    const dream_chunk & c = run.chunk;
+    if (!reuse) {
+        dream_step_keep_fresh(ds, fresh, scope, c, sh, false);   // valid again when the step completes
+    }
+    ds.exec.step_graph.valid = false;
+    ds.exec.suspended = dream_suspended_step{ true, next_node, c, sh.n_loss, sh.train, keepable, reuse, need_opt_state,
+                                              c.n > 1, r.graph_mib };
+    scope.keep = true;
+    scope.revert_from = -1;
+    dream_receipt_message(r, "stopped at the step deadline of %.1f ms, %d of %d graph nodes computed: the next "
+                          "micro-step goes on with chunk at %d (%d tokens)", ds.exec.step_deadline_ms, next_node,
+                          ggml_graph_n_nodes(ds.exec.step_graph.gb), c.p, c.n);
+    return DREAM_STATUS_STOPPED;
+}
+
+// Compute: allocates the graph once on the exec scheduler (unless reused), computes it, reads the
+// step's results and keeps the plain walk's graph for the next chunk of its shape; a receipt status.
+static int32_t dream_step_compute(dream_stage & ds, dream_receipt & r, const dream_step_run & run,
+                                  const dream_step_shape & sh, dream_step_graph & fresh, bool reuse, bool keepable,
+                                  bool need_opt_state, dream_graph_scope & scope, const llama_kv_cache_context & mctx) {
+    const dream_chunk & c = run.chunk;
+    dream_step_graph & sgraph = reuse ? ds.exec.step_graph : fresh;
     // the step deadline (dream_set_step_deadline): only a graph that writes
     // nothing but this chunk's own cache cells may stop midway and go on later
-    const bool stoppable = ds.step_deadline_ms > 0 && !chunk.backward_pass && chunk.group_reply < 0;
-    const dream_deadline_t deadline = dream_step_deadline(ds, t_start);
+    const bool stoppable = ds.exec.step_deadline_ms > 0 && !c.backward_pass && c.group_reply < 0;
+    const dream_deadline_t deadline = dream_step_deadline(ds, run.t_start);
     int32_t next_node = 0;
-    // a freshly built graph into the stage's step graph, with what a later step compares
-    auto keep_fresh = [&](bool valid) {
-        fresh.ctx.reset(scope.ctx);
-        scope.ctx = nullptr;
-        fresh.unit = ds.build_unit;
-        fresh.p = p;
-        fresh.n = n;
-        fresh.n_out = n_out;
-        fresh.train = train;
-        fresh.soft = soft;
-        fresh.soft_rest = soft_rest;
-        fresh.loss_scale = loss_scale;
-        fresh.valid = valid;
-        sg = std::move(fresh);
-    };
-    // allocate the real graph once on the exec scheduler (unless it still is) and compute it
-    const ggml_status st = dream_sched_compute(ds, sgraph.gb, n > 1, reuse, [&] {
-        ds.res->set_inputs(&mctx.get_ubatch());
-        if (ds.build_unit) {
-            const float unit = 1.0f;
-            ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
-        }
-        if (sgraph.target_ids) {
-            std::vector<int64_t> ids;   // the flat index of each loss row's one
-            for (int32_t i = 0; i < n; ++i) {
-                if (targets[i] >= 0) {
-                    ids.push_back((int64_t) ids.size() * n_vocab + targets[i]);
-                }
-            }
-            ggml_backend_tensor_set(sgraph.target_ids, ids.data(), 0, ggml_nbytes(sgraph.target_ids));
-        }
-        if (sgraph.host_labels) {
-            // a tensor of the CPU backend: filled where it lies
-            GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_labels->buffer));
-            float * lab = (float *) sgraph.host_labels->data;
-            if (soft) {
-                float * rest = nullptr;
-                if (sgraph.host_rest) {
-                    GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_rest->buffer));
-                    rest = (float *) sgraph.host_rest->data;
-                }
-                dream_soft_fill(ds, p, targets, lab, n_vocab, rest);
-            } else {
-                std::memset(lab, 0, ggml_nbytes(sgraph.host_labels));
-                int64_t row = 0;
-                for (int32_t i = 0; i < n; ++i) {
-                    if (targets[i] >= 0) {
-                        lab[row++ * n_vocab + targets[i]] = 1.0f;
-                    }
-                }
-            }
-        }
-        if (sgraph.loss_grad) {
-            const float one = 1.0f;
-            ggml_backend_tensor_set(sgraph.loss_grad, &one, 0, sizeof(one));
-        }
-    }, stoppable ? &deadline : nullptr, &next_node);
-    ds.last_step_stoppable = !chunk.backward_pass && chunk.group_reply < 0 && ds.last_one_cpu_split;
+    const ggml_status st = dream_sched_compute(ds, sgraph.gb, c.n > 1, reuse,
+                                               [&] { dream_step_set_inputs(ds, sgraph, sh, c.p, mctx); },
+                                               stoppable ? &deadline : nullptr, &next_node);
+    ds.exec.last_step_stoppable = !c.backward_pass && c.group_reply < 0 && ds.exec.last_one_cpu_split;
     if (st == GGML_STATUS_ABORTED && stoppable) {
-        // stopped between two segments: the graph, its inputs and the chunk's
-        // cells stay as they are, and the next micro-step computes the rest
-        if (!reuse) {
-            keep_fresh(false);                  // valid again when the step completes (a graph the walk keeps)
-        }
-        sg.valid = false;
-        ds.suspended = dream_suspended_step{ true, next_node, chunk, n_loss, train, keepable, reuse, need_opt_state, n > 1,
-                                             r.graph_mib };
-        scope.keep = true;
-        scope.revert_from = -1;
-        dream_receipt_message(r, "stopped at the step deadline of %.1f ms, %d of %d graph nodes computed: the next "
-                              "micro-step goes on with chunk at %d (%d tokens)", ds.step_deadline_ms, next_node,
-                              ggml_graph_n_nodes(sg.gb), p, n);
-        return finish(DREAM_STATUS_STOPPED);
+        return dream_step_suspend(ds, r, run, sh, fresh, scope, keepable, reuse, need_opt_state, next_node);
     }
     if (st == GGML_STATUS_ALLOC_FAILED) {
         dream_receipt_message(r, "allocating the training graph (%.2f MiB) failed", r.graph_mib);
-        return finish(DREAM_STATUS_ERROR);
+        return DREAM_STATUS_ERROR;
     }
-    if (st == GGML_STATUS_FAILED && ds.fused_attn && !dream_fattn_on_cuda(ds.sched_exec.get(), sgraph.gb)) {
+    if (st == GGML_STATUS_FAILED && ds.fused_attn && !dream_fattn_on_cuda(ds.exec.sched_exec.get(), sgraph.gb)) {
         dream_receipt_message(r, "the fused attention backward was scheduled off CUDA; set DREAMSTAGE_FUSED_ATTN=0");
-        return finish(DREAM_STATUS_ERROR);
+        return DREAM_STATUS_ERROR;
     }
     if (st != GGML_STATUS_SUCCESS) {
         dream_receipt_message(r, "computing the training graph failed (ggml status %d)", (int) st);
-        return finish(DREAM_STATUS_ERROR);
+        return DREAM_STATUS_ERROR;
     }
-    if (!dream_step_read(ds, r, sgraph, train, need_opt_state)) {
-        return finish(DREAM_STATUS_ERROR);
+    if (!dream_step_read(ds, r, sgraph, sh.train, need_opt_state)) {
+        return DREAM_STATUS_ERROR;
     }
-
     // the plain walk keeps the graph allocated for the next chunk of this shape
     if (keepable) {
         if (!reuse) {
-            keep_fresh(true);
+            dream_step_keep_fresh(ds, fresh, scope, c, sh, true);
         } else {
-            ds.graph_reuses += 1;
+            ds.exec.graph_reuses += 1;
         }
         scope.keep = true;
     }
     scope.revert_from = -1;     // the chunk's K/V stay as constants for later chunks
-    dream_step_advance(ds, r, chunk);
-    return finish(DREAM_STATUS_OK);
+    dream_step_advance(ds, r, c);
+    return DREAM_STATUS_OK;
+}
+
+// One micro-step: resume a stopped step, or plan the next chunk, place it,
+// build (or reuse) its graph, gate its memory and compute it.
+int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
+    dream_step_run run;
+    run.t_start = std::chrono::steady_clock::now();
+    dream_receipt_start(ds, r);
+    r.step = ds.step + 1;
+    if (!ds.win.active || (!dream_exact_window(ds) && ds.win.pos >= ds.win.n)) {
+        dream_receipt_message(r, "no window in progress: call dream_window_begin first");
+        return dream_step_finish(ds, r, run, DREAM_STATUS_ERROR);
+    }
+    if (ds.exec.suspended.active) {
+        return dream_step_finish(ds, r, run, dream_step_resume(ds, r, run));
+    }
+    const dream_step_shape sh = dream_step_plan_chunk(ds, r, run);
+    if (ds.model->hparams.n_pos_per_embd() != 1) {
+        dream_receipt_message(r, "models with %u positions per token (M-RoPE) are not supported by the dream stage",
+                              ds.model->hparams.n_pos_per_embd());
+        return dream_step_finish(ds, r, run, DREAM_STATUS_ERROR);
+    }
+    if (const int32_t st = dream_step_walk_buffers(ds, r, run, sh.train); st != DREAM_STATUS_OK) {
+        return dream_step_finish(ds, r, run, st);
+    }
+    const dream_chunk & c = run.chunk;
+    dream_graph_scope scope(ds);
+    const auto mctx = dream_step_place(ds, r, c, sh, scope);
+    if (!mctx) {
+        return dream_step_finish(ds, r, run, DREAM_STATUS_ERROR);
+    }
+    llama_context & lctx = *ds.lctx;
+    const uint32_t sched_nodes = lctx.graph_max_nodes(std::min(lctx.n_ctx(), lctx.n_ubatch()));
+    if (!dream_sched_ensure(ds, sched_nodes)) {
+        dream_receipt_message(r, "could not create the dream stage's schedulers");
+        return dream_step_finish(ds, r, run, DREAM_STATUS_ERROR);
+    }
+    if (!ds.exec.res) {
+        ds.exec.res.reset(new llm_graph_result(sched_nodes));
+    }
+    const llm_graph_params gp = dream_step_graph_params(ds, sh, *mctx, ds.exec.sched_exec.get());
+    // The last step's graph, when this chunk has its shape, is still allocated on the exec
+    // scheduler: set its inputs and compute it again (dream_step_graph). Only the plain walk:
+    // the exact walk's and a group's graphs carry leaves, adjoint views and surrogates that
+    // depend on the chunk's place in the pass.
+    const dream_step_graph & sg = ds.exec.step_graph;
+    const bool keepable = ds.exec.graph_reuse && !dream_exact_window(ds) && !ds.group.active;
+    const bool reuse = keepable && sg.valid && sg.p == c.p && sg.n == c.n && sg.n_out == sh.n_out && sg.train == sh.train &&
+                       sg.soft == sh.soft && sg.soft_rest == sh.soft_rest && sg.loss_scale == sh.loss_scale &&
+                       ds.exec.res->can_reuse(gp);
+    dream_step_graph fresh;   // the graph this step builds, unless it reuses the kept one
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;   // what the step allocates, per device
+    if (reuse) {
+        ds.build.unit = sg.unit;   // allocated already: the gate sees only the step's host memory
+    } else if (!dream_step_build(ds, r, c, sh, gp, sched_nodes, scope, fresh, needs)) {
+        return dream_step_finish(ds, r, run, DREAM_STATUS_ERROR);
+    }
+    const bool need_opt_state = sh.train && !dream_opt_ready(ds);
+    if (!dream_step_gate(ds, r, c, reuse ? sg : fresh, needs, sh.train, need_opt_state)) {
+        return dream_step_finish(ds, r, run, DREAM_STATUS_REFUSED);
+    }
+    return dream_step_finish(ds, r, run,
+                             dream_step_compute(ds, r, run, sh, fresh, reuse, keepable, need_opt_state, scope, *mctx));
 }

@@ -33,15 +33,13 @@
 #include "out-prod.cuh"
 #include "convert.cuh"
 
+#include "../dream-switches.h"
+
 #include <cstdlib>
 #include <cstring>
 
 static bool dream_fp32_mode() {
-    static const bool on = [] {
-        const char * v = std::getenv("NVIDIA_TF32_OVERRIDE");
-        return v != nullptr && std::strcmp(v, "0") == 0;
-    }();
-    return on;
+    return dream_switches_loaded().fp32_mode;
 }
 
 bool dream_cuda_mul_mat_exact(const ggml_tensor * dst) {

@@ -18,8 +18,8 @@
 // integers, within F16's range for any weight a model stores in F16 or below.
 //
 // Not used in the FP32 mode (NVIDIA_TF32_OVERRIDE=0), where these products stay
-// F32 end to end, nor with DREAMSTAGE_F16_PRODUCTS=0 (read per call, so a
-// process can compare both). Shapes other than one matrix (ne2 = ne3 = 1) with
+// F32 end to end, nor with DREAMSTAGE_F16_PRODUCTS=0 (dream_cuda_f16_products_set
+// overrides it, so a process can compare both). Shapes other than one matrix (ne2 = ne3 = 1) with
 // a contiguous src1 (MUL_MAT) or a transposed or contiguous one (OUT_PROD) take
 // the F32 path as before.
 
@@ -27,17 +27,26 @@
 #include "convert.cuh"
 #include "out-prod.cuh"
 
+#include "../dream-switches.h"
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 
+// -1: the registry decides; then 0 or 1, set by dream_cuda_f16_products_set (bench/gpu/dream_op_check
+// computes the same product both ways in one process)
+static int dream_f16_products_forced = -1;
+
+extern "C" void dream_cuda_f16_products_set(int on) {
+    dream_f16_products_forced = on < 0 ? -1 : on ? 1 : 0;
+}
+
 static bool dream_f16_products_on() {
-    const char * off = std::getenv("DREAMSTAGE_F16_PRODUCTS");
-    if (off && std::strcmp(off, "0") == 0) {
+    const dream_switches & s = dream_switches_loaded();
+    if (dream_f16_products_forced >= 0 ? dream_f16_products_forced == 0 : !s.f16_products) {
         return false;
     }
-    const char * tf = std::getenv("NVIDIA_TF32_OVERRIDE");
-    return !(tf && std::strcmp(tf, "0") == 0);
+    return !s.fp32_mode;
 }
 
 // the operand's absolute maximum, as the bits of a nonnegative float (ordered like the floats)
