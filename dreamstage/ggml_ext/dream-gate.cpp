@@ -1,5 +1,5 @@
 // The memory gate: a chunk (or the job's start) may allocate only what fits.
-// need comes from ggml's allocator planning the real graph (dream-walk.cpp);
+// need comes from ggml's allocator planning the real graph (dream-step.cpp);
 // allowance = min(budget left to the job, device free) - slack, per device.
 // The CPU is a device too (free = host available memory).
 #include "dream-stage.h"

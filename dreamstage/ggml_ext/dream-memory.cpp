@@ -85,7 +85,7 @@ bool dream_memory_create(dream_stage & ds, std::string & err) {
 // horizon H the reverse pass only ever holds adjoints for the H positions
 // before its chunk and the chunk itself, so rows = min(window, H + chunk),
 // and the whole window without one. Allocated at the first backward chunk,
-// through the gate (dream-walk.cpp); the plain walk has none.
+// through the gate (dream-step.cpp); the plain walk has none.
 std::vector<std::pair<ggml_backend_dev_t, size_t>> dream_walk_bytes_planned(const dream_stage & ds, int32_t rows) {
     std::vector<std::pair<ggml_backend_dev_t, size_t>> out;
     const auto & hp = ds.model->hparams;

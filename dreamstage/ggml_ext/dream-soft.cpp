@@ -3,7 +3,7 @@
 // tokens each (the drift guard's rehearsal windows: the base model's own
 // next-token distribution) instead of the one-hot of the next token.
 // ggml's CROSS_ENTROPY_LOSS takes target probabilities already; the walk
-// (dream-walk.cpp) only fills its label matrix from these rows on the host.
+// (dream-step.cpp) only fills its label matrix from these rows on the host.
 //
 // A row may leave mass out: the drift guard records the base's top 256 tokens,
 // which hold all but 1.4 % of its mass on the default model on average (up to

@@ -115,7 +115,7 @@ struct dream_suspended_step {
 };
 
 // The last micro-step's training graph, left allocated on the exec scheduler
-// (dream-walk.cpp). The next chunk of the same shape (position, tokens, loss
+// (dream-step.cpp). The next chunk of the same shape (position, tokens, loss
 // rows, loss scale; the plain walk only) sets its inputs and computes it again:
 // no build, no plan, no allocation. ggml-opt keeps its graphs for the same
 // reason. Whatever else runs on the exec scheduler drops it first.
@@ -167,7 +167,7 @@ struct dream_opt_state {
     int32_t windows_pending = 0;   // finished windows whose gradient awaits an update
 };
 
-// The training memory (dream-memory.cpp allocates, dream-walk.cpp uses).
+// The training memory (dream-memory.cpp allocates, dream-step.cpp uses).
 struct dream_train_memory {
     std::unique_ptr<llama_kv_cache> cache;
     size_t context_bytes = 0;
@@ -383,7 +383,7 @@ bool dream_cpu_swiglu_back(const float * dy, const float * g, const float * u, f
 constexpr int64_t DREAM_GET_ROWS_MIN = 32;
 bool dream_cpu_get_rows_rewrite(ggml_context * ctx, ggml_tensor * n);
 
-// dream-walk.cpp
+// dream-step.cpp: one micro-step; dream-walk.cpp: the chunks left in the window (an upper bound)
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);
 int32_t dream_walk_chunks_left(const dream_stage & ds);
 

@@ -1,4 +1,4 @@
-// The window's reverse-pass bookkeeping, shared by the walk (dream-walk.cpp) and
+// The window's reverse-pass bookkeeping, shared by the walk (dream-walk.cpp, dream-step.cpp) and
 // the shared-prefix group's walk (dream-groups.cpp): both depend on this file,
 // neither on the other's internals.
 #include "dream-stage.h"

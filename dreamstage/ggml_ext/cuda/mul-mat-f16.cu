@@ -114,7 +114,7 @@ static bool dream_f16_weight_ok(const ggml_tensor * w) {
 
 bool dream_cuda_mul_mat_f16(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                             ggml_tensor * dst) {
-    // only a whole annotated training product (dream-walk.cpp sets the annotation)
+    // only a whole annotated training product (dream-fit.cpp sets the annotation)
     if (dst->op != GGML_OP_MUL_MAT || dst->src[0] != src0 || dst->src[1] != src1 ||
         ggml_get_op_params_i32(dst, 3) != GGML_PREC_F32 || !dream_f16_weight_ok(src0) ||
         src1->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32 || !ggml_is_contiguous(src1) ||
