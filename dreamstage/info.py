@@ -13,6 +13,7 @@ def collect() -> dict:
         "llama_cpp_python_pin": bi["llama-cpp-python"],
         "llama_cpp_commit": bi["upstream"],
         "patches": bi["patches"],
+        "switches": bi.get("switches", {}),
         "lib_dir": str(native.lib_dir()),
         # where it is, or where the first `serve` will put it (info never downloads)
         "default_model": str(models.default_model_path()),
@@ -32,6 +33,7 @@ def render(i: dict) -> str:
         f"libraries        {i['lib_dir']}",
         f"default model    {i['default_model']}"
         + ("" if i["default_model_cached"] else " (not fetched yet: the first `serve` downloads 93 MB)"),
+        f"native switches  {', '.join(f'{k}={v}' for k, v in i['switches'].items()) or '(none reported)'}",
         f"backends         {', '.join(i['backends'])}",
         "devices:",
     ]

@@ -124,6 +124,8 @@ def parse_build_info(s: str) -> dict:
         k, _, v = kv.partition("=")
         out[k] = v
     out["patches"] = [p for p in out.get("patches", "").split(",") if p]
+    # the native switches (dream-switches.h) as the library read them: NAME=value,...
+    out["switches"] = dict(kv.partition("=")[::2] for kv in out.get("switches", "").split(",") if kv)
     return out
 
 
@@ -347,28 +349,6 @@ def _declare(L: ctypes.CDLL) -> None:
     # bool dream_set_chunk(struct dream_stage * ds, int32_t chunk);
     L.dream_set_chunk.argtypes = [p, ctypes.c_int32]
     L.dream_set_chunk.restype = ctypes.c_bool
-    # bool dream_backward_product(int32_t type, const void * w, int64_t n_in, int64_t n_out, const float * dy,
-    #                             int64_t n_tok, float * dx);
-    L.dream_backward_product.argtypes = [ctypes.c_int32, p, ctypes.c_int64, ctypes.c_int64, f32p, ctypes.c_int64, f32p]
-    L.dream_backward_product.restype = ctypes.c_bool
-    # bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int64_t a_k, const float * b, int64_t ne1,
-    #                         int64_t b_i, int64_t b_k, float * dst);
-    L.dream_out_prod_f32.argtypes = [f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, f32p, ctypes.c_int64,
-                                     ctypes.c_int64, ctypes.c_int64, f32p]
-    L.dream_out_prod_f32.restype = ctypes.c_bool
-    # bool dream_cpu_get_rows_check(int32_t type, const void * w, int64_t n_embd, int64_t n_rows, const int32_t * ids,
-    #                               int64_t n_ids, int32_t n_threads, bool rewrite, float * out, bool * rewritten);
-    L.dream_cpu_get_rows_check.argtypes = [ctypes.c_int32, p, ctypes.c_int64, ctypes.c_int64, p, ctypes.c_int64,
-                                           ctypes.c_int32, ctypes.c_bool, f32p, ctypes.POINTER(ctypes.c_bool)]
-    L.dream_cpu_get_rows_check.restype = ctypes.c_bool
-    # bool dream_swiglu_back_check(const float * g, const float * u, const float * w, int64_t n_ff, int64_t n_tok,
-    #                              int32_t n_threads, bool fused, float * dg, float * du, int32_t * fused_nodes);
-    L.dream_swiglu_back_check.argtypes = [f32p, f32p, f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
-                                          ctypes.c_bool, f32p, f32p, ctypes.POINTER(ctypes.c_int32)]
-    L.dream_swiglu_back_check.restype = ctypes.c_bool
-    # bool dream_cpu_exp_check(const float * x, int64_t n, float * out);
-    L.dream_cpu_exp_check.argtypes = [f32p, ctypes.c_int64, f32p]
-    L.dream_cpu_exp_check.restype = ctypes.c_bool
     # int32_t dream_last_n_splits(const struct dream_stage * ds);
     L.dream_last_n_splits.argtypes = [p]
     L.dream_last_n_splits.restype = ctypes.c_int32
@@ -393,6 +373,34 @@ def _declare(L: ctypes.CDLL) -> None:
     # size_t dream_serving_compute_bytes(struct llama_context * ctx);
     L.dream_serving_compute_bytes.argtypes = [p]
     L.dream_serving_compute_bytes.restype = ctypes.c_size_t
+    _declare_testing(L)
+
+
+def _declare_testing(L: ctypes.CDLL) -> None:
+    """The test hooks of dream-testing.h: kernels on plain buffers, for the tests only."""
+    p, f32p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)
+    # bool dream_backward_product(int32_t type, const void * w, int64_t n_in, int64_t n_out, const float * dy,
+    #                             int64_t n_tok, float * dx);
+    L.dream_backward_product.argtypes = [ctypes.c_int32, p, ctypes.c_int64, ctypes.c_int64, f32p, ctypes.c_int64, f32p]
+    L.dream_backward_product.restype = ctypes.c_bool
+    # bool dream_out_prod_f32(const float * a, int64_t ne0, int64_t nk, int64_t a_k, const float * b, int64_t ne1,
+    #                         int64_t b_i, int64_t b_k, float * dst);
+    L.dream_out_prod_f32.argtypes = [f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, f32p, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_int64, f32p]
+    L.dream_out_prod_f32.restype = ctypes.c_bool
+    # bool dream_cpu_get_rows_check(int32_t type, const void * w, int64_t n_embd, int64_t n_rows, const int32_t * ids,
+    #                               int64_t n_ids, int32_t n_threads, bool rewrite, float * out, bool * rewritten);
+    L.dream_cpu_get_rows_check.argtypes = [ctypes.c_int32, p, ctypes.c_int64, ctypes.c_int64, p, ctypes.c_int64,
+                                           ctypes.c_int32, ctypes.c_bool, f32p, ctypes.POINTER(ctypes.c_bool)]
+    L.dream_cpu_get_rows_check.restype = ctypes.c_bool
+    # bool dream_swiglu_back_check(const float * g, const float * u, const float * w, int64_t n_ff, int64_t n_tok,
+    #                              int32_t n_threads, bool fused, float * dg, float * du, int32_t * fused_nodes);
+    L.dream_swiglu_back_check.argtypes = [f32p, f32p, f32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
+                                          ctypes.c_bool, f32p, f32p, ctypes.POINTER(ctypes.c_int32)]
+    L.dream_swiglu_back_check.restype = ctypes.c_bool
+    # bool dream_cpu_exp_check(const float * x, int64_t n, float * out);
+    L.dream_cpu_exp_check.argtypes = [f32p, ctypes.c_int64, f32p]
+    L.dream_cpu_exp_check.restype = ctypes.c_bool
 
 
 @lru_cache(maxsize=1)

@@ -10,7 +10,7 @@
 // exact product, of GPU against CPU, and of the GPU's product with src1 and
 // the accumulator at F32 (what a training graph runs) against the exact product,
 // with F16 operands (cuda/mul-mat-f16.cu, the default) and with
-// DREAMSTAGE_F16_PRODUCTS=0 (F32 operands, TF32 cuBLAS). Then the backward's
+// DREAMSTAGE_F16_PRODUCTS=0 (F32 operands, TF32 cuBLAS; set through dream_cuda_f16_products_set). Then the backward's
 // product, OUT_PROD(W, dy^T), with dy ~ 1e-8 N(0, 1) (a gradient's size, far
 // below F16's normal range), both ways. Exit 1 when an F16 product lands more
 // than 2x the F32 path's distance (+1e-6) from exact.
@@ -19,6 +19,8 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "rel_l2.h"
+
+#include <dlfcn.h>
 
 #include <cmath>
 #include <cstdio>
@@ -76,10 +78,16 @@ static std::vector<float> run_out_prod(ggml_backend_t be, ggml_type type, const 
 
 // the GPU's result with the F16 operands (default) and without
 template <typename F> static std::pair<std::vector<float>, std::vector<float>> f16_and_f32(F && fn) {
+    // ggml-cuda's override of DREAMSTAGE_F16_PRODUCTS (read once, at its first use)
+    static const auto f16_set = (void (*)(int)) dlsym(RTLD_DEFAULT, "dream_cuda_f16_products_set");
+    if (!f16_set) {
+        std::fprintf(stderr, "dream_cuda_f16_products_set not found in ggml-cuda\n");
+        std::exit(1);
+    }
     std::vector<float> f16 = fn();
-    setenv("DREAMSTAGE_F16_PRODUCTS", "0", 1);
+    f16_set(0);
     std::vector<float> f32 = fn();
-    unsetenv("DREAMSTAGE_F16_PRODUCTS");
+    f16_set(-1);
     return { f16, f32 };
 }
 

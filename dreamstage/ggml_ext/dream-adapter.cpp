@@ -92,10 +92,10 @@ static ggml_backend_buffer_type_t dream_lora_buft(const ggml_tensor * w) {
 static bool dream_make_set(dream_stage & ds, llama_adapter_lora & ad, bool shadow, std::string & err) {
     const int64_t rank = ds.params.rank;
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
-    for (auto & p : ds.pairs) {
+    for (auto & p : ds.lora.pairs) {
         ggml_backend_buffer_type_t buft = dream_lora_buft(p.weight);
         if (!ctx_of.count(buft)) {
-            ggml_init_params ip = { 2 * ds.pairs.size() * ggml_tensor_overhead(), nullptr, true };
+            ggml_init_params ip = { 2 * ds.lora.pairs.size() * ggml_tensor_overhead(), nullptr, true };
             ggml_context * c = ggml_init(ip);
             ad.ctxs.emplace_back(c);
             ctx_of[buft] = c;
@@ -121,14 +121,14 @@ static bool dream_make_set(dream_stage & ds, llama_adapter_lora & ad, bool shado
             return false;
         }
         ggml_backend_buffer_clear(buf, 0);  // B starts at zero
-        ds.adapter_bytes += ggml_backend_buffer_get_size(buf);
+        ds.lora.bytes += ggml_backend_buffer_get_size(buf);
         ad.bufs.emplace_back(buf);
     }
     ad.alpha = ds.params.alpha;
     return true;
 }
 
-// Resolves targets and layers into ds.pairs (no allocation).
+// Resolves targets and layers into ds.lora.pairs (no allocation).
 static bool dream_plan_pairs(dream_stage & ds, std::string & err) {
     std::vector<dream_target> targets;
     if (!dream_parse_targets(ds.targets_str, targets, err)) {
@@ -136,7 +136,7 @@ static bool dream_plan_pairs(dream_stage & ds, std::string & err) {
     }
     const int32_t n_layer = (int32_t) ds.model->hparams.n_layer();
     const int32_t top = ds.params.top_layers <= 0 ? n_layer : std::min(ds.params.top_layers, n_layer);
-    ds.pairs.clear();
+    ds.lora.pairs.clear();
     for (int32_t il = n_layer - top; il < n_layer; ++il) {
         for (auto t : targets) {
             ggml_tensor * w = dream_layer_weight(ds.model->layers[il], t);
@@ -160,38 +160,38 @@ static bool dream_plan_pairs(dream_stage & ds, std::string & err) {
             p.weight = w;
             p.n_in = w->ne[0];
             p.n_out = w->ne[1];
-            ds.pairs.push_back(p);
+            ds.lora.pairs.push_back(p);
         }
     }
-    ds.n_params = 0;
-    for (auto & p : ds.pairs) {
-        ds.n_params += ds.params.rank * (p.n_in + p.n_out);
+    ds.lora.n_params = 0;
+    for (auto & p : ds.lora.pairs) {
+        ds.lora.n_params += ds.params.rank * (p.n_in + p.n_out);
     }
     return true;
 }
 
 size_t dream_adapter_bytes_planned(const dream_stage & ds) {
     // two copies (shadow, served) of F32 A and B
-    return 2 * (size_t) ds.n_params * sizeof(float);
+    return 2 * (size_t) ds.lora.n_params * sizeof(float);
 }
 
 bool dream_adapter_create(dream_stage & ds, std::string & err) {
-    if (ds.pairs.empty() && !dream_plan_pairs(ds, err)) {
+    if (ds.lora.pairs.empty() && !dream_plan_pairs(ds, err)) {
         return false;
     }
-    ds.shadow.reset(new llama_adapter_lora(ds.model));
-    ds.served.reset(new llama_adapter_lora(ds.model));
-    ds.adapter_bytes = 0;
-    if (!dream_make_set(ds, *ds.shadow, true, err) || !dream_make_set(ds, *ds.served, false, err)) {
+    ds.lora.shadow.reset(new llama_adapter_lora(ds.model));
+    ds.lora.served.reset(new llama_adapter_lora(ds.model));
+    ds.lora.bytes = 0;
+    if (!dream_make_set(ds, *ds.lora.shadow, true, err) || !dream_make_set(ds, *ds.lora.served, false, err)) {
         return false;
     }
-    ds.shadow_set.clear();
-    ds.shadow_set[ds.shadow.get()] = 1.0f;
+    ds.lora.shadow_set.clear();
+    ds.lora.shadow_set[ds.lora.shadow.get()] = 1.0f;
 
     // A ~ U(-1/sqrt(n_in), 1/sqrt(n_in)) drawn in canonical pair order, B = 0.
     std::mt19937 rng(ds.params.seed);
     std::vector<float> a;
-    for (auto & p : ds.pairs) {
+    for (auto & p : ds.lora.pairs) {
         std::uniform_real_distribution<float> U(-1.0f / std::sqrt((float) p.n_in), 1.0f / std::sqrt((float) p.n_in));
         a.resize(ggml_nelements(p.a_shadow));
         for (auto & x : a) {
@@ -209,7 +209,7 @@ bool dream_plan(dream_stage & ds, std::string & err) {
 
 void dream_adapter_copy(dream_stage & ds, bool shadow_to_served) {
     std::vector<uint8_t> tmp;
-    for (auto & p : ds.pairs) {
+    for (auto & p : ds.lora.pairs) {
         ggml_tensor * src[2] = { p.a_shadow, p.b_shadow };
         ggml_tensor * dst[2] = { p.a_served, p.b_served };
         for (int i = 0; i < 2; ++i) {
@@ -223,7 +223,7 @@ void dream_adapter_copy(dream_stage & ds, bool shadow_to_served) {
 }
 
 bool dream_adapter_read(const dream_stage & ds, bool shadow, float * out) {
-    for (auto & p : ds.pairs) {
+    for (auto & p : ds.lora.pairs) {
         ggml_tensor * a = shadow ? p.a_shadow : p.a_served;
         ggml_tensor * b = shadow ? p.b_shadow : p.b_served;
         ggml_backend_tensor_get(a, out, 0, ggml_nbytes(a));
@@ -235,7 +235,7 @@ bool dream_adapter_read(const dream_stage & ds, bool shadow, float * out) {
 }
 
 void dream_adapter_write(dream_stage & ds, const float * in) {
-    for (auto & p : ds.pairs) {
+    for (auto & p : ds.lora.pairs) {
         ggml_backend_tensor_set(p.a_shadow, in, 0, ggml_nbytes(p.a_shadow));
         in += ggml_nelements(p.a_shadow);
         ggml_backend_tensor_set(p.b_shadow, in, 0, ggml_nbytes(p.b_shadow));

@@ -76,6 +76,7 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
     ds->lctx = ctx;
     ds->model = const_cast<llama_model *>(&ctx->get_model());
     ds->params = params;
+    ds->switches = dream_switches_read();   // the stage's one read of the environment
     ds->targets_str = params.targets ? params.targets : "";
     ds->cache_type_str = params.context_cache_type ? params.context_cache_type : "";
     // keep copies: the caller's strings may die after this call
@@ -90,13 +91,13 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
         dream_receipt_message(r, "%s", err.c_str());
         return nullptr;
     }
-    ds->horizon = params.exact && params.horizon > 0 ? params.horizon : 0;
-    ds->chunk_max = params.chunk;
+    ds->mem.horizon = params.exact && params.horizon > 0 ? params.horizon : 0;
+    ds->mem.chunk_max = params.chunk;
     // gate the job's standing memory before anything exists
     const size_t cache_bytes = dream_memory_bytes_planned(*ds);
     const size_t adapter_bytes = dream_adapter_bytes_planned(*ds);
     std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;
-    for (auto & pr : ds->pairs) {
+    for (auto & pr : ds->lora.pairs) {
         ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(pr.weight->buffer);
         needs.push_back({ ggml_backend_buft_get_device(buft), 2 * (size_t) ds->params.rank * (pr.n_in + pr.n_out) * sizeof(float) });
     }
@@ -137,8 +138,8 @@ void dream_free(struct dream_stage * ds) {
     if (!ds) {
         return;
     }
-    dream_context_access::detach_lora(*ds->lctx, ds->served.get());
-    dream_context_access::detach_lora(*ds->lctx, ds->shadow.get());
+    dream_context_access::detach_lora(*ds->lctx, ds->lora.served.get());
+    dream_context_access::detach_lora(*ds->lctx, ds->lora.shadow.get());
     delete ds;
 }
 
@@ -162,32 +163,32 @@ int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, 
     }
     dream_suspended_drop(*ds);         // a stopped step of the last window is not continued
     ds->group = dream_group_state{};   // a plain window ends any group (dream-groups.cpp)
-    ds->win_loss_scale = 1.0f;
+    ds->win.loss_scale = 1.0f;
     dream_soft_clear(*ds);             // one-hot labels unless dream_window_soft_targets follows
-    ds->win_tokens.assign(tokens, tokens + n);
-    ds->win_mask.assign(loss_mask, loss_mask + n);
-    ds->win_mask[0] = 0;
-    ds->win_n_masked = 0;
+    ds->win.tokens.assign(tokens, tokens + n);
+    ds->win.mask.assign(loss_mask, loss_mask + n);
+    ds->win.mask[0] = 0;
+    ds->win.n_masked = 0;
     for (int32_t i = 1; i < n; ++i) {
-        ds->win_n_masked += ds->win_mask[i] ? 1 : 0;
+        ds->win.n_masked += ds->win.mask[i] ? 1 : 0;
     }
-    ds->win_n = n;
-    ds->win_pos = 0;
-    ds->win_active = true;
-    ds->memory->clear(false);
+    ds->win.n = n;
+    ds->win.pos = 0;
+    ds->win.active = true;
+    ds->mem.cache->clear(false);
     // the exact walk: the last loss token is predicted from inputs [0, j)
-    ds->win_loss_end = 0;
+    ds->win.loss_end = 0;
     for (int32_t j = 1; j < n; ++j) {
-        if (ds->win_mask[j]) {
-            ds->win_loss_end = j;
+        if (ds->win.mask[j]) {
+            ds->win.loss_end = j;
         }
     }
-    ds->win_reverse = false;
-    ds->rev_end = 0;
-    ds->win_adj.assign(ds->params.exact ? n : 0, 0);
+    ds->win.reverse = false;
+    ds->win.rev_end = 0;
+    ds->win.adj.assign(ds->params.exact ? n : 0, 0);
     dream_walk_clear(*ds);
     // a fresh gradient for every optimizer step
-    if (ds->windows_pending == 0) {
+    if (ds->opt.windows_pending == 0) {
         dream_opt_zero_acc(*ds);
     }
     r.chunk_pos = 0;
@@ -204,19 +205,19 @@ int32_t dream_chunks_left(const struct dream_stage * ds) {
 }
 
 int64_t dream_n_params(const struct dream_stage * ds) {
-    return ds->n_params;
+    return ds->lora.n_params;
 }
 
 int32_t dream_n_pairs(const struct dream_stage * ds) {
-    return (int32_t) ds->pairs.size();
+    return (int32_t) ds->lora.pairs.size();
 }
 
 bool dream_pair_info(const struct dream_stage * ds, int32_t i, int32_t * layer, const char ** target, int64_t * n_in,
                      int64_t * n_out) {
-    if (i < 0 || i >= (int32_t) ds->pairs.size()) {
+    if (i < 0 || i >= (int32_t) ds->lora.pairs.size()) {
         return false;
     }
-    const dream_pair & p = ds->pairs[i];
+    const dream_pair & p = ds->lora.pairs[i];
     *layer = p.layer;
     *target = dream_target_names[p.target];
     *n_in = p.n_in;
@@ -225,7 +226,7 @@ bool dream_pair_info(const struct dream_stage * ds, int32_t i, int32_t * layer, 
 }
 
 bool dream_gradients(const struct dream_stage * ds, float * out, int64_t n) {
-    if (n < ds->n_params) {
+    if (n < ds->lora.n_params) {
         return false;
     }
     dream_opt_read(*ds, 0, out);
@@ -233,11 +234,11 @@ bool dream_gradients(const struct dream_stage * ds, float * out, int64_t n) {
 }
 
 bool dream_get_parameters(const struct dream_stage * ds, float * out, int64_t n) {
-    return n >= ds->n_params && dream_adapter_read(*ds, true, out);
+    return n >= ds->lora.n_params && dream_adapter_read(*ds, true, out);
 }
 
 bool dream_set_parameters(struct dream_stage * ds, const float * in, int64_t n) {
-    if (n != ds->n_params) {
+    if (n != ds->lora.n_params) {
         return false;
     }
     dream_suspended_drop(*ds);   // a stopped step computed its first part with the old values
@@ -246,21 +247,21 @@ bool dream_set_parameters(struct dream_stage * ds, const float * in, int64_t n) 
 }
 
 int64_t dream_optimizer_state(const struct dream_stage * ds, float * out, int64_t n) {
-    if (n < 2 * ds->n_params) {
+    if (n < 2 * ds->lora.n_params) {
         return -1;
     }
     dream_opt_read(*ds, 1, out);
-    dream_opt_read(*ds, 2, out + ds->n_params);
-    return ds->adam_t;
+    dream_opt_read(*ds, 2, out + ds->lora.n_params);
+    return ds->opt.adam_t;
 }
 
 int64_t dream_promote(struct dream_stage * ds) {
     dream_adapter_copy(*ds, true);
-    return ++ds->served_version;
+    return ++ds->lora.served_version;
 }
 
 struct llama_adapter_lora * dream_served_adapter(struct dream_stage * ds) {
-    return ds->served.get();
+    return ds->lora.served.get();
 }
 
 void dream_set_budget(struct dream_stage * ds, double memory_budget_mib) {
@@ -272,13 +273,13 @@ int32_t dream_set_horizon(struct dream_stage * ds, int32_t horizon) {
         return -1;
     }
     dream_suspended_drop(*ds);
-    ds->horizon = horizon > 0 ? horizon : 0;
+    ds->mem.horizon = horizon > 0 ? horizon : 0;
     // adjoint buffers already sized for a shorter horizon bound it
-    if (ds->adj_rows > 0 && ds->adj_rows < ds->params.window &&
-        (ds->horizon == 0 || ds->horizon + ds->params.chunk > ds->adj_rows)) {
-        ds->horizon = std::max(1, ds->adj_rows - ds->params.chunk);
+    if (ds->mem.adj_rows > 0 && ds->mem.adj_rows < ds->params.window &&
+        (ds->mem.horizon == 0 || ds->mem.horizon + ds->params.chunk > ds->mem.adj_rows)) {
+        ds->mem.horizon = std::max(1, ds->mem.adj_rows - ds->params.chunk);
     }
-    return ds->horizon;
+    return ds->mem.horizon;
 }
 
 bool dream_set_chunk(struct dream_stage * ds, int32_t chunk) {
@@ -292,7 +293,7 @@ bool dream_set_chunk(struct dream_stage * ds, int32_t chunk) {
         dream_suspended_drop(*ds);   // a stopped step is not continued with another chunk
     }
     ds->params.chunk = chunk;
-    ds->chunk_max = std::max(ds->chunk_max, chunk);
+    ds->mem.chunk_max = std::max(ds->mem.chunk_max, chunk);
     return true;
 }
 
@@ -306,18 +307,18 @@ bool dream_set_lr(struct dream_stage * ds, float lr) {
 }
 
 int32_t dream_last_n_splits(const struct dream_stage * ds) {
-    return ds ? ds->last_n_splits : 0;
+    return ds ? ds->exec.last_n_splits : 0;
 }
 
 bool dream_last_step_stoppable(const struct dream_stage * ds) {
-    return ds && ds->last_step_stoppable;
+    return ds && ds->exec.last_step_stoppable;
 }
 
 void dream_set_graph_reuse(struct dream_stage * ds, bool on) {
     if (!ds) {
         return;
     }
-    ds->graph_reuse = on;
+    ds->exec.graph_reuse = on;
     if (!on) {
         dream_suspended_drop(*ds);
         dream_step_graph_drop(*ds);   // the allocation stays the scheduler's until the next step resets it
@@ -325,7 +326,7 @@ void dream_set_graph_reuse(struct dream_stage * ds, bool on) {
 }
 
 int64_t dream_graph_reuses(const struct dream_stage * ds) {
-    return ds ? ds->graph_reuses : 0;
+    return ds ? ds->exec.graph_reuses : 0;
 }
 
 bool dream_fused_attention(const struct dream_stage * ds) {
@@ -338,7 +339,7 @@ bool dream_optimizer_on_device(const struct dream_stage * ds) {
 
 void dream_set_step_deadline(struct dream_stage * ds, double ms) {
     if (ds) {
-        ds->step_deadline_ms = ms > 0 ? ms : 0;   // NaN too: no deadline
+        ds->exec.step_deadline_ms = ms > 0 ? ms : 0;   // NaN too: no deadline
     }
 }
 

@@ -21,6 +21,7 @@
 // Q4_1 through the batched kernel of cpu/mul-mat-q4-1.cpp, which is ggml's
 // arithmetic bit for bit); see docs/architecture/dream-stage.md, "Performance".
 #include "dream-stage.h"
+#include "dream-testing.h"
 
 #include "ggml-cpu.h"
 #define GGML_COMMON_DECL_CPP
@@ -427,11 +428,9 @@ void fused_product(const fused_args & a, int64_t n_tok, int ith, int nth) {
 // the fused kernel for a type on this CPU, or null (the panel kernel then)
 using fused_fn = void (*)(const fused_args &, int64_t, int, int);
 fused_fn fused_kernel(ggml_type type) {
-    static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") && [] {
-        // DREAMSTAGE_CPU_BACKWARD=panel keeps the panel kernel (tests cover both)
-        const char * v = std::getenv("DREAMSTAGE_CPU_BACKWARD");
-        return !(v && std::strcmp(v, "panel") == 0);
-    }();
+    // DREAMSTAGE_CPU_BACKWARD=panel keeps the panel kernel (tests cover both)
+    static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") &&
+                               dream_switches_loaded().cpu_backward_fused;
     if (!avx512) {
         return nullptr;
     }

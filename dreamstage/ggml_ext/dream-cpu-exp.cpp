@@ -6,6 +6,7 @@
 // of a default-model step at chunk 256 on one thread. AVX-512 only; other CPUs
 // keep ggml's ops.
 #include "dream-stage.h"
+#include "dream-testing.h"
 
 #include <immintrin.h>
 

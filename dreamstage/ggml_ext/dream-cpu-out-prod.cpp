@@ -11,6 +11,7 @@
 // 16 columns x up to 6 rows. CPUs with neither, and operands whose rows are
 // not contiguous along i0, keep ggml's op.
 #include "dream-stage.h"
+#include "dream-testing.h"
 
 #include <immintrin.h>
 

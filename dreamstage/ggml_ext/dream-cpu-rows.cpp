@@ -13,6 +13,7 @@
 // backend's threads: the values are bit for bit ggml's.
 
 #include "dream-stage.h"
+#include "dream-testing.h"
 
 #include "ggml-backend.h"
 

@@ -81,12 +81,7 @@ bool dream_fattn_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * gra
     node->src[3] = t->src[3];
     node->src[4] = t;
     node->src[5] = ggml_is_contiguous(grad) ? grad : ggml_cont(ctx, grad);
-    // DREAMSTAGE_FA_DQ=head writes dQ head-major as before 2026-12-02 (read at each
-    // graph build, for a same-run comparison of the two layouts)
-    const char * dq_env = std::getenv("DREAMSTAGE_FA_DQ");
-    const bool dq_tokens = !(dq_env && std::strcmp(dq_env, "head") == 0);
-    int32_t params[7] = { 0, (int32_t) off_k, (int32_t) off_v, (int32_t) off_lse, (int32_t) off_dvec, (int32_t) off_cls,
-                          dq_tokens ? 1 : 0 };
+    int32_t params[6] = { 0, (int32_t) off_k, (int32_t) off_v, (int32_t) off_lse, (int32_t) off_dvec, (int32_t) off_cls };
     std::memcpy(&params[0], t->op_params, sizeof(float));   // the scale
     ggml_set_op_params(node, params, sizeof(params));
     ggml_format_name(node, "dream_fattn_back(%s)", t->name);
@@ -97,8 +92,7 @@ bool dream_fattn_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * gra
     // (1.4 ms of a 2048-token step). dK and dV stay head-major: they reach K and V
     // through the cast to F16, whose backward (CPY's) reshapes the gradient and
     // so takes a contiguous one only.
-    out[0] = dq_tokens ? ggml_view_4d(ctx, node, D, T, H, 1, D * H * f, D * f, D * T * H * f, 0)
-                       : ggml_view_4d(ctx, node, D, T, H, 1, D * f, D * T * f, D * T * H * f, 0);
+    out[0] = ggml_view_4d(ctx, node, D, T, H, 1, D * H * f, D * f, D * T * H * f, 0);
     out[1] = ggml_view_4d(ctx, node, D, Tk, Hk, 1, D * f, D * Tk * f, D * Tk * Hk * f, off_k * f);
     out[2] = ggml_view_4d(ctx, node, D, Tk, Hk, 1, D * f, D * Tk * f, D * Tk * Hk * f, off_v * f);
     return true;
@@ -110,14 +104,9 @@ bool dream_fattn_differentiable(const ggml_tensor * t) {
 }
 
 bool dream_fattn_usable(const dream_stage & ds) {
-    const char * env = std::getenv("DREAMSTAGE_FUSED_ATTN");
-    if (env && std::strcmp(env, "0") == 0) {
-        return false;
-    }
     // the FP32 mode (docs/architecture/gpu.md, "Precision") is exact F32 throughout:
     // F16 K/V and F16 (10-bit mantissa) products are not
-    const char * tf32 = std::getenv("NVIDIA_TF32_OVERRIDE");
-    if (tf32 && std::strcmp(tf32, "0") == 0) {
+    if (!ds.switches.fused_attn || ds.switches.fp32_mode) {
         return false;
     }
     const auto & hp = ds.model->hparams;

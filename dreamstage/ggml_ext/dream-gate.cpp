@@ -1,5 +1,5 @@
 // The memory gate: a chunk (or the job's start) may allocate only what fits.
-// need comes from ggml's allocator planning the real graph (dream-walk.cpp);
+// need comes from ggml's allocator planning the real graph (dream-step.cpp);
 // allowance = min(budget left to the job, device free) - slack, per device.
 // The CPU is a device too (free = host available memory).
 #include "dream-stage.h"
@@ -18,28 +18,18 @@ double dream_held_mib(const struct dream_stage * ds) {
 double dream_held_mib(const dream_stage & ds) {
     const size_t opt = dream_opt_bytes(ds);
     size_t pools = 0;
-    for (const auto & [dev, bytes] : ds.pool_held) {
+    for (const auto & [dev, bytes] : ds.exec.pool_held) {
         pools += bytes;
     }
     // the training graph's own compute buffers are the job's memory too
-    return (double) (ds.adapter_bytes + ds.context_bytes + ds.walk_bytes + opt + dream_sched_held_bytes(ds) + pools) /
+    return (double) (ds.lora.bytes + ds.mem.context_bytes + ds.mem.walk_bytes + opt + dream_sched_held_bytes(ds) + pools) /
            DREAM_MIB;
-}
-
-static ggml_backend_dev_t dream_cpu_device() {
-    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-        ggml_backend_dev_t d = ggml_backend_dev_get(i);
-        if (ggml_backend_dev_type(d) == GGML_BACKEND_DEVICE_TYPE_CPU) {
-            return d;
-        }
-    }
-    return nullptr;
 }
 
 dream_gate_verdict dream_gate_check(const dream_stage & ds, const std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs) {
     std::map<ggml_backend_dev_t, size_t> per_dev;
     for (const auto & [dev, bytes] : needs) {
-        per_dev[dev ? dev : dream_cpu_device()] += bytes;
+        per_dev[dev ? dev : dream_host_device()] += bytes;
     }
     dream_gate_verdict v;
     bool first = true;
@@ -79,8 +69,4 @@ dream_gate_verdict dream_gate_check(const dream_stage & ds, const std::vector<st
         }
     }
     return v;
-}
-
-ggml_backend_dev_t dream_host_device() {
-    return dream_cpu_device();
 }

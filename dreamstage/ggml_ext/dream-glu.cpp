@@ -18,9 +18,9 @@
 // that carry our tag in their op params and lets the application take over the
 // backward of an op ggml differentiates itself (ggml_set_backward_ext_first).
 // Its output is one F32 tensor of twice g's size: dg, then du, each contiguous.
-// DREAMSTAGE_FUSED_GLU=0 (read at each graph build) keeps ggml's own backward.
 
 #include "dream-stage.h"
+#include "dream-testing.h"
 
 #include "ggml-impl.h"   // ggml_get_op_params_i32, ggml_set_op_params_i32, ggml_custom_op_params
 
@@ -60,18 +60,10 @@ void swiglu_back_cpu(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     }
 }
 
-// dream_swiglu_back_check's choice for the graph it builds on this thread: -1 none (the
-// environment decides), 0 off, 1 on. Per thread, so a check never changes what a
+// dream_swiglu_back_check's choice for the graph it builds on this thread (false: ggml's
+// own backward); every other graph fuses. Per thread, so a check never changes what a
 // training graph built on another thread at the same time gets.
-thread_local int fused_glu_forced = -1;
-
-bool fused_glu_on() {
-    if (fused_glu_forced >= 0) {
-        return fused_glu_forced == 1;
-    }
-    const char * v = std::getenv("DREAMSTAGE_FUSED_GLU");
-    return !(v && std::strcmp(v, "0") == 0);
-}
+thread_local bool fused_glu_on = true;
 
 // a split SWIGLU over plain F32 rows, as llama builds a feed-forward gate
 bool handled(const ggml_tensor * t) {
@@ -85,7 +77,7 @@ bool handled(const ggml_tensor * t) {
 }
 
 bool claims(const ggml_tensor * t) {
-    return handled(t) && fused_glu_on();
+    return handled(t) && fused_glu_on;
 }
 
 ggml_tensor * swiglu_back_node(ggml_context * ctx, ggml_tensor * dy, ggml_tensor * g, ggml_tensor * u) {
@@ -159,7 +151,7 @@ bool dream_swiglu_back_check(const float * gv, const float * uv, const float * w
             ggml_backend_dev_backend_reg(ggml_backend_get_device(cpu)), "ggml_backend_set_n_threads")) {
         set_threads(cpu, n_threads);
     }
-    fused_glu_forced = fused ? 1 : 0;
+    fused_glu_on = fused;
     ggml_init_params ip = { 64 * ggml_tensor_overhead() + ggml_graph_overhead_custom(256, true), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * g = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_ff, n_tok);
@@ -172,7 +164,7 @@ bool dream_swiglu_back_check(const float * gv, const float * uv, const float * w
     ggml_cgraph * gb = ggml_new_graph_custom(ctx, 256, true);
     ggml_build_forward_expand(gb, loss);
     ggml_build_backward_expand(ctx, gb, nullptr);
-    fused_glu_forced = -1;
+    fused_glu_on = true;
     ggml_tensor * dg = ggml_graph_get_grad(gb, g), * du = ggml_graph_get_grad(gb, u);
     *fused_nodes = 0;
     for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {

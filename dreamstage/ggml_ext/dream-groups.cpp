@@ -24,6 +24,8 @@
 // two scales exactly; on the host, 1/G is one correctly rounded division.
 #include "dream-stage.h"
 
+#include "llama-impl.h"   // format()
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -33,23 +35,23 @@ static void dream_group_load_reply(dream_stage & ds, int32_t g) {
     auto & gs = ds.group;
     const auto & toks = gs.reply_tokens[g];
     const auto & mask = gs.reply_mask[g];
-    ds.win_tokens = gs.prefix;
-    ds.win_tokens.insert(ds.win_tokens.end(), toks.begin(), toks.end());
-    ds.win_mask.assign(gs.n_prefix, 0);
-    ds.win_mask.insert(ds.win_mask.end(), mask.begin(), mask.end());
-    ds.win_n = (int32_t) ds.win_tokens.size();
-    ds.win_n_masked = 0;
-    ds.win_loss_end = 0;
-    for (int32_t j = gs.n_prefix; j < ds.win_n; ++j) {
-        if (ds.win_mask[j]) {
-            ds.win_n_masked += 1;
-            ds.win_loss_end = j;
+    ds.win.tokens = gs.prefix;
+    ds.win.tokens.insert(ds.win.tokens.end(), toks.begin(), toks.end());
+    ds.win.mask.assign(gs.n_prefix, 0);
+    ds.win.mask.insert(ds.win.mask.end(), mask.begin(), mask.end());
+    ds.win.n = (int32_t) ds.win.tokens.size();
+    ds.win.n_masked = 0;
+    ds.win.loss_end = 0;
+    for (int32_t j = gs.n_prefix; j < ds.win.n; ++j) {
+        if (ds.win.mask[j]) {
+            ds.win.n_masked += 1;
+            ds.win.loss_end = j;
         }
     }
-    ds.win_loss_scale = gs.weights[g];
-    ds.win_reverse = false;
-    ds.rev_end = 0;
-    ds.win_pos = std::min(ds.win_pos, gs.shared);   // the cache keeps the shared cells only
+    ds.win.loss_scale = gs.weights[g];
+    ds.win.reverse = false;
+    ds.win.rev_end = 0;
+    ds.win.pos = std::min(ds.win.pos, gs.shared);   // the cache keeps the shared cells only
     gs.reply = g;
     gs.reply_loss[g] = 0.0;
 }
@@ -67,18 +69,18 @@ dream_chunk dream_group_next_chunk(dream_stage & ds) {
     const int32_t lo = prefix_pass ? 0 : S;   // this part's reverse pass stops at lo
     dream_chunk c;
     c.group_reply = gs.reply;
-    if (!prefix_pass && ds.win_pos < S) {
+    if (!prefix_pass && ds.win.pos < S) {
         // step 1: the shared cells, forward only
-        c.p = ds.win_pos;
+        c.p = ds.win.pos;
         c.n = std::min(ds.params.chunk, S - c.p);
         c.group_reply = G;
         return c;
     }
-    const int32_t end = ds.win_reverse ? ds.rev_end : ds.win_loss_end;
+    const int32_t end = ds.win.reverse ? ds.win.rev_end : ds.win.loss_end;
     const int32_t start = dream_group_rev_start(ds, lo, end);
-    if (ds.win_pos < start) {
+    if (ds.win.pos < start) {
         // a long reply's forward sweep, or the refill after a refused chunk
-        c.p = ds.win_pos;
+        c.p = ds.win.pos;
         c.n = std::min(ds.params.chunk, start - c.p);
         c.group_reply = c.p < S ? G : gs.reply;
         return c;
@@ -90,15 +92,15 @@ dream_chunk dream_group_next_chunk(dream_stage & ds) {
 
 // Zeroes the adjoint slots of [a, b): the group's buffers hold the whole window (slot = position).
 static void dream_group_zero_adjoints(dream_stage & ds, int32_t a, int32_t b) {
-    GGML_ASSERT(b <= ds.adj_rows);
-    for (auto * adj : { &ds.adj_k, &ds.adj_v }) {
+    GGML_ASSERT(b <= ds.mem.adj_rows);
+    for (auto * adj : { &ds.mem.adj_k, &ds.mem.adj_v }) {
         for (ggml_tensor * t : *adj) {
             if (t) {
                 ggml_backend_tensor_memset(t, 0, (size_t) a * t->nb[2], (size_t) (b - a) * t->nb[2]);
             }
         }
     }
-    std::fill(ds.win_adj.begin() + a, ds.win_adj.begin() + b, 0);
+    std::fill(ds.win.adj.begin() + a, ds.win.adj.begin() + b, 0);
 }
 
 bool dream_group_chunk_done(dream_stage & ds, const dream_chunk & c, const dream_receipt & r) {
@@ -109,22 +111,22 @@ bool dream_group_chunk_done(dream_stage & ds, const dream_chunk & c, const dream
     const int32_t G = (int32_t) gs.reply_tokens.size();
     const int32_t S = gs.shared;
     if (c.leaf_lo >= 0) {
-        std::fill(ds.win_adj.begin() + c.leaf_lo, ds.win_adj.begin() + c.p, 1);
+        std::fill(ds.win.adj.begin() + c.leaf_lo, ds.win.adj.begin() + c.p, 1);
     }
     // this chunk read its own cells' adjoints through the surrogate: spent
-    if (ds.adj_rows > 0) {
+    if (ds.mem.adj_rows > 0) {
         dream_group_zero_adjoints(ds, c.p, c.p + c.n);
     }
-    ds.rev_end = c.p;
+    ds.win.rev_end = c.p;
     if (gs.reply < G) {
-        gs.reply_loss[gs.reply] += r.loss * r.tokens / std::max(ds.win_n_masked, 1);
+        gs.reply_loss[gs.reply] += r.loss * r.tokens / std::max(ds.win.n_masked, 1);
         // reply chunks with nothing to carry back (no loss rows, no adjoint) are skipped
-        while (ds.rev_end > S) {
-            const int32_t s = dream_group_rev_start(ds, S, ds.rev_end);
-            if (dream_loss_rows(ds, s, ds.rev_end) > 0 || dream_has_adjoint(ds, s, ds.rev_end)) {
+        while (ds.win.rev_end > S) {
+            const int32_t s = dream_group_rev_start(ds, S, ds.win.rev_end);
+            if (dream_loss_rows(ds, s, ds.win.rev_end) > 0 || dream_has_adjoint(ds, s, ds.win.rev_end)) {
                 return false;
             }
-            ds.rev_end = s;
+            ds.win.rev_end = s;
         }
         if (gs.reply + 1 < G) {
             dream_group_load_reply(ds, gs.reply + 1);
@@ -132,15 +134,15 @@ bool dream_group_chunk_done(dream_stage & ds, const dream_chunk & c, const dream
         }
         // step 3: the shared cells' reverse pass
         gs.reply = G;
-        ds.win_loss_scale = 0.0f;   // the prompt has no loss rows; only the surrogate remains
-        ds.rev_end = S;
+        ds.win.loss_scale = 0.0f;   // the prompt has no loss rows; only the surrogate remains
+        ds.win.rev_end = S;
     }
-    while (ds.rev_end > 0) {
-        const int32_t s = dream_group_rev_start(ds, 0, ds.rev_end);
-        if (dream_has_adjoint(ds, s, ds.rev_end)) {
+    while (ds.win.rev_end > 0) {
+        const int32_t s = dream_group_rev_start(ds, 0, ds.win.rev_end);
+        if (dream_has_adjoint(ds, s, ds.win.rev_end)) {
             return false;
         }
-        ds.rev_end = s;
+        ds.win.rev_end = s;
     }
     // the mean over the replies (the accumulator held G x the group's gradient)
     dream_opt_scale_acc(ds, 1.0f, (float) G);
@@ -154,11 +156,11 @@ int32_t dream_group_chunks_left(const dream_stage & ds) {
     const int32_t S = gs.shared, ch = ds.params.chunk;
     auto chunks = [ch](int32_t len) { return (std::max(len, 0) + ch - 1) / ch; };
     if (gs.reply >= G) {
-        return std::max(1, chunks(ds.rev_end));
+        return std::max(1, chunks(ds.win.rev_end));
     }
     // an upper bound: the shared cells forward, each remaining reply forward and back, the shared cells back
-    int32_t left = chunks(S - ds.win_pos) + chunks(S);
-    const int32_t end = ds.win_reverse ? ds.rev_end : ds.win_loss_end;
+    int32_t left = chunks(S - ds.win.pos) + chunks(S);
+    const int32_t end = ds.win.reverse ? ds.win.rev_end : ds.win.loss_end;
     left += 2 * chunks(end - S);
     for (int32_t g = gs.reply + 1; g < G; ++g) {
         left += 2 * chunks(gs.n_prefix + (int32_t) gs.reply_tokens[g].size() - S);
@@ -168,6 +170,58 @@ int32_t dream_group_chunks_left(const dream_stage & ds) {
 
 extern "C" {
 
+// The C API's guard of a group: the error message for arguments dream_group_begin refuses, or
+// empty; *longest: the longest reply's length.
+static std::string dream_group_refusal(const dream_stage & ds, const llama_token * prefix, int32_t n_prefix,
+                                       const llama_token * reply_tokens, const uint8_t * reply_mask,
+                                       const int32_t * reply_lengths, const float * weights, int32_t n_replies,
+                                       int32_t * longest) {
+    if (!prefix || n_prefix < 1) {
+        return format("a group needs a prompt of at least 1 token, got n_prefix %d", n_prefix);
+    }
+    if (n_replies < 1 || !reply_tokens || !reply_mask || !reply_lengths || !weights) {
+        return format("a group needs at least 1 reply with tokens, a loss mask, a length and a weight, got n_replies %d", n_replies);
+    }
+    if (ds.mem.horizon > 0) {
+        return format("a group sends gradient into its whole prompt; this stage has horizon %d (a group needs horizon 0)", ds.mem.horizon);
+    }
+    const int32_t n_vocab = ds.model->vocab.n_tokens();
+    for (int32_t i = 0; i < n_prefix; ++i) {
+        if (prefix[i] < 0 || prefix[i] >= n_vocab) {
+            return format("prompt token %d at position %d is outside the vocabulary (%d)", prefix[i], i, n_vocab);
+        }
+    }
+    *longest = 0;
+    int64_t off = 0;
+    for (int32_t g = 0; g < n_replies; ++g) {
+        const int32_t len = reply_lengths[g];
+        if (len < 1) {
+            return format("reply %d has %d tokens; every reply needs at least 1", g, len);
+        }
+        if (!std::isfinite(weights[g])) {
+            return format("reply %d has weight %g; weights must be finite", g, (double) weights[g]);
+        }
+        int32_t masked = 0;
+        for (int32_t i = 0; i < len; ++i) {
+            const llama_token t = reply_tokens[off + i];
+            if (t < 0 || t >= n_vocab) {
+                return format("reply %d token %d at position %d is outside the vocabulary (%d)", g, t, i, n_vocab);
+            }
+            masked += reply_mask[off + i] ? 1 : 0;
+        }
+        if (masked == 0) {
+            return format("reply %d has no loss token (its loss mask is all zero)", g);
+        }
+        *longest = std::max(*longest, len);
+        off += len;
+    }
+    if (n_prefix + *longest > ds.params.window) {
+        return format("prompt (%d tokens) + longest reply (%d tokens) exceed the window (%d)", n_prefix, *longest,
+                      ds.params.window);
+    }
+    return "";
+}
+
 int32_t dream_group_begin(struct dream_stage * ds, const llama_token * prefix, int32_t n_prefix,
                           const llama_token * reply_tokens, const uint8_t * reply_mask, const int32_t * reply_lengths,
                           const float * weights, int32_t n_replies, struct dream_receipt * receipt) {
@@ -175,52 +229,13 @@ int32_t dream_group_begin(struct dream_stage * ds, const llama_token * prefix, i
     dream_receipt & r = receipt ? *receipt : tmp;
     dream_receipt_start(*ds, r);
     dream_soft_clear(*ds);   // a group's replies train one-hot labels
-    auto fail = [&](auto... args) {
-        dream_receipt_message(r, args...);
+    int32_t longest = 0;
+    const std::string refusal = dream_group_refusal(*ds, prefix, n_prefix, reply_tokens, reply_mask, reply_lengths,
+                                                    weights, n_replies, &longest);
+    if (!refusal.empty()) {
+        dream_receipt_message(r, "%s", refusal.c_str());
         r.status = DREAM_STATUS_ERROR;
         return r.status;
-    };
-    if (!prefix || n_prefix < 1) {
-        return fail("a group needs a prompt of at least 1 token, got n_prefix %d", n_prefix);
-    }
-    if (n_replies < 1 || !reply_tokens || !reply_mask || !reply_lengths || !weights) {
-        return fail("a group needs at least 1 reply with tokens, a loss mask, a length and a weight, got n_replies %d", n_replies);
-    }
-    if (ds->horizon > 0) {
-        return fail("a group sends gradient into its whole prompt; this stage has horizon %d (a group needs horizon 0)", ds->horizon);
-    }
-    const int32_t n_vocab = ds->model->vocab.n_tokens();
-    for (int32_t i = 0; i < n_prefix; ++i) {
-        if (prefix[i] < 0 || prefix[i] >= n_vocab) {
-            return fail("prompt token %d at position %d is outside the vocabulary (%d)", prefix[i], i, n_vocab);
-        }
-    }
-    int32_t longest = 0;
-    int64_t off = 0;
-    for (int32_t g = 0; g < n_replies; ++g) {
-        const int32_t len = reply_lengths[g];
-        if (len < 1) {
-            return fail("reply %d has %d tokens; every reply needs at least 1", g, len);
-        }
-        if (!std::isfinite(weights[g])) {
-            return fail("reply %d has weight %g; weights must be finite", g, (double) weights[g]);
-        }
-        int32_t masked = 0;
-        for (int32_t i = 0; i < len; ++i) {
-            const llama_token t = reply_tokens[off + i];
-            if (t < 0 || t >= n_vocab) {
-                return fail("reply %d token %d at position %d is outside the vocabulary (%d)", g, t, i, n_vocab);
-            }
-            masked += reply_mask[off + i] ? 1 : 0;
-        }
-        if (masked == 0) {
-            return fail("reply %d has no loss token (its loss mask is all zero)", g);
-        }
-        longest = std::max(longest, len);
-        off += len;
-    }
-    if (n_prefix + longest > ds->params.window) {
-        return fail("prompt (%d tokens) + longest reply (%d tokens) exceed the window (%d)", n_prefix, longest, ds->params.window);
     }
 
     dream_suspended_drop(*ds);   // a stopped step of the last window is not continued
@@ -229,7 +244,7 @@ int32_t dream_group_begin(struct dream_stage * ds, const llama_token * prefix, i
     gs.n_prefix = n_prefix;
     gs.shared = n_prefix - 1;
     gs.prefix.assign(prefix, prefix + n_prefix);
-    off = 0;
+    int64_t off = 0;
     for (int32_t g = 0; g < n_replies; ++g) {
         gs.reply_tokens.emplace_back(reply_tokens + off, reply_tokens + off + reply_lengths[g]);
         gs.reply_mask.emplace_back(reply_mask + off, reply_mask + off + reply_lengths[g]);
@@ -240,16 +255,16 @@ int32_t dream_group_begin(struct dream_stage * ds, const llama_token * prefix, i
     gs.active = true;
 
     // the window's bookkeeping, as dream_window_begin sets it up
-    ds->win_pos = 0;
-    ds->win_active = true;
-    ds->memory->clear(false);
-    ds->win_adj.assign(n_prefix + longest, 0);
+    ds->win.pos = 0;
+    ds->win.active = true;
+    ds->mem.cache->clear(false);
+    ds->win.adj.assign(n_prefix + longest, 0);
     // slot = position: buffers sized for a shorter horizon are made again at the first backward chunk
-    if (ds->adj_rows > 0 && ds->adj_rows < n_prefix + longest) {
+    if (ds->mem.adj_rows > 0 && ds->mem.adj_rows < n_prefix + longest) {
         dream_walk_free(*ds);
     }
     dream_walk_clear(*ds);
-    if (ds->windows_pending == 0) {
+    if (ds->opt.windows_pending == 0) {
         dream_opt_zero_acc(*ds);
     } else {
         // earlier windows of this update: divided by G again when the group ends

@@ -64,18 +64,18 @@ bool dream_memory_create(dream_stage & ds, std::string & err) {
     try {
         // V is stored untransposed (v_trans = false): the attention hook joins the
         // cached prefix and the chunk's own V along the cell axis, as for K.
-        ds.memory.reset(new llama_kv_cache(*ds.model, hp, ds.cache_type, ds.cache_type,
+        ds.mem.cache.reset(new llama_kv_cache(*ds.model, hp, ds.cache_type, ds.cache_type,
                 /*v_trans*/ false, /*offload*/ true, /*unified*/ true, (uint32_t) ds.params.window,
                 /*n_seq_max*/ 1, /*n_pad*/ 1, /*n_swa*/ 0, LLAMA_SWA_TYPE_NONE,
                 /*mem_other*/ nullptr, nullptr, nullptr, nullptr, "dream"));
     } catch (const std::exception & e) {
         err = std::string("could not create the training cache: ") + e.what();
-        ds.memory.reset();
+        ds.mem.cache.reset();
         return false;
     }
-    ds.context_bytes = 0;
-    for (const auto & [buft, size] : ds.memory->memory_breakdown()) {
-        ds.context_bytes += size;
+    ds.mem.context_bytes = 0;
+    for (const auto & [buft, size] : ds.mem.cache->memory_breakdown()) {
+        ds.mem.context_bytes += size;
     }
     return true;
 }
@@ -85,7 +85,7 @@ bool dream_memory_create(dream_stage & ds, std::string & err) {
 // horizon H the reverse pass only ever holds adjoints for the H positions
 // before its chunk and the chunk itself, so rows = min(window, H + chunk),
 // and the whole window without one. Allocated at the first backward chunk,
-// through the gate (dream-walk.cpp); the plain walk has none.
+// through the gate (dream-step.cpp); the plain walk has none.
 std::vector<std::pair<ggml_backend_dev_t, size_t>> dream_walk_bytes_planned(const dream_stage & ds, int32_t rows) {
     std::vector<std::pair<ggml_backend_dev_t, size_t>> out;
     const auto & hp = ds.model->hparams;
@@ -101,8 +101,8 @@ std::vector<std::pair<ggml_backend_dev_t, size_t>> dream_walk_bytes_planned(cons
 bool dream_walk_create(dream_stage & ds, int32_t rows, std::string & err) {
     dream_walk_free(ds);
     const auto & hp = ds.model->hparams;
-    ds.adj_k.assign(hp.n_layer(), nullptr);
-    ds.adj_v.assign(hp.n_layer(), nullptr);
+    ds.mem.adj_k.assign(hp.n_layer(), nullptr);
+    ds.mem.adj_v.assign(hp.n_layer(), nullptr);
     // one context and buffer per buffer type, as the cache places its layers
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
     for (uint32_t il = 0; il < hp.n_layer(); ++il) {
@@ -114,13 +114,13 @@ bool dream_walk_create(dream_stage & ds, int32_t rows, std::string & err) {
         ggml_context *& ctx = ctx_of[buft];
         if (!ctx) {
             ggml_init_params ip = { 2 * hp.n_layer() * ggml_tensor_overhead(), nullptr, true };
-            ds.adj_ctxs.emplace_back(ggml_init(ip));
-            ctx = ds.adj_ctxs.back().get();
+            ds.mem.adj_ctxs.emplace_back(ggml_init(ip));
+            ctx = ds.mem.adj_ctxs.back().get();
         }
-        ds.adj_k[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, hp.n_embd_head_k(il), hp.n_head_kv(il), rows);
-        ds.adj_v[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, hp.n_embd_head_v(il), hp.n_head_kv(il), rows);
-        ggml_format_name(ds.adj_k[il], "dream_adj_k-%u", il);
-        ggml_format_name(ds.adj_v[il], "dream_adj_v-%u", il);
+        ds.mem.adj_k[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, hp.n_embd_head_k(il), hp.n_head_kv(il), rows);
+        ds.mem.adj_v[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, hp.n_embd_head_v(il), hp.n_head_kv(il), rows);
+        ggml_format_name(ds.mem.adj_k[il], "dream_adj_k-%u", il);
+        ggml_format_name(ds.mem.adj_v[il], "dream_adj_v-%u", il);
     }
     for (const auto & [buft, ctx] : ctx_of) {
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
@@ -129,25 +129,25 @@ bool dream_walk_create(dream_stage & ds, int32_t rows, std::string & err) {
             dream_walk_free(ds);
             return false;
         }
-        ds.adj_bufs.emplace_back(buf);
-        ds.walk_bytes += ggml_backend_buffer_get_size(buf);
+        ds.mem.adj_bufs.emplace_back(buf);
+        ds.mem.walk_bytes += ggml_backend_buffer_get_size(buf);
     }
-    ds.adj_rows = rows;
+    ds.mem.adj_rows = rows;
     dream_walk_clear(ds);
     return true;
 }
 
 void dream_walk_free(dream_stage & ds) {
-    ds.adj_k.clear();
-    ds.adj_v.clear();
-    ds.adj_bufs.clear();
-    ds.adj_ctxs.clear();
-    ds.walk_bytes = 0;
-    ds.adj_rows = 0;
+    ds.mem.adj_k.clear();
+    ds.mem.adj_v.clear();
+    ds.mem.adj_bufs.clear();
+    ds.mem.adj_ctxs.clear();
+    ds.mem.walk_bytes = 0;
+    ds.mem.adj_rows = 0;
 }
 
 void dream_walk_clear(dream_stage & ds) {
-    for (auto & buf : ds.adj_bufs) {
+    for (auto & buf : ds.mem.adj_bufs) {
         ggml_backend_buffer_clear(buf.get(), 0);
     }
 }

@@ -57,23 +57,10 @@ static void dream_opt_parallel(int64_t n, int threads, const std::function<void(
 }
 
 namespace {
-enum class dream_opt_where { automatic, host, device };
-
-dream_opt_where dream_opt_override() {
-    const char * v = std::getenv("DREAMSTAGE_OPTIMIZER");
-    if (v && std::strcmp(v, "host") == 0) {
-        return dream_opt_where::host;
-    }
-    if (v && std::strcmp(v, "device") == 0) {
-        return dream_opt_where::device;
-    }
-    return dream_opt_where::automatic;
-}
-
 // The A and B tensors in canonical order (the host vectors' order).
 std::vector<ggml_tensor *> dream_opt_params(const dream_stage & ds) {
     std::vector<ggml_tensor *> out;
-    for (const auto & p : ds.pairs) {
+    for (const auto & p : ds.lora.pairs) {
         out.push_back(p.a_shadow);
         out.push_back(p.b_shadow);
     }
@@ -111,9 +98,9 @@ struct dream_opt_graph {
 }
 
 void dream_opt_choose(dream_stage & ds) {
-    ds.dev_opt.backend = nullptr;
-    const dream_opt_where where = dream_opt_override();
-    if (where == dream_opt_where::host || ds.pairs.empty()) {
+    ds.opt.device.backend = nullptr;
+    const dream_opt_where where = ds.switches.optimizer;
+    if (where == DREAM_OPT_HOST || ds.lora.pairs.empty()) {
         return;
     }
     ggml_backend_dev_t dev = nullptr;
@@ -123,7 +110,7 @@ void dream_opt_choose(dream_stage & ds) {
             return;   // split across devices: the host optimizer
         }
         dev = d;
-        if (ggml_backend_buffer_is_host(t->buffer) && where != dream_opt_where::device) {
+        if (ggml_backend_buffer_is_host(t->buffer) && where != DREAM_OPT_DEVICE) {
             return;
         }
     }
@@ -131,51 +118,51 @@ void dream_opt_choose(dream_stage & ds) {
     for (int i = 0; i < ggml_backend_sched_get_n_backends(serving); ++i) {
         ggml_backend_t be = ggml_backend_sched_get_backend(serving, i);
         if (ggml_backend_get_device(be) == dev) {
-            ds.dev_opt.backend = be;
+            ds.opt.device.backend = be;
             return;
         }
     }
 }
 
 bool dream_opt_on_device(const dream_stage & ds) {
-    return ds.dev_opt.backend != nullptr;
+    return ds.opt.device.backend != nullptr;
 }
 
 bool dream_opt_ready(const dream_stage & ds) {
-    return dream_opt_on_device(ds) ? ds.dev_opt.buf != nullptr : !ds.grad_acc.empty();
+    return dream_opt_on_device(ds) ? ds.opt.device.buf != nullptr : !ds.opt.grad_acc.empty();
 }
 
 size_t dream_opt_bytes(const dream_stage & ds) {
     if (dream_opt_on_device(ds)) {
-        const auto & o = ds.dev_opt;
+        const auto & o = ds.opt.device;
         return (o.buf ? ggml_backend_buffer_get_size(o.buf.get()) : 0) +
                (o.galloc ? ggml_gallocr_get_buffer_size(o.galloc.get(), 0) : 0);
     }
-    return (ds.grad_acc.size() + ds.adam_m.size() + ds.adam_v.size()) * sizeof(float);
+    return (ds.opt.grad_acc.size() + ds.opt.adam_m.size() + ds.opt.adam_v.size()) * sizeof(float);
 }
 
 std::vector<std::pair<ggml_backend_dev_t, size_t>> dream_opt_step_needs(const dream_stage & ds, bool train) {
     if (!train) {
         return { { dream_host_device(), 0 } };
     }
-    const size_t state = dream_opt_ready(ds) ? 0 : (size_t) 3 * ds.n_params * sizeof(float);
+    const size_t state = dream_opt_ready(ds) ? 0 : (size_t) 3 * ds.lora.n_params * sizeof(float);
     if (dream_opt_on_device(ds)) {
         // the moments and the accumulator, on the adapter's device (the small
         // graphs' intermediates, one tensor's worth, are below the slack)
-        return { { ggml_backend_get_device(ds.dev_opt.backend), state } };
+        return { { ggml_backend_get_device(ds.opt.device.backend), state } };
     }
     // ... and the host copy of one step's gradients
-    return { { dream_host_device(), state + (size_t) ds.n_params * sizeof(float) } };
+    return { { dream_host_device(), state + (size_t) ds.lora.n_params * sizeof(float) } };
 }
 
 bool dream_opt_create(dream_stage & ds) {
     if (!dream_opt_on_device(ds)) {
-        ds.grad_acc.assign(ds.n_params, 0.0f);
-        ds.adam_m.assign(ds.n_params, 0.0f);
-        ds.adam_v.assign(ds.n_params, 0.0f);
+        ds.opt.grad_acc.assign(ds.lora.n_params, 0.0f);
+        ds.opt.adam_m.assign(ds.lora.n_params, 0.0f);
+        ds.opt.adam_v.assign(ds.lora.n_params, 0.0f);
         return true;
     }
-    auto & o = ds.dev_opt;
+    auto & o = ds.opt.device;
     const auto params = dream_opt_params(ds);
     ggml_init_params ip = { (3 * params.size() + 2) * ggml_tensor_overhead(), nullptr, true };
     o.ctx.reset(ggml_init(ip));
@@ -202,7 +189,7 @@ bool dream_opt_create(dream_stage & ds) {
 
 bool dream_opt_accumulate(dream_stage & ds, const std::vector<ggml_tensor *> & grads) {
     if (!dream_opt_on_device(ds)) {
-        float * acc = ds.grad_acc.data();
+        float * acc = ds.opt.grad_acc.data();
         std::vector<float> host;
         size_t ig = 0;
         for (ggml_tensor * t : dream_opt_params(ds)) {
@@ -218,7 +205,7 @@ bool dream_opt_accumulate(dream_stage & ds, const std::vector<ggml_tensor *> & g
         }
         return true;
     }
-    auto & o = ds.dev_opt;
+    auto & o = ds.opt.device;
     ggml_backend_dev_t dev = ggml_backend_get_device(o.backend);
     dream_opt_graph og(o, grads.size());
     std::vector<float> a, b;
@@ -253,22 +240,22 @@ bool dream_opt_accumulate(dream_stage & ds, const std::vector<ggml_tensor *> & g
 
 void dream_opt_zero_acc(dream_stage & ds) {
     if (!dream_opt_on_device(ds)) {
-        std::fill(ds.grad_acc.begin(), ds.grad_acc.end(), 0.0f);
+        std::fill(ds.opt.grad_acc.begin(), ds.opt.grad_acc.end(), 0.0f);
         return;
     }
-    for (ggml_tensor * t : ds.dev_opt.acc) {
+    for (ggml_tensor * t : ds.opt.device.acc) {
         ggml_backend_tensor_memset(t, 0, 0, ggml_nbytes(t));
     }
 }
 
 void dream_opt_scale_acc(dream_stage & ds, float mul, float div) {
     if (!dream_opt_on_device(ds)) {
-        for (float & x : ds.grad_acc) {
+        for (float & x : ds.opt.grad_acc) {
             x = x * mul / div;
         }
         return;
     }
-    auto & o = ds.dev_opt;
+    auto & o = ds.opt.device;
     if (o.acc.empty()) {
         return;
     }
@@ -282,14 +269,14 @@ void dream_opt_scale_acc(dream_stage & ds, float mul, float div) {
 // The host update (the arithmetic both paths share, in float per parameter).
 static void dream_opt_update_host(dream_stage & ds, float scale, float ib1, float ib2) {
     const auto & p = ds.params;
-    const int64_t n = ds.n_params;
+    const int64_t n = ds.lora.n_params;
     const int threads = std::max(1, (int) ds.lctx->n_threads_batch());
     std::vector<float> theta(n);
     dream_adapter_read(ds, true, theta.data());
     const float b1 = p.beta1, b2 = p.beta2, lr = p.lr, eps = p.eps, wd = p.weight_decay;
-    const float * acc = ds.grad_acc.data();
-    float * m = ds.adam_m.data();
-    float * v = ds.adam_v.data();
+    const float * acc = ds.opt.grad_acc.data();
+    float * m = ds.opt.adam_m.data();
+    float * v = ds.opt.adam_v.data();
     float * th = theta.data();
     dream_opt_parallel(n, threads, [&](int64_t lo, int64_t hi) {
         for (int64_t i = lo; i < hi; ++i) {
@@ -304,11 +291,11 @@ static void dream_opt_update_host(dream_stage & ds, float scale, float ib1, floa
 }
 
 static double dream_opt_norm2_host(const dream_stage & ds) {
-    const int64_t n = ds.n_params;
+    const int64_t n = ds.lora.n_params;
     const int threads = std::max(1, (int) ds.lctx->n_threads_batch());
     // the squared norm per block, summed in block order: the same on any thread count
     std::vector<double> part((size_t) ((n + DREAM_OPT_BLOCK - 1) / DREAM_OPT_BLOCK), 0.0);
-    const float * acc = ds.grad_acc.data();
+    const float * acc = ds.opt.grad_acc.data();
     dream_opt_parallel(n, threads, [&](int64_t lo, int64_t hi) {
         double s = 0.0;
         for (int64_t i = lo; i < hi; ++i) {
@@ -324,7 +311,7 @@ static double dream_opt_norm2_host(const dream_stage & ds) {
 }
 
 static bool dream_opt_norm2_device(dream_stage & ds, double & norm2) {
-    auto & o = ds.dev_opt;
+    auto & o = ds.opt.device;
     dream_opt_graph og(o, 3 * o.acc.size());
     ggml_tensor * total = nullptr;
     for (ggml_tensor * t : o.acc) {
@@ -343,7 +330,7 @@ static bool dream_opt_norm2_device(dream_stage & ds, double & norm2) {
 }
 
 static bool dream_opt_update_device(dream_stage & ds, float scale, float ib1, float ib2) {
-    auto & o = ds.dev_opt;
+    auto & o = ds.opt.device;
     const auto & p = ds.params;
     // OPT_STEP_ADAMW's parameters: alpha, beta1, beta2, eps, wd, 1/(1-beta1^t), 1/(1-beta2^t)
     const float hp[7] = { p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, ib1, ib2 };
@@ -362,7 +349,7 @@ static bool dream_opt_update_device(dream_stage & ds, float scale, float ib1, fl
 bool dream_opt_update(dream_stage & ds) {
     const auto & p = ds.params;
     // the mean over the accumulated windows
-    const float mean = 1.0f / (float) std::max(ds.windows_pending, 1);
+    const float mean = 1.0f / (float) std::max(ds.opt.windows_pending, 1);
     double norm2 = 0.0;
     if (dream_opt_on_device(ds)) {
         if (!dream_opt_norm2_device(ds, norm2)) {
@@ -373,11 +360,11 @@ bool dream_opt_update(dream_stage & ds) {
     }
     const double norm = std::sqrt(norm2) * mean;
     const float clip = (p.grad_clip > 0 && norm > p.grad_clip) ? (float) (p.grad_clip / norm) : 1.0f;
-    ds.adam_t += 1;
+    ds.opt.adam_t += 1;
     const float scale = mean * clip;
     // bias corrections as reciprocals; the per-parameter arithmetic in float, so it vectorizes
-    const float ib1 = (float) (1.0 / (1.0 - std::pow((double) p.beta1, (double) ds.adam_t)));
-    const float ib2 = (float) (1.0 / (1.0 - std::pow((double) p.beta2, (double) ds.adam_t)));
+    const float ib1 = (float) (1.0 / (1.0 - std::pow((double) p.beta1, (double) ds.opt.adam_t)));
+    const float ib2 = (float) (1.0 / (1.0 - std::pow((double) p.beta2, (double) ds.opt.adam_t)));
     if (dream_opt_on_device(ds)) {
         return dream_opt_update_device(ds, scale, ib1, ib2);
     }
@@ -387,17 +374,17 @@ bool dream_opt_update(dream_stage & ds) {
 
 void dream_opt_read(const dream_stage & ds, int which, float * out) {
     if (!dream_opt_on_device(ds)) {
-        const std::vector<float> & src = which == 0 ? ds.grad_acc : which == 1 ? ds.adam_m : ds.adam_v;
+        const std::vector<float> & src = which == 0 ? ds.opt.grad_acc : which == 1 ? ds.opt.adam_m : ds.opt.adam_v;
         if (src.empty()) {
-            std::fill(out, out + ds.n_params, 0.0f);
+            std::fill(out, out + ds.lora.n_params, 0.0f);
         } else {
             std::copy(src.begin(), src.end(), out);
         }
         return;
     }
-    const auto & o = ds.dev_opt;
+    const auto & o = ds.opt.device;
     if (!o.buf) {
-        std::fill(out, out + ds.n_params, 0.0f);
+        std::fill(out, out + ds.lora.n_params, 0.0f);
         return;
     }
     const std::vector<ggml_tensor *> & src = which == 0 ? o.acc : which == 1 ? o.m : o.v;

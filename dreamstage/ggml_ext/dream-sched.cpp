@@ -94,26 +94,26 @@ static ggml_backend_sched_t dream_new_sched(llama_context & lctx, size_t graph_s
 }
 
 bool dream_sched_ensure(dream_stage & ds, size_t graph_size) {
-    if (ds.sched_plan && ds.sched_capacity >= graph_size) {
+    if (ds.exec.sched_plan && ds.exec.sched_capacity >= graph_size) {
         return true;
     }
     // a larger graph than any before: both schedulers are made anew (the
     // exec buffers go with the old one; the gate then counts them in full)
     dream_step_graph_drop(ds);
-    ds.sched_plan.reset();
-    ds.sched_exec.reset();
-    ds.sched_plan.reset(dream_new_sched(*ds.lctx, graph_size));
-    ds.sched_exec.reset(dream_new_sched(*ds.lctx, graph_size));
-    ds.sched_capacity = graph_size;
-    return ds.sched_plan && ds.sched_exec;
+    ds.exec.sched_plan.reset();
+    ds.exec.sched_exec.reset();
+    ds.exec.sched_plan.reset(dream_new_sched(*ds.lctx, graph_size));
+    ds.exec.sched_exec.reset(dream_new_sched(*ds.lctx, graph_size));
+    ds.exec.sched_capacity = graph_size;
+    return ds.exec.sched_plan && ds.exec.sched_exec;
 }
 
 size_t dream_sched_held_bytes(const dream_stage & ds) {
-    if (!ds.sched_exec) {
+    if (!ds.exec.sched_exec) {
         return 0;
     }
     size_t total = 0;
-    ggml_backend_sched_t s = ds.sched_exec.get();
+    ggml_backend_sched_t s = ds.exec.sched_exec.get();
     for (int b = 0; b < ggml_backend_sched_get_n_backends(s); ++b) {
         total += ggml_backend_sched_get_buffer_size(s, ggml_backend_sched_get_backend(s, b));
     }
@@ -126,17 +126,10 @@ size_t dream_sched_held_bytes(const dream_stage & ds) {
 // A profile, not a benchmark: it says where a step's time goes.
 namespace {
 struct dream_profile {
+    bool shapes = false;   // DREAMSTAGE_PROFILE=2
     std::chrono::steady_clock::time_point last;
     std::map<std::string, std::pair<double, int>> per_op;   // ms, count
 };
-
-bool dream_profile_shapes() {
-    static const bool on = [] {
-        const char * v = std::getenv("DREAMSTAGE_PROFILE");
-        return v && std::strcmp(v, "2") == 0;
-    }();
-    return on;
-}
 
 bool dream_profile_eval(ggml_tensor * t, bool ask, void * ud) {
     if (ask) {
@@ -146,7 +139,7 @@ bool dream_profile_eval(ggml_tensor * t, bool ask, void * ud) {
     const auto now = std::chrono::steady_clock::now();
     char key[256];
     std::snprintf(key, sizeof(key), "%s %s", ggml_op_desc(t), ggml_type_name(t->src[0] ? t->src[0]->type : t->type));
-    if (dream_profile_shapes()) {
+    if (p.shapes) {
         // DREAMSTAGE_PROFILE=2: by shape too (src0 x src1 -> dst, non-contiguous operands marked)
         auto dims = [](const ggml_tensor * x) {
             char b[48];
@@ -178,27 +171,20 @@ bool dream_profile_eval(ggml_tensor * t, bool ask, void * ud) {
     return true;
 }
 
-bool dream_profile_on() {
-    static const bool on = [] {
-        const char * v = std::getenv("DREAMSTAGE_PROFILE");
-        return v && (std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0);
-    }();
-    return on;
-}
 }
 
 bool dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan) {
     const auto t0 = std::chrono::steady_clock::now();
-    ggml_backend_sched_t sp = ds.sched_plan.get();
-    ggml_backend_sched_t se = ds.sched_exec.get();
+    ggml_backend_sched_t sp = ds.exec.sched_plan.get();
+    ggml_backend_sched_t se = ds.exec.sched_exec.get();
     const size_t cap = (size_t) g->n_nodes + g->n_leafs + 16;
     const size_t arena = ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(g->size, false);
     // the twin's metadata lives in an arena the stage keeps, so measuring a
     // chunk (a refused one too) allocates nothing once the first plan is made
-    if (ds.twin_arena.size() < arena) {
-        ds.twin_arena.resize(arena);
+    if (ds.exec.twin_arena.size() < arena) {
+        ds.exec.twin_arena.resize(arena);
     }
-    ggml_init_params ip = { ds.twin_arena.size(), ds.twin_arena.data(), true };
+    ggml_init_params ip = { ds.exec.twin_arena.size(), ds.exec.twin_arena.data(), true };
     ggml_context * ctx = ggml_init(ip);
     if (!ctx) {
         return false;
@@ -218,7 +204,7 @@ bool dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & plan
         plan.graph_bytes += sizes[b];
         plan.needs.push_back({ ggml_backend_get_device(be), sizes[b] > have ? sizes[b] - have : 0 });
     }
-    if (dream_profile_on()) {
+    if (ds.switches.profile > 0) {
         std::fprintf(stderr, "dream profile: plan (twin + split + allocator) %.2f ms, %d nodes\n",
                      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
                      ggml_graph_n_nodes(g));
@@ -241,10 +227,43 @@ static uint64_t dream_segment_key(ggml_cgraph * g) {
     return ((uint64_t) n_nodes << 40) ^ (uint64_t) ggml_nelements(ggml_graph_node(g, 0));
 }
 
+// Computes g on the CPU backend in segments from *next_node, stopping between two once the
+// deadline passed (GGML_STATUS_ABORTED, *next_node the first node not computed).
+static ggml_status dream_sched_compute_segments(dream_stage & ds, ggml_cgraph * g, ggml_backend_t cpu,
+                                                const dream_deadline_t & deadline, int32_t * next_node) {
+    const int n_nodes = ggml_graph_n_nodes(g);
+    // A segment is begun only when it is predicted to end before the
+    // deadline (what it took when this shape last ran; unknown: 0). The
+    // first segment of a call always runs, so every call makes progress.
+    if (ds.exec.segment_ms.size() > DREAM_SEGMENT_SHAPES) {
+        ds.exec.segment_ms.clear();
+    }
+    std::vector<float> & took = ds.exec.segment_ms[dream_segment_key(g)];
+    took.resize((n_nodes + DREAM_SEGMENT_NODES - 1) / DREAM_SEGMENT_NODES, 0.0f);
+    for (int i = *next_node; i < n_nodes; i += DREAM_SEGMENT_NODES) {
+        const auto t_seg = std::chrono::steady_clock::now();
+        const float predicted = took[i / DREAM_SEGMENT_NODES];
+        if (i > *next_node &&
+            t_seg + std::chrono::duration<double, std::milli>(predicted) >= deadline) {
+            *next_node = i;
+            return GGML_STATUS_ABORTED;
+        }
+        ggml_cgraph view = ggml_graph_view(g, i, std::min(n_nodes, i + DREAM_SEGMENT_NODES));
+        const ggml_status st = ggml_backend_graph_compute(cpu, &view);
+        if (st != GGML_STATUS_SUCCESS) {
+            return st;
+        }
+        took[i / DREAM_SEGMENT_NODES] =
+            (float) std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_seg).count();
+    }
+    *next_node = n_nodes;
+    return GGML_STATUS_SUCCESS;
+}
+
 ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, bool allocated,
                                 const std::function<void()> & set_inputs, const dream_deadline_t * deadline,
                                 int32_t * next_node) {
-    ggml_backend_sched_t se = ds.sched_exec.get();
+    ggml_backend_sched_t se = ds.exec.sched_exec.get();
     // (the exec scheduler was reset before the graph was built; a reset here
     // would drop the backend pins the build set)
     if (!allocated) {
@@ -267,42 +286,18 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
     // segments, and one that is still running at the deadline stops between two,
     // everything it computed kept, *next_node saying where to go on. A graph
     // with another backend in it runs to its end.
-    ds.last_one_cpu_split = cpu && ggml_backend_sched_get_n_splits(se) == 1 && n_nodes > 0 &&
+    ds.exec.last_one_cpu_split = cpu && ggml_backend_sched_get_n_splits(se) == 1 && n_nodes > 0 &&
                             ggml_backend_sched_get_tensor_backend(se, ggml_graph_node(g, n_nodes - 1)) == cpu;
-    if (deadline && next_node && ds.last_one_cpu_split) {
-        ds.last_n_splits = 1;
-        // A segment is begun only when it is predicted to end before the
-        // deadline (what it took when this shape last ran; unknown: 0). The
-        // first segment of a call always runs, so every call makes progress.
-        if (ds.segment_ms.size() > DREAM_SEGMENT_SHAPES) {
-            ds.segment_ms.clear();
-        }
-        std::vector<float> & took = ds.segment_ms[dream_segment_key(g)];
-        took.resize((n_nodes + DREAM_SEGMENT_NODES - 1) / DREAM_SEGMENT_NODES, 0.0f);
-        for (int i = *next_node; i < n_nodes; i += DREAM_SEGMENT_NODES) {
-            const auto t_seg = std::chrono::steady_clock::now();
-            const float predicted = took[i / DREAM_SEGMENT_NODES];
-            if (i > *next_node &&
-                t_seg + std::chrono::duration<double, std::milli>(predicted) >= *deadline) {
-                *next_node = i;
-                return GGML_STATUS_ABORTED;
-            }
-            ggml_cgraph view = ggml_graph_view(g, i, std::min(n_nodes, i + DREAM_SEGMENT_NODES));
-            const ggml_status st = ggml_backend_graph_compute(cpu, &view);
-            if (st != GGML_STATUS_SUCCESS) {
-                return st;
-            }
-            took[i / DREAM_SEGMENT_NODES] =
-                (float) std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_seg).count();
-        }
-        *next_node = n_nodes;
-        return GGML_STATUS_SUCCESS;
+    if (deadline && next_node && ds.exec.last_one_cpu_split) {
+        ds.exec.last_n_splits = 1;
+        return dream_sched_compute_segments(ds, g, cpu, *deadline, next_node);
     }
     if (next_node && *next_node > 0) {
         return GGML_STATUS_FAILED;                  // only a segmented graph goes on from a node
     }
     dream_profile prof;
-    if (dream_profile_on()) {
+    prof.shapes = ds.switches.profile == 2;
+    if (ds.switches.profile > 0) {
         ggml_backend_sched_synchronize(se);
         prof.last = std::chrono::steady_clock::now();
         ggml_backend_sched_set_eval_callback(se, dream_profile_eval, &prof);
@@ -310,15 +305,15 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
     const auto t0 = std::chrono::steady_clock::now();
     const ggml_status st = ggml_backend_sched_graph_compute_async(se, g);
     ggml_backend_sched_synchronize(se);
-    ds.last_n_splits = ggml_backend_sched_get_n_splits(se);
-    if (dream_profile_on()) {
+    ds.exec.last_n_splits = ggml_backend_sched_get_n_splits(se);
+    if (ds.switches.profile > 0) {
         ggml_backend_sched_set_eval_callback(se, nullptr, nullptr);
         const double total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         std::vector<std::pair<std::string, std::pair<double, int>>> rows(prof.per_op.begin(), prof.per_op.end());
         std::sort(rows.begin(), rows.end(), [](const auto & a, const auto & b) { return a.second.first > b.second.first; });
         std::fprintf(stderr, "dream profile: %d nodes, %.1f ms computed, %d splits\n", ggml_graph_n_nodes(g), total,
-                     ds.last_n_splits);
-        for (size_t i = 0; i < rows.size() && i < (dream_profile_shapes() ? 80u : 28u); ++i) {
+                     ds.exec.last_n_splits);
+        for (size_t i = 0; i < rows.size() && i < (prof.shapes ? 80u : 28u); ++i) {
             std::fprintf(stderr, "  %-36s %9.2f ms %5.1f%% x%d\n", rows[i].first.c_str(), rows[i].second.first,
                          100.0 * rows[i].second.first / total, rows[i].second.second);
         }
@@ -327,11 +322,11 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
 }
 
 void dream_step_graph_drop(dream_stage & ds) {
-    ds.step_graph = dream_step_graph{};
+    ds.exec.step_graph = dream_step_graph{};
 }
 
 void dream_sched_release(dream_stage & ds) {
-    if (ds.sched_exec) {
-        ggml_backend_sched_reset(ds.sched_exec.get());
+    if (ds.exec.sched_exec) {
+        ggml_backend_sched_reset(ds.exec.sched_exec.get());
     }
 }

@@ -3,7 +3,7 @@
 // tokens each (the drift guard's rehearsal windows: the base model's own
 // next-token distribution) instead of the one-hot of the next token.
 // ggml's CROSS_ENTROPY_LOSS takes target probabilities already; the walk
-// (dream-walk.cpp) only fills its label matrix from these rows on the host.
+// (dream-step.cpp) only fills its label matrix from these rows on the host.
 //
 // A row may leave mass out: the drift guard records the base's top 256 tokens,
 // which hold all but 1.4 % of its mass on the default model on average (up to
@@ -24,40 +24,40 @@
 #include <cstring>
 
 void dream_soft_clear(dream_stage & ds) {
-    ds.win_soft_k = 0;
-    ds.win_soft_ids.clear();
-    ds.win_soft_p.clear();
-    ds.win_soft_row.clear();
-    ds.win_soft_rest.clear();
+    ds.win.soft_k = 0;
+    ds.win.soft_ids.clear();
+    ds.win.soft_p.clear();
+    ds.win.soft_row.clear();
+    ds.win.soft_rest.clear();
 }
 
 bool dream_soft_has_rest(const dream_stage & ds) {
     return dream_soft_active(ds) &&
-           std::any_of(ds.win_soft_rest.begin(), ds.win_soft_rest.end(), [](float x) { return x > 0.0f; });
+           std::any_of(ds.win.soft_rest.begin(), ds.win.soft_rest.end(), [](float x) { return x > 0.0f; });
 }
 
 bool dream_soft_active(const dream_stage & ds) {
-    return ds.win_soft_k > 0 && !ds.group.active;
+    return ds.win.soft_k > 0 && !ds.group.active;
 }
 
 void dream_soft_fill(const dream_stage & ds, int32_t p, const std::vector<int32_t> & targets, float * lab,
                      int64_t n_vocab, float * rest) {
-    const size_t k = (size_t) ds.win_soft_k;
+    const size_t k = (size_t) ds.win.soft_k;
     int64_t row = 0;
     for (size_t i = 0; i < targets.size(); ++i) {
         if (targets[i] < 0) {
             continue;
         }
-        const int32_t r = ds.win_soft_row[(size_t) p + i + 1];
+        const int32_t r = ds.win.soft_row[(size_t) p + i + 1];
         if (rest) {
-            rest[row] = ds.win_soft_rest[(size_t) r];
+            rest[row] = ds.win.soft_rest[(size_t) r];
         }
         float * out = lab + row++ * n_vocab;
         std::memset(out, 0, sizeof(float) * (size_t) n_vocab);
         for (size_t t = 0; t < k; ++t) {
-            const int32_t id = ds.win_soft_ids[(size_t) r * k + t];
+            const int32_t id = ds.win.soft_ids[(size_t) r * k + t];
             if (id >= 0) {
-                out[id] += ds.win_soft_p[(size_t) r * k + t];
+                out[id] += ds.win.soft_p[(size_t) r * k + t];
             }
         }
     }
@@ -70,7 +70,7 @@ int32_t dream_window_soft_targets(struct dream_stage * ds, const int32_t * ids, 
     dream_receipt_start(*ds, r);
     r.status = DREAM_STATUS_ERROR;
     const int64_t n_vocab = ds->model->vocab.n_tokens();
-    if (!ds->win_active || ds->group.active || ds->win_pos != 0 || ds->win_reverse || ds->suspended.active) {
+    if (!ds->win.active || ds->group.active || ds->win.pos != 0 || ds->win.reverse || ds->exec.suspended.active) {
         dream_receipt_message(r, "soft targets need a window just begun (dream_window_begin, before its first micro-step)");
         return r.status;
     }
@@ -78,8 +78,8 @@ int32_t dream_window_soft_targets(struct dream_stage * ds, const int32_t * ids, 
         dream_receipt_message(r, "soft targets: k %d must be 1..%lld, with ids and probs given", k, (long long) n_vocab);
         return r.status;
     }
-    if (n_rows != ds->win_n_masked) {
-        dream_receipt_message(r, "soft targets: n_rows %d must be the window's %d loss tokens", n_rows, ds->win_n_masked);
+    if (n_rows != ds->win.n_masked) {
+        dream_receipt_message(r, "soft targets: n_rows %d must be the window's %d loss tokens", n_rows, ds->win.n_masked);
         return r.status;
     }
     std::vector<float> p(probs, probs + (size_t) n_rows * k);
@@ -110,15 +110,15 @@ int32_t dream_window_soft_targets(struct dream_stage * ds, const int32_t * ids, 
         }
         rest[(size_t) row] = sum < 1.0 ? (float) (1.0 - sum) : 0.0f;
     }
-    ds->win_soft_k = k;
-    ds->win_soft_ids.assign(ids, ids + (size_t) n_rows * k);
-    ds->win_soft_p = std::move(p);
-    ds->win_soft_rest = std::move(rest);
-    ds->win_soft_row.assign((size_t) ds->win_n, -1);
+    ds->win.soft_k = k;
+    ds->win.soft_ids.assign(ids, ids + (size_t) n_rows * k);
+    ds->win.soft_p = std::move(p);
+    ds->win.soft_rest = std::move(rest);
+    ds->win.soft_row.assign((size_t) ds->win.n, -1);
     int32_t row = 0;
-    for (int32_t j = 1; j < ds->win_n; ++j) {
-        if (ds->win_mask[j]) {
-            ds->win_soft_row[(size_t) j] = row++;
+    for (int32_t j = 1; j < ds->win.n; ++j) {
+        if (ds->win.mask[j]) {
+            ds->win.soft_row[(size_t) j] = row++;
         }
     }
     r.status = DREAM_STATUS_OK;

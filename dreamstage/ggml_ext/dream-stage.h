@@ -3,6 +3,7 @@
 
 #include "dream.h"
 #include "dream-hooks.h"
+#include "dream-switches.h"
 
 #include "ggml-cpu.h"
 
@@ -101,7 +102,7 @@ struct dream_chunk {
 using dream_deadline_t = std::chrono::steady_clock::time_point;
 
 // A micro-step stopped at its deadline (dream_set_step_deadline): its graph
-// stays allocated in dream_stage::step_graph, and the next micro-step computes
+// stays allocated in dream_exec_state::step_graph, and the next micro-step computes
 // it on from next_node. Anything that changes what the step computes drops it
 // first (dream_suspended_drop: its cells reverted, the graph freed).
 struct dream_suspended_step {
@@ -114,7 +115,7 @@ struct dream_suspended_step {
 };
 
 // The last micro-step's training graph, left allocated on the exec scheduler
-// (dream-walk.cpp). The next chunk of the same shape (position, tokens, loss
+// (dream-step.cpp). The next chunk of the same shape (position, tokens, loss
 // rows, loss scale; the plain walk only) sets its inputs and computes it again:
 // no build, no plan, no allocation. ggml-opt keeps its graphs for the same
 // reason. Whatever else runs on the exec scheduler drops it first.
@@ -125,7 +126,7 @@ struct dream_step_graph {
     bool soft = false;                    // its labels are host-filled soft targets (dream-soft.cpp)
     bool soft_rest = false;               // ... and its loss counts their rest (dream_soft_rest_ce)
     float loss_scale = 0.0f;
-    ggml_context_ptr ctx;                 // the backward graph's tensors (the forward's live in dream_stage::res)
+    ggml_context_ptr ctx;                 // the backward graph's tensors (the forward's live in dream_exec_state::res)
     ggml_cgraph * gb = nullptr;
     ggml_tensor * target_ids = nullptr, * host_labels = nullptr, * ce = nullptr, * loss_grad = nullptr;
     ggml_tensor * host_rest = nullptr;    // the loss rows' rest masses, with soft_rest
@@ -147,36 +148,32 @@ struct dream_device_opt {
     std::vector<uint8_t> arena;           // their metadata
 };
 
-struct dream_stage {
-    llama_context     * lctx  = nullptr;
-    llama_model       * model = nullptr;
-    dream_params        params{};
-    std::string         targets_str, cache_type_str;
-    ggml_type           cache_type = GGML_TYPE_Q8_0;
-
-    // adapters (dream-adapter.cpp)
+// The adapters (dream-adapter.cpp): shadow (trained) and served copies.
+struct dream_lora_state {
     std::unique_ptr<llama_adapter_lora> shadow, served;
     llama_adapter_loras shadow_set;   // {shadow: 1.0}, given to training graphs only
     std::vector<dream_pair> pairs;
     int64_t n_params      = 0;
-    size_t  adapter_bytes = 0;
+    size_t  bytes         = 0;
     int64_t served_version = 0;
+};
 
-    // optimizer (dream-optim.cpp), canonical order: the accumulator and AdamW's
-    // moments as host F32 vectors, or on the adapter's GPU (dev_opt.backend set)
+// The optimizer (dream-optim.cpp), canonical order: the accumulator and AdamW's
+// moments as host F32 vectors, or on the adapter's GPU (device.backend set).
+struct dream_opt_state {
     std::vector<float> grad_acc, adam_m, adam_v;
-    dream_device_opt dev_opt;
+    dream_device_opt device;
     int64_t adam_t = 0;
     int32_t windows_pending = 0;   // finished windows whose gradient awaits an update
+};
 
-    // training memory (dream-memory.cpp)
-    std::unique_ptr<llama_kv_cache> memory;
+// The training memory (dream-memory.cpp allocates, dream-step.cpp uses).
+struct dream_train_memory {
+    std::unique_ptr<llama_kv_cache> cache;
     size_t context_bytes = 0;
-
-    // exact walk (dream-memory.cpp allocates, dream-walk.cpp uses): the F32
-    // adjoint buffers gK, gV per layer, ne = [head_dim, n_head_kv, adj_rows]
-    // like the cache's rows (position q in slot q % adj_rows), on the layer's
-    // device; null for layers without K/V. Empty until the first backward chunk.
+    // the exact walk's F32 adjoint buffers gK, gV per layer, ne = [head_dim,
+    // n_head_kv, adj_rows] like the cache's rows (position q in slot q % adj_rows),
+    // on the layer's device; null for layers without K/V. Empty until the first backward chunk.
     std::vector<ggml_tensor *> adj_k, adj_v;
     int32_t adj_rows = 0;
     std::vector<ggml_context_ptr> adj_ctxs;
@@ -184,23 +181,38 @@ struct dream_stage {
     size_t walk_bytes = 0;
     int32_t horizon = 0;            // ancestors (positions) that receive gradient; 0: the whole window
     int32_t chunk_max = 0;          // the largest chunk set so far (sizes the adjoint slots with a horizon)
+};
 
-    // the current window
-    std::vector<llama_token> win_tokens;
-    std::vector<uint8_t>     win_mask;
-    int32_t win_pos      = 0;   // next chunk's first position
-    int32_t win_n        = 0;
-    int32_t win_n_masked = 0;   // loss tokens in the whole window
-    bool    win_active   = false;
+// The walk's position in the current window, and what its loss reads.
+struct dream_window {
+    std::vector<llama_token> tokens;
+    std::vector<uint8_t>     mask;
+    int32_t pos      = 0;   // next chunk's first position
+    int32_t n        = 0;
+    int32_t n_masked = 0;   // loss tokens in the whole window
+    bool    active   = false;
     // exact walk: the forward sweep fills the cache up to where the reverse
     // pass starts; the reverse pass then walks [0, rev_end) back to 0
-    bool    win_reverse  = false;
-    int32_t win_loss_end = 0;       // inputs [0, win_loss_end) feed every loss token
-    int32_t rev_end      = 0;       // the reverse pass's next chunk ends here
-    std::vector<uint8_t> win_adj;   // per position: an adjoint was added to gK/gV
+    bool    reverse  = false;
+    int32_t loss_end = 0;       // inputs [0, loss_end) feed every loss token
+    int32_t rev_end  = 0;       // the reverse pass's next chunk ends here
+    std::vector<uint8_t> adj;   // per position: an adjoint was added to gK/gV
+    // the loss multiplier: 1, or a group reply's weight (dream-groups.cpp)
+    float loss_scale = 1.0f;
+    // soft targets (dream-soft.cpp): soft_k (id, probability) pairs per loss token,
+    // the row of window position j at soft_row[j]; k 0: one-hot
+    int32_t soft_k = 0;
+    std::vector<int32_t> soft_ids;
+    std::vector<float>   soft_p;
+    std::vector<int32_t> soft_row;
+    // per row, the mass its pairs leave out (1 - their sum): the target's probability of
+    // every other token together, trained as one outcome (dream_soft_rest_ce); all zero: none
+    std::vector<float>   soft_rest;
+};
 
-    // the stage's own schedulers (dream-sched.cpp): plan measures, exec allocates and computes
-    dream_sched_ptr sched_plan, sched_exec;
+// The stage's own schedulers and what stays allocated on them between micro-steps (dream-sched.cpp).
+struct dream_exec_state {
+    dream_sched_ptr sched_plan, sched_exec;   // plan measures, exec allocates and computes
     size_t  sched_capacity = 0;    // graph size both were made for
     std::vector<uint8_t> twin_arena;   // metadata of the graph twin the plan measures
     int32_t last_n_splits  = 0;    // scheduler splits of the last computed training graph
@@ -208,40 +220,56 @@ struct dream_stage {
     bool    last_step_stoppable = false;  // dream_last_step_stoppable
     // bytes each device's ggml-cuda pool already grew to for quantized OUT_PROD expansions
     std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_held;
-
-    int64_t step = 0;
     std::unique_ptr<llm_graph_result> res;  // training graph storage, rebuilt unless the step graph is reused
     dream_step_graph step_graph;
     bool    graph_reuse  = true;    // dream_set_graph_reuse
     int64_t graph_reuses = 0;       // micro-steps that reused the step graph
     double  step_deadline_ms = 0;   // dream_set_step_deadline; <= 0: none
     dream_suspended_step suspended; // a step stopped at its deadline, continued by the next micro-step
-    // per graph shape (dream-sched.cpp), how long each segment took when it last
-    // ran: a segment predicted to end past the deadline is not begun
+    // per graph shape, how long each segment took when it last ran: a segment
+    // predicted to end past the deadline is not begun
     std::unordered_map<uint64_t, std::vector<float>> segment_ms;
-    bool    fused_attn = false;     // training graphs use FLASH_ATTN_EXT and its backward (dream-fattn.cpp)
-
-    // set while a training graph is being built (read by the attention hook)
-    int32_t build_pos = 0;
-    ggml_tensor * build_unit = nullptr;   // the unit scalar input of dream_join_prefix
-    int32_t build_leaf_lo = -1;           // exact walk: cells [lo, build_pos) are gradient leaves; -1: none
-    bool build_surrogate = false;         // exact walk: add sum(k*gK) + sum(v*gV) of the chunk's own K/V
-    std::vector<ggml_tensor *> build_leaf_k, build_leaf_v;   // per layer, the leaves built (or null)
-    ggml_tensor * build_sur = nullptr;    // the surrogate's sum over layers
-
-    // the current window's loss multiplier: 1, or a group reply's weight (dream-groups.cpp)
-    float win_loss_scale = 1.0f;
-    // the current window's soft targets (dream-soft.cpp): win_soft_k (id, probability)
-    // pairs per loss token, the row of window position j at win_soft_row[j]; k 0: one-hot
-    int32_t win_soft_k = 0;
-    std::vector<int32_t> win_soft_ids;
-    std::vector<float>   win_soft_p;
-    std::vector<int32_t> win_soft_row;
-    // per row, the mass its pairs leave out (1 - their sum): the target's probability of
-    // every other token together, trained as one outcome (dream_soft_rest_ce); all zero: none
-    std::vector<float>   win_soft_rest;
-    dream_group_state group;
 };
+
+// Set while a training graph is being built (read by the attention hook).
+struct dream_build_state {
+    int32_t pos = 0;
+    ggml_tensor * unit = nullptr;   // the unit scalar input of dream_join_prefix
+    int32_t leaf_lo = -1;           // exact walk: cells [lo, pos) are gradient leaves; -1: none
+    bool surrogate = false;         // exact walk: add sum(k*gK) + sum(v*gV) of the chunk's own K/V
+    std::vector<ggml_tensor *> leaf_k, leaf_v;   // per layer, the leaves built (or null)
+    ggml_tensor * sur = nullptr;    // the surrogate's sum over layers
+};
+
+struct dream_stage {
+    llama_context     * lctx  = nullptr;
+    llama_model       * model = nullptr;
+    dream_params        params{};
+    std::string         targets_str, cache_type_str;
+    ggml_type           cache_type = GGML_TYPE_Q8_0;
+    dream_switches      switches;   // read at dream_init (dream-switches.h)
+    bool                fused_attn = false;   // training graphs use FLASH_ATTN_EXT and its backward (dream-fattn.cpp)
+    int64_t             step = 0;
+
+    dream_lora_state   lora;
+    dream_opt_state    opt;
+    dream_train_memory mem;
+    dream_window       win;
+    dream_group_state  group;
+    dream_exec_state   exec;
+    dream_build_state  build;
+};
+
+// The CPU device: where host memory (the host optimizer, host buffers) is counted; null: none.
+inline ggml_backend_dev_t dream_host_device() {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t d = ggml_backend_dev_get(i);
+        if (ggml_backend_dev_type(d) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+            return d;
+        }
+    }
+    return nullptr;
+}
 
 // dream-adapter.cpp
 bool dream_adapter_create(dream_stage & ds, std::string & err);
@@ -285,8 +313,7 @@ struct dream_gate_verdict {
 };
 dream_gate_verdict dream_gate_check(const dream_stage & ds,
                                     const std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs);
-ggml_backend_dev_t dream_host_device();
-double dream_held_mib(const dream_stage & ds);
+double dream_held_mib(const dream_stage & ds);   // what the job holds now (the optimizer's state included)
 
 // dream-soft.cpp: soft targets of a plain window (dream_window_soft_targets)
 void dream_soft_clear(dream_stage & ds);
@@ -356,9 +383,11 @@ bool dream_cpu_swiglu_back(const float * dy, const float * g, const float * u, f
 constexpr int64_t DREAM_GET_ROWS_MIN = 32;
 bool dream_cpu_get_rows_rewrite(ggml_context * ctx, ggml_tensor * n);
 
-// dream-walk.cpp
+// dream-step.cpp: one micro-step; dream-walk.cpp: the chunks left in the window (an upper bound)
 int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r);
 int32_t dream_walk_chunks_left(const dream_stage & ds);
+
+// dream-window.cpp: the reverse pass's bookkeeping (the walk's and the group's)
 int32_t dream_loss_rows(const dream_stage & ds, int32_t p, int32_t e);     // rows in [p, e) whose next token carries loss
 bool    dream_has_adjoint(const dream_stage & ds, int32_t p, int32_t e);   // an adjoint was added on [p, e)
 // The reverse pass's chunk [start, end): marks the window reversed (rev_end = end)

@@ -1,9 +1,8 @@
-// The plain walk: one micro-step = one chunk of the window, forward and (when
-// it has loss tokens) backward, on the resident context's backends through the
-// stage's own schedulers (dream-sched.cpp), with the chunk attending to the training cache's prefix. The gradient stops at
-// chunk boundaries (the cached prefix is constant); gradients accumulate on
-// the host over the window and AdamW updates the shadow adapter at its end.
-#include "dream-stage.h"
+// The walk's graph side and order: the attention hook that joins a chunk to the
+// training cache (and the exact walk's leaves and surrogate), the order of the
+// chunks over a window, and the walk's advance past a computed chunk.
+// dream-step.cpp runs one micro-step with them; dream-fit.cpp fits its graph.
+#include "dream-walk.h"
 
 #include "ggml-backend.h"
 #include "ggml-impl.h"   // struct ggml_cgraph: n_leafs for the scheduler capacity check
@@ -21,14 +20,24 @@
 static thread_local dream_stage * g_building = nullptr;
 static thread_local int32_t g_hook_calls = 0;
 
+void dream_build_begin(dream_stage & ds) {
+    g_building = &ds;
+    g_hook_calls = 0;
+}
+
+int32_t dream_build_end() {
+    g_building = nullptr;
+    return g_hook_calls;
+}
+
 // The unit scalar of dream_unit_mul, one graph input per training graph.
 static ggml_tensor * dream_unit(ggml_context * ctx, dream_stage & ds) {
-    if (!ds.build_unit) {
-        ds.build_unit = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1);
-        ggml_set_name(ds.build_unit, "dream_unit");
-        ggml_set_input(ds.build_unit);
+    if (!ds.build.unit) {
+        ds.build.unit = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1);
+        ggml_set_name(ds.build.unit, "dream_unit");
+        ggml_set_input(ds.build.unit);
     }
-    return ds.build_unit;
+    return ds.build.unit;
 }
 
 // SET's backward views its incoming gradient with the forward strides, which
@@ -62,10 +71,10 @@ static ggml_tensor * dream_leaf(ggml_context * ctx, ggml_tensor * cached, int32_
 static ggml_tensor * dream_join_k(ggml_context * ctx, dream_stage & ds, ggml_tensor * cached, ggml_tensor * k_cur,
                                   int32_t pos, int32_t il) {
     ggml_tensor * base = ggml_cast(ctx, cached, GGML_TYPE_F32);
-    const int32_t lo = ds.build_leaf_lo;
+    const int32_t lo = ds.build.leaf_lo;
     if (lo >= 0 && lo < pos) {
         ggml_tensor * leaf = dream_leaf(ctx, cached, lo, pos, "dream_leaf_k", il);
-        ds.build_leaf_k[il] = leaf;
+        ds.build.leaf_k[il] = leaf;
         base = ggml_set(ctx, base, leaf, base->nb[1], base->nb[2], base->nb[3], (size_t) lo * base->nb[2]);
     }
     ggml_tensor * own = ggml_is_contiguous(k_cur) ? k_cur : ggml_cont(ctx, k_cur);
@@ -81,10 +90,10 @@ static ggml_tensor * dream_join_v(ggml_context * ctx, dream_stage & ds, ggml_ten
                                   int32_t pos, int32_t il) {
     // [head_dim, n_head_kv, cells] -> contiguous [cells, head_dim, n_head_kv]
     ggml_tensor * base = ggml_cont(ctx, ggml_permute(ctx, ggml_cast(ctx, cached, GGML_TYPE_F32), 1, 2, 0, 3));
-    const int32_t lo = ds.build_leaf_lo;
+    const int32_t lo = ds.build.leaf_lo;
     if (lo >= 0 && lo < pos) {
         ggml_tensor * leaf = dream_leaf(ctx, cached, lo, pos, "dream_leaf_v", il);
-        ds.build_leaf_v[il] = leaf;
+        ds.build.leaf_v[il] = leaf;
         ggml_tensor * leaf_t = ggml_cont(ctx, ggml_permute(ctx, leaf, 1, 2, 0, 3));
         base = ggml_set(ctx, base, leaf_t, base->nb[1], base->nb[2], base->nb[3], (size_t) lo * base->nb[0]);
     }
@@ -93,16 +102,11 @@ static ggml_tensor * dream_join_v(ggml_context * ctx, dream_stage & ds, ggml_ten
     return ggml_permute(ctx, dream_unit_mul(ctx, ds, joined), 0, 2, 1, 3);
 }
 
-// [a, b) cut where it wraps around the adjoint buffers' slots (q % adj_rows).
-struct dream_ring_piece {
-    int32_t pos, slot, len;
-};
-
-static std::vector<dream_ring_piece> dream_ring_pieces(const dream_stage & ds, int32_t a, int32_t b) {
+std::vector<dream_ring_piece> dream_ring_pieces(const dream_stage & ds, int32_t a, int32_t b) {
     std::vector<dream_ring_piece> out;
     while (a < b) {
-        const int32_t slot = a % ds.adj_rows;
-        const int32_t len = std::min(b - a, ds.adj_rows - slot);
+        const int32_t slot = a % ds.mem.adj_rows;
+        const int32_t len = std::min(b - a, ds.mem.adj_rows - slot);
         out.push_back({ a, slot, len });
         a += len;
     }
@@ -110,12 +114,12 @@ static std::vector<dream_ring_piece> dream_ring_pieces(const dream_stage & ds, i
 }
 
 // The slots of [pos, pos + len) in one layer's adjoint buffer.
-static ggml_tensor * dream_adj_view(ggml_context * ctx, ggml_tensor * adj, int32_t slot, int32_t len) {
+ggml_tensor * dream_adj_view(ggml_context * ctx, ggml_tensor * adj, int32_t slot, int32_t len) {
     return ggml_view_3d(ctx, adj, adj->ne[0], adj->ne[1], len, adj->nb[1], adj->nb[2], (size_t) slot * adj->nb[2]);
 }
 
 // Positions [from, from + len) of a contiguous [.., .., cells] tensor whose first cell is `first`.
-static ggml_tensor * dream_cells_view(ggml_context * ctx, ggml_tensor * t, int32_t first, int32_t from, int32_t len) {
+ggml_tensor * dream_cells_view(ggml_context * ctx, ggml_tensor * t, int32_t first, int32_t from, int32_t len) {
     return ggml_view_3d(ctx, t, t->ne[0], t->ne[1], len, t->nb[1], t->nb[2], (size_t) (from - first) * t->nb[2]);
 }
 
@@ -126,13 +130,13 @@ static ggml_tensor * dream_cells_view(ggml_context * ctx, ggml_tensor * t, int32
 static void dream_add_surrogate(ggml_context * ctx, dream_stage & ds, ggml_tensor * k_cur, ggml_tensor * v_cur,
                                 int32_t pos, int32_t il) {
     ggml_tensor * cur[2] = { k_cur, v_cur };
-    ggml_tensor * adj[2] = { ds.adj_k[il], ds.adj_v[il] };
+    ggml_tensor * adj[2] = { ds.mem.adj_k[il], ds.mem.adj_v[il] };
     for (int i = 0; i < 2; ++i) {
         ggml_tensor * own = ggml_is_contiguous(cur[i]) ? cur[i] : ggml_cont(ctx, cur[i]);
         for (const auto & pc : dream_ring_pieces(ds, pos, pos + (int32_t) own->ne[2])) {
             ggml_tensor * term = ggml_sum(ctx, ggml_mul(ctx, dream_cells_view(ctx, own, pos, pc.pos, pc.len),
                                                         dream_adj_view(ctx, adj[i], pc.slot, pc.len)));
-            ds.build_sur = ds.build_sur ? ggml_add(ctx, ds.build_sur, term) : term;
+            ds.build.sur = ds.build.sur ? ggml_add(ctx, ds.build.sur, term) : term;
         }
     }
 }
@@ -148,16 +152,16 @@ bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv
     // the chunk's K/V become constants for the chunks after it
     ggml_build_forward_expand(gf, mctx->cpy_k(ctx, k_cur, k_idxs, il));
     ggml_build_forward_expand(gf, mctx->cpy_v(ctx, v_cur, v_idxs, il));
-    if (ds->build_surrogate) {
-        dream_add_surrogate(ctx, *ds, k_cur, v_cur, ds->build_pos, il);
+    if (ds->build.surrogate) {
+        dream_add_surrogate(ctx, *ds, k_cur, v_cur, ds->build.pos, il);
     }
-    if (ds->build_pos == 0 && mctx->get_n_kv() == (uint32_t) k_cur->ne[2]) {
+    if (ds->build.pos == 0 && mctx->get_n_kv() == (uint32_t) k_cur->ne[2]) {
         *k = k_cur;
         *v = v_cur;
         return true;
     }
-    *k = dream_join_k(ctx, *ds, mctx->get_k(ctx, il), k_cur, ds->build_pos, il);
-    *v = dream_join_v(ctx, *ds, mctx->get_v(ctx, il), v_cur, ds->build_pos, il);
+    *k = dream_join_k(ctx, *ds, mctx->get_k(ctx, il), k_cur, ds->build.pos, il);
+    *v = dream_join_v(ctx, *ds, mctx->get_v(ctx, il), v_cur, ds->build.pos, il);
     return true;
 }
 
@@ -167,339 +171,10 @@ uint32_t dream_hook_sched_graph_nodes(uint32_t serving_nodes) {
     return serving_nodes * 5;
 }
 
-// Ops that ggml_compute_backward (ggml.c) differentiates. Anything else on the
-// path from a LoRA parameter to the loss would abort inside ggml.
-static bool dream_op_has_backward(const ggml_tensor * t) {
-    switch (t->op) {
-        case GGML_OP_NONE: case GGML_OP_DUP: case GGML_OP_ADD: case GGML_OP_ADD1: case GGML_OP_ACC:
-        case GGML_OP_SUB: case GGML_OP_MUL: case GGML_OP_DIV: case GGML_OP_SQR: case GGML_OP_SQRT:
-        case GGML_OP_LOG: case GGML_OP_SIN: case GGML_OP_COS: case GGML_OP_SUM: case GGML_OP_SUM_ROWS:
-        case GGML_OP_MEAN: case GGML_OP_REPEAT: case GGML_OP_REPEAT_BACK: case GGML_OP_RMS_NORM:
-        case GGML_OP_MUL_MAT: case GGML_OP_SCALE: case GGML_OP_SET: case GGML_OP_CPY: case GGML_OP_CONT:
-        case GGML_OP_RESHAPE: case GGML_OP_VIEW: case GGML_OP_PERMUTE: case GGML_OP_TRANSPOSE:
-        case GGML_OP_GET_ROWS: case GGML_OP_DIAG_MASK_INF: case GGML_OP_DIAG_MASK_ZERO:
-        case GGML_OP_SOFT_MAX: case GGML_OP_ROPE: case GGML_OP_CROSS_ENTROPY_LOSS:
-            return true;
-        case GGML_OP_UNARY:
-            switch (ggml_get_unary_op(t)) {
-                case GGML_UNARY_OP_ABS: case GGML_UNARY_OP_SGN: case GGML_UNARY_OP_NEG: case GGML_UNARY_OP_STEP:
-                case GGML_UNARY_OP_RELU: case GGML_UNARY_OP_SILU: case GGML_UNARY_OP_EXP:
-                case GGML_UNARY_OP_EXPM1: case GGML_UNARY_OP_SOFTPLUS:
-                    return true;
-                default:
-                    return false;
-            }
-        case GGML_OP_GLU:
-            return ggml_get_glu_op(t) == GGML_GLU_OP_SWIGLU && t->src[1] != nullptr;
-        case GGML_OP_FLASH_ATTN_EXT:
-            return dream_fattn_differentiable(t);
-        case GGML_OP_CUSTOM:
-            return dream_is_soft_rest_ce(t);
-        default:
-            return false;
-    }
-}
-
-// The first node on a parameter-to-loss path that ggml cannot differentiate, or null.
-static const ggml_tensor * dream_find_undifferentiable(ggml_cgraph * g, ggml_tensor * loss) {
-    std::unordered_set<const ggml_tensor *> from_param, to_loss;
-    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
-        ggml_tensor * n = ggml_graph_node(g, i);
-        for (int j = 0; j < GGML_MAX_SRC; ++j) {
-            const ggml_tensor * s = n->src[j];
-            if (s && ((s->flags & GGML_TENSOR_FLAG_PARAM) || from_param.count(s))) {
-                from_param.insert(n);
-                break;
-            }
-        }
-    }
-    std::vector<const ggml_tensor *> stack = { loss };
-    while (!stack.empty()) {
-        const ggml_tensor * t = stack.back();
-        stack.pop_back();
-        if (!t || !to_loss.insert(t).second) {
-            continue;
-        }
-        for (int j = 0; j < GGML_MAX_SRC; ++j) {
-            stack.push_back(t->src[j]);
-        }
-    }
-    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
-        const ggml_tensor * n = ggml_graph_node(g, i);
-        if (from_param.count(n) && to_loss.count(n) && n->type != GGML_TYPE_I32 && !dream_op_has_backward(n)) {
-            return n;
-        }
-    }
-    return nullptr;
-}
-
-// The device whose backend would run a node (an OUT_PROD, or a MUL_MAT) reading
-// this quantized weight in place: a non-CPU backend of the stage's scheduler that
-// holds the weight's buffer and claims the op (ggml-cuda does through
-// ggml_ext/cuda, expanding the weight to F32 in its stream-ordered pool). Null:
-// the node would run on the CPU.
-static ggml_backend_dev_t dream_quantized_out_prod_device(dream_stage & ds, ggml_tensor * node) {
-    const ggml_tensor * w = node->src[0];
-    if (!w->buffer || ggml_backend_buffer_is_host(w->buffer)) {
-        return nullptr;
-    }
-    ggml_backend_sched_t s = ds.sched_exec.get();
-    for (int b = 0; b < ggml_backend_sched_get_n_backends(s); ++b) {
-        ggml_backend_t be = ggml_backend_sched_get_backend(s, b);
-        ggml_backend_dev_t dev = ggml_backend_get_device(be);
-        if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
-            continue;
-        }
-        if (ggml_backend_supports_buft(be, ggml_backend_buffer_get_type(w->buffer)) && ggml_backend_supports_op(be, node)) {
-            return dev;
-        }
-    }
-    return nullptr;
-}
-
-// On the CPU, a weight whose F32 copy would exceed DREAM_DEQUANT_SLICE (the
-// tied output head of the default model: 49152 x 576, 108 MiB) is dequantized
-// in row slices instead, each slice's OUT_PROD summed: the same product, with
-// one slice's copy alive at a time (the gate measured the whole copy at the
-// peak of the head's backward). Returns the sum (an ADD), or null when the
-// operands are not the plain 2-D weight and transposed gradient it expects.
-constexpr size_t DREAM_DEQUANT_SLICE = 16u << 20;
-
-static ggml_tensor * dream_sliced_out_prod(ggml_context * ctx, ggml_tensor * w, ggml_tensor * grad_t) {
-    if ((size_t) ggml_nelements(w) * sizeof(float) <= DREAM_DEQUANT_SLICE || ggml_n_dims(w) != 2 ||
-        grad_t->op != GGML_OP_TRANSPOSE || !ggml_is_contiguous(grad_t->src[0]) || ggml_n_dims(grad_t) != 2) {
-        return nullptr;
-    }
-    ggml_tensor * g = grad_t->src[0];   // grad_t = transpose(g), g: [rows of w, n]
-    const int64_t per = std::max<int64_t>(1, (int64_t) (DREAM_DEQUANT_SLICE / (w->ne[0] * sizeof(float))));
-    ggml_tensor * sum = nullptr;
-    for (int64_t r0 = 0; r0 < w->ne[1]; r0 += per) {
-        const int64_t rows = std::min(per, w->ne[1] - r0);
-        ggml_tensor * w_rows = ggml_view_2d(ctx, w, w->ne[0], rows, w->nb[1], (size_t) r0 * w->nb[1]);
-        ggml_tensor * g_rows = ggml_view_2d(ctx, g, rows, g->ne[1], g->nb[1], (size_t) r0 * g->nb[0]);
-        ggml_tensor * part = ggml_out_prod(ctx, ggml_cast(ctx, w_rows, GGML_TYPE_F32), ggml_transpose(ctx, g_rows));
-        sum = sum ? ggml_add(ctx, sum, part) : part;
-    }
-    return sum && sum->op == GGML_OP_ADD ? sum : nullptr;
-}
-
-// DREAMSTAGE_CUDA_TRAIN_MMQ=1 keeps serving's quantized kernels (8-bit
-// activations) in training graphs too: the speed side of the precision choice,
-// for measuring it (bench/gpu/run.sh runs both).
-static bool dream_train_with_serving_kernels() {
-    static const bool on = [] {
-        const char * v = std::getenv("DREAMSTAGE_CUDA_TRAIN_MMQ");
-        return v != nullptr && std::strcmp(v, "1") == 0;
-    }();
-    return on;
-}
-
-// What a product through a quantized weight takes from the device's pool: the
-// weight expanded to F32 (cuda/out-prod-dequant.cu, mul-mat-exact.cu), or to F16
-// with the F32 operand converted beside it (cuda/mul-mat-f16.cu), whichever is more.
-static size_t dream_product_pool_bytes(const ggml_tensor * n) {
-    const size_t w = (size_t) ggml_nelements(n->src[0]), x = (size_t) ggml_nelements(n->src[1]);
-    return std::max(w * sizeof(float), (w + x) * sizeof(uint16_t) + 4 * sizeof(float));
-}
-
-static void dream_pool_need_max(std::vector<std::pair<ggml_backend_dev_t, size_t>> & pool_need, ggml_backend_dev_t dev,
-                                size_t bytes) {
-    for (auto & [d, b] : pool_need) {
-        if (d == dev) {
-            b = std::max(b, bytes);
-            return;
-        }
-    }
-    pool_need.push_back({ dev, bytes });
-}
-
-// Rewrites the backward graph so each node can run where its data lives:
-// - OUT_PROD(W_q, dy^T), the input gradient through a frozen quantized weight:
-//   ggml's CPU kernel dequantizes a row of W for every (token, row) pair, n_tokens
-//   times the weight per step (measured 17 s for a 64-token micro-step of the
-//   default model). On the CPU the node becomes our blocked kernel
-//   (dream-cpu-backward.cpp), which dequantizes each weight once per step into
-//   cache-sized panels; a weight it cannot take is cast to F32 right before its
-//   OUT_PROD (the allocator frees the copy after its single use), in row slices
-//   when the copy would be large (dream_sliced_out_prod). On a GPU backend that
-//   takes the quantized op, W stays quantized and the
-//   backend expands it in its pool; *pool_need gets, per device, the largest
-//   such expansion (4 bytes per weight), which the allocator does not see.
-// - MUL_MAT through a GPU-resident quantized weight: annotated F32 for src1 and
-//   the accumulator, so the backend multiplies the dequantized weight (expanded
-//   in the same pool, counted the same way) instead of rounding the activations
-//   to 8 bits. ggml-cuda's kernels land 5.3e-3 from the exact product for Q8_0,
-//   Q4_0, Q5_0, Q3_K, Q6_K (as the CPU's do), 1.0e-2 to 1.3e-2 for the types with
-//   a per-block minimum (Q4_1, Q2_K, Q4_K, Q5_K) and for Q4_0/Q5_0 at 8 tokens or
-//   fewer; the annotated product lands 2.9e-4 (TF32) for every type, at no
-//   measured cost in step speed (bench/gpu/dream_op_check, docs/architecture/gpu.md).
-// - F32 OUT_PROD (attention's backward, the LoRA factors' gradients) when the
-//   whole graph runs on the CPU: the register-tiled kernel of
-//   dream-cpu-out-prod.cpp, in place; an F32 MUL_MAT's src1 view (attention's
-//   Q, permuted per head) is made contiguous for ggml-cpu's GEMM;
-//   CROSS_ENTROPY_LOSS and SILU_BACK, whose ggml ops call expf per element,
-//   become dream-cpu-exp.cpp's vectorized kernels.
-// - GET_ROWS_BACK of the output rows on a GPU: a scatter (SET_ROWS into
-//   zeros), since the rows are distinct.
-// - GET_ROWS of the host-resident token embeddings: the same rows on every CPU
-//   thread (dream-cpu-rows.cpp); ggml-cpu gives the op one task, 12.5 ms of a
-//   2048-token step for Q6_K embeddings.
-// - ACC whose added tensor is not contiguous (VIEW's backward fed by a permuted
-//   gradient): ggml-cuda's ACC takes contiguous operands only, so the scheduler
-//   would run it on the CPU, one round trip per block. A CONT first keeps it on
-//   the device; the values are the same.
-// Returns the rebuilt graph (the same one when nothing changed).
-static ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, ggml_cgraph * gb, size_t cap,
-                                        std::vector<std::pair<ggml_backend_dev_t, size_t>> & pool_need) {
-    bool any = false;
-    // F32 OUT_PRODs become the CPU kernel only when every node runs on the CPU
-    // (a GPU backend's OUT_PROD is cuBLAS already)
-    bool cpu_only = true;
-    for (int b = 0; b < ggml_backend_sched_get_n_backends(ds.sched_exec.get()); ++b) {
-        ggml_backend_dev_t dev = ggml_backend_get_device(ggml_backend_sched_get_backend(ds.sched_exec.get(), b));
-        cpu_only = cpu_only && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
-    }
-    for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
-        ggml_tensor * n = ggml_graph_node(gb, i);
-        if (n->op == GGML_OP_OUT_PROD && ggml_is_quantized(n->src[0]->type)) {
-            if (ggml_backend_dev_t dev = dream_quantized_out_prod_device(ds, n)) {
-                dream_pool_need_max(pool_need, dev, dream_product_pool_bytes(n));
-                continue;
-            }
-            ggml_tensor * w = n->src[0];
-            ggml_tensor * dyt = n->src[1];
-            ggml_tensor * dy = dyt->op == GGML_OP_TRANSPOSE ? dyt->src[0] : ggml_transpose(ctx, dyt);
-            if (dream_cpu_wt_dy_supported(w, dy)) {
-                // the blocked kernel of dream-cpu-backward.cpp computes the same
-                // product with no F32 copy of W; the node becomes that op in
-                // place, so its users and shape stay
-                dream_take_op(n, dream_cpu_wt_dy(ctx, w, dy));
-                // The old transposed view of dy stays in the graph; without a
-                // reader it would never release dy, and the allocator would keep
-                // every such gradient to the end of the graph (measured: 100 MiB
-                // more at chunk 256 with recompute). The op ignores this source.
-                if (dyt != dy && !n->src[2]) {
-                    n->src[2] = dyt;
-                }
-            } else if (ggml_tensor * sum = dream_sliced_out_prod(ctx, w, dyt)) {
-                // n becomes the last partial sum's ADD, so its readers are unchanged
-                n->op = GGML_OP_ADD;
-                std::memset(n->op_params, 0, sizeof(n->op_params));
-                n->src[0] = sum->src[0];
-                n->src[1] = sum->src[1];
-            } else {
-                n->src[0] = ggml_cast(ctx, w, GGML_TYPE_F32);
-            }
-            any = true;
-        } else if (n->op == GGML_OP_MUL_MAT && ggml_is_quantized(n->src[0]->type) && !dream_train_with_serving_kernels() &&
-                   n->src[0]->buffer && ggml_backend_buffer_get_usage(n->src[0]->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS) {
-            if (ggml_backend_dev_t dev = dream_quantized_out_prod_device(ds, n)) {
-                ggml_prec_set_acc(n, GGML_PREC_F32);
-                ggml_prec_set_src(n, GGML_PREC_F32, 1);
-                dream_pool_need_max(pool_need, dev, dream_product_pool_bytes(n));
-            }
-        } else if (n->op == GGML_OP_MUL_MAT && n->src[0]->type == GGML_TYPE_F32 && !cpu_only) {
-            // an F32 product keeps F32 all the way in the FP32 mode: ggml-cuda's
-            // small-batch kernel (up to 16 columns) would multiply in TF32 whatever
-            // NVIDIA_TF32_OVERRIDE says (cuda/mul-mat-exact.cu sends it to cuBLAS)
-            ggml_prec_set_src(n, GGML_PREC_F32, 1);
-        } else if (n->op == GGML_OP_OUT_PROD && cpu_only && dream_cpu_out_prod_supported(n)) {
-            dream_cpu_out_prod_rewrite(ctx, n);
-            any = true;
-        } else if (n->op == GGML_OP_MUL_MAT && cpu_only && n->src[0]->type == GGML_TYPE_F32 &&
-                   n->src[1]->type == GGML_TYPE_F32 && !ggml_is_contiguous(n->src[1])) {
-            // ggml-cpu's GEMM (llamafile's) takes a contiguous src1 only; a view
-            // (attention's Q, permuted per head) goes to a dot product per
-            // output instead, 5x slower at chunk 256. The copy is cheap.
-            n->src[1] = ggml_cont(ctx, n->src[1]);
-            any = true;
-        } else if ((n->op == GGML_OP_CROSS_ENTROPY_LOSS || n->op == GGML_OP_SILU_BACK) && cpu_only &&
-                   dream_cpu_exp_ops_rewrite(ctx, n)) {
-            any = true;
-        } else if (n->op == GGML_OP_GET_ROWS_BACK && !cpu_only && n->src[1] && ggml_n_dims(n) <= 2 &&
-                   std::strcmp(ggml_get_name(n->src[1]), "out_ids") == 0) {
-            // llama's output rows are distinct positions, so this scatter-add
-            // is a plain scatter: zeros, the rows set, copied into n.
-            // ggml-cuda's GET_ROWS_BACK sums over every index for every
-            // destination row (3.5 ms at 2048 rows on an H200).
-            ggml_tensor * zeros = ggml_fill_inplace(ctx, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n->ne[0], n->ne[1]), 0.0f);
-            dream_take_op(n, ggml_cont(ctx, ggml_set_rows(ctx, zeros, n->src[0], n->src[1])));
-            any = true;
-        } else if (n->op == GGML_OP_ACC && !ggml_is_contiguous(n->src[1])) {
-            n->src[1] = ggml_cont(ctx, n->src[1]);
-            any = true;
-        } else if (n->op == GGML_OP_GET_ROWS && dream_cpu_get_rows_rewrite(ctx, n)) {
-            // (no new node: the graph keeps its order)
-        }
-    }
-    if (!any) {
-        return gb;
-    }
-    // re-expand in the original order: each new node lands just before its user
-    ggml_cgraph * out = ggml_new_graph_custom(ctx, cap, false);
-    for (int i = 0; i < ggml_graph_n_nodes(gb); ++i) {
-        ggml_build_forward_expand(out, ggml_graph_node(gb, i));
-    }
-    return out;
-}
-
-namespace {
-// Frees the backward context and ends the graph's use of the stage's scheduler
-// on every exit path but one: a step whose graph the stage keeps for the next
-// chunk of its shape (keep; the context then belongs to ds.step_graph).
-struct dream_graph_scope {
-    dream_stage & ds;
-    ggml_context * ctx = nullptr;
-    int32_t revert_from = -1;   // training-cache cells to drop on failure
-    bool keep = false;
-    explicit dream_graph_scope(dream_stage & d) : ds(d) {}
-    ~dream_graph_scope() {
-        g_building = nullptr;
-        if (!keep) {
-            dream_step_graph_drop(ds);   // the scheduler's allocation goes: a kept graph with it
-            dream_sched_release(ds);
-        }
-        if (revert_from >= 0) {
-            ds.memory->seq_rm(0, revert_from, -1);
-        }
-        if (ctx) {
-            ggml_free(ctx);
-        }
-    }
-};
-}
-
-// Rows in [p, e) whose next token carries loss.
-int32_t dream_loss_rows(const dream_stage & ds, int32_t p, int32_t e) {
-    int32_t n = 0;
-    for (int32_t i = p; i < e; ++i) {
-        n += (i + 1 < ds.win_n && ds.win_mask[i + 1]) ? 1 : 0;
-    }
-    return n;
-}
-
-void dream_reverse_chunk(dream_stage & ds, dream_chunk & c, int32_t start, int32_t end) {
-    ds.win_reverse = true;
-    ds.rev_end = end;
-    c.backward_pass = true;
-    c.p = start;
-    c.n = end - start;
-    c.surrogate = dream_has_adjoint(ds, c.p, end);
-}
-
-bool dream_has_adjoint(const dream_stage & ds, int32_t p, int32_t e) {
-    for (int32_t i = p; i < e; ++i) {
-        if (ds.win_adj[i]) {
-            return true;
-        }
-    }
-    return false;
-}
-
 // A window the exact walk runs (one without loss tokens is forward only, as in
 // the plain walk); a shared-prefix group always does (dream-groups.cpp).
-static bool dream_exact_window(const dream_stage & ds) {
-    return (ds.params.exact && ds.win_n_masked > 0) || ds.group.active;
+bool dream_exact_window(const dream_stage & ds) {
+    return (ds.params.exact && ds.win.n_masked > 0) || ds.group.active;
 }
 
 // The reverse pass's chunk that ends at e starts on the chunk grid (which
@@ -510,42 +185,42 @@ static int32_t dream_rev_start(const dream_stage & ds, int32_t e) {
 
 // Moves rev_end past chunks with nothing to carry back (no loss rows, no adjoint).
 static void dream_rev_skip(dream_stage & ds) {
-    while (ds.rev_end > 0) {
-        const int32_t s = dream_rev_start(ds, ds.rev_end);
-        if (dream_loss_rows(ds, s, ds.rev_end) > 0 || dream_has_adjoint(ds, s, ds.rev_end)) {
+    while (ds.win.rev_end > 0) {
+        const int32_t s = dream_rev_start(ds, ds.win.rev_end);
+        if (dream_loss_rows(ds, s, ds.win.rev_end) > 0 || dream_has_adjoint(ds, s, ds.win.rev_end)) {
             return;
         }
-        ds.rev_end = s;
+        ds.win.rev_end = s;
     }
 }
 
 // The exact walk: the forward sweep fills the cache up to where the reverse
 // pass's next chunk starts (that chunk runs forward and backward in one
 // graph); the reverse pass then walks back from the last loss token to 0. The
-// cache holds [0, win_pos): a reverse chunk gives up its own cells, so a
+// cache holds [0, win.pos): a reverse chunk gives up its own cells, so a
 // smaller chunk after a refusal first refills the cells it now needs.
-static dream_chunk dream_next_chunk(dream_stage & ds) {
+dream_chunk dream_next_chunk(dream_stage & ds) {
     if (ds.group.active) {
         return dream_group_next_chunk(ds);
     }
     dream_chunk c;
     if (!dream_exact_window(ds)) {
-        c.p = ds.win_pos;
-        c.n = std::min(ds.params.chunk, ds.win_n - c.p);
+        c.p = ds.win.pos;
+        c.n = std::min(ds.params.chunk, ds.win.n - c.p);
         return c;
     }
-    const int32_t end = ds.win_reverse ? ds.rev_end : ds.win_loss_end;
+    const int32_t end = ds.win.reverse ? ds.win.rev_end : ds.win.loss_end;
     const int32_t start = dream_rev_start(ds, end);
-    if (ds.win_pos < start) {
-        c.p = ds.win_pos;
+    if (ds.win.pos < start) {
+        c.p = ds.win.pos;
         c.n = std::min(ds.params.chunk, start - c.p);
         return c;
     }
     dream_reverse_chunk(ds, c, start, end);
     if (c.p > 0) {
-        int32_t h = ds.horizon > 0 ? std::min(ds.horizon, c.p) : c.p;
-        if (ds.adj_rows > 0) {
-            h = std::min(h, ds.adj_rows - c.n);   // the live adjoints must fit the slots
+        int32_t h = ds.mem.horizon > 0 ? std::min(ds.mem.horizon, c.p) : c.p;
+        if (ds.mem.adj_rows > 0) {
+            h = std::min(h, ds.mem.adj_rows - c.n);   // the live adjoints must fit the slots
         }
         c.leaf_lo = h > 0 ? c.p - h : -1;
     }
@@ -553,7 +228,7 @@ static dream_chunk dream_next_chunk(dream_stage & ds) {
 }
 
 int32_t dream_walk_chunks_left(const dream_stage & ds) {
-    if (!ds.win_active) {
+    if (!ds.win.active) {
         return 0;
     }
     if (ds.group.active) {
@@ -561,84 +236,45 @@ int32_t dream_walk_chunks_left(const dream_stage & ds) {
     }
     const int32_t ch = ds.params.chunk;
     if (!dream_exact_window(ds)) {
-        return (ds.win_n - ds.win_pos + ch - 1) / ch;
+        return (ds.win.n - ds.win.pos + ch - 1) / ch;
     }
     // an upper bound: the forward chunks still to fill, then every reverse chunk
-    const int32_t end = ds.win_reverse ? ds.rev_end : ds.win_loss_end;
-    const int32_t fwd = (std::max(0, dream_rev_start(ds, end) - ds.win_pos) + ch - 1) / ch;
+    const int32_t end = ds.win.reverse ? ds.win.rev_end : ds.win.loss_end;
+    const int32_t fwd = (std::max(0, dream_rev_start(ds, end) - ds.win.pos) + ch - 1) / ch;
     return std::max(1, fwd + (end + ch - 1) / ch);
 }
 
 // After a refused reverse-pass chunk: halve the horizon in whole chunks (not
 // below one chunk), so the retry builds fewer gradient leaves. Returns the new
 // horizon, or 0 when it cannot shrink.
-static int32_t dream_halve_horizon(dream_stage & ds, int32_t p, int32_t leaf_lo) {
+int32_t dream_halve_horizon(dream_stage & ds, int32_t p, int32_t leaf_lo) {
     const int32_t ch = ds.params.chunk;
     const int32_t in_use = p - leaf_lo;
     if (leaf_lo < 0 || in_use <= ch) {
         return 0;
     }
-    ds.horizon = std::max(ch, (in_use / 2) / ch * ch);
-    return ds.horizon;
-}
-
-// When a micro-step that began at t_start is stopped (dream_set_step_deadline).
-static dream_deadline_t dream_step_deadline(const dream_stage & ds, std::chrono::steady_clock::time_point t_start) {
-    return t_start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                         std::chrono::duration<double, std::milli>(ds.step_deadline_ms));
-}
-
-// After a step's graph computed: the device pools it grew, its loss and its gradient.
-static bool dream_step_read(dream_stage & ds, dream_receipt & r, dream_step_graph & sgraph, bool train, bool need_opt_state) {
-    for (const auto & [dev, bytes] : sgraph.pool_need) {
-        bool found = false;
-        for (auto & [d, b] : ds.pool_held) {
-            if (d == dev) {
-                b = std::max(b, bytes);
-                found = true;
-            }
-        }
-        if (!found) {
-            ds.pool_held.push_back({ dev, bytes });
-        }
-    }
-
-    if (train) {
-        float ce_val = 0.0f;
-        if (sgraph.ce) {
-            ggml_backend_tensor_get(sgraph.ce, &ce_val, 0, sizeof(ce_val));
-        }
-        r.loss = (double) ce_val;
-        if (need_opt_state && !dream_opt_create(ds)) {
-            dream_receipt_message(r, "allocating the optimizer state (%.2f MiB) failed", 3.0 * (double) ds.n_params * sizeof(float) / DREAM_MIB);
-            return false;
-        }
-        if (!dream_opt_accumulate(ds, sgraph.param_grads)) {
-            dream_receipt_message(r, "adding the step's gradients into the accumulator failed");
-            return false;
-        }
-    }
-    return true;
+    ds.mem.horizon = std::max(ch, (in_use / 2) / ch * ch);
+    return ds.mem.horizon;
 }
 
 // The walk moves past a computed chunk: the step count, the window's position,
 // a group's or the exact walk's bookkeeping, the window's end and the optimizer.
-static void dream_step_advance(dream_stage & ds, dream_receipt & r, const dream_chunk & chunk) {
+void dream_step_advance(dream_stage & ds, dream_receipt & r, const dream_chunk & chunk) {
     const int32_t p = chunk.p, n = chunk.n;
     ds.step += 1;
-    ds.win_pos = p + n;
-    bool window_done = !dream_exact_window(ds) && ds.win_pos >= ds.win_n;
+    ds.win.pos = p + n;
+    bool window_done = !dream_exact_window(ds) && ds.win.pos >= ds.win.n;
     if (ds.group.active) {
         window_done = dream_group_chunk_done(ds, chunk, r);
     } else if (chunk.backward_pass) {
         // the leaves' cells now hold adjoints; this chunk's own slots are
         // spent and must read zero when lower positions wrap onto them
         for (int32_t i = std::max(chunk.leaf_lo, 0); chunk.leaf_lo >= 0 && i < p; ++i) {
-            ds.win_adj[i] = 1;
+            ds.win.adj[i] = 1;
         }
-        if (ds.adj_rows > 0 && ds.adj_rows < ds.win_n) {
+        if (ds.mem.adj_rows > 0 && ds.mem.adj_rows < ds.win.n) {
             for (const auto & pc : dream_ring_pieces(ds, p, p + n)) {
-                for (auto * adj : { &ds.adj_k, &ds.adj_v }) {
+                for (auto * adj : { &ds.mem.adj_k, &ds.mem.adj_v }) {
                     for (ggml_tensor * t : *adj) {
                         if (t) {
                             ggml_backend_tensor_memset(t, 0, (size_t) pc.slot * t->nb[2], (size_t) pc.len * t->nb[2]);
@@ -647,576 +283,31 @@ static void dream_step_advance(dream_stage & ds, dream_receipt & r, const dream_
                 }
             }
         }
-        ds.rev_end = p;
+        ds.win.rev_end = p;
         dream_rev_skip(ds);
-        window_done = ds.rev_end == 0;
+        window_done = ds.win.rev_end == 0;
     }
     if (window_done) {
-        ds.win_active = false;
-        if (ds.win_n_masked > 0 && dream_opt_ready(ds)) {
-            ds.windows_pending += 1;
-            if (ds.windows_pending >= ds.params.accumulate_windows) {
+        ds.win.active = false;
+        if (ds.win.n_masked > 0 && dream_opt_ready(ds)) {
+            ds.opt.windows_pending += 1;
+            if (ds.opt.windows_pending >= ds.params.accumulate_windows) {
                 if (!dream_opt_update(ds)) {
                     dream_receipt_message(r, "the optimizer update on the adapter's device failed");
                 }
-                ds.windows_pending = 0;
+                ds.opt.windows_pending = 0;
             }
         }
     }
 }
 
 void dream_suspended_drop(dream_stage & ds) {
-    if (!ds.suspended.active) {
+    if (!ds.exec.suspended.active) {
         return;
     }
-    ds.memory->seq_rm(0, ds.suspended.chunk.p, -1);
-    ds.win_pos = std::min(ds.win_pos, ds.suspended.chunk.p);
-    ds.suspended = dream_suspended_step{};
+    ds.mem.cache->seq_rm(0, ds.exec.suspended.chunk.p, -1);
+    ds.win.pos = std::min(ds.win.pos, ds.exec.suspended.chunk.p);
+    ds.exec.suspended = dream_suspended_step{};
     dream_step_graph_drop(ds);
     dream_sched_release(ds);
-}
-
-int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
-    const auto t_start = std::chrono::steady_clock::now();
-    dream_receipt_start(ds, r);
-    r.step = ds.step + 1;
-    dream_chunk chunk;
-    bool walk_new = false;   // the adjoint buffers were allocated by this micro-step
-    auto finish = [&](int32_t status) {
-        r.status = status;
-        if (status != DREAM_STATUS_OK && walk_new) {
-            if (status == DREAM_STATUS_REFUSED) {
-                const size_t len = std::strlen(r.message);
-                std::snprintf(r.message + len, sizeof(r.message) - len,
-                              "; the job held the exact walk's adjoint buffers for it (%d positions, walk_mib %.2f), freed again",
-                              ds.adj_rows, (double) ds.walk_bytes / DREAM_MIB);
-            }
-            dream_walk_free(ds);   // a refused or failed step leaves nothing allocated
-        }
-        if (status == DREAM_STATUS_REFUSED && chunk.backward_pass && !ds.group.active) {
-            if (const int32_t h = dream_halve_horizon(ds, chunk.p, chunk.leaf_lo)) {
-                const size_t len = std::strlen(r.message);
-                std::snprintf(r.message + len, sizeof(r.message) - len, "; horizon halved from %d to %d, the chunk retries",
-                              chunk.p - chunk.leaf_lo, h);
-                r.horizon = h;   // the receipt names the horizon the retry uses
-            }
-        }
-        r.walk_mib = (double) ds.walk_bytes / DREAM_MIB;
-        r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
-        r.optimizer_mib = (double) dream_opt_bytes(ds) / DREAM_MIB;
-        return status;
-    };
-    if (!ds.win_active || (!dream_exact_window(ds) && ds.win_pos >= ds.win_n)) {
-        dream_receipt_message(r, "no window in progress: call dream_window_begin first");
-        return finish(DREAM_STATUS_ERROR);
-    }
-
-    // a step stopped at its deadline goes on where it stopped, with a deadline of its own
-    if (ds.suspended.active) {
-        dream_suspended_step & su = ds.suspended;
-        chunk = su.chunk;
-        r.chunk_pos = chunk.p;
-        r.chunk_tokens = chunk.n;
-        r.tokens = su.n_loss;
-        r.horizon = ds.params.exact ? ds.horizon : -1;
-        r.graph_mib = su.graph_mib;
-        std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", su.train ? "backward" : "forward");
-        const dream_deadline_t deadline = dream_step_deadline(ds, t_start);
-        const ggml_status st = dream_sched_compute(ds, ds.step_graph.gb, su.batched, true, nullptr,
-                                                   ds.step_deadline_ms > 0 ? &deadline : nullptr, &su.next_node);
-        ds.last_step_stoppable = true;            // it stopped once
-        if (st == GGML_STATUS_ABORTED) {
-            dream_receipt_message(r, "stopped at the step deadline of %.1f ms again, %d of %d graph nodes computed: the "
-                                  "next micro-step goes on with chunk at %d (%d tokens)", ds.step_deadline_ms, su.next_node,
-                                  ggml_graph_n_nodes(ds.step_graph.gb), chunk.p, chunk.n);
-            return finish(DREAM_STATUS_STOPPED);
-        }
-        if (st != GGML_STATUS_SUCCESS) {
-            dream_suspended_drop(ds);
-            dream_receipt_message(r, "computing the rest of a stopped step failed (ggml status %d)", (int) st);
-            return finish(DREAM_STATUS_ERROR);
-        }
-        const dream_suspended_step done = su;
-        su = dream_suspended_step{};
-        if (!dream_step_read(ds, r, ds.step_graph, done.train, done.need_opt_state)) {
-            dream_step_graph_drop(ds);
-            dream_sched_release(ds);
-            return finish(DREAM_STATUS_ERROR);
-        }
-        if (done.keepable) {
-            ds.step_graph.valid = true;         // kept for the next chunk of its shape
-            ds.graph_reuses += done.reuse ? 1 : 0;
-        } else {
-            dream_step_graph_drop(ds);
-            dream_sched_release(ds);
-        }
-        dream_step_advance(ds, r, chunk);
-        return finish(DREAM_STATUS_OK);
-    }
-
-    const auto & hp = ds.model->hparams;
-    chunk = dream_next_chunk(ds);
-    const int32_t p = chunk.p;
-    const int32_t n = chunk.n;
-    const int64_t n_vocab = ds.model->vocab.n_tokens();
-    r.chunk_pos = p;
-    r.chunk_tokens = n;
-    r.horizon = ds.params.exact ? ds.horizon : -1;
-    r.group_reply = chunk.group_reply;
-    if (chunk.group_reply >= 0) {   // a group's walk is exact on any stage, over the whole prefix
-        r.exact = true;
-        r.horizon = 0;
-    }
-    // a chunk larger than the adjoint slots were sized for gets fewer leaves:
-    // the receipt says how many positions it actually gave gradient
-    if (chunk.leaf_lo >= 0 && ds.horizon > 0 && chunk.p - chunk.leaf_lo < std::min(ds.horizon, chunk.p)) {
-        r.horizon = chunk.p - chunk.leaf_lo;
-    }
-
-    // row i (input token p+i) predicts token p+i+1 when that token carries loss
-    // (the exact walk's forward sweep only fills the cache: its loss rows are
-    // trained when the reverse pass comes back to them)
-    std::vector<int32_t> targets(n, -1);
-    int32_t n_loss = 0;
-    const bool forward_sweep = dream_exact_window(ds) && !chunk.backward_pass;
-    const bool soft = dream_soft_active(ds);   // labels from dream_window_soft_targets (dream-soft.cpp)
-    const bool soft_rest = dream_soft_has_rest(ds);   // ... whose rows leave mass out: dream_soft_rest_ce
-    for (int32_t i = 0; i < n && !forward_sweep; ++i) {
-        const int32_t j = p + i + 1;
-        if (j < ds.win_n && ds.win_mask[j]) {
-            targets[i] = ds.win_tokens[j];
-            ++n_loss;
-        }
-    }
-    r.tokens = n_loss;
-    // only the rows with a target get logits (the graph gathers their hidden
-    // states before the head, as serving does for its output rows): the head
-    // is a [n_vocab, rows] product and tensor, and its rows without a target
-    // would be computed for nothing; a chunk without loss rows keeps one
-    const int32_t n_out = std::max(n_loss, 1);
-    // the plain walk (and the exact walk's forward sweep) goes backward only
-    // for loss rows; a reverse-pass chunk also for the adjoints it carries
-    const bool train = n_loss > 0 || (chunk.backward_pass && chunk.surrogate);
-    std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", train ? "backward" : "forward");
-
-    if (hp.n_pos_per_embd() != 1) {
-        dream_receipt_message(r, "models with %u positions per token (M-RoPE) are not supported by the dream stage", hp.n_pos_per_embd());
-        return finish(DREAM_STATUS_ERROR);
-    }
-
-    // the exact walk's adjoint buffers, at its first backward chunk. The graph
-    // reads and writes them, so they exist before it is built: first their own
-    // gate (with the step's host memory, which the graph's gate counts again),
-    // then, held by the job, the graph's gate below sees the rest of the need;
-    // a refusal there frees them again.
-    if (train && chunk.backward_pass && ds.adj_rows == 0) {
-        // (the job's largest chunk, not this one: a pacer may start small)
-        const int32_t rows = ds.horizon > 0 ? std::min(ds.params.window, ds.horizon + std::max(ds.chunk_max, ds.params.chunk))
-                                            : ds.params.window;
-        auto needs = dream_walk_bytes_planned(ds, rows);
-        double total = 0;
-        for (const auto & nd : needs) {
-            total += (double) nd.second / DREAM_MIB;
-        }
-        for (const auto & nd : dream_opt_step_needs(ds, train)) {
-            needs.push_back(nd);
-        }
-        const dream_gate_verdict v = dream_gate_check(ds, needs);
-        if (!v.fits) {
-            dream_receipt_refused(r, p, n, v.need_mib, v.allowance_mib);
-            dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
-                                  "memory need %.2f MiB on %s, allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, "
-                                  "slack %.2f MiB)%s", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
-                                  ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, v.why.c_str());
-            return finish(DREAM_STATUS_REFUSED);
-        }
-        std::string err;
-        if (!dream_walk_create(ds, rows, err)) {
-            dream_receipt_message(r, "%s", err.c_str());
-            return finish(DREAM_STATUS_ERROR);
-        }
-        walk_new = true;
-        chunk = dream_next_chunk(ds);   // the same chunk, its leaves bounded by the slots
-    }
-
-    dream_graph_scope scope(ds);
-    llama_context & lctx = *ds.lctx;
-
-    // the chunk's cells in the training cache (a refused earlier try left none)
-    ds.memory->seq_rm(0, p, -1);
-    ds.win_pos = std::min(ds.win_pos, p);
-    llama_batch_allocr balloc(hp.n_pos_per_embd());
-    llama_ubatch ub = balloc.ubatch_reserve(n, 1);
-    for (int32_t i = 0; i < n; ++i) {
-        ub.token[i] = ds.win_tokens[p + i];
-        ub.pos[i] = p + i;
-        ub.n_seq_id[i] = 1;
-        ub.seq_id[i] = &ub.seq_id_unq[0];
-        // logits only for the rows that carry a loss (the output head is 49,152
-        // x n_embd per row, and its backward is a scatter over all of them);
-        // a chunk without loss tokens keeps its last row so the graph has one
-        ub.output[i] = n_loss > 0 ? targets[i] >= 0 : i == n - 1;
-    }
-    auto sinfos = ds.memory->prepare({ ub });
-    if (sinfos.empty()) {
-        dream_receipt_message(r, "the training cache (%d cells) has no room for chunk at %d (%d tokens)", ds.params.window, p, n);
-        return finish(DREAM_STATUS_ERROR);
-    }
-    if (!sinfos[0].is_contiguous() || sinfos[0].head() != (uint32_t) p) {
-        dream_receipt_message(r, "training cache placed chunk at %d into cell %u, not %d", p, sinfos[0].head(), p);
-        return finish(DREAM_STATUS_ERROR);
-    }
-    llama_kv_cache_context mctx(ds.memory.get(), sinfos, { ub });
-    scope.revert_from = p;
-    mctx.apply();
-
-    // training-only graph parameters: serving's cparams are copied, never changed
-    llama_cparams cp = dream_context_access::cparams(lctx);
-    cp.training = true;
-    cp.flash_attn = ds.fused_attn;   // ggml has no backward for FLASH_ATTN_EXT; dream-fattn.cpp gives one on CUDA
-    cp.auto_fa = false;
-    cp.causal_attn = true;
-    cp.embeddings = false;
-    cp.warmup = false;
-
-    const uint32_t sched_nodes = lctx.graph_max_nodes(std::min(lctx.n_ctx(), lctx.n_ubatch()));
-    if (!dream_sched_ensure(ds, sched_nodes)) {
-        dream_receipt_message(r, "could not create the dream stage's schedulers");
-        return finish(DREAM_STATUS_ERROR);
-    }
-    ggml_backend_sched_t sched = ds.sched_exec.get();
-    if (!ds.res) {
-        ds.res.reset(new llm_graph_result(sched_nodes));
-    }
-    llm_graph_params gp = {
-        /*.arch        =*/ ds.model->arch,
-        /*.hparams     =*/ hp,
-        /*.cparams     =*/ cp,
-        /*.ubatch      =*/ mctx.get_ubatch(),
-        /*.gtype       =*/ LLM_GRAPH_TYPE_DEFAULT,
-        /*.sched       =*/ sched,
-        /*.backend_cpu =*/ dream_context_access::backend_cpu(lctx),
-        /*.cvec        =*/ dream_context_access::cvec(lctx),
-        /*.loras       =*/ &ds.shadow_set,
-        /*.mctx        =*/ &mctx,
-        /*.cross       =*/ dream_context_access::cross(lctx),
-        /*.prec_policy =*/ &ds.model->prec_policy,
-        /*.samplers    =*/ {},
-        /*.n_outputs   =*/ (uint32_t) n_out,
-        /*.cb          =*/ [](const llama_ubatch &, ggml_tensor * cur, const char * name, int il) {
-            if (il >= 0) {
-                ggml_format_name(cur, "%s-%d", name, il);
-            } else {
-                ggml_set_name(cur, name);
-            }
-        },
-        /*.res         =*/ ds.res.get(),
-    };
-
-    // this chunk's share of the window's mean over its loss tokens (times a group reply's weight)
-    const float loss_scale = n_loss > 0 ? (float) n_loss / (float) ds.win_n_masked * ds.win_loss_scale : 0.0f;
-
-    // The last step's graph, when this chunk has its shape, is still allocated
-    // on the exec scheduler: set its inputs and compute it again (dream_step_graph).
-    // Only the plain walk: the exact walk's and a group's graphs carry leaves,
-    // adjoint views and surrogates that depend on the chunk's place in the pass.
-    dream_step_graph & sg = ds.step_graph;
-    const bool keepable = ds.graph_reuse && !dream_exact_window(ds) && !ds.group.active;
-    const bool reuse = keepable && sg.valid && sg.p == p && sg.n == n && sg.n_out == n_out && sg.train == train && sg.soft == soft &&
-                       sg.soft_rest == soft_rest && sg.loss_scale == loss_scale && ds.res->can_reuse(gp);
-    // the graph this step computes: the kept one, or one built below
-    dream_step_graph fresh;
-    dream_step_graph & sgraph = reuse ? sg : fresh;
-    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;       // what the step allocates, per device
-    if (reuse) {
-        // allocated already: nothing to plan, the gate sees only the step's host memory
-        ds.build_unit = sg.unit;
-    } else {
-        dream_step_graph_drop(ds);
-        // the graph build may pin nodes to a backend on the scheduler it is given
-        // (build_attn without offload_kqv): the exec scheduler, reset, so the pins
-        // hold until it allocates the graph
-        ggml_backend_sched_reset(sched);
-        ds.res->reset();
-
-        ggml_cgraph * gf = nullptr;
-        ggml_tensor * loss = nullptr;
-        g_building = &ds;
-        g_hook_calls = 0;
-        ds.build_pos = p;
-        ds.build_unit = nullptr;
-        ds.build_leaf_lo = chunk.leaf_lo;
-        ds.build_surrogate = chunk.surrogate;
-        ds.build_leaf_k.assign(hp.n_layer(), nullptr);
-        ds.build_leaf_v.assign(hp.n_layer(), nullptr);
-        ds.build_sur = nullptr;
-        try {
-            gf = ds.model->build_graph(gp);
-        } catch (const std::exception & e) {
-            dream_receipt_message(r, "building the training graph failed: %s", e.what());
-            return finish(DREAM_STATUS_ERROR);
-        }
-        g_building = nullptr;
-        uint32_t n_kv_layers = 0;
-        for (uint32_t il = 0; il < hp.n_layer(); ++il) {
-            n_kv_layers += hp.has_kv(il) ? 1 : 0;
-        }
-        if (!gf || (uint32_t) g_hook_calls != n_kv_layers) {
-            dream_receipt_message(r, "architecture %s did not build its attention through the dream memory (%d of %u layers)",
-                                  llm_arch_name(ds.model->arch), g_hook_calls, n_kv_layers);
-            return finish(DREAM_STATUS_ERROR);
-        }
-        ggml_tensor * logits = ds.res->get_logits();
-        if (!logits || logits->ne[0] != n_vocab || logits->ne[1] != n_out) {
-            dream_receipt_message(r, "the training graph has no [n_vocab, %d] logits", n_out);
-            return finish(DREAM_STATUS_ERROR);
-        }
-
-        // backward context: loss, labels, gradients, the combined graph
-        // ggml_graph_cpy needs a hash set at least as large as the forward graph's
-        const size_t cap = std::max<size_t>((size_t) 6 * (ggml_graph_n_nodes(gf) + gf->n_leafs) + 1024, (size_t) gf->size);
-        ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
-        scope.ctx = ggml_init(ip);
-        ggml_context * cbw = scope.ctx;
-        sgraph.gb = ggml_new_graph_custom(cbw, cap, train);
-        ggml_graph_cpy(gf, sgraph.gb);
-        if (train) {
-            if (n_loss > 0) {
-                // the logits hold only the rows with a target (ub.output): cross_entropy_loss's
-                // backward assumes every row's labels sum to one, so an all-zero row
-                // would still push its softmax into the gradient.
-                // With a GPU in the scheduler the one-hot labels are made on the
-                // device: a zero matrix (FILL, one write) whose n_loss ones are set
-                // through SET_ROWS on its flat view, one element per "row", at
-                // r * n_vocab + target[r]. Only n_loss indices cross from the host
-                // instead of a dense n_vocab x n_loss matrix (400 MB at 2048 tokens,
-                // most of a step's host time on the H200), and the matrix costs one
-                // pass, where a chain of element-wise ops (REPEAT, SUB, ABS, STEP)
-                // cost five. On the CPU alone the host fills the matrix in place: no
-                // transfer to save. Soft targets are dense rows: always filled on the host.
-                ggml_tensor * labels = nullptr;
-                if (ggml_backend_sched_get_n_backends(sched) > 1 && !soft) {
-                    sgraph.target_ids = ggml_new_tensor_1d(cbw, GGML_TYPE_I64, n_loss);
-                    ggml_set_name(sgraph.target_ids, "dream_target_ids");
-                    ggml_set_input(sgraph.target_ids);
-                    ggml_tensor * zeros = ggml_fill_inplace(cbw, ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_vocab * n_loss), 0.0f);
-                    ggml_tensor * ones = ggml_fill_inplace(cbw, ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss), 1.0f);
-                    labels = ggml_reshape_2d(cbw, ggml_set_rows(cbw, zeros, ones, sgraph.target_ids), n_vocab, n_loss);
-                } else {
-                    sgraph.host_labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
-                    ggml_set_name(sgraph.host_labels, "dream_labels");
-                    ggml_set_input(sgraph.host_labels);
-                    labels = sgraph.host_labels;
-                }
-                if (soft_rest) {
-                    sgraph.host_rest = ggml_new_tensor_1d(cbw, GGML_TYPE_F32, n_loss);
-                    ggml_set_name(sgraph.host_rest, "dream_soft_rest");
-                    ggml_set_input(sgraph.host_rest);
-                    sgraph.ce = dream_soft_rest_ce(cbw, logits, labels, sgraph.host_rest);   // mean over loss rows
-                } else {
-                    sgraph.ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
-                }
-                ggml_set_output(sgraph.ce);
-                loss = ggml_scale(cbw, sgraph.ce, loss_scale);
-            }
-            // the exact walk: the later chunks' adjoints enter through the surrogate
-            if (ds.build_sur) {
-                loss = loss ? ggml_add(cbw, loss, ds.build_sur) : ds.build_sur;
-            }
-            ggml_set_loss(loss);
-            ggml_build_forward_expand(sgraph.gb, loss);
-            if (const ggml_tensor * bad = dream_find_undifferentiable(sgraph.gb, loss)) {
-                dream_receipt_message(r, "op %s (%s, node %s) has no backward pass in ggml", ggml_op_desc(bad),
-                                      ggml_op_name(bad->op), bad->name);
-                return finish(DREAM_STATUS_ERROR);
-            }
-            const int n_forward = ggml_graph_n_nodes(sgraph.gb);
-            ggml_build_backward_expand(cbw, sgraph.gb, nullptr);
-            sgraph.loss_grad = ggml_graph_get_grad(sgraph.gb, loss);
-            for (auto & pr : ds.pairs) {
-                for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
-                    ggml_tensor * g = ggml_graph_get_grad(sgraph.gb, t);
-                    if (g) {
-                        ggml_set_output(g);
-                    }
-                    sgraph.param_grads.push_back(g);
-                }
-            }
-            // the exact walk: add each leaf's gradient into gK/gV at its cells, in
-            // this graph (the buffers are the stage's, so it persists to the chunks before)
-            for (uint32_t il = 0; il < hp.n_layer(); ++il) {
-                ggml_tensor * leaves[2] = { ds.build_leaf_k[il], ds.build_leaf_v[il] };
-                ggml_tensor * adj[2] = { ds.adj_k.empty() ? nullptr : ds.adj_k[il], ds.adj_v.empty() ? nullptr : ds.adj_v[il] };
-                for (int i = 0; i < 2; ++i) {
-                    ggml_tensor * g = leaves[i] ? ggml_graph_get_grad(sgraph.gb, leaves[i]) : nullptr;
-                    if (!g) {
-                        continue;
-                    }
-                    g = ggml_reshape(cbw, ggml_is_contiguous(g) ? g : ggml_cont(cbw, g), leaves[i]);
-                    for (const auto & pc : dream_ring_pieces(ds, chunk.leaf_lo, p)) {
-                        ggml_tensor * slots = dream_adj_view(cbw, adj[i], pc.slot, pc.len);
-                        ggml_tensor * sum = ggml_add(cbw, slots, dream_cells_view(cbw, g, chunk.leaf_lo, pc.pos, pc.len));
-                        ggml_build_forward_expand(sgraph.gb, ggml_cpy(cbw, sum, slots));
-                    }
-                }
-            }
-            if (ds.params.recompute) {
-                std::string err;
-                sgraph.gb = dream_recompute(cbw, sgraph.gb, n_forward, cap, err);
-                if (!sgraph.gb) {
-                    dream_receipt_message(r, "%s", err.c_str());
-                    return finish(DREAM_STATUS_ERROR);
-                }
-            }
-        }
-        sgraph.gb = dream_fit_backward(ds, cbw, sgraph.gb, cap, sgraph.pool_need);
-        if (ggml_graph_n_nodes(sgraph.gb) + sgraph.gb->n_leafs > (int) sched_nodes) {
-            dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
-                                  ggml_graph_n_nodes(sgraph.gb) + sgraph.gb->n_leafs, sched_nodes);
-            return finish(DREAM_STATUS_ERROR);
-        }
-
-        // the gate: plan a twin of this graph with ggml's allocator on the stage's planning scheduler
-        dream_graph_plan plan;
-        if (!dream_sched_plan(ds, sgraph.gb, plan)) {
-            dream_receipt_message(r, "planning the training graph failed");
-            return finish(DREAM_STATUS_ERROR);
-        }
-        needs = plan.needs;
-        sgraph.graph_bytes = plan.graph_bytes;
-    }
-    // a device pool grows to its largest quantized-weight expansion once and keeps it
-    for (const auto & [dev, bytes] : sgraph.pool_need) {
-        size_t held = 0;
-        for (const auto & [d, b] : ds.pool_held) {
-            held = d == dev ? b : held;
-        }
-        needs.push_back({ dev, bytes > held ? bytes - held : 0 });
-    }
-    const bool need_opt_state = train && !dream_opt_ready(ds);
-    for (const auto & nd : dream_opt_step_needs(ds, train)) {
-        needs.push_back(nd);
-    }
-    r.graph_mib = (double) sgraph.graph_bytes / DREAM_MIB;
-    const dream_gate_verdict verdict = dream_gate_check(ds, needs);
-    if (!verdict.fits) {
-        r.refused_chunk_pos = p;
-        r.refused_chunk_tokens = n;
-        r.refused_need_mib = verdict.need_mib;
-        r.refused_allowance_mib = verdict.allowance_mib;
-        dream_receipt_message(r, "chunk at %d (%d tokens) needs %.2f MiB more on %s (training graph %.2f MiB planned%s), "
-                              "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)%s",
-                              p, n, verdict.need_mib, verdict.device.c_str(), r.graph_mib,
-                              need_opt_state ? " + optimizer state" : "", verdict.allowance_mib,
-                              ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, verdict.why.c_str());
-        return finish(DREAM_STATUS_REFUSED);
-    }
-
-    // the step deadline (dream_set_step_deadline): only a graph that writes
-    // nothing but this chunk's own cache cells may stop midway and go on later
-    const bool stoppable = ds.step_deadline_ms > 0 && !chunk.backward_pass && chunk.group_reply < 0;
-    const dream_deadline_t deadline = dream_step_deadline(ds, t_start);
-    int32_t next_node = 0;
-    // a freshly built graph into the stage's step graph, with what a later step compares
-    auto keep_fresh = [&](bool valid) {
-        fresh.ctx.reset(scope.ctx);
-        scope.ctx = nullptr;
-        fresh.unit = ds.build_unit;
-        fresh.p = p;
-        fresh.n = n;
-        fresh.n_out = n_out;
-        fresh.train = train;
-        fresh.soft = soft;
-        fresh.soft_rest = soft_rest;
-        fresh.loss_scale = loss_scale;
-        fresh.valid = valid;
-        sg = std::move(fresh);
-    };
-    // allocate the real graph once on the exec scheduler (unless it still is) and compute it
-    const ggml_status st = dream_sched_compute(ds, sgraph.gb, n > 1, reuse, [&] {
-        ds.res->set_inputs(&mctx.get_ubatch());
-        if (ds.build_unit) {
-            const float unit = 1.0f;
-            ggml_backend_tensor_set(ds.build_unit, &unit, 0, sizeof(unit));
-        }
-        if (sgraph.target_ids) {
-            std::vector<int64_t> ids;   // the flat index of each loss row's one
-            for (int32_t i = 0; i < n; ++i) {
-                if (targets[i] >= 0) {
-                    ids.push_back((int64_t) ids.size() * n_vocab + targets[i]);
-                }
-            }
-            ggml_backend_tensor_set(sgraph.target_ids, ids.data(), 0, ggml_nbytes(sgraph.target_ids));
-        }
-        if (sgraph.host_labels) {
-            // a tensor of the CPU backend: filled where it lies
-            GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_labels->buffer));
-            float * lab = (float *) sgraph.host_labels->data;
-            if (soft) {
-                float * rest = nullptr;
-                if (sgraph.host_rest) {
-                    GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_rest->buffer));
-                    rest = (float *) sgraph.host_rest->data;
-                }
-                dream_soft_fill(ds, p, targets, lab, n_vocab, rest);
-            } else {
-                std::memset(lab, 0, ggml_nbytes(sgraph.host_labels));
-                int64_t row = 0;
-                for (int32_t i = 0; i < n; ++i) {
-                    if (targets[i] >= 0) {
-                        lab[row++ * n_vocab + targets[i]] = 1.0f;
-                    }
-                }
-            }
-        }
-        if (sgraph.loss_grad) {
-            const float one = 1.0f;
-            ggml_backend_tensor_set(sgraph.loss_grad, &one, 0, sizeof(one));
-        }
-    }, stoppable ? &deadline : nullptr, &next_node);
-    ds.last_step_stoppable = !chunk.backward_pass && chunk.group_reply < 0 && ds.last_one_cpu_split;
-    if (st == GGML_STATUS_ABORTED && stoppable) {
-        // stopped between two segments: the graph, its inputs and the chunk's
-        // cells stay as they are, and the next micro-step computes the rest
-        if (!reuse) {
-            keep_fresh(false);                  // valid again when the step completes (a graph the walk keeps)
-        }
-        sg.valid = false;
-        ds.suspended = dream_suspended_step{ true, next_node, chunk, n_loss, train, keepable, reuse, need_opt_state, n > 1,
-                                             r.graph_mib };
-        scope.keep = true;
-        scope.revert_from = -1;
-        dream_receipt_message(r, "stopped at the step deadline of %.1f ms, %d of %d graph nodes computed: the next "
-                              "micro-step goes on with chunk at %d (%d tokens)", ds.step_deadline_ms, next_node,
-                              ggml_graph_n_nodes(sg.gb), p, n);
-        return finish(DREAM_STATUS_STOPPED);
-    }
-    if (st == GGML_STATUS_ALLOC_FAILED) {
-        dream_receipt_message(r, "allocating the training graph (%.2f MiB) failed", r.graph_mib);
-        return finish(DREAM_STATUS_ERROR);
-    }
-    if (st == GGML_STATUS_FAILED && ds.fused_attn && !dream_fattn_on_cuda(ds.sched_exec.get(), sgraph.gb)) {
-        dream_receipt_message(r, "the fused attention backward was scheduled off CUDA; set DREAMSTAGE_FUSED_ATTN=0");
-        return finish(DREAM_STATUS_ERROR);
-    }
-    if (st != GGML_STATUS_SUCCESS) {
-        dream_receipt_message(r, "computing the training graph failed (ggml status %d)", (int) st);
-        return finish(DREAM_STATUS_ERROR);
-    }
-    if (!dream_step_read(ds, r, sgraph, train, need_opt_state)) {
-        return finish(DREAM_STATUS_ERROR);
-    }
-
-    // the plain walk keeps the graph allocated for the next chunk of this shape
-    if (keepable) {
-        if (!reuse) {
-            keep_fresh(true);
-        } else {
-            ds.graph_reuses += 1;
-        }
-        scope.keep = true;
-    }
-    scope.revert_from = -1;     // the chunk's K/V stay as constants for later chunks
-    dream_step_advance(ds, r, chunk);
-    return finish(DREAM_STATUS_OK);
 }

@@ -18,6 +18,7 @@
 // On first use the kernel checks that on a sample against ggml's vec_dot of
 // this very build and turns itself off if they differ (another compiler's
 // contraction choices, say). DREAMSTAGE_CPU_MUL_MAT=ggml turns it off too.
+#include "../dream-switches.h"
 #include "ggml.h"
 #include "ggml-cpu.h"
 #define GGML_COMMON_DECL_CPP
@@ -202,8 +203,7 @@ bool agrees_with_ggml() {
 
 bool enabled() {
     static const bool on = [] {
-        const char * v = std::getenv("DREAMSTAGE_CPU_MUL_MAT");
-        if (v && std::strcmp(v, "ggml") == 0) {
+        if (!dream_switches_loaded().cpu_mul_mat) {
             return false;
         }
         if (!agrees_with_ggml()) {

@@ -25,6 +25,8 @@
 #include "sum.cuh"
 #endif
 
+#include "../dream-switches.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -170,8 +172,7 @@ void dream_cuda_ce_back(const float * grad, const float * logits, const float * 
 
 #ifndef DREAM_CE_NO_GGML
 static bool dream_ce_kernel_on() {
-    const char * v = std::getenv("DREAMSTAGE_CE_KERNEL");
-    return !(v && std::strcmp(v, "0") == 0);
+    return dream_switches_loaded().ce_kernel;
 }
 
 static bool dream_ce_rows_ok(int64_t n_rows) {

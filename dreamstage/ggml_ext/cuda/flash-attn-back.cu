@@ -607,8 +607,7 @@ bool dream_cuda_fa_back(const dream_fa_back_params & p, cudaStream_t stream) {
 // GGML_OP_FLASH_ATTN_BACK as dream-fattn.cpp builds it (dQ token-major, dK and dV head-major): src q (F32 [D, T, H]),
 // k, v (F16 [D, Tk, Hk]), mask (F16 [Tk, >= T] or none), O and dO (F32 [D, H, T],
 // contiguous); op params: scale, then the offsets (floats) of dK, dV, lse, D and
-// the tile classes in dst, whose first part is dQ, then 1 for a token-major dQ
-// (0: head-major); the tile classes' bytes, rounded up to whole floats, are
+// the tile classes in dst, whose first part is dQ; the tile classes' bytes, rounded up to whole floats, are
 // followed by one word per q head (dO's largest magnitude). Anything else is not
 // this op's layout.
 static bool dream_fa_back_layout(const ggml_tensor * op, dream_fa_back_params & p) {
@@ -644,8 +643,7 @@ static bool dream_fa_back_layout(const ggml_tensor * op, dream_fa_back_params & 
     p.o = (const float *) o->data; p.d_o = (const float *) g->data;
     float * dst = (float *) op->data;
     p.dq = dst; p.dk = dst + off[0]; p.dv = dst + off[1]; p.lse = dst + off[2]; p.dvec = dst + off[3];
-    const bool dq_tokens = ((const int32_t *) op->op_params)[6] != 0;   // dQ token-major (else head-major)
-    p.dq_row = dq_tokens ? D * H : D; p.dq_head = dq_tokens ? D : D * T; p.dkv_row = D; p.dkv_head = D * Tk;
+    p.dq_row = D * H; p.dq_head = D; p.dkv_row = D; p.dkv_head = D * Tk;   // dQ token-major, dK and dV head-major
     p.cls = (uint8_t *) (dst + off[4]);
     p.amax = (uint32_t *) (dst + off[4] + (n_cls + 3) / 4);
     return dream_cuda_fa_back_supported(D, H, Hk) && T > 0 && Tk > 0;

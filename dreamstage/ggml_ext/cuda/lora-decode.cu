@@ -30,6 +30,8 @@
 
 #include "out-prod.cuh"
 
+#include "../dream-switches.h"
+
 #include <cstdlib>
 
 static constexpr int DREAM_LORA_FUSE_MAX_COLS = 8;
@@ -57,8 +59,7 @@ extern "C" long long dream_cuda_lora_fusion_runs() {
 
 static bool dream_lora_fusion_enabled() {
     if (dream_lora_fusion < 0) {
-        const char * v = std::getenv("DREAMSTAGE_LORA_FUSION");
-        dream_lora_fusion = v == nullptr || std::atoi(v) != 0;
+        dream_lora_fusion = dream_switches_loaded().lora_fusion ? 1 : 0;
     }
     return dream_lora_fusion != 0;
 }

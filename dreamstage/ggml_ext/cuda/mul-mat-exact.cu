@@ -16,7 +16,7 @@
 // expands the weight with ggml-cuda's own to_fp32 converter into the stream-ordered
 // pool and multiplies in F32 when the accumulator precision is F32 as well
 // (ggml_prec_set_acc; TF32 tensor ops unless NVIDIA_TF32_OVERRIDE=0, like every
-// other F32 product on this backend). dream-walk.cpp sets both on every training
+// other F32 product on this backend). dream-fit.cpp sets both on every training
 // graph product through a GPU-resident quantized weight; serving's graphs never
 // carry them. Outside the FP32 mode an annotated product through a quantized
 // weight is taken earlier, by patch 0106's hook (mul-mat-f16.cu: F16 operands,
@@ -28,20 +28,18 @@
 // MMA whatever the override, which moved a GPU exact walk in chunks of 16 by
 // 6.7e-3 from its one-chunk gradient even in FP32 (docs/benchmarks.md, "Exact
 // walk on the H200"). So in that mode a training graph's F32 product, which
-// dream-walk.cpp annotates the same way, goes to cuBLAS as well.
+// dream-fit.cpp annotates the same way, goes to cuBLAS as well.
 
 #include "out-prod.cuh"
 #include "convert.cuh"
+
+#include "../dream-switches.h"
 
 #include <cstdlib>
 #include <cstring>
 
 static bool dream_fp32_mode() {
-    static const bool on = [] {
-        const char * v = std::getenv("NVIDIA_TF32_OVERRIDE");
-        return v != nullptr && std::strcmp(v, "0") == 0;
-    }();
-    return on;
+    return dream_switches_loaded().fp32_mode;
 }
 
 bool dream_cuda_mul_mat_exact(const ggml_tensor * dst) {

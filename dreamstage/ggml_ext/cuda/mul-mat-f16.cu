@@ -18,8 +18,8 @@
 // integers, within F16's range for any weight a model stores in F16 or below.
 //
 // Not used in the FP32 mode (NVIDIA_TF32_OVERRIDE=0), where these products stay
-// F32 end to end, nor with DREAMSTAGE_F16_PRODUCTS=0 (read per call, so a
-// process can compare both). Shapes other than one matrix (ne2 = ne3 = 1) with
+// F32 end to end, nor with DREAMSTAGE_F16_PRODUCTS=0 (dream_cuda_f16_products_set
+// overrides it, so a process can compare both). Shapes other than one matrix (ne2 = ne3 = 1) with
 // a contiguous src1 (MUL_MAT) or a transposed or contiguous one (OUT_PROD) take
 // the F32 path as before.
 
@@ -27,17 +27,26 @@
 #include "convert.cuh"
 #include "out-prod.cuh"
 
+#include "../dream-switches.h"
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 
+// -1: the registry decides; then 0 or 1, set by dream_cuda_f16_products_set (bench/gpu/dream_op_check
+// computes the same product both ways in one process)
+static int dream_f16_products_forced = -1;
+
+extern "C" void dream_cuda_f16_products_set(int on) {
+    dream_f16_products_forced = on < 0 ? -1 : on ? 1 : 0;
+}
+
 static bool dream_f16_products_on() {
-    const char * off = std::getenv("DREAMSTAGE_F16_PRODUCTS");
-    if (off && std::strcmp(off, "0") == 0) {
+    const dream_switches & s = dream_switches_loaded();
+    if (dream_f16_products_forced >= 0 ? dream_f16_products_forced == 0 : !s.f16_products) {
         return false;
     }
-    const char * tf = std::getenv("NVIDIA_TF32_OVERRIDE");
-    return !(tf && std::strcmp(tf, "0") == 0);
+    return !s.fp32_mode;
 }
 
 // the operand's absolute maximum, as the bits of a nonnegative float (ordered like the floats)
@@ -105,7 +114,7 @@ static bool dream_f16_weight_ok(const ggml_tensor * w) {
 
 bool dream_cuda_mul_mat_f16(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                             ggml_tensor * dst) {
-    // only a whole annotated training product (dream-walk.cpp sets the annotation)
+    // only a whole annotated training product (dream-fit.cpp sets the annotation)
     if (dst->op != GGML_OP_MUL_MAT || dst->src[0] != src0 || dst->src[1] != src1 ||
         ggml_get_op_params_i32(dst, 3) != GGML_PREC_F32 || !dream_f16_weight_ok(src0) ||
         src1->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32 || !ggml_is_contiguous(src1) ||

@@ -20,6 +20,8 @@
 #include "out-prod.cuh"
 #include "convert.cuh"
 
+#include "../dream-switches.h"
+
 #include <cstdlib>
 #include <cstring>
 
@@ -60,10 +62,9 @@ bool dream_cuda_out_prod_src0_supported(const ggml_tensor * src0) {
 // and every other F32 matrix product in a CUDA graph runs that way, so that is the
 // default here too. DREAMSTAGE_CUDA_OUT_PROD_MATH=fp32 switches this op to full
 // FP32 (about 5x slower on an H200; measured in docs/benchmarks.md), which matches
-// the CPU backend to float rounding. Read per call so a process can compare both.
+// the CPU backend to float rounding.
 static bool dream_out_prod_full_fp32() {
-    const char * v = std::getenv("DREAMSTAGE_CUDA_OUT_PROD_MATH");
-    return v != nullptr && std::strcmp(v, "fp32") == 0;
+    return dream_switches_loaded().out_prod_fp32;
 }
 
 // mul-mat-f16.cu: the same product with F16 operands; false when it does not apply

@@ -1,0 +1,739 @@
+// The plain walk: one micro-step = one chunk of the window, forward and (when
+// it has loss tokens) backward, on the resident context's backends through the
+// stage's own schedulers (dream-sched.cpp), with the chunk attending to the
+// training cache's prefix. The gradient stops at chunk boundaries (the cached
+// prefix is constant); gradients accumulate over the window and AdamW updates
+// the shadow adapter at its end. The exact walk and a group carry adjoints back.
+// A micro-step resumes a stopped step, or plans, builds, gates and computes one.
+#include "dream-walk.h"
+
+#include "ggml-backend.h"
+#include "ggml-impl.h"   // struct ggml_cgraph: n_leafs for the scheduler capacity check
+#include "llama-batch.h"
+#include "llama-graph.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <unordered_set>
+
+namespace {
+// Frees the backward context and ends the graph's use of the stage's scheduler
+// on every exit path but one: a step whose graph the stage keeps for the next
+// chunk of its shape (keep; the context then belongs to ds.exec.step_graph).
+struct dream_graph_scope {
+    dream_stage & ds;
+    ggml_context * ctx = nullptr;
+    int32_t revert_from = -1;   // training-cache cells to drop on failure
+    bool keep = false;
+    explicit dream_graph_scope(dream_stage & d) : ds(d) {}
+    ~dream_graph_scope() {
+        dream_build_end();
+        if (!keep) {
+            dream_step_graph_drop(ds);   // the scheduler's allocation goes: a kept graph with it
+            dream_sched_release(ds);
+        }
+        if (revert_from >= 0) {
+            ds.mem.cache->seq_rm(0, revert_from, -1);
+        }
+        if (ctx) {
+            ggml_free(ctx);
+        }
+    }
+};
+}
+
+// When a micro-step that began at t_start is stopped (dream_set_step_deadline).
+static dream_deadline_t dream_step_deadline(const dream_stage & ds, std::chrono::steady_clock::time_point t_start) {
+    return t_start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                         std::chrono::duration<double, std::milli>(ds.exec.step_deadline_ms));
+}
+
+// After a step's graph computed: the device pools it grew, its loss and its gradient.
+static bool dream_step_read(dream_stage & ds, dream_receipt & r, dream_step_graph & sgraph, bool train, bool need_opt_state) {
+    for (const auto & [dev, bytes] : sgraph.pool_need) {
+        bool found = false;
+        for (auto & [d, b] : ds.exec.pool_held) {
+            if (d == dev) {
+                b = std::max(b, bytes);
+                found = true;
+            }
+        }
+        if (!found) {
+            ds.exec.pool_held.push_back({ dev, bytes });
+        }
+    }
+
+    if (train) {
+        float ce_val = 0.0f;
+        if (sgraph.ce) {
+            ggml_backend_tensor_get(sgraph.ce, &ce_val, 0, sizeof(ce_val));
+        }
+        r.loss = (double) ce_val;
+        if (need_opt_state && !dream_opt_create(ds)) {
+            dream_receipt_message(r, "allocating the optimizer state (%.2f MiB) failed", 3.0 * (double) ds.lora.n_params * sizeof(float) / DREAM_MIB);
+            return false;
+        }
+        if (!dream_opt_accumulate(ds, sgraph.param_grads)) {
+            dream_receipt_message(r, "adding the step's gradients into the accumulator failed");
+            return false;
+        }
+    }
+    return true;
+}
+
+namespace {
+// One micro-step in progress: what the end of its receipt needs (dream_step_finish).
+struct dream_step_run {
+    std::chrono::steady_clock::time_point t_start;
+    dream_chunk chunk;
+    bool walk_new = false;   // the adjoint buffers were allocated by this micro-step
+};
+
+// What a chunk's graph computes (dream_step_plan_chunk): its loss rows and the graph's shape.
+struct dream_step_shape {
+    std::vector<int32_t> targets;   // row i (input p+i): the token it predicts with loss, or -1
+    int32_t n_loss = 0;
+    int32_t n_out = 1;              // logits rows: the loss rows, or one
+    bool train = false;             // the step goes backward
+    bool soft = false;              // labels from dream_window_soft_targets (dream-soft.cpp)
+    bool soft_rest = false;         // ... whose rows leave mass out: dream_soft_rest_ce
+    float loss_scale = 0.0f;        // this chunk's share of the window's mean loss (times a group reply's weight)
+};
+}
+
+// Ends a micro-step's receipt with status; a refused or failed step frees the adjoint buffers it made.
+static int32_t dream_step_finish(dream_stage & ds, dream_receipt & r, const dream_step_run & run, int32_t status) {
+    r.status = status;
+    if (status != DREAM_STATUS_OK && run.walk_new) {
+        if (status == DREAM_STATUS_REFUSED) {
+            const size_t len = std::strlen(r.message);
+            std::snprintf(r.message + len, sizeof(r.message) - len,
+                          "; the job held the exact walk's adjoint buffers for it (%d positions, walk_mib %.2f), freed again",
+                          ds.mem.adj_rows, (double) ds.mem.walk_bytes / DREAM_MIB);
+        }
+        dream_walk_free(ds);   // a refused or failed step leaves nothing allocated
+    }
+    const dream_chunk & chunk = run.chunk;
+    if (status == DREAM_STATUS_REFUSED && chunk.backward_pass && !ds.group.active) {
+        if (const int32_t h = dream_halve_horizon(ds, chunk.p, chunk.leaf_lo)) {
+            const size_t len = std::strlen(r.message);
+            std::snprintf(r.message + len, sizeof(r.message) - len, "; horizon halved from %d to %d, the chunk retries",
+                          chunk.p - chunk.leaf_lo, h);
+            r.horizon = h;   // the receipt names the horizon the retry uses
+        }
+    }
+    r.walk_mib = (double) ds.mem.walk_bytes / DREAM_MIB;
+    r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - run.t_start).count();
+    r.optimizer_mib = (double) dream_opt_bytes(ds) / DREAM_MIB;
+    return status;
+}
+
+// Resume: computes on a step stopped at its deadline, with a deadline of its own; a receipt status.
+static int32_t dream_step_resume(dream_stage & ds, dream_receipt & r, dream_step_run & run) {
+    dream_suspended_step & su = ds.exec.suspended;
+    const dream_chunk & chunk = run.chunk = su.chunk;
+    r.chunk_pos = chunk.p;
+    r.chunk_tokens = chunk.n;
+    r.tokens = su.n_loss;
+    r.horizon = ds.params.exact ? ds.mem.horizon : -1;
+    r.graph_mib = su.graph_mib;
+    std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", su.train ? "backward" : "forward");
+    const dream_deadline_t deadline = dream_step_deadline(ds, run.t_start);
+    const ggml_status st = dream_sched_compute(ds, ds.exec.step_graph.gb, su.batched, true, nullptr,
+                                               ds.exec.step_deadline_ms > 0 ? &deadline : nullptr, &su.next_node);
+    ds.exec.last_step_stoppable = true;            // it stopped once
+    if (st == GGML_STATUS_ABORTED) {
+        dream_receipt_message(r, "stopped at the step deadline of %.1f ms again, %d of %d graph nodes computed: the "
+                              "next micro-step goes on with chunk at %d (%d tokens)", ds.exec.step_deadline_ms,
+                              su.next_node, ggml_graph_n_nodes(ds.exec.step_graph.gb), chunk.p, chunk.n);
+        return DREAM_STATUS_STOPPED;
+    }
+    if (st != GGML_STATUS_SUCCESS) {
+        dream_suspended_drop(ds);
+        dream_receipt_message(r, "computing the rest of a stopped step failed (ggml status %d)", (int) st);
+        return DREAM_STATUS_ERROR;
+    }
+    const dream_suspended_step done = su;
+    su = dream_suspended_step{};
+    if (!dream_step_read(ds, r, ds.exec.step_graph, done.train, done.need_opt_state)) {
+        dream_step_graph_drop(ds);
+        dream_sched_release(ds);
+        return DREAM_STATUS_ERROR;
+    }
+    if (done.keepable) {
+        ds.exec.step_graph.valid = true;         // kept for the next chunk of its shape
+        ds.exec.graph_reuses += done.reuse ? 1 : 0;
+    } else {
+        dream_step_graph_drop(ds);
+        dream_sched_release(ds);
+    }
+    dream_step_advance(ds, r, chunk);
+    return DREAM_STATUS_OK;
+}
+
+// Plan: the next chunk into run.chunk, its loss rows and graph shape, and their receipt fields.
+static dream_step_shape dream_step_plan_chunk(dream_stage & ds, dream_receipt & r, dream_step_run & run) {
+    const dream_chunk & chunk = run.chunk = dream_next_chunk(ds);
+    const int32_t p = chunk.p, n = chunk.n;
+    r.chunk_pos = p;
+    r.chunk_tokens = n;
+    r.horizon = ds.params.exact ? ds.mem.horizon : -1;
+    r.group_reply = chunk.group_reply;
+    if (chunk.group_reply >= 0) {   // a group's walk is exact on any stage, over the whole prefix
+        r.exact = true;
+        r.horizon = 0;
+    }
+    // a chunk larger than the adjoint slots were sized for gets fewer leaves:
+    // the receipt says how many positions it actually gave gradient
+    if (chunk.leaf_lo >= 0 && ds.mem.horizon > 0 && chunk.p - chunk.leaf_lo < std::min(ds.mem.horizon, chunk.p)) {
+        r.horizon = chunk.p - chunk.leaf_lo;
+    }
+    // row i (input token p+i) predicts token p+i+1 when that token carries loss
+    // (the exact walk's forward sweep only fills the cache: its loss rows are
+    // trained when the reverse pass comes back to them)
+    dream_step_shape sh;
+    sh.targets.assign(n, -1);
+    const bool forward_sweep = dream_exact_window(ds) && !chunk.backward_pass;
+    sh.soft = dream_soft_active(ds);
+    sh.soft_rest = dream_soft_has_rest(ds);
+    for (int32_t i = 0; i < n && !forward_sweep; ++i) {
+        const int32_t j = p + i + 1;
+        if (j < ds.win.n && ds.win.mask[j]) {
+            sh.targets[i] = ds.win.tokens[j];
+            ++sh.n_loss;
+        }
+    }
+    r.tokens = sh.n_loss;
+    // only the rows with a target get logits (the graph gathers their hidden
+    // states before the head, as serving does for its output rows): the head
+    // is a [n_vocab, rows] product and tensor, and its rows without a target
+    // would be computed for nothing; a chunk without loss rows keeps one
+    sh.n_out = std::max(sh.n_loss, 1);
+    // the plain walk (and the exact walk's forward sweep) goes backward only
+    // for loss rows; a reverse-pass chunk also for the adjoints it carries
+    sh.train = sh.n_loss > 0 || (chunk.backward_pass && chunk.surrogate);
+    std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", sh.train ? "backward" : "forward");
+    sh.loss_scale = sh.n_loss > 0 ? (float) sh.n_loss / (float) ds.win.n_masked * ds.win.loss_scale : 0.0f;
+    return sh;
+}
+
+// Plan: the exact walk's adjoint buffers at its first backward chunk, gated and made; a receipt status.
+// The graph reads and writes them, so they exist before it is built: first their own gate (with the
+// step's host memory, which the graph's gate counts again), then, held by the job, the graph's gate
+// sees the rest of the need; a refusal there frees them again (dream_step_finish).
+static int32_t dream_step_walk_buffers(dream_stage & ds, dream_receipt & r, dream_step_run & run, bool train) {
+    if (!train || !run.chunk.backward_pass || ds.mem.adj_rows != 0) {
+        return DREAM_STATUS_OK;
+    }
+    // (the job's largest chunk, not this one: a pacer may start small)
+    const int32_t rows = ds.mem.horizon > 0
+                             ? std::min(ds.params.window, ds.mem.horizon + std::max(ds.mem.chunk_max, ds.params.chunk))
+                             : ds.params.window;
+    auto needs = dream_walk_bytes_planned(ds, rows);
+    double total = 0;
+    for (const auto & nd : needs) {
+        total += (double) nd.second / DREAM_MIB;
+    }
+    for (const auto & nd : dream_opt_step_needs(ds, train)) {
+        needs.push_back(nd);
+    }
+    const dream_gate_verdict v = dream_gate_check(ds, needs);
+    if (!v.fits) {
+        dream_receipt_refused(r, run.chunk.p, run.chunk.n, v.need_mib, v.allowance_mib);
+        dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
+                              "memory need %.2f MiB on %s, allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, "
+                              "slack %.2f MiB)%s", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
+                              ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, v.why.c_str());
+        return DREAM_STATUS_REFUSED;
+    }
+    std::string err;
+    if (!dream_walk_create(ds, rows, err)) {
+        dream_receipt_message(r, "%s", err.c_str());
+        return DREAM_STATUS_ERROR;
+    }
+    run.walk_new = true;
+    run.chunk = dream_next_chunk(ds);   // the same chunk, its leaves bounded by the slots
+    return DREAM_STATUS_OK;
+}
+
+// Build: places the chunk's cells [p, p + n) in the training cache (scope reverts them on failure); null on error.
+static std::unique_ptr<llama_kv_cache_context> dream_step_place(dream_stage & ds, dream_receipt & r, const dream_chunk & c,
+                                                                const dream_step_shape & sh, dream_graph_scope & scope) {
+    const int32_t p = c.p, n = c.n;
+    // a refused earlier try left none
+    ds.mem.cache->seq_rm(0, p, -1);
+    ds.win.pos = std::min(ds.win.pos, p);
+    llama_batch_allocr balloc(ds.model->hparams.n_pos_per_embd());
+    llama_ubatch ub = balloc.ubatch_reserve(n, 1);
+    for (int32_t i = 0; i < n; ++i) {
+        ub.token[i] = ds.win.tokens[p + i];
+        ub.pos[i] = p + i;
+        ub.n_seq_id[i] = 1;
+        ub.seq_id[i] = &ub.seq_id_unq[0];
+        // logits only for the rows that carry a loss (the output head is 49,152
+        // x n_embd per row, and its backward is a scatter over all of them);
+        // a chunk without loss tokens keeps its last row so the graph has one
+        ub.output[i] = sh.n_loss > 0 ? sh.targets[i] >= 0 : i == n - 1;
+    }
+    auto sinfos = ds.mem.cache->prepare({ ub });
+    if (sinfos.empty()) {
+        dream_receipt_message(r, "the training cache (%d cells) has no room for chunk at %d (%d tokens)", ds.params.window, p, n);
+        return nullptr;
+    }
+    if (!sinfos[0].is_contiguous() || sinfos[0].head() != (uint32_t) p) {
+        dream_receipt_message(r, "training cache placed chunk at %d into cell %u, not %d", p, sinfos[0].head(), p);
+        return nullptr;
+    }
+    auto mctx = std::make_unique<llama_kv_cache_context>(ds.mem.cache.get(), sinfos, std::vector<llama_ubatch>{ ub });
+    scope.revert_from = p;
+    mctx->apply();
+    return mctx;
+}
+
+// Build: the training graph's parameters over serving's (copied, never changed) for the placed chunk.
+static llm_graph_params dream_step_graph_params(dream_stage & ds, const dream_step_shape & sh,
+                                                const llama_kv_cache_context & mctx, ggml_backend_sched_t sched) {
+    llama_context & lctx = *ds.lctx;
+    llama_cparams cp = dream_context_access::cparams(lctx);
+    cp.training = true;
+    cp.flash_attn = ds.fused_attn;   // ggml has no backward for FLASH_ATTN_EXT; dream-fattn.cpp gives one on CUDA
+    cp.auto_fa = false;
+    cp.causal_attn = true;
+    cp.embeddings = false;
+    cp.warmup = false;
+    return {
+        /*.arch        =*/ ds.model->arch,
+        /*.hparams     =*/ ds.model->hparams,
+        /*.cparams     =*/ cp,
+        /*.ubatch      =*/ mctx.get_ubatch(),
+        /*.gtype       =*/ LLM_GRAPH_TYPE_DEFAULT,
+        /*.sched       =*/ sched,
+        /*.backend_cpu =*/ dream_context_access::backend_cpu(lctx),
+        /*.cvec        =*/ dream_context_access::cvec(lctx),
+        /*.loras       =*/ &ds.lora.shadow_set,
+        /*.mctx        =*/ &mctx,
+        /*.cross       =*/ dream_context_access::cross(lctx),
+        /*.prec_policy =*/ &ds.model->prec_policy,
+        /*.samplers    =*/ {},
+        /*.n_outputs   =*/ (uint32_t) sh.n_out,
+        /*.cb          =*/ [](const llama_ubatch &, ggml_tensor * cur, const char * name, int il) {
+            if (il >= 0) {
+                ggml_format_name(cur, "%s-%d", name, il);
+            } else {
+                ggml_set_name(cur, name);
+            }
+        },
+        /*.res         =*/ ds.exec.res.get(),
+    };
+}
+
+// Build: the forward graph through the model's builder, the attention hook
+// joining the training cache (and the exact walk's leaves); null on error.
+static ggml_cgraph * dream_step_build_forward(dream_stage & ds, dream_receipt & r, const dream_chunk & c,
+                                              const llm_graph_params & gp, int32_t n_out) {
+    const auto & hp = ds.model->hparams;
+    ds.build.pos = c.p;
+    ds.build.unit = nullptr;
+    ds.build.leaf_lo = c.leaf_lo;
+    ds.build.surrogate = c.surrogate;
+    ds.build.leaf_k.assign(hp.n_layer(), nullptr);
+    ds.build.leaf_v.assign(hp.n_layer(), nullptr);
+    ds.build.sur = nullptr;
+    ggml_cgraph * gf = nullptr;
+    dream_build_begin(ds);
+    try {
+        gf = ds.model->build_graph(gp);
+    } catch (const std::exception & e) {
+        dream_receipt_message(r, "building the training graph failed: %s", e.what());
+        return nullptr;   // (the graph scope ends the build)
+    }
+    const int32_t hook_calls = dream_build_end();
+    uint32_t n_kv_layers = 0;
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        n_kv_layers += hp.has_kv(il) ? 1 : 0;
+    }
+    if (!gf || (uint32_t) hook_calls != n_kv_layers) {
+        dream_receipt_message(r, "architecture %s did not build its attention through the dream memory (%d of %u layers)",
+                              llm_arch_name(ds.model->arch), hook_calls, n_kv_layers);
+        return nullptr;
+    }
+    ggml_tensor * logits = ds.exec.res->get_logits();
+    if (!logits || logits->ne[0] != ds.model->vocab.n_tokens() || logits->ne[1] != n_out) {
+        dream_receipt_message(r, "the training graph has no [n_vocab, %d] logits", n_out);
+        return nullptr;
+    }
+    return gf;
+}
+
+// Build: the chunk's scaled loss over its loss rows (labels, cross-entropy) into sgraph.
+static ggml_tensor * dream_step_build_loss(dream_stage & ds, ggml_context * cbw, dream_step_graph & sgraph,
+                                           const dream_step_shape & sh, ggml_backend_sched_t sched) {
+    const int64_t n_vocab = ds.model->vocab.n_tokens();
+    const int32_t n_loss = sh.n_loss;
+    ggml_tensor * logits = ds.exec.res->get_logits();
+    // the logits hold only the rows with a target (ub.output): cross_entropy_loss's backward assumes
+    // every row's labels sum to one, so an all-zero row would still push its softmax into the gradient.
+    // With a GPU in the scheduler the one-hot labels are made on the device: a zero matrix (FILL, one
+    // write) whose n_loss ones are set through SET_ROWS on its flat view, at r * n_vocab + target[r]:
+    // only n_loss indices cross from the host, not a dense n_vocab x n_loss matrix. On the CPU alone
+    // the host fills the matrix in place. Soft targets are dense rows: always filled on the host.
+    ggml_tensor * labels = nullptr;
+    if (ggml_backend_sched_get_n_backends(sched) > 1 && !sh.soft) {
+        sgraph.target_ids = ggml_new_tensor_1d(cbw, GGML_TYPE_I64, n_loss);
+        ggml_set_name(sgraph.target_ids, "dream_target_ids");
+        ggml_set_input(sgraph.target_ids);
+        ggml_tensor * zeros = ggml_fill_inplace(cbw, ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_vocab * n_loss), 0.0f);
+        ggml_tensor * ones = ggml_fill_inplace(cbw, ggml_new_tensor_2d(cbw, GGML_TYPE_F32, 1, n_loss), 1.0f);
+        labels = ggml_reshape_2d(cbw, ggml_set_rows(cbw, zeros, ones, sgraph.target_ids), n_vocab, n_loss);
+    } else {
+        sgraph.host_labels = ggml_new_tensor_2d(cbw, GGML_TYPE_F32, n_vocab, n_loss);
+        ggml_set_name(sgraph.host_labels, "dream_labels");
+        ggml_set_input(sgraph.host_labels);
+        labels = sgraph.host_labels;
+    }
+    if (sh.soft_rest) {
+        sgraph.host_rest = ggml_new_tensor_1d(cbw, GGML_TYPE_F32, n_loss);
+        ggml_set_name(sgraph.host_rest, "dream_soft_rest");
+        ggml_set_input(sgraph.host_rest);
+        sgraph.ce = dream_soft_rest_ce(cbw, logits, labels, sgraph.host_rest);   // mean over loss rows
+    } else {
+        sgraph.ce = ggml_cross_entropy_loss(cbw, logits, labels);   // mean over loss rows
+    }
+    ggml_set_output(sgraph.ce);
+    return ggml_scale(cbw, sgraph.ce, sh.loss_scale);
+}
+
+// Build: the exact walk adds each leaf's gradient into gK/gV at its cells, in this
+// graph (the buffers are the stage's, so it persists to the chunks before).
+static void dream_step_build_adjoints(dream_stage & ds, ggml_context * cbw, ggml_cgraph * gb, const dream_chunk & c) {
+    for (uint32_t il = 0; il < ds.model->hparams.n_layer(); ++il) {
+        ggml_tensor * leaves[2] = { ds.build.leaf_k[il], ds.build.leaf_v[il] };
+        ggml_tensor * adj[2] = { ds.mem.adj_k.empty() ? nullptr : ds.mem.adj_k[il],
+                                 ds.mem.adj_v.empty() ? nullptr : ds.mem.adj_v[il] };
+        for (int i = 0; i < 2; ++i) {
+            ggml_tensor * g = leaves[i] ? ggml_graph_get_grad(gb, leaves[i]) : nullptr;
+            if (!g) {
+                continue;
+            }
+            g = ggml_reshape(cbw, ggml_is_contiguous(g) ? g : ggml_cont(cbw, g), leaves[i]);
+            for (const auto & pc : dream_ring_pieces(ds, c.leaf_lo, c.p)) {
+                ggml_tensor * slots = dream_adj_view(cbw, adj[i], pc.slot, pc.len);
+                ggml_tensor * sum = ggml_add(cbw, slots, dream_cells_view(cbw, g, c.leaf_lo, pc.pos, pc.len));
+                ggml_build_forward_expand(gb, ggml_cpy(cbw, sum, slots));
+            }
+        }
+    }
+}
+
+// Build: the backward of loss (with the exact walk's surrogate) into sgraph.gb, the
+// adapter's gradients marked as outputs, rematerialized when params.recompute; false on error.
+static bool dream_step_build_backward(dream_stage & ds, dream_receipt & r, ggml_context * cbw, dream_step_graph & sgraph,
+                                      const dream_chunk & c, ggml_tensor * loss, size_t cap) {
+    // the exact walk: the later chunks' adjoints enter through the surrogate
+    if (ds.build.sur) {
+        loss = loss ? ggml_add(cbw, loss, ds.build.sur) : ds.build.sur;
+    }
+    ggml_set_loss(loss);
+    ggml_build_forward_expand(sgraph.gb, loss);
+    if (const ggml_tensor * bad = dream_find_undifferentiable(sgraph.gb, loss)) {
+        dream_receipt_message(r, "op %s (%s, node %s) has no backward pass in ggml", ggml_op_desc(bad),
+                              ggml_op_name(bad->op), bad->name);
+        return false;
+    }
+    const int n_forward = ggml_graph_n_nodes(sgraph.gb);
+    ggml_build_backward_expand(cbw, sgraph.gb, nullptr);
+    sgraph.loss_grad = ggml_graph_get_grad(sgraph.gb, loss);
+    for (auto & pr : ds.lora.pairs) {
+        for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
+            ggml_tensor * g = ggml_graph_get_grad(sgraph.gb, t);
+            if (g) {
+                ggml_set_output(g);
+            }
+            sgraph.param_grads.push_back(g);
+        }
+    }
+    dream_step_build_adjoints(ds, cbw, sgraph.gb, c);
+    if (ds.params.recompute) {
+        std::string err;
+        sgraph.gb = dream_recompute(cbw, sgraph.gb, n_forward, cap, err);
+        if (!sgraph.gb) {
+            dream_receipt_message(r, "%s", err.c_str());
+            return false;
+        }
+    }
+    return true;
+}
+
+// Build: a fresh training graph into sgraph (its context held by scope) and planned;
+// needs: what allocating it grows, per device. False on error (the receipt says why).
+static bool dream_step_build(dream_stage & ds, dream_receipt & r, const dream_chunk & c, const dream_step_shape & sh,
+                             const llm_graph_params & gp, uint32_t sched_nodes, dream_graph_scope & scope,
+                             dream_step_graph & sgraph, std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs) {
+    ggml_backend_sched_t sched = ds.exec.sched_exec.get();
+    dream_step_graph_drop(ds);
+    // the graph build may pin nodes to a backend on the scheduler it is given
+    // (build_attn without offload_kqv): the exec scheduler, reset, so the pins
+    // hold until it allocates the graph
+    ggml_backend_sched_reset(sched);
+    ds.exec.res->reset();
+    ggml_cgraph * gf = dream_step_build_forward(ds, r, c, gp, sh.n_out);
+    if (!gf) {
+        return false;
+    }
+    // backward context: loss, labels, gradients, the combined graph
+    // ggml_graph_cpy needs a hash set at least as large as the forward graph's
+    const size_t cap = std::max<size_t>((size_t) 6 * (ggml_graph_n_nodes(gf) + gf->n_leafs) + 1024, (size_t) gf->size);
+    ggml_init_params ip = { ggml_tensor_overhead() * cap + ggml_graph_overhead_custom(cap, true), nullptr, true };
+    scope.ctx = ggml_init(ip);
+    ggml_context * cbw = scope.ctx;
+    sgraph.gb = ggml_new_graph_custom(cbw, cap, sh.train);
+    ggml_graph_cpy(gf, sgraph.gb);
+    if (sh.train) {
+        ggml_tensor * loss = sh.n_loss > 0 ? dream_step_build_loss(ds, cbw, sgraph, sh, sched) : nullptr;
+        if (!dream_step_build_backward(ds, r, cbw, sgraph, c, loss, cap)) {
+            return false;
+        }
+    }
+    sgraph.gb = dream_fit_backward(ds, cbw, sgraph.gb, cap, sgraph.pool_need);
+    if (ggml_graph_n_nodes(sgraph.gb) + sgraph.gb->n_leafs > (int) sched_nodes) {
+        dream_receipt_message(r, "the training graph has %d nodes and leaves; the scheduler holds %u",
+                              ggml_graph_n_nodes(sgraph.gb) + sgraph.gb->n_leafs, sched_nodes);
+        return false;
+    }
+    // the gate's need: plan a twin of this graph with ggml's allocator on the stage's planning scheduler
+    dream_graph_plan plan;
+    if (!dream_sched_plan(ds, sgraph.gb, plan)) {
+        dream_receipt_message(r, "planning the training graph failed");
+        return false;
+    }
+    needs = plan.needs;
+    sgraph.graph_bytes = plan.graph_bytes;
+    return true;
+}
+
+// Compute: the memory gate over what the step allocates (graph, pool growth, optimizer); false: refused.
+static bool dream_step_gate(dream_stage & ds, dream_receipt & r, const dream_chunk & c, const dream_step_graph & sgraph,
+                            std::vector<std::pair<ggml_backend_dev_t, size_t>> needs, bool train, bool need_opt_state) {
+    // a device pool grows to its largest quantized-weight expansion once and keeps it
+    for (const auto & [dev, bytes] : sgraph.pool_need) {
+        size_t held = 0;
+        for (const auto & [d, b] : ds.exec.pool_held) {
+            held = d == dev ? b : held;
+        }
+        needs.push_back({ dev, bytes > held ? bytes - held : 0 });
+    }
+    for (const auto & nd : dream_opt_step_needs(ds, train)) {
+        needs.push_back(nd);
+    }
+    r.graph_mib = (double) sgraph.graph_bytes / DREAM_MIB;
+    const dream_gate_verdict verdict = dream_gate_check(ds, needs);
+    if (verdict.fits) {
+        return true;
+    }
+    r.refused_chunk_pos = c.p;
+    r.refused_chunk_tokens = c.n;
+    r.refused_need_mib = verdict.need_mib;
+    r.refused_allowance_mib = verdict.allowance_mib;
+    dream_receipt_message(r, "chunk at %d (%d tokens) needs %.2f MiB more on %s (training graph %.2f MiB planned%s), "
+                          "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)%s",
+                          c.p, c.n, verdict.need_mib, verdict.device.c_str(), r.graph_mib,
+                          need_opt_state ? " + optimizer state" : "", verdict.allowance_mib,
+                          ds.params.memory_budget_mib, dream_held_mib(ds), ds.params.slack_mib, verdict.why.c_str());
+    return false;
+}
+
+// Compute: the graph's inputs for the placed chunk (ubatch, unit, labels, loss gradient seed).
+static void dream_step_set_inputs(dream_stage & ds, const dream_step_graph & sgraph, const dream_step_shape & sh,
+                                  int32_t p, const llama_kv_cache_context & mctx) {
+    const int64_t n_vocab = ds.model->vocab.n_tokens();
+    const int32_t n = (int32_t) sh.targets.size();
+    ds.exec.res->set_inputs(&mctx.get_ubatch());
+    if (ds.build.unit) {
+        const float unit = 1.0f;
+        ggml_backend_tensor_set(ds.build.unit, &unit, 0, sizeof(unit));
+    }
+    if (sgraph.target_ids) {
+        std::vector<int64_t> ids;   // the flat index of each loss row's one
+        for (int32_t i = 0; i < n; ++i) {
+            if (sh.targets[i] >= 0) {
+                ids.push_back((int64_t) ids.size() * n_vocab + sh.targets[i]);
+            }
+        }
+        ggml_backend_tensor_set(sgraph.target_ids, ids.data(), 0, ggml_nbytes(sgraph.target_ids));
+    }
+    if (sgraph.host_labels) {
+        // a tensor of the CPU backend: filled where it lies
+        GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_labels->buffer));
+        float * lab = (float *) sgraph.host_labels->data;
+        if (sh.soft) {
+            float * rest = nullptr;
+            if (sgraph.host_rest) {
+                GGML_ASSERT(ggml_backend_buffer_is_host(sgraph.host_rest->buffer));
+                rest = (float *) sgraph.host_rest->data;
+            }
+            dream_soft_fill(ds, p, sh.targets, lab, n_vocab, rest);
+        } else {
+            std::memset(lab, 0, ggml_nbytes(sgraph.host_labels));
+            int64_t row = 0;
+            for (int32_t i = 0; i < n; ++i) {
+                if (sh.targets[i] >= 0) {
+                    lab[row++ * n_vocab + sh.targets[i]] = 1.0f;
+                }
+            }
+        }
+    }
+    if (sgraph.loss_grad) {
+        const float one = 1.0f;
+        ggml_backend_tensor_set(sgraph.loss_grad, &one, 0, sizeof(one));
+    }
+}
+
+// Compute: a freshly built graph into the stage's step graph, with what a later step compares.
+static void dream_step_keep_fresh(dream_stage & ds, dream_step_graph & fresh, dream_graph_scope & scope,
+                                  const dream_chunk & c, const dream_step_shape & sh, bool valid) {
+    fresh.ctx.reset(scope.ctx);
+    scope.ctx = nullptr;
+    fresh.unit = ds.build.unit;
+    fresh.p = c.p;
+    fresh.n = c.n;
+    fresh.n_out = sh.n_out;
+    fresh.train = sh.train;
+    fresh.soft = sh.soft;
+    fresh.soft_rest = sh.soft_rest;
+    fresh.loss_scale = sh.loss_scale;
+    fresh.valid = valid;
+    ds.exec.step_graph = std::move(fresh);
+}
+
+// Compute: a stopped step (its graph, inputs and cells kept) becomes ds.exec.suspended; a receipt status.
+static int32_t dream_step_suspend(dream_stage & ds, dream_receipt & r, const dream_step_run & run, const dream_step_shape & sh,
+                                  dream_step_graph & fresh, dream_graph_scope & scope, bool keepable, bool reuse,
+                                  bool need_opt_state, int32_t next_node) {
+    const dream_chunk & c = run.chunk;
+    if (!reuse) {
+        dream_step_keep_fresh(ds, fresh, scope, c, sh, false);   // valid again when the step completes
+    }
+    ds.exec.step_graph.valid = false;
+    ds.exec.suspended = dream_suspended_step{ true, next_node, c, sh.n_loss, sh.train, keepable, reuse, need_opt_state,
+                                              c.n > 1, r.graph_mib };
+    scope.keep = true;
+    scope.revert_from = -1;
+    dream_receipt_message(r, "stopped at the step deadline of %.1f ms, %d of %d graph nodes computed: the next "
+                          "micro-step goes on with chunk at %d (%d tokens)", ds.exec.step_deadline_ms, next_node,
+                          ggml_graph_n_nodes(ds.exec.step_graph.gb), c.p, c.n);
+    return DREAM_STATUS_STOPPED;
+}
+
+// Compute: allocates the graph once on the exec scheduler (unless reused), computes it, reads the
+// step's results and keeps the plain walk's graph for the next chunk of its shape; a receipt status.
+static int32_t dream_step_compute(dream_stage & ds, dream_receipt & r, const dream_step_run & run,
+                                  const dream_step_shape & sh, dream_step_graph & fresh, bool reuse, bool keepable,
+                                  bool need_opt_state, dream_graph_scope & scope, const llama_kv_cache_context & mctx) {
+    const dream_chunk & c = run.chunk;
+    dream_step_graph & sgraph = reuse ? ds.exec.step_graph : fresh;
+    // the step deadline (dream_set_step_deadline): only a graph that writes
+    // nothing but this chunk's own cache cells may stop midway and go on later
+    const bool stoppable = ds.exec.step_deadline_ms > 0 && !c.backward_pass && c.group_reply < 0;
+    const dream_deadline_t deadline = dream_step_deadline(ds, run.t_start);
+    int32_t next_node = 0;
+    const ggml_status st = dream_sched_compute(ds, sgraph.gb, c.n > 1, reuse,
+                                               [&] { dream_step_set_inputs(ds, sgraph, sh, c.p, mctx); },
+                                               stoppable ? &deadline : nullptr, &next_node);
+    ds.exec.last_step_stoppable = !c.backward_pass && c.group_reply < 0 && ds.exec.last_one_cpu_split;
+    if (st == GGML_STATUS_ABORTED && stoppable) {
+        return dream_step_suspend(ds, r, run, sh, fresh, scope, keepable, reuse, need_opt_state, next_node);
+    }
+    if (st == GGML_STATUS_ALLOC_FAILED) {
+        dream_receipt_message(r, "allocating the training graph (%.2f MiB) failed", r.graph_mib);
+        return DREAM_STATUS_ERROR;
+    }
+    if (st == GGML_STATUS_FAILED && ds.fused_attn && !dream_fattn_on_cuda(ds.exec.sched_exec.get(), sgraph.gb)) {
+        dream_receipt_message(r, "the fused attention backward was scheduled off CUDA; set DREAMSTAGE_FUSED_ATTN=0");
+        return DREAM_STATUS_ERROR;
+    }
+    if (st != GGML_STATUS_SUCCESS) {
+        dream_receipt_message(r, "computing the training graph failed (ggml status %d)", (int) st);
+        return DREAM_STATUS_ERROR;
+    }
+    if (!dream_step_read(ds, r, sgraph, sh.train, need_opt_state)) {
+        return DREAM_STATUS_ERROR;
+    }
+    // the plain walk keeps the graph allocated for the next chunk of this shape
+    if (keepable) {
+        if (!reuse) {
+            dream_step_keep_fresh(ds, fresh, scope, c, sh, true);
+        } else {
+            ds.exec.graph_reuses += 1;
+        }
+        scope.keep = true;
+    }
+    scope.revert_from = -1;     // the chunk's K/V stay as constants for later chunks
+    dream_step_advance(ds, r, c);
+    return DREAM_STATUS_OK;
+}
+
+// One micro-step: resume a stopped step, or plan the next chunk, place it,
+// build (or reuse) its graph, gate its memory and compute it.
+int32_t dream_walk_micro_step(dream_stage & ds, dream_receipt & r) {
+    dream_step_run run;
+    run.t_start = std::chrono::steady_clock::now();
+    dream_receipt_start(ds, r);
+    r.step = ds.step + 1;
+    if (!ds.win.active || (!dream_exact_window(ds) && ds.win.pos >= ds.win.n)) {
+        dream_receipt_message(r, "no window in progress: call dream_window_begin first");
+        return dream_step_finish(ds, r, run, DREAM_STATUS_ERROR);
+    }
+    if (ds.exec.suspended.active) {
+        return dream_step_finish(ds, r, run, dream_step_resume(ds, r, run));
+    }
+    const dream_step_shape sh = dream_step_plan_chunk(ds, r, run);
+    if (ds.model->hparams.n_pos_per_embd() != 1) {
+        dream_receipt_message(r, "models with %u positions per token (M-RoPE) are not supported by the dream stage",
+                              ds.model->hparams.n_pos_per_embd());
+        return dream_step_finish(ds, r, run, DREAM_STATUS_ERROR);
+    }
+    if (const int32_t st = dream_step_walk_buffers(ds, r, run, sh.train); st != DREAM_STATUS_OK) {
+        return dream_step_finish(ds, r, run, st);
+    }
+    const dream_chunk & c = run.chunk;
+    dream_graph_scope scope(ds);
+    const auto mctx = dream_step_place(ds, r, c, sh, scope);
+    if (!mctx) {
+        return dream_step_finish(ds, r, run, DREAM_STATUS_ERROR);
+    }
+    llama_context & lctx = *ds.lctx;
+    const uint32_t sched_nodes = lctx.graph_max_nodes(std::min(lctx.n_ctx(), lctx.n_ubatch()));
+    if (!dream_sched_ensure(ds, sched_nodes)) {
+        dream_receipt_message(r, "could not create the dream stage's schedulers");
+        return dream_step_finish(ds, r, run, DREAM_STATUS_ERROR);
+    }
+    if (!ds.exec.res) {
+        ds.exec.res.reset(new llm_graph_result(sched_nodes));
+    }
+    const llm_graph_params gp = dream_step_graph_params(ds, sh, *mctx, ds.exec.sched_exec.get());
+    // The last step's graph, when this chunk has its shape, is still allocated on the exec
+    // scheduler: set its inputs and compute it again (dream_step_graph). Only the plain walk:
+    // the exact walk's and a group's graphs carry leaves, adjoint views and surrogates that
+    // depend on the chunk's place in the pass.
+    const dream_step_graph & sg = ds.exec.step_graph;
+    const bool keepable = ds.exec.graph_reuse && !dream_exact_window(ds) && !ds.group.active;
+    const bool reuse = keepable && sg.valid && sg.p == c.p && sg.n == c.n && sg.n_out == sh.n_out && sg.train == sh.train &&
+                       sg.soft == sh.soft && sg.soft_rest == sh.soft_rest && sg.loss_scale == sh.loss_scale &&
+                       ds.exec.res->can_reuse(gp);
+    dream_step_graph fresh;   // the graph this step builds, unless it reuses the kept one
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;   // what the step allocates, per device
+    if (reuse) {
+        ds.build.unit = sg.unit;   // allocated already: the gate sees only the step's host memory
+    } else if (!dream_step_build(ds, r, c, sh, gp, sched_nodes, scope, fresh, needs)) {
+        return dream_step_finish(ds, r, run, DREAM_STATUS_ERROR);
+    }
+    const bool need_opt_state = sh.train && !dream_opt_ready(ds);
+    if (!dream_step_gate(ds, r, c, reuse ? sg : fresh, needs, sh.train, need_opt_state)) {
+        return dream_step_finish(ds, r, run, DREAM_STATUS_REFUSED);
+    }
+    return dream_step_finish(ds, r, run,
+                             dream_step_compute(ds, r, run, sh, fresh, reuse, keepable, need_opt_state, scope, *mctx));
+}
