@@ -15,7 +15,6 @@ import pytest
 
 from dreamstage.adapters.served import ServedAdapters
 from dreamstage.server.metrics import ServiceCollector
-from dreamstage.training.drift.guard import promotion_decision
 from dreamstage.training.drift.measure import (
     REHEARSAL_SAMPLES,
     Drift,
@@ -30,6 +29,7 @@ from dreamstage.training.drift.measure import (
     run_steps,
     set_context_adapter,
 )
+from dreamstage.training.jobs.promotion import promotion_decision
 from dreamstage.training.jobs.scheduler import DreamScheduler
 from dreamstage.training.jobs.spec import DEFAULT_LR, parse_train_request
 from dreamstage.training.jobs.store import TERMINAL, JobStore

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from dreamstage.adapters.served import auto_promote_decision
 from dreamstage.training.jobs import spec as spec_module
+from dreamstage.training.jobs.promotion import promotion_decision
 from dreamstage.training.jobs.schema import SCHEMA_VERSION
 from dreamstage.training.jobs.spec import SPEC_VERSION, parse_train_request
 from dreamstage.training.jobs.store import (
@@ -40,7 +40,7 @@ OK_RECEIPT = dict(status="ok", step=0, window=64, chunk=32, chunk_pos=0, chunk_t
                   message="")
 
 
-def Receipt(**fields) -> NativeReceipt:    # noqa: N802 - reads as the dataclass it builds
+def Receipt(**fields) -> NativeReceipt:
     """The real receipt dataclass (the mirror of struct dream_receipt), not a copy of its shape."""
     return NativeReceipt(**{**OK_RECEIPT, **fields})
 
@@ -367,11 +367,11 @@ def test_adapter_names_and_versions_are_checked(store):
 
 
 def test_auto_promotion_decision():
-    assert auto_promote_decision(2.0, 1.9)[0] is True
-    assert auto_promote_decision(2.0, 2.0)[0] is True
-    ok, why = auto_promote_decision(2.0, 2.1)
+    assert promotion_decision(2.0, 1.9, guarded=False)[0] is True
+    assert promotion_decision(2.0, 2.0, guarded=False)[0] is True
+    ok, why = promotion_decision(2.0, 2.1, guarded=False)
     assert not ok and "worse" in why
-    assert auto_promote_decision(None, None) == (True, "nothing held out; promoted on completion")
+    assert promotion_decision(None, None, guarded=False) == (True, "nothing held out; promoted on completion")
 
 
 # -- the chunk ladder ------------------------------------------------------------------

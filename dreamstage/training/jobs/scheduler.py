@@ -38,7 +38,6 @@ from dreamstage.adapters.served import (
     AdapterLoadError,
     AdapterSwitch,
     ServedAdapters,
-    auto_promote_decision,
 )
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift.guard import (
@@ -49,12 +48,12 @@ from dreamstage.training.drift.guard import (
     drift_figures,
     drift_receipt,
     held_windows,
-    promotion_decision,
     rehearsal_window,
     reply_lost,
     summary,
 )
 from dreamstage.training.drift.measure import set_context_adapter
+from dreamstage.training.jobs.promotion import promotion_decision
 from dreamstage.training.jobs.spec import DEFAULT_CHUNK, GATE_SLACK_MIB, JobSpec, check_adapter_name
 from dreamstage.training.jobs.store import TERMINAL, AdapterNotFound, InvalidTransition, JobStore
 from dreamstage.training.pacing.pacer import DEFAULT_IDLE_GRACE_S, Pacer
@@ -808,11 +807,8 @@ class DreamScheduler:
             return f"{saved}; not promoted (promote=never)"
         if spec.promote == "manual":
             return f"{saved}; promote it with POST /adapters/{name}/promote"
-        if guard is not None:
-            ok, why = promotion_decision(eval_before, eval_after, guard.drift, spec.max_drift, spec.max_drift_kl,
-                                         guard.failure)
-        else:
-            ok, why = auto_promote_decision(eval_before, eval_after)
+        ok, why = promotion_decision(eval_before, eval_after, guard.drift if guard else None, spec.max_drift,
+                                     spec.max_drift_kl, guard.failure if guard else None, guarded=guard is not None)
         if not ok:
             return f"{saved}; {why}"
         try:
