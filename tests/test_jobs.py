@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from dreamstage.training.jobs import spec as spec_module
+from dreamstage.training.jobs import request as spec_module
 from dreamstage.training.jobs.promotion import promotion_decision
+from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.schema import SCHEMA_VERSION
-from dreamstage.training.jobs.spec import SPEC_VERSION, parse_train_request
 from dreamstage.training.jobs.store import (
     STATES,
     TERMINAL,
@@ -25,6 +25,7 @@ from dreamstage.training.jobs.store import (
     JobStore,
     check_transition,
 )
+from dreamstage.training.jobs.stored import SPEC_VERSION, to_stored
 from dreamstage.training.walk.examples import TrainWindow
 from dreamstage.training.walk.plan import JobRun, Walk, chunk_after_refusal, ladder, next_chunk
 from dreamstage.training.walk.receipts import RECEIPT_FIELDS
@@ -162,7 +163,7 @@ def test_a_cancel_and_a_done_race_and_exactly_one_wins(store):
 DIES_WITH_THE_STORE_OPEN = """
 import json, os, signal, sys
 from dreamstage.training.walk.receipts import Receipt
-from dreamstage.training.jobs.spec import parse_train_request
+from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.store import JobStore
 s = JobStore(sys.argv[1])
 ids = [s.submit(parse_train_request({"text": "some text", "window": 64, "seed": i}))["id"] for i in range(6)]
@@ -664,7 +665,7 @@ def test_a_form_1_spec_reads_back_as_it_meant_before_the_drift_guard(tmp_path):
         jid = s.submit(req())["id"]
         now = s.spec(jid)
         assert now.regularizer and now.stop_loss is not None          # today's defaults
-        stored = json.loads(now.to_stored())
+        stored = json.loads(to_stored(now))
         for k in ("regularizer", "anchor_ratio", "anchors", "max_drift", "max_drift_kl", "stop_loss", "group_prefix"):
             stored.pop(k)                                             # the form-1 shape
         conn = sqlite3.connect(s.path)
@@ -683,7 +684,7 @@ def test_a_form_2_spec_reads_back_without_a_drift_kl_bound(tmp_path):
         jid = s.submit(req())["id"]
         now = s.spec(jid)
         assert now.max_drift_kl == 1.0
-        stored = json.loads(now.to_stored())
+        stored = json.loads(to_stored(now))
         stored.pop("max_drift_kl")
         stored["max_drift"] = 0.05
         conn = sqlite3.connect(s.path)
@@ -703,7 +704,7 @@ def test_a_form_3_spec_reads_back_rehearsing_samples_without_consolidation(tmp_p
         jid = s.submit(req())["id"]
         now = s.spec(jid)
         assert now.rehearsal == "soft" and now.consolidate > 0
-        stored = json.loads(now.to_stored())
+        stored = json.loads(to_stored(now))
         stored.pop("rehearsal")
         stored.pop("consolidate")
         conn = sqlite3.connect(s.path)

@@ -4,17 +4,16 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from dreamstage.training.jobs.spec import (
-    DEFAULT_CONTEXT_CACHE_TYPE,
+from dreamstage.training.jobs.request import (
     ChatExample,
     PromptCompletion,
     TextExample,
     TrainRequest,
     check_adapter_name,
     context_cache_types,
-    default_overlap,
     parse_train_request,
 )
+from dreamstage.training.jobs.spec import DEFAULT_CONTEXT_CACHE_TYPE, default_overlap
 
 CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamstage.adapters.files import atomic_file, file_sha256
-from dreamstage.training.jobs.spec import check_adapter_name
+from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.store import AdapterNotFound, JobStore
 
 log = logging.getLogger("dreamstage.served")

@@ -48,7 +48,7 @@ from dreamstage.training.drift.measure import (
     rehearsal_windows,
     visit_choice,
 )
-from dreamstage.training.jobs.spec import ChatExample, PromptCompletion
+from dreamstage.training.jobs.request import ChatExample, PromptCompletion
 from dreamstage.training.walk.examples import epoch_order
 from dreamstage.training.walk.receipts import kind_receipt
 

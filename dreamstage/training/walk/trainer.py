@@ -53,6 +53,7 @@ import numpy as np
 
 from dreamstage import native
 from dreamstage.owner import NativeOwner
+from dreamstage.training.jobs.spec import DEFAULT_CONTEXT_CACHE_TYPE, GATE_SLACK_MIB, JobSpec
 from dreamstage.training.walk.receipts import DreamError, Receipt
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -107,16 +108,13 @@ class Trainer(NativeOwner):
     Every call must come from the thread that owns the resident context.
     """
 
-    def __init__(self, resident, lora: LoraConfig | None = None, *, cache_type: str = "q8_0",
+    def __init__(self, resident, lora: LoraConfig | None = None, *, cache_type: str = DEFAULT_CONTEXT_CACHE_TYPE,
                  window: int = 512, chunk: int = 128, budget_mib: float = 0.0, slack_mib: float = 64.0,
                  optimizer: OptimizerConfig | None = None, exact: bool = False, recompute: bool = False,
                  horizon: int = -1):
         self.lora = lora = lora or LoraConfig()
         self.optimizer = opt = optimizer or OptimizerConfig()
         lora.validate()
-        if cache_type not in native.context_cache_types():
-            raise ValueError(f"context_cache_type {cache_type!r} is not one of "
-                             f"{', '.join(native.context_cache_types())}")
         self.resident = resident
         self.cache_type = cache_type
         self.L = L = native.lib()
@@ -457,3 +455,16 @@ class Trainer(NativeOwner):
         if extra:
             raise ValueError(f"{path}: tensors for weights this trainer does not adapt: {sorted(extra)[:4]}")
         self.set_lora_parameters(np.concatenate(vec))
+
+
+def native_trainer(resident, spec: JobSpec, chunk: int, lr: float | None = None) -> Trainer:
+    """The native Trainer for a job (lr=0 makes an evaluator that never moves).
+
+    An evaluator (lr given) runs the plain walk: it needs only the forward
+    loss, which both walks compute alike, and the exact walk would add a
+    reverse pass and adjoint buffers for nothing."""
+    exact = spec.exact and lr is None
+    return Trainer(resident, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
+                   window=spec.window, chunk=chunk, budget_mib=spec.memory_budget_mib or 0.0,
+                   slack_mib=GATE_SLACK_MIB, optimizer=OptimizerConfig(lr=spec.lr if lr is None else lr), exact=exact,
+                   horizon=(spec.horizon or 0) if exact else -1, recompute=spec.recompute)
