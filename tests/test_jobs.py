@@ -63,6 +63,16 @@ def store(tmp_path):
     s.close()
 
 
+
+def should_step(run: JobRun) -> bool:
+    """Whether the job is running (not paused, cancelled or ended) and has work left."""
+    return not run.walk.finished and run.store.state(run.job_id) == "running"
+
+
+def ended(run: JobRun) -> bool:
+    """Whether the job reached a final state (cancelled by the server, refused, ...)."""
+    return run.store.state(run.job_id) in TERMINAL
+
 def test_a_receipt_is_stored_and_read_back_unchanged_under_its_canonical_names(store):
     jid = store.submit(req())["id"]
     r = Receipt(step=3, loss=1.75, message="")
@@ -507,7 +517,7 @@ def drive(store, jid, trainer, text_tokens):
     run = JobRun(store, jid, spec, render_job(spec, Tok()).train)
     store.transition(jid, "running")
     events = []
-    while run.should_step():
+    while should_step(run):
         window, step = run.current()
         if step.chunk_pos == 0:
             trainer.begin_window(window.tokens, window.mask)
@@ -550,14 +560,14 @@ def test_pause_stops_the_walk_and_resume_continues_it(store):
     store.transition(jid, "running")
     run.record(Receipt(chunk=16, chunk_pos=0, chunk_tokens=16))
     store.transition(jid, "paused")                      # the server thread
-    assert not run.should_step()
+    assert not should_step(run)
     store.transition(jid, "running")
-    assert run.should_step() and run.current()[1].chunk_pos == 16
+    assert should_step(run) and run.current()[1].chunk_pos == 16
     with pytest.raises(ValueError, match="out of step"):
         run.record(Receipt(chunk=16, chunk_pos=0, chunk_tokens=16))
-    assert not run.ended()
+    assert not ended(run)
     store.transition(jid, "cancelled")                   # the server again
-    assert run.ended() and not run.should_step()
+    assert ended(run) and not should_step(run)
 
 
 def test_an_older_store_gains_the_checksum_column_and_private_modes(tmp_path):

@@ -122,17 +122,6 @@ class JobSpec:
     stop_loss: float | None = DEFAULT_STOP_LOSS
     group_prefix: bool = False   # plain examples with one rendered prompt train as one group
 
-    def starting_fields(self) -> dict[str, Any]:
-        """The shape a job records from its `starting` moment on."""
-        return {
-            "context_cache_type": self.context_cache_type,
-            "chunk": self.chunk,
-            "recompute": self.recompute,
-            "exact": self.exact,
-            "horizon": self.horizon,
-            "window": self.window,
-        }
-
     def lora_fields(self) -> dict[str, Any]:
         """The LoRA shape in the native trainer's terms (LoraConfig's fields:
         targets as a comma list, top_layers 0 = every layer)."""
