@@ -148,10 +148,10 @@ def ledger(srv: BackgroundServer) -> tuple[float, float, float, float]:
     pacer (`Pacer.ledger`), read in process: the share over the clients' own
     window, without the job's start and the idle tail after them that the
     job's figures include."""
-    ledger = srv.service.scheduler.pacing_ledger()
-    if ledger is None:
+    pacer = srv.service.scheduler._pacer        # the scheduler's pacer of the running job
+    if pacer is None:
         raise RuntimeError("no job is being paced")
-    return ledger
+    return pacer.ledger()
 
 
 def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: float, pacing: dict) -> dict:

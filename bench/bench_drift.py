@@ -96,8 +96,8 @@ from dreamstage.training.drift.measure import (
     run_steps,
     set_context_adapter,
 )
-from dreamstage.training.jobs.scheduler import native_trainer
-from dreamstage.training.jobs.spec import parse_train_request
+from dreamstage.training.jobs.request import parse_train_request
+from dreamstage.training.walk.trainer import native_trainer
 from dreamstage.training.walk.examples import epoch_order, render_job
 
 ALL_ATTN = "attn_q,attn_k,attn_v,attn_output"

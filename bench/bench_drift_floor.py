@@ -42,8 +42,8 @@ from drift_facts import EVAL_FACTS, UNSEEN_PROMPTS, chat_examples
 
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
 from dreamstage.training.drift.measure import DriftProbe, load_anchors, lora_b_mask, rehearsal_anchors, run_steps
-from dreamstage.training.jobs.scheduler import native_trainer
-from dreamstage.training.jobs.spec import parse_train_request
+from dreamstage.training.walk.trainer import native_trainer
+from dreamstage.training.jobs.request import parse_train_request
 
 SIGMAS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 SEEDS = (0, 1, 2)

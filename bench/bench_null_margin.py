@@ -44,8 +44,8 @@ from drift_facts import EVAL_FACTS, chat_examples
 
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
 from dreamstage.training.drift.measure import NULL_DRAWS, NULL_RANK, DriftProbe, load_anchors, run_steps
-from dreamstage.training.jobs.scheduler import native_trainer
-from dreamstage.training.jobs.spec import parse_train_request
+from dreamstage.training.walk.trainer import native_trainer
+from dreamstage.training.jobs.request import parse_train_request
 
 DRAW_KEYS = 1000      # the draws' keys start here (the guard's NULL_SEED is 7)
 

@@ -96,7 +96,7 @@ _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
 
 def _bodies():
     from dreamstage.server.train_routes import PromoteBody
-    from dreamstage.training.jobs.spec import TrainRequest
+    from dreamstage.training.jobs.request import TrainRequest
     return {("post", "/train"): (TrainRequest, True), ("post", "/adapters/{name}/promote"): (PromoteBody, False)}
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dreamstage.server.errors import APIError
 from dreamstage.server.views import adapters_view, public, with_unrecorded
-from dreamstage.training.jobs.spec import check_adapter_name
+from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.store import AdapterNotFound, InvalidTransition, JobNotFound
 from dreamstage.training.jobs.submit import SubmitRefused, invalid
 from dreamstage.validation import field_errors

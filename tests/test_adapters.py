@@ -8,9 +8,10 @@ import os
 
 import numpy as np
 import pytest
+from trainer_testing import ProbedTrainer as Trainer
 
 from dreamstage.adapters.files import load_lora, save_lora
-from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig
 
 PROMPT = "Adapters are saved atomically in the standard format."
 

@@ -15,7 +15,6 @@ import pytest
 
 from dreamstage.adapters.served import ServedAdapters
 from dreamstage.server.metrics import ServiceCollector
-from dreamstage.training.drift.guard import promotion_decision
 from dreamstage.training.drift.measure import (
     REHEARSAL_SAMPLES,
     Drift,
@@ -30,8 +29,10 @@ from dreamstage.training.drift.measure import (
     run_steps,
     set_context_adapter,
 )
+from dreamstage.training.jobs.promotion import promotion_decision
+from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.scheduler import DreamScheduler
-from dreamstage.training.jobs.spec import DEFAULT_LR, parse_train_request
+from dreamstage.training.jobs.spec import DEFAULT_LR
 from dreamstage.training.jobs.store import TERMINAL, JobStore
 from dreamstage.training.walk.receipts import RECEIPT_FIELDS
 
@@ -469,12 +470,12 @@ def test_guard_fields_are_validated_by_name():
     assert parse_train_request({"text": "x", "max_drift_kl": None}).to_job_spec().max_drift_kl is None
     # the rehearsal-only epochs' step decays by default and a job can turn it off; a job stored
     # before the field existed took the full step, whatever it says now
-    from dreamstage.training.jobs.spec import JobSpec
+    from dreamstage.training.jobs.stored import from_stored, to_stored
     full = parse_train_request({"text": "x", "consolidate_decay": False}).to_job_spec()
     assert spec.consolidate_decay and not full.consolidate_decay
-    assert JobSpec.from_stored(spec.to_stored(), 6).consolidate_decay
-    assert not JobSpec.from_stored(full.to_stored(), 6).consolidate_decay
-    assert not JobSpec.from_stored(spec.to_stored(), 5).consolidate_decay
+    assert from_stored(to_stored(spec), 6).consolidate_decay
+    assert not from_stored(to_stored(full), 6).consolidate_decay
+    assert not from_stored(to_stored(spec), 5).consolidate_decay
 
 
 def test_promotion_rule_needs_held_out_and_drift():

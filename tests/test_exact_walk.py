@@ -50,7 +50,9 @@ def _window(resident, context: int):
 
 
 def _trainer(resident, *, chunk, exact=False, horizon=-1, cache_type="f32", lr=0.0, window=WINDOW, budget_mib=0.0):
-    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
+    from trainer_testing import ProbedTrainer as Trainer
+
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig
     # eps = 1: the first AdamW step is then about -lr * g / (|g| + 1), a smooth
     # function of g, so equal gradients must give equal updates (with a tiny
     # eps the step is lr * sign(g) and says nothing about the gradient's size)
@@ -291,7 +293,9 @@ def test_default_model_exact_walk_equals_the_one_chunk_gradient(dream_resident):
     """The default model (SmolLM2-135M Q4_1), 64 tokens with 16 unlabelled in
     front, rank 8 on attn_q, attn_v: the exact walk over 2 and 4 chunks against
     the one-chunk gradient; q8_0 and the plain walk reported beside."""
-    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
+    from trainer_testing import ProbedTrainer as Trainer
+
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig
     n = 64
     tokens = dream_resident.tokenize(TEXT * 2)[:n]
     mask = np.ones(n, np.uint8)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dreamstage.training.jobs.spec import ChatExample, Message, PromptCompletion, parse_train_request
+from dreamstage.training.jobs.request import ChatExample, Message, PromptCompletion, parse_train_request
 from dreamstage.training.walk.examples import (
     ChatRenderer,
     ExampleError,

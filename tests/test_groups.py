@@ -38,7 +38,9 @@ def report(msg: str) -> None:
 
 
 def _trainer(resident, *, chunk, window, lr=0.0, accumulate=1, exact=False, horizon=-1):
-    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
+    from trainer_testing import ProbedTrainer as Trainer
+
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig
     # eps = 1: the AdamW step is a smooth function of g (see test_exact_walk.py)
     return Trainer(resident, LoraConfig(rank=RANK, alpha=ALPHA, targets=ref.TARGETS, seed=11),
                    cache_type="f32", window=window, chunk=chunk, exact=exact, horizon=horizon,

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from dreamstage.adapters.served import auto_promote_decision
-from dreamstage.training.jobs import spec as spec_module
+from dreamstage.training.jobs import request as spec_module
+from dreamstage.training.jobs.promotion import promotion_decision
+from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.schema import SCHEMA_VERSION
-from dreamstage.training.jobs.spec import SPEC_VERSION, parse_train_request
 from dreamstage.training.jobs.store import (
     STATES,
     TERMINAL,
@@ -25,6 +25,7 @@ from dreamstage.training.jobs.store import (
     JobStore,
     check_transition,
 )
+from dreamstage.training.jobs.stored import SPEC_VERSION, to_stored
 from dreamstage.training.walk.examples import TrainWindow
 from dreamstage.training.walk.plan import JobRun, Walk, chunk_after_refusal, ladder, next_chunk
 from dreamstage.training.walk.receipts import RECEIPT_FIELDS
@@ -40,7 +41,7 @@ OK_RECEIPT = dict(status="ok", step=0, window=64, chunk=32, chunk_pos=0, chunk_t
                   message="")
 
 
-def Receipt(**fields) -> NativeReceipt:    # noqa: N802 - reads as the dataclass it builds
+def Receipt(**fields) -> NativeReceipt:
     """The real receipt dataclass (the mirror of struct dream_receipt), not a copy of its shape."""
     return NativeReceipt(**{**OK_RECEIPT, **fields})
 
@@ -61,6 +62,16 @@ def store(tmp_path):
     yield s
     s.close()
 
+
+
+def should_step(run: JobRun) -> bool:
+    """Whether the job is running (not paused, cancelled or ended) and has work left."""
+    return not run.walk.finished and run.store.state(run.job_id) == "running"
+
+
+def ended(run: JobRun) -> bool:
+    """Whether the job reached a final state (cancelled by the server, refused, ...)."""
+    return run.store.state(run.job_id) in TERMINAL
 
 def test_a_receipt_is_stored_and_read_back_unchanged_under_its_canonical_names(store):
     jid = store.submit(req())["id"]
@@ -162,7 +173,7 @@ def test_a_cancel_and_a_done_race_and_exactly_one_wins(store):
 DIES_WITH_THE_STORE_OPEN = """
 import json, os, signal, sys
 from dreamstage.training.walk.receipts import Receipt
-from dreamstage.training.jobs.spec import parse_train_request
+from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.store import JobStore
 s = JobStore(sys.argv[1])
 ids = [s.submit(parse_train_request({"text": "some text", "window": 64, "seed": i}))["id"] for i in range(6)]
@@ -367,11 +378,11 @@ def test_adapter_names_and_versions_are_checked(store):
 
 
 def test_auto_promotion_decision():
-    assert auto_promote_decision(2.0, 1.9)[0] is True
-    assert auto_promote_decision(2.0, 2.0)[0] is True
-    ok, why = auto_promote_decision(2.0, 2.1)
+    assert promotion_decision(2.0, 1.9, guarded=False)[0] is True
+    assert promotion_decision(2.0, 2.0, guarded=False)[0] is True
+    ok, why = promotion_decision(2.0, 2.1, guarded=False)
     assert not ok and "worse" in why
-    assert auto_promote_decision(None, None) == (True, "nothing held out; promoted on completion")
+    assert promotion_decision(None, None, guarded=False) == (True, "nothing held out; promoted on completion")
 
 
 # -- the chunk ladder ------------------------------------------------------------------
@@ -506,7 +517,7 @@ def drive(store, jid, trainer, text_tokens):
     run = JobRun(store, jid, spec, render_job(spec, Tok()).train)
     store.transition(jid, "running")
     events = []
-    while run.should_step():
+    while should_step(run):
         window, step = run.current()
         if step.chunk_pos == 0:
             trainer.begin_window(window.tokens, window.mask)
@@ -549,14 +560,14 @@ def test_pause_stops_the_walk_and_resume_continues_it(store):
     store.transition(jid, "running")
     run.record(Receipt(chunk=16, chunk_pos=0, chunk_tokens=16))
     store.transition(jid, "paused")                      # the server thread
-    assert not run.should_step()
+    assert not should_step(run)
     store.transition(jid, "running")
-    assert run.should_step() and run.current()[1].chunk_pos == 16
+    assert should_step(run) and run.current()[1].chunk_pos == 16
     with pytest.raises(ValueError, match="out of step"):
         run.record(Receipt(chunk=16, chunk_pos=0, chunk_tokens=16))
-    assert not run.ended()
+    assert not ended(run)
     store.transition(jid, "cancelled")                   # the server again
-    assert run.ended() and not run.should_step()
+    assert ended(run) and not should_step(run)
 
 
 def test_an_older_store_gains_the_checksum_column_and_private_modes(tmp_path):
@@ -664,7 +675,7 @@ def test_a_form_1_spec_reads_back_as_it_meant_before_the_drift_guard(tmp_path):
         jid = s.submit(req())["id"]
         now = s.spec(jid)
         assert now.regularizer and now.stop_loss is not None          # today's defaults
-        stored = json.loads(now.to_stored())
+        stored = json.loads(to_stored(now))
         for k in ("regularizer", "anchor_ratio", "anchors", "max_drift", "max_drift_kl", "stop_loss", "group_prefix"):
             stored.pop(k)                                             # the form-1 shape
         conn = sqlite3.connect(s.path)
@@ -683,7 +694,7 @@ def test_a_form_2_spec_reads_back_without_a_drift_kl_bound(tmp_path):
         jid = s.submit(req())["id"]
         now = s.spec(jid)
         assert now.max_drift_kl == 1.0
-        stored = json.loads(now.to_stored())
+        stored = json.loads(to_stored(now))
         stored.pop("max_drift_kl")
         stored["max_drift"] = 0.05
         conn = sqlite3.connect(s.path)
@@ -703,7 +714,7 @@ def test_a_form_3_spec_reads_back_rehearsing_samples_without_consolidation(tmp_p
         jid = s.submit(req())["id"]
         now = s.spec(jid)
         assert now.rehearsal == "soft" and now.consolidate > 0
-        stored = json.loads(now.to_stored())
+        stored = json.loads(to_stored(now))
         stored.pop("rehearsal")
         stored.pop("consolidate")
         conn = sqlite3.connect(s.path)

@@ -22,7 +22,9 @@ from dreamstage.training.drift.measure import (
     rehearsal_anchors,
     run_steps,
 )
-from dreamstage.training.jobs.spec import DEFAULT_NEIGHBOURS, JobSpec, parse_train_request
+from dreamstage.training.jobs.request import parse_train_request
+from dreamstage.training.jobs.spec import DEFAULT_NEIGHBOURS
+from dreamstage.training.jobs.stored import from_stored, to_stored
 from dreamstage.training.walk.examples import ChatRenderer, render_job
 
 QUESTIONS = ["What is the capital of Zandoria?", "Who built the Kelthorn Bridge?",
@@ -146,9 +148,9 @@ def test_neighbours_is_a_validated_job_field_and_older_stored_jobs_read_as_none(
         assert e.value.errors()[0]["loc"][0] == "neighbours"
     spec = parse_train_request({"text": "x", "neighbours": 5}).to_job_spec()
     assert spec.neighbours == 5
-    stored = spec.to_stored()
-    assert JobSpec.from_stored(stored, 5).neighbours == 5
-    assert JobSpec.from_stored(stored, 4).neighbours == 0, "a form-4 job was accepted when none were rehearsed"
+    stored = to_stored(spec)
+    assert from_stored(stored, 5).neighbours == 5
+    assert from_stored(stored, 4).neighbours == 0, "a form-4 job was accepted when none were rehearsed"
 
 
 def test_a_failure_to_write_neighbours_leaves_the_rest_of_the_guard_as_it_was(dream_resident, monkeypatch):

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from trainer_testing import ProbedTrainer as Trainer
 
-from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig
 
 TEXT = "The dream stage trains a small adapter between decode batches, on the same context. "
 

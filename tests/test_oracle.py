@@ -201,7 +201,9 @@ def _window(resident):
 
 def _trainer(resident, *, targets=ref.TARGETS, top_layers=0, chunk=32, lr=0.0, weight_decay=0.0,
              grad_clip=0.0, cache_type="f32"):
-    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
+    from trainer_testing import ProbedTrainer as Trainer
+
+    from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig
     return Trainer(resident, LoraConfig(rank=RANK, alpha=ALPHA, targets=tuple(targets), top_layers=top_layers, seed=11),
                    cache_type=cache_type, window=32, chunk=chunk,
                    optimizer=OptimizerConfig(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip))

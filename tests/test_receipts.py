@@ -111,7 +111,7 @@ def test_a_drift_receipt_carries_every_canonical_field_and_folds_as_no_micro_ste
     import pytest
 
     from dreamstage.training.drift.guard import drift_receipt
-    from dreamstage.training.jobs.spec import parse_train_request
+    from dreamstage.training.jobs.request import parse_train_request
     from dreamstage.training.jobs.store import JobStore
     from dreamstage.training.walk.receipts import kind_receipt
 

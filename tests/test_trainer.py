@@ -5,9 +5,10 @@ import json
 
 import numpy as np
 import pytest
+from trainer_testing import ProbedTrainer as Trainer
 
 from dreamstage.training.walk.receipts import RECEIPT_FIELDS, Receipt
-from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
+from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig
 
 TEXT = "The dream stage trains a small adapter between decode batches, on the same context. "
 

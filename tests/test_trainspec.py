@@ -4,20 +4,25 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from dreamstage.training.jobs.spec import (
-    DEFAULT_CONTEXT_CACHE_TYPE,
+from dreamstage.training.jobs.request import (
     ChatExample,
     PromptCompletion,
     TextExample,
     TrainRequest,
     check_adapter_name,
     context_cache_types,
-    default_overlap,
     parse_train_request,
 )
+from dreamstage.training.jobs.spec import DEFAULT_CONTEXT_CACHE_TYPE, default_overlap
+from dreamstage.training.jobs.store import STARTING_FIELDS
 
 CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
 
+
+
+def starting_fields(spec) -> dict:
+    """The shape a job records from its `starting` moment on (the store's columns)."""
+    return {k: getattr(spec, k) for k in STARTING_FIELDS}
 
 def refusal(body) -> list[tuple[tuple, str]]:
     with pytest.raises(ValidationError) as e:
@@ -33,7 +38,7 @@ def test_defaults_resolve_into_the_job_spec():
     assert spec.targets == ("attn_q", "attn_v") and spec.rank == 8 and spec.alpha == 16.0
     assert (spec.pacing.mode, spec.pacing.value) == ("max_slowdown", 0.10)
     assert spec.promote == "manual" and spec.out is None
-    assert spec.starting_fields() == {"context_cache_type": "q8_0", "chunk": 128, "recompute": False,
+    assert starting_fields(spec) == {"context_cache_type": "q8_0", "chunk": 128, "recompute": False,
                                       "exact": False, "horizon": None, "window": 512}
 
 
@@ -78,6 +83,8 @@ def test_unknown_fields_are_refused_by_name_at_every_level():
 def test_unknown_context_cache_type_is_refused_naming_the_value():
     (loc, msg), = refusal({"text": "x", "context_cache_type": "q5_1"})
     assert loc == ("context_cache_type",) and "'q5_1'" in msg
+    (loc, msg), = refusal({"text": "x", "context_cache_type": "q5_k"})
+    assert loc == ("context_cache_type",) and "'q5_k'" in msg
     for ok in context_cache_types():
         assert parse_train_request({"text": "x", "context_cache_type": ok}).context_cache_type == ok
 
@@ -98,7 +105,7 @@ def test_the_cache_types_are_the_native_cores():
 def test_the_exact_walk_its_horizon_and_recompute_are_accepted():
     spec = parse_train_request({"text": "x", "exact": True, "window": 64, "horizon": 32, "recompute": True}).to_job_spec()
     assert spec.exact is True and spec.horizon == 32 and spec.recompute is True
-    assert spec.starting_fields()["exact"] is True and spec.starting_fields()["horizon"] == 32
+    assert starting_fields(spec)["exact"] is True and starting_fields(spec)["horizon"] == 32
     assert parse_train_request({"text": "x", "exact": True}).horizon is None   # the whole window
 
 

@@ -27,21 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from dreamstage.adapters.files import atomic_file, file_sha256
-from dreamstage.training.jobs.spec import check_adapter_name
+from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.store import AdapterNotFound, JobStore
 
 log = logging.getLogger("dreamstage.served")
-
-
-def auto_promote_decision(eval_before: float | None, eval_after: float | None) -> tuple[bool, str]:
-    """promote="auto": promote when held-out loss is no worse than before
-    training. With nothing held out there is no evidence either way; we promote
-    (the user asked for auto) and say so."""
-    if eval_after is None or eval_before is None:
-        return True, "nothing held out; promoted on completion"
-    if eval_after <= eval_before:
-        return True, f"held-out loss {eval_after:.4f} is no worse than {eval_before:.4f}"
-    return False, f"held-out loss {eval_after:.4f} is worse than {eval_before:.4f}; not promoted"
 
 
 class AdapterLoadError(ValueError):

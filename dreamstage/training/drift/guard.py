@@ -22,8 +22,7 @@ decides what they are. One guard per job:
 3. `measure(trainer)` (steps): the shadow adapter's drift, copied to the
    stage's own served adapter (`Trainer.promote`; never set on the context
    for serving) and decoded against the records.
-4. `promotion_decision`: promote="auto" needs the held-out loss no worse,
-   anchors_changed <= max_drift and drift_kl <= max_drift_kl.
+4. The promotion rule that reads these figures is jobs/promotion.py.
 
 `OwnLoss` is the early stop: each of the job's own windows' epoch loss below
 `stop_loss` ends training (anchor windows do not count: their loss is the
@@ -49,7 +48,7 @@ from dreamstage.training.drift.measure import (
     rehearsal_windows,
     visit_choice,
 )
-from dreamstage.training.jobs.spec import ChatExample, PromptCompletion
+from dreamstage.training.jobs.request import ChatExample, PromptCompletion
 from dreamstage.training.walk.examples import epoch_order
 from dreamstage.training.walk.receipts import kind_receipt
 
@@ -369,31 +368,6 @@ def summary_of(figures: dict[str, Any]) -> str:
 
 def summary(drift: Drift) -> str:
     return summary_of(drift.as_dict())
-
-
-def promotion_decision(eval_before: float | None, eval_after: float | None, drift: Drift | None,
-                       max_drift: float, max_drift_kl: float | None = None,
-                       failure: str | None = None) -> tuple[bool, str]:
-    """promote="auto" with the guard on: the held-out loss no worse than before
-    training (when something is held out), anchors_changed <= max_drift and
-    drift_kl <= max_drift_kl (when bounded).
-    An unmeasured drift refuses: the guard exists so that unmeasured damage is
-    not served."""
-    if eval_before is None or eval_after is None:
-        held, held_ok = "nothing held out", True
-    else:
-        held_ok = eval_after <= eval_before
-        held = f"held-out loss {eval_after:.4f} {'is no worse than' if held_ok else 'is worse than'} {eval_before:.4f}"
-    if drift is None:
-        return False, f"{held}; drift not measured ({failure or 'no anchors'}); not promoted"
-    if drift.anchors_changed > max_drift + 1e-12:
-        return False, f"{held}; {summary(drift)} exceeds max_drift {max_drift:g}; not promoted"
-    if max_drift_kl is not None and drift.drift_kl > max_drift_kl:
-        return False, f"{held}; {summary(drift)} exceeds max_drift_kl {max_drift_kl:g}; not promoted"
-    if not held_ok:
-        return False, f"{held}; {summary(drift)}; not promoted"
-    bounds = f"max_drift {max_drift:g}" + (f", max_drift_kl {max_drift_kl:g}" if max_drift_kl is not None else "")
-    return True, f"{held}; {summary(drift)} within {bounds}"
 
 
 class OwnLoss:

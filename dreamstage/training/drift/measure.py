@@ -49,7 +49,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from dreamstage.training.jobs.spec import DEFAULT_REHEARSAL, REHEARSAL_MODES, ChatExample, Message
+from dreamstage.training.jobs.request import ChatExample, Message
+from dreamstage.training.jobs.spec import DEFAULT_REHEARSAL, REHEARSAL_MODES
 from dreamstage.training.walk.examples import ChatRenderer, TrainWindow, epoch_order
 
 T = TypeVar("T")

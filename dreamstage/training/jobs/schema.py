@@ -13,7 +13,8 @@ import sqlite3
 
 from pydantic import ValidationError
 
-from dreamstage.training.jobs.spec import SPEC_VERSION, TrainRequest
+from dreamstage.training.jobs.request import TrainRequest
+from dreamstage.training.jobs.stored import SPEC_VERSION, to_stored
 
 SCHEMA_VERSION = 2
 
@@ -138,4 +139,4 @@ def _to_1(conn: sqlite3.Connection, now: float) -> None:
         spec = dataclasses.replace(spec, context_cache_type=row["context_cache_type"], chunk=row["chunk"],
                                    min_chunk=min(spec.min_chunk, row["chunk"]), recompute=bool(row["recompute"]),
                                    exact=bool(row["exact"]), horizon=row["horizon"], window=row["window"])
-        conn.execute("UPDATE jobs SET spec=?, spec_version=? WHERE id=?", (spec.to_stored(), SPEC_VERSION, row["id"]))
+        conn.execute("UPDATE jobs SET spec=?, spec_version=? WHERE id=?", (to_stored(spec), SPEC_VERSION, row["id"]))

@@ -35,8 +35,10 @@ from typing import Any
 from dreamstage import environment
 from dreamstage.adapters.files import file_sha256
 from dreamstage.training.jobs.progress import close_epoch, close_window, fold_receipt, new_progress, public_progress
+from dreamstage.training.jobs.request import TrainRequest, check_adapter_name
 from dreamstage.training.jobs.schema import SCHEMA, SchemaTooNew, migrate
-from dreamstage.training.jobs.spec import SPEC_VERSION, JobSpec, TrainRequest, check_adapter_name
+from dreamstage.training.jobs.spec import JobSpec
+from dreamstage.training.jobs.stored import SPEC_VERSION, from_stored, to_stored
 from dreamstage.training.walk.receipts import receipt_dict
 
 STATES = ("queued", "starting", "running", "paused", "done", "cancelled", "refused", "error", "interrupted")
@@ -232,7 +234,7 @@ class JobStore:
                 " exact, horizon, window, progress, spec, spec_version)"
                 " VALUES ('queued', ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (now, now, body, spec.context_cache_type, spec.chunk, int(spec.recompute), int(spec.exact),
-                 spec.horizon, spec.window, json.dumps(new_progress(spec)), spec.to_stored(), SPEC_VERSION),
+                 spec.horizon, spec.window, json.dumps(new_progress(spec)), to_stored(spec), SPEC_VERSION),
             )
             job_id = cur.lastrowid
             assert job_id is not None  # set by the INSERT
@@ -259,7 +261,7 @@ class JobStore:
             raise JobError(f"job {job_id} has no stored spec (its request no longer validated when the store "
                            "was upgraded)")
         try:
-            return JobSpec.from_stored(row["spec"], row["spec_version"])
+            return from_stored(row["spec"], row["spec_version"])
         except ValueError as e:
             raise JobError(f"job {job_id}: {e}") from None
 

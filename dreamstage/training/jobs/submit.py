@@ -19,7 +19,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dreamstage.training.jobs.spec import JobSpec, parse_train_request
+from dreamstage.training.jobs.request import parse_train_request
+from dreamstage.training.jobs.spec import JobSpec
 from dreamstage.training.jobs.store import JobStore
 from dreamstage.training.walk.examples import ExampleErrors, RenderedJob, render_job
 from dreamstage.validation import field_errors, field_path

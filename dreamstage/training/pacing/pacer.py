@@ -197,8 +197,6 @@ class Pacer:
             raise ValueError(f"{mode} {value!r} must be in (0, 1)")
         if idle_grace_s < 0:
             raise ValueError(f"idle_grace_s {idle_grace_s!r} must be >= 0")
-        if max_pause_ms is not None and not max_pause_ms > 0:
-            raise ValueError(f"max_pause_ms {max_pause_ms!r} must be > 0")
         self.mode, self.value = mode, float(value)
         self.clock = clock
         self.idle_grace_s = idle_grace_s

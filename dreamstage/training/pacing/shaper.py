@@ -110,8 +110,6 @@ class StepShaper:
         """`other_load` (optional) says how many cores other work keeps busy now
         (the load average less our own threads); more threads are then probed
         only when that many cores are free: a probe that spins costs seconds."""
-        if not max_pause_ms > 0:
-            raise ValueError(f"max_pause_ms {max_pause_ms!r} must be > 0")
         if not rungs or any(not isinstance(r, int) or r < 1 for r in rungs):
             raise ValueError(f"chunk rungs {list(rungs)!r} must be positive integers")
         if not threads or any(not isinstance(t, int) or t < 1 for t in threads):

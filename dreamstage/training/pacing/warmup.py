@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from dreamstage.training.drift.guard import DriftGuard
-from dreamstage.training.jobs.spec import parse_train_request
+from dreamstage.training.jobs.request import parse_train_request
 
 log = logging.getLogger("dreamstage.drift")
 

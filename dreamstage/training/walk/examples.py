@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from dreamstage.serving.chat import FALLBACK_TEMPLATE
-from dreamstage.training.jobs.spec import ChatExample, JobSpec, Message, PromptCompletion, SourcedExample, TextExample
+from dreamstage.training.jobs.request import ChatExample, Message, PromptCompletion, TextExample
+from dreamstage.training.jobs.spec import JobSpec, SourcedExample
 
 if TYPE_CHECKING:
     from dreamstage.training.walk.groups import TrainGroup
@@ -382,10 +383,6 @@ def text_windows(tokens: Sequence[int], window: int, overlap: int, source: int =
 class RenderedJob:
     train: tuple[TrainWindow | TrainGroup, ...]   # a group of completions is one TrainGroup
     held_out: tuple[TrainWindow, ...]
-
-    @property
-    def train_targets(self) -> int:
-        return sum(w.n_targets for w in self.train)
 
 
 def render_example(sx: SourcedExample, tok: Tokenizer, window: int, overlap: int, fit: str,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dreamstage.training.jobs.spec import JobSpec
-from dreamstage.training.jobs.store import TERMINAL, JobStore
+from dreamstage.training.jobs.store import JobStore
 from dreamstage.training.walk.examples import epoch_order
 from dreamstage.training.walk.groups import TrainGroup
 from dreamstage.training.walk.receipts import receipt_dict
@@ -210,15 +210,6 @@ class JobRun:
     def current(self) -> tuple[Any, MicroStep] | None:
         step = self.walk.current()
         return None if step is None else (self.windows[step.window_index], step)
-
-    def should_step(self) -> bool:
-        """Whether the job is running (not paused, cancelled or ended) and has work left."""
-        return not self.walk.finished and self.store.state(self.job_id) == "running"
-
-    def ended(self) -> bool:
-        """Whether the job reached a final state (cancelled by the server,
-        refused, ...): the engine then frees its Trainer and picks the next job."""
-        return self.store.state(self.job_id) in TERMINAL
 
     def record(self, receipt: Any, window_done: bool | None = None, reply_losses: Sequence[float] | None = None) -> str:
         """window_done: the trainer has no chunks left (the exact walk's window end).

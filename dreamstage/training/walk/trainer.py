@@ -53,6 +53,7 @@ import numpy as np
 
 from dreamstage import native
 from dreamstage.owner import NativeOwner
+from dreamstage.training.jobs.spec import DEFAULT_CONTEXT_CACHE_TYPE, GATE_SLACK_MIB, JobSpec
 from dreamstage.training.walk.receipts import DreamError, Receipt
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -107,16 +108,13 @@ class Trainer(NativeOwner):
     Every call must come from the thread that owns the resident context.
     """
 
-    def __init__(self, resident, lora: LoraConfig | None = None, *, cache_type: str = "q8_0",
+    def __init__(self, resident, lora: LoraConfig | None = None, *, cache_type: str = DEFAULT_CONTEXT_CACHE_TYPE,
                  window: int = 512, chunk: int = 128, budget_mib: float = 0.0, slack_mib: float = 64.0,
                  optimizer: OptimizerConfig | None = None, exact: bool = False, recompute: bool = False,
                  horizon: int = -1):
         self.lora = lora = lora or LoraConfig()
         self.optimizer = opt = optimizer or OptimizerConfig()
         lora.validate()
-        if cache_type not in native.context_cache_types():
-            raise ValueError(f"context_cache_type {cache_type!r} is not one of "
-                             f"{', '.join(native.context_cache_types())}")
         self.resident = resident
         self.cache_type = cache_type
         self.L = L = native.lib()
@@ -332,12 +330,6 @@ class Trainer(NativeOwner):
         if not self.L.dream_set_parameters(self._handle(), data, self.n_params):
             raise RuntimeError("dream_set_parameters refused the vector")
 
-    def optimizer_state(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """(first moments, second moments, update count); zeros before the first update."""
-        buf = np.zeros(2 * self.n_params, dtype=np.float32)
-        t = self.L.dream_optimizer_state(self._handle(), buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), buf.size)
-        return buf[:self.n_params].astype(np.float64), buf[self.n_params:].astype(np.float64), int(t)
-
     # -- serving ------------------------------------------------------------------
     def promote(self) -> int:
         """Copy shadow -> served; returns the served version. Call between decode batches."""
@@ -347,16 +339,6 @@ class Trainer(NativeOwner):
     def served_adapter(self) -> int:
         """Address of the served llama_adapter_lora (for llama_set_adapters_lora)."""
         return int(self.L.dream_served_adapter(self._handle()))
-
-    def apply_served(self, scale: float = 1.0) -> None:
-        """Make serving on the resident context use the served adapter (scale 1.0 = alpha/rank)."""
-        lc = self.resident.lc
-        arr = (ctypes.c_void_p * 1)(self.served_adapter)
-        scales = (ctypes.c_float * 1)(scale)
-        adapters = ctypes.cast(arr, ctypes.POINTER(lc.llama_adapter_lora_p_ctypes))
-        rc = lc.llama_set_adapters_lora(self.resident.ctx, adapters, 1, scales)
-        if rc != 0:
-            raise RuntimeError(f"llama_set_adapters_lora failed with {rc}")
 
     def set_chunk(self, chunk: int) -> None:
         """Tokens per micro-step from the next one on (the chunk ladder after a refusal).
@@ -374,11 +356,6 @@ class Trainer(NativeOwner):
             raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
         self.lr = float(lr)
 
-    def set_graph_reuse(self, on: bool) -> None:
-        """Reuse the last micro-step's allocated graph for a chunk of the same shape
-        (on by default; off: every step builds, plans and allocates its own)."""
-        self.L.dream_set_graph_reuse(self._handle(), bool(on))
-
     def set_step_deadline(self, ms: float | None) -> None:
         """Stop a micro-step whose graph is still computing `ms` after it began
         (status "stopped"; the next micro_step goes on with it, keeping what it
@@ -394,42 +371,6 @@ class Trainer(NativeOwner):
         plain-walk chunk whose graph ran wholly on the CPU (False before the
         first step). Where it is False, a deadline does not bound the pause."""
         return bool(self.L.dream_last_step_stoppable(self._handle()))
-
-    @property
-    def fused_attention(self) -> bool:
-        """Whether training graphs run attention fused (FLASH_ATTN_EXT and the dream
-        stage's backward; every layer's attention on CUDA) or as explicit products."""
-        return bool(self.L.dream_fused_attention(self._handle()))
-
-    @property
-    def optimizer_on_device(self) -> bool:
-        """Whether the gradient accumulator and AdamW's moments live on the adapter's
-        GPU (every A and B on one GPU) or on the host."""
-        return bool(self.L.dream_optimizer_on_device(self._handle()))
-
-    @property
-    def graph_reuses(self) -> int:
-        """Micro-steps so far that computed the previous step's graph again."""
-        return int(self.L.dream_graph_reuses(self._handle()))
-
-    def set_horizon(self, horizon: int) -> int:
-        """Exact walk: the positions before a chunk that receive gradient from the next micro-step on
-        (<= 0: the whole window). Returns the horizon now in use."""
-        if not isinstance(horizon, int):
-            raise ValueError(f"horizon must be an integer, got {horizon!r}")
-        h = int(self.L.dream_set_horizon(self._handle(), horizon))
-        if h < 0:
-            raise ValueError("horizon applies to the exact walk only (this Trainer has exact=False)")
-        return h
-
-    def set_budget(self, budget_mib: float) -> None:
-        """Replace the job's memory budget (MiB; <= 0: device free memory only)."""
-        self.L.dream_set_budget(self._handle(), float(budget_mib))
-
-    def held_mib(self) -> float:
-        """What the job holds now against its budget (MiB); the gate allows
-        budget - held - slack, never less than 0."""
-        return float(self.L.dream_held_mib(self._handle()))
 
     # -- files ----------------------------------------------------------------------
     def save(self, path) -> None:
@@ -457,3 +398,16 @@ class Trainer(NativeOwner):
         if extra:
             raise ValueError(f"{path}: tensors for weights this trainer does not adapt: {sorted(extra)[:4]}")
         self.set_lora_parameters(np.concatenate(vec))
+
+
+def native_trainer(resident, spec: JobSpec, chunk: int, lr: float | None = None) -> Trainer:
+    """The native Trainer for a job (lr=0 makes an evaluator that never moves).
+
+    An evaluator (lr given) runs the plain walk: it needs only the forward
+    loss, which both walks compute alike, and the exact walk would add a
+    reverse pass and adjoint buffers for nothing."""
+    exact = spec.exact and lr is None
+    return Trainer(resident, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
+                   window=spec.window, chunk=chunk, budget_mib=spec.memory_budget_mib or 0.0,
+                   slack_mib=GATE_SLACK_MIB, optimizer=OptimizerConfig(lr=spec.lr if lr is None else lr), exact=exact,
+                   horizon=(spec.horizon or 0) if exact else -1, recompute=spec.recompute)

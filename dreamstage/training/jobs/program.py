@@ -1,0 +1,519 @@
+"""A training job's program: its whole life as one generator, run on the engine thread.
+
+`JobProgram._job_steps` renders the job, builds its trainer through the memory
+gate, walks its windows (`_micro_step`), ends its epochs (`_epoch_end`: held-out
+loss, the early stop, drift), runs the rehearsal-only epochs
+(`_begin_consolidation`, `_consolidation_kept`), saves the adapter and applies
+the promotion rule (`_finish`, jobs/promotion.py). Each `yield` follows at most
+one native micro-step; the scheduler (scheduler.py) decides when `next()` runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dreamstage.adapters.served import AdapterLoadError, AdapterSwitch
+from dreamstage.stats import DreamStats
+from dreamstage.training.drift.guard import (
+    DriftGuard,
+    ExampleHold,
+    OwnLoss,
+    consolidation_lr,
+    drift_figures,
+    drift_receipt,
+    held_windows,
+    rehearsal_window,
+    reply_lost,
+    summary,
+)
+from dreamstage.training.drift.measure import set_context_adapter
+from dreamstage.training.jobs.promotion import promotion_decision
+from dreamstage.training.jobs.spec import DEFAULT_CHUNK, GATE_SLACK_MIB, JobSpec
+from dreamstage.training.jobs.store import AdapterNotFound, InvalidTransition, JobStore
+from dreamstage.training.pacing.pacer import Pacer
+from dreamstage.training.pacing.shaper import DreamThreads, StepShaper, load_average, trains_from
+from dreamstage.training.walk.examples import RenderedJob, render_job
+from dreamstage.training.walk.groups import TrainGroup
+from dreamstage.training.walk.plan import JobRun, ladder
+from dreamstage.training.walk.receipts import Receipt
+
+log = logging.getLogger("dreamstage.scheduler")
+
+
+class AdapterSaveError(RuntimeError):
+    """The finished job's adapter could not be written; the job ends `error` with this message."""
+
+
+def clear_receipt(receipt: Any, spec: JobSpec) -> Any:
+    """A receipt as the job stores it: a negative allowance becomes 0 with a message that says why."""
+    if isinstance(receipt, Receipt):
+        return receipt.with_clear_allowance(spec.memory_budget_mib, GATE_SLACK_MIB)
+    return receipt
+
+
+def _waited_note(waited: int) -> list[str]:
+    """The job's note on epochs its early stop waited for the examples' greedy replies (none: [])."""
+    if not waited:
+        return []
+    return [f"the early stop waited {waited} epoch{'s' * (waited > 1)} for every example's greedy reply"]
+
+
+@dataclass(frozen=True)
+class StepRan:
+    """The micro-step a `next()` ran, for the step shaper (None when it ran none)."""
+
+    tokens: int             # the chunk's tokens
+    threads: int
+    trains: bool            # it had loss tokens
+    kind: str               # "ok" | "stopped" (at its deadline) | "resumed" (the rest of a stopped step)
+    native_ms: float
+    before_s: float         # the pause's time before the native step
+
+
+@dataclass
+class JobLoop:
+    """A job's walk between micro-steps: what its epoch ends and consolidation read and write."""
+
+    jid: int
+    spec: JobSpec
+    rendered: RenderedJob
+    trainer: Any
+    guard: DriftGuard | None
+    run: JobRun
+    own: OwnLoss
+    memory_cap: int                                 # the memory ladder's chunk (halved on a refusal)
+    checkable: list[int]                            # the job's windows whose greedy reply can be checked
+    notes: list[str] = field(default_factory=list)
+    eval_before: float | None = None
+    begun: tuple[int, int] | None = None            # the (epoch, order position) whose window was begun
+    consolidating: bool = False                     # in the rehearsal-only epochs (spec.consolidate)
+    hold: ExampleHold | None = None                 # the examples through those epochs
+    consolidate_note: int = -1                      # where `notes` says how many of them ran
+    stop_leads: tuple[list[int], list[float]] | None = None   # the replies' leads the early stop read
+    waited: int = 0                                 # epochs the early stop waited for the greedy replies
+    decay: tuple[int, int] | None = None            # (windows begun, windows in all) of a decaying consolidation
+    resume_threads: int | None = None               # set while a step stopped at its deadline waits to go on
+
+
+class JobProgram:
+    """The job's program; DreamScheduler (scheduler.py) is the one class that runs it."""
+
+    store: JobStore
+    resident: Any
+    make_trainer: Callable
+    switch: AdapterSwitch
+    stats: DreamStats
+    clock: Callable[[], float]
+    idle_grace_s: float
+    drift_guard: bool
+    _lock: Any
+    _rendered: dict[int, RenderedJob]
+    _anchor_records: dict
+    _noise_margins: dict
+    _pacer: Pacer | None
+    _shaper: StepShaper | None
+    _threads: DreamThreads | None
+    _step_ran: StepRan | None
+    _pause_t0: float
+    _figures_at: float
+    _figures_final: int | None
+    _closing: list[Any]
+
+    if TYPE_CHECKING:
+        def _flush_figures(self, final: bool) -> None: ...
+
+    def _end(self, jid: int, target: str, message: str) -> Generator[None, None, None]:
+        """Move the job to a final state; a pause that raced in waits for resume.
+        The pacing figures are stored first, so the final state's event and a
+        GET /train/{id} after it show the same job (_end_job then leaves them)."""
+        self._flush_figures(final=True)
+        self._figures_final = jid
+        while True:
+            try:
+                self.store.transition(jid, target, message)
+                return
+            except InvalidTransition as e:
+                if e.current != "paused":
+                    return                              # cancelled (or ended) meanwhile: that stands
+                yield
+
+    def _job_steps(self, jid: int, engine) -> Generator[None, None, None]:
+        """One job, start to end; every `yield` follows at most one native micro-step."""
+        store = self.store
+        spec = store.spec(jid)
+        with self._lock:
+            rendered = self._rendered.pop(jid, None)
+        store.transition(jid, "starting")
+        if rendered is None:
+            try:
+                rendered = render_job(spec, self.resident)
+            except ValueError as e:
+                yield from self._end(jid, "error", f"the examples no longer render: {e}")
+                return
+        yield
+        try:
+            trainer, spec = self._job_trainer(spec, engine)
+        except Exception as e:  # noqa: BLE001 - the gate's refusal (DreamError) or a bad value
+            receipt = getattr(e, "receipt", None)
+            if receipt is not None:
+                receipt = clear_receipt(receipt, spec)
+                if getattr(receipt, "status", "") == "refused":
+                    self.stats.count_refusal("memory_gate")   # the job's training cache did not fit
+                store.append_receipt(jid, receipt)
+            state = "refused" if receipt is not None and getattr(receipt, "status", "") == "refused" else "error"
+            yield from self._end(jid, state, f"the dream stage could not start: {getattr(receipt, 'message', '') or e}")
+            return
+        self._closing.append(trainer)
+        try:
+            yield from self._train(jid, spec, rendered, trainer, engine)
+        finally:
+            trainer.close()
+            self._closing.remove(trainer)
+
+    def _job_trainer(self, spec: JobSpec, engine) -> tuple[Any, JobSpec]:
+        """The job's Trainer and the spec its walk runs under. When the guard
+        will run (`_probe_access`) with the regularizer on, the trainer's window is long enough for
+        the rehearsal windows (drift_guard.rehearsal_window), and a job whose
+        chunk is its whole window walks them whole too (up to DEFAULT_CHUNK);
+        the job's examples stay cut to its own window (render_job). Should the
+        memory gate refuse that, the job's own window and chunk are tried (the
+        rehearsal then trains the anchors that fit, as the guard's note says)."""
+        guarded = self._probe_access(engine) is not None
+        window = rehearsal_window(self.resident, spec) if guarded else spec.window
+        if window != spec.window:
+            chunk = min(DEFAULT_CHUNK, window) if spec.chunk == spec.window else spec.chunk
+            wide = dataclasses.replace(spec, window=window, chunk=chunk)
+            try:
+                return self.make_trainer(self.resident, wide, wide.chunk), wide
+            except Exception as e:  # noqa: BLE001 - refused (or failed) at the longer window: try the job's own
+                log.info("a trainer window of %d for the rehearsal failed (%s); using the job's %d",
+                         window, getattr(getattr(e, "receipt", None), "message", "") or e, spec.window)
+        return self.make_trainer(self.resident, spec, spec.chunk), spec
+
+    def _train(self, jid: int, spec: JobSpec, rendered: RenderedJob, trainer, engine) -> Generator[None, None, None]:
+        """The walk, its epoch ends and the rehearsal-only epochs, then the save."""
+        self._start_pacing(spec, trainer)
+        self._figures_at = self.clock()
+        self.store.transition(jid, "running")
+        self.stats.job_started()
+        yield                                           # from here on the pacer decides each step
+        guard = self._drift_guard(spec, rendered, engine)
+        if guard is not None:
+            yield from guard.record_or_fail(trainer)    # the base's anchor answers and their noise, in short steps
+            if (note := guard.rehearsal_note()) is not None:
+                log.info("dream job %s: %s", jid, note)
+        run = JobRun(self.store, jid, spec, guard.windows if guard else rendered.train,
+                     guard.order if guard else None)
+        lp = JobLoop(jid, spec, rendered, trainer, guard, run, OwnLoss(len(rendered.train), spec.stop_loss),
+                     memory_cap=spec.chunk,
+                     checkable=[i for i, w in enumerate(rendered.train) if not isinstance(w, TrainGroup)])
+        if guard is not None:
+            # the guard's set-up (its windows, the rehearsal note) took a step of its
+            # own: the first micro-step's pause, which the shaper fits, is its own
+            yield
+        if rendered.held_out and spec.promote == "auto":
+            lp.eval_before = yield from self._evaluate(spec, trainer, rendered.held_out, spec.chunk, lp.notes)
+        while run.current() is not None:
+            event = yield from self._micro_step(lp)
+            if event is None:
+                return                                  # the job ended (JobRun or _end moved it)
+            if event in ("epoch", "done") and (yield from self._epoch_end(lp, event)):
+                yield
+                break
+            yield
+        yield from self._conclude(lp)
+
+    def _start_pacing(self, spec: JobSpec, trainer) -> None:
+        """The job's pacer, thread counts and, with a pause bound, its step shaper."""
+        self._pacer = Pacer.from_spec(spec.pacing, idle_grace_s=self.idle_grace_s, clock=self.clock)
+        self._threads = DreamThreads(self.resident)
+        # the pause ladder halves down to one token: below the memory floor
+        # (min_chunk) too, since a small chunk is the only way to a short pause
+        self._shaper = None
+        if spec.pacing.max_pause_ms is not None:
+            # the plain walk's gradient depends on where a window is cut: keep its
+            # chunk and let the step deadline bound the pause (StepShaper.keep_chunk)
+            self._shaper = StepShaper(spec.pacing.max_pause_ms, ladder(spec.chunk, 1), self._threads.counts,
+                                      other_load=load_average, cores=os.cpu_count(),
+                                      keep_chunk=not getattr(trainer, "exact", False))
+
+    def _micro_step(self, lp: JobLoop) -> Generator[None, None, str | None]:
+        """One native micro-step at the walk's position; the event JobRun recorded (None: the job ended)."""
+        spec, trainer, run = lp.spec, lp.trainer, lp.run
+        threads_of = self._threads
+        assert threads_of is not None  # set by _start_pacing
+        cur = run.current()
+        assert cur is not None  # the caller checked
+        group = isinstance(cur[0], TrainGroup)          # the native core picks a group's steps
+        trains = None if group else trains_from(cur[0].mask, cur[1].chunk_pos)
+        if lp.resume_threads is not None:               # the last step stopped at its deadline: go on with it
+            chunk, threads = run.walk.chunk, lp.resume_threads
+        else:
+            chunk, threads = (self._shaper.choose(lp.memory_cap, trains, cut=group)
+                              if self._shaper is not None else (run.walk.chunk, threads_of.serve_batch))
+        if chunk != run.walk.chunk:
+            run.walk.chunk = chunk                      # the walk and the trainer move together
+            trainer.set_chunk(chunk)
+            cur = run.current()
+            assert cur is not None  # the same position, cut to another chunk
+        window, step = cur
+        if step.chunk_pos == 0 and lp.begun != (step.epoch, step.order_pos):
+            if group:
+                trainer.begin_group(window.prefix, window.replies, window.share_prefix)
+            else:
+                if lp.decay is not None:                # the window's update at its share of the falling step
+                    trainer.set_lr(consolidation_lr(spec.lr, *lp.decay))
+                    lp.decay = (lp.decay[0] + 1, lp.decay[1])
+                trainer.begin_window(window.tokens, window.mask, window.soft)
+            lp.begun = (step.epoch, step.order_pos)
+        before = self.clock() - self._pause_t0          # this pause's work so far (a new window's set-up)
+        if self._shaper is not None:
+            deadline = self._shaper.deadline_ms()
+            # the deadline is on the native step; the pause began earlier
+            trainer.set_step_deadline(None if deadline is None else max(1.0, deadline - 1000.0 * before))
+        receipt = clear_receipt(threads_of.run(threads, trainer.micro_step), spec)
+        self.stats.record(receipt)
+        # for the shaper: a whole step, a stopped part, or the end of a stopped step (record_rest)
+        kind = "stopped" if receipt.status == "stopped" else "resumed" if lp.resume_threads is not None else "ok"
+        self._step_ran = (StepRan(receipt.chunk_tokens, threads, receipt.tokens > 0, kind, receipt.ms, before)
+                          if receipt.status in ("ok", "stopped") else None)
+        lp.resume_threads = threads if receipt.status == "stopped" else None
+        if (self._shaper is not None and self._shaper.keep_chunk and not group and receipt.status == "ok"
+                and spec.pacing.max_pause_ms is not None and receipt.ms > spec.pacing.max_pause_ms
+                and not getattr(trainer, "last_step_stoppable", False)):
+            # a step the deadline could not stop (a graph on a GPU) passed the bound: cut chunks from now on
+            log.info("dream job %s: a %.0f ms step could not stop at its deadline; the pause bound cuts chunks "
+                     "from now on", lp.jid, receipt.ms)
+            self._shaper.cut()
+        try:
+            done = trainer.chunks_left == 0
+            event = run.record(receipt, window_done=done,
+                               reply_losses=trainer.group_reply_losses() if group and done else None)
+            lp.own.note(step.window_index, receipt)
+        except InvalidTransition:
+            # a pause raced the end JobRun recorded (refused at the floor, or an
+            # error receipt): the receipt is stored; end the job once resumed
+            target = "refused" if receipt.status == "refused" else "error"
+            yield from self._end(lp.jid, target, receipt.message or f"the micro-step was {receipt.status}")
+            return None
+        if event == "retry":
+            lp.memory_cap = run.chunk
+            trainer.set_chunk(run.chunk)                # same position, smaller chunk (nothing was allocated)
+        elif event in ("refused", "error"):
+            return None                                 # JobRun moved the job and kept every receipt
+        return event
+
+    def _epoch_end(self, lp: JobLoop, event: str) -> Generator[None, None, bool]:
+        """An epoch (or the walk) ended: held-out loss, the early stop, the start of
+        the rehearsal-only epochs, the drift during training. True: training stops here."""
+        spec, trainer, run, guard, own, rendered = lp.spec, lp.trainer, lp.run, lp.guard, lp.own, lp.rendered
+        if lp.consolidating and lp.hold is not None:
+            event = yield from self._consolidation_kept(lp, event)
+        ev = None
+        if rendered.held_out:
+            ev = yield from self._evaluate(spec, trainer, rendered.held_out, lp.memory_cap, lp.notes)
+        stop = own.converged() and event == "epoch"
+        if stop and guard is not None and not lp.consolidating:
+            # the loss says stop; the greedy replies must say so too (a mean hides one token)
+            idx = held_windows(own.final, lp.checkable)
+            leads = yield from guard.reply_leads(trainer, [rendered.train[i] for i in idx])
+            if leads is not None and min(leads, default=1.0) <= 0.0:
+                stop, lp.waited = False, lp.waited + 1
+            elif leads is not None:
+                lp.stop_leads = (idx, leads)
+        run.end_epoch(ev, own.mean)
+        if (stop or event == "done") and guard is not None and not lp.consolidating and guard.consolidates():
+            # the job's own training is over: rehearsal-only epochs follow (spec.consolidate)
+            yield from self._begin_consolidation(lp, guard, stop)
+            stop, event = False, "epoch"
+        if stop:
+            lp.notes.append(own.stop_note(run.walk.epoch))
+            lp.notes.extend(_waited_note(lp.waited))
+            return True
+        if guard is not None and event == "epoch":
+            p = self.store.get(lp.jid)["progress"]
+            drift = yield from guard.measure_during(trainer, p["train_ms"], p["step"])
+            self._store_drift(lp.jid, spec, drift, run.walk.epoch, final=False)
+        return False
+
+    def _begin_consolidation(self, lp: JobLoop, guard: DriftGuard, stopped: bool) -> Generator[None, None, None]:
+        """The job's own epochs are over: the examples' hold, then spec.consolidate rehearsal-only epochs."""
+        spec, trainer, run = lp.spec, lp.trainer, lp.run
+        if stopped:
+            lp.notes.append(lp.own.stop_note(run.walk.epoch))
+        lp.notes.extend(_waited_note(lp.waited))
+        lp.consolidating = True
+        hold = lp.hold = ExampleHold(lp.own.final, spec.stop_loss, lp.checkable, trainer.lora_parameters())
+        if lp.stop_leads is not None and lp.stop_leads[0] == hold.windows:
+            hold.leads = lp.stop_leads[1]
+        else:
+            hold.leads = yield from guard.reply_leads(trainer, [lp.rendered.train[i] for i in hold.windows])
+        run.consolidate(spec.consolidate, guard.consolidation_order)
+        if spec.consolidate_decay:
+            lp.decay = (0, sum(len(guard.consolidation_order(c)) for c in range(spec.consolidate)))
+        lp.consolidate_note = len(lp.notes)
+        lp.notes.append(f"then {spec.consolidate} rehearsal-only epochs (consolidate)")
+
+    def _consolidation_kept(self, lp: JobLoop, event: str) -> Generator[None, None, str]:
+        """A rehearsal-only epoch ended: kept only while the examples hold (ExampleHold):
+        every greedy reply that was answered still is, and every loss within its bound.
+        Otherwise the adapter goes back to before it and the walk ends ("done")."""
+        hold, trainer, guard = lp.hold, lp.trainer, lp.guard
+        assert hold is not None  # the caller checked
+        windows = [lp.rendered.train[i] for i in hold.windows]
+        why = None
+        if guard is not None and hold.leads is not None:
+            now = yield from guard.reply_leads(trainer, windows)
+            why = reply_lost(hold.windows, hold.leads, now)
+        if why is None:
+            per = yield from self._window_losses(lp.spec, trainer, windows, lp.memory_cap, lp.notes,
+                                                 "the examples' loss")
+            why = hold.check(None if per is None else [loss for loss, _ in per])
+        if why is None:
+            hold.snapshot = trainer.lora_parameters()
+            return event
+        trainer.set_lora_parameters(hold.snapshot)
+        lp.run.end_here()                               # no more rehearsal-only epochs
+        lp.notes[lp.consolidate_note] = (
+            f"then {hold.kept} of {lp.spec.consolidate} rehearsal-only epochs (consolidate): after the "
+            f"next one {why}, so the adapter is the one before it")
+        return "done"
+
+    def _conclude(self, lp: JobLoop) -> Generator[None, None, None]:
+        """The walk is over: the final drift, the save and promotion, the job's message."""
+        guard, jid, spec = lp.guard, lp.jid, lp.spec
+        if guard is not None:
+            drift = yield from guard.measure_or_fail(lp.trainer)
+            self._store_drift(jid, spec, drift, lp.run.walk.epoch, final=True)
+        progress = self.store.get(jid)["progress"]
+        message = yield from self._finish(jid, spec, lp.trainer, progress["eval_loss"], lp.eval_before, guard)
+        if guard is not None and (note := guard.rehearsal_note()) is not None:
+            lp.notes.append(note)
+        if guard is not None and guard.neighbour_prompts:
+            lp.notes.append(f"rehearsed {len(guard.neighbour_prompts)} neighbours of its prompts each epoch")
+        yield from self._end(jid, "done", "; ".join([message, *lp.notes]))
+
+    def _evaluate(self, spec: JobSpec, trainer, windows, chunk: int,
+                  notes: list[str]) -> Generator[None, None, float | None]:
+        """Held-out loss of the shadow adapter as it is now (the token-weighted
+        mean of `_window_losses`); None when it could not be measured, noted."""
+        per = yield from self._window_losses(spec, trainer, windows, chunk, notes, "held-out loss")
+        tokens = sum(t for _, t in per or ())
+        return sum(loss * t for loss, t in per) / tokens if per and tokens else None
+
+    def _window_losses(self, spec: JobSpec, trainer, windows, chunk: int, notes: list[str],
+                       what: str) -> Generator[None, None, list[tuple[float, int]] | None]:
+        """Each window's forward loss (and loss tokens) under the shadow adapter as it is now.
+
+        The native core has no forward-only pass yet, so an evaluator is a
+        second Trainer of the same shape with lr 0 (its AdamW update moves
+        nothing) holding a copy of the shadow's parameters; its micro-steps'
+        losses are exactly the forward loss. It costs a second training cache
+        and a wasted backward, goes through the same memory gate, and its
+        receipts are not the job's. A refusal or a failed step returns None
+        and notes that `what` was not measured."""
+        try:
+            evaluator = self.make_trainer(self.resident, spec, chunk, 0.0)
+        except Exception as e:  # noqa: BLE001 - any refusal or failure of the evaluator only costs the figure
+            receipt = getattr(e, "receipt", None)
+            why = (receipt is not None and receipt.message) or e
+            notes.append(f"{what} not measured: the evaluator was refused ({why})")
+            return None
+        self._closing.append(evaluator)
+        try:
+            evaluator.set_lora_parameters(trainer.lora_parameters())
+            out = []
+            for w in windows:
+                evaluator.begin_window(w.tokens, w.mask)
+                pos, loss_sum, tokens = 0, 0.0, 0
+                while evaluator.chunks_left:
+                    step_chunk, threads = (self._shaper.choose(chunk, trains_from(w.mask, pos), cut=True)
+                                           if self._shaper is not None
+                                           else (chunk, self._threads.serve_batch if self._threads is not None else 0))
+                    if step_chunk != evaluator.chunk:
+                        evaluator.set_chunk(step_chunk)   # an evaluation step pauses serving like any other
+                    r = (evaluator.micro_step() if self._threads is None
+                         else self._threads.run(threads, evaluator.micro_step))
+                    self._step_ran = (StepRan(r.chunk_tokens, threads, r.tokens > 0, "ok", r.ms, 0.0)
+                                      if r.status == "ok" else None)
+                    pos += r.chunk_tokens
+                    yield
+                    if r.status != "ok":
+                        notes.append(f"{what} not measured: {r.message}")
+                        return None
+                    loss_sum += r.loss * r.tokens
+                    tokens += r.tokens
+                out.append((loss_sum / tokens if tokens else 0.0, tokens))
+            return out
+        finally:
+            evaluator.close()
+            self._closing.remove(evaluator)
+
+    def _store_drift(self, jid: int, spec: JobSpec, drift, epoch: int, final: bool) -> None:
+        """A drift measurement (None: none ran) as the job's receipt, and into /metrics."""
+        figures = drift_figures(drift, spec.max_drift, spec.max_drift_kl, epoch, final)
+        if drift is None or figures is None:
+            return
+        job = self.store.get(jid)
+        self.store.append_receipt(jid, drift_receipt(figures, step=job["progress"]["step"], ms=drift.ms,
+                                                     memory=job["memory"]))
+        self.stats.record_drift(jid, drift)
+
+    def _probe_access(self, engine) -> tuple[Callable[[], Any], Callable[[], None]] | None:
+        """What a drift probe decodes with: the engine's sequence lender and the
+        call that puts serving's adapter back. None when the guard is off on
+        this server, or on a resident without llama handles or an engine that
+        lends no sequence (test doubles)."""
+        lend = getattr(engine, "hold_idle_sequence", None)
+        if not self.drift_guard or getattr(self.resident, "ctx", None) is None or lend is None:
+            return None
+        served = self.switch.served
+        return lend, lambda: set_context_adapter(self.resident, served.handle)
+
+    def _drift_guard(self, spec: JobSpec, rendered: RenderedJob, engine) -> DriftGuard | None:
+        """The job's drift guard, or None (`_probe_access`)."""
+        access = self._probe_access(engine)
+        if access is None:
+            return None
+        lend, restore = access
+        return DriftGuard(self.resident, spec, rendered.train, seq_id=lend, cache=self._anchor_records,
+                          noise_cache=self._noise_margins, restore=restore)
+
+    def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before,
+                guard=None) -> Generator[None, None, str]:
+        """Save the shadow adapter as a new version; promote per the job's rule. Returns the message."""
+        store = self.store
+        name = store.get(jid)["out"]
+        version = store.next_adapter_version(name)
+        path = store.adapter_path(name, version)
+        try:
+            trainer.save(path)                          # atomic: temp file, fsync, rename
+        except OSError as e:
+            # A full or unwritable state directory: atomic_file removed the temp
+            # file and left every earlier version (and the served one) as it was.
+            raise AdapterSaveError(f"saving adapter {name} v{version} failed: {e.strerror or e}; "
+                                   "the previously saved and served adapters are unchanged") from e
+        store.add_adapter(name, version, jid, eval_after,
+                          drift_figures(guard.drift, spec.max_drift, spec.max_drift_kl) if guard is not None else None)
+        yield
+        saved = f"saved adapter {name} v{version}"
+        if guard is not None and guard.drift is not None:
+            saved += f" ({summary(guard.drift)})"
+        if spec.promote == "never":
+            return f"{saved}; not promoted (promote=never)"
+        if spec.promote == "manual":
+            return f"{saved}; promote it with POST /adapters/{name}/promote"
+        ok, why = promotion_decision(eval_before, eval_after, guard.drift if guard else None, spec.max_drift,
+                                     spec.max_drift_kl, guard.failure if guard else None, guarded=guard is not None)
+        if not ok:
+            return f"{saved}; {why}"
+        try:
+            view = self.switch.book_promotion(name, version, None)
+        except (AdapterLoadError, AdapterNotFound) as e:
+            return f"{saved}; auto promotion failed: {e}"
+        return f"{saved}; promoted as served version {view['served_version']} ({why})"
+
