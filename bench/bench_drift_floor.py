@@ -39,9 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_drift import GRID, answer_logprobs, changed_where_sure, run_setting
 from drift_facts import EVAL_FACTS, UNSEEN_PROMPTS, chat_examples
+from drift_steps import run_steps  # tests/drift_steps.py: bench_drift puts tests/ on sys.path
 
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift.measure import DriftProbe, load_anchors, lora_b_mask, rehearsal_anchors, run_steps
+from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
+from dreamstage.training.drift.measure import DriftProbe, lora_b_mask
 from dreamstage.training.jobs.scheduler import native_trainer
 from dreamstage.training.jobs.spec import parse_train_request
 

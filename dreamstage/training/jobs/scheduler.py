@@ -41,20 +41,11 @@ from dreamstage.adapters.served import (
     auto_promote_decision,
 )
 from dreamstage.stats import DreamStats
-from dreamstage.training.drift.guard import (
-    DriftGuard,
-    ExampleHold,
-    OwnLoss,
-    consolidation_lr,
-    drift_figures,
-    drift_receipt,
-    held_windows,
-    promotion_decision,
-    rehearsal_window,
-    reply_lost,
-    summary,
-)
-from dreamstage.training.drift.measure import set_context_adapter
+from dreamstage.training.drift.decoding import set_context_adapter
+from dreamstage.training.drift.guard import DriftGuard, drift_figures, drift_receipt, promotion_decision
+from dreamstage.training.drift.measure import summary
+from dreamstage.training.drift.rehearsal import consolidation_lr, rehearsal_window
+from dreamstage.training.drift.stopping import ExampleHold, OwnLoss, held_windows, reply_lost
 from dreamstage.training.jobs.spec import DEFAULT_CHUNK, GATE_SLACK_MIB, JobSpec, check_adapter_name
 from dreamstage.training.jobs.store import TERMINAL, AdapterNotFound, InvalidTransition, JobStore
 from dreamstage.training.pacing.pacer import DEFAULT_IDLE_GRACE_S, Pacer
