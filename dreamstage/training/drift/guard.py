@@ -181,9 +181,6 @@ class DriftGuard:
         return (self.ratio > 0 and self.spec.consolidate > 0 and any(i < self.n_rehearsed for i in self._anchor_pos)
                 and self.failure is None)
 
-    def anchor_windows_per_epoch(self) -> int:
-        return len(self.order(0)) - self.n_train
-
     def rehearsal_note(self) -> str | None:
         """What the job's message says when its window kept the regularizer
         from some or all of its rehearsal anchors (None: all of them fit, or

@@ -1,10 +1,9 @@
 """Drift: how far a job's adapter moves the model on prompts the job never taught.
 
-At a job's start the resident base model (adapter off, on the resident
-context) answers every anchor prompt greedily and we record, at each token of
-its own answer, its next-token distribution (the top `TOP_K` log-probabilities
-plus the mass of the rest). After (and during) training the same sequences
-are decoded once more with the job's adapter on, and two figures come out:
+The base's records of the anchors (records.py: its greedy answer and, at each
+of its tokens, the top TOP_K log-probabilities plus the mass of the rest) are
+decoded once more, teacher-forced, with the job's adapter on, after (and
+during) training, and two figures come out:
 
 - `drift_kl`: the mean over all recorded anchor tokens of KL(base || adapter),
   the base's distribution against the adapter's at the same position;
@@ -22,11 +21,10 @@ are decoded once more with the job's adapter on, and two figures come out:
   8-bit activations); those flips are the measurement's noise, not the job's.
   Without a noise margin both figures are the same.
 
-The records themselves are records.py; every function here makes llama calls
-on the resident context, so it runs on the engine thread, between decode
-batches, on a sequence no slot is using, in units (a piece of PIECE_TOKENS
-tokens, or one generated token), as many per engine step as fit the step's
-time, so a waiting request waits about one unit, not one anchor.
+Every probe step makes llama calls on the resident context, so it runs on the
+engine thread, between decode batches, on a sequence no slot is using, in
+units (decoding.Decoder), as many per engine step as fit the step's time, so a
+waiting request waits about one unit, not one anchor.
 """
 from __future__ import annotations
 
@@ -93,10 +91,6 @@ class Drift:
     def widest_drop(self) -> float:
         """The widest lead drop at any answer position of any anchor (0.0 when none fell), nats."""
         return max([0.0, *(x for d in self.drops for x in d)])
-
-    def changed_within(self, n_tokens: int) -> float:
-        """The fraction of anchors whose answer changed within its first n_tokens."""
-        return sum(f is not None and f < n_tokens for f in self.first_change) / max(len(self.first_change), 1)
 
     def as_dict(self) -> dict[str, Any]:
         return {"drift_kl": self.drift_kl, "anchors_changed": self.anchors_changed, "anchors": self.anchors,

@@ -84,14 +84,10 @@ def record_units(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
             drawn = yield from dec.sample_units(prompt_toks, max_tokens, sample_keys(prompt, samples), tops)
     finally:
         dec.close()
-    # The measurement decodes the answer teacher-forced, in pieces of
-    # PIECE_TOKENS. The CPU backend's kernels depend on the batch's size
-    # (quantized activations for short batches, not for long ones), so the
-    # same prefix gets other logits (by ~1 on the default model) one token at
-    # a time than in a batch. The records are therefore the teacher-forced
-    # decode of exactly `forced`, which the measurement repeats piece for
-    # piece (bit-identical with the adapter off); where its argmax departs
-    # from the generated token the compared answer ends at its own choice.
+    # The records are the teacher-forced decode of exactly `forced`, which the
+    # measurement repeats piece for piece (the CPU kernels depend on the batch
+    # size; so the logits are bit-identical with the adapter off); where its argmax
+    # departs from the generated token, the compared answer ends at its own choice.
     arg = logp.argmax(axis=1)
     answer = list(cont)
     for i, t in enumerate(cont):
