@@ -31,7 +31,7 @@ job's own OwnLoss; `--stop-rule mean`: their mean, as every run recorded
 before 2026-12-04, 18:50 UTC did). A setting's `samples` (S) says what a
 rehearsal window trains: the base's greedy answer (0), or, at each visit of
 the anchor, the next of its first S continuations sampled from the base at
-temperature 1 (drift.REHEARSAL_SAMPLES; the same seeded samples for every S,
+temperature 1 (rehearsal.REHEARSAL_SAMPLES; the same seeded samples for every S,
 so S 4 trains the first four of S 8's). Then, with the adapter on: recall (the
 key word in the greedy answer, temperature 0) and the drift figures on the
 held-out `measure` half (what a job reports), on the rehearsed half and on
@@ -68,36 +68,28 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # drift_steps
 
 from drift_facts import EVAL_FACTS, EXTRA_REHEARSAL_PROMPTS, FORM_PROMPTS, UNSEEN_PROMPTS, chat_examples
+from drift_steps import forced_logits, greedy_answer, run_steps
 
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift.guard import OwnLoss
-from dreamstage.training.drift.measure import (
-    NULL_SIGMA,
-    TOP_K,
-    DriftProbe,
-    _Decoder,
-    _log_softmax,
-    anchor_visits,
-    anchor_windows,
-    consolidation_visits,
-    load_anchors,
-    lora_b_mask,
-    noise_margin_of,
-    prompt_tokens,
-    rehearsal_anchors,
-    run_steps,
-    set_context_adapter,
-)
-from dreamstage.training.jobs.request import parse_train_request
+from dreamstage.training.drift import decoding, records
+from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
+from dreamstage.training.drift.decoding import TOP_K, log_softmax, set_context_adapter
+from dreamstage.training.drift.measure import NULL_SIGMA, DriftProbe, lora_b_mask, noise_margin_of
+from dreamstage.training.drift.records import AnchorBase, prompt_tokens
+from dreamstage.training.drift.rehearsal import anchor_visits, consolidation_visits, rehearsal_windows, visit_choice
+from dreamstage.training.drift.stopping import OwnLoss
 from dreamstage.training.walk.trainer import native_trainer
+from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.walk.examples import epoch_order, render_job
 
 ALL_ATTN = "attn_q,attn_k,attn_v,attn_output"
@@ -284,10 +276,28 @@ def tests_facts() -> list[tuple[str, str, str]]:
     raise LookupError("tests/test_drift.py has no TEST_FACTS")
 
 
+def changed_within(drift, n_tokens: int) -> float:
+    """The fraction of anchors whose answer changed within its first n_tokens."""
+    return sum(f is not None and f < n_tokens for f in drift.first_change) / max(len(drift.first_change), 1)
+
+
+def anchor_windows(bases: Sequence[AnchorBase], visits: Iterable[tuple[int, int]], window: int,
+                   mode: str | None = None) -> list:
+    """The regularizer's windows for (anchor, visit) pairs (anchor_visits),
+    each the visit's choice (visit_choice) of the anchor's windows (its greedy
+    answer when it has no samples); an anchor with no window that fits is left out."""
+    out = []
+    for i, v in visits:
+        fitting = rehearsal_windows(bases[i], i, window, mode)
+        if fitting:
+            out.append(visit_choice(fitting, v))
+    return out
+
+
 def recall(rm, handle, facts) -> tuple[float, list[str]]:
     set_context_adapter(rm, handle)
     try:
-        answers = [rm.detokenize([t for t in _Decoder(rm, 0).greedy(prompt_tokens(rm, q), 24) if not rm.is_eog(t)])
+        answers = [rm.detokenize([t for t in greedy_answer(rm, 0, prompt_tokens(rm, q), 24) if not rm.is_eog(t)])
                    for q, _, _ in facts]
     finally:
         set_context_adapter(rm, None)
@@ -312,12 +322,8 @@ def answer_logprobs(rm, probe, handle) -> list[np.ndarray]:
     set_context_adapter(rm, handle)
     try:
         for b in probe.bases:
-            dec = _Decoder(rm, 0)
-            try:
-                rows = dec.logits(b.forced, len(b.prompt_tokens) - 1)
-            finally:
-                dec.close()
-            out.append(_log_softmax(rows[:len(b.answer)].astype(np.float64)))
+            rows = forced_logits(rm, 0, b.forced, len(b.prompt_tokens) - 1)
+            out.append(log_softmax(rows[:len(b.answer)].astype(np.float64)))
     finally:
         set_context_adapter(rm, None)
     return out
@@ -661,11 +667,11 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
            "updates": updates, "fact_loss_per_epoch": epoch_losses, "recall_per_epoch": recall_per_epoch,
            "fact_window_losses_per_epoch": fact_window_losses,
            "recall": rec_frac, **drift.as_dict(),
-           "anchors_changed_12": drift.changed_within(12), "anchors_changed_6": drift.changed_within(6),
+           "anchors_changed_12": changed_within(drift, 12), "anchors_changed_6": changed_within(drift, 6),
            "anchors_changed_sure": changed_where_sure(drift, probe.bases), "changed_determined": determined,
            "rehearsed_drift_kl": drift_rehearsed.drift_kl, "rehearsed_changed": drift_rehearsed.anchors_changed,
            "unseen_drift_kl": drift_unseen.drift_kl, "unseen_changed": drift_unseen.anchors_changed,
-           "unseen_changed_12": drift_unseen.changed_within(12),
+           "unseen_changed_12": changed_within(drift_unseen, 12),
            "train_s": train_s, "measure_s": measure_s, "answers": answers, "first_changes": changes,
            "drift_per_epoch": drift_per_epoch, "noise_margin_s": margin_s, "flip_leads": drift.flip_leads,
            "at_scales": scaled}
@@ -715,13 +721,12 @@ def main() -> None:
     t = time.perf_counter()
     run_steps(probe.record())
     if args.rehearsal_top_k:     # the soft targets' rows wider than the measurement's (drift.TOP_K)
-        import dreamstage.training.drift.measure as drift_mod
-        narrow = drift_mod._top_k
-        drift_mod._top_k = lambda logp, k=args.rehearsal_top_k: narrow(logp, k)
+        narrow = decoding.top_k          # looked up where records and samples are made
+        decoding.top_k = records.top_k = lambda logp, k=args.rehearsal_top_k: narrow(logp, k)
         try:
             run_steps(rehearsal.record())
         finally:
-            drift_mod._top_k = narrow
+            decoding.top_k = records.top_k = narrow
     else:
         run_steps(rehearsal.record())
     record_s = time.perf_counter() - t

@@ -37,11 +37,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_drift import GRID, answer_logprobs, changed_where_sure, run_setting
+from bench_drift import GRID, answer_logprobs, changed_where_sure, changed_within, run_setting
 from drift_facts import EVAL_FACTS, UNSEEN_PROMPTS, chat_examples
+from drift_steps import run_steps  # tests/drift_steps.py: bench_drift puts tests/ on sys.path
 
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift.measure import DriftProbe, load_anchors, lora_b_mask, rehearsal_anchors, run_steps
+from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
+from dreamstage.training.drift.measure import DriftProbe, lora_b_mask
 from dreamstage.training.walk.trainer import native_trainer
 from dreamstage.training.jobs.request import parse_train_request
 
@@ -112,7 +114,7 @@ def main() -> None:
                 flips = flip_margins(probe, margins, argmax_rows(rm, probe, trainer.served_adapter))
                 row = {"seed": seed, "sigma": sigma, "drift_kl": d.drift_kl, "anchors_changed": d.anchors_changed,
                        "anchors_changed_count": d.changed, "anchors": d.anchors,
-                       "changed_within_6": d.changed_within(6),
+                       "changed_within_6": changed_within(d, 6),
                        "changed_where_base_sure": changed_where_sure(d, probe.bases),
                        "first_change": list(d.first_change), "flips": len(flips),
                        "max_flip_margin": max(flips, default=None), "flip_margins": sorted(flips)}

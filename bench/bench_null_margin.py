@@ -41,9 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_drift import QV
 from drift_facts import EVAL_FACTS, chat_examples
+from drift_steps import run_steps  # tests/drift_steps.py: bench_drift puts tests/ on sys.path
 
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift.measure import NULL_DRAWS, NULL_RANK, DriftProbe, load_anchors, run_steps
+from dreamstage.training.drift.anchors import load_anchors
+from dreamstage.training.drift.measure import NULL_DRAWS, NULL_RANK, DriftProbe
 from dreamstage.training.walk.trainer import native_trainer
 from dreamstage.training.jobs.request import parse_train_request
 

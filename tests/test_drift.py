@@ -12,23 +12,15 @@ import time
 
 import numpy as np
 import pytest
+from drift_steps import forced_logits, greedy_answer, run_steps
 
 from dreamstage.adapters.served import ServedAdapters
 from dreamstage.server.metrics import ServiceCollector
-from dreamstage.training.drift.measure import (
-    REHEARSAL_SAMPLES,
-    Drift,
-    DriftProbe,
-    FixedSequence,
-    _Decoder,
-    _log_softmax,
-    anchor_visits,
-    load_anchors,
-    prompt_tokens,
-    rehearsal_anchors,
-    run_steps,
-    set_context_adapter,
-)
+from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
+from dreamstage.training.drift.decoding import Decoder, FixedSequence, log_softmax, set_context_adapter
+from dreamstage.training.drift.measure import Drift, DriftProbe
+from dreamstage.training.drift.records import prompt_tokens
+from dreamstage.training.drift.rehearsal import REHEARSAL_SAMPLES, anchor_visits
 from dreamstage.training.jobs.promotion import promotion_decision
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.scheduler import DreamScheduler
@@ -79,10 +71,10 @@ def test_a_reply_lead_is_above_zero_exactly_when_every_trained_token_is_the_gree
     prompt = list(prompt_tokens(dream_resident, "What is the capital of France?"))
     reply: list[int] = []
     for _ in range(6):          # the batched argmax chain: each token the argmax of the decode before it
-        rows = _Decoder(dream_resident, 0).logits(prompt + reply, len(prompt) + len(reply) - 1)
+        rows = forced_logits(dream_resident, 0, prompt + reply, len(prompt) + len(reply) - 1)
         reply.append(int(rows[-1].argmax()))
     tokens = prompt + reply
-    rows = _Decoder(dream_resident, 0).logits(tokens, len(prompt) - 1)
+    rows = forced_logits(dream_resident, 0, tokens, len(prompt) - 1)
 
     def ref(mask):
         out = math.inf
@@ -122,11 +114,10 @@ def test_drift_matches_a_full_vocabulary_reference(dream_resident, small_probe):
         exact_kl, tokens, changed, drops = 0.0, 0, 0, []
         for b in small_probe.bases:
             rows = slice(len(b.prompt_tokens) - 1, None)
-            dec = _Decoder(dream_resident, 0)
             set_context_adapter(dream_resident, None)
-            lp = _log_softmax(dec.logits(b.forced, rows.start))[:len(b.answer)]
+            lp = log_softmax(forced_logits(dream_resident, 0, b.forced, rows.start))[:len(b.answer)]
             set_context_adapter(dream_resident, tr.served_adapter)
-            lq = _log_softmax(dec.logits(b.forced, rows.start))[:len(b.answer)]
+            lq = log_softmax(forced_logits(dream_resident, 0, b.forced, rows.start))[:len(b.answer)]
             set_context_adapter(dream_resident, None)
             exact_kl += float((np.exp(lp) * (lp - lq)).sum())
             tokens += len(b.answer)
@@ -227,7 +218,7 @@ def test_the_noise_margin_is_the_second_widest_lead_drop_of_null_adapters_and_th
 def test_a_recording_runs_in_short_steps_and_restarts_an_anchor_serving_took_back(dream_resident):
     """Each step decodes at most a piece of PIECE_TOKENS (step_ms tiny: one unit a step);
     a lease that turns invalid mid-anchor makes the anchor start again, with the same record."""
-    from dreamstage.training.drift.measure import PIECE_TOKENS, FixedSequence
+    from dreamstage.training.drift.decoding import PIECE_TOKENS, FixedSequence
     prompts = load_anchors()[:2]
     whole = DriftProbe(dream_resident, prompts, seq_id=0, step_ms=None)
     assert sum(1 for _ in whole.record()) == len(prompts)     # unbounded: one step per anchor
@@ -280,7 +271,7 @@ def test_sampled_continuations_are_seeded_drawn_and_recorded_with_the_adapter_of
     adapter put back after every step), the first ones of a longer record,
     not all the greedy answer, and equal with a zero adapter on the context;
     the perturbed adapter itself would have drawn others."""
-    from dreamstage.training.drift.measure import ANCHOR_TOKENS, record_units
+    from dreamstage.training.drift.records import ANCHOR_TOKENS, record_units
     from dreamstage.training.walk.trainer import LoraConfig, Trainer
     prompts, bases = sampled_probe.prompts, sampled_probe.bases
     for b in bases:
@@ -316,13 +307,15 @@ def test_each_sample_keeps_the_distributions_it_was_drawn_from(dream_resident, s
     it, as the sampling decode saw them: decoding the same tokens the same way
     (the prompt in pieces, then one token a unit) gives them bit for bit; and
     the soft targets made of them are those rows renormalized over their ids."""
-    from dreamstage.training.drift.measure import ANCHOR_TOKENS, TOP_K, _top_k, soft_targets
+    from dreamstage.training.drift.decoding import TOP_K, top_k
+    from dreamstage.training.drift.records import ANCHOR_TOKENS
+    from dreamstage.training.drift.rehearsal import soft_targets
     base = sampled_probe.bases[0]
     assert len(base.sample_top) == len(base.samples) == 3
     for s, (ids, logp) in zip(base.samples, base.sample_top, strict=True):
         assert ids.shape == logp.shape == (len(s), TOP_K) and ids.dtype == np.int32
     sample = base.samples[1]
-    dec = _Decoder(dream_resident, 0)
+    dec = Decoder(dream_resident, 0)
     rows: list[np.ndarray] = []
     feed = iter(sample)
 
@@ -339,7 +332,7 @@ def test_each_sample_keeps_the_distributions_it_was_drawn_from(dream_resident, s
     # sample 1 was drawn after sample 0 from the same prompt row; the rows after the first are
     # one-token decodes on the same prefix either way
     assert tuple(again) == sample
-    ids, logp = _top_k(_log_softmax(np.stack(rows)))
+    ids, logp = top_k(log_softmax(np.stack(rows)))
     want_ids, want_logp = base.sample_top[1]
     order = np.argsort(ids, axis=1)
     assert np.array_equal(np.take_along_axis(ids, order, 1), np.sort(want_ids, axis=1))
@@ -356,7 +349,8 @@ def test_rehearsal_modes_make_the_windows_they_name(dream_resident):
     """"samples": the sampled replies, one-hot; "soft": the greedy answer against the
     recorded rows; "soft-samples": each sample against the rows it was drawn from.
     Another mode is refused by name."""
-    from dreamstage.training.drift.measure import AnchorBase, soft_targets
+    from dreamstage.training.drift.records import AnchorBase
+    from dreamstage.training.drift.rehearsal import distillation_windows, soft_targets
     toks = prompt_tokens(dream_resident, rehearsal_anchors()[0])
     rng = np.random.default_rng(4)
 
@@ -367,17 +361,17 @@ def test_rehearsal_modes_make_the_windows_they_name(dream_resident):
     tops = (rows(2), rows(4))
     base = AnchorBase("p", toks, (7, 8, 9), (*toks, 7, 8), (7, 8, 9), top[0], top[1], np.full(3, -np.inf),
                       samples=((11, 12), (13, 14, 15, 16)), sample_top=tops)
-    hard = base.windows(-1, "a", "samples")
+    hard = distillation_windows(base, -1, "a", "samples")
     assert [w.tokens[len(toks):] for w in hard] == [(11, 12), (13, 14, 15, 16)] and all(w.soft is None for w in hard)
-    (soft,) = base.windows(-1, "a", "soft")
+    (soft,) = distillation_windows(base, -1, "a", "soft")
     assert soft.tokens == toks + (7, 8, 9) and soft.n_targets == 3
     assert np.array_equal(soft.soft[0], top[0]) and np.array_equal(soft.soft[1], soft_targets(*top)[1])
-    both = base.windows(-1, "a", "soft-samples")
+    both = distillation_windows(base, -1, "a", "soft-samples")
     assert [w.tokens[len(toks):] for w in both] == [(11, 12), (13, 14, 15, 16)]
     for w, t in zip(both, tops, strict=True):
         assert np.array_equal(w.soft[0], t[0]) and np.array_equal(w.soft[1], soft_targets(*t)[1])
     with pytest.raises(ValueError, match="rehearsal mode 'kl' is not one of soft, samples, soft-samples"):
-        base.windows(-1, "a", "kl")
+        distillation_windows(base, -1, "a", "kl")
 
 
 def test_an_epochs_rehearsal_windows_train_each_anchors_samples_in_turn(dream_resident):
@@ -387,7 +381,7 @@ def test_an_epochs_rehearsal_windows_train_each_anchors_samples_in_turn(dream_re
     once. By default ("soft") each anchor has one window: its greedy answer
     against the recorded distributions."""
     from dreamstage.training.drift.guard import DriftGuard
-    from dreamstage.training.drift.measure import AnchorBase
+    from dreamstage.training.drift.records import AnchorBase
     from dreamstage.training.walk.examples import render_job
     S = REHEARSAL_SAMPLES
 
@@ -589,7 +583,7 @@ def run_job(sched, store, engine, body, max_calls=200_000):
 def recall(resident, facts):
     hits, answers = 0, []
     for q, _, key in facts:
-        toks = _Decoder(resident, 0).greedy(prompt_tokens(resident, q), 24)
+        toks = greedy_answer(resident, 0, prompt_tokens(resident, q), 24)
         text = resident.detokenize([t for t in toks if not resident.is_eog(t)])
         answers.append(text)
         hits += key.lower() in text.lower()
@@ -647,13 +641,13 @@ def jobs(dream_resident, tmp_path_factory):
         out["adapters"] = store.adapters()
         # the examples' hold through the rehearsal-only epochs (ExampleHold): the same small job
         # without them, and with one that the hold must undo (a bound below any loss)
-        import dreamstage.training.drift.guard as drift_guard_module
+        import dreamstage.training.drift.stopping as stopping_module
         # (with the base's own neighbours of its prompt, rehearsed in its own epochs only: test_neighbours.py)
         small = {"examples": chat(TEST_FACTS[:1]), "epochs": 2, "stop_loss": None, "anchor_ratio": 1, "seed": 3,
                  "neighbours": 2, "promote": "never", "max_pause_ms": 0}
         out["hold_none"] = run_job(sched, store, engine, {**small, "consolidate": 0, "out": "hold-none"})
-        saved_slack = drift_guard_module.HOLD_SLACK
-        drift_guard_module.HOLD_SLACK = -1.0
+        saved_slack = stopping_module.HOLD_SLACK
+        stopping_module.HOLD_SLACK = -1.0
         # ... and the lr each of its rehearsal-only windows was given (consolidate_decay on)
         from dreamstage.training.walk.trainer import Trainer
         saved_set_lr, out["consolidation_lrs"] = Trainer.set_lr, []
@@ -666,7 +660,7 @@ def jobs(dream_resident, tmp_path_factory):
             out["hold_undone"] = run_job(sched, store, engine, {**small, "consolidate": 1, "consolidate_decay": True,
                                                                 "out": "hold-undone"})
         finally:
-            drift_guard_module.HOLD_SLACK = saved_slack
+            stopping_module.HOLD_SLACK = saved_slack
             Trainer.set_lr = saved_set_lr
         out["receipts"].update({k: store.receipts(out[k]["id"]) for k in ("hold_none", "hold_undone")})
         yield out
@@ -699,7 +693,7 @@ def test_a_window_too_short_for_every_rehearsal_anchor_records_none_and_says_so(
     note = short.rehearsal_note()
     assert note.startswith(f"no rehearsal: none of the {len(rehearsal_anchors())} rehearsal anchors fits window 32 "
                            "(their prompts alone take ")
-    assert short.anchor_windows_per_epoch() == 0
+    assert len(short.order(0)) - short.n_train == 0    # no anchor window in an epoch
     full = DriftGuard(dream_resident, parse_train_request({"text": "x"}).to_job_spec(), [], seq_id=0,
                       restore=lambda: None, cache=cache)
     run_steps(full.record())
@@ -715,8 +709,9 @@ def test_a_short_job_window_gets_a_trainer_window_that_holds_every_rehearsal_anc
     gate refuses the longer window, the job's own is used."""
     import dataclasses
 
-    from dreamstage.training.drift.guard import DriftGuard, rehearsal_window
-    from dreamstage.training.drift.measure import ANCHOR_TOKENS
+    from dreamstage.training.drift.guard import DriftGuard
+    from dreamstage.training.drift.records import ANCHOR_TOKENS
+    from dreamstage.training.drift.rehearsal import rehearsal_window
 
     spec = parse_train_request({"text": "x", "window": 32}).to_job_spec()
     longest = max(len(prompt_tokens(dream_resident, p)) for p in rehearsal_anchors())
@@ -760,7 +755,7 @@ def test_a_rehearsal_only_epoch_is_kept_only_while_the_examples_still_pass_the_j
     """ExampleHold: each checked window's loss must stay within 1 + HOLD_SLACK times
     max(stop_loss, the loss it ended training with); groups are not checked, and at most
     EXAMPLES_HELD windows, evenly spaced, are."""
-    from dreamstage.training.drift.guard import EXAMPLES_HELD, HOLD_SLACK, ExampleHold
+    from dreamstage.training.drift.stopping import EXAMPLES_HELD, HOLD_SLACK, ExampleHold
 
     f = 1.0 + HOLD_SLACK
     hold = ExampleHold({0: 0.05, 1: 0.4, 2: 0.02}, 0.1, [0, 1, 2], snapshot="before")
@@ -771,7 +766,7 @@ def test_a_rehearsal_only_epoch_is_kept_only_while_the_examples_still_pass_the_j
     assert "window 1's loss rose to" in hold.check([0.0, 0.4 * f + 0.01, 0.0])
     assert hold.check(None) == "the examples' loss could not be measured" and hold.snapshot == "before"
     # stop_loss null: from where each ended, but never below HOLD_FLOOR's bound
-    from dreamstage.training.drift.guard import HOLD_FLOOR
+    from dreamstage.training.drift.stopping import HOLD_FLOOR
     loose = ExampleHold({0: 0.3, 1: 0.02}, None, [0, 1], snapshot=None)
     assert loose.bounds == pytest.approx([0.3 * f, HOLD_FLOOR * f]) and loose.check([0.3 * f, 0.2]) is None
     assert loose.check([0.3 * f + 0.01, 0.0]) is not None and loose.check([0.0, HOLD_FLOOR * f + 0.01])
@@ -779,7 +774,7 @@ def test_a_rehearsal_only_epoch_is_kept_only_while_the_examples_still_pass_the_j
     many = ExampleHold({i: 0.01 for i in range(500)}, 0.1, range(500), snapshot=None)
     assert len(many.windows) <= EXAMPLES_HELD and many.windows[0] == 0 and many.windows[-1] >= 440
     # the greedy replies: a window answered when the epochs began (lead > 0) must still be
-    from dreamstage.training.drift.guard import held_windows, reply_lost
+    from dreamstage.training.drift.stopping import held_windows, reply_lost
     assert held_windows({0: 0.1, 2: 0.1, 3: 0.2}, [0, 1, 2]) == [0, 2] and many.windows == held_windows(
         {i: 0.01 for i in range(500)}, range(500))
     assert reply_lost([4, 7], [0.5, -0.1], [0.2, -0.3]) is None           # window 7 was never answered

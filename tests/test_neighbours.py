@@ -1,5 +1,5 @@
 """The regularizer's neighbours: questions beside a job's own prompts, written by
-the base model itself and rehearsed in every epoch (drift.neighbour_units,
+the base model itself and rehearsed in every epoch (neighbours.neighbour_units,
 DriftGuard). The made-up questions here are neither the tests' facts
 (test_drift.py) nor the benchmark's (bench/drift_facts.py)."""
 from __future__ import annotations
@@ -8,20 +8,14 @@ import math
 
 import numpy as np
 import pytest
+from drift_steps import run_steps
 from pydantic import ValidationError
 
-from dreamstage.training.drift.guard import DriftGuard, job_questions
-from dreamstage.training.drift.measure import (
-    AnchorBase,
-    DriftProbe,
-    least_expected_word,
-    load_anchors,
-    neighbour_units,
-    plain_words,
-    prompt_tokens,
-    rehearsal_anchors,
-    run_steps,
-)
+from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
+from dreamstage.training.drift.guard import DriftGuard
+from dreamstage.training.drift.measure import DriftProbe
+from dreamstage.training.drift.neighbours import job_questions, least_expected_word, neighbour_units, plain_words
+from dreamstage.training.drift.records import AnchorBase, prompt_tokens
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.spec import DEFAULT_NEIGHBOURS
 from dreamstage.training.jobs.stored import from_stored, to_stored

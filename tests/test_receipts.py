@@ -145,7 +145,7 @@ def test_the_early_stop_needs_every_job_window_below_stop_loss():
     (indices past the job's) and refused steps do not count."""
     from types import SimpleNamespace as R
 
-    from dreamstage.training.drift.guard import OwnLoss
+    from dreamstage.training.drift.stopping import OwnLoss
 
     own = OwnLoss(n_job_windows=3, stop_loss=0.1)
     for w, loss in ((0, 0.01), (1, 0.02), (2, 0.25), (5, 3.0)):      # mean of the job's 0.093, one window 0.25

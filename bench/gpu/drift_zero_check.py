@@ -26,9 +26,11 @@ import json
 import os
 
 import numpy as np
+from drift_steps import run_steps  # tests/drift_steps.py: PYTHONPATH needs tests/
 
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
-from dreamstage.training.drift.measure import NULL_SIGMA, DriftProbe, load_anchors, lora_b_mask, run_steps
+from dreamstage.training.drift.anchors import load_anchors
+from dreamstage.training.drift.measure import NULL_SIGMA, DriftProbe, lora_b_mask
 from dreamstage.training.walk.trainer import LoraConfig, Trainer
 
 

@@ -1,7 +1,7 @@
 """A job's drift guard: the anchor records, the regularizer's windows, the
 drift figures, and the promotion rule that reads them.
 
-The scheduler (scheduler.py) owns the engine-thread calls; this module
+The scheduler (jobs/scheduler.py) owns the engine-thread calls; this module
 decides what they are. One guard per job:
 
 1. `record()` (steps): the base's answers on the shipped anchors plus the
@@ -15,40 +15,35 @@ decides what they are. One guard per job:
    anchor's windows (the job's `rehearsal`: its greedy answer against the
    base's recorded distributions, or one per sampled continuation); each epoch visits every job
    window and `anchor_ratio` x as many anchor windows (a rotating slice of the
-   anchors, `drift.anchor_visits`), each anchor's next sample at each visit,
+   anchors, `rehearsal.anchor_visits`), each anchor's next sample at each visit,
    shuffled together. With `neighbours` > 0, the base's own neighbours of the
-   job's prompts (drift.neighbour_units) are rehearsed too, every one in every
+   job's prompts (neighbours.neighbour_units) are rehearsed too, every one in every
    epoch of the job's own. With the regularizer off no anchor window is visited.
 3. `measure(trainer)` (steps): the shadow adapter's drift, copied to the
    stage's own served adapter (`Trainer.promote`; never set on the context
    for serving) and decoded against the records.
 4. The promotion rule that reads these figures is jobs/promotion.py.
 
-`OwnLoss` is the early stop: each of the job's own windows' epoch loss below
-`stop_loss` ends training (anchor windows do not count: their loss is the
-base's own entropy on its samples, and does not fall towards zero).
+The early stop and the hold on the job's own windows are stopping.py.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
-from dreamstage.training.drift.measure import (
-    ANCHOR_TOKENS,
-    DEFAULT_STEP_MS,
-    Drift,
-    DriftProbe,
+from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
+from dreamstage.training.drift.measure import DEFAULT_STEP_MS, Drift, DriftProbe, summary, summary_of
+from dreamstage.training.drift.neighbours import job_questions
+from dreamstage.training.drift.records import prompt_tokens
+from dreamstage.training.drift.rehearsal import (
     anchor_visits,
     consolidation_visits,
-    load_anchors,
-    prompt_tokens,
-    rehearsal_anchors,
+    distillation_windows,
     rehearsal_samples,
     rehearsal_windows,
     visit_choice,
 )
-from dreamstage.training.jobs.request import ChatExample, PromptCompletion
 from dreamstage.training.walk.examples import epoch_order
 from dreamstage.training.walk.receipts import kind_receipt
 
@@ -60,41 +55,6 @@ DURING_SHARE = 0.1
 # A rehearsal anchor is recorded for a job only when its prompt leaves at
 # least this many tokens of the job's window for a reply.
 MIN_REHEARSED_REPLY = 4
-
-
-def job_questions(spec, train_windows: Sequence[Any]) -> list[str]:
-    """The prompts of the job's trained examples, once each, in body order: a
-    chat example's last user turn before its first trained reply, a
-    prompt-completion's prompt (text examples have none). Held-out examples
-    are left out. These are what the job's neighbours are written from."""
-    trained = {getattr(w, "source", None) for w in train_windows}
-    out: list[str] = []
-    for sx in spec.examples:
-        if sx.source not in trained:
-            continue
-        ex, q = sx.example, None
-        if isinstance(ex, ChatExample):
-            first = next(i for i, m in enumerate(ex.messages) if m.trained)
-            q = next((m.content for m in reversed(ex.messages[:first]) if m.role == "user"), None)
-        elif isinstance(ex, PromptCompletion):
-            q = ex.prompt
-        if isinstance(q, str) and q.strip() and q not in out:
-            out.append(q)
-    return out
-
-
-def rehearsal_window(resident, spec) -> int:
-    """The trainer window a job needs for its rehearsal: the job's own `window`,
-    or, with the regularizer on, enough for the longest rehearsal anchor (its
-    chat-rendered prompt and an answer of ANCHOR_TOKENS), if that is longer.
-    The job's examples are still cut to its `window` (render_job); the
-    scheduler gives the trainer, the walk and the guard this one. Without it
-    a short window (the README's 32) trained no anchor at all: the default
-    model's rehearsal prompts alone take 34 to 43 tokens."""
-    if not (spec.regularizer and spec.anchor_ratio > 0):
-        return spec.window
-    longest = max((len(prompt_tokens(resident, p)) for p in rehearsal_anchors()), default=0)
-    return max(spec.window, longest + ANCHOR_TOKENS)
 
 
 class DriftGuard:
@@ -198,7 +158,7 @@ class DriftGuard:
 
     def order(self, epoch: int) -> list[int]:
         """Window indices (into `windows`) visited in `epoch`, in order: an
-        anchor's visit trains the window drift.visit_choice picks."""
+        anchor's visit trains the window rehearsal.visit_choice picks."""
         picked = [visit_choice(self._anchor_pos[a], v)
                   for a, v in anchor_visits(len(self._rehearsed), self.n_train, self.ratio, epoch, self.spec.seed)
                   if a in self._anchor_pos]
@@ -209,9 +169,8 @@ class DriftGuard:
     def consolidation_order(self, epoch: int) -> list[int]:
         """Window indices of rehearsal-only epoch `epoch` (0, 1, ... after the
         job's own training): every shipped rehearsal anchor's visit choice once, no
-        job window and no neighbour. (Rehearsed there too, a fact's neighbours pull
-        the taught form back with nothing to hold the fact: evaluation seed 5 lost
-        one of six in the second such epoch; docs/architecture/drift.md, "Neighbours".)"""
+        job window and no neighbour (rehearsed there, a fact's neighbours pull
+        the taught form back with nothing to hold the fact; docs/architecture/drift.md, "Neighbours")."""
         return [visit_choice(self._anchor_pos[a], v)
                 for a, v in consolidation_visits(self.n_rehearsed, epoch, self.spec.seed) if a in self._anchor_pos]
 
@@ -220,9 +179,6 @@ class DriftGuard:
         > 0, the regularizer on and some rehearsal anchor fits the job's window."""
         return (self.ratio > 0 and self.spec.consolidate > 0 and any(i < self.n_rehearsed for i in self._anchor_pos)
                 and self.failure is None)
-
-    def anchor_windows_per_epoch(self) -> int:
-        return len(self.order(0)) - self.n_train
 
     def rehearsal_note(self) -> str | None:
         """What the job's message says when its window kept the regularizer
@@ -233,7 +189,8 @@ class DriftGuard:
         total, used = len(self.rehearsal_prompts), sum(i < self.n_rehearsed for i in self._anchor_pos)
         if used == total:
             return None
-        lengths = [len(w) for i, b in enumerate(self._rehearsed) for w in b.windows(-1 - i, "", self.spec.rehearsal)]
+        lengths = [len(w) for i, b in enumerate(self._rehearsed)
+                   for w in distillation_windows(b, -1 - i, "", self.spec.rehearsal)]
         need = (f"the shortest needs {min(lengths)} tokens" if lengths else
                 "their prompts alone take {} to {} tokens".format(*self._prompt_span))
         if used == 0:
@@ -296,7 +253,7 @@ class DriftGuard:
 
     def reply_leads(self, trainer, windows: Sequence[Any]) -> Generator[None, None, list[float] | None]:
         """The shadow adapter's reply leads on the job's `windows`
-        (drift.reply_lead_units: above 0 where the window's every trained token is
+        (measure.reply_lead_units: above 0 where the window's every trained token is
         the greedy choice), through serving's decode like a measurement; None
         after a failure (logged), which leaves the caller to its loss rule."""
         try:
@@ -357,136 +314,3 @@ def drift_receipt(figures: dict[str, Any], *, step: int, ms: float, memory: dict
     return kind_receipt("drift", step=step, ms=ms, memory=memory, message=summary_of(figures), **figures)
 
 
-def summary_of(figures: dict[str, Any]) -> str:
-    beyond = ""
-    if figures.get("noise_margin") is not None:
-        beyond = (f" beyond the noise margin {figures['noise_margin']:.3f} (at all: "
-                  f"{figures['anchors_changed_raw_count']}/{figures['anchors']})")
-    return (f"anchors_changed {figures['anchors_changed']:.3f} ({figures['anchors_changed_count']}/"
-            f"{figures['anchors']}){beyond}, drift_kl {figures['drift_kl']:.4f}")
-
-
-def summary(drift: Drift) -> str:
-    return summary_of(drift.as_dict())
-
-
-class OwnLoss:
-    """The early stop on the job's own windows (indices below n_job_windows):
-    an epoch converged when every one of its windows' loss is below stop_loss.
-    The mean over windows hid a fact that was not learned: in the chat-log
-    example three facts averaged 0.04 while one name was still answered wrong."""
-
-    def __init__(self, n_job_windows: int, stop_loss: float | None):
-        self.n_job, self.stop_loss = n_job_windows, stop_loss
-        self._windows: dict[int, tuple[float, int]] = {}
-        self.last: float | None = None     # the epoch's highest window loss
-        self.mean: float | None = None     # the epoch's token-weighted loss over the job's windows
-        self.final: dict[int, float] = {}  # the last finished epoch's loss per window
-
-    def note(self, window_index: int, receipt: Any) -> None:
-        if window_index < self.n_job and getattr(receipt, "status", None) == "ok" and receipt.tokens:
-            s, t = self._windows.get(window_index, (0.0, 0))
-            self._windows[window_index] = (s + receipt.loss * receipt.tokens, t + receipt.tokens)
-
-    def converged(self) -> bool:
-        """At an epoch's end: whether each window's loss is below stop_loss. Starts the next epoch's sums."""
-        self.final = {i: s / t for i, (s, t) in self._windows.items() if t}
-        losses = list(self.final.values())
-        self.last = max(losses) if losses else None
-        tokens = sum(t for _, t in self._windows.values())
-        self.mean = sum(s for s, _ in self._windows.values()) / tokens if tokens else None
-        self._windows = {}
-        return self.stop_loss is not None and self.last is not None and self.last < self.stop_loss
-
-    def stop_note(self, epochs_done: int) -> str:
-        return (f"stopped after epoch {epochs_done}: every example window's training loss is below stop_loss "
-                f"{self.stop_loss:g} (the highest {self.last:.4f})")
-
-
-# The rehearsal-only epochs (consolidate) pull the adapter back towards the
-# base, the job's examples with it: at lr 3e-3 the README's one-fact job had
-# learned its answer (loss 0.09) and answered " Quokpok." after them. So each
-# such epoch is kept only while the examples' loss stays near where training
-# left it. The bound's factor is measured (bench_drift.py `ratio8-c4`, seeds 3
-# and 4, each fact window's forward loss after each rehearsal-only epoch):
-# every fact was recalled while its window's loss was at most 0.43, and two
-# were lost at 0.44 and 0.52; 3 x stop_loss (0.3) keeps both seeds' two
-# default epochs (their highest: 0.30 and 0.19).
-EXAMPLES_HELD = 64          # at most this many of the job's windows are checked (evenly spaced)
-HOLD_SLACK = 2.0            # a window's bound: max(stop_loss, its last training loss) x (1 + this)
-# a job without an early stop (stop_loss null) is held from this: the default
-# stop_loss when the bound was measured (it is 0.2 since 2026-12-04)
-HOLD_FLOOR = 0.1
-
-
-def consolidation_lr(lr: float, begun: int, total: int) -> float:
-    """The optimizer's lr for the next window of a job's rehearsal-only epochs
-    when their step decays (`consolidate_decay`): `lr` falling linearly to 0
-    over their `total` windows, at the middle of window `begun` (0-based), so
-    the first update takes almost the whole step and the last almost none."""
-    if total <= 0:
-        return lr
-    return lr * max(0.0, 1.0 - (begun + 0.5) / total)
-
-
-def held_windows(final: dict[int, float], checkable: Iterable[int]) -> list[int]:
-    """The job windows the early stop's and the hold's checks read: those with a
-    training loss (`final`) among `checkable` (not groups), at most
-    EXAMPLES_HELD, evenly spaced."""
-    have = [i for i in checkable if i in final]
-    step = max(1, -(-len(have) // EXAMPLES_HELD))
-    return have[::step][:EXAMPLES_HELD]
-
-
-def reply_lost(windows: Sequence[int], before: Sequence[float] | None, now: Sequence[float] | None) -> str | None:
-    """Why the greedy replies no longer hold, or None: a window whose every
-    trained token was the greedy choice (lead above 0 in `before`) has one
-    that is not (`now`). Nothing to say when either reading is missing."""
-    if before is None or now is None:
-        return None
-    for i, b, n in zip(windows, before, now, strict=True):
-        if b > 0.0 >= n:
-            return f"example window {i}'s greedy reply changed (its smallest lead fell from {b:.3f} to {n:.3f})"
-    return None
-
-
-class ExampleHold:
-    """The job's own windows through its rehearsal-only epochs.
-
-    At the job's last training epoch each window had a loss (OwnLoss.final);
-    after each rehearsal-only epoch the scheduler measures the forward loss of
-    the checked windows (`windows`) and `check`s it: every window must stay at
-    or below max(stop_loss, its last training loss), times 1 + HOLD_SLACK (so
-    0.6 for a window that passed the default early stop of 0.2). A job
-    without an early stop (stop_loss null) is held from HOLD_FLOOR, 0.1:
-    its windows end training far lower, and three times that (0.065 in
-    examples/teach_facts.py) undid an epoch at 0.27, where the facts measured
-    were all still recalled (up to 0.43).
-    Before the losses, the scheduler reads the checked windows' greedy
-    replies (DriftGuard.reply_leads, against `leads` as the epochs began):
-    one that was answered and no longer is fails the epoch (reply_lost).
-    On a failure the scheduler puts back the adapter as the last kept epoch
-    left it (`snapshot`) and ends the rehearsal-only epochs."""
-
-    def __init__(self, final: dict[int, float], stop_loss: float | None, checkable: Sequence[int], snapshot: Any):
-        """checkable: the job windows a forward loss can be measured for (not groups)."""
-        self.windows = held_windows(final, checkable)
-        floor = HOLD_FLOOR if stop_loss is None else stop_loss
-        self.bounds = [max(floor, final[i]) * (1.0 + HOLD_SLACK) for i in self.windows]
-        self.snapshot = snapshot
-        self.kept = 0
-        # each checked window's reply lead as the rehearsal-only epochs began
-        # (drift.reply_lead_units), or None when it could not be read
-        self.leads: list[float] | None = None
-
-    def check(self, losses: Sequence[float] | None) -> str | None:
-        """None when every checked window is within its bound (the epoch is kept),
-        else why the epoch is undone."""
-        if losses is None:
-            return "the examples' loss could not be measured"
-        worst = max(range(len(losses)), key=lambda k: losses[k] - self.bounds[k], default=None)
-        if worst is None or losses[worst] <= self.bounds[worst]:
-            self.kept += 1
-            return None
-        return (f"example window {self.windows[worst]}'s loss rose to {losses[worst]:.4f}, "
-                f"above {self.bounds[worst]:.4f}")

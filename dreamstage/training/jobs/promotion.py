@@ -6,8 +6,7 @@ returns (promote, reason); the reason is what the job's message says.
 """
 from __future__ import annotations
 
-from dreamstage.training.drift.guard import summary
-from dreamstage.training.drift.measure import Drift
+from dreamstage.training.drift.measure import Drift, summary
 
 
 def promotion_decision(eval_before: float | None, eval_after: float | None, drift: Drift | None = None,

@@ -352,7 +352,7 @@ class TrainRequest(BaseModel):
             if len(a) > MAX_ANCHOR_CHARS:
                 raise ValueError(f"anchors[{i}] has {len(a)} characters, more than {MAX_ANCHOR_CHARS}")
         if v:
-            from dreamstage.training.drift.measure import rehearsal_anchors  # drift imports this module
+            from dreamstage.training.drift.anchors import rehearsal_anchors
             rehearsed = set(rehearsal_anchors())
             for i, a in enumerate(v):
                 if a in rehearsed:
