@@ -90,7 +90,8 @@ def test_submit_commits_the_job_with_its_starting_fields_before_returning(store)
         {"context_cache_type": "f16", "chunk": 32, "recompute": False, "exact": False, "horizon": None, "window": 64}
     # A separate connection (another process, after a crash) already sees it.
     raw = sqlite3.connect(store.path)
-    assert raw.execute("SELECT state, chunk FROM jobs WHERE id=?", (job["id"],)).fetchone() == ("queued", 32)
+    state, spec = raw.execute("SELECT state, spec FROM jobs WHERE id=?", (job["id"],)).fetchone()
+    assert state == "queued" and json.loads(spec)["chunk"] == 32
     assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     raw.close()
     assert store.spec(job["id"]) == req(chunk=32, context_cache_type="f16", out="facts").to_job_spec()
@@ -642,8 +643,11 @@ def test_a_queued_job_written_by_the_old_schema_means_the_same_after_the_upgrade
         conn = sqlite3.connect(s.path)
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert "sha256" in {r[1] for r in conn.execute("PRAGMA table_info(adapters)")}
+        # the starting fields are stored once, in the spec: their old columns are gone
+        assert not {"context_cache_type", "chunk", "window"} & {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
         conn.close()
         assert s.spec(1) == parse_train_request(plain).to_job_spec()
+        assert (s.get(2)["chunk"], s.get(2)["window"], s.get(2)["context_cache_type"]) == (256, 512, "q8_0")
         spec = s.spec(2)
         assert (spec.chunk, spec.min_chunk, spec.window) == (256, 16, 512)
         assert spec.pacing.mode == "share" and spec.pacing.value == 0.3

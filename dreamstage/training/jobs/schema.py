@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from dreamstage.training.jobs.request import TrainRequest
 from dreamstage.training.jobs.stored import SPEC_VERSION, to_stored
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -29,12 +29,6 @@ CREATE TABLE IF NOT EXISTS jobs (
     message TEXT,
     request TEXT NOT NULL,
     out TEXT NOT NULL,
-    context_cache_type TEXT NOT NULL,
-    chunk INTEGER NOT NULL,
-    recompute INTEGER NOT NULL,
-    exact INTEGER NOT NULL,
-    horizon INTEGER,
-    window INTEGER NOT NULL,
     progress TEXT NOT NULL,
     pacing TEXT,
     adapter_name TEXT,
@@ -92,6 +86,8 @@ def migrate(conn: sqlite3.Connection, where: str, now: float) -> int:
         _to_1(conn, now)
     if found < 2:
         _to_2(conn)
+    if found < 3:
+        _to_3(conn)
     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     return found
 
@@ -102,6 +98,19 @@ def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
 
 # Progress fields renamed in version 1: each name in the job JSON means one thing.
 _PROGRESS_RENAMED = {"window": "window_in_epoch", "chunk": "current_chunk"}
+
+
+# Columns of versions 0 to 2 that repeated fields of the stored spec.
+_SPEC_COPIES = ("context_cache_type", "chunk", "recompute", "exact", "horizon", "window")
+
+
+def _to_3(conn: sqlite3.Connection) -> None:
+    """A job's starting fields live only in its stored spec: the columns that
+    repeated them go (a job whose request no longer validated has no spec,
+    and reports them as null)."""
+    for column in _SPEC_COPIES:
+        if column in _columns(conn, "jobs"):
+            conn.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
 
 
 def _to_2(conn: sqlite3.Connection) -> None:

@@ -57,6 +57,12 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 STARTING_FIELDS = ("context_cache_type", "chunk", "recompute", "exact", "horizon", "window")
 
 
+def starting_fields(stored_spec: str | None) -> dict[str, Any]:
+    """The fields a job starts with, as GET /train/{id} shows them, read from
+    its stored spec (all null for a job stored without one)."""
+    spec = json.loads(stored_spec) if stored_spec is not None else {}
+    return {k: spec.get(k) for k in STARTING_FIELDS}
+
 
 def default_state_dir() -> Path:
     """$XDG_DATA_HOME/dreamstage, else ~/.local/share/dreamstage."""
@@ -230,11 +236,9 @@ class JobStore:
         body = json.dumps(shown)
         with self._write() as c:
             cur = c.execute(
-                "INSERT INTO jobs (state, created, updated, request, out, context_cache_type, chunk, recompute,"
-                " exact, horizon, window, progress, spec, spec_version)"
-                " VALUES ('queued', ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (now, now, body, spec.context_cache_type, spec.chunk, int(spec.recompute), int(spec.exact),
-                 spec.horizon, spec.window, json.dumps(new_progress(spec)), to_stored(spec), SPEC_VERSION),
+                "INSERT INTO jobs (state, created, updated, request, out, progress, spec, spec_version)"
+                " VALUES ('queued', ?, ?, ?, '', ?, ?, ?)",
+                (now, now, body, json.dumps(new_progress(spec)), to_stored(spec), SPEC_VERSION),
             )
             job_id = cur.lastrowid
             assert job_id is not None  # set by the INSERT
@@ -395,9 +399,7 @@ class JobStore:
             "finished": row["finished"],
             "message": row["message"],
             "out": row["out"],
-            **{k: row[k] for k in STARTING_FIELDS},
-            "recompute": bool(row["recompute"]),
-            "exact": bool(row["exact"]),
+            **starting_fields(row["spec"]),
             "spec": {**request, "examples": n_examples},
             "progress": public_progress(p),
             "memory": p["memory"],
