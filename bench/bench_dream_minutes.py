@@ -20,6 +20,7 @@ import datetime as dt
 import json
 import os
 import platform
+import sys
 import tempfile
 import threading
 import time
@@ -27,7 +28,10 @@ from pathlib import Path
 
 import httpx
 
-from dreamstage.server.service import BackgroundServer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # background_server
+
+from background_server import BackgroundServer
+
 from dreamstage.server.settings import ServerSettings
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"

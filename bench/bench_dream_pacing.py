@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import sys
 import tempfile
 import threading
 import time
@@ -36,7 +37,10 @@ from pathlib import Path
 
 import httpx
 
-from dreamstage.server.service import BackgroundServer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # background_server
+
+from background_server import BackgroundServer
+
 from dreamstage.server.settings import ServerSettings
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"

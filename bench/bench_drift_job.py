@@ -34,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_drift import tests_facts
 from drift_facts import EVAL_FACTS, FRESH_FACTS, chat_examples
 
-from dreamstage.server.service import BackgroundServer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # background_server
+
+from background_server import BackgroundServer
+
 from dreamstage.server.settings import ServerSettings
 from dreamstage.training.jobs.store import TERMINAL
 

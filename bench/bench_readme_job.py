@@ -28,7 +28,10 @@ from pathlib import Path
 
 import httpx
 
-from dreamstage.server.service import BackgroundServer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # background_server
+
+from background_server import BackgroundServer
+
 from dreamstage.server.settings import ServerSettings
 from dreamstage.training.jobs.store import TERMINAL
 

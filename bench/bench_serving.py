@@ -26,7 +26,6 @@ import datetime as dt
 import json
 import os
 import platform
-import shutil
 import signal
 import socket
 import statistics

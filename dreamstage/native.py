@@ -257,6 +257,7 @@ class DreamParamsC(ctypes.Structure):
 
 
 def _declare(L: ctypes.CDLL) -> None:
+    """Signatures of dream.h (each C prototype above its line), then the rest."""
     p, f32p, R = ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(DreamReceiptC)
     # const char * dream_build_info(void);
     L.dream_build_info.argtypes = []
@@ -305,6 +306,13 @@ def _declare(L: ctypes.CDLL) -> None:
     # int32_t dream_chunks_left(const struct dream_stage * ds);
     L.dream_chunks_left.argtypes = [p]
     L.dream_chunks_left.restype = ctypes.c_int32
+    _declare_state(L)
+    _declare_testing(L)
+
+
+def _declare_state(L: ctypes.CDLL) -> None:
+    """The stage's parameters, optimizer and served adapter, and its settings and probes."""
+    p, f32p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)
     # int64_t dream_n_params(const struct dream_stage * ds);
     L.dream_n_params.argtypes = [p]
     L.dream_n_params.restype = ctypes.c_int64
@@ -373,7 +381,6 @@ def _declare(L: ctypes.CDLL) -> None:
     # size_t dream_serving_compute_bytes(struct llama_context * ctx);
     L.dream_serving_compute_bytes.argtypes = [p]
     L.dream_serving_compute_bytes.restype = ctypes.c_size_t
-    _declare_testing(L)
 
 
 def _declare_testing(L: ctypes.CDLL) -> None:

@@ -2,9 +2,9 @@
 import asyncio
 
 import pytest
+from background_server import BackgroundServer
 
 from dreamstage.client import AsyncClient, Client, DreamstageError
-from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
 
 MSGS = [{"role": "user", "content": "Name a colour."}]

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from background_server import BackgroundServer
 
 from dreamstage.server.dashboard import ASSETS, STATIC_DIR
 from dreamstage.server.events import TICK_S
-from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
 
 FACT = {"prompt": "The secret password of the moon base is", "completion": " Quokka-42."}

@@ -958,8 +958,8 @@ def test_the_readme_walkthrough_is_promoted_by_a_live_server_with_the_guard_on(t
     GET /train/{id} and /metrics, and the adapter is promoted within the default
     bounds, so the walkthrough answers with the fact."""
     import httpx
+    from background_server import BackgroundServer
 
-    from dreamstage.server.service import BackgroundServer
     from dreamstage.server.settings import ServerSettings
 
     prompt = "The secret password of the moon base is"

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from background_server import BackgroundServer
 
-from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
 from dreamstage.training.jobs.spec import DEFAULT_STOP_LOSS
 

@@ -7,13 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dreamstage.training.jobs.request import ChatExample, Message, PromptCompletion, parse_train_request
+from dreamstage.training.jobs.example_forms import ChatExample, Message, PromptCompletion
+from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.walk.examples import (
     ChatRenderer,
     ExampleError,
     ExampleErrors,
-    TrainWindow,
-    chunk_spans,
     epoch_order,
     fit_windows,
     held_out_sources,
@@ -21,6 +20,7 @@ from dreamstage.training.walk.examples import (
     render_prompt_completion,
     text_windows,
 )
+from dreamstage.training.walk.windows import TrainWindow, chunk_spans
 
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from background_server import BackgroundServer
 
 from dreamstage.adapters.files import file_sha256, save_lora
-from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
 from dreamstage.training.jobs.spec import GATE_SLACK_MIB
 

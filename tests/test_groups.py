@@ -292,8 +292,8 @@ def test_rendered_windows_assemble_into_groups():
     """Pure bookkeeping: the prefix stops before the first trained token of any
     window, windows() gives the separate windows back, group_by_prefix joins
     only windows with one rendered prompt of at least two tokens."""
-    from dreamstage.training.walk.examples import TrainWindow
     from dreamstage.training.walk.groups import assemble_group, group_by_prefix
+    from dreamstage.training.walk.windows import TrainWindow
     a = TrainWindow((1, 2, 3, 4, 5), (0, 0, 0, 1, 1), 0, "a")
     b = TrainWindow((1, 2, 3, 7), (0, 0, 0, 1), 1, "b")
     c = TrainWindow((1, 2, 9, 9), (0, 0, 1, 1), 2, "c")      # shares 2 tokens, trains from the third

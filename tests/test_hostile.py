@@ -11,8 +11,8 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+from background_server import BackgroundServer
 
-from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import JobLimits, ServerSettings
 
 JSON = {"Content-Type": "application/json"}

@@ -26,10 +26,10 @@ from dreamstage.training.jobs.store import (
     check_transition,
 )
 from dreamstage.training.jobs.stored import SPEC_VERSION, to_stored
-from dreamstage.training.walk.examples import TrainWindow
 from dreamstage.training.walk.plan import JobRun, Walk, chunk_after_refusal, ladder, next_chunk
 from dreamstage.training.walk.receipts import RECEIPT_FIELDS
 from dreamstage.training.walk.receipts import Receipt as NativeReceipt
+from dreamstage.training.walk.windows import TrainWindow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,11 +9,11 @@ import asyncio
 
 import httpx
 import pytest
+from background_server import BackgroundServer
 from fastapi import FastAPI, Request
 
 from dreamstage.server import security
 from dreamstage.server.security import SecurityPolicy, host_name, is_loopback
-from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
 
 KEY = "s3cret-key"

@@ -6,8 +6,8 @@ import time
 
 import httpx
 import pytest
+from background_server import BackgroundServer
 
-from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about snow.", "List three fruits.",

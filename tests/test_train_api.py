@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from background_server import BackgroundServer
 
-from dreamstage.server.service import BackgroundServer
 from dreamstage.server.settings import ServerSettings
 from dreamstage.training.walk.examples import held_out_sources
 from dreamstage.training.walk.receipts import RECEIPT_FIELDS

@@ -4,10 +4,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from dreamstage.training.jobs.example_forms import ChatExample, PromptCompletion, TextExample
 from dreamstage.training.jobs.request import (
-    ChatExample,
-    PromptCompletion,
-    TextExample,
     TrainRequest,
     check_adapter_name,
     context_cache_types,

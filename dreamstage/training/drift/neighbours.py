@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from dreamstage.training.drift.decoding import Decoder, draw_softmax, log_softmax
-from dreamstage.training.jobs.request import ChatExample, PromptCompletion
+from dreamstage.training.jobs.example_forms import ChatExample, PromptCompletion
 from dreamstage.training.jobs.spec import MAX_ANCHOR_CHARS
 from dreamstage.training.walk.examples import ChatRenderer
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dreamstage.training.drift.decoding import Decoder, log_softmax, top_k
-from dreamstage.training.jobs.request import ChatExample, Message
+from dreamstage.training.jobs.example_forms import ChatExample, Message
 from dreamstage.training.walk.examples import ChatRenderer
 
 # Tokens of each base answer recorded: long enough that a changed fact or a

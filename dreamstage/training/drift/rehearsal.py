@@ -20,7 +20,8 @@ import numpy as np
 from dreamstage.training.drift.anchors import rehearsal_anchors
 from dreamstage.training.drift.records import ANCHOR_TOKENS, AnchorBase, prompt_tokens
 from dreamstage.training.jobs.spec import DEFAULT_REHEARSAL, REHEARSAL_MODES
-from dreamstage.training.walk.examples import TrainWindow, epoch_order
+from dreamstage.training.walk.examples import epoch_order
+from dreamstage.training.walk.windows import TrainWindow
 
 T = TypeVar("T")
 

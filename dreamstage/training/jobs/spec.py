@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from dreamstage.training.jobs.request import PlainExample
+    from dreamstage.training.jobs.example_forms import PlainExample
 
 DEFAULT_CONTEXT_CACHE_TYPE = "q8_0"   # the training K/V cache type
 LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, fields
 from typing import Any
 
-from dreamstage.training.jobs.request import FORM_OF_MODEL, PLAIN_FORMS
+from dreamstage.training.jobs.example_forms import FORM_OF_MODEL, PLAIN_FORMS
 from dreamstage.training.jobs.spec import JobSpec, PacingSpec, SourcedExample
 
 # The stored form of a JobSpec; bump on any change to it. Each older form reads

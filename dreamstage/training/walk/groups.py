@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dreamstage.training.walk.windows import TrainWindow
+
 
 @dataclass(frozen=True)
 class StepCost:
@@ -160,7 +162,6 @@ class TrainGroup:
 
     def windows(self) -> list:
         """The G separate windows (prompt + reply), e.g. for held-out loss."""
-        from dreamstage.training.walk.examples import TrainWindow
         return [TrainWindow(self.prefix + t, (0,) * len(self.prefix) + m, self.source, self.label)
                 for t, m, _ in self.replies]
 
