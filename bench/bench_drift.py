@@ -88,9 +88,9 @@ from dreamstage.training.drift.measure import NULL_SIGMA, DriftProbe, lora_b_mas
 from dreamstage.training.drift.records import AnchorBase, prompt_tokens
 from dreamstage.training.drift.rehearsal import anchor_visits, consolidation_visits, rehearsal_windows, visit_choice
 from dreamstage.training.drift.stopping import OwnLoss
-from dreamstage.training.walk.trainer import native_trainer
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.walk.examples import epoch_order, render_job
+from dreamstage.training.walk.trainer import native_trainer
 
 ALL_ATTN = "attn_q,attn_k,attn_v,attn_output"
 # name: (lr, epochs, rank, targets, anchor_ratio, stop_loss[, more job fields, and "samples": S])

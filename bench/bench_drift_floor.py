@@ -44,8 +44,8 @@ from drift_steps import run_steps  # tests/drift_steps.py: bench_drift puts test
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
 from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
 from dreamstage.training.drift.measure import DriftProbe, lora_b_mask
-from dreamstage.training.walk.trainer import native_trainer
 from dreamstage.training.jobs.request import parse_train_request
+from dreamstage.training.walk.trainer import native_trainer
 
 SIGMAS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 SEEDS = (0, 1, 2)

@@ -46,8 +46,8 @@ from drift_steps import run_steps  # tests/drift_steps.py: bench_drift puts test
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
 from dreamstage.training.drift.anchors import load_anchors
 from dreamstage.training.drift.measure import NULL_DRAWS, NULL_RANK, DriftProbe
-from dreamstage.training.walk.trainer import native_trainer
 from dreamstage.training.jobs.request import parse_train_request
+from dreamstage.training.walk.trainer import native_trainer
 
 DRAW_KEYS = 1000      # the draws' keys start here (the guard's NULL_SEED is 7)
 

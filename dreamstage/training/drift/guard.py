@@ -33,7 +33,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
-from dreamstage.training.drift.measure import DEFAULT_STEP_MS, Drift, DriftProbe, summary, summary_of
+from dreamstage.training.drift.measure import DEFAULT_STEP_MS, Drift, DriftProbe, summary_of
 from dreamstage.training.drift.neighbours import job_questions
 from dreamstage.training.drift.records import prompt_tokens
 from dreamstage.training.drift.rehearsal import (
