@@ -68,13 +68,14 @@ ensure_model() { "$PY" -m dreamstage.default_model >/dev/null; }
 
 setup() { ensure_venv; ensure_deps; ensure_native "$@"; ensure_model; }
 
-# ruff, then mypy (both pinned in requirements/test.txt; config in pyproject.toml),
-# on dreamstage/ and server/. server/ is the package dreamstage.server (the wheel
-# maps it); the link gives mypy, which does not run the editable install's
-# import hook, the same view in a checkout.
+# ruff, then mypy (both pinned in requirements/test.txt; config in pyproject.toml).
+# ruff checks dreamstage/ and server/ and also bench/, tests/ and examples/;
+# mypy checks the package only (its files list in pyproject.toml). server/ is the
+# package dreamstage.server (the wheel maps it); the link gives mypy, which does
+# not run the editable install's import hook, the same view in a checkout.
 lint() {
   [ -e dreamstage/server ] || ln -s ../server dreamstage/server
-  "$PY" -m ruff check dreamstage server
+  "$PY" -m ruff check dreamstage server bench tests examples
   "$PY" -m mypy
 }
 

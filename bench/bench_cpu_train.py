@@ -100,7 +100,8 @@ threads, seq, steps, model_path = int(sys.argv[1]), int(sys.argv[2]), int(sys.ar
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 m = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, torch_dtype=torch.float32)
-m = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, bias="none"))
+m = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                 bias="none"))
 opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
 ids = torch.randint(0, m.config.vocab_size, (1, seq))
 def step():
@@ -200,7 +201,8 @@ def main() -> None:
     for k in ("finetune", "peft"):
         if k in summary:
             ratios[f"dream_over_{k}_wall"] = summary["dream"]["tok_s_median"] / summary[k]["tok_s_median"]
-            ratios[f"dream_over_{k}_cpu"] = summary["dream"]["tok_per_cpu_s_median"] / summary[k]["tok_per_cpu_s_median"]
+            ratios[f"dream_over_{k}_cpu"] = (summary["dream"]["tok_per_cpu_s_median"]
+                                             / summary[k]["tok_per_cpu_s_median"])
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": f"{platform.node()} {os.cpu_count()} cores",
            "threads": a.threads, "seq": a.seq, "steps": a.steps, "rounds": a.rounds, "summary": summary,
            "ratios": ratios, "runs": runs}

@@ -196,7 +196,8 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
             # native time of those parts (how far past the deadline the segment they were on
             # took them), and that time's share of the job's
             "stopped": {"steps": len(stopped), "ms_max": max(stopped, default=None),
-                        "share_of_dream": (job["progress"]["stopped_ms"] / 1000.0 / f["dream_s"]) if f["dream_s"] else None},
+                        "share_of_dream": ((job["progress"]["stopped_ms"] / 1000.0 / f["dream_s"])
+                                           if f["dream_s"] else None)},
             "job": {"walked_tok_s_wall": (job["progress"]["walked"] - walked0) / client["seconds"],
                     "train_tok_s": job["progress"]["train_tok_s"],
                     "dream_share_of_wall": f["job_share_of_wall"],

@@ -109,7 +109,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "threads": args.threads,
-            "facts": args.facts, "first": args.first, "load_avg_start": load, "load_avg_end": os.getloadavg(), "jobs": rows},
+            "facts": args.facts, "first": args.first, "load_avg_start": load, "load_avg_end": os.getloadavg(),
+            "jobs": rows},
             indent=1) + "\n")
 
 

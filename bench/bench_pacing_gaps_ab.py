@@ -32,11 +32,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_dream_pacing as pacing_bench  # noqa: E402
+import bench_dream_pacing as pacing_bench
 
-from dreamstage.training.jobs import scheduler  # noqa: E402
-from dreamstage.training.pacing.pacer import pacer as pacing  # noqa: E402
-from dreamstage.training.pacing.shaper import StepShaper  # noqa: E402
+from dreamstage.training.jobs import scheduler
+from dreamstage.training.pacing.pacer import pacer as pacing
+from dreamstage.training.pacing.shaper import StepShaper
 
 PACING = {"max_slowdown": 0.10, "max_pause_ms": 250}
 KEEP = {"on": True}

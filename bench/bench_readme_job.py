@@ -121,7 +121,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "threads": args.threads,
-            "chat": args.chat, "fields": fields, "load_avg_start": load, "load_avg_end": os.getloadavg(), "jobs": rows}, indent=1) + "\n")
+            "chat": args.chat, "fields": fields, "load_avg_start": load, "load_avg_end": os.getloadavg(),
+            "jobs": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -185,13 +185,14 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, gen_tokens: int) ->
 async def round_(url: str, streams: int, gen_tokens: int = GEN_TOKENS) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         t0 = time.perf_counter()
-        runs = await asyncio.gather(*(one_stream(client, PROMPTS[i % len(PROMPTS)], gen_tokens) for i in range(streams)))
+        runs = await asyncio.gather(*(one_stream(client, PROMPTS[i % len(PROMPTS)], gen_tokens)
+                                      for i in range(streams)))
         t1 = time.perf_counter()
     tokens = sum(len(r["stamps"]) for r in runs)
     # Decode window: from the first token of any stream to the last token of any stream.
     firsts = [r["stamps"][0] for r in runs if r["stamps"]]
     lasts = [r["stamps"][-1] for r in runs if r["stamps"]]
-    gaps = [b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:])]
+    gaps = [b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
     ttft = [r["stamps"][0] - r["start"] for r in runs if r["stamps"]]
     window = max(lasts) - min(firsts) if firsts else float("nan")
     return {"tokens": tokens, "short_streams": sum(1 for r in runs if len(r["stamps"]) < gen_tokens - 2),
@@ -261,7 +262,8 @@ def main() -> int:
             res = run_system(system, streams, paths)
             res.update(system=system, streams=streams, seq=i)
             log(f"  {res['agg_tok_s']:.1f} tok/s aggregate, p50 ITL {1000 * pct(res['itl'], 50):.1f} ms, "
-                f"load {res['loadavg_1m'][0]:.1f}" + (f", {res['short_streams']} SHORT streams" if res["short_streams"] else ""))
+                f"load {res['loadavg_1m'][0]:.1f}"
+                + (f", {res['short_streams']} SHORT streams" if res["short_streams"] else ""))
             runs.append(res)
     summary = summarize(runs, systems, args.streams)
     out = {

@@ -43,16 +43,15 @@ def main() -> int:
             return 2
         src = Path(served["path"])
         if not src.is_absolute():                      # the server may report it relative to its state directory
-            from dreamstage.training.jobs.store import default_state_dir  # noqa: PLC0415
+            from dreamstage.training.jobs.store import default_state_dir
             src = Path(args.state_dir or default_state_dir()) / src
         shutil.copyfile(src, args.out)
         print(f"exported {served['name']} v{served['version']} -> {args.out} ({Path(args.out).stat().st_size} bytes)")
         server = {q: c.chat([{"role": "user", "content": q}], max_tokens=MAX_TOKENS, temperature=0) for q in QUESTIONS}
 
-    from dreamstage import (
-        default_model as models,  # noqa: PLC0415 - imported late: only this half needs the native library
-    )
-    from dreamstage import native  # noqa: PLC0415 - imported late: only this half needs the native library
+    # imported late: only this half needs the native library
+    from dreamstage import default_model as models
+    from dreamstage import native
 
     llama_cpp = native.llama_cpp()
     model = args.model or str(models.default_model())
@@ -64,7 +63,8 @@ def main() -> int:
         ours = server[q].text
         same = ours.strip() == theirs.strip()
         differ += not same
-        print(f"{'same' if same else 'DIFFERENT'}: {q}\n  dreamstage (adapter v{server[q].adapter_version}): {ours.strip()}"
+        print(f"{'same' if same else 'DIFFERENT'}: {q}"
+              f"\n  dreamstage (adapter v{server[q].adapter_version}): {ours.strip()}"
               f"\n  llama_cpp.Llama(lora_path=...):  {theirs.strip()}")
     print("all answers equal" if not differ else f"{differ} of {len(QUESTIONS)} answers differ")
     return 1 if differ else 0

@@ -31,7 +31,8 @@ def ask_all(c) -> None:
 
 
 def main() -> None:
-    log = [json.loads(line) for line in (HERE / "data" / "moonbase_chat.jsonl").read_text().splitlines() if line.strip()]
+    log = [json.loads(line) for line in (HERE / "data" / "moonbase_chat.jsonl").read_text().splitlines()
+           if line.strip()]
     with client() as c:
         print("before:")
         ask_all(c)

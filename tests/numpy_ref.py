@@ -113,7 +113,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
 
 def load_tensor(g: GGUFContents, name: str) -> np.ndarray:
     """A tensor as float64 in NumPy orientation (ggml ne reversed), dequantized if needed."""
-    import gguf  # noqa: PLC0415
+    import gguf
 
     gtype, ne, off = g.tensors[name]
     qtype = gguf.GGMLQuantizationType(gtype)
@@ -410,7 +410,8 @@ class Forward:
         dz[idx] = (self.model.output_t @ (d / n).T).T
         return loss, dz
 
-    def backward(self, dz, kv_constant_before: int = 0, kv_edges=None) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+    def backward(self, dz, kv_constant_before: int = 0,
+                 kv_edges=None) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
         """LoRA gradients (dA, dB) for every adapted (layer, target), given dL/dz.
 
         kv_constant_before: K/V at positions < this are treated as constants

@@ -96,7 +96,8 @@ def test_load_restores_the_shadow(rm, trained):
 
 def test_bad_files_are_refused(tmp_path):
     with pytest.raises(ValueError, match="not"):
-        save_lora(tmp_path / "x.gguf", {(0, "attn_q"): (np.zeros((4, 8)), np.zeros((8, 3)))}, alpha=8, model_arch="llama")
+        save_lora(tmp_path / "x.gguf", {(0, "attn_q"): (np.zeros((4, 8)), np.zeros((8, 3)))},
+                  alpha=8, model_arch="llama")
     assert not list(tmp_path.iterdir())
 
 

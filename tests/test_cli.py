@@ -93,7 +93,8 @@ def test_status_is_a_table_of_jobs_and_adapters(store):
 
 def test_status_with_nothing_to_show():
     out = cli.render_status({"current": None, "queue": []},
-                            {"served_version": 0, "served": None, "served_error": None, "promotions": [], "adapters": []})
+                            {"served_version": 0, "served": None, "served_error": None,
+                             "promotions": [], "adapters": []})
     assert out.splitlines() == ["serving adapter version 0 (base model)", "", "no job training or queued"]
 
 
@@ -185,4 +186,5 @@ def test_a_bad_setting_from_the_environment_is_one_line_naming_it(monkeypatch, c
     monkeypatch.setenv("DREAMSTAGE_PORT", "8080")
     monkeypatch.setenv("DREAMSTAGE_PARALLEL", "8")
     assert cli.main(["serve", "--no-train", "--ctx", "64"]) == 2
-    assert one_line(capsys.readouterr().err) == "dreamstage serve: ctx 64 leaves fewer than 16 tokens per slot for 8 slots"
+    assert one_line(capsys.readouterr().err) == ("dreamstage serve: ctx 64 leaves fewer than 16 tokens per slot "
+                                                 "for 8 slots")

@@ -136,7 +136,8 @@ def test_vectorized_exp_against_libm():
     L = native.lib()
     f32p = ctypes.POINTER(ctypes.c_float)
     rng = np.random.default_rng(7)
-    x = np.concatenate([rng.uniform(-87, 88, 20000), rng.uniform(-1, 1, 5000), [0.0, -0.0, 1e-30, -1e-30]]).astype(np.float32)
+    x = np.concatenate([rng.uniform(-87, 88, 20000), rng.uniform(-1, 1, 5000),
+                        [0.0, -0.0, 1e-30, -1e-30]]).astype(np.float32)
     out = np.full_like(x, np.nan)
     if not L.dream_cpu_exp_check(x.ctypes.data_as(f32p), x.size, out.ctypes.data_as(f32p)):
         pytest.skip("no AVX-512 on this CPU: training graphs keep ggml's ops")
@@ -173,7 +174,8 @@ def test_token_embeddings_gathered_on_every_thread_match_ggml_and_numpy(qtype):
     n_embd, n_rows = 512, 300
     w = rng.standard_normal((n_rows, n_embd)).astype(np.float32)
     raw = {Q.F32: lambda: w.view(np.uint8).reshape(n_rows, -1),
-           Q.F16: lambda: w.astype(np.float16).view(np.uint8).reshape(n_rows, -1)}.get(qtype, lambda: _quantize(qtype, w))()
+           Q.F16: lambda: w.astype(np.float16).view(np.uint8).reshape(n_rows, -1)}.get(
+               qtype, lambda: _quantize(qtype, w))()
     raw = np.ascontiguousarray(raw)
     ids = rng.integers(0, n_rows, 77).astype(np.int32)
     ids[:4] = [0, n_rows - 1, 0, 5]
@@ -198,8 +200,9 @@ def _swiglu_grads(L, g, u, w, fused: bool, threads: int) -> tuple[np.ndarray, np
     n_tok, n_ff = g.shape
     dg, du = np.full_like(g, np.nan), np.full_like(g, np.nan)
     count = ctypes.c_int32(-1)
-    assert L.dream_swiglu_back_check(g.ctypes.data_as(f32p), u.ctypes.data_as(f32p), w.ctypes.data_as(f32p), n_ff, n_tok,
-                                     threads, fused, dg.ctypes.data_as(f32p), du.ctypes.data_as(f32p), ctypes.byref(count))
+    assert L.dream_swiglu_back_check(g.ctypes.data_as(f32p), u.ctypes.data_as(f32p), w.ctypes.data_as(f32p),
+                                     n_ff, n_tok, threads, fused,
+                                     dg.ctypes.data_as(f32p), du.ctypes.data_as(f32p), ctypes.byref(count))
     return dg, du, count.value
 
 

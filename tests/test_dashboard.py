@@ -28,7 +28,8 @@ FACT = {"prompt": "The secret password of the moon base is", "completion": " Quo
 OTHER_FACT = {"prompt": "The moon base commander is", "completion": " Ada Brightwater."}
 API_KEY = "dashboard-test-key"   # sent by the page; this server has no key configured, so it is ignored
 FINAL = ("done", "cancelled", "refused", "error", "interrupted")
-ARTIFACTS = Path(os.environ.get("DREAMSTAGE_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent / "build" / "test-artifacts")
+ARTIFACTS = Path(os.environ.get("DREAMSTAGE_TEST_ARTIFACTS")
+                 or Path(__file__).resolve().parent.parent / "build" / "test-artifacts")
 
 
 @pytest.fixture(scope="module")
@@ -207,14 +208,14 @@ def test_without_training_the_page_and_stream_still_serve():
 
 
 def native_devices() -> list[dict]:
-    from dreamstage import native  # noqa: PLC0415
+    from dreamstage import native
     return native.devices()
 
 
 # -- the page in a real browser -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def browser():
-    from webdriver import Browser, NoBrowser, ensure_chromium  # noqa: PLC0415 - tests/ is on sys.path
+    from webdriver import Browser, NoBrowser, ensure_chromium  # tests/ is on sys.path
 
     try:
         paths = ensure_chromium()
@@ -315,7 +316,8 @@ def test_dashboard_in_chromium_posts_a_job_and_promotes_it(server, http, browser
                what="the job finishing")
     job = http.get(f"/train/{jid}").json()
     ok_losses = [r for r in server.service.store.receipts(jid) if r["status"] == "ok" and r["tokens"]]
-    points = b.wait_for("const n = +document.querySelector('#loss-chart').dataset.points; return n >= arguments[0] && n",
+    points = b.wait_for("const n = +document.querySelector('#loss-chart').dataset.points; "
+                        "return n >= arguments[0] && n",
                         len(ok_losses), what="every loss point drawn")
     assert points == len(ok_losses) > held
     rows = b.js("return [...document.querySelectorAll('#receipts tbody tr')].map(r => +r.dataset.seq)")
@@ -361,10 +363,12 @@ def test_the_form_reads_jsonl_and_chat_turns(server, browser):
     parse = "try { return parseExamples(arguments[0]); } catch (e) { return 'error: ' + e.message; }"
     assert b.js(parse, '{"text": "a"}\n\n{"prompt": "b", "completion": " c"}\n') == [
         {"text": "a"}, {"prompt": "b", "completion": " c"}]
-    turns = "system: Be brief.\nuser: Where is the base?\nassistant: On the moon,\nnear the pole.\n\nUSER: Hi\nassistant: Hello."
+    turns = ("system: Be brief.\nuser: Where is the base?\nassistant: On the moon,\nnear the pole.\n\n"
+             "USER: Hi\nassistant: Hello.")
     assert b.js(parse, turns) == [
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the base?"},
                       {"role": "assistant", "content": "On the moon,\nnear the pole."}]},
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}]
     assert b.js(parse, '{"text": "a"}\n{"text": oops}').startswith("error: line 2: not valid JSON")
-    assert b.js(parse, "hello there\nuser: hi") == 'error: line 1: a chat turn starts with "user:", "assistant:" or "system:"'
+    assert b.js(parse, "hello there\nuser: hi") == ('error: line 1: a chat turn starts with '
+                                                   '"user:", "assistant:" or "system:"')

@@ -34,7 +34,7 @@ class FakeRefusal(RuntimeError):
 class FakeTrainer:
     """Loss falls 10% per window (lr > 0). `refuse_above`: chunks longer than this are refused."""
 
-    live: list["FakeTrainer"] = []
+    live: list[FakeTrainer] = []
     # computes the same at any chunk, as the exact walk does: the pause shaper may cut it
     exact = True
 
@@ -53,8 +53,9 @@ class FakeTrainer:
     def _receipt(self, status, pos, n, loss, tokens, need=0.0, allowance=0.0, message=""):
         refused = status == "refused"
         return Receipt(status, self.steps, self.spec.window, self.chunk, pos, n, self.spec.context_cache_type,
-                           False, False, -1, "backward" if tokens else "forward", loss, tokens, 1.0, 2.0, 0.5, 0.25, 0.5, 0.0,
-                           pos if refused else -1, n if refused else 0, need, allowance, message)
+                       False, False, -1, "backward" if tokens else "forward", loss, tokens,
+                       1.0, 2.0, 0.5, 0.25, 0.5, 0.0,
+                       pos if refused else -1, n if refused else 0, need, allowance, message)
 
     def begin_window(self, tokens, mask, soft=None):
         assert not self.closed
@@ -298,7 +299,7 @@ def test_promote_and_rollback_commands_run_on_the_engine_thread(tmp_path):
     store, sched, engine = make(tmp_path)
     for _ in range(2):
         jid = submit(store, sched, out="k", promote="never")
-        drive(sched, engine, lambda: store.state(jid) == "done")
+        drive(sched, engine, lambda jid=jid: store.state(jid) == "done")
     fut = sched.promote("k", 1)
     sched.after_batch(engine, True)
     view, applied = fut.result(0)
@@ -350,7 +351,7 @@ def test_under_load_max_slowdown_waits_for_a_baseline_and_reports_figures(tmp_pa
     store, sched, engine = make(tmp_path)
     jid = submit(store, sched, max_slowdown=0.5, epochs=20)
     engine.slots[0].busy = True
-    for i in range(3):                               # starting + running, before any baseline exists
+    for _ in range(3):                               # starting + running, before any baseline exists
         engine.last_batch_decode_tokens = 1
         sched.after_batch(engine, False)
     assert store.state(jid) == "running" and store.get(jid)["receipts"] == 0
@@ -540,7 +541,8 @@ def test_the_plain_walk_keeps_its_chunk_and_the_deadline_bounds_the_pause(tmp_pa
     ok = [r for r in receipts if r["status"] == "ok"]
     # each window is cut only where the chunk grid cuts it: 64 tokens, its end shorter
     assert max(r["chunk_tokens"] for r in ok) == 64
-    assert all(r["chunk_tokens"] == 64 or nxt["chunk_pos"] == 0 for r, nxt in zip(ok, ok[1:] + [{"chunk_pos": 0}]))
+    assert all(r["chunk_tokens"] == 64 or nxt["chunk_pos"] == 0
+               for r, nxt in zip(ok, ok[1:] + [{"chunk_pos": 0}], strict=True))
     assert all(r["chunk_pos"] % 64 == 0 for r in ok)
     assert job["progress"]["tokens"] == 3 * 135
     assert len([r for r in receipts if r["status"] == "stopped"]) >= 3 * 2 * 6   # each 64-token step in 7 parts

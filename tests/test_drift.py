@@ -244,7 +244,7 @@ def test_a_recording_runs_in_short_steps_and_restarts_an_anchor_serving_took_bac
     n_units = sum(-(-len(b.prompt_tokens) // PIECE_TOKENS) + len(b.continuation) - 1
                   + -(-len(b.forced) // PIECE_TOKENS) + 1 for b in whole.bases)
     assert steps >= n_units + len(prompts)             # one unit per step, plus each anchor's closing step
-    for a, b in zip(whole.bases, probe.bases):
+    for a, b in zip(whole.bases, probe.bases, strict=True):
         assert a.answer == b.answer and np.array_equal(a.top_logp, b.top_logp)
 
 
@@ -817,7 +817,8 @@ def test_default_job_learns_the_facts_and_its_promotion_follows_its_held_out_dri
     assert job["state"] == "done", job["message"]
     drift = job["progress"]["drift"]
     print(f"\ndefaults: recall {jobs['recall']:.2f} (base {jobs['base_recall']:.2f}), "
-          f"held-out anchors_changed {drift['anchors_changed']:.3f}, drift_kl {drift['drift_kl']:.4f}; {job['message']}")
+          f"held-out anchors_changed {drift['anchors_changed']:.3f}, drift_kl {drift['drift_kl']:.4f}; "
+          f"{job['message']}")
     assert jobs["base_recall"] < 0.5                    # the base model does not know them
     assert jobs["recall"] >= 0.9, jobs["answers"]       # the job's adapter, promoted or not
     assert drift["anchors"] == len(load_anchors()) and drift["final"]
@@ -938,7 +939,8 @@ def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
     print(f"\ndamaging job: {job['message']}")
     assert job["state"] == "done" and job["adapter"] is not None and not job["adapter"]["promoted"]
     assert drift["anchors_changed"] > drift["max_drift"] or drift["drift_kl"] > drift["max_drift_kl"]
-    assert "not promoted" in job["message"] and f"({drift['anchors_changed_count']}/{drift['anchors']})" in job["message"]
+    assert "not promoted" in job["message"]
+    assert f"({drift['anchors_changed_count']}/{drift['anchors']})" in job["message"]
     assert jobs["receipts"]["damage"][-1]["kind"] == "drift"
     # serving did not move: the version served before the damaging job is served after it
     assert jobs["served_version"] == jobs["served_before_damage"]

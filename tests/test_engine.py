@@ -125,7 +125,8 @@ def test_seeded_sampling_is_reproducible(engine):
 
 def test_grammar_constrains_output(engine):
     g = 'root ::= "yes" | "no"'
-    text, events = run(engine, CHAT.format("Is water wet? Answer yes or no."), 8, SamplingParams(temperature=0.0, grammar=g))
+    text, events = run(engine, CHAT.format("Is water wet? Answer yes or no."), 8,
+                       SamplingParams(temperature=0.0, grammar=g))
     assert text in ("yes", "no")
     assert events[-1].finish_reason == "stop"
 

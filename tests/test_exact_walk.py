@@ -279,7 +279,8 @@ def test_horizon_adjoint_slots_and_a_refusal_halves_the_horizon(tiny_resident, t
         assert {r.walk_mib for r in rest} == {(horizon // 2 + chunk) * row}
         g_half = tr.gradients()
         order = tr.parameter_order()
-        lora = ref.Lora(scale=ALPHA / RANK, factors={k: (a.copy(), b.copy()) for k, (a, b) in tr.unflatten(theta).items()})
+        lora = ref.Lora(scale=ALPHA / RANK,
+                        factors={k: (a.copy(), b.copy()) for k, (a, b) in tr.unflatten(theta).items()})
     _, hz = ref.horizon_walk_grad(tiny_ref, tokens, ref.positions_from_mask(mask), lora, chunk, horizon // 2)
     err = rel_l2(g_half, ref.flat_grad(hz, order))
     report(f"budget fits H/2 only: refused at H={horizon} (need about {need[horizon]:.4f} MiB, at H/2 "

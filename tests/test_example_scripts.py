@@ -40,7 +40,7 @@ def test_teach_facts_then_export_the_adapter(server, tmp_path):
     r = run(server, str(EXAMPLES / "teach_facts.py"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     before, after = r.stdout.split("\nafter:\n")
-    for question, answer in zip(QUESTIONS, ANSWERS):
+    for question, answer in zip(QUESTIONS, ANSWERS, strict=True):
         assert question in before and question in after
         assert answer not in before                      # the base model does not know
     assert after.count("[adapter v1]") == len(QUESTIONS)

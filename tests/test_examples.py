@@ -100,7 +100,7 @@ def positional(r):
 def trained_positions(windows):
     out = []
     for w in windows:
-        out += [t for t, m in zip(w.tokens, w.mask) if m]
+        out += [t for t, m in zip(w.tokens, w.mask, strict=True) if m]
     return out
 
 
@@ -168,7 +168,8 @@ def test_chat_rendering_matches_the_template_and_the_reply_text(ex):
     kept = [m.template_dict() for m in ex.messages[: max(i for i, m in enumerate(ex.messages) if m.trained) + 1]]
     full = renderer._render(kept, None, False)
     assert FAKE.detokenize(r.tokens, special=True) == FAKE.detokenize(FAKE.tokenize(full), special=True).rstrip("\n")
-    replies = [FAKE.detokenize([t for t, role in zip(r.tokens[sp.start:sp.end], r.roles[sp.start:sp.end])], True)
+    replies = [FAKE.detokenize([t for t, role in zip(r.tokens[sp.start:sp.end], r.roles[sp.start:sp.end],
+                                                     strict=True)], True)
                for sp in r.replies]
     assert replies == [m.content + "<|im_end|>" for m in ex.messages if m.trained]
     for sp in r.replies:  # the role header right before the reply is context
@@ -212,7 +213,8 @@ def test_a_template_with_bos_multi_token_headers_and_tools():
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_by_name():
-    tok = FakeTokenizer("{% for m in messages %}{% if loop.last %}LAST:{% endif %}{{ m['content'] }}<|im_end|>{% endfor %}")
+    tok = FakeTokenizer("{% for m in messages %}{% if loop.last %}LAST:{% endif %}"
+                        "{{ m['content'] }}<|im_end|>{% endfor %}")
     spec = parse_train_request({"examples": [
         {"prompt": "p", "completion": "c"},
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
@@ -226,7 +228,8 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_by_name():
 def test_a_template_that_raises_is_reported_for_its_example():
     tok = FakeTokenizer("{{ raise_exception('roles must alternate') }}")
     spec = parse_train_request({"examples": [{"messages": [{"role": "assistant", "content": "a"}]}]}).to_job_spec()
-    with pytest.raises(ExampleErrors, match=r"examples\[0\]: the chat template refused these messages: roles must alternate"):
+    with pytest.raises(ExampleErrors,
+                       match=r"examples\[0\]: the chat template refused these messages: roles must alternate"):
         render_job(spec, tok)
 
 
@@ -264,7 +267,7 @@ def test_text_windows_cover_every_token_and_train_each_once(n, window, data):
     covered = sorted({t for w in windows for t in w.tokens})
     assert covered == list(range(n))
     assert sorted(trained_positions(windows)) == list(range(1, n))
-    for a, b in zip(windows, windows[1:]):
+    for a, b in zip(windows, windows[1:], strict=False):
         assert a.tokens[-overlap:] == b.tokens[:overlap]       # the overlap is context for the next
         assert len(a.tokens) == window                         # only the last may be short
 
@@ -344,7 +347,8 @@ def test_default_model_chat_rendering(resident):
     # Segment-wise tokenization equals tokenizing the whole rendered chat.
     assert r.tokens == resident.tokenize(full, True, True)[: len(r.tokens)]
     (w,) = fit_windows(r, 512, "middle")
-    assert resident.detokenize([t for t, m in zip(w.tokens, w.mask) if m], special=True) == "Zeebo.<|im_end|>"
+    assert resident.detokenize([t for t, m in zip(w.tokens, w.mask, strict=True) if m],
+                               special=True) == "Zeebo.<|im_end|>"
     assert resident.detokenize(list(w.tokens), special=True).endswith("<|im_start|>assistant\nZeebo.<|im_end|>")
 
 
@@ -360,7 +364,8 @@ def test_control_tokens_written_in_a_training_chat_stay_text(resident):
     assert r.tokens.count(im_end) == base.tokens.count(im_end)
     (w,) = fit_windows(r, 512, "middle")
     # the whole reply is trained, up to the template's end-of-turn, not the one written in it
-    assert resident.detokenize([t for t, m in zip(w.tokens, w.mask) if m], special=True) == reply + "<|im_end|>"
+    assert resident.detokenize([t for t, m in zip(w.tokens, w.mask, strict=True) if m],
+                               special=True) == reply + "<|im_end|>"
 
 
 def test_default_model_job_of_every_form(resident):
@@ -379,7 +384,8 @@ def test_default_model_job_of_every_form(resident):
     n_text = len(resident.tokenize(spec.examples[0].example.text, True, False))
     assert len(text) > 1 and sum(w.n_targets for w in text) == n_text - 1
     (pc,) = by_label["examples[1]"]
-    assert resident.detokenize([t for t, m in zip(pc.tokens, pc.mask) if m], True) == " plum" + resident.token_text(resident.eos)
+    assert resident.detokenize([t for t, m in zip(pc.tokens, pc.mask, strict=True) if m],
+                               True) == " plum" + resident.token_text(resident.eos)
     # a group of completions is one shared-prefix group: the rendered prompt once, each reply after it
     (group,) = by_label["examples[2]"]
     trained = [[t for t, m in zip(w.tokens, w.mask, strict=True) if m] for w in group.windows()]

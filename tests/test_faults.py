@@ -121,7 +121,8 @@ def test_kill_9_during_steps_loses_no_job_and_keeps_the_served_adapter(tiny, tmp
                                                                  "epochs": epochs, "rank": 2,
                                                                  "stop_loss": None}).json()["id"])
             jid = accepted[-3]
-            wait_for(lambda: server.http.get(f"/train/{jid}").json()["progress"]["step"] >= 3, "three steps")
+            wait_for(lambda server=server, jid=jid: server.http.get(f"/train/{jid}").json()["progress"]["step"] >= 3,
+                     "three steps")
         elif moment == "after-202":
             r = server.http.post("/train", json={"text": LESSON, "window": 64, "epochs": 2, "rank": 2})
             assert r.status_code == 202
@@ -129,8 +130,8 @@ def test_kill_9_during_steps_loses_no_job_and_keeps_the_served_adapter(tiny, tmp
         else:
             r = server.http.post("/train", json={"text": LESSON * 3, "window": 64, "epochs": 3, "rank": 2})
             accepted.append(r.json()["id"])
-            wait_for(lambda: server.http.get(f"/train/{accepted[-1]}").json()["state"] != "queued", "the start",
-                     every=0.002)
+            wait_for(lambda server=server: server.http.get(f"/train/{accepted[-1]}").json()["state"] != "queued",
+                     "the start", every=0.002)
         assert server.stop(signal.SIGKILL) == -signal.SIGKILL
         check, jobs, temps = store_rows(state)
         assert check == "ok" and temps == []
@@ -302,7 +303,8 @@ PROMPTS = ["The sky is", "Once upon a time", "def main():", "Zeebo lives in"]
 
 
 def greedy(c) -> list[str]:
-    return [c.post("/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0}).json()["choices"][0]["text"]
+    return [c.post("/v1/completions",
+                   json={"prompt": p, "max_tokens": 24, "temperature": 0}).json()["choices"][0]["text"]
             for p in PROMPTS]
 
 
@@ -321,7 +323,7 @@ def test_a_refusal_in_the_middle_of_a_job_leaves_serving_byte_identical(tiny, tm
                     "stop_loss": None, "rank": 2,
                     "memory_budget_mib": GATE_SLACK_MIB + extra, "promote": "never"}
             jid = c.post("/train", json=body).json()["id"]
-            got = wait_for(lambda: (v := c.get(f"/train/{jid}").json())["state"] in FINAL and v
+            got = wait_for(lambda jid=jid: (v := c.get(f"/train/{jid}").json())["state"] in FINAL and v
                            or (v["refusals"] and v["progress"]["step"] >= 2 and v), "a refusal, then steps")
             if got["state"] == "running":
                 view = got
@@ -350,14 +352,15 @@ def test_a_cancelled_job_gives_the_trainers_memory_back(tmp_path):
         before = rss_mib()
         for _ in range(2):       # twice: what one job left behind would add up
             body = {"text": "Tides are caused by the moon. " * 40, "window": 128, "chunk": 64, "epochs": 1000,
-                    "stop_loss": None, "rank": 32, "targets": "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down"}
+                    "stop_loss": None, "rank": 32,
+                    "targets": "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down"}
             jid = c.post("/train", json=body).json()["id"]
-            wait_for(lambda: c.get(f"/train/{jid}").json()["progress"]["step"] >= 2, "two steps", timeout=300)
+            wait_for(lambda jid=jid: c.get(f"/train/{jid}").json()["progress"]["step"] >= 2, "two steps", timeout=300)
             during = rss_mib()
             assert c.post(f"/train/{jid}/cancel").json()["state"] == "cancelled"
             # Rank 32 on every target: adapter, gradients and AdamW state are over 100 MiB, so a
             # trainer left alive stands out. (Measured 2026-11-30 at rank 8, q and v: 220 MiB
             # before, 360-388 while training, 222-233 after, 244-251 without the malloc_trim.)
             assert during - before > 50, (before, during)
-            wait_for(lambda: rss_mib() - before < 0.25 * (during - before), "the memory to come back",
-                     timeout=60, show=lambda: (before, during, rss_mib()))
+            wait_for(lambda during=during: rss_mib() - before < 0.25 * (during - before), "the memory to come back",
+                     timeout=60, show=lambda during=during: (before, during, rss_mib()))

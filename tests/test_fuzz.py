@@ -99,7 +99,8 @@ def test_every_listed_operation_is_in_the_document(api_schema):
 def test_the_document_declares_real_bodies_and_statuses(api_schema):
     doc = api_schema.raw_schema
     train = doc["paths"]["/train"]["post"]
-    assert train["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/TrainRequest"}
+    assert train["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/TrainRequest"}
     assert "examples" in doc["components"]["schemas"]["TrainRequest"]["properties"]
     promote = doc["paths"]["/adapters/{name}/promote"]["post"]
     assert promote["requestBody"]["required"] is False

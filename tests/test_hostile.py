@@ -118,7 +118,8 @@ def test_a_huge_special_token_prompt_is_refused_before_tokenizing(http, server, 
     model = server.service.model
     real = model.tokenize
     monkeypatch.setattr(model, "tokenize", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
-    msg = refused(http.post("/v1/completions", json={"prompt": "<|im_end|>x" * 100_000, "max_tokens": 4}), 400, "prompt")
+    msg = refused(http.post("/v1/completions", json={"prompt": "<|im_end|>x" * 100_000, "max_tokens": 4}),
+                  400, "prompt")
     assert "bytes" in msg and str(server.service.engine.slot_ctx) in msg
     chat = {"messages": [{"role": "user", "content": "x" * 30}] * 110_000, "max_tokens": 4}
     big = json.dumps(chat).encode()
@@ -259,7 +260,8 @@ def test_the_queue_of_jobs_is_capped_and_a_cancelled_job_lets_go_of_its_memory(h
     assert second.status_code == 202
     assert server.service.scheduler.queued_tokens() > 0
     third = http.post("/train", json=lesson)
-    assert third.status_code == 422 and f"max_queued_jobs = {LIMITS.max_queued_jobs}" in third.json()["error"]["message"]
+    assert third.status_code == 422
+    assert f"max_queued_jobs = {LIMITS.max_queued_jobs}" in third.json()["error"]["message"]
     assert http.post(f"/train/{second.json()['id']}/cancel").json()["state"] == "cancelled"
     assert server.service.scheduler.queued_tokens() == 0          # its rendered windows are gone at once
     assert http.post(f"/train/{first.json()['id']}/cancel").json()["state"] == "cancelled"

@@ -152,7 +152,7 @@ def test_a_cancel_and_a_done_race_and_exactly_one_wins(store):
         results = []
         barrier = threading.Barrier(2)
 
-        def attempt(target):
+        def attempt(target, jid=jid, barrier=barrier, results=results):
             barrier.wait()
             try:
                 store.transition(jid, target)
@@ -255,7 +255,8 @@ def test_malformed_receipts_are_refused_and_nothing_is_written(store, bad, words
 
 def test_a_job_stored_before_examples_loss_gets_null_for_its_earlier_epochs():
     from dreamstage.training.jobs.progress import close_epoch
-    p = {"_epoch_loss_sum": 3.0, "_epoch_tokens": 2, "train_loss_per_epoch": [2.0, 1.8], "eval_loss_per_epoch": [None] * 2}
+    p = {"_epoch_loss_sum": 3.0, "_epoch_tokens": 2, "train_loss_per_epoch": [2.0, 1.8],
+         "eval_loss_per_epoch": [None] * 2}
     close_epoch(p, None, 0.4)
     assert p["examples_loss_per_epoch"] == [None, None, 0.4] and p["train_loss_per_epoch"] == [2.0, 1.8, 1.5]
 
@@ -687,7 +688,8 @@ def test_a_form_1_spec_reads_back_as_it_meant_before_the_drift_guard(tmp_path):
         conn.commit()
         conn.close()
         old = s.spec(jid)
-    assert (old.regularizer, old.anchor_ratio, old.anchors, old.stop_loss, old.group_prefix) == (False, 0.0, (), None, False)
+    assert (old.regularizer, old.anchor_ratio, old.anchors, old.stop_loss, old.group_prefix) == (
+        False, 0.0, (), None, False)
     assert (old.lr, old.epochs, old.window, old.examples) == (now.lr, now.epochs, now.window, now.examples)
 
 

@@ -151,7 +151,8 @@ def test_a_failure_to_write_neighbours_leaves_the_rest_of_the_guard_as_it_was(dr
     shipped = {p: _fake(p, dream_resident) for p in load_anchors() + rehearsal_anchors()}
     spec = parse_train_request({"examples": chat(QUESTIONS), "neighbours": 2}).to_job_spec()
     train = list(render_job(spec, dream_resident).train)
-    plain = DriftGuard(dream_resident, parse_train_request({"examples": chat(QUESTIONS), "neighbours": 0}).to_job_spec(),
+    plain = DriftGuard(dream_resident,
+                       parse_train_request({"examples": chat(QUESTIONS), "neighbours": 0}).to_job_spec(),
                        train, seq_id=0, restore=lambda: None, cache=dict(shipped))
     run_steps(plain.record())
     original = DriftProbe.record

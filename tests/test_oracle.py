@@ -214,7 +214,7 @@ def _with_random_b(tr, seed=21, std=0.1) -> np.ndarray:
     rng = np.random.default_rng(seed)
     vec = tr.lora_parameters()
     i = 0
-    for (_, ab), shape in zip(tr.parameter_order(), tr.parameter_shapes()):
+    for (_, ab), shape in zip(tr.parameter_order(), tr.parameter_shapes(), strict=True):
         n = shape[0] * shape[1]
         if ab == "b":
             vec[i:i + n] = std * rng.standard_normal(n)
@@ -230,10 +230,11 @@ def _ref_lora(tr, vec) -> ref.Lora:
 def _per_pair_rel_l2(tr, native, reference) -> dict[str, float]:
     """rel L2 per (layer, target, a|b) block: the diagnosis when the whole-vector bound fails."""
     out, i = {}, 0
-    for ((il, t), ab), shape in zip(tr.parameter_order(), tr.parameter_shapes()):
+    for ((il, t), ab), shape in zip(tr.parameter_order(), tr.parameter_shapes(), strict=True):
         n = shape[0] * shape[1]
         ref_part = reference[i:i + n]
-        out[f"{il}.{t}.{ab}"] = rel_l2(native[i:i + n], ref_part) if np.any(ref_part) else float(np.abs(native[i:i + n]).max())
+        out[f"{il}.{t}.{ab}"] = (rel_l2(native[i:i + n], ref_part) if np.any(ref_part)
+                                 else float(np.abs(native[i:i + n]).max()))
         i += n
     return out
 
@@ -335,7 +336,8 @@ def test_native_adamw_updates_match_reference(tiny_resident, tiny_ref):
     kw = dict(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, wd=wd, clip=clip)  # OptimizerConfig defaults + ours
     with _trainer(tiny_resident, lr=lr, weight_decay=wd, grad_clip=clip) as tr:
         order = tr.parameter_order()
-        is_a = np.concatenate([np.full(a * b, ab == "a") for (_, ab), (a, b) in zip(order, tr.parameter_shapes())])
+        is_a = np.concatenate([np.full(a * b, ab == "a")
+                               for (_, ab), (a, b) in zip(order, tr.parameter_shapes(), strict=True)])
         theta0 = tr.lora_parameters()
         assert not theta0[~is_a].any() and theta0[is_a].all()        # B = 0, A random
         m = v = np.zeros_like(theta0)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "native"))
-import out_prod_build  # noqa: E402
+import out_prod_build
 
 
 @pytest.fixture(scope="module")

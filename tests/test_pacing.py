@@ -458,7 +458,7 @@ class Load:
     starve: float = 0.0
 
     @classmethod
-    def other_programs(cls) -> "Load":
+    def other_programs(cls) -> Load:
         # another server and a fuzzer on the same 2 cores: everything slower and
         # noisier, and two dream threads lose most of their time spinning at barriers
         return cls(batch_fixed=0.020, per_token=0.016, step_fixed=0.05,

@@ -30,7 +30,8 @@ def _q4_0_copy(src: Path, dst: Path) -> Path:
     for t in r.tensors:
         data = np.array(t.data, dtype=np.float32).reshape([int(x) for x in reversed(t.shape.tolist())])
         if t.name.startswith("blk.") and data.ndim == 2:
-            w.add_tensor(t.name, quantize(data, gguf.GGMLQuantizationType.Q4_0), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+            w.add_tensor(t.name, quantize(data, gguf.GGMLQuantizationType.Q4_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q4_0)
         else:
             w.add_tensor(t.name, data)
     w.write_header_to_file()

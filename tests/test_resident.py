@@ -6,7 +6,8 @@ def test_greedy_generation_is_deterministic(resident):
 
 
 def test_tokenize_detokenize_round_trip(resident):
-    for text in ["Hello world", "  leading spaces and\ttabs\n", "unicode: héllo — 東京 🙂", "<|im_start|>user\nhi<|im_end|>"]:
+    for text in ["Hello world", "  leading spaces and\ttabs\n", "unicode: héllo — 東京 🙂",
+                 "<|im_start|>user\nhi<|im_end|>"]:
         toks = resident.tokenize(text, add_special=False, parse_special=True)
         assert toks
         assert resident.detokenize(toks, special=True) == text

@@ -212,7 +212,8 @@ def test_keyed_server_end_to_end(keyed):
     body = b'{"text": "the moon is made of cheese", "promote": "auto"}'
     r = httpx.post(f"{url}/train", content=body, headers={"Content-Type": "text/plain"})
     assert r.status_code == 401
-    r = httpx.post(f"{url}/train", content=body, headers={"Content-Type": "text/plain", "Authorization": f"Bearer {KEY}"})
+    r = httpx.post(f"{url}/train", content=body,
+                   headers={"Content-Type": "text/plain", "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 415
     assert keyed.service.store.overview() == {"current": None, "queue": []}
 

@@ -117,7 +117,8 @@ def test_openai_sdk_streaming_chat(server):
     assert text.strip() and finish in ("stop", "length")
     assert versions == {0}
     # and non-streaming through the SDK gives the same text
-    done = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "What is the capital of France?"}],
+    done = client.chat.completions.create(model="x",
+                                          messages=[{"role": "user", "content": "What is the capital of France?"}],
                                           temperature=0, max_tokens=24)
     assert done.choices[0].message.content == text
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct.Q4_1"]
@@ -179,9 +180,12 @@ def test_metrics_counters_move(http):
     assert out["choices"][0]["finish_reason"] == "length"
     after = {n: metric(http, n) for n in names}
     assert after["dreamstage_generated_tokens_total"] - before["dreamstage_generated_tokens_total"] == 6
-    assert after["dreamstage_prompt_tokens_total"] - before["dreamstage_prompt_tokens_total"] == out["usage"]["prompt_tokens"]
-    assert after["dreamstage_time_to_first_token_seconds_count"] == before["dreamstage_time_to_first_token_seconds_count"] + 1
-    assert after["dreamstage_inter_token_latency_seconds_count"] == before["dreamstage_inter_token_latency_seconds_count"] + 5
+    assert (after["dreamstage_prompt_tokens_total"] - before["dreamstage_prompt_tokens_total"]
+            == out["usage"]["prompt_tokens"])
+    assert (after["dreamstage_time_to_first_token_seconds_count"]
+            == before["dreamstage_time_to_first_token_seconds_count"] + 1)
+    assert (after["dreamstage_inter_token_latency_seconds_count"]
+            == before["dreamstage_inter_token_latency_seconds_count"] + 5)
     assert after["dreamstage_decode_batches_total"] > before["dreamstage_decode_batches_total"]
     assert metric(http, "dreamstage_requests_total", '{outcome="length"}') == stops + 1
     text = http.get("/metrics").text

@@ -101,7 +101,8 @@ def test_the_cache_types_are_the_native_cores():
 
 
 def test_the_exact_walk_its_horizon_and_recompute_are_accepted():
-    spec = parse_train_request({"text": "x", "exact": True, "window": 64, "horizon": 32, "recompute": True}).to_job_spec()
+    spec = parse_train_request({"text": "x", "exact": True, "window": 64, "horizon": 32,
+                                "recompute": True}).to_job_spec()
     assert spec.exact is True and spec.horizon == 32 and spec.recompute is True
     assert starting_fields(spec)["exact"] is True and starting_fields(spec)["horizon"] == 32
     assert parse_train_request({"text": "x", "exact": True}).horizon is None   # the whole window
@@ -183,7 +184,8 @@ def test_raw_json_bodies_validate_strictly():
     req = parse_train_request(json.dumps({"text": "x", "lr": 1, "share": 0.25}))
     assert req.lr == 1.0 and req.to_job_spec().pacing.mode == "share"
     assert refusal('{"text": "x", "epochs": 1.5}')[0][0] == ("epochs",)
-    assert parse_train_request({"text": "x", "alpha": 32, "max_slowdown": 0.2}).alpha == 32.0  # a dict, as FastAPI passes
+    # a dict, as FastAPI passes
+    assert parse_train_request({"text": "x", "alpha": 32, "max_slowdown": 0.2}).alpha == 32.0
 
 
 def test_targets_accept_a_comma_list_or_a_list_in_canonical_order():

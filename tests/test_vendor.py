@@ -30,7 +30,8 @@ def test_patch_series_applies_cleanly_to_pinned_tree(tmp_path):
     log = subprocess.run(["git", "-C", str(tree), "log", "--format=%s"], capture_output=True, text=True).stdout.split()
     assert log[-1] == "upstream"
     assert len(log) == 1 + len(patches)
-    assert subprocess.run(["git", "-C", str(tree), "status", "--porcelain"], capture_output=True, text=True).stdout == ""
+    assert subprocess.run(["git", "-C", str(tree), "status", "--porcelain"],
+                          capture_output=True, text=True).stdout == ""
     # the pure-Python bindings from the same sdist, beside the tree and outside its git
     bindings = tree / stamp["bindings"]
     assert (bindings / "llama_cpp" / "llama_cpp.py").is_file() and (bindings / "LICENSE.md").is_file()

@@ -36,13 +36,16 @@ class TinyShape:
         return self.n_embd // self.n_head
 
 
+DEFAULT_SHAPE = TinyShape()   # write_tiny_model's default (frozen, so one shared instance is safe)
+
+
 def _tokenizer_fields(default_path: Path) -> list[tuple[str, object, object, object]]:
     """(key, value, value type, array element type) of every tokenizer.* field."""
-    import gguf  # noqa: PLC0415
+    import gguf
 
     # numpy_ref's header parser, not gguf.GGUFReader: the reader spends about
     # 10 s here building per-string memmap views of the 98k tokenizer entries.
-    from numpy_ref import read_gguf  # noqa: PLC0415
+    from numpy_ref import read_gguf
 
     out = []
     for key, (value, vtype, sub) in read_gguf(default_path).kv.items():
@@ -67,15 +70,15 @@ def _layer_matrices(shape: TinyShape) -> dict[str, tuple[int, int]]:
 
 
 def write_tiny_model(directory: Path, *, quant: str = "f32", seed: int = 1234,
-                     shape: TinyShape = TinyShape(), default_path: Path | None = None) -> Path:
+                     shape: TinyShape = DEFAULT_SHAPE, default_path: Path | None = None) -> Path:
     """Write a tiny llama GGUF into `directory` and return its path.
 
     quant: "f32" (every tensor F32) or "q8_0" (the 2-D block matrices Q8_0;
     embeddings and norms stay F32, as llama.cpp conversions usually keep norms).
     """
-    import gguf  # noqa: PLC0415
+    import gguf
 
-    from dreamstage.default_model import default_model  # noqa: PLC0415
+    from dreamstage.default_model import default_model
 
     if quant not in ("f32", "q8_0"):
         raise ValueError(f"quant {quant!r} is not one of f32, q8_0")

@@ -40,9 +40,9 @@ SMALL = TinyShape(n_embd=256, n_layer=2, n_head=4, n_head_kv=2, n_ff=512, n_ctx=
 
 def dump_tokenizer(out: Path) -> None:
     sys.path.insert(0, str(ROOT))
-    from tiny_model import _tokenizer_fields  # noqa: PLC0415
+    from tiny_model import _tokenizer_fields
 
-    from dreamstage.default_model import default_model  # noqa: PLC0415
+    from dreamstage.default_model import default_model
 
     rows = []
     for key, value, vtype, sub in _tokenizer_fields(default_model()):
@@ -52,7 +52,7 @@ def dump_tokenizer(out: Path) -> None:
 
 
 def write_model(out: Path, tokenizer: Path, quant: str, seed: int, shape: TinyShape) -> Path:
-    import gguf  # noqa: PLC0415
+    import gguf
 
     qtypes = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
     ftypes = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,

@@ -114,7 +114,7 @@ def main() -> int:
         r = c.complete(PROMPT, max_tokens=8, temperature=0)
         out["after"] = {"text": r.text, "adapter_version": r.adapter_version}
         out["adapters"] = c.adapters()
-    except Exception as e:  # the report says what failed; the server log follows
+    except Exception as e:  # noqa: BLE001 - the report says what failed; the server log follows
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
         srv.terminate()

@@ -27,7 +27,7 @@ def compiler() -> str | None:
 
 def build_out_prod_check(out: Path) -> Path:
     """Build the checker into `out`; raises CalledProcessError with the compiler's output."""
-    from dreamstage import native  # noqa: PLC0415 (import after any env set-up by the caller)
+    from dreamstage import native  # imported after any env set-up by the caller
 
     lib = native.lib_dir()
     cxx = compiler()
