@@ -315,7 +315,7 @@ def test_a_refusal_in_the_middle_of_a_job_leaves_serving_byte_identical(tiny, tm
         # The gate's need depends on what serving has reserved and on the step shaper's
         # chunk sizes, so the budget is found, not fixed: from just above the gate's slack
         # upwards, the first budget under which the job is refused at some chunk and then
-        # trains on at a smaller one. (Measured 2026-11-30 on the tiny model: 80 MiB
+        # trains on at a smaller one. (On the tiny model: 80 MiB
         # refuses chunks 56 and 32 after the first step and trains at 16.)
         view = None
         for extra in (4, 8, 12, 16, 20, 24, 32, 48):
@@ -359,7 +359,7 @@ def test_a_cancelled_job_gives_the_trainers_memory_back(tmp_path):
             during = rss_mib()
             assert c.post(f"/train/{jid}/cancel").json()["state"] == "cancelled"
             # Rank 32 on every target: adapter, gradients and AdamW state are over 100 MiB, so a
-            # trainer left alive stands out. (Measured 2026-11-30 at rank 8, q and v: 220 MiB
+            # trainer left alive stands out. (At rank 8, q and v: 220 MiB
             # before, 360-388 while training, 222-233 after, 244-251 without the malloc_trim.)
             assert during - before > 50, (before, during)
             wait_for(lambda during=during: rss_mib() - before < 0.25 * (during - before), "the memory to come back",

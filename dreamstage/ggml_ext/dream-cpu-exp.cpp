@@ -1,8 +1,8 @@
 // Vectorized CPU kernels for the two element-wise training ops that call
 // expf once per element in ggml-cpu: the cross-entropy over the vocabulary
 // (49,152 columns per loss row of the default model) and SILU_BACK (the
-// feed-forward's gate, 1,536 columns per token per layer; since 2026-12-02
-// mostly inside dream-glu.cpp's one-pass SwiGLU backward, whose body is here too). Together about 4%
+// feed-forward's gate, 1,536 columns per token per layer; mostly inside
+// dream-glu.cpp's one-pass SwiGLU backward, whose body is here too). Together about 4%
 // of a default-model step at chunk 256 on one thread. AVX-512 only; other CPUs
 // keep ggml's ops.
 #include "dream-stage.h"

@@ -20,8 +20,8 @@
 // at 2048 x 8, read from L2 by every block) and then its own slice of the output
 // rows, s * B t. The kernel is bound by the latency of its loads, not by
 // bandwidth: a first version that computed t one row of A per warp, a chain of
-// dependent loads, made decoding slower than the three nodes it replaced (H200,
-// 2026-12-01: a rank-8 q,v adapter cost 28% of decode speed against 13%).
+// dependent loads, made decoding slower than the three nodes it replaced (on an
+// H200 a rank-8 q,v adapter cost 28% of decode speed against 13%).
 // The sums are F32, in another order than upstream's, so the result differs
 // from the unfused one by rounding only (bench/gpu/dream_lora_check: within
 // 1.5e-7 relative L2 of the same arithmetic in double).

@@ -187,11 +187,8 @@ class StepShaper:
 
         Capped: a tail longer than that is a thread another program
         descheduled, which takes as long whatever the chunk; shrinking the
-        chunk for it would cost training and buy no shorter pause. (Tried on
-        2026-12-01: no cap while the machine is oversubscribed, on the reading
-        that a step there slows in proportion to its size. Under two busy loops
-        the A/B showed no shorter pauses: docs/benchmarks.md, "Pacing, sixth
-        session".)"""
+        chunk for it would cost training and buy no shorter pause (an A/B
+        without the cap under two busy loops showed no shorter pauses)."""
         if len(self._ratios) < 4:
             return 1.25                      # until measured: a quarter of room
         return min(self.NOISE_CAP, max(1.0, percentile(sorted(self._ratios), 95) or 1.0))

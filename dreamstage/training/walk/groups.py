@@ -41,8 +41,7 @@ class StepCost:
 
 # Measured on the 2-core project machine (default model, rank 8 on attn_q/attn_v,
 # q8_0 cache, one thread): the backward line is fit_cost over the receipts of
-# one P=512, D=16, G=8 run of bench/bench_groups.py (both paths, 2026-11-30
-# 15:36 UTC); its forward steps all had 256 tokens (6.6 ms/token), so the
+# one P=512, D=16, G=8 run of bench/bench_groups.py (both paths); its forward steps all had 256 tokens (6.6 ms/token), so the
 # forward's fixed cost (40 ms) is a guess. Over the whole grid the predicted
 # ratio lands within 10% of the measured CPU-time ratio at 22 of 24 points (15%
 # off at the smallest, P=16, G=2), and picks wrongly only at break-even points,
