@@ -79,12 +79,17 @@ lint() {
   "$PY" -m mypy
 }
 
+# One pytest worker per core, at most 4 (each loads its own models; every test
+# model runs one thread). Whole files go to one worker, so a module's fixtures
+# are built once. A later -n in the arguments overrides this (-n 0: no workers).
+test_workers() { local n; n="$(nproc)"; echo $(( n < 4 ? n : 4 )); }
+
 cmd="${1:-help}"; shift || true
 case "$cmd" in
   setup) setup ;;
   build) setup force ;;
   serve) setup; exec "$VENV/bin/dreamstage" serve "$@" ;;
-  test)  setup; lint; exec "$PY" -m pytest "$@" ;;
+  test)  setup; lint; exec "$PY" -m pytest -n "$(test_workers)" --dist loadfile "$@" ;;
   lint)  setup; lint ;;
   info)  setup; exec "$VENV/bin/dreamstage" info ;;
   shell) setup; PATH="$VENV/bin:$PATH" exec "$@" ;;

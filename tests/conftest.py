@@ -51,21 +51,20 @@ def record_result(tmp_path):
 
 @pytest.fixture(scope="session")
 def resident():
-    """The default model, resident once for the whole session (single sequence)."""
+    """The default model, resident once per session (single sequence). One
+    thread, like every model the suite builds: dev.sh runs one test worker per
+    core, and ggml's spinning thread barrier collapses when threads outnumber
+    free cores."""
     from dreamstage.serving.resident import ResidentConfig, ResidentModel
-    m = ResidentModel(ResidentConfig(n_ctx=1024, n_seq=1, n_threads=2))
+    m = ResidentModel(ResidentConfig(n_ctx=1024, n_seq=1, n_threads=1))
     yield m
     m.close()
 
 
 @pytest.fixture(scope="session")
 def dream_resident():
-    """The default model with one thread, for the dream-stage tests.
-
-    One thread: the project machine's two cores are shared, and ggml's spinning
-    thread barrier collapses under contention (a 41-token prefill: 2.6 s with
-    2 threads at load 5, 0.45 s with 1).
-    """
+    """The default model for the dream-stage tests, one thread (see `resident`;
+    a 41-token prefill took 2.6 s with 2 threads at load 5, 0.45 s with 1)."""
     from dreamstage.serving.resident import ResidentConfig, ResidentModel
     m = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
     yield m

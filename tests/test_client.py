@@ -12,7 +12,7 @@ MSGS = [{"role": "user", "content": "Name a colour."}]
 
 @pytest.fixture(scope="module")
 def server():
-    with BackgroundServer(ServerSettings(ctx=1024, parallel=2, threads=2, max_queue=4)) as srv:
+    with BackgroundServer(ServerSettings(ctx=1024, parallel=2, threads=1, max_queue=4)) as srv:
         yield srv
 
 

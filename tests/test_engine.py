@@ -38,7 +38,7 @@ class RecordingHook:
 
 @pytest.fixture(scope="module")
 def engine():
-    model = ResidentModel(ResidentConfig(n_ctx=1024, n_seq=4, n_threads=2, kv_unified=False))
+    model = ResidentModel(ResidentConfig(n_ctx=1024, n_seq=4, n_threads=1, kv_unified=False))
     hook = RecordingHook()
     eng = Engine(model, max_queue=2, hook=hook).start()
     eng.test_hook = hook
@@ -227,7 +227,7 @@ def test_a_failing_hook_does_not_stop_serving(engine):
 
 def test_quantized_serving_kv_type_generates():
     # --kv-type q8_0: a quantized V cache needs flash attention, which llama.cpp's auto setting enables.
-    model = ResidentModel(ResidentConfig(n_ctx=512, n_seq=2, n_threads=2, kv_type="q8_0", kv_unified=False))
+    model = ResidentModel(ResidentConfig(n_ctx=512, n_seq=2, n_threads=1, kv_type="q8_0", kv_unified=False))
     eng = Engine(model).start()
     try:
         text, events = run(eng, "The capital of France is", 6)

@@ -17,7 +17,7 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about snow.", "List 
 @pytest.fixture(scope="module")
 def server():
     # 4 slots and a waiting room of 1: the sixth outstanding request gets 503.
-    with BackgroundServer(ServerSettings(ctx=2048, parallel=4, threads=2, max_queue=1,
+    with BackgroundServer(ServerSettings(ctx=2048, parallel=4, threads=1, max_queue=1,
                                          max_body_bytes=64 * 1024)) as srv:
         yield srv
 
