@@ -211,7 +211,8 @@ def test_swiglu_backward_in_one_node_matches_the_closed_form_and_ggml(n_ff, n_to
     """SwiGLU's backward as one node (dream-glu.cpp; what a training graph's feed-forward
     gate gets on every backend) against the closed form in float64 and against ggml's own
     four-op backward: relative L2 over each whole gradient, both nonzero, on 1 and 3
-    threads; a graph built with DREAMSTAGE_FUSED_GLU=0 has no fused node."""
+    threads; the graph the check builds with `fused` off (ggml's own backward, which no
+    training graph uses) has no fused node."""
     L = native.lib()
     rng = np.random.default_rng(n_ff)
     g, u, w = (rng.normal(0.0, 2.0, (n_tok, n_ff)).astype(np.float32) for _ in range(3))
