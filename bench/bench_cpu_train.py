@@ -20,7 +20,7 @@ counted), the fairer figure when other programs share the cores. Writes JSON.
 
 The PEFT side needs a separate venv with torch (CPU), transformers, peft and
 gguf; the finetune binary is built from the unpatched upstream tree (see
-docs/benchmarks.md, "CPU training against upstream and PEFT").
+docs/benchmarks.md, "CPU training speed against PEFT and llama-finetune").
 """
 from __future__ import annotations
 

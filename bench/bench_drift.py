@@ -308,7 +308,7 @@ def recall(rm, handle, facts) -> tuple[float, list[str]]:
 def changed_where_sure(drift, bases, p: float = 0.5) -> float:
     """The fraction of anchors whose greedy answer changed at a token where the
     base's own top choice had probability >= p: changes that are not the base's
-    near ties (docs/architecture/drift.md, "What it does not do")."""
+    near ties (docs/architecture/drift.md, "The noise margin")."""
     sure = [f is not None and float(b.top_logp[f].max()) >= math.log(p) for f, b in zip(drift.first_change, bases,
                                                                                           strict=True)]
     return sum(sure) / max(len(sure), 1)

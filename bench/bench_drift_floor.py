@@ -13,8 +13,8 @@ each is measured exactly as a job's final drift measurement is (drift_kl,
 anchors_changed, the first changed token's position, and whether the base's
 top token had probability >= 0.5 there). Nothing is trained: whatever changes,
 changes at the base's own near ties or by the perturbation's size alone.
-docs/architecture/drift.md ("What it does not do") reads the result against
-the trained jobs of bench_drift.py.
+docs/architecture/drift.md ("The noise margin") reads the results: the
+floor, and that an F32 copy of the model has none.
 
 Each row also gives the base's margin (log p1 - log p2, its top two tokens) at
 every position a null adapter flipped (`flip_margins`), and `noise_margin`, the

@@ -12,8 +12,8 @@ window made room for the rehearsal), one job after the other. The first job reco
 anchors and measures the noise margin (cached for the later jobs), so its wall
 time includes them; the others' is training and measuring only. Per job: the
 wall time from the POST to its final state, the answer at temperature 0 after
-it, its final drift figures and its message. docs/benchmarks.md ("The defaults'
-other knobs, and the short-window jobs") quotes it.
+it, its final drift figures and its message. docs/benchmarks.md ("Drift guard:
+anchors changed, drift_kl, recall") quotes it.
 """
 from __future__ import annotations
 

@@ -216,11 +216,11 @@ def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_ou
     """Issue 12's "done when", on the tests' facts with every default: recall >= 90 % at
     temperature 0, at most 5 % of the held-out anchors' greedy answers changed beyond
     the job's noise margin, and promoted by promote "auto". (The defaults were chosen on
-    the evaluation facts of bench/drift_facts.py, docs/benchmarks.md, "Drift".) The margin
-    here is 0.742, the second widest lead drop of the job's 19 null draws (0.800 was
-    their widest; bench_null_margin.py); beyond 0.51
-    this job changed 1 of 20, and the evaluation facts' jobs 1 to 3 at their own
-    margins (docs/architecture/drift.md, "What is counted beyond it")."""
+    the evaluation facts of bench/drift_facts.py: docs/architecture/drift.md, "Defaults,
+    and what they cost".) The margin here is 0.742, the second widest lead drop of the
+    job's 19 null draws (0.800 was their widest; bench_null_margin.py); beyond 0.51 this
+    job changed 1 of 20. What the evaluation facts' jobs change beyond their own margins:
+    docs/architecture/drift.md, "What it achieves, and what it does not"."""
     job = jobs["default"]
     drift = job["progress"]["drift"]
     assert drift["final"] and drift["anchors"] == len(load_anchors()) and drift["noise_margin"] is not None
@@ -269,7 +269,8 @@ def test_without_the_regularizer_the_same_job_changes_more(jobs):
     assert jobs["off"]["state"] == "done" and not jobs["off"]["adapter"]["promoted"]
     # "changes more", on the held-out anchors: the distributions move further. Their greedy
     # answers do not tell the two apart on this model (both change nearly all of them;
-    # docs/benchmarks.md, Drift), so that figure is held only to "no fewer"
+    # docs/architecture/drift.md, "What it achieves, and what it does not"), so that figure
+    # is held only to "no fewer"
     assert off["drift_kl"] > on["drift_kl"] and off["anchors_changed"] >= on["anchors_changed"]
 
 

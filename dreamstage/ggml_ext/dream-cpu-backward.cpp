@@ -19,7 +19,8 @@
 //
 // The forward is ggml's quantized MUL_MAT, exactly what serving runs (for
 // Q4_1 through the batched kernel of cpu/mul-mat-q4-1.cpp, which is ggml's
-// arithmetic bit for bit); see docs/architecture/dream-stage.md, "Performance".
+// arithmetic bit for bit); see docs/architecture/dream-stage.md,
+// "Performance (CPU, default model)".
 #include "dream-stage.h"
 #include "dream-testing.h"
 

@@ -2,8 +2,9 @@
 //
 // A training graph built the explicit way keeps each layer's score matrix
 // (T x T per head, F32) from the forward for the backward: at 2048 tokens that
-// is most of the graph and a third of the step on the H200 (docs/benchmarks.md,
-// "Where a GPU step goes"). When every layer's attention runs on CUDA, the
+// is most of the graph and a third of the step on the H200 (docs/architecture/gpu.md,
+// "Fused attention in training graphs (patch 0105, `dream-fattn.cpp`,
+// `cuda/flash-attn-back.cu`)"). When every layer's attention runs on CUDA, the
 // dream stage builds its graphs with flash attention on instead (the cparams
 // of the graph, never serving's): upstream's FLASH_ATTN_EXT kernel for the
 // forward, and for the backward, which ggml does not have, a node of ours:

@@ -1,7 +1,11 @@
-// Shared-prefix groups (DESIGN-BRIEF section 4, the star): one prompt, G
-// weighted replies, one pass of the prompt. The walk reuses the exact walk's
-// machinery in dream-walk.cpp (gradient leaves, adjoint buffers, surrogate);
-// this file only decides which chunk comes next and what the window holds.
+// Shared-prefix groups (docs/architecture/groups.md; the star among the chunk
+// trees): one prompt, G weighted replies, one pass of the prompt. The walk
+// reuses the exact walk's machinery: the gradient leaves and the surrogate
+// (the attention hook in dream-walk.cpp), the micro-step that builds them and
+// adds the leaves' gradients into the adjoint buffers (dream-step.cpp), those
+// buffers (dream-memory.cpp) and the reverse pass's bookkeeping
+// (dream-window.cpp). This file only decides which chunk comes next and what
+// the window holds.
 //
 // Cells: the prompt's first S = n_prefix - 1 tokens are shared. Each reply is a
 // child window [S, n_prefix + len) holding the prompt's last token and the

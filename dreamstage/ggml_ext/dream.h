@@ -32,7 +32,8 @@ LLAMA_API const char * dream_build_info(void);
 #define DREAM_STATUS_STOPPED 3   // stopped at its deadline; the next micro-step goes on with it (dream_set_step_deadline)
 
 // One receipt per micro-step (and one for dream_init). Field names are the
-// canonical ones (DESIGN-BRIEF section 5); sizes are MiB (2^20 bytes), times ms.
+// canonical ones, kept unchanged in Python, the job store and the HTTP API
+// (docs/architecture/dream-stage.md, "Receipts"); sizes are MiB (2^20 bytes), times ms.
 struct dream_receipt {
     int32_t status;                 // DREAM_STATUS_*
     int64_t step;                   // micro-steps taken by this stage, this one included

@@ -26,8 +26,8 @@
 // The FP32 mode (NVIDIA_TF32_OVERRIDE=0) reaches cuBLAS only: ggml-cuda's own
 // small-batch kernel (mmf, up to 16 columns) multiplies F32 weights with TF32
 // MMA whatever the override, which moved a GPU exact walk in chunks of 16 by
-// 6.7e-3 from its one-chunk gradient even in FP32 (docs/benchmarks.md, "Exact
-// walk on the H200"). So in that mode a training graph's F32 product, which
+// 6.7e-3 from its one-chunk gradient even in FP32 (docs/architecture/gpu.md,
+// "Precision"). So in that mode a training graph's F32 product, which
 // dream-fit.cpp annotates the same way, goes to cuBLAS as well.
 
 #include "out-prod.cuh"

@@ -5,7 +5,7 @@ Each rehearsal anchor (anchors.rehearsal_anchors, and a job's neighbours)
 becomes training windows made of its base record (records.AnchorBase): by
 default ("soft") its greedy answer trained against the base's recorded
 distributions, a cross-entropy whose minimum is the base itself
-(docs/architecture/drift.md, "The regularizer"). Each epoch visits a rotating
+(docs/architecture/drift.md, "The regularizer (on by default)"). Each epoch visits a rotating
 slice of the anchors (anchor_visits); the rehearsal-only epochs after the
 job's own visit each once (consolidation_visits).
 """
@@ -41,7 +41,8 @@ def soft_targets(ids: np.ndarray, logp: np.ndarray) -> tuple[np.ndarray, np.ndar
     probabilities float32), as recorded, not renormalized. A row sums to the mass
     of its K tokens; the native loss trains what they leave out as one more
     outcome, "any other token" (dream_window_soft_targets), so the target's
-    minimum is the base itself (docs/architecture/drift.md, "The rest of the distribution")."""
+    minimum is the base itself (docs/architecture/drift.md, "Soft targets in the
+    native walk")."""
     p = np.exp(np.asarray(logp, np.float64))
     s = p.sum(axis=1, keepdims=True)
     p = np.where(s > 1.0, p / s, p)      # rounding: never over one

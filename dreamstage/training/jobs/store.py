@@ -1,9 +1,11 @@
 """Training jobs: the state machine and its SQLite store (jobs, receipts, adapter versions).
 
 Durability: one SQLite database (WAL, synchronous=FULL) under the state
-directory. `JobStore.submit` commits the job (its request and its starting
-fields) before it returns, so the server answers 202 only for a job that
-survives a crash, power cut included (synchronous=FULL). Receipts and
+directory. `JobStore.submit` commits the job (its request and its spec as
+stored JSON, `stored.to_stored`) before it returns, so the server answers 202
+only for a job that survives a crash, power cut included (synchronous=FULL).
+A job's starting fields live only inside that stored spec (schema version 3
+dropped the columns that repeated them); `starting_fields` reads them back. Receipts and
 progress commit per micro-step with synchronous=NORMAL: safe against a
 process crash at once, and against a power cut from the next state change
 (see `_write`).
@@ -18,7 +20,7 @@ engine cannot both win.
 Receipts are stored as the JSON dicts the native Receipt dataclass produces,
 unchanged; the canonical field names are `receipts.RECEIPT_FIELDS`. What a
 receipt does to the progress is `progress.py`; where the job is in its
-windows is `walk.py`.
+windows is `dreamstage/training/walk/plan.py`.
 """
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ class StepShaper:
     chunks' K/V as constants, so a window cut into smaller chunks trains on
     another (truncated) gradient: on a loaded machine the pause bound changed
     what the job learned and how much it drifted (docs/benchmarks.md, "The
-    pause bound keeps the arithmetic"). With `keep_chunk` every step runs at
+    kept chunk: the pause bound keeps the arithmetic"). With `keep_chunk` every step runs at
     the memory ladder's chunk, and the step deadline alone bounds the pause:
     a step still computing at `DEADLINE` of the bound stops between two
     segments of its graph and the next step goes on with it, so only when a

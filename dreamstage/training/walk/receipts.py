@@ -1,7 +1,8 @@
 """Receipts: one per dream micro-step, mirroring `struct dream_receipt` (dream.h) field by field.
 
-The field names are the canonical ones of DESIGN-BRIEF section 5 and travel
-unchanged into JSON, the job store and the HTTP API. Sizes are MiB, times ms.
+The field names are the canonical ones (docs/architecture/dream-stage.md,
+"Receipts") and travel unchanged into JSON, the job store and the HTTP API.
+Sizes are MiB, times ms.
 """
 from __future__ import annotations
 
