@@ -62,11 +62,13 @@ class Service:
         # The dream stage (POST /train) needs a state directory for its jobs and adapters.
         self.store = self.scheduler = self.submitter = None
         if settings.state_dir is not None and hook is None:
+            from dreamstage.training.drift.record_file import DriftRecordFile
             from dreamstage.training.jobs.scheduler import DreamScheduler
             from dreamstage.training.jobs.store import JobStore
             from dreamstage.training.jobs.submit import JobSubmitter
             self.store = JobStore(settings.state_dir)
-            self.scheduler = hook = DreamScheduler(self.store, self.model, drift_guard=settings.drift_guard)
+            self.scheduler = hook = DreamScheduler(self.store, self.model, drift_guard=settings.drift_guard,
+                                                   record_file=DriftRecordFile(settings.state_dir, self.model))
             self.submitter = JobSubmitter(self.store, self.scheduler, self.model, settings.limits)
         elif settings.adapter is not None:
             raise ValueError("--adapter needs a state directory (--state-dir) to keep its versions in")

@@ -33,6 +33,7 @@ from typing import Any
 
 from dreamstage.adapters.served import AdapterSwitch, ServedAdapters
 from dreamstage.stats import DreamStats
+from dreamstage.training.drift.record_file import DriftRecordFile
 from dreamstage.training.jobs.memory import release_freed_memory
 from dreamstage.training.jobs.program import AdapterSaveError, JobProgram, StepRan
 from dreamstage.training.jobs.request import check_adapter_name
@@ -64,11 +65,16 @@ class DreamScheduler(JobProgram):
 
     def __init__(self, store: JobStore, resident, *, make_trainer: Callable | None = None,
                  served: ServedAdapters | None = None, idle_grace_s: float = DEFAULT_IDLE_GRACE_S,
-                 clock: Callable[[], float] = time.monotonic, drift_guard: bool = True):
+                 clock: Callable[[], float] = time.monotonic, drift_guard: bool = True,
+                 record_file: DriftRecordFile | None = None):
         self.store = store
         self.drift_guard = drift_guard
         self._anchor_records: dict = {}   # prompt -> the base's AnchorBase, shared by every job of this process
         self._noise_margins: dict = {}    # (anchors, adapter shape) -> the drift noise margin (DriftGuard.noise_margin)
+        # both kept across restarts (record_file.py): loaded here, saved when the warm-up or a job ends
+        self._record_file = record_file if drift_guard else None
+        if self._record_file is not None:
+            self._anchor_records, self._noise_margins = self._record_file.load()
         self._warmup: AnchorWarmup | None = None   # records them while idle, before any job (warmup.py)
         self._served_at = -math.inf                # when the last decode batch ended
         self.resident = resident
@@ -333,6 +339,7 @@ class DreamScheduler(JobProgram):
         if job is not None:
             job.close()                                 # runs the generator's finally: trainers closed
             release_freed_memory()
+            self._save_records()
         with self._lock:
             if jid is not None:
                 self._rendered.pop(jid, None)
@@ -384,7 +391,14 @@ class DreamScheduler(JobProgram):
             if access is None:
                 return
             self._warmup = AnchorWarmup(self.resident, self._anchor_records, *access)
-        self._warmup.step()
+        if not self._warmup.step():
+            return
+        if self._warmup.done:
+            self._save_records()
+
+    def _save_records(self) -> None:
+        if self._record_file is not None:
+            self._record_file.save(self._anchor_records, self._noise_margins)
 
     # -- promotion and rollback (engine thread) ------------------------------------------------
     def _run_commands(self, engine) -> None:
