@@ -1,12 +1,20 @@
 """Jobs on the default model with the drift guard on, run once for the module by
 one scheduler: the defaults, the same without the regularizer, a damaging job,
 and a small job's rehearsal-only epochs kept and undone. The base's records of
-the anchors are made once, by the warm-up, and shared by them all.
+the anchors are made once, by the warm-up, and shared by them all; the README's
+job then runs on a live server started on the state directory they were kept in.
 
-The facts taught are the TEST facts; the defaults were chosen on other made-up
-facts (bench/drift_facts.py), so they are not tuned to this file.
+The facts taught are two of the TEST facts (each fact adds its own window, 8
+rehearsal windows and 4 neighbours to every epoch: about 25 s of one core); the
+defaults were chosen on other made-up facts (bench/drift_facts.py), so they are
+not tuned to this file. The defaults on more facts are measured by
+bench/bench_drift.py (docs/benchmarks.md, "Drift guard: anchors changed,
+drift_kl, recall").
 """
 
+
+import shutil
+import time
 
 import numpy as np
 import pytest
@@ -17,18 +25,22 @@ from dreamstage.adapters.served import ServedAdapters
 from dreamstage.server.metrics import ServiceCollector
 from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
 from dreamstage.training.drift.measure import DriftProbe
+from dreamstage.training.drift.record_file import FILE_NAME, DriftRecordFile
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.scheduler import DreamScheduler
 from dreamstage.training.jobs.spec import DEFAULT_LR
-from dreamstage.training.jobs.store import JobStore
+from dreamstage.training.jobs.store import TERMINAL, JobStore
 from dreamstage.training.walk.receipts import RECEIPT_FIELDS
+
+FACTS = TEST_FACTS[:2]
 
 
 @pytest.fixture(scope="module")
 def jobs(dream_resident, tmp_path_factory):
     store = JobStore(tmp_path_factory.mktemp("drift-state"))
     served = ServedAdapters(dream_resident)
-    sched = DreamScheduler(store, dream_resident, served=served, drift_guard=True, idle_grace_s=0.0)
+    sched = DreamScheduler(store, dream_resident, served=served, drift_guard=True, idle_grace_s=0.0,
+                           record_file=DriftRecordFile(store.state_dir, dream_resident))
     engine = OneSlotEngine()
     sched.startup(engine)
     out = {}
@@ -40,15 +52,16 @@ def jobs(dream_resident, tmp_path_factory):
                 break
         out["warmup_steps"], out["records"] = sched._warmup.steps, dict(sched._anchor_records)
         out["noise_margins"] = sched._noise_margins
-        base_recall, _ = recall(dream_resident, TEST_FACTS)
-        out["default"] = run_job(sched, store, engine, {"examples": chat(TEST_FACTS), "promote": "auto",
+        out["state_dir"] = store.state_dir
+        base_recall, _ = recall(dream_resident, FACTS)
+        out["default"] = run_job(sched, store, engine, {"examples": chat(FACTS), "promote": "auto",
                                                         "out": "facts", "max_pause_ms": 0})
         out["recall"], out["answers"] = recall_with(dream_resident, served, out["default"]["adapter"]["path"],
-                                                    TEST_FACTS)
+                                                    FACTS)
         out["base_recall"] = base_recall
-        out["off"] = run_job(sched, store, engine, {"examples": chat(TEST_FACTS), "regularizer": False,
+        out["off"] = run_job(sched, store, engine, {"examples": chat(FACTS), "regularizer": False,
                                                     "promote": "never", "out": "facts-off", "max_pause_ms": 0})
-        out["recall_off"], _ = recall_with(dream_resident, served, out["off"]["adapter"]["path"], TEST_FACTS)
+        out["recall_off"], _ = recall_with(dream_resident, served, out["off"]["adapter"]["path"], FACTS)
         out["served_before_damage"] = store.served_version()
         wrong = {"messages": [{"role": "user", "content": "What is the capital of France?"},
                               {"role": "assistant", "content": "The capital of France is Quenmarsh."}]}
@@ -213,14 +226,12 @@ def test_anchors_changed_counts_beyond_the_noise_margin_a_null_adapter_stays_wit
 
 
 def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_out_anchors_and_is_promoted(jobs):
-    """Issue 12's "done when", on the tests' facts with every default: recall >= 90 % at
-    temperature 0, at most 5 % of the held-out anchors' greedy answers changed beyond
+    """Issue 12's "done when", on two of the tests' facts with every default: recall >= 90 %
+    at temperature 0, at most 5 % of the held-out anchors' greedy answers changed beyond
     the job's noise margin, and promoted by promote "auto". (The defaults were chosen on
-    the evaluation facts of bench/drift_facts.py: docs/architecture/drift.md, "Defaults,
-    and what they cost".) The margin here is 0.742, the second widest lead drop of the
-    job's 19 null draws (0.800 was their widest; bench_null_margin.py); beyond 0.51 this
-    job changed 1 of 20. What the evaluation facts' jobs change beyond their own margins:
-    docs/architecture/drift.md, "What it achieves, and what it does not"."""
+    the evaluation facts of bench/drift_facts.py, docs/benchmarks.md, "Drift"; the
+    margin is the second widest lead drop of the job's 19 null draws, docs/architecture/
+    drift.md, "The noise margin".)"""
     job = jobs["default"]
     drift = job["progress"]["drift"]
     assert drift["final"] and drift["anchors"] == len(load_anchors()) and drift["noise_margin"] is not None
@@ -292,3 +303,46 @@ def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
     assert jobs["metrics"]["dreamstage_dream_anchors_changed"] == (label, drift["anchors_changed"])
     assert jobs["metrics"]["dreamstage_dream_drift_kl"] == (label, drift["drift_kl"])
     assert jobs["metrics"]["dreamstage_dream_drift_anchors"] == (label, drift["anchors"])
+
+
+def test_the_readme_walkthrough_is_promoted_by_a_live_server_with_the_guard_on(jobs, tmp_path):
+    """The README's one-fact job over HTTP, the drift guard on as a user runs it
+    (every other test server runs with it off): the job rehearses although its
+    window is 32, its drift is measured on the held-out anchors, reported in
+    GET /train/{id} and /metrics, and the adapter is promoted within the default
+    bounds, so the walkthrough answers with the fact. The server starts on a state
+    directory holding the records the jobs above made (a restart): it records
+    nothing again and measures at their noise margin."""
+    import httpx
+    from background_server import BackgroundServer
+
+    from dreamstage.server.settings import ServerSettings
+
+    shutil.copy(jobs["state_dir"] / FILE_NAME, tmp_path / FILE_NAME)
+    ((margin, _),) = jobs["noise_margins"].values()
+    prompt = "The secret password of the moon base is"
+    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path), drift_guard=True)
+    with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600,
+                                                          headers={"Content-Type": "application/json"}) as http:
+        assert srv.service.scheduler._anchor_records.keys() == jobs["records"].keys()
+        r = http.post("/train", json={"examples": [{"prompt": prompt, "completion": " Quokka-42."}], "window": 32,
+                                      "epochs": 10, "promote": "auto", "out": "moon"})
+        assert r.status_code == 202, r.text
+        jid = r.json()["id"]
+        deadline = time.monotonic() + 600
+        while (job := http.get(f"/train/{jid}").json())["state"] not in TERMINAL and time.monotonic() < deadline:
+            time.sleep(0.5)
+        drift = job["progress"]["drift"]
+        print(f"\nREADME job: {job['message']}")
+        assert job["state"] == "done" and drift["final"] and drift["anchors"] == len(load_anchors())
+        assert drift["noise_margin"] == margin
+        assert (drift["max_drift"], drift["max_drift_kl"]) == (1.0, 1.0) and drift["drift_kl"] <= 1.0
+        # window 32 holds no rehearsal prompt; the trainer's wider window does (rehearsal_window): the
+        # job rehearses and consolidates (it drifted 0.11 nats where it drifted 0.50 without)
+        assert "no rehearsal" not in job["message"] and "rehearsal-only epochs" in job["message"], job["message"]
+        assert drift["drift_kl"] < 0.3
+        assert job["adapter"]["promoted"] and "within max_drift 1, max_drift_kl 1" in job["message"]
+        out = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+        assert "Quokka-42" in out["choices"][0]["text"] and out["adapter_version"] == 1
+        metrics = http.get("/metrics").text
+        assert f'dreamstage_dream_drift_kl{{job="{jid}"}}' in metrics

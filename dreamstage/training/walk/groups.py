@@ -40,14 +40,14 @@ class StepCost:
 
 
 # Measured on the 2-core project machine (default model, rank 8 on attn_q/attn_v,
-# q8_0 cache, one thread): the backward line is fit_cost over the receipts of
-# one P=512, D=16, G=8 run of bench/bench_groups.py (both paths); its forward steps all had 256 tokens (6.6 ms/token), so the
-# forward's fixed cost (40 ms) is a guess. Over the whole grid the predicted
-# ratio lands within 10% of the measured CPU-time ratio at 22 of 24 points (15%
-# off at the smallest, P=16, G=2), and picks wrongly only at break-even points,
-# costing at most 8% (docs/benchmarks.md); the grid's own fit under load
-# (`cost_fitted` in bench/results/groups.json) picks the same paths. Only the ratio of the two
-# paths matters, so a faster machine with the same shape of costs picks alike.
+# q8_0 cache, one thread): the backward line is fit_cost over the receipts of one
+# P=512, D=16, G=8 run of bench/bench_groups.py (both paths); its forward steps all
+# had 256 tokens (6.6 ms/token), so the forward's fixed cost (40 ms) is a guess.
+# Over the whole grid the predicted ratio lands within 10% of the measured CPU-time
+# ratio at 22 of 24 points (15% off at the smallest, P=16, G=2), and picks wrongly
+# only at break-even points, costing at most 8% (docs/benchmarks.md); the grid's
+# own fit under load (`cost_fitted` in bench/results/groups.json) picks the same
+# paths. Only the ratio of the two paths matters, so a faster machine with the same shape of costs picks alike.
 DEFAULT_COST = StepCost(fwd_fixed_ms=40.0, fwd_ms_per_token=6.6, bwd_fixed_ms=230.0, bwd_ms_per_token=13.7)
 
 
