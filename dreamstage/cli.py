@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -338,10 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        rc = args.fn(args)
+        sys.stdout.flush()                           # a closed pipe shows here, not at exit
+        return rc
     except KeyboardInterrupt:
         print(f"dreamstage {args.cmd}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`dreamstage info | head`): stop quietly, as a pipe's writer does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:  # one line for the user; DREAMSTAGE_DEBUG=1 shows the traceback
         from dreamstage import environment
 

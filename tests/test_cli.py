@@ -6,6 +6,7 @@ are in test_train_api.py.
 """
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -149,6 +150,19 @@ def test_an_unexpected_error_is_one_line_unless_debugging(monkeypatch, capsys):
     monkeypatch.setenv("DREAMSTAGE_DEBUG", "1")
     with pytest.raises(RuntimeError):
         cli.main(["info"])
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly(tmp_path):
+    """`dreamstage info | head -1`: the closed pipe ends the command with 141, as a
+    shell's pipe writer does, and no error line."""
+    import subprocess
+    import sys
+    r, w = os.pipe()
+    os.close(r)                                        # the reader is gone before anything is written
+    p = subprocess.run([sys.executable, "-m", "dreamstage.cli", "info"], stdout=w, stderr=subprocess.PIPE,
+                       timeout=120, cwd=tmp_path)
+    os.close(w)
+    assert p.returncode == 141 and p.stderr == b"", p.stderr.decode()
 
 
 # -- serve's settings: flags, then DREAMSTAGE_* variables, then the defaults ------------------
