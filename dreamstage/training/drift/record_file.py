@@ -90,8 +90,11 @@ class DriftRecordFile:
         log.info("drift: %d anchor records and %d noise margins loaded from %s", *self._saved, self.path)
         return records, margins
 
-    def save(self, records: dict[str, AnchorBase], margins: dict[tuple, tuple[float, Any]]) -> None:
-        """Writes both when either grew since the last load or save; a failed write only logs."""
+    def save(self, cache: dict, margins: dict[tuple, tuple[float, Any]]) -> None:
+        """Writes the anchor records in `cache` (the guard's cache also holds other
+        entries, such as neighbours by (question, n): those are not kept) and the
+        margins, when either grew since the last load or save; a failed write only logs."""
+        records = {p: b for p, b in cache.items() if isinstance(p, str) and isinstance(b, AnchorBase)}
         if (len(records), len(margins)) == self._saved:
             return
         arrays: dict[str, np.ndarray] = {}
