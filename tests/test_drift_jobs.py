@@ -324,7 +324,7 @@ def test_the_readme_walkthrough_is_promoted_by_a_live_server_with_the_guard_on(j
     settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path), drift_guard=True)
     with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600,
                                                           headers={"Content-Type": "application/json"}) as http:
-        assert srv.service.scheduler._anchor_records.keys() == jobs["records"].keys()
+        assert jobs["records"].keys() <= srv.service.scheduler._anchor_records.keys()   # and the neighbours' records
         r = http.post("/train", json={"examples": [{"prompt": prompt, "completion": " Quokka-42."}], "window": 32,
                                       "epochs": 10, "promote": "auto", "out": "moon"})
         assert r.status_code == 202, r.text
