@@ -99,6 +99,7 @@ def jobs(dream_resident, tmp_path_factory):
             stopping_module.HOLD_SLACK = saved_slack
             Trainer.set_lr = saved_set_lr
         out["receipts"].update({k: store.receipts(out[k]["id"]) for k in ("hold_none", "hold_undone")})
+        sched._record_file.wait()                      # the last job's records are in the file
         yield out
     finally:
         served.apply(None, None)                       # the session's resident serves the base again

@@ -96,3 +96,17 @@ def test_a_file_missing_its_parts_is_ignored(tmp_path, bad):
                  and not (bad == "records" and k.startswith("0.top_logp"))}
     np.savez(tmp_path / FILE_NAME, **parts)
     assert DriftRecordFile(tmp_path, fake_resident(tmp_path)).load() == ({}, {})
+
+
+def test_a_background_save_writes_what_the_cache_held_when_it_was_asked(tmp_path):
+    rng = np.random.default_rng(4)
+    cache = {"A?": record(rng, "A?")}
+    f = DriftRecordFile(tmp_path, fake_resident(tmp_path))
+    f.save_in_background(cache, {})
+    cache["B?"] = record(rng, "B?")                                    # after the call: not in this save
+    f.wait()
+    got, _ = DriftRecordFile(tmp_path, fake_resident(tmp_path)).load()
+    assert list(got) == ["A?"] and same(got["A?"], cache["A?"])
+    f.save_in_background(cache, {})
+    f.wait()
+    assert list(DriftRecordFile(tmp_path, fake_resident(tmp_path)).load()[0]) == ["A?", "B?"]

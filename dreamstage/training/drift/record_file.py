@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,8 @@ class DriftRecordFile:
         self.path = Path(state_dir) / FILE_NAME
         self.identity = identity(resident)
         self._saved: tuple[int, int] = (0, 0)          # (records, margins) in the file
+        self._lock = threading.Lock()                   # one write at a time
+        self._writer: threading.Thread | None = None
 
     def load(self) -> tuple[dict[str, AnchorBase], dict[tuple, tuple[float, tuple[float, ...]]]]:
         """The records and margins in the file; both empty when it is absent, unreadable
@@ -95,8 +98,26 @@ class DriftRecordFile:
         entries, such as neighbours by (question, n): those are not kept) and the
         margins, when either grew since the last load or save; a failed write only logs."""
         records = {p: b for p, b in cache.items() if isinstance(p, str) and isinstance(b, AnchorBase)}
-        if (len(records), len(margins)) == self._saved:
-            return
+        with self._lock:
+            if (len(records), len(margins)) != self._saved:
+                self._write(records, dict(margins))
+
+    def save_in_background(self, cache: dict, margins: dict[tuple, tuple[float, Any]]) -> None:
+        """save() on a thread of its own (about 0.1 s of writing that the engine
+        thread, which calls this, should not wait for); the records are immutable,
+        so shallow copies taken here are what is written."""
+        self.wait()
+        self._writer = threading.Thread(target=self.save, args=(dict(cache), dict(margins)),
+                                        name="dreamstage-drift-records")
+        self._writer.start()
+
+    def wait(self) -> None:
+        """Until the last background save has ended."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def _write(self, records: dict[str, AnchorBase], margins: dict[tuple, tuple[float, Any]]) -> None:
         arrays: dict[str, np.ndarray] = {}
         listed = []
         for i, (prompt, b) in enumerate(records.items()):

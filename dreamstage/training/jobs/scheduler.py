@@ -176,6 +176,8 @@ class DreamScheduler(JobProgram):
             return
         if self._warmup is not None:
             self._warmup.stop()
+        if self._record_file is not None:
+            self._record_file.wait()
         job, jid = self._job, self._job_id
         self._job = self._job_id = None
         if job is not None:
@@ -398,7 +400,7 @@ class DreamScheduler(JobProgram):
 
     def _save_records(self) -> None:
         if self._record_file is not None:
-            self._record_file.save(self._anchor_records, self._noise_margins)
+            self._record_file.save_in_background(self._anchor_records, self._noise_margins)
 
     # -- promotion and rollback (engine thread) ------------------------------------------------
     def _run_commands(self, engine) -> None:
