@@ -416,6 +416,81 @@ template <int D> __global__ void __launch_bounds__(THREADS) fa_back_lse(fa_args 
 // heads), dQ added atomically over key tiles. Each warp owns 16 of the 64 keys:
 // S^T, P^T, dP^T and dS^T of its rows against a query tile stay in registers;
 // dS^T goes to shared memory once, for dQ, whose rows the warps then split.
+// One query tile's inputs to shared memory: the mask (mixed tiles), Q, dO times
+// sg, lse_i and sg * D_i; rows past T read as lse = +inf (P = 0) and D = 0.
+template <int D> __device__ __forceinline__ void fa_main_load_queries(const fa_args & a, half * qs, half * gs, half * ms,
+                                                                      float * lse, float * dvs, uint8_t c, int i0,
+                                                                      int j0, int h, float sg) {
+    if (c == TILE_MIXED) {
+        load_mask(ms, a, i0, j0);
+    }
+    load_rows_f32<D>(qs, a.q + h * a.q_head, a.q_row, i0, a.T, a.q_vec, 1.f);
+    load_rows_f32<D>(gs, a.d_o + (int64_t) h * D, (int64_t) a.H * D, i0, a.T, true, sg);
+    for (int r = threadIdx.x; r < 64; r += THREADS) {
+        const bool in = i0 + r < a.T;
+        lse[r] = in ? a.lse[(int64_t) h * a.T + i0 + r] : INFINITY;
+        dvs[r] = in ? sg * a.dvec[(int64_t) h * a.T + i0 + r] : 0.f;
+    }
+}
+
+// P^T in place of this warp's scores S^T (16 keys x 64 queries): exp(scale S + mask - lse).
+__device__ __forceinline__ void fa_main_probs(float (&p)[8][4], const fa_args & a, const half * ms, const float * lse,
+                                              uint8_t c, int warp, int g, int t) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qi = 8 * j + 2 * t + e % 2, kr = warp * 16 + g + 8 * (e / 2);
+            float x = a.scale * p[j][e];
+            if (c == TILE_MIXED) {
+                x += __half2float(ms[qi * LDT + kr]);
+            }
+            p[j][e] = x == -INFINITY ? 0.f : __expf(x - lse[qi]);
+        }
+    }
+}
+
+// dS^T = P^T (dP^T - D) in place over P^T, and this warp's 16 rows of it to shared memory (for dQ).
+__device__ __forceinline__ void fa_main_dscores(float (&p)[8][4], const float (&dp)[8][4], const float * dvs,
+                                                half * dss, int warp, int g, int t) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            p[j][e] *= dp[j][e] - dvs[8 * j + 2 * t + e % 2];
+        }
+        *(uint32_t *) (dss + (warp * 16 + g) * LDT + 8 * j + 2 * t) = pack(p[j][0], p[j][1]);
+        *(uint32_t *) (dss + (warp * 16 + g + 8) * LDT + 8 * j + 2 * t) = pack(p[j][2], p[j][3]);
+    }
+}
+
+// dQ rows [i0 + 16 warp, +16) += dS K, 64 columns at a time, added to global memory.
+template <int D> __device__ __forceinline__ void fa_main_add_dq(const fa_args & a, const half * dss, const half * ks,
+                                                                int h, int i0, int warp, float sg) {
+    constexpr int LH = ldh<D>();
+#pragma unroll
+    for (int dc = 0; dc < D / 64; ++dc) {
+        float dq[8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            uint32_t af[4];
+            frag_a_t(af, dss + kk * 16 * LDT + warp * 16, LDT);   // dS[q][k] = dS^T[k][q]
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                uint32_t bf[4];
+                frag_b2_t(bf, ks + kk * 16 * LH + dc * 64 + np * 16, LH);
+                mma(dq[2 * np], af, bf[0], bf[1]);
+                mma(dq[2 * np + 1], af, bf[2], bf[3]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            add_tile(a.dq + (int64_t) h * a.dq_head + dc * 64 + 8 * j, a.dq_row, dq[j], a.scale / sg, i0 + warp * 16,
+                     a.T);
+        }
+    }
+}
+
 template <int D> __global__ void __launch_bounds__(THREADS, D == 64 ? 3 : 2) fa_back_main(fa_args a) {
     constexpr int LH = ldh<D>();
     constexpr int NT = D / 8;                   // 8-column accumulator tiles across D
@@ -443,69 +518,18 @@ template <int D> __global__ void __launch_bounds__(THREADS, D == 64 ? 3 : 2) fa_
             continue;
         }
         __syncthreads();                        // the last tile is consumed
-        if (c == TILE_MIXED) {
-            load_mask(ms, a, i0, j0);
-        }
-        load_rows_f32<D>(qs, a.q + h * a.q_head, a.q_row, i0, a.T, a.q_vec, 1.f);
-        load_rows_f32<D>(gs, a.d_o + (int64_t) h * D, (int64_t) a.H * D, i0, a.T, true, sg);
-        for (int r = threadIdx.x; r < 64; r += THREADS) {
-            const bool in = i0 + r < a.T;
-            lse[r] = in ? a.lse[(int64_t) h * a.T + i0 + r] : INFINITY;
-            dvs[r] = in ? sg * a.dvec[(int64_t) h * a.T + i0 + r] : 0.f;
-        }
+        fa_main_load_queries<D>(a, qs, gs, ms, lse, dvs, c, i0, j0, h, sg);
         __syncthreads();
-        // S^T = K Q^T for this warp's 16 keys x 64 queries, then P^T in place
         float p[8][4] = {};
-        mm_abt<D>(p, kw, LH, qs, LH);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qi = 8 * j + 2 * t + e % 2, kr = warp * 16 + g + 8 * (e / 2);
-                float x = a.scale * p[j][e];
-                if (c == TILE_MIXED) {
-                    x += __half2float(ms[qi * LDT + kr]);
-                }
-                p[j][e] = x == -INFINITY ? 0.f : __expf(x - lse[qi]);
-            }
-        }
+        mm_abt<D>(p, kw, LH, qs, LH);           // S^T = K Q^T for this warp's 16 keys x 64 queries
+        fa_main_probs(p, a, ms, lse, c, warp, g, t);
         mm_xb<NT>(dv, p, gs, LH);               // dV += P^T dO
         float dp[8][4] = {};
         mm_abt<D>(dp, vs + warp * 16 * LH, LH, gs, LH);   // dP^T = V dO^T
-        // dS^T = P^T (dP^T - D), over P^T; to shared memory for dQ
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                p[j][e] *= dp[j][e] - dvs[8 * j + 2 * t + e % 2];
-            }
-            *(uint32_t *) (dss + (warp * 16 + g) * LDT + 8 * j + 2 * t) = pack(p[j][0], p[j][1]);
-            *(uint32_t *) (dss + (warp * 16 + g + 8) * LDT + 8 * j + 2 * t) = pack(p[j][2], p[j][3]);
-        }
+        fa_main_dscores(p, dp, dvs, dss, warp, g, t);
         mm_xb<NT>(dk, p, qs, LH);               // dK += dS^T Q
         __syncthreads();                        // every warp's rows of dS^T are in place
-        // dQ rows [16 warp, +16) = dS K, 64 columns at a time, added to global
-#pragma unroll
-        for (int dc = 0; dc < D / 64; ++dc) {
-            float dq[8][4] = {};
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                uint32_t af[4];
-                frag_a_t(af, dss + kk * 16 * LDT + warp * 16, LDT);   // dS[q][k] = dS^T[k][q]
-#pragma unroll
-                for (int np = 0; np < 4; ++np) {
-                    uint32_t bf[4];
-                    frag_b2_t(bf, ks + kk * 16 * LH + dc * 64 + np * 16, LH);
-                    mma(dq[2 * np], af, bf[0], bf[1]);
-                    mma(dq[2 * np + 1], af, bf[2], bf[3]);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                add_tile(a.dq + (int64_t) h * a.dq_head + dc * 64 + 8 * j, a.dq_row, dq[j], a.scale / sg, i0 + warp * 16,
-                         a.T);
-            }
-        }
+        fa_main_add_dq<D>(a, dss, ks, h, i0, warp, sg);
     }
     // this q head's part of dK (scaled) and dV for the block's keys
 #pragma unroll
