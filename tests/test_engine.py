@@ -236,3 +236,35 @@ def test_quantized_serving_kv_type_generates():
     finally:
         eng.stop()
         model.close()
+
+
+def test_a_context_smaller_than_the_batch_setting_prefills_long_prompts_in_decodes_llama_cpp_takes(tiny_model_path):
+    """llama.cpp clamps n_batch to n_ctx; the engine's batches and a long
+    greedy prompt keep to the clamped size (a larger decode aborts the process)."""
+    model = ResidentModel(ResidentConfig(model_path=str(tiny_model_path), n_ctx=128, n_seq=2, n_batch=512,
+                                         n_threads=1, kv_type="f32", flash_attn="off"))
+    eng = Engine(model, max_queue=4).start()
+    try:
+        assert model.n_batch <= model.n_ctx < 512
+        long = " ".join(["word"] * (eng.slot_ctx - 8))
+        prompt_tokens = len(model.tokenize(long))
+        assert 2 * prompt_tokens > model.n_batch       # two such prefills do not fit one decode
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(run(eng, long, max_tokens=2))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert len(results) == 2 and all(isinstance(ev[-1], Finished) for _, ev in results)
+        assert eng.stats.decode_batches >= 3            # the two prompts took more than one decode
+    finally:
+        eng.stop()
+    model.close()
+    big = ResidentModel(ResidentConfig(model_path=str(tiny_model_path), n_ctx=256, n_seq=1, n_batch=64,
+                                       n_threads=1, kv_type="f32", flash_attn="off"))
+    try:
+        prompt = " ".join(["word"] * 150)
+        assert len(big.tokenize(prompt)) > big.n_batch
+        assert isinstance(big.generate_greedy(prompt, max_tokens=4), str)
+    finally:
+        big.close()

@@ -138,7 +138,7 @@ class Engine:
         self.model = model
         self.lc = model.lc
         self.n_seq = model.config.n_seq
-        self.n_batch = model.config.n_batch
+        self.n_batch = model.n_batch
         # Per-slot context budget: prompt + max_tokens <= slot_ctx, so an
         # admitted request can always finish. With one K/V stream per sequence
         # (kv_unified=False, how serving runs) that is the stream's size. With a

@@ -129,6 +129,7 @@ class ResidentModel(NativeOwner):
         self.dependents: weakref.WeakSet[Any] = weakref.WeakSet()  # closed before the context is freed
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = lc.llama_n_ctx(self.ctx)
+        self.n_batch = lc.llama_n_batch(self.ctx)   # llama.cpp clamps n_batch to n_ctx: the largest decode it takes
 
     # -- lifetime -------------------------------------------------------------
     def close(self) -> None:
@@ -211,22 +212,16 @@ class ResidentModel(NativeOwner):
         toks = self.tokenize(prompt)
         if len(toks) + max_tokens > self.n_ctx:
             raise ValueError(f"prompt ({len(toks)} tokens) plus max_tokens ({max_tokens}) exceeds n_ctx {self.n_ctx}")
-        batch = lc.llama_batch_init(max(len(toks), 1), 0, 1)
+        batch = lc.llama_batch_init(max(min(len(toks), self.n_batch), 1), 0, 1)
         out: list[int] = []
         try:
             pos = 0
             pending = toks
             for _ in range(max_tokens):
-                batch.n_tokens = len(pending)
-                for i, t in enumerate(pending):
-                    batch.token[i] = t
-                    batch.pos[i] = pos + i
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = seq_id
-                    batch.logits[i] = i == len(pending) - 1
-                rc = lc.llama_decode(self.ctx, batch)
-                if rc != 0:
-                    raise RuntimeError(f"llama_decode failed with status {rc}")
+                while len(pending) > self.n_batch:            # a long prompt: n_batch tokens a decode
+                    self._decode_into(batch, pending[:self.n_batch], pos, seq_id, want_last=False)
+                    pos, pending = pos + self.n_batch, pending[self.n_batch:]
+                self._decode_into(batch, pending, pos, seq_id, want_last=True)
                 pos += len(pending)
                 logits = lc.llama_get_logits_ith(self.ctx, len(pending) - 1)
                 best = (max(range(self.n_vocab), key=logits.__getitem__) if self.n_vocab < 1000
@@ -238,6 +233,18 @@ class ResidentModel(NativeOwner):
         finally:
             lc.llama_batch_free(batch)
         return self.detokenize(out)
+
+    def _decode_into(self, batch, tokens: list[int], pos: int, seq_id: int, want_last: bool) -> None:
+        batch.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            batch.token[i] = t
+            batch.pos[i] = pos + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq_id
+            batch.logits[i] = want_last and i == len(tokens) - 1
+        rc = self.lc.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with status {rc}")
 
 
 def _argmax(logits_ptr, n: int) -> int:
