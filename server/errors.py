@@ -30,6 +30,19 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
+# SQLite's INTEGER: the largest number a job id, receipt position or other stored integer can be.
+MAX_SQL_INT = 2**63 - 1
+
+
+def strict_int(raw: str, param: str, low: int, high: int = MAX_SQL_INT) -> int:
+    """A path or query parameter as an integer: ASCII digits only (no sign, space,
+    underscore or other script's digits), low..high; anything else is a 422 naming it."""
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > len(str(high)) or not low <= int(raw) <= high:
+        raise APIError(422, f"{param}: expected an integer {low}..{high} in ASCII digits, got {raw[:40]!r}", param,
+                       "invalid_value")
+    return int(raw)
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
 

@@ -33,7 +33,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
-from dreamstage.server.errors import APIError
+from dreamstage.server.errors import APIError, strict_int
 from dreamstage.server.views import adapters_view, public, with_unrecorded
 from dreamstage.training.jobs.store import JobNotFound
 
@@ -58,13 +58,7 @@ def _int_param(request: Request, name: str, default: int | None, lo: int, hi: in
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise APIError(400, f"{name}: must be an integer, got {raw!r}", name, "invalid_value") from None
-    if not lo <= value <= hi:
-        raise APIError(400, f"{name}: must be in {lo}..{hi}, got {value}", name, "invalid_value")
-    return value
+    return strict_int(raw, name, lo, hi)
 
 
 def _finite(obj: Any) -> Any:

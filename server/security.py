@@ -20,14 +20,20 @@ covered without touching them):
   resolves to 127.0.0.1 (DNS rebinding) reaches us as a same-origin request
   with `Host: evil.example`. Only loopback names (and `--allowed-host` names)
   are accepted there.
+- **Origin check.** A write whose `Origin` header names another origin than
+  the server's own (the Host it was sent to), or `null`, is refused, unless
+  `--cors-origin` allows that origin. Clients that are not browsers send no
+  Origin and are not affected.
 - **CORS** is off unless `--cors-origin` names origins (then starlette's
   CORSMiddleware answers preflights for exactly those).
 """
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import ipaddress
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from dreamstage.server.errors import send_error
 
@@ -67,6 +73,8 @@ class SecurityPolicy:
     # Host names accepted in the Host header; None: no Host check (a public bind
     # sits behind whatever name its operator gives it).
     allowed_hosts: frozenset[str] | None = None
+    # Origins other than the server's own whose pages may write (--cors-origin).
+    allowed_origins: frozenset[str] = frozenset()
 
     @classmethod
     def for_bind(cls, host: str, api_key: str | None, extra_hosts=()) -> SecurityPolicy:
@@ -130,6 +138,9 @@ class SecurityGuard:
                         "invalid_api_key", {"WWW-Authenticate": "Bearer"})
             authorized = True
         if method in _WRITE_METHODS:
+            refusal = origin_refusal(scope, policy)
+            if refusal is not None:
+                return refusal
             media = _media_type(_header(scope, b"content-type"))
             if media != "application/json":
                 if _has_body(scope):
@@ -142,6 +153,46 @@ class SecurityGuard:
         return None
 
 
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def _host_and_port(header: str, default: str) -> tuple[str, str]:
+    """'example.com:8080' -> ('example.com', '8080'); no port -> the scheme's default."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        name, _, rest = h[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif h.count(":") == 1:
+        name, port = h.split(":")
+    else:
+        name, port = h, ""
+    return name, port or default
+
+
+def same_origin(origin: str, host: str | None) -> bool:
+    """Whether `origin` (scheme://host[:port]) names the Host header's host and port."""
+    try:
+        parts = urlsplit(origin.strip())
+        port = parts.port
+    except ValueError:
+        return False
+    if parts.scheme not in _DEFAULT_PORTS or not parts.hostname or host is None:
+        return False
+    default = _DEFAULT_PORTS[parts.scheme]
+    return (parts.hostname.lower(), str(port) if port is not None else default) == _host_and_port(host, default)
+
+
+def origin_refusal(scope, policy: SecurityPolicy):
+    """A refusal for a write sent by a page of another origin, else None."""
+    origin = _header(scope, b"origin")
+    if origin is None or origin.strip().rstrip("/") in policy.allowed_origins:
+        return None
+    if origin.strip() != "null" and same_origin(origin, _header(scope, b"host")):
+        return None
+    return (403, f"Origin {origin[:100]!r} may not change this server (a page of another site); "
+                 "allow it with --cors-origin", "origin", "origin_not_allowed", None)
+
+
 def _has_body(scope) -> bool:
     length = _header(scope, b"content-length")
     if length is not None:
@@ -151,7 +202,8 @@ def _has_body(scope) -> bool:
 
 def install(app, policy: SecurityPolicy, cors_origins=()) -> None:
     """Add the guard, and CORS for the allow-listed origins (outermost, so a preflight is answered first)."""
-    app.add_middleware(SecurityGuard, policy=policy)
+    origins = frozenset(o.strip().rstrip("/") for o in cors_origins)
+    app.add_middleware(SecurityGuard, policy=dataclasses.replace(policy, allowed_origins=origins))
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],

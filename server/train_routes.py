@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dreamstage.server.errors import APIError
+from dreamstage.server.errors import APIError, strict_int
 from dreamstage.server.views import adapters_view, public, with_unrecorded
 from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.store import AdapterNotFound, InvalidTransition, JobNotFound
@@ -70,18 +70,8 @@ async def _json_object(request: Request, required: bool) -> dict[str, Any] | Non
     return body
 
 
-# SQLite's INTEGER: a larger id cannot name a job (and would overflow the driver).
-_MAX_JOB_ID = 2**63 - 1
-
-
 def _job_id(raw: str) -> int:
-    try:
-        jid = int(raw)
-    except ValueError:
-        raise APIError(404, f"no job {raw!r}: job ids are integers", "id", "not_found") from None
-    if not 1 <= jid <= _MAX_JOB_ID:
-        raise APIError(404, f"no job {raw}: job ids are 1..{_MAX_JOB_ID}", "id", "not_found")
-    return jid
+    return strict_int(raw, "job_id", 1)
 
 
 def _storage_error(e: Exception, what: str) -> APIError:
@@ -117,24 +107,30 @@ async def submit(request: Request):
 @router.get("/train")
 async def overview(request: Request):
     service = _training_service(request)
-    return public({**service.store.overview(), "adapter_version": service.engine.adapter_version})
+    view = service.store.overview()
+    # the jobs as GET /train/{id} shows them: one that ended unrecorded (a full disk) is its error here too
+    current = view["current"] and with_unrecorded(service, view["current"])
+    queue = [with_unrecorded(service, j) for j in view["queue"]]
+    return public({"current": current, "queue": queue, "adapter_version": service.engine.adapter_version})
 
 
 @router.get("/train/{job_id}")
 async def one_job(job_id: str, request: Request):
     service = _training_service(request)
+    jid = _job_id(job_id)
     try:
-        return public(with_unrecorded(service, service.store.get(_job_id(job_id))))
+        return public(with_unrecorded(service, service.store.get(jid)))
     except JobNotFound as e:
         raise APIError(404, str(e), "id", "not_found") from None
 
 
 @router.get("/train/{job_id}/receipts")
-async def job_receipts(job_id: str, request: Request, after: int = 0):
+async def job_receipts(job_id: str, request: Request, after: str = "0"):
     """Every micro-step's receipt (after seq `after`): its pass, horizon, memory, refusal."""
     service = _training_service(request)
+    jid, after_seq = _job_id(job_id), strict_int(after, "after", 0)
     try:
-        return public({"receipts": service.store.receipts(_job_id(job_id), after_seq=after)})
+        return public({"receipts": service.store.receipts(jid, after_seq=after_seq)})
     except JobNotFound as e:
         raise APIError(404, str(e), "id", "not_found") from None
 

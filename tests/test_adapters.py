@@ -137,3 +137,26 @@ def test_llama_cpp_python_lora_path_logits_match(rm, trained):
     finally:
         llm.close()
     np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-4)
+
+
+def test_adapter_directories_are_owner_only_new_and_old(tmp_path):
+    """A save makes its missing directories 0700 (as the state directory and the
+    database are private); a store opened on an older state directory closes the
+    adapter directories it made with the umask's mode."""
+    import stat
+
+    from dreamstage.adapters.files import atomic_file
+    from dreamstage.training.jobs.store import JobStore
+
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)   # noqa: E731
+    target = tmp_path / "state" / "adapters" / "notes" / "v1.gguf"
+    with atomic_file(target) as tmp:
+        tmp.write_bytes(b"x")
+    assert target.read_bytes() == b"x"
+    assert [oct(mode(d)) for d in (target.parent, target.parent.parent, tmp_path / "state")] == ["0o700"] * 3
+    old = tmp_path / "old"
+    (old / "adapters" / "facts").mkdir(parents=True, mode=0o755)
+    (old / "adapters").chmod(0o755)
+    (old / "adapters" / "facts").chmod(0o755)
+    JobStore(old).close()
+    assert mode(old / "adapters") == mode(old / "adapters" / "facts") == 0o700

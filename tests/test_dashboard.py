@@ -114,8 +114,8 @@ def test_events_are_lf_framed_as_the_page_splits_them(http):
 
 
 @pytest.mark.parametrize("query, param, status", [
-    ("job=abc", "job", 400), ("job=0", "job", 400), ("backlog=-1", "backlog", 400),
-    ("backlog=x", "backlog", 400), ("job=987654", "job", 404),
+    ("job=abc", "job", 422), ("job=0", "job", 422), ("backlog=-1", "backlog", 422), ("job=١", "job", 422),
+    ("backlog=x", "backlog", 422), ("backlog= 1", "backlog", 422), ("job=987654", "job", 404),
 ])
 def test_events_rejects_bad_parameters_naming_them(http, query, param, status):
     r = http.get(f"/events?{query}")

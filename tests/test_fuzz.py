@@ -52,8 +52,8 @@ def api_schema(service):
 # plugin does not run under pytest 9, hence the explicit strategy per operation.)
 OPERATIONS = [
     "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /health", "GET /slots",
-    "GET /metrics", "POST /train", "GET /train", "GET /train/{job_id}", "POST /train/{job_id}/cancel",
-    "POST /train/{job_id}/pause", "POST /train/{job_id}/resume", "GET /adapters",
+    "GET /metrics", "POST /train", "GET /train", "GET /train/{job_id}", "GET /train/{job_id}/receipts",
+    "POST /train/{job_id}/cancel", "POST /train/{job_id}/pause", "POST /train/{job_id}/resume", "GET /adapters",
     "POST /adapters/{name}/promote", "POST /adapters/rollback",
 ]
 

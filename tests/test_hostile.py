@@ -12,6 +12,8 @@ from urllib.parse import quote
 import httpx
 import pytest
 from background_server import BackgroundServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dreamstage.server.settings import JobLimits, ServerSettings
 
@@ -188,11 +190,53 @@ def test_completion_prompts_parse_control_tokens_only_on_request(http, server):
 
 
 # -- 500s from input, now 4xx naming the field ---------------------------------------------------
-@pytest.mark.parametrize("path", ["/train/99999999999999999999", "/train/-1", "/train/0"])
-def test_job_ids_out_of_range_are_404(http, path):
-    assert refused(http.get(path), 404, "id")
+# Job ids and receipt positions: ASCII digits in range, or a 422 naming the parameter. int()
+# accepts other scripts' digits, spaces, signs and underscores ("١", " 1", "+1", "1_0" were job 1).
+NOT_IDS = ["99999999999999999999", "9223372036854775808", "-1", "0", "١", " 1", "1 ", "+1", "1_0", "1.0", "0x1",
+           "１", "abc"]
+
+
+@pytest.mark.parametrize("raw", NOT_IDS)
+def test_job_ids_that_are_not_ascii_digits_in_range_are_422_naming_the_parameter(http, raw):
+    path = f"/train/{quote(raw, safe='')}"
+    refused(http.get(path), 422, "job_id")
+    refused(http.get(f"{path}/receipts"), 422, "job_id")
     for action in ("cancel", "pause", "resume"):
-        refused(http.post(f"{path}/{action}"), 404, "id")
+        refused(http.post(f"{path}/{action}"), 422, "job_id")
+
+
+@pytest.mark.parametrize("raw", [x for x in NOT_IDS if x != "0"])
+def test_a_receipt_position_that_is_not_ascii_digits_in_range_is_422_not_a_500(http, raw):
+    refused(http.get("/train/1/receipts", params={"after": raw}), 422, "after")
+
+
+def test_an_id_in_range_with_no_job_is_404_and_the_largest_id_is_in_range(http):
+    refused(http.get("/train/9223372036854775807"), 404, "id")
+    refused(http.get("/train/9223372036854775807/receipts", params={"after": "9223372036854775807"}), 404, "id")
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(raw=st.text(min_size=1, max_size=24).filter(lambda x: x not in (".", "..") and "/" not in x),   # a path segment
+       after=st.one_of(st.none(), st.text(max_size=24)))
+def test_every_job_route_parses_its_parameters_strictly(http, raw, after):
+    """Any text as a job id or a receipt position: a canonical id answers as that job
+    (200 or 404), anything else a 422 naming the parameter; never a 5xx."""
+    canonical = raw.isascii() and raw.isdigit() and 1 <= int(raw) <= 2**63 - 1
+    path = f"/train/{quote(raw, safe='')}"
+    for r in (http.get(path), http.post(f"{path}/pause")):
+        if canonical:
+            assert r.status_code in (200, 404, 409), r.text
+        else:
+            refused(r, 422, "job_id")
+    r = http.get(f"{path}/receipts", params=None if after is None else {"after": after})
+    after_ok = after is None or (after.isascii() and after.isdigit() and int(after) <= 2**63 - 1)
+    if not canonical:
+        refused(r, 422, "job_id")
+    elif not after_ok:
+        refused(r, 422, "after")
+    else:
+        assert r.status_code in (200, 404), r.text
 
 
 @pytest.mark.parametrize("path", ["/train", "/v1/chat/completions", "/v1/completions", "/adapters/x/promote"])
@@ -296,5 +340,27 @@ def test_the_state_database_is_private_and_responses_carry_no_absolute_paths(htt
         if name.startswith("dreamstage.sqlite3"):
             mode = stat.S_IMODE(os.stat(os.path.join(state, name)).st_mode)
             assert mode & 0o077 == 0, (name, oct(mode))
+    for root, dirs, _ in os.walk(state):              # adapter directories included (0755 before)
+        for d in dirs:
+            mode = stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode)
+            assert mode & 0o077 == 0, (os.path.join(root, d), oct(mode))
     for path in ("/train", "/adapters", "/train/1"):
         assert state not in http.get(path).text
+
+
+def test_the_job_list_shows_each_job_as_its_own_record_does(http, server, monkeypatch):
+    """A job that ended while the store could not be written (a full disk) is an
+    error in GET /train/{id}; GET /train listed it as running until the store took it."""
+    jid = http.post("/train", json={"text": "A lesson for the list.", "window": 32}).json()["id"]
+    try:
+        scheduler = server.service.scheduler
+        monkeypatch.setattr(scheduler, "unrecorded_error",
+                            lambda i: "saving failed: the state directory is full" if i == jid else None)
+        record = http.get(f"/train/{jid}").json()
+        listed = http.get("/train").json()
+        entries = [j for j in [listed["current"], *listed["queue"]] if j and j["id"] == jid]
+        assert record["state"] == "error" and record["persisted"] is False
+        assert entries and all((j["state"], j.get("persisted")) == ("error", False) for j in entries), listed
+    finally:
+        monkeypatch.undo()
+        http.post(f"/train/{jid}/cancel")

@@ -231,3 +231,33 @@ def test_keyed_server_serves_the_openai_sdk_and_our_client(keyed):
     with Client(keyed.url, api_key=KEY) as c:
         assert c.adapters()["served_version"] == 0
         assert c.train_overview()["queue"] == []
+
+
+@pytest.mark.parametrize("origin,ok", [
+    (None, True),                                   # not a browser: no Origin
+    ("http://127.0.0.1:8080", True),                # the server's own page (the dashboard)
+    ("https://127.0.0.1:8080", True),               # host and port are ours (TLS may end at a proxy)
+    ("http://127.0.0.1:8081", False), ("http://localhost:8080", False), ("http://evil.example", False),
+    ("http://evil.example:8080", False), ("null", False), ("file://", False), ("not a url", False),
+])
+def test_a_write_from_a_page_of_another_origin_is_refused(origin, ok):
+    app = stub_app(LOOPBACK_OPEN)
+    headers = {**JSON, **({"Origin": origin} if origin else {})}
+    r = call(app, "POST", "/train", json={"text": "x"}, headers=headers)
+    assert r.status_code == (200 if ok else 403), r.text
+    if not ok:
+        assert r.json()["error"]["param"] == "origin" and r.json()["error"]["code"] == "origin_not_allowed"
+    # reads are not writes: the browser's same-origin policy keeps their answers from the page
+    assert call(app, "GET", "/v1/models", headers=headers).status_code == 200
+
+
+def test_an_allow_listed_origin_may_write_and_default_ports_match():
+    app = stub_app(LOOPBACK_KEYED, cors=["https://app.example/"])
+    keyed = {**JSON, "Authorization": f"Bearer {KEY}"}
+    assert call(app, "POST", "/train", json={}, headers={**keyed, "Origin": "https://app.example"}).status_code == 200
+    assert call(app, "POST", "/train", json={}, headers={**keyed, "Origin": "https://other.example"}).status_code == 403
+    own = stub_app(SecurityPolicy.for_bind("0.0.0.0", None))
+    assert call(own, "POST", "/train", host="api.example", json={},
+                headers={**JSON, "Origin": "http://api.example"}).status_code == 200
+    assert call(own, "POST", "/train", host="api.example:80", json={},
+                headers={**JSON, "Origin": "http://api.example"}).status_code == 200

@@ -30,7 +30,7 @@ def atomic_file(path) -> Iterator[Path]:
     rename it over `path` and fsync the directory. On any failure the
     temporary file is removed and `path` is left as it was."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -47,6 +47,16 @@ def atomic_file(path) -> Iterator[Path]:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def private_dirs(path: Path) -> None:
+    """Make `path` and its missing parents, each owner-only (0700); existing ones are left as they are."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
 
 
 def file_sha256(path) -> str:

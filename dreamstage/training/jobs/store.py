@@ -120,6 +120,10 @@ class JobStore:
         for p in (self.path, Path(f"{self.path}-wal"), Path(f"{self.path}-shm")):
             if p.exists() and p.stat().st_mode & 0o077:
                 p.chmod(0o600)     # made by an older version with the umask's mode
+        if self.adapters_dir.is_dir():     # adapter directories are owner-only too (older versions: the umask's)
+            for d in (self.adapters_dir, *(c for c in self.adapters_dir.iterdir() if c.is_dir())):
+                if d.stat().st_mode & 0o077:
+                    d.chmod(0o700)
         self.clock = clock
         self._local = threading.local()
         self._write_lock = threading.Lock()
