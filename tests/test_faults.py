@@ -237,15 +237,16 @@ def test_a_full_state_directory_fails_the_job_cleanly_and_serving_goes_on(tiny, 
     settings = ServerSettings(model=tiny, ctx=512, parallel=2, threads=1, state_dir=str(state), adapter=str(lora))
     with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=120, headers=JSON) as c:
         before = c.post("/v1/completions", json={"prompt": "The sky", "max_tokens": 8, "temperature": 0}).json()
-        body = {"text": LESSON, "window": 64, "chunk": 64, "epochs": 30, "rank": 2, "out": "fresh",
-                "stop_loss": None}
+        if mode == "blocked":     # the save cannot create adapters/fresh/ (root ignores chmod; a file blocks it)
+            (state / "adapters").mkdir(exist_ok=True)
+            (state / "adapters" / "fresh").write_text("a file where the adapter's folder would go")
+        # "full": long enough to be running when the disk fills after its first step
+        body = {"text": LESSON, "window": 64, "chunk": 64, "epochs": 30 if mode == "full" else 2, "rank": 2,
+                "out": "fresh", "stop_loss": None}
         jid = c.post("/train", json=body).json()["id"]
         wait_for(lambda: c.get(f"/train/{jid}").json()["progress"]["step"] >= 1, "a step")
         if mode == "full":
             fill(small_disk)      # receipts and the save both need space now
-        else:                     # the save cannot create adapters/fresh/ (root ignores chmod; a file blocks it)
-            (state / "adapters").mkdir(exist_ok=True)
-            (state / "adapters" / "fresh").write_text("a file where the adapter's folder would go")
         view = wait_for(lambda: (v := c.get(f"/train/{jid}").json())["state"] in FINAL and v, "the job's end")
         assert view["state"] == "error", view
         if mode == "blocked":

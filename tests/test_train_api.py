@@ -116,9 +116,9 @@ def test_a_body_that_is_not_a_json_object_is_422_on_body(http, raw):
     assert r.status_code == 422 and r.json()["error"]["param"] == "body"
 
 
-def test_unknown_ids_are_404_and_invalid_transitions_409(http):
+def test_unknown_ids_are_404_malformed_ids_422_and_invalid_transitions_409(http):
     assert http.get("/train/999999").status_code == 404
-    assert http.get("/train/abc").status_code == 404
+    assert http.get("/train/abc").status_code == 422          # not an id at all: the parameter is invalid
     for action in ("cancel", "pause", "resume"):
         assert http.post(f"/train/999999/{action}").status_code == 404
     r = http.post("/train", json={"text": "A short lesson to cancel.", "window": 32, "chunk": 32, "epochs": 1000,
@@ -433,7 +433,7 @@ def test_client_trains_waits_with_a_progress_bar_and_lists_adapters(server):
     with Client(server.url) as c:
         # a keyword given as None is sent as null: here, train every epoch and leave drift_kl unbounded
         job = c.train(text=LESSON, window=32, chunk=32, rank=4, promote="never", out="client-made",
-                      stop_loss=None, max_drift_kl=None)
+                      stop_loss=None, max_drift_kl=None, epochs=2, max_pause_ms=0)
         assert job["state"] == "queued"
         spec = server.service.store.spec(job["id"])
         assert spec.stop_loss is None and spec.max_drift_kl is None
@@ -461,7 +461,7 @@ def test_cli_train_wait_and_status(server, tmp_path, capsys):
         {"text": LESSON},
     ]) + "\n")
     rc = cli.main(["train", str(lessons), "--url", server.url, "--wait", "--promote", "never", "--out", "from-cli",
-                   "--set", "window=32", "--set", "rank=4"])
+                   "--epochs", "2", "--set", "window=32", "--set", "rank=4", "--set", "max_pause_ms=0"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "2 examples, window 32" in out.out and "done: saved adapter from-cli v1" in out.out
@@ -509,8 +509,8 @@ def test_a_weighted_group_trains_once_through_the_api_client_and_cli(server, htt
 
     lessons = tmp_path / "groups.jsonl"
     lessons.write_text(json.dumps(ex) + "\n")
-    rc = cli.main(["train", str(lessons), "--url", server.url, "--wait", "--promote", "never",
-                   "--set", "window=64", "--set", "rank=4", "--chunk", "32"])
+    rc = cli.main(["train", str(lessons), "--url", server.url, "--wait", "--promote", "never", "--epochs", "1",
+                   "--set", "window=64", "--set", "rank=4", "--set", "max_pause_ms=0", "--chunk", "32"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     jid = int(out.out.split()[1])   # "job N queued: 1 examples, ..."
