@@ -6,6 +6,10 @@
   (`"\\ud800"` parses in Python, but cannot be encoded, so it would blow up in
   the tokenizer), gets 400 naming the field. Such text never reaches a route,
   a job or the engine thread.
+- A JSON body with an object of more than MAX_OBJECT_KEYS keys, or nested
+  deeper than MAX_JSON_DEPTH, gets 413 naming the bound: validating 300,000
+  unknown keys took seconds on the event loop, which carries every stream.
+  Large bodies are checked on a worker thread.
 """
 from __future__ import annotations
 
@@ -21,6 +25,62 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 # Bodies larger than this are checked on a worker thread, so the event loop
 # (which carries every open stream) does not stall on a JSON walk.
 _INLINE_CHECK_BYTES = 64 << 10
+# The shape a request body may have: keys in one object (a logit_bias or a tool's
+# schema is far smaller) and nesting (a tool's JSON schema is the deepest we take).
+MAX_OBJECT_KEYS = 4096
+MAX_JSON_DEPTH = 64
+
+
+class _TooManyKeys(Exception):
+    pass
+
+
+def _bounded_object(pairs):
+    if len(pairs) > MAX_OBJECT_KEYS:
+        raise _TooManyKeys
+    return dict(pairs)
+
+
+def _depth(obj) -> int:
+    """How deeply `obj` nests (a scalar: 0); iterative, stops past MAX_JSON_DEPTH."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        value, d = stack.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, d)
+            if deepest > MAX_JSON_DEPTH:
+                return deepest
+            stack.extend((v, d + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+def body_shape_problem(raw: bytes) -> tuple[str, str] | None:
+    """(param, message) when a JSON body is larger in shape than a request can be, else None
+    (a body that does not parse is left to the route, which names what is wrong)."""
+    if raw.count(b":") <= MAX_OBJECT_KEYS and raw.count(b"{") + raw.count(b"[") <= MAX_JSON_DEPTH:
+        return None                     # too few keys and brackets to break either bound: no parse
+    try:
+        parsed = json.loads(raw, object_pairs_hook=_bounded_object)
+    except _TooManyKeys:
+        return "body", f"body: an object has more than {MAX_OBJECT_KEYS} keys (MAX_OBJECT_KEYS)"
+    except RecursionError:
+        return "body", f"body: nested deeper than {MAX_JSON_DEPTH} levels (MAX_JSON_DEPTH)"
+    except ValueError:
+        return None
+    if _depth(parsed) > MAX_JSON_DEPTH:
+        return "body", f"body: nested deeper than {MAX_JSON_DEPTH} levels (MAX_JSON_DEPTH)"
+    return None
+
+
+def _check_body(raw: bytes) -> tuple[int, str, str, str] | None:
+    """(status, param, message, code) for a body refused at the edge, else None."""
+    problem = body_text_problem(raw)
+    if problem is not None:
+        return 400, *problem, "invalid_text"
+    problem = body_shape_problem(raw)
+    if problem is not None:
+        return 413, *problem, "body_too_complex"
+    return None
 
 
 def unencodable_field(obj) -> str | None:
@@ -89,12 +149,12 @@ class BodyGuard:
         raw = b"".join(parts)
         if raw:
             if len(raw) > _INLINE_CHECK_BYTES:
-                problem = await asyncio.to_thread(body_text_problem, raw)
+                refusal = await asyncio.to_thread(_check_body, raw)
             else:
-                problem = body_text_problem(raw)
-            if problem is not None:
-                param, message = problem
-                return await send_error(send, 400, message, param, "invalid_text")
+                refusal = _check_body(raw)
+            if refusal is not None:
+                status, param, message, code = refusal
+                return await send_error(send, status, message, param, code)
         replayed = False
 
         async def replay():
