@@ -47,6 +47,8 @@ def serve_settings(args: argparse.Namespace):
         given["limits"] = limits
     if args.no_drift_guard:
         given["drift_guard"] = False
+    if args.strict_api:
+        given["strict_api"] = True
     if args.no_train:
         given["state_dir"] = None
     elif args.state_dir:
@@ -288,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-drift-guard", action="store_true",
                    help="train without the drift guard: no anchor regularizer, no drift figures, and promote=auto "
                         "checks the held-out loss only (docs/architecture/drift.md)")
+    p.add_argument("--strict-api", action="store_true",
+                   help="refuse unknown fields on the OpenAI routes with a 400 (default: ignore them and name them "
+                        "in the X-Dreamstage-Ignored-Fields header)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $DREAMSTAGE_API_KEY); "

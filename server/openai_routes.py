@@ -6,8 +6,10 @@ engine thread (prompts.py) and a GenerationRequest the engine decodes.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -16,13 +18,19 @@ from sse_starlette import EventSourceResponse
 from dreamstage.server import errors
 from dreamstage.server.bridge import ClientGone, EngineRequest
 from dreamstage.server.errors import APIError
-from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
+from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest, ignored_fields
 from dreamstage.serving.engine import Delta, Failed, Finished, GenerationRequest
 from dreamstage.serving.sampling import GrammarError, SamplingParams, json_schema_grammar
 
 router = APIRouter()
+log = logging.getLogger("dreamstage.server")
 
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
+# The request fields that had no effect (unknown ones and IGNORED_EXTRAS), comma-separated.
+IGNORED_HEADER = "X-Dreamstage-Ignored-Fields"
+_HEADER_NAMES = 16          # at most this many names in the header, then "+N more"
+_logged_ignored: set[str] = set()   # each ignored path is logged once per process
+_LOG_IGNORED_MAX = 256
 
 # How long a token stream may take to end by itself once the server is told to
 # stop: the engine first finishes its step, then ends every open request with
@@ -47,9 +55,37 @@ class _EngineStream(EventSourceResponse):
 
 
 def _sampling(body, grammar: str | None) -> SamplingParams:
+    penalty = body.penalty()
     return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-                          repeat_penalty=body.repeat_penalty, frequency_penalty=body.frequency_penalty,
+                          typical_p=body.typical_p, repeat_penalty=1.0 if penalty is None else penalty,
+                          frequency_penalty=body.frequency_penalty,
                           presence_penalty=body.presence_penalty, seed=body.seed, grammar=grammar)
+
+
+def _generation(body, prompt: list[int], limit: int | None, grammar: str | None) -> GenerationRequest:
+    return GenerationRequest(prompt, limit, _sampling(body, grammar), body.stop_list(),
+                             stop_tokens=frozenset(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                             cache_prompt=body.cache_prompt)
+
+
+def _field_headers(body, strict: bool) -> dict[str, str]:
+    """The ignored-fields header for `body`; with `strict`, an unknown field is a 400 naming it."""
+    unknown, extras = ignored_fields(body)
+    if unknown and strict:
+        raise APIError(400, f"{unknown[0]}: unknown field (the server runs with --strict-api)", unknown[0],
+                       "invalid_value")
+    names = unknown + extras
+    if not names:
+        return {}
+    fresh = [n for n in names if n not in _logged_ignored]
+    if fresh and len(_logged_ignored) < _LOG_IGNORED_MAX:
+        _logged_ignored.update(fresh)
+        log.warning("request fields ignored: %s", ", ".join(fresh[:_HEADER_NAMES]))
+    # quoted: a field name may hold any character, and a header value only visible ASCII
+    shown = [quote(n[:64], safe="[]._-") for n in names[:_HEADER_NAMES]]
+    if len(names) > _HEADER_NAMES:
+        shown.append(f"+{len(names) - _HEADER_NAMES} more")
+    return {IGNORED_HEADER: ", ".join(shown)}
 
 
 def _grammar(body: ChatCompletionRequest | CompletionRequest) -> str | None:
@@ -82,7 +118,7 @@ def _sse(obj) -> dict[str, str]:
 
 
 async def _run(request: Request, gen: GenerationRequest, stream: bool, make_chunk, make_final, make_full,
-               include_usage: bool):
+               include_usage: bool, field_headers: dict[str, str]):
     """Admit `gen` to the engine; answer whole (JSON) or as an SSE stream of the given chunk shapes."""
     service = request.app.state.service
     job = EngineRequest(service.engine, gen, service.settings.retry_after_s)
@@ -91,7 +127,7 @@ async def _run(request: Request, gen: GenerationRequest, stream: bool, make_chun
         adm = await job.admitted(disconnected)
     except ClientGone:
         return JSONResponse(errors.error_body(499, "client closed the request"), status_code=499)
-    headers = {ADAPTER_HEADER: str(adm.adapter_version)}
+    headers = {ADAPTER_HEADER: str(adm.adapter_version), **field_headers}
     if not stream:
         try:
             text, fin = await job.collect(disconnected)
@@ -127,11 +163,13 @@ async def _run(request: Request, gen: GenerationRequest, stream: bool, make_chun
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     service = request.app.state.service
+    field_headers = _field_headers(body, service.settings.strict_api)
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in body.messages]
     grammar = _grammar(body)
-    prompt = await service.prompts.chat(service.chat, messages)   # token ids, off the engine thread
-    gen = GenerationRequest(prompt, body.limit(), _sampling(body, grammar), body.stop_list())
+    # token ids, off the engine thread
+    prompt = await service.prompts.chat(service.chat, messages, body.chat_template_kwargs)
+    gen = _generation(body, prompt, body.limit(), grammar)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), service.model_id
     base = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
 
@@ -151,11 +189,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 "usage": _usage(fin)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _run(request, gen, body.stream, chunk, final, full, include_usage)
+    return await _run(request, gen, body.stream, chunk, final, full, include_usage, field_headers)
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     service = request.app.state.service
+    field_headers = _field_headers(body, service.settings.strict_api)
     engine = service.engine
     prompt = body.prompt_value()
     if isinstance(prompt, str) and not prompt:
@@ -166,7 +205,7 @@ async def completions(body: CompletionRequest, request: Request):
     elif len(prompt) > engine.slot_ctx:       # refused here, not by a scan on the engine thread
         raise APIError(400, f"prompt: {len(prompt)} tokens exceed the per-slot context of {engine.slot_ctx} "
                             "tokens", "prompt", "context_length_exceeded")
-    gen = GenerationRequest(prompt, body.max_tokens, _sampling(body, grammar), body.stop_list())
+    gen = _generation(body, prompt, body.limit(), grammar)
     cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), service.model_id
     base = {"id": cid, "object": "text_completion", "created": created, "model": model}
 
@@ -186,7 +225,7 @@ async def completions(body: CompletionRequest, request: Request):
                 "usage": _usage(fin)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _run(request, gen, body.stream, chunk, final, full, include_usage)
+    return await _run(request, gen, body.stream, chunk, final, full, include_usage, field_headers)
 
 @router.get("/v1/models")
 async def models(request: Request):

@@ -53,16 +53,17 @@ class PromptTokenizer:
         async with self._slots:
             return await asyncio.to_thread(self.model.tokenize, prompt, True, parse_special)
 
-    async def chat(self, chat_template, messages: list[dict]) -> list[int]:
-        """A chat prompt: the template's text parses special tokens, message content never does."""
+    async def chat(self, chat_template, messages: list[dict], variables: dict | None = None) -> list[int]:
+        """A chat prompt: the template's text parses special tokens, message content never does.
+        `variables`: extra template variables (chat_template_kwargs)."""
         self.check_size(sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
         async with self._slots:
             # Rendering a long conversation takes a while too: off the event loop, which carries every stream.
-            return await asyncio.to_thread(self._chat, chat_template, messages)
+            return await asyncio.to_thread(self._chat, chat_template, messages, variables)
 
-    def _chat(self, chat_template, messages: list[dict]) -> list[int]:
+    def _chat(self, chat_template, messages: list[dict], variables: dict | None = None) -> list[int]:
         try:
-            segments, located = chat_segments(chat_template.render, messages)
+            segments, located = chat_segments(lambda ms: chat_template.render(ms, variables), messages)
         except ValueError as e:
             raise APIError(400, f"messages: {e}", "messages") from None
         if not located:

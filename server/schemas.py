@@ -1,22 +1,50 @@
 """Request models for the OpenAI-compatible routes.
 
-Strict: wrong JSON types are refused rather than coerced ("5" is not 5), and
-unknown fields are refused so a typo (`max_token`) is named instead of
-silently ignored. OpenAI fields we accept but do not act on are declared
-explicitly (`user`, `stream_options`, `n` = 1 only).
+Wrong JSON types are refused rather than coerced ("5" is not 5). Fields no
+model here declares are kept aside, not refused, as llama-server and vLLM do:
+the route names them in a response header and the log (`ignored_fields`), and
+`--strict-api` turns them back into 400s so a typo (`max_token`) is named.
+The llama-server / vLLM extras that mean something here are declared and
+honoured; those that do not are in IGNORED_EXTRAS, accepted in either mode.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from dreamstage.serving.chat import ROLES
 
 
 class _Strict(BaseModel):
     # allow_inf_nan: Python's json reads Infinity and NaN, which no field means.
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, allow_inf_nan=False)
+    # extra="allow": undeclared fields land in model_extra, for ignored_fields().
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True, allow_inf_nan=False)
+
+
+# Fields llama-server or vLLM define that change nothing here: accepted even
+# with --strict-api, and listed in the ignored-fields header like unknown ones.
+IGNORED_EXTRAS = frozenset({"parallel_tool_calls", "n_probs", "skip_special_tokens",
+                            "spaces_between_special_tokens", "id_slot", "return_tokens", "timings_per_token"})
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> tuple[list[str], list[str]]:
+    """(unknown, ignored_extras): paths of the undeclared fields of a request, nested models included."""
+    unknown: list[str] = []
+    extras: list[str] = []
+    for name in model.model_extra or {}:
+        path = f"{prefix}.{name}" if prefix else name
+        (extras if name in IGNORED_EXTRAS and not prefix else unknown).append(path)
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, _Strict):
+                sub = f"{prefix}.{name}" if prefix else name
+                u, e = ignored_fields(item, sub if i is None else f"{sub}[{i}]")
+                unknown += u
+                extras += e
+    return unknown, extras
 
 
 class TextPart(_Strict):
@@ -64,21 +92,42 @@ class _Sampling(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=2**31 - 1)   # llama.cpp's int32; larger values would wrap
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    typical_p: float = Field(1.0, gt=0.0, le=1.0)        # llama-server / vLLM; 1.0: off
+    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)   # vLLM's name for repeat_penalty
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=2**32 - 1)   # llama.cpp's uint32; larger values would wrap
     stop: StopField = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(max_length=64)] | None = None
+    ignore_eos: bool = False       # llama-server / vLLM: end-of-generation tokens do not stop
+    cache_prompt: bool = True      # llama-server: False starts the slot's K/V afresh
+    n_predict: int | None = Field(None, ge=-1)   # llama-server's max_tokens; -1: to the context's end
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
     grammar: str | None = Field(None, min_length=1)  # GBNF, root rule "root"
 
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _one_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
+        # repeat_penalty is declared first, so it is validated by now
+        if v is not None and info.data.get("repeat_penalty") not in (None, v):
+            raise ValueError("give either repeat_penalty or repetition_penalty, not both")
+        return v
+
+    def penalty(self) -> float | None:
+        return self.repeat_penalty if self.repeat_penalty is not None else self.repetition_penalty
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def _predict(self) -> int | None:
+        # n_predict -1 (llama-server's "no limit") and absence are both None here
+        return None if self.n_predict is None or self.n_predict < 0 else max(self.n_predict, 1)
 
 
 # More messages than any slot could hold is refused while parsing: validating
@@ -92,6 +141,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
     logprobs: Literal[False] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # extra variables for the chat template
 
     @model_validator(mode="after")
     def _one_grammar(self):
@@ -100,7 +150,9 @@ class ChatCompletionRequest(_Sampling):
         return self
 
     def limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else self._predict()
 
 
 class CompletionRequest(_Sampling):
@@ -113,6 +165,11 @@ class CompletionRequest(_Sampling):
     parse_special: bool = False
     logprobs: None = None
     suffix: None = None
+
+    def limit(self) -> int | None:
+        if "max_tokens" in self.model_fields_set or self.n_predict is None:
+            return self.max_tokens
+        return self._predict()
 
     def prompt_value(self) -> str | list[int]:
         p = self.prompt

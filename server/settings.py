@@ -47,6 +47,9 @@ class ServerSettings(BaseSettings):
     # (--no-drift-guard, DREAMSTAGE_DRIFT_GUARD=false; the test suite sets
     # that for the tests that are not about drift), jobs train without them.
     drift_guard: bool = True
+    # Unknown request fields on the OpenAI routes: ignored and named in a
+    # response header (False, as llama-server and vLLM do), or a 400 (True).
+    strict_api: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:

@@ -211,7 +211,6 @@ MSG = [{"role": "user", "content": "hi"}]
     ({"messages": MSG, "stream": "yes"}, "stream"),
     ({"messages": MSG, "stop": [1, 2]}, "stop"),
     ({"messages": MSG, "n": 2}, "n"),
-    ({"messages": MSG, "max_token": 5}, "max_token"),
     ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": MSG, "max_tokens": 100000}, "max_tokens"),
     ({"messages": MSG, "grammar": "root ::= ("}, "grammar"),

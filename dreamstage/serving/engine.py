@@ -452,7 +452,7 @@ class Engine:
             # Prefer the free slot whose cache shares the longest prefix.
             slot, n_common = max(((s, _common_prefix(s.tokens, job.prompt)) for s in free), key=lambda x: x[1])
             # At least the last prompt token is decoded again: its logits are needed.
-            n_common = min(n_common, len(job.prompt) - 1)
+            n_common = min(n_common, len(job.prompt) - 1) if job.request.cache_prompt else 0
             try:
                 chain = build_chain(self.model.vocab, self.model.n_vocab, job.request.sampling)
             except GrammarError as e:
@@ -539,7 +539,7 @@ class Engine:
             else:
                 self.stats.itl.observe(now - s.t_last)
             s.t_last = now
-            if eog(token):
+            if (eog(token) and not job.request.ignore_eos) or token in job.request.stop_tokens:
                 self._release(s, "stop")
                 continue
             text = stream.push(self.model.token_piece(token))

@@ -65,6 +65,9 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     add_special: bool = True         # add BOS when the vocabulary wants it (text prompts)
+    stop_tokens: frozenset[int] = frozenset()   # sampling one ends the request ("stop"), not emitted
+    ignore_eos: bool = False         # end-of-generation tokens do not end the request
+    cache_prompt: bool = True        # False: the slot's cached prefix is not reused
 
 
 

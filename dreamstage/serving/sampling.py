@@ -27,6 +27,7 @@ class SamplingParams:
     top_k: int = 0              # 0: off
     top_p: float = 1.0          # 1.0: off
     min_p: float = 0.0          # 0.0: off
+    typical_p: float = 1.0      # 1.0: off (locally typical sampling)
     repeat_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -75,6 +76,8 @@ def build_chain(vocab, n_vocab: int, p: SamplingParams):
         add(chain, lc.llama_sampler_init_top_k(p.top_k))
     if p.top_p < 1.0:
         add(chain, lc.llama_sampler_init_top_p(p.top_p, 1))
+    if p.typical_p < 1.0:
+        add(chain, lc.llama_sampler_init_typical(p.typical_p, 1))
     if p.min_p > 0.0:
         add(chain, lc.llama_sampler_init_min_p(p.min_p, 1))
     add(chain, lc.llama_sampler_init_temp(p.temperature))

@@ -1,0 +1,157 @@
+"""Compatibility with llama-server and vLLM clients (issue 47), against a live server with the openai SDK."""
+from __future__ import annotations
+
+import queue
+
+import httpx
+import openai
+import pytest
+from background_server import BackgroundServer
+
+from dreamstage.server.settings import ServerSettings
+from dreamstage.serving.chat import ChatTemplate
+from dreamstage.serving.engine import Delta, Finished, GenerationRequest
+from dreamstage.serving.sampling import SamplingParams
+
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with BackgroundServer(ServerSettings(ctx=2048, parallel=2, threads=1, max_queue=4)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        yield c
+
+
+def engine_tokens(server, prompt: str, max_tokens: int, **request) -> tuple[list[int], Finished]:
+    """Greedy tokens straight from the engine, with the ids the HTTP answer does not carry."""
+    events: queue.Queue = queue.Queue()
+    server.service.engine.submit(GenerationRequest(prompt, max_tokens, SamplingParams(temperature=0), **request),
+                                 events.put)
+    tokens = []
+    while True:
+        ev = events.get(timeout=300)
+        if isinstance(ev, Delta):
+            tokens.append(ev.token)
+        elif isinstance(ev, Finished):
+            return [t for t in tokens if t >= 0], ev
+
+
+# -- a tolerant schema ---------------------------------------------------------------
+def test_unknown_fields_are_ignored_and_named_in_a_header(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model="any", messages=[{"role": "user", "content": "Hi", "reasoning_content": "x"}], max_tokens=4,
+        temperature=0, extra_body={"frobnicate": 1, "parallel_tool_calls": False, "cache_prompt": True,
+                                   "bad\nname\u00e9": 2})
+    assert raw.http_response.status_code == 200
+    named = raw.headers["x-dreamstage-ignored-fields"].split(", ")
+    # honoured extras (cache_prompt) are not in it; ignored extras and unknown ones are, nested paths too
+    assert set(named) == {"frobnicate", "parallel_tool_calls", "messages[0].reasoning_content",
+                          "bad%0Aname%C3%A9"}
+    assert raw.parse().choices[0].message.content
+    plain = client.chat.completions.with_raw_response.create(model="any", messages=ASK, max_tokens=2)
+    assert "x-dreamstage-ignored-fields" not in plain.headers
+
+
+def test_the_header_is_bounded(http):
+    body = {"prompt": "Hi", "max_tokens": 1, **{f"f{i}": i for i in range(40)}}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200
+    assert r.headers["x-dreamstage-ignored-fields"].endswith("+24 more")
+
+
+def test_strict_api_restores_the_400s():
+    with BackgroundServer(ServerSettings(ctx=512, parallel=1, threads=1, strict_api=True)) as srv:
+        with httpx.Client(base_url=srv.url, timeout=300) as http:
+            for route, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "a"})):
+                r = http.post(route, json={**body, "max_token": 5})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == "max_token" and "max_token" in r.json()["error"]["message"]
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x", "foo": 1}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].foo"
+            # the anchors' own extras are accepted even so
+            r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "n_probs": 0,
+                                                        "parallel_tool_calls": True, "cache_prompt": False})
+            assert r.status_code == 200
+            assert set(r.headers["x-dreamstage-ignored-fields"].split(", ")) == {"parallel_tool_calls", "n_probs"}
+
+
+def test_n_predict_bounds_the_answer(client):
+    done = client.completions.create(model="x", prompt="Once upon a time", temperature=0,
+                                     extra_body={"n_predict": 5, "ignore_eos": True})
+    assert done.usage.completion_tokens == 5 and done.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model="x", messages=ASK, temperature=0,
+                                          extra_body={"n_predict": 3, "ignore_eos": True})
+    assert chat.usage.completion_tokens == 3
+    # max_tokens wins over n_predict when both are given
+    both = client.completions.create(model="x", prompt="Once upon a time", temperature=0, max_tokens=2,
+                                     extra_body={"n_predict": 9, "ignore_eos": True})
+    assert both.usage.completion_tokens == 2
+
+
+def test_repetition_penalty_is_repeat_penalty(client, http):
+    def ask(**extra):
+        return client.completions.create(model="x", prompt="one one one one one", max_tokens=12, temperature=0,
+                                         extra_body=extra).choices[0].text
+    plain, vllm, ours = ask(), ask(repetition_penalty=1.8), ask(repeat_penalty=1.8)
+    assert vllm == ours != plain
+    r = http.post("/v1/completions", json={"prompt": "a", "repeat_penalty": 1.1, "repetition_penalty": 1.2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+
+
+def test_stop_token_ids_end_the_answer_before_that_token(server, client):
+    prompt = "The days of the week are Monday,"
+    tokens, _ = engine_tokens(server, prompt, 8)
+    assert len(tokens) == 8
+    stop_at = next(i for i in range(2, 8) if tokens[i] not in tokens[:i])
+    done = client.completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0,
+                                     extra_body={"stop_token_ids": [tokens[stop_at]]})
+    assert done.choices[0].finish_reason == "stop"
+    assert done.usage.completion_tokens == stop_at + 1      # the stop token was sampled, not emitted
+    assert done.choices[0].text == server.service.model.detokenize(tokens[:stop_at])
+
+
+def test_ignore_eos_runs_past_the_end_of_turn(server, client):
+    tokens, fin = engine_tokens(server, "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n", 64)
+    assert fin.finish_reason == "stop" and fin.completion_tokens < 64
+    _, fin = engine_tokens(server, "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n", 64,
+                           ignore_eos=True)
+    assert fin.finish_reason == "length" and fin.completion_tokens == 64
+
+
+def test_cache_prompt_false_evaluates_the_whole_prompt(client):
+    long_ask = [{"role": "user", "content": "Describe the history of Paris in one paragraph."}]
+    client.chat.completions.create(model="x", messages=long_ask, max_tokens=1, temperature=0)
+    again = client.chat.completions.create(model="x", messages=long_ask, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    fresh = client.chat.completions.create(model="x", messages=long_ask, max_tokens=1, temperature=0,
+                                           extra_body={"cache_prompt": False})
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_typical_p_keeps_the_draw_to_one_token(client):
+    def draw(seed, **extra):
+        return client.completions.create(model="x", prompt="My favourite animal is the", max_tokens=8,
+                                         temperature=1.0, seed=seed, extra_body=extra).choices[0].text
+    free = {draw(s) for s in range(4)}
+    assert len(free) > 1
+    assert len({draw(s, typical_p=1e-6) for s in range(4)}) == 1
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    t = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}|{{ flavour }}|{{ bos_token }}", "<s>",
+                     "</s>")
+    assert t.render([{"role": "user", "content": "hi"}], {"flavour": "mint", "bos_token": "forged"}) == "hi|mint|<s>"
+    r = client.chat.completions.create(model="x", messages=ASK, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content is not None
