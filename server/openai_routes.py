@@ -9,6 +9,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from urllib.parse import quote
 
 from fastapi import APIRouter, Request
@@ -20,7 +21,7 @@ from dreamstage.server.bridge import ClientGone, EngineRequest
 from dreamstage.server.errors import APIError
 from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest, ignored_fields
 from dreamstage.serving.engine import Delta, Failed, Finished, GenerationRequest
-from dreamstage.serving.sampling import GrammarError, SamplingParams, json_schema_grammar
+from dreamstage.serving.sampling import GrammarError, json_schema_grammar
 
 router = APIRouter()
 log = logging.getLogger("dreamstage.server")
@@ -54,18 +55,12 @@ class _EngineStream(EventSourceResponse):
             self._job.cancel()
 
 
-def _sampling(body, grammar: str | None) -> SamplingParams:
-    penalty = body.penalty()
-    return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-                          typical_p=body.typical_p, repeat_penalty=1.0 if penalty is None else penalty,
-                          frequency_penalty=body.frequency_penalty,
-                          presence_penalty=body.presence_penalty, seed=body.seed, grammar=grammar)
-
-
-def _generation(body, prompt: list[int], limit: int | None, grammar: str | None) -> GenerationRequest:
-    return GenerationRequest(prompt, limit, _sampling(body, grammar), body.stop_list(),
+def _generation(service, body, prompt: list[int], grammar: str | None, prompt_param: str) -> GenerationRequest:
+    """The engine's request: the body's sampling fields over the model's defaults."""
+    sampling = replace(service.sampling_defaults, **body.sampling_given(service.engine.slot_ctx), grammar=grammar)
+    return GenerationRequest(prompt, body.limit(), sampling, body.stop_list(),
                              stop_tokens=frozenset(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                             cache_prompt=body.cache_prompt)
+                             cache_prompt=body.cache_prompt, prompt_param=prompt_param)
 
 
 def _field_headers(body, strict: bool) -> dict[str, str]:
@@ -169,7 +164,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     grammar = _grammar(body)
     # token ids, off the engine thread
     prompt = await service.prompts.chat(service.chat, messages, body.chat_template_kwargs)
-    gen = _generation(body, prompt, body.limit(), grammar)
+    gen = _generation(service, body, prompt, grammar, "messages")
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), service.model_id
     base = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
 
@@ -205,7 +200,7 @@ async def completions(body: CompletionRequest, request: Request):
     elif len(prompt) > engine.slot_ctx:       # refused here, not by a scan on the engine thread
         raise APIError(400, f"prompt: {len(prompt)} tokens exceed the per-slot context of {engine.slot_ctx} "
                             "tokens", "prompt", "context_length_exceeded")
-    gen = _generation(body, prompt, body.limit(), grammar)
+    gen = _generation(service, body, prompt, grammar, "prompt")
     cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), service.model_id
     base = {"id": cid, "object": "text_completion", "created": created, "model": model}
 

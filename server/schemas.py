@@ -88,15 +88,17 @@ StopField = str | Annotated[list[str], Field(max_length=16)] | None
 
 class _Sampling(_Strict):
     model: str | None = None       # any id is accepted: one model is resident
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=2**31 - 1)   # llama.cpp's int32; larger values would wrap
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    typical_p: float = Field(1.0, gt=0.0, le=1.0)        # llama-server / vLLM; 1.0: off
+    # Sampling fields left out (None) take the model's defaults (sampling.model_defaults).
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=2**31 - 1)   # llama.cpp's int32; larger values would wrap
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    typical_p: float | None = Field(None, gt=0.0, le=1.0)        # llama-server / vLLM; 1.0: off
     repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)   # vLLM's name for repeat_penalty
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repeat_last_n: int | None = Field(None, ge=-1, le=2**31 - 1)    # llama-server; -1: the whole context
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=2**32 - 1)   # llama.cpp's uint32; larger values would wrap
     stop: StopField = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(max_length=64)] | None = None
@@ -117,8 +119,15 @@ class _Sampling(_Strict):
             raise ValueError("give either repeat_penalty or repetition_penalty, not both")
         return v
 
-    def penalty(self) -> float | None:
-        return self.repeat_penalty if self.repeat_penalty is not None else self.repetition_penalty
+    def sampling_given(self, slot_ctx: int) -> dict[str, Any]:
+        """The SamplingParams fields this request sets (the rest keep the model's defaults)."""
+        given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        penalty = self.repeat_penalty if self.repeat_penalty is not None else self.repetition_penalty
+        if penalty is not None:
+            given["repeat_penalty"] = penalty
+        if self.repeat_last_n is not None:
+            given["penalty_last_n"] = slot_ctx if self.repeat_last_n < 0 else self.repeat_last_n
+        return given
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -128,6 +137,11 @@ class _Sampling(_Strict):
     def _predict(self) -> int | None:
         # n_predict -1 (llama-server's "no limit") and absence are both None here
         return None if self.n_predict is None or self.n_predict < 0 else max(self.n_predict, 1)
+
+
+# Request fields that are SamplingParams fields of the same name.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "frequency_penalty", "presence_penalty",
+                    "seed")
 
 
 # More messages than any slot could hold is refused while parsing: validating
@@ -157,7 +171,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(None, ge=1)  # None: to a stop or the context's end, as llama-server
     echo: Literal[False] = False
     # A dreamstage extension: parse control-token text in the prompt (e.g. a
     # hand-written "<|im_start|>") as control tokens. Off by default, so user
@@ -167,9 +181,7 @@ class CompletionRequest(_Sampling):
     suffix: None = None
 
     def limit(self) -> int | None:
-        if "max_tokens" in self.model_fields_set or self.n_predict is None:
-            return self.max_tokens
-        return self._predict()
+        return self.max_tokens if self.max_tokens is not None else self._predict()
 
     def prompt_value(self) -> str | list[int]:
         p = self.prompt

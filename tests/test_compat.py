@@ -8,17 +8,20 @@ import openai
 import pytest
 from background_server import BackgroundServer
 
+from dreamstage import native
 from dreamstage.server.settings import ServerSettings
 from dreamstage.serving.chat import ChatTemplate
 from dreamstage.serving.engine import Delta, Finished, GenerationRequest
-from dreamstage.serving.sampling import SamplingParams
+from dreamstage.serving.resident import AUTO_CTX_STEP, ResidentConfig, ResidentModel
+from dreamstage.serving.sampling import SamplingParams, model_defaults
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def server():
-    with BackgroundServer(ServerSettings(ctx=2048, parallel=2, threads=1, max_queue=4)) as srv:
+    # 512 tokens a slot: a completion that runs to the context's end stays short
+    with BackgroundServer(ServerSettings(ctx=1024, parallel=2, threads=1, max_queue=4)) as srv:
         yield srv
 
 
@@ -155,3 +158,79 @@ def test_chat_template_kwargs_reach_the_template(client):
     r = client.chat.completions.create(model="x", messages=ASK, max_tokens=2,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.content is not None
+
+
+# -- context and defaults ------------------------------------------------------------
+def test_default_context_is_the_trained_context_and_holds_a_long_conversation():
+    with BackgroundServer(ServerSettings(parallel=1, threads=1)) as srv:
+        model = srv.service.model
+        assert model.n_ctx_train == int(model.meta("llama.context_length"))
+        with httpx.Client(base_url=srv.url, timeout=600) as http:
+            slots = http.get("/slots").json()
+            assert slots["slot_context"] == slots["n_ctx_train"] == model.n_ctx_train
+            assert http.get("/props").json()["default_generation_settings"]["n_ctx"] == model.n_ctx_train
+            # about 6,000 tokens of conversation, answered
+            turns = []
+            for i in range(56):
+                turns += [{"role": "user", "content": f"Note {i}: " + "the river runs past the old mill " * 12},
+                          {"role": "assistant", "content": f"Noted {i}."}]
+            turns.append({"role": "user", "content": "What was the first note about?"})
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            done = client.chat.completions.create(model="x", messages=turns, max_tokens=8, temperature=0)
+            assert 5500 < done.usage.prompt_tokens < model.n_ctx_train and done.choices[0].message.content
+            r = http.post("/v1/chat/completions", json={"messages": turns * 2, "max_tokens": 8})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            assert str(model.n_ctx_train) in r.json()["error"]["message"]
+
+
+def test_the_automatic_context_is_capped_by_memory():
+    probe = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
+    try:
+        cell = probe.kv_cell_bytes()
+    finally:
+        probe.close()
+    free = min(d["free"] for d in native.devices() if d["name"] == "CPU")
+    # a share that fits about 4.5 steps of cells for each of 2 slots: each slot gets 4 steps
+    share = 4.5 * AUTO_CTX_STEP * 2 * cell / free
+    capped = ResidentModel(ResidentConfig(n_ctx=0, n_seq=2, n_threads=1, kv_unified=False,
+                                          auto_ctx_memory_share=share))
+    try:
+        assert capped.lc.llama_n_ctx_seq(capped.ctx) == 4 * AUTO_CTX_STEP < capped.n_ctx_train
+    finally:
+        capped.close()
+
+
+def test_too_long_a_request_is_a_400_naming_the_numbers(server, http):
+    slot = server.service.engine.slot_ctx
+    r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": slot})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    msg = r.json()["error"]["message"]
+    assert str(slot) in msg and f"max_tokens ({slot})" in msg
+    r = http.post("/v1/completions", json={"prompt": [1] * (slot + 1)})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt" and str(slot + 1) in err["message"]
+
+
+def test_completions_without_max_tokens_run_to_the_context_end(server, client):
+    done = client.completions.create(model="x", prompt="Once upon a time", temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.prompt_tokens + done.usage.completion_tokens == server.service.engine.slot_ctx
+
+
+def test_sampling_defaults_are_llama_servers_unless_the_gguf_says(server, client, http):
+    assert model_defaults(server.service.model.meta) == SamplingParams()   # this GGUF has no sampling keys
+    params = http.get("/props").json()["default_generation_settings"]["params"]
+    assert (params["temperature"], params["top_k"], params["top_p"], params["min_p"]) == (0.8, 40, 0.95, 0.05)
+    meta = {"general.sampling.temp": "0.3", "general.sampling.top_k": "20", "general.sampling.min_p": "oops"}
+    own = model_defaults(meta.get)
+    assert (own.temperature, own.top_k, own.min_p, own.top_p) == (0.3, 20, SamplingParams().min_p, 0.95)
+
+    def draw(seed, **fields):
+        return client.completions.create(model="x", prompt="My favourite animal is the", max_tokens=16,
+                                         seed=seed, extra_body=fields).choices[0].text
+    explicit = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+    unfiltered = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    seeds = range(3)
+    assert [draw(s) for s in seeds] == [draw(s, **explicit) for s in seeds]
+    assert [draw(s) for s in seeds] != [draw(s, **unfiltered) for s in seeds]

@@ -412,11 +412,12 @@ class Engine:
             self._finish_job(job, Failed(400, "prompt is empty after tokenization", "prompt"), "invalid")
             return
         room = self.slot_ctx - len(toks)
-        if req.max_tokens is None:
+        if req.max_tokens is None or room < 1:
             if room < 1:
-                self._finish_job(job, Failed(400, f"prompt has {len(toks)} tokens; the per-slot context is "
-                                                  f"{self.slot_ctx} tokens (n_ctx {m.n_ctx} / {self.n_seq} slots), "
-                                                  "leaving no room to generate", "messages"), "invalid")
+                self._finish_job(job, Failed(400, f"{req.prompt_param}: the prompt has {len(toks)} tokens; the "
+                                                  f"per-slot context is {self.slot_ctx} tokens (n_ctx {m.n_ctx} / "
+                                                  f"{self.n_seq} slots), leaving no room to generate",
+                                             req.prompt_param), "invalid")
                 return
             max_tokens = room
         elif req.max_tokens > room:

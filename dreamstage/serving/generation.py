@@ -68,6 +68,7 @@ class GenerationRequest:
     stop_tokens: frozenset[int] = frozenset()   # sampling one ends the request ("stop"), not emitted
     ignore_eos: bool = False         # end-of-generation tokens do not end the request
     cache_prompt: bool = True        # False: the slot's cached prefix is not reused
+    prompt_param: str = "prompt"     # the request field a too-long prompt is blamed on
 
 
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 from dreamstage import native
-
-# Penalties look back over this many generated tokens (llama.cpp's default).
-PENALTY_LAST_N = 64
 
 
 class GrammarError(ValueError):
@@ -23,12 +22,16 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = 0              # 0: off
-    top_p: float = 1.0          # 1.0: off
-    min_p: float = 0.0          # 0.0: off
+    """One request's sampling. The defaults are llama-server's (its common
+    sampling parameters), so a request that sets nothing samples as it would
+    there; a GGUF's own generation settings replace them (model_defaults)."""
+    temperature: float = 0.8
+    top_k: int = 40             # 0: off
+    top_p: float = 0.95         # 1.0: off
+    min_p: float = 0.05         # 0.0: off
     typical_p: float = 1.0      # 1.0: off (locally typical sampling)
     repeat_penalty: float = 1.0
+    penalty_last_n: int = 64    # generated tokens the penalties look back over (0: none)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None     # None: a fresh random seed per request
@@ -37,6 +40,30 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+# GGUF keys of a model's recommended generation settings (llama.cpp's
+# general.sampling.*) and the SamplingParams field each one sets.
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": ("temperature", float), "general.sampling.top_k": ("top_k", int),
+                      "general.sampling.top_p": ("top_p", float), "general.sampling.min_p": ("min_p", float),
+                      "general.sampling.penalty_repeat": ("repeat_penalty", float),
+                      "general.sampling.penalty_last_n": ("penalty_last_n", int)}
+
+
+def model_defaults(meta: Callable[[str], str | None]) -> SamplingParams:
+    """The sampling defaults for a model: its GGUF's general.sampling.* values
+    where present (and readable), llama-server's for the rest.
+    `meta(key)` returns a metadata value as text, or None."""
+    given: dict[str, Any] = {}
+    for key, (name, kind) in GGUF_SAMPLING_KEYS.items():
+        text = meta(key)
+        if text is None:
+            continue
+        try:
+            given[name] = kind(float(text)) if kind is int else kind(text)
+        except ValueError:
+            continue
+    return replace(SamplingParams(), **given)
 
 
 def json_schema_grammar(schema: dict | None) -> str:
@@ -67,7 +94,7 @@ def build_chain(vocab, n_vocab: int, p: SamplingParams):
                                "(check the GBNF; the root rule must be named 'root')")
         add(chain, g)
     if p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-        add(chain, lc.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, p.repeat_penalty,
+        add(chain, lc.llama_sampler_init_penalties(n_vocab, p.penalty_last_n, p.repeat_penalty,
                                                    p.frequency_penalty, p.presence_penalty))
     if p.greedy:
         add(chain, lc.llama_sampler_init_greedy())
