@@ -6,11 +6,9 @@ engine thread (prompts.py) and a GenerationRequest the engine decodes.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from dataclasses import replace
-from urllib.parse import quote
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -19,19 +17,13 @@ from sse_starlette import EventSourceResponse
 from dreamstage.server import errors
 from dreamstage.server.bridge import ClientGone, EngineRequest
 from dreamstage.server.errors import APIError
-from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest, ignored_fields
+from dreamstage.server.fields import field_headers
+from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
 from dreamstage.serving.engine import Delta, Failed, Finished, GenerationRequest
 from dreamstage.serving.sampling import GrammarError, json_schema_grammar
 
 router = APIRouter()
-log = logging.getLogger("dreamstage.server")
-
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
-# The request fields that had no effect (unknown ones and IGNORED_EXTRAS), comma-separated.
-IGNORED_HEADER = "X-Dreamstage-Ignored-Fields"
-_HEADER_NAMES = 16          # at most this many names in the header, then "+N more"
-_logged_ignored: set[str] = set()   # each ignored path is logged once per process
-_LOG_IGNORED_MAX = 256
 
 # How long a token stream may take to end by itself once the server is told to
 # stop: the engine first finishes its step, then ends every open request with
@@ -61,26 +53,6 @@ def _generation(service, body, prompt: list[int], grammar: str | None, prompt_pa
     return GenerationRequest(prompt, body.limit(), sampling, body.stop_list(),
                              stop_tokens=frozenset(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                              cache_prompt=body.cache_prompt, prompt_param=prompt_param)
-
-
-def _field_headers(body, strict: bool) -> dict[str, str]:
-    """The ignored-fields header for `body`; with `strict`, an unknown field is a 400 naming it."""
-    unknown, extras = ignored_fields(body)
-    if unknown and strict:
-        raise APIError(400, f"{unknown[0]}: unknown field (the server runs with --strict-api)", unknown[0],
-                       "invalid_value")
-    names = unknown + extras
-    if not names:
-        return {}
-    fresh = [n for n in names if n not in _logged_ignored]
-    if fresh and len(_logged_ignored) < _LOG_IGNORED_MAX:
-        _logged_ignored.update(fresh)
-        log.warning("request fields ignored: %s", ", ".join(fresh[:_HEADER_NAMES]))
-    # quoted: a field name may hold any character, and a header value only visible ASCII
-    shown = [quote(n[:64], safe="[]._-") for n in names[:_HEADER_NAMES]]
-    if len(names) > _HEADER_NAMES:
-        shown.append(f"+{len(names) - _HEADER_NAMES} more")
-    return {IGNORED_HEADER: ", ".join(shown)}
 
 
 def _grammar(body: ChatCompletionRequest | CompletionRequest) -> str | None:
@@ -113,7 +85,7 @@ def _sse(obj) -> dict[str, str]:
 
 
 async def _run(request: Request, gen: GenerationRequest, stream: bool, make_chunk, make_final, make_full,
-               include_usage: bool, field_headers: dict[str, str]):
+               include_usage: bool, extra_headers: dict[str, str]):
     """Admit `gen` to the engine; answer whole (JSON) or as an SSE stream of the given chunk shapes."""
     service = request.app.state.service
     job = EngineRequest(service.engine, gen, service.settings.retry_after_s)
@@ -122,7 +94,7 @@ async def _run(request: Request, gen: GenerationRequest, stream: bool, make_chun
         adm = await job.admitted(disconnected)
     except ClientGone:
         return JSONResponse(errors.error_body(499, "client closed the request"), status_code=499)
-    headers = {ADAPTER_HEADER: str(adm.adapter_version), **field_headers}
+    headers = {ADAPTER_HEADER: str(adm.adapter_version), **extra_headers}
     if not stream:
         try:
             text, fin = await job.collect(disconnected)
@@ -158,7 +130,7 @@ async def _run(request: Request, gen: GenerationRequest, stream: bool, make_chun
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     service = request.app.state.service
-    field_headers = _field_headers(body, service.settings.strict_api)
+    ignored = field_headers(body, service.settings.strict_api)
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in body.messages]
     grammar = _grammar(body)
@@ -184,12 +156,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 "usage": _usage(fin)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _run(request, gen, body.stream, chunk, final, full, include_usage, field_headers)
+    return await _run(request, gen, body.stream, chunk, final, full, include_usage, ignored)
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     service = request.app.state.service
-    field_headers = _field_headers(body, service.settings.strict_api)
+    ignored = field_headers(body, service.settings.strict_api)
     engine = service.engine
     prompt = body.prompt_value()
     if isinstance(prompt, str) and not prompt:
@@ -220,7 +192,7 @@ async def completions(body: CompletionRequest, request: Request):
                 "usage": _usage(fin)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _run(request, gen, body.stream, chunk, final, full, include_usage, field_headers)
+    return await _run(request, gen, body.stream, chunk, final, full, include_usage, ignored)
 
 @router.get("/v1/models")
 async def models(request: Request):

@@ -189,3 +189,16 @@ class CompletionRequest(_Sampling):
             return p[0]
         # a list of strings has exactly one item (the field's length bounds), taken above
         return cast("str | list[int]", p)
+
+
+class TokenizeRequest(_Strict):
+    """llama-server's POST /tokenize: text, or text pieces and token ids mixed."""
+    content: str | list[str | Annotated[int, Field(ge=0, le=2**31 - 1)]] = ""
+    add_special: bool = False       # BOS etc., as the vocabulary wants, before the first text piece
+    parse_special: bool = True      # control-token text becomes control tokens (llama-server's default)
+    with_pieces: bool = False       # each token as {"id", "piece"}
+
+
+class DetokenizeRequest(_Strict):
+    """llama-server's POST /detokenize."""
+    tokens: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(default_factory=list)

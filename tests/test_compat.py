@@ -234,3 +234,47 @@ def test_sampling_defaults_are_llama_servers_unless_the_gguf_says(server, client
     seeds = range(3)
     assert [draw(s) for s in seeds] == [draw(s, **explicit) for s in seeds]
     assert [draw(s) for s in seeds] != [draw(s, **unfiltered) for s in seeds]
+
+
+# -- /tokenize and /detokenize ----------------------------------------------------------
+def test_tokenize_and_detokenize_round_trip_in_llama_servers_shapes(server, http):
+    model = server.service.model
+    text = "Héllo <|im_start|> wörld"
+    toks = http.post("/tokenize", json={"content": text}).json()["tokens"]
+    assert toks == model.tokenize(text, add_special=False, parse_special=True)
+    im_start = model.tokenize("<|im_start|>", add_special=False, parse_special=True)
+    assert len(im_start) == 1 and im_start[0] in toks          # parsed as the control token by default
+    plain = http.post("/tokenize", json={"content": text, "parse_special": False}).json()["tokens"]
+    assert im_start[0] not in plain and len(plain) > len(toks)
+    assert http.post("/detokenize", json={"tokens": toks}).json() == {"content": text}
+    # mixed content: text pieces and ids, in order
+    mixed = http.post("/tokenize", json={"content": ["Hello", 42, " world"]}).json()["tokens"]
+    assert mixed == model.tokenize("Hello", False, True) + [42] + model.tokenize(" world", False, True)
+    assert http.post("/tokenize", json={}).json() == {"tokens": []}
+    assert http.post("/detokenize", json={}).json() == {"content": ""}
+
+
+def test_tokenize_with_pieces_gives_text_or_bytes(server, http):
+    model = server.service.model
+    out = http.post("/tokenize", json={"content": "naïve 龘", "with_pieces": True}).json()["tokens"]
+    assert [t["id"] for t in out] == model.tokenize("naïve 龘", False, True)
+    joined = b""
+    for t in out:
+        piece = t["piece"]
+        assert isinstance(piece, str) or all(isinstance(b, int) and 0 <= b < 256 for b in piece)
+        joined += piece.encode() if isinstance(piece, str) else bytes(piece)
+    assert joined.decode() == "naïve 龘"
+    assert any(isinstance(t["piece"], list) for t in out)   # 龘 spans tokens that are not UTF-8 alone
+
+
+def test_tokenize_add_special_and_bad_ids(server, http):
+    model = server.service.model
+    with_bos = http.post("/tokenize", json={"content": "hi", "add_special": True}).json()["tokens"]
+    assert with_bos == model.tokenize("hi", add_special=True, parse_special=True)
+    for route, body, param in (("/detokenize", {"tokens": [1, model.n_vocab]}, "tokens[1]"),
+                               ("/tokenize", {"content": ["a", model.n_vocab + 5]}, "content[1]"),
+                               ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+                               ("/tokenize", {"content": 5}, "content")):
+        r = http.post(route, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+

@@ -228,12 +228,13 @@ class ResidentModel(NativeOwner):
             n = self.lc.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, special)
         return buf.raw[:n]
 
-    def token_piece(self, token: int) -> bytes:
+    def token_piece(self, token: int, special: bool = False) -> bytes:
+        """A token's bytes; `special`: control tokens as their text (else empty)."""
         buf = ctypes.create_string_buffer(64)
-        n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     # -- a plain single-sequence generation (demo and tests) ---------------------
