@@ -101,13 +101,18 @@ class _Sampling(_Strict):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=2**32 - 1)   # llama.cpp's uint32; larger values would wrap
     stop: StopField = None
+    # OpenAI's {"token id": bias} or llama-server's [[id, bias | false]]; false and -100 and below ban
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | \
+        Annotated[list[Annotated[list[int | float | bool], Field(min_length=2, max_length=2)]],
+                  Field(max_length=4096)] | \
+        None = Field(None)
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(max_length=64)] | None = None
     ignore_eos: bool = False       # llama-server / vLLM: end-of-generation tokens do not stop
     cache_prompt: bool = True      # llama-server: False starts the slot's K/V afresh
     n_predict: int | None = Field(None, ge=-1)   # llama-server's max_tokens; -1: to the context's end
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=128)   # choices; at most the server's slots (checked by the route)
     user: str | None = None
     grammar: str | None = Field(None, min_length=1)  # GBNF, root rule "root"
 
@@ -118,6 +123,36 @@ class _Sampling(_Strict):
         if v is not None and info.data.get("repeat_penalty") not in (None, v):
             raise ValueError("give either repeat_penalty or repetition_penalty, not both")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v):
+        if v is None:
+            return v
+        if isinstance(v, dict):
+            if len(v) > 4096:
+                raise ValueError("at most 4096 tokens")
+            bad = next((k for k in v if not (k.isascii() and k.isdigit())), None)
+            if bad is not None:
+                raise ValueError(f"key {bad[:32]!r} is not a token id")
+            return v
+        for i, (token, bias) in enumerate(v):
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"[{i}][0]: a token id (an integer >= 0), got {token!r}")
+            if bias is True or (not isinstance(bias, bool) and not -100.0 <= bias <= 100.0):
+                raise ValueError(f"[{i}][1]: a bias in [-100, 100] or false, got {bias!r}")
+        return v
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """(token, bias) pairs; a ban (false, or -100 and below) is -inf."""
+        if self.logit_bias is None:
+            return ()
+        items = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        out = []
+        for key, bias in items:
+            value = float("-inf") if bias is False or float(bias) <= -100.0 else float(bias)
+            out.append((int(key), value))
+        return tuple(out)
 
     def sampling_given(self, slot_ctx: int) -> dict[str, Any]:
         """The SamplingParams fields this request sets (the rest keep the model's defaults)."""
@@ -154,7 +189,8 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
-    logprobs: Literal[False] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)   # needs logprobs: true
     chat_template_kwargs: dict[str, Any] | None = None   # extra variables for the chat template
 
     @model_validator(mode="after")
@@ -162,6 +198,17 @@ class ChatCompletionRequest(_Sampling):
         if self.grammar and self.response_format and self.response_format.type != "text":
             raise ValueError("give either grammar or response_format, not both")
         return self
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return v
+
+    def logprob_count(self) -> int | None:
+        """None: no logprobs; else how many top alternatives each token carries."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -172,12 +219,12 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)  # None: to a stop or the context's end, as llama-server
-    echo: Literal[False] = False
+    echo: bool = False          # the prompt's text (and, with logprobs, its scores) before the answer
     # A dreamstage extension: parse control-token text in the prompt (e.g. a
     # hand-written "<|im_start|>") as control tokens. Off by default, so user
     # text cannot forge turns; llama.cpp's special-token pass is also quadratic.
     parse_special: bool = False
-    logprobs: None = None
+    logprobs: int | None = Field(None, ge=0, le=20)   # each token's logprob and this many alternatives
     suffix: None = None
 
     def limit(self) -> int | None:

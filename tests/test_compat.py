@@ -1,9 +1,12 @@
 """Compatibility with llama-server and vLLM clients (issue 47), against a live server with the openai SDK."""
 from __future__ import annotations
 
+import math
 import queue
+import re
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from background_server import BackgroundServer
@@ -278,3 +281,201 @@ def test_tokenize_add_special_and_bad_ids(server, http):
         r = http.post(route, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
+
+# -- logprobs ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference():
+    """A second copy of the model, for the logits a server's logprobs must match."""
+    model = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
+    yield model
+    model.close()
+
+
+def reference_greedy(model, tokens: list[int], steps: int) -> list[tuple[int, np.ndarray]]:
+    """(argmax token, log-softmax row) at each of `steps` greedy positions after `tokens`."""
+    lc = model.lc
+    lc.llama_memory_seq_rm(model.memory, 0, -1, -1)
+    batch = lc.llama_batch_init(len(tokens) + steps, 0, 1)
+    out, pending, pos = [], list(tokens), 0
+    try:
+        for _ in range(steps):
+            batch.n_tokens = len(pending)
+            for i, t in enumerate(pending):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos + i, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, i == len(pending) - 1
+            assert lc.llama_decode(model.ctx, batch) == 0
+            pos += len(pending)
+            row = np.ctypeslib.as_array(lc.llama_get_logits_ith(model.ctx, len(pending) - 1),
+                                        shape=(model.n_vocab,)).astype(np.float64)
+            logp = row - np.logaddexp.reduce(row)
+            best = int(row.argmax())
+            out.append((best, logp))
+            pending = [best]
+    finally:
+        lc.llama_batch_free(batch)
+    return out
+
+
+def test_completion_logprobs_match_the_models_logits(server, client, reference):
+    prompt = "The three primary colours are"
+    done = client.completions.create(model="x", prompt=prompt, max_tokens=6, temperature=0, logprobs=5,
+                                     extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    ref = reference_greedy(reference, reference.tokenize(prompt, True, False), 6)
+    pieces = server.service.prompts.pieces
+    for i, (best, logp) in enumerate(ref):
+        assert lp.tokens[i] == pieces[best].decode("utf-8", "replace")
+        assert lp.token_logprobs[i] == pytest.approx(logp[best], abs=2e-3)
+        top = sorted(lp.top_logprobs[i].values(), reverse=True)
+        assert len(top) == 5 and top[0] == pytest.approx(lp.token_logprobs[i], abs=1e-6)
+        assert top == pytest.approx(sorted(logp, reverse=True)[:5], abs=2e-3)
+
+
+def test_chat_logprobs_ordered_and_the_same_streamed(client):
+    ask = dict(model="x", messages=ASK, max_tokens=8, temperature=0, logprobs=True, top_logprobs=4)
+    done = client.chat.completions.create(**ask)
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens
+    assert b"".join(bytes(e.bytes) for e in content).decode() == done.choices[0].message.content
+    for e in content:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 4 and tops == sorted(tops, reverse=True)
+        assert e.top_logprobs[0].token == e.token and e.logprob == tops[0] <= 0   # greedy: the most likely
+        assert sum(math.exp(t) for t in tops) <= 1 + 1e-6
+    streamed = []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(model="x", messages=ASK, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_sampled_logprobs_are_of_the_distribution_before_truncation(client):
+    # top_k 1 leaves one candidate, yet the reported distribution is the one before truncation
+    done = client.chat.completions.create(model="x", messages=ASK, max_tokens=4, temperature=1.0, seed=3,
+                                          logprobs=True, top_logprobs=3, extra_body={"top_k": 1})
+    for e in done.choices[0].logprobs.content:
+        assert e.logprob < 0 and len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+
+
+def test_echo_scores_the_prompt(client, server):
+    prompt = "Water boils at one hundred degrees"
+    n_prompt = len(server.service.model.tokenize(prompt, True, False))
+    done = client.completions.create(model="x", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    c = done.choices[0]
+    assert c.text.startswith(prompt) and len(c.text) > len(prompt)
+    lp = c.logprobs
+    assert len(lp.tokens) == n_prompt + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens[:n_prompt]).endswith(prompt)       # BOS, if any, then the prompt's text
+    for i in range(1, n_prompt):
+        if lp.tokens[i] in lp.top_logprobs[i]:
+            assert lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+        else:
+            assert lp.token_logprobs[i] <= min(lp.top_logprobs[i].values())
+    streamed = [ch.choices[0] for ch in client.completions.create(
+        model="x", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices]
+    assert "".join(ch.text for ch in streamed) == c.text
+    got = [x for ch in streamed if ch.logprobs for x in ch.logprobs.token_logprobs]
+    assert got[0] is None and got[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-9)
+    plain = client.completions.create(model="x", prompt=prompt, max_tokens=2, echo=True)
+    assert plain.choices[0].text.startswith(prompt)
+
+
+def test_bad_logprob_requests_are_400s(http):
+    for route, body, param in (
+            ("/v1/chat/completions", {"messages": ASK, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ("/v1/chat/completions", {"messages": ASK, "top_logprobs": 2}, "top_logprobs"),
+            ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+            ("/v1/completions", {"prompt": "a", "logprobs": -1}, "logprobs")):
+        r = http.post(route, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# -- logit_bias and seed --------------------------------------------------------------------
+def test_logit_bias_bans_and_shifts_the_reported_distribution(client, http):
+    ask = dict(model="x", prompt="The three primary colours are", max_tokens=1, temperature=0, logprobs=5)
+    first = client.completions.create(**ask).choices[0]
+    top_text = first.logprobs.tokens[0]
+    top_id = http.post("/tokenize", json={"content": top_text}).json()["tokens"]
+    assert len(top_id) == 1
+    banned = client.completions.create(**ask, logit_bias={str(top_id[0]): -100}).choices[0]
+    assert banned.text != top_text and top_text not in banned.logprobs.top_logprobs[0]
+    # llama-server's list form, false meaning a ban, does the same
+    listed = client.completions.create(**ask, extra_body={"logit_bias": [[top_id[0], False]]}).choices[0]
+    assert listed.text == banned.text
+    # a positive bias raises the token's reported logprob: the distribution is after the bias
+    second = sorted(first.logprobs.top_logprobs[0].items(), key=lambda kv: -kv[1])[1]
+    second_id = http.post("/tokenize", json={"content": second[0]}).json()["tokens"][0]
+    lifted = client.completions.create(**ask, logit_bias={str(second_id): 3.0}).choices[0]
+    assert lifted.logprobs.top_logprobs[0][second[0]] > second[1]
+    for bias, param in (({"x1": 1}, "logit_bias"), ({"1": 101}, "logit_bias.1"), ({"99999999": 1}, "logit_bias"),
+                        ([[1, True]], "logit_bias"), ([[-1, 1.0]], "logit_bias"), ([[1, 2, 3]], "logit_bias")):
+        r = http.post("/v1/completions", json={"prompt": "a", "logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# -- n > 1 ---------------------------------------------------------------------------------
+def metric(http, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", http.get("/metrics").text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def evaluated(http) -> float:
+    """Prompt tokens the engine decoded (admitted minus reused from a cache)."""
+    return metric(http, "dreamstage_prompt_tokens_total") - metric(http, "dreamstage_prompt_tokens_cached_total")
+
+
+def test_n_choices_share_one_prompt_evaluation_and_reproduce_per_seed(client, http):
+    ask = dict(model="x", prompt="My favourite animal is the", max_tokens=10, temperature=1.0, seed=11,
+               extra_body={"cache_prompt": False, "ignore_eos": True})
+    before = evaluated(http)
+    three = client.completions.create(n=2, **ask)
+    spent = evaluated(http) - before
+    assert sorted(c.index for c in three.choices) == [0, 1]
+    assert spent == three.usage.prompt_tokens                  # the prompt was decoded once, not twice
+    assert three.usage.completion_tokens == 20
+    again = client.completions.create(n=2, **ask)
+    assert [c.text for c in again.choices] == [c.text for c in three.choices]
+    # choice i is what a single request with seed + i draws
+    alone = [client.completions.create(**{**ask, "seed": 11 + i}).choices[0].text for i in range(2)]
+    assert alone == [c.text for c in three.choices]
+    assert len({c.text for c in three.choices}) == 2
+
+
+def test_n_choices_stream_by_index(client):
+    ask = dict(model="x", messages=ASK, max_tokens=8, temperature=1.0, seed=5, n=2, logprobs=True)
+    whole = client.chat.completions.create(**ask)
+    texts, finishes, logprobs = ["", ""], [None, None], [[], []]
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+            if ch.logprobs:
+                logprobs[ch.index] += [e.logprob for e in ch.logprobs.content]
+    assert texts == [c.message.content for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert finishes == [c.finish_reason for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert logprobs == [[e.logprob for e in c.logprobs.content] for c in sorted(whole.choices, key=lambda c: c.index)]
+
+
+def test_more_choices_than_slots_is_a_400(http, server):
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "n": server.service.engine.n_seq + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_explicit_nulls_take_the_defaults(client, http):
+    body = {"prompt": "Hi", "max_tokens": 2, "logit_bias": None, "temperature": None, "seed": None, "logprobs": None,
+            "stop_token_ids": None, "n_predict": None, "repeat_last_n": None}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and "x-dreamstage-ignored-fields" not in r.headers, r.text
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "logit_bias": None,
+                                                "top_logprobs": None, "chat_template_kwargs": None})
+    assert r.status_code == 200, r.text

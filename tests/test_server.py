@@ -210,7 +210,7 @@ MSG = [{"role": "user", "content": "hi"}]
     ({"messages": MSG, "top_p": 0}, "top_p"),
     ({"messages": MSG, "stream": "yes"}, "stream"),
     ({"messages": MSG, "stop": [1, 2]}, "stop"),
-    ({"messages": MSG, "n": 2}, "n"),
+    ({"messages": MSG, "n": 5}, "n"),
     ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": MSG, "max_tokens": 100000}, "max_tokens"),
     ({"messages": MSG, "grammar": "root ::= ("}, "grammar"),
