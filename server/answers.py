@@ -6,9 +6,13 @@ engine's events (serving.generation) go in, JSON-ready dicts come out.
 """
 from __future__ import annotations
 
+import uuid
+
 from dreamstage.server.bridge import Collected
 from dreamstage.server.logprobs import chat_entry, completion_logprobs
 from dreamstage.serving.generation import Delta, Finished, PromptScored
+from dreamstage.serving.sampling import TokenLogprob
+from dreamstage.serving.tools import parse_tool_calls
 
 
 def usage(ends: list[Finished]) -> dict:
@@ -20,8 +24,25 @@ def usage(ends: list[Finished]) -> dict:
 
 
 class ChatShape:
-    def __init__(self, base: dict, pieces: tuple[bytes, ...], logprobs: bool):
+    """With `tools` (the offered names), an answer is held until it ends and then read
+    for tool calls (serving.tools): streamed as one delta of content or of tool_calls."""
+
+    def __init__(self, base: dict, pieces: tuple[bytes, ...], logprobs: bool, tools: frozenset[str] | None = None,
+                 one_call: bool = False):
         self.base, self.pieces, self.logprobs = base, pieces, logprobs
+        self.tools, self.one_call = tools, one_call
+        self._held: dict[int, tuple[list[str], list[TokenLogprob]]] = {}
+
+    def _message(self, text: str) -> tuple[dict, bool]:
+        """The assistant message for `text`, and whether it holds tool calls."""
+        parsed = parse_tool_calls(text, self.tools) if self.tools else None
+        if parsed is None:
+            return {"role": "assistant", "content": text}, False
+        head, calls = parsed
+        calls = calls[:1] if self.one_call else calls
+        return {"role": "assistant", "content": head or None,
+                "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}, True
 
     def _chunk(self, version: int, choices: list[dict]) -> dict:
         return {**self.base, "object": "chat.completion.chunk", "adapter_version": version, "choices": choices}
@@ -34,21 +55,40 @@ class ChatShape:
         return None
 
     def delta(self, ev: Delta, version: int, index: int) -> dict | None:
+        if self.tools:
+            parts, lps = self._held.setdefault(index, ([], []))
+            parts.append(ev.text)
+            if ev.logprob is not None:
+                lps.append(ev.logprob)
+            return None
         lp = None if ev.logprob is None else {"content": [chat_entry(self.pieces, ev.logprob)]}
         if not ev.text and lp is None:
             return None
         return self._chunk(version, [{"index": index, "delta": {"content": ev.text}, "logprobs": lp,
                                       "finish_reason": None}])
 
-    def final(self, fin: Finished, index: int) -> dict:
-        return self._chunk(fin.adapter_version, [{"index": index, "delta": {}, "logprobs": None,
-                                                  "finish_reason": fin.finish_reason}])
+    def final(self, fin: Finished, index: int) -> list[dict]:
+        out, finish = [], fin.finish_reason
+        if self.tools:
+            parts, lps = self._held.pop(index, ([], []))
+            message, called = self._message("".join(parts))
+            lp = {"content": [chat_entry(self.pieces, t) for t in lps]} if self.logprobs else None
+            delta = {k: v for k, v in message.items() if k != "role"}
+            if called:
+                finish = "tool_calls"
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
+            out.append(self._chunk(fin.adapter_version, [{"index": index, "delta": delta, "logprobs": lp,
+                                                          "finish_reason": None}]))
+        out.append(self._chunk(fin.adapter_version, [{"index": index, "delta": {}, "logprobs": None,
+                                                      "finish_reason": finish}]))
+        return out
 
     def full(self, got: list[Collected]) -> dict:
         def choice(i: int, c: Collected) -> dict:
             lp = {"content": [chat_entry(self.pieces, t) for t in c.logprobs]} if self.logprobs else None
-            return {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                    "finish_reason": c.finished.finish_reason}
+            message, called = self._message(c.text)
+            return {"index": i, "message": message, "logprobs": lp,
+                    "finish_reason": "tool_calls" if called else c.finished.finish_reason}
         return {**self.base, "object": "chat.completion", "adapter_version": got[0].finished.adapter_version,
                 "choices": [choice(i, c) for i, c in enumerate(got)], "usage": usage([c.finished for c in got])}
 
@@ -91,8 +131,8 @@ class CompletionShape:
             return None
         return self._chunk(version, index, ev.text, lp, None)
 
-    def final(self, fin: Finished, index: int) -> dict:
-        return self._chunk(fin.adapter_version, index, "", None, fin.finish_reason)
+    def final(self, fin: Finished, index: int) -> list[dict]:
+        return [self._chunk(fin.adapter_version, index, "", None, fin.finish_reason)]
 
     def _choice(self, i: int, c: Collected) -> dict:
         text = c.text if self.echo_text is None else self.echo_text + c.text

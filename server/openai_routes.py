@@ -23,6 +23,7 @@ from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
 from dreamstage.serving.engine import Delta, Failed, Finished, GenerationRequest
 from dreamstage.serving.generation import PromptScored
 from dreamstage.serving.sampling import GrammarError, json_schema_grammar
+from dreamstage.serving.tools import forced_call_grammar, prompt_messages
 
 router = APIRouter()
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
@@ -120,11 +121,13 @@ async def _events(job: EngineRequest, shape, version: int, include_usage: bool):
                 yield _sse(piece)
         elif isinstance(ev, Finished):
             ends[i] = ev
-            yield _sse(shape.final(ev, i))
+            closing = shape.final(ev, i)
+            for piece in closing:
+                yield _sse(piece)
             if len(ends) < job.n:
                 continue
             if include_usage:
-                u = shape.final(ev, i)
+                u = dict(closing[-1])
                 u["choices"], u["usage"] = [], usage([ends[k] for k in sorted(ends)])
                 yield _sse(u)
             yield {"data": "[DONE]"}
@@ -132,6 +135,30 @@ async def _events(job: EngineRequest, shape, version: int, include_usage: bool):
         elif isinstance(ev, Failed):
             yield _sse(errors.error_body(ev.status, ev.message, ev.param))
             return
+
+
+def _message_dicts(body: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as the template's dicts (tool_calls in OpenAI's shape, ids filled in)."""
+    out = []
+    for m in body.messages:
+        d: dict = {"role": m.role, "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id or f"call_{i}", "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                               for i, c in enumerate(m.tool_calls)]
+        out.append(d)
+    return out
+
+
+def _tool_grammar(tools: list[dict]) -> str:
+    try:
+        return forced_call_grammar(tools, json_schema_grammar)
+    except GrammarError as e:
+        raise APIError(400, f"tools: a parameters schema could not be made a grammar: {e}", "tools") from None
 
 
 def _choices(body, gen: GenerationRequest, n_slots: int) -> list[GenerationRequest]:
@@ -147,16 +174,18 @@ def _choices(body, gen: GenerationRequest, n_slots: int) -> list[GenerationReque
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     service = request.app.state.service
     ignored = field_headers(body, service.settings.strict_api)
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
-    grammar = _grammar(body)
+    offered = body.offered_tools()
+    native = bool(offered) and service.chat.supports_tools
+    messages = prompt_messages(_message_dicts(body), offered, native)
+    grammar = _tool_grammar(body.forced_tools()) if body.forced_tools() else _grammar(body)
     # token ids, off the engine thread
-    prompt = await service.prompts.chat(service.chat, messages, body.chat_template_kwargs)
+    prompt = await service.prompts.chat(service.chat, messages, body.chat_template_kwargs, offered if native else None)
     gen = replace(_generation(service, body, prompt, grammar, "messages"), logprobs=body.logprob_count())
     gens = _choices(body, gen, service.engine.n_seq)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": service.model_id,
             "system_fingerprint": None}
-    shape = ChatShape(base, service.prompts.pieces, body.logprobs is True)
+    names = frozenset(t["function"]["name"] for t in offered) if offered else None
+    shape = ChatShape(base, service.prompts.pieces, body.logprobs is True, names, body.parallel_tool_calls is False)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await _run(request, gens, body.stream, shape, include_usage, ignored)
 

@@ -82,17 +82,19 @@ class PromptTokenizer:
                                 f"(0..{self.model.n_vocab - 1})", f"tokens[{bad}]")
         return b"".join(self.pieces[t] for t in tokens).decode("utf-8", "replace")
 
-    async def chat(self, chat_template, messages: list[dict], variables: dict | None = None) -> list[int]:
+    async def chat(self, chat_template, messages: list[dict], variables: dict | None = None,
+                   tools: list[dict] | None = None) -> list[int]:
         """A chat prompt: the template's text parses special tokens, message content never does.
-        `variables`: extra template variables (chat_template_kwargs)."""
+        `variables`: extra template variables (chat_template_kwargs); `tools`: for a template that reads them."""
         self.check_size(sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
         async with self._slots:
             # Rendering a long conversation takes a while too: off the event loop, which carries every stream.
-            return await asyncio.to_thread(self._chat, chat_template, messages, variables)
+            return await asyncio.to_thread(self._chat, chat_template, messages, variables, tools)
 
-    def _chat(self, chat_template, messages: list[dict], variables: dict | None = None) -> list[int]:
+    def _chat(self, chat_template, messages: list[dict], variables: dict | None = None,
+              tools: list[dict] | None = None) -> list[int]:
         try:
-            segments, located = chat_segments(lambda ms: chat_template.render(ms, variables), messages)
+            segments, located = chat_segments(lambda ms: chat_template.render(ms, variables, tools), messages)
         except ValueError as e:
             raise APIError(400, f"messages: {e}", "messages") from None
         if not located:

@@ -24,7 +24,7 @@ class _Strict(BaseModel):
 
 # Fields llama-server or vLLM define that change nothing here: accepted even
 # with --strict-api, and listed in the ignored-fields header like unknown ones.
-IGNORED_EXTRAS = frozenset({"parallel_tool_calls", "n_probs", "skip_special_tokens",
+IGNORED_EXTRAS = frozenset({"n_probs", "skip_special_tokens",
                             "spaces_between_special_tokens", "id_slot", "return_tokens", "timings_per_token"})
 
 
@@ -52,11 +52,24 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=1 << 20)   # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    """A call an assistant message made earlier in the conversation."""
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=64)] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -64,6 +77,27 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None     # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class StreamOptions(_Strict):
@@ -192,6 +226,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)   # needs logprobs: true
     chat_template_kwargs: dict[str, Any] | None = None   # extra variables for the chat template
+    tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # None: auto with tools
+    parallel_tool_calls: bool | None = None     # False: at most one call is returned
 
     @model_validator(mode="after")
     def _one_grammar(self):
@@ -205,6 +242,39 @@ class ChatCompletionRequest(_Sampling):
         if v and not info.data.get("logprobs"):
             raise ValueError("needs logprobs: true")
         return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_names_a_tool(cls, v, info: ValidationInfo):
+        tools = info.data.get("tools") or []
+        if v in ("required",) or isinstance(v, NamedToolChoice):
+            if not tools:
+                raise ValueError("needs tools")
+            if isinstance(v, NamedToolChoice) and v.function.name not in {t.function.name for t in tools}:
+                raise ValueError(f"names {v.function.name!r}, which is not in tools")
+        return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.forced_tools() and (self.grammar or (self.response_format and self.response_format.type != "text")):
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with grammar or "
+                             "response_format")
+        return self
+
+    def offered_tools(self) -> list[dict]:
+        """The tools the model is told about: none with tool_choice "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def forced_tools(self) -> list[dict]:
+        """The tools a grammar must hold the answer to: all with "required", the named one, else none."""
+        if not self.tools or self.tool_choice is None or self.tool_choice in ("none", "auto"):
+            return []
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            return [t.model_dump(exclude_none=True) for t in self.tools if t.function.name == name]
+        return self.offered_tools()
 
     def logprob_count(self) -> int | None:
         """None: no logprobs; else how many top alternatives each token carries."""

@@ -1,6 +1,7 @@
 """Compatibility with llama-server and vLLM clients (issue 47), against a live server with the openai SDK."""
 from __future__ import annotations
 
+import json
 import math
 import queue
 import re
@@ -57,12 +58,12 @@ def engine_tokens(server, prompt: str, max_tokens: int, **request) -> tuple[list
 def test_unknown_fields_are_ignored_and_named_in_a_header(client):
     raw = client.chat.completions.with_raw_response.create(
         model="any", messages=[{"role": "user", "content": "Hi", "reasoning_content": "x"}], max_tokens=4,
-        temperature=0, extra_body={"frobnicate": 1, "parallel_tool_calls": False, "cache_prompt": True,
+        temperature=0, extra_body={"frobnicate": 1, "skip_special_tokens": False, "cache_prompt": True,
                                    "bad\nname\u00e9": 2})
     assert raw.http_response.status_code == 200
     named = raw.headers["x-dreamstage-ignored-fields"].split(", ")
     # honoured extras (cache_prompt) are not in it; ignored extras and unknown ones are, nested paths too
-    assert set(named) == {"frobnicate", "parallel_tool_calls", "messages[0].reasoning_content",
+    assert set(named) == {"frobnicate", "skip_special_tokens", "messages[0].reasoning_content",
                           "bad%0Aname%C3%A9"}
     assert raw.parse().choices[0].message.content
     plain = client.chat.completions.with_raw_response.create(model="any", messages=ASK, max_tokens=2)
@@ -87,9 +88,9 @@ def test_strict_api_restores_the_400s():
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].foo"
             # the anchors' own extras are accepted even so
             r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "n_probs": 0,
-                                                        "parallel_tool_calls": True, "cache_prompt": False})
+                                                        "skip_special_tokens": True, "cache_prompt": False})
             assert r.status_code == 200
-            assert set(r.headers["x-dreamstage-ignored-fields"].split(", ")) == {"parallel_tool_calls", "n_probs"}
+            assert set(r.headers["x-dreamstage-ignored-fields"].split(", ")) == {"skip_special_tokens", "n_probs"}
 
 
 def test_n_predict_bounds_the_answer(client):
@@ -479,3 +480,76 @@ def test_explicit_nulls_take_the_defaults(client, http):
     r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "logit_bias": None,
                                                 "top_logprobs": None, "chat_template_kwargs": None})
     assert r.status_code == 200, r.text
+
+
+# -- tools ----------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "The sum of two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def weather_args_valid(arguments: str) -> dict:
+    args = json.loads(arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    return args
+
+
+def test_a_tool_loop_call_result_answer(client):
+    first = client.chat.completions.create(model="x", messages=WEATHER_ASK, tools=[WEATHER], tool_choice="required",
+                                           temperature=0, max_tokens=64)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    weather_args_valid(call.function.arguments)
+    messages = [*WEATHER_ASK, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "temperature_c": 21}'}]
+    final = client.chat.completions.create(model="x", messages=messages, tools=[WEATHER], temperature=0,
+                                           max_tokens=24)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the call and its result are in the prompt
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens + 10
+    answer = client.chat.completions.create(model="x", messages=messages, tools=[WEATHER], tool_choice="none",
+                                            temperature=0, max_tokens=24)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_a_streamed_tool_call_matches_the_whole_one(client):
+    ask = dict(model="x", messages=WEATHER_ASK, tools=[WEATHER, ADD], tool_choice="required", temperature=0,
+               max_tokens=64)
+    whole = client.chat.completions.create(**ask).choices[0].message.tool_calls
+    name, arguments, finish, ids = "", "", None, set()
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                ids.add(tc.id)
+                name += tc.function.name or ""
+                arguments += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and len(ids) == 1
+    assert (name, json.loads(arguments)) == (whole[0].function.name, json.loads(whole[0].function.arguments))
+
+
+def test_a_named_tool_choice_calls_that_tool(client):
+    done = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "What is two plus three?"}], tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}}, temperature=0, max_tokens=48)
+    call = done.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "add" and set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
+
+
+def test_bad_tool_requests_are_400s(http):
+    for body, param in (({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+                         "tools[0].function.name"),
+                        ({"tools": [WEATHER], "tool_choice": "required", "grammar": 'root ::= "a"'}, "body")):
+        r = http.post("/v1/chat/completions", json={"messages": ASK, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -40,7 +40,13 @@ class ChatTemplate:
         return cls(model.chat_template(), model.token_text(model.bos) if model.bos >= 0 else "",
                    model.token_text(model.eos) if model.eos >= 0 else "")
 
-    def render(self, messages: list[dict], variables: dict[str, Any] | None = None) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template reads a `tools` variable (else tools go into a system message)."""
+        return "tools" in self.source
+
+    def render(self, messages: list[dict], variables: dict[str, Any] | None = None,
+               tools: list[dict] | None = None) -> str:
         """The prompt text; raises ValueError when the template refuses the messages.
 
         `variables` are extra template variables (a request's chat_template_kwargs,
@@ -48,7 +54,7 @@ class ChatTemplate:
         extra = {k: v for k, v in (variables or {}).items() if k not in _RESERVED}
         try:
             # our message dicts have the shape of llama_cpp's TypedDicts, which a list[dict] cannot say
-            return self._fmt(messages=cast("list[Any]", messages), **extra).prompt
+            return self._fmt(messages=cast("list[Any]", messages), tools=cast("Any", tools or None), **extra).prompt
         except ValueError:
             raise
         except Exception as e:  # jinja errors of any kind mean bad messages for this template
