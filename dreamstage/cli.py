@@ -49,6 +49,8 @@ def serve_settings(args: argparse.Namespace):
         given["drift_guard"] = False
     if args.strict_api:
         given["strict_api"] = True
+    if args.embeddings:
+        given["embeddings"] = True
     if args.no_train:
         given["state_dir"] = None
     elif args.state_dir:
@@ -291,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-drift-guard", action="store_true",
                    help="train without the drift guard: no anchor regularizer, no drift figures, and promote=auto "
                         "checks the held-out loss only (docs/architecture/drift.md)")
+    p.add_argument("--embeddings", action="store_true",
+                   help="serve POST /v1/embeddings: mean-pooled last hidden states of the resident model")
     p.add_argument("--strict-api", action="store_true",
                    help="refuse unknown fields on the OpenAI routes with a 400 (default: ignore them and name them "
                         "in the X-Dreamstage-Ignored-Fields header)")

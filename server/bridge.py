@@ -14,6 +14,7 @@ from dreamstage.server.errors import APIError
 from dreamstage.serving.engine import (
     Admitted,
     Delta,
+    Embedded,
     Engine,
     EngineStopped,
     Event,
@@ -110,6 +111,15 @@ class EngineRequest:
             elif isinstance(ev, Failed):
                 raise APIError(ev.status, ev.message, ev.param)
         return [Collected("".join(parts[i]), done[i], logprobs[i], prompt[i]) for i in range(self.n)]
+
+    async def embedded(self, disconnected) -> Embedded:
+        """The single choice's embedding; a failure becomes an APIError."""
+        while True:
+            _, ev = await self.next(disconnected)
+            if isinstance(ev, Embedded):
+                return ev
+            if isinstance(ev, Failed):
+                raise APIError(ev.status, ev.message, ev.param)
 
     def cancel(self) -> None:
         for h in self.handles:

@@ -75,6 +75,7 @@ _WHY = {
     413: "body or job over a limit: the message names the limit and its value",
     415: "content type is not application/json",
     422: "invalid training request: the message and `param` name the field or limit",
+    501: "not served by this server (POST /v1/embeddings without --embeddings)",
     503: "busy (queue full, Retry-After), shutting down, training off, or storage unavailable",
     507: "the state directory is full; nothing was changed",
 }
@@ -86,6 +87,7 @@ _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/chat/completions"): (400, 503),
     ("post", "/v1/completions"): (400, 503),
     ("get", "/health"): (503,),
+    ("post", "/v1/embeddings"): (400, 501, 503),
     ("post", "/tokenize"): (400,),
     ("post", "/detokenize"): (400,),
     ("post", "/train"): (413, 422, 503, 507),

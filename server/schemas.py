@@ -308,6 +308,26 @@ class CompletionRequest(_Sampling):
         return cast("str | list[int]", p)
 
 
+class EmbeddingRequest(_Strict):
+    """OpenAI's POST /v1/embeddings: one text, texts, token ids or lists of them."""
+    input: str | Annotated[list[str], Field(min_length=1, max_length=64)] | \
+        Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)]],
+                  Field(min_length=1, max_length=64)]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"   # base64: little-endian float32 bytes
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input, as text or token ids."""
+        v = self.input
+        if isinstance(v, str):
+            return [v]
+        if v and isinstance(v[0], int):
+            return [v]          # a list of ids is one input
+        return list(cast("list[str] | list[list[int]]", v))
+
+
 class TokenizeRequest(_Strict):
     """llama-server's POST /tokenize: text, or text pieces and token ids mixed."""
     content: str | list[str | Annotated[int, Field(ge=0, le=2**31 - 1)]] = ""

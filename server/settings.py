@@ -54,6 +54,8 @@ class ServerSettings(BaseSettings):
     # Unknown request fields on the OpenAI routes: ignored and named in a
     # response header (False, as llama-server and vLLM do), or a 400 (True).
     strict_api: bool = False
+    # POST /v1/embeddings (llama-server's --embeddings): off, it answers 501.
+    embeddings: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:

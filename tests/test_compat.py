@@ -553,3 +553,56 @@ def test_bad_tool_requests_are_400s(http):
                         ({"tools": [WEATHER], "tool_choice": "required", "grammar": 'root ::= "a"'}, "body")):
         r = http.post("/v1/chat/completions", json={"messages": ASK, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# -- /v1/embeddings -----------------------------------------------------------------------------
+def reference_embedding(model, tokens: list[int]) -> np.ndarray:
+    lc = model.lc
+    lc.llama_memory_seq_rm(model.memory, 0, -1, -1)
+    batch = lc.llama_batch_init(len(tokens), 0, 1)
+    lc.llama_set_embeddings(model.ctx, True)
+    try:
+        batch.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, 1
+            batch.seq_id[i][0] = 0
+        assert lc.llama_decode(model.ctx, batch) == 0
+        rows = [np.ctypeslib.as_array(lc.llama_get_embeddings_ith(model.ctx, i), shape=(model.n_embd,)).copy()
+                for i in range(len(tokens))]
+    finally:
+        lc.llama_set_embeddings(model.ctx, False)
+        lc.llama_batch_free(batch)
+    mean = np.mean(np.array(rows, dtype=np.float64), axis=0)
+    return mean / np.linalg.norm(mean)
+
+
+def test_embeddings_are_off_unless_asked(http):
+    r = http.post("/v1/embeddings", json={"input": "hello"})
+    assert r.status_code == 501 and "--embeddings" in r.json()["error"]["message"]
+
+
+def test_embeddings_match_the_models_pooled_hidden_states(reference):
+    with BackgroundServer(ServerSettings(ctx=1024, parallel=2, threads=1, embeddings=True)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        before = client.chat.completions.create(model="x", messages=ASK, max_tokens=8, temperature=0)
+        texts = ["The cat sat on the mat.", "Quantum chromodynamics", "The cat sat on the mat."]
+        got = client.embeddings.create(model="x", input=texts)
+        assert [d.index for d in got.data] == [0, 1, 2]
+        vecs = [np.array(d.embedding) for d in got.data]
+        assert all(v.shape == (reference.n_embd,) and abs(np.linalg.norm(v) - 1) < 1e-6 for v in vecs)
+        assert np.array_equal(vecs[0], vecs[2]) and not np.allclose(vecs[0], vecs[1])
+        tokens = reference.tokenize(texts[1], True, False)
+        assert got.usage.prompt_tokens == 2 * len(reference.tokenize(texts[0], True, False)) + len(tokens)
+        assert np.allclose(vecs[1], reference_embedding(reference, tokens), atol=1e-4)
+        ids = client.embeddings.create(model="x", input=tokens).data[0].embedding
+        assert np.allclose(ids, vecs[1], atol=1e-6)
+        # serving is unchanged after it: the same greedy answer
+        after = client.chat.completions.create(model="x", messages=ASK, max_tokens=8, temperature=0)
+        assert after.choices[0].message.content == before.choices[0].message.content
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            plain = http.post("/v1/embeddings", json={"input": texts[1], "encoding_format": "float"}).json()
+            assert np.allclose(plain["data"][0]["embedding"], vecs[1], atol=1e-6)
+            for body, param in (({"input": ""}, "input[0]"), ({"input": [[1, 10**9]]}, "input[0]"),
+                                ({"input": [1] * 2000}, "input")):
+                r = http.post("/v1/embeddings", json=body)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -31,6 +31,7 @@ import numpy as np
 from dreamstage.serving.generation import (
     Admitted,
     Delta,
+    Embedded,
     EngineStopped,
     Event,
     Failed,
@@ -346,6 +347,7 @@ class Engine:
                     self._intake(inbox)
                     self._reap_cancelled()
                     self._admit()
+                    self._embed_waiting()
                     if self._step():
                         self._call_hook(False)
                 except Exception as e:  # a bug must fail requests, never kill the engine
@@ -554,7 +556,7 @@ class Engine:
         for s in self.slots:
             if n >= self.n_batch:
                 break
-            if s.busy and s.pending:
+            if s.busy and s.pending and not (s.job is not None and s.job.request.embed):
                 take = min(len(s.pending), self.n_batch - n)
                 chunk, s.pending = s.pending[:take], s.pending[take:]
                 base = len(s.tokens)
@@ -595,6 +597,48 @@ class Engine:
         self._sample(outputs)
         self.last_batch_s = time.perf_counter() - t_start
         return True
+
+    def _embed_waiting(self) -> None:
+        """Answer each admitted embedding request whole: its prompt decoded alone, in batches
+        of n_batch with the context's embeddings on (llama.cpp then outputs every token),
+        pooled by mean and L2-normalized. Streams wait meanwhile, as for a prompt chunk."""
+        for s in self.slots:
+            job = s.job
+            if job is None or not job.request.embed or job.handle.cancelled:
+                continue
+            lc, ctx, batch = self.lc, self.model.ctx, self._batch
+            assert batch is not None
+            pos = cast("ctypes.Array[ctypes.c_int32]", batch.pos)
+            total = np.zeros(self.model.n_embd, dtype=np.float64)
+            lc.llama_memory_seq_rm(self.model.memory, s.seq_id, 0, -1)
+            s.tokens.clear()
+            lc.llama_set_embeddings(ctx, True)
+            try:
+                for a in range(0, len(job.prompt), self.n_batch):
+                    chunk = job.prompt[a:a + self.n_batch]
+                    for i, t in enumerate(chunk):
+                        batch.token[i], pos[i], batch.n_seq_id[i], batch.logits[i] = t, a + i, 1, 1
+                        batch.seq_id[i][0] = s.seq_id
+                    batch.n_tokens = len(chunk)
+                    if lc.llama_decode(ctx, batch) != 0:
+                        raise RuntimeError("llama_decode failed for an embedding request")
+                    s.tokens.extend(chunk)
+                    for i in range(len(chunk)):
+                        total += np.ctypeslib.as_array(lc.llama_get_embeddings_ith(ctx, i), shape=(self.model.n_embd,))
+            except RuntimeError as e:      # this request fails; the others go on
+                lc.llama_memory_seq_rm(self.model.memory, s.seq_id, -1, -1)
+                s.tokens.clear()
+                self._free_slot(s)
+                self._finish_job(job, Failed(500, str(e)), "error")
+                continue
+            finally:
+                lc.llama_set_embeddings(ctx, False)
+            mean = total / len(job.prompt)
+            norm = float(np.linalg.norm(mean)) or 1.0
+            event = Embedded(tuple(float(x) for x in mean / norm), len(job.prompt))
+            s.pending = []
+            self._free_slot(s)
+            self._finish_job(job, event, "stop")
 
     def _score_prompts(self, rows: list[tuple[_Slot, int, int]], copies: list[tuple[_Slot, _Slot]]) -> None:
         """Score prompt positions from their rows' logits (the raw model distribution); send

@@ -39,6 +39,14 @@ class PromptScored:
 
 
 @dataclass(frozen=True)
+class Embedded:
+    """The answer to an embedding request (GenerationRequest.embed): the mean of the
+    prompt's last hidden states, L2-normalized. Ends the request, as Finished does."""
+    embedding: tuple[float, ...]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class Finished:
     finish_reason: str  # "stop" (EOS/EOG or a stop string) | "length"
     prompt_tokens: int
@@ -54,7 +62,7 @@ class Failed:
     param: str | None = None
 
 
-Event = Admitted | PromptScored | Delta | Finished | Failed
+Event = Admitted | PromptScored | Delta | Finished | Embedded | Failed
 Sink = Callable[[Event], None]
 
 
@@ -79,6 +87,7 @@ class GenerationRequest:
     prompt_param: str = "prompt"     # the request field a too-long prompt is blamed on
     logprobs: int | None = None      # each token's logprob with this many top alternatives; None: none
     prompt_logprobs: int | None = None   # score the prompt too (its whole prefix is decoded afresh)
+    embed: bool = False              # decode the prompt only and answer its pooled embedding (Embedded)
 
 
 

@@ -139,6 +139,7 @@ class ResidentModel(NativeOwner):
         self.memory = lc.llama_get_memory(self.ctx)
         self.dependents: weakref.WeakSet[Any] = weakref.WeakSet()  # closed before the context is freed
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_embd = lc.llama_model_n_embd(self.model)
         self.n_ctx = lc.llama_n_ctx(self.ctx)
 
     def kv_cell_bytes(self) -> float:
