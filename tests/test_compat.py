@@ -24,8 +24,8 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    # 512 tokens a slot: a completion that runs to the context's end stays short
-    with BackgroundServer(ServerSettings(ctx=1024, parallel=2, threads=1, max_queue=4)) as srv:
+    # 3 slots (n = 3) of 512 tokens: a completion that runs to the context's end stays short
+    with BackgroundServer(ServerSettings(ctx=1536, parallel=3, threads=1, max_queue=4)) as srv:
         yield srv
 
 
@@ -439,17 +439,17 @@ def test_n_choices_share_one_prompt_evaluation_and_reproduce_per_seed(client, ht
     ask = dict(model="x", prompt="My favourite animal is the", max_tokens=10, temperature=1.0, seed=11,
                extra_body={"cache_prompt": False, "ignore_eos": True})
     before = evaluated(http)
-    three = client.completions.create(n=2, **ask)
+    three = client.completions.create(n=3, **ask)
     spent = evaluated(http) - before
-    assert sorted(c.index for c in three.choices) == [0, 1]
-    assert spent == three.usage.prompt_tokens                  # the prompt was decoded once, not twice
-    assert three.usage.completion_tokens == 20
-    again = client.completions.create(n=2, **ask)
+    assert sorted(c.index for c in three.choices) == [0, 1, 2]
+    assert spent == three.usage.prompt_tokens                  # the prompt was decoded once, not three times
+    assert three.usage.completion_tokens == 30
+    again = client.completions.create(n=3, **ask)
     assert [c.text for c in again.choices] == [c.text for c in three.choices]
     # choice i is what a single request with seed + i draws
-    alone = [client.completions.create(**{**ask, "seed": 11 + i}).choices[0].text for i in range(2)]
+    alone = [client.completions.create(**{**ask, "seed": 11 + i}).choices[0].text for i in range(3)]
     assert alone == [c.text for c in three.choices]
-    assert len({c.text for c in three.choices}) == 2
+    assert len({c.text for c in three.choices}) == 3
 
 
 def test_n_choices_stream_by_index(client):
