@@ -47,6 +47,10 @@ def serve_settings(args: argparse.Namespace):
         given["limits"] = limits
     if args.no_drift_guard:
         given["drift_guard"] = False
+    if args.strict_api:
+        given["strict_api"] = True
+    if args.embeddings:
+        given["embeddings"] = True
     if args.no_train:
         given["state_dir"] = None
     elif args.state_dir:
@@ -271,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help=f"(default {default['port']})")
     p.add_argument("--parallel", type=int, default=None, help=f"slots decoded together (default {default['parallel']})")
     p.add_argument("--ctx", type=int, default=None,
-                   help=f"total context; each slot gets ctx/parallel (default {default['ctx']})")
+                   help="total context; each slot gets ctx/parallel (default: each slot gets the model's trained "
+                        f"context, as far as {default['ctx_memory_share']:.0%} of the free memory holds the K/V)")
     p.add_argument("--batch", type=int, default=None, help=f"tokens per decode batch (default {default['batch']})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=None, metavar="N",
@@ -288,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-drift-guard", action="store_true",
                    help="train without the drift guard: no anchor regularizer, no drift figures, and promote=auto "
                         "checks the held-out loss only (docs/architecture/drift.md)")
+    p.add_argument("--embeddings", action="store_true",
+                   help="serve POST /v1/embeddings: mean-pooled last hidden states of the resident model")
+    p.add_argument("--strict-api", action="store_true",
+                   help="refuse unknown fields on the OpenAI routes with a 400 (default: ignore them and name them "
+                        "in the X-Dreamstage-Ignored-Fields header)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $DREAMSTAGE_API_KEY); "

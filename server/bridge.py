@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from dreamstage.server.errors import APIError
 from dreamstage.serving.engine import (
     Admitted,
     Delta,
+    Embedded,
     Engine,
     EngineStopped,
     Event,
     Failed,
     Finished,
     GenerationRequest,
+    PromptScored,
     QueueFull,
 )
+from dreamstage.serving.sampling import TokenLogprob
 
 # How often a waiting request checks whether its client went away.
 DISCONNECT_POLL_S = 0.25
@@ -30,26 +34,41 @@ class ClientGone(Exception):
     pass
 
 
-class EngineRequest:
-    def __init__(self, engine: Engine, request: GenerationRequest, retry_after_s: int = 1):
-        loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
+@dataclass(frozen=True)
+class Collected:
+    """A whole answer: its text, how it ended, each token's logprob (when asked) and the prompt's."""
+    text: str
+    finished: Finished
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None
 
-        def sink(ev: Event) -> None:
-            loop.call_soon_threadsafe(self.events.put_nowait, ev)
+
+class EngineRequest:
+    """The choices of one HTTP request (n of them, 1 unless asked), submitted to the
+    engine as one group; their events arrive tagged with the choice's index."""
+
+    def __init__(self, engine: Engine, requests: list[GenerationRequest], retry_after_s: int = 1):
+        loop = asyncio.get_running_loop()
+        self.n = len(requests)
+        self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+        def sink_for(i: int):
+            def sink(ev: Event) -> None:
+                loop.call_soon_threadsafe(self.events.put_nowait, (i, ev))
+            return sink
 
         try:
-            self.handle = engine.submit(request, sink)
+            self.handles = engine.submit_group(requests, [sink_for(i) for i in range(self.n)])
         except QueueFull as e:
             raise APIError(503, f"server busy: {e}; retry later", None, "queue_full",
                            {"Retry-After": str(retry_after_s)}) from None
         except EngineStopped as e:
             raise APIError(503, str(e), None, "engine_stopped", {"Retry-After": str(retry_after_s)}) from None
         except ValueError as e:
-            raise APIError(400, str(e), "max_tokens") from None
+            raise APIError(400, str(e), "n" if str(e).startswith("n:") else "max_tokens") from None
 
-    async def next(self, disconnected: Callable[[], Awaitable[bool]] | None = None) -> Event:
-        """The next event; with `disconnected`, cancels and raises ClientGone once the client has left."""
+    async def next(self, disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[int, Event]:
+        """The next (choice, event); with `disconnected`, cancels and raises ClientGone once the client has left."""
         while True:
             if disconnected is None:
                 return await self.events.get()
@@ -57,27 +76,51 @@ class EngineRequest:
                 return await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await disconnected():
-                    self.handle.cancel()
+                    self.cancel()
                     raise ClientGone() from None
 
     async def admitted(self, disconnected) -> Admitted:
-        """Wait for a slot; a refusal becomes an APIError with the engine's status."""
-        ev = await self.next(disconnected)
-        if isinstance(ev, Failed):
-            raise APIError(ev.status, ev.message, ev.param)
-        assert isinstance(ev, Admitted), ev
-        return ev
+        """Wait until every choice holds a slot (they are admitted together); a refusal
+        becomes an APIError with the engine's status. Returns the first choice's admission."""
+        first: Admitted | None = None
+        for _ in range(self.n):
+            _, ev = await self.next(disconnected)
+            if isinstance(ev, Failed):
+                raise APIError(ev.status, ev.message, ev.param)
+            assert isinstance(ev, Admitted), ev
+            first = first or ev
+        assert first is not None
+        return first
 
-    async def collect(self, disconnected) -> tuple[str, Finished]:
-        parts: list[str] = []
-        while True:
-            ev = await self.next(disconnected)
+    async def collect(self, disconnected) -> list[Collected]:
+        """Every choice's events up to its end, gathered; a failure becomes an APIError."""
+        parts: list[list[str]] = [[] for _ in range(self.n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.n)]
+        prompt: list[tuple[TokenLogprob | None, ...] | None] = [None] * self.n
+        done: dict[int, Finished] = {}
+        while len(done) < self.n:
+            i, ev = await self.next(disconnected)
             if isinstance(ev, Delta):
-                parts.append(ev.text)
+                parts[i].append(ev.text)
+                if ev.logprob is not None:
+                    logprobs[i].append(ev.logprob)
+            elif isinstance(ev, PromptScored):
+                prompt[i] = ev.logprobs
             elif isinstance(ev, Finished):
-                return "".join(parts), ev
+                done[i] = ev
             elif isinstance(ev, Failed):
+                raise APIError(ev.status, ev.message, ev.param)
+        return [Collected("".join(parts[i]), done[i], logprobs[i], prompt[i]) for i in range(self.n)]
+
+    async def embedded(self, disconnected) -> Embedded:
+        """The single choice's embedding; a failure becomes an APIError."""
+        while True:
+            _, ev = await self.next(disconnected)
+            if isinstance(ev, Embedded):
+                return ev
+            if isinstance(ev, Failed):
                 raise APIError(ev.status, ev.message, ev.param)
 
     def cancel(self) -> None:
-        self.handle.cancel()
+        for h in self.handles:
+            h.cancel()

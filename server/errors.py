@@ -19,7 +19,8 @@ log = logging.getLogger("dreamstage.server")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           405: "invalid_request_error",
           409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
-          422: "invalid_request_error", 499: "request_cancelled", 503: "server_overloaded",
+          422: "invalid_request_error", 499: "request_cancelled", 501: "not_supported_error",
+          503: "server_overloaded",
           507: "insufficient_storage"}
 
 

@@ -8,20 +8,24 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from dreamstage.server import errors
+from dreamstage.server.answers import ChatShape, CompletionShape, usage
 from dreamstage.server.bridge import ClientGone, EngineRequest
 from dreamstage.server.errors import APIError
+from dreamstage.server.fields import field_headers
 from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
 from dreamstage.serving.engine import Delta, Failed, Finished, GenerationRequest
-from dreamstage.serving.sampling import GrammarError, SamplingParams, json_schema_grammar
+from dreamstage.serving.generation import PromptScored
+from dreamstage.serving.sampling import GrammarError, json_schema_grammar
+from dreamstage.serving.tools import forced_call_grammar, prompt_messages
 
 router = APIRouter()
-
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
 
 # How long a token stream may take to end by itself once the server is told to
@@ -46,10 +50,18 @@ class _EngineStream(EventSourceResponse):
             self._job.cancel()
 
 
-def _sampling(body, grammar: str | None) -> SamplingParams:
-    return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-                          repeat_penalty=body.repeat_penalty, frequency_penalty=body.frequency_penalty,
-                          presence_penalty=body.presence_penalty, seed=body.seed, grammar=grammar)
+def _generation(service, body, prompt: list[int], grammar: str | None, prompt_param: str) -> GenerationRequest:
+    """The engine's request: the body's sampling fields over the model's defaults."""
+    bias = body.bias_pairs()
+    bad = next((t for t, _ in bias if t >= service.model.n_vocab), None)
+    if bad is not None:
+        raise APIError(400, f"logit_bias: token {bad} is not in the vocabulary (0..{service.model.n_vocab - 1})",
+                       "logit_bias")
+    sampling = replace(service.sampling_defaults, **body.sampling_given(service.engine.slot_ctx), grammar=grammar,
+                       logit_bias=bias)
+    return GenerationRequest(prompt, body.limit(), sampling, body.stop_list(),
+                             stop_tokens=frozenset(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                             cache_prompt=body.cache_prompt, prompt_param=prompt_param)
 
 
 def _grammar(body: ChatCompletionRequest | CompletionRequest) -> str | None:
@@ -70,123 +82,143 @@ def _grammar(body: ChatCompletionRequest | CompletionRequest) -> str | None:
         raise APIError(400, f"response_format: {e}", "response_format") from None
 
 
-def _usage(fin: Finished) -> dict:
-    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
-
-
 def _sse(obj) -> dict[str, str]:
     # a dict, not a ServerSentEvent: sse-starlette then writes the response's separator ("\n")
     return {"data": json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}
 
 
-async def _run(request: Request, gen: GenerationRequest, stream: bool, make_chunk, make_final, make_full,
-               include_usage: bool):
-    """Admit `gen` to the engine; answer whole (JSON) or as an SSE stream of the given chunk shapes."""
+async def _run(request: Request, gens: list[GenerationRequest], stream: bool, shape, include_usage: bool,
+               extra_headers: dict[str, str]):
+    """Admit the request's choices to the engine; answer whole (JSON) or as an SSE stream, in `shape` (answers.py)."""
     service = request.app.state.service
-    job = EngineRequest(service.engine, gen, service.settings.retry_after_s)
+    job = EngineRequest(service.engine, gens, service.settings.retry_after_s)
     disconnected = request.is_disconnected
     try:
         adm = await job.admitted(disconnected)
     except ClientGone:
         return JSONResponse(errors.error_body(499, "client closed the request"), status_code=499)
-    headers = {ADAPTER_HEADER: str(adm.adapter_version)}
+    headers = {ADAPTER_HEADER: str(adm.adapter_version), **extra_headers}
     if not stream:
         try:
-            text, fin = await job.collect(disconnected)
+            got = await job.collect(disconnected)
         except ClientGone:
             return JSONResponse(errors.error_body(499, "client closed the request"), status_code=499)
-        return JSONResponse(make_full(text, fin), headers=headers)
+        return JSONResponse(shape.full(got), headers=headers)
+    return _EngineStream(_events(job, shape, adm.adapter_version, include_usage), job, headers)
 
-    async def events():
-        first = make_chunk(None, adm.adapter_version)
-        if first is not None:
-            yield _sse(first)
-        while True:
-            ev = await job.next()
-            if isinstance(ev, Delta):
-                if ev.text:
-                    yield _sse(make_chunk(ev.text, adm.adapter_version))
-            elif isinstance(ev, Finished):
-                yield _sse(make_final(ev))
-                if include_usage:
-                    u = make_final(ev)
-                    u["choices"], u["usage"] = [], _usage(ev)
-                    yield _sse(u)
-                yield {"data": "[DONE]"}
-                return
-            elif isinstance(ev, Failed):
-                yield _sse(errors.error_body(ev.status, ev.message, ev.param))
-                return
 
-    return _EngineStream(events(), job, headers)
+async def _events(job: EngineRequest, shape, version: int, include_usage: bool):
+    """The SSE events of a streamed answer: chunks per choice, each choice's final one, usage, [DONE]."""
+    first = shape.opening(version, job.n)
+    if first is not None:
+        yield _sse(first)
+    ends: dict[int, Finished] = {}
+    while True:
+        i, ev = await job.next()
+        if isinstance(ev, (Delta, PromptScored)):
+            piece = shape.delta(ev, version, i) if isinstance(ev, Delta) else shape.prompt(ev, version, i)
+            if piece is not None:
+                yield _sse(piece)
+        elif isinstance(ev, Finished):
+            ends[i] = ev
+            closing = shape.final(ev, i)
+            for piece in closing:
+                yield _sse(piece)
+            if len(ends) < job.n:
+                continue
+            if include_usage:
+                u = dict(closing[-1])
+                u["choices"], u["usage"] = [], usage([ends[k] for k in sorted(ends)])
+                yield _sse(u)
+            yield {"data": "[DONE]"}
+            return
+        elif isinstance(ev, Failed):
+            yield _sse(errors.error_body(ev.status, ev.message, ev.param))
+            return
 
+
+def _message_dicts(body: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as the template's dicts (tool_calls in OpenAI's shape, ids filled in)."""
+    out = []
+    for m in body.messages:
+        d: dict = {"role": m.role, "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id or f"call_{i}", "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                               for i, c in enumerate(m.tool_calls)]
+        out.append(d)
+    return out
+
+
+def _tool_grammar(tools: list[dict]) -> str:
+    try:
+        return forced_call_grammar(tools, json_schema_grammar)
+    except GrammarError as e:
+        raise APIError(400, f"tools: a parameters schema could not be made a grammar: {e}", "tools") from None
+
+
+def _choices(body, gen: GenerationRequest, n_slots: int) -> list[GenerationRequest]:
+    """One request per choice: choice i draws with seed + i, so each is reproducible alone."""
+    if body.n > n_slots:
+        raise APIError(400, f"n: {body.n} choices, where this server has {n_slots} slots (--parallel)", "n")
+    seed = gen.sampling.seed
+    return [gen if i == 0 else replace(gen, sampling=replace(
+        gen.sampling, seed=None if seed is None else (seed + i) % 2**32)) for i in range(body.n)]
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     service = request.app.state.service
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
-    grammar = _grammar(body)
-    prompt = await service.prompts.chat(service.chat, messages)   # token ids, off the engine thread
-    gen = GenerationRequest(prompt, body.limit(), _sampling(body, grammar), body.stop_list())
-    cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), service.model_id
-    base = {"id": cid, "created": created, "model": model, "system_fingerprint": None}
-
-    def chunk(text, version):
-        delta = {"role": "assistant", "content": ""} if text is None else {"content": text}
-        return {**base, "object": "chat.completion.chunk", "adapter_version": version,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
-
-    def final(fin: Finished):
-        return {**base, "object": "chat.completion.chunk", "adapter_version": fin.adapter_version,
-                "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": fin.finish_reason}]}
-
-    def full(text, fin: Finished):
-        return {**base, "object": "chat.completion", "adapter_version": fin.adapter_version,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": fin.finish_reason}],
-                "usage": _usage(fin)}
-
+    ignored = field_headers(body, service.settings.strict_api)
+    offered = body.offered_tools()
+    native = bool(offered) and service.chat.supports_tools
+    messages = prompt_messages(_message_dicts(body), offered, native)
+    grammar = _tool_grammar(body.forced_tools()) if body.forced_tools() else _grammar(body)
+    # token ids, off the engine thread
+    prompt = await service.prompts.chat(service.chat, messages, body.chat_template_kwargs, offered if native else None)
+    gen = replace(_generation(service, body, prompt, grammar, "messages"), logprobs=body.logprob_count())
+    gens = _choices(body, gen, service.engine.n_seq)
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": service.model_id,
+            "system_fingerprint": None}
+    names = frozenset(t["function"]["name"] for t in offered) if offered else None
+    shape = ChatShape(base, service.prompts.pieces, body.logprobs is True, names, body.parallel_tool_calls is False)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _run(request, gen, body.stream, chunk, final, full, include_usage)
+    return await _run(request, gens, body.stream, shape, include_usage, ignored)
+
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     service = request.app.state.service
+    ignored = field_headers(body, service.settings.strict_api)
     engine = service.engine
-    prompt = body.prompt_value()
-    if isinstance(prompt, str) and not prompt:
+    given = body.prompt_value()
+    if isinstance(given, str) and not given:
         raise APIError(400, "prompt: must not be empty", "prompt")
     grammar = _grammar(body)
-    if isinstance(prompt, str):
-        prompt = await service.prompts.text(prompt, body.parse_special)   # token ids, off the engine thread
-    elif len(prompt) > engine.slot_ctx:       # refused here, not by a scan on the engine thread
-        raise APIError(400, f"prompt: {len(prompt)} tokens exceed the per-slot context of {engine.slot_ctx} "
+    if isinstance(given, str):
+        prompt = await service.prompts.text(given, body.parse_special)   # token ids, off the engine thread
+    elif len(given) > engine.slot_ctx:       # refused here, not by a scan on the engine thread
+        raise APIError(400, f"prompt: {len(given)} tokens exceed the per-slot context of {engine.slot_ctx} "
                             "tokens", "prompt", "context_length_exceeded")
-    gen = GenerationRequest(prompt, body.max_tokens, _sampling(body, grammar), body.stop_list())
-    cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), service.model_id
-    base = {"id": cid, "object": "text_completion", "created": created, "model": model}
-
-    def chunk(text, version):
-        if text is None:
-            return None
-        return {**base, "adapter_version": version,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
-
-    def final(fin: Finished):
-        return {**base, "adapter_version": fin.adapter_version,
-                "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": fin.finish_reason}]}
-
-    def full(text, fin: Finished):
-        return {**base, "adapter_version": fin.adapter_version,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": fin.finish_reason}],
-                "usage": _usage(fin)}
-
+    else:
+        prompt = given
+    scored = body.echo and body.logprobs is not None
+    gen = replace(_generation(service, body, prompt, grammar, "prompt"), logprobs=body.logprobs,
+                  prompt_logprobs=body.logprobs if scored else None)
+    gens = _choices(body, gen, engine.n_seq)
+    base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": service.model_id}
+    echo_text = None
+    if body.echo:
+        echo_text = given if isinstance(given, str) else await service.prompts.detokenize(prompt)
+    shape = CompletionShape(base, service.prompts.pieces, body.logprobs is not None, echo_text, prompt)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _run(request, gen, body.stream, chunk, final, full, include_usage)
+    return await _run(request, gens, body.stream, shape, include_usage, ignored)
+
 
 @router.get("/v1/models")
 async def models(request: Request):

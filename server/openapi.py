@@ -52,6 +52,10 @@ _SUCCESS: dict[tuple[str, str], tuple[str, dict]] = {
                                  "properties": {"status": {"enum": ["ok"]}, "slots": _INT, "slots_busy": _INT,
                                                 "queue_depth": _INT, "adapter_version": _INT}}),
     ("get", "/slots"): ("200", {"type": "object", "required": ["slot_context", "slots"]}),
+    ("get", "/props"): ("200", {"type": "object", "required": ["default_generation_settings", "total_slots"]}),
+    ("post", "/tokenize"): ("200", {"type": "object", "required": ["tokens"], "properties": {
+        "tokens": {"type": "array", "items": {"anyOf": [_INT, {"type": "object", "required": ["id", "piece"]}]}}}}),
+    ("post", "/detokenize"): ("200", {"type": "object", "required": ["content"], "properties": {"content": _STR}}),
     ("post", "/train"): ("202", _JOB),
     ("get", "/train"): ("200", {"type": "object", "required": ["current", "queue", "adapter_version"], "properties": {
         "current": {"anyOf": [_JOB, {"type": "null"}]}, "queue": {"type": "array", "items": _JOB}}}),
@@ -72,6 +76,7 @@ _WHY = {
     413: "body or job over a limit: the message names the limit and its value",
     415: "content type is not application/json",
     422: "invalid training request or parameter: the message and `param` name the field, parameter or limit",
+    501: "not served by this server (POST /v1/embeddings without --embeddings)",
     503: "busy (queue full, Retry-After), shutting down, training off, or storage unavailable",
     507: "the state directory is full; nothing was changed",
 }
@@ -83,6 +88,9 @@ _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/chat/completions"): (400, 503),
     ("post", "/v1/completions"): (400, 503),
     ("get", "/health"): (503,),
+    ("post", "/v1/embeddings"): (400, 501, 503),
+    ("post", "/tokenize"): (400,),
+    ("post", "/detokenize"): (400,),
     ("post", "/train"): (413, 422, 503, 507),
     ("get", "/train"): (503,),
     ("get", "/train/{job_id}"): (404, 422, 503),

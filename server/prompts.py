@@ -32,7 +32,9 @@ class PromptTokenizer:
         self.slot_ctx = slot_ctx
         # No token's text is longer than this, so a prompt of more bytes than
         # slot_ctx * max_piece has more than slot_ctx tokens: refused unread.
-        self.max_piece_bytes = max(1, max(len(model.token_piece(t)) for t in range(model.n_vocab)))
+        # Every token's text, control tokens' included (logprobs and echo read these).
+        self.pieces: tuple[bytes, ...] = tuple(model.token_piece(t, True) for t in range(model.n_vocab))
+        self.max_piece_bytes = max(1, max(len(p) for p in self.pieces))
         self.max_prompt_bytes = slot_ctx * self.max_piece_bytes
         lc, vocab = model.lc, model.vocab
         self.control_texts = tuple(sorted({model.token_text(t) for t in range(model.n_vocab)
@@ -53,16 +55,46 @@ class PromptTokenizer:
         async with self._slots:
             return await asyncio.to_thread(self.model.tokenize, prompt, True, parse_special)
 
-    async def chat(self, chat_template, messages: list[dict]) -> list[int]:
-        """A chat prompt: the template's text parses special tokens, message content never does."""
+    async def mixed(self, content: str | list[str | int], add_special: bool, parse_special: bool) -> list[int]:
+        """llama-server's /tokenize input: text pieces tokenized, token ids kept; only the
+        first piece gets the vocabulary's added tokens. Ids outside the vocabulary are a 400."""
+        pieces: list[str | int] = [content] if isinstance(content, str) else list(content)
+        for i, p in enumerate(pieces):
+            if isinstance(p, int) and p >= self.model.n_vocab:
+                raise APIError(400, f"content[{i}]: token {p} is not in the vocabulary (0..{self.model.n_vocab - 1})",
+                               f"content[{i}]")
+        if parse_special:       # the quadratic special-token pass: bounded as a prompt is
+            self.check_size(sum(len(p.encode("utf-8")) for p in pieces if isinstance(p, str)), "content")
+        async with self._slots:
+            return await asyncio.to_thread(self._mixed, pieces, add_special, parse_special)
+
+    def _mixed(self, pieces: list[str | int], add_special: bool, parse_special: bool) -> list[int]:
+        out: list[int] = []
+        for i, p in enumerate(pieces):
+            out += [p] if isinstance(p, int) else self.model.tokenize(p, add_special and i == 0, parse_special)
+        return out
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """llama-server's /detokenize: the tokens' pieces (control tokens as their text) joined."""
+        bad = next((i for i, t in enumerate(tokens) if t >= self.model.n_vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens[{bad}]: token {tokens[bad]} is not in the vocabulary "
+                                f"(0..{self.model.n_vocab - 1})", f"tokens[{bad}]")
+        return b"".join(self.pieces[t] for t in tokens).decode("utf-8", "replace")
+
+    async def chat(self, chat_template, messages: list[dict], variables: dict | None = None,
+                   tools: list[dict] | None = None) -> list[int]:
+        """A chat prompt: the template's text parses special tokens, message content never does.
+        `variables`: extra template variables (chat_template_kwargs); `tools`: for a template that reads them."""
         self.check_size(sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
         async with self._slots:
             # Rendering a long conversation takes a while too: off the event loop, which carries every stream.
-            return await asyncio.to_thread(self._chat, chat_template, messages)
+            return await asyncio.to_thread(self._chat, chat_template, messages, variables, tools)
 
-    def _chat(self, chat_template, messages: list[dict]) -> list[int]:
+    def _chat(self, chat_template, messages: list[dict], variables: dict | None = None,
+              tools: list[dict] | None = None) -> list[int]:
         try:
-            segments, located = chat_segments(chat_template.render, messages)
+            segments, located = chat_segments(lambda ms: chat_template.render(ms, variables, tools), messages)
         except ValueError as e:
             raise APIError(400, f"messages: {e}", "messages") from None
         if not located:

@@ -10,6 +10,7 @@ from dreamstage.server.settings import ServerSettings
 from dreamstage.serving.chat import ChatTemplate
 from dreamstage.serving.engine import DreamHook, Engine
 from dreamstage.serving.resident import ResidentModel
+from dreamstage.serving.sampling import model_defaults
 
 log = logging.getLogger("dreamstage.server")
 
@@ -58,6 +59,7 @@ class Service:
         self.model = ResidentModel(settings.resident_config())
         # Built before the engine thread starts: after that, only it calls llama.
         self.chat = ChatTemplate.for_model(self.model)
+        self.sampling_defaults = model_defaults(self.model.meta)   # a request's unset sampling fields
         self.model_id = settings.model_alias or self.model.model_path.stem
         # The dream stage (POST /train) needs a state directory for its jobs and adapters.
         self.store = self.scheduler = self.submitter = None

@@ -27,7 +27,11 @@ class ServerSettings(BaseSettings):
     host: str = "127.0.0.1"           # loopback unless asked otherwise
     port: int = Field(default=8080, ge=0, le=65535)
     parallel: int = Field(default=4, ge=1)   # slots (sequence ids) decoded together
-    ctx: int = 4096                   # total context; each slot gets ctx // parallel
+    # Total context; each slot gets ctx // parallel. None: each slot gets the
+    # model's trained context, as memory allows (ResidentModel.auto_slot_ctx).
+    ctx: int | None = Field(default=None, ge=1)
+    # With ctx None: the largest share of the K/V device's free memory the slots' K/V may take.
+    ctx_memory_share: float = Field(default=0.25, gt=0.0, le=1.0)
     batch: int = 512                  # tokens per llama_decode (prompt chunks + decode tokens)
     threads: int = 0                  # 0: all cores
     kv_type: str = "f16"
@@ -47,10 +51,15 @@ class ServerSettings(BaseSettings):
     # (--no-drift-guard, DREAMSTAGE_DRIFT_GUARD=false; the test suite sets
     # that for the tests that are not about drift), jobs train without them.
     drift_guard: bool = True
+    # Unknown request fields on the OpenAI routes: ignored and named in a
+    # response header (False, as llama-server and vLLM do), or a 400 (True).
+    strict_api: bool = False
+    # POST /v1/embeddings (llama-server's --embeddings): off, it answers 501.
+    embeddings: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:
-        if self.ctx < self.parallel * 16:
+        if self.ctx is not None and self.ctx < self.parallel * 16:
             raise ValueError(f"ctx {self.ctx} leaves fewer than 16 tokens per slot for {self.parallel} slots")
         if self.kv_type not in KV_TYPES:
             raise ValueError(f"kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
@@ -71,6 +80,7 @@ class ServerSettings(BaseSettings):
     def resident_config(self) -> ResidentConfig:
         # One K/V stream per slot: a request's output does not depend on what
         # its neighbours are doing (see docs/architecture/serving.md).
-        return ResidentConfig(model_path=self.model, n_ctx=self.ctx, n_seq=self.parallel,
+        return ResidentConfig(model_path=self.model, n_ctx=self.ctx or 0, n_seq=self.parallel,
+                              auto_ctx_memory_share=self.ctx_memory_share,
                               n_batch=self.batch, n_threads=self.threads, kv_type=self.kv_type,
                               kv_unified=False, n_gpu_layers=self.n_gpu_layers)

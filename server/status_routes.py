@@ -1,5 +1,7 @@
-"""Service routes: /health, /slots and /metrics."""
+"""Service routes: /health, /slots, /props and /metrics."""
 from __future__ import annotations
+
+from dataclasses import asdict
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -26,7 +28,18 @@ async def health(request: Request):
 async def slots(request: Request):
     service = request.app.state.service
     return {"slot_context": service.engine.slot_ctx, "n_ctx": service.model.n_ctx,
-            "slots": service.engine.slots_info()}
+            "n_ctx_train": service.model.n_ctx_train, "slots": service.engine.slots_info()}
+
+
+@router.get("/props")
+async def props(request: Request):
+    """llama-server's /props, the parts that hold here: the context and the sampling defaults."""
+    service = request.app.state.service
+    defaults = {k: v for k, v in asdict(service.sampling_defaults).items() if k != "grammar"}
+    return {"default_generation_settings": {"n_ctx": service.engine.slot_ctx, "params": defaults},
+            "total_slots": service.engine.n_seq, "model_path": str(service.model.model_path),
+            "model_alias": service.model_id, "n_ctx_train": service.model.n_ctx_train,
+            "chat_template": service.chat.source}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

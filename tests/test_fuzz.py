@@ -54,7 +54,7 @@ OPERATIONS = [
     "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /health", "GET /slots",
     "GET /metrics", "POST /train", "GET /train", "GET /train/{job_id}", "GET /train/{job_id}/receipts",
     "POST /train/{job_id}/cancel", "POST /train/{job_id}/pause", "POST /train/{job_id}/resume", "GET /adapters",
-    "POST /adapters/{name}/promote", "POST /adapters/rollback",
+    "POST /adapters/{name}/promote", "POST /adapters/rollback", "POST /tokenize", "POST /detokenize", "GET /props",
 ]
 
 

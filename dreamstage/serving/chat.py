@@ -20,6 +20,11 @@ FALLBACK_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# Template variables the formatter sets itself; a request's variables cannot replace them.
+_RESERVED = frozenset({"messages", "eos_token", "bos_token", "raise_exception", "add_generation_prompt",
+                       "functions", "function_call", "tools", "tool_choice", "strftime_now"})
+
+
 class ChatTemplate:
     def __init__(self, template: str | None, bos_text: str, eos_text: str):
         native.llama_cpp()  # llama_cpp modules must load against our libllama
@@ -35,11 +40,21 @@ class ChatTemplate:
         return cls(model.chat_template(), model.token_text(model.bos) if model.bos >= 0 else "",
                    model.token_text(model.eos) if model.eos >= 0 else "")
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt text; raises ValueError when the template refuses the messages."""
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template reads a `tools` variable (else tools go into a system message)."""
+        return "tools" in self.source
+
+    def render(self, messages: list[dict], variables: dict[str, Any] | None = None,
+               tools: list[dict] | None = None) -> str:
+        """The prompt text; raises ValueError when the template refuses the messages.
+
+        `variables` are extra template variables (a request's chat_template_kwargs,
+        e.g. enable_thinking); they cannot replace the ones set here."""
+        extra = {k: v for k, v in (variables or {}).items() if k not in _RESERVED}
         try:
             # our message dicts have the shape of llama_cpp's TypedDicts, which a list[dict] cannot say
-            return self._fmt(messages=cast("list[Any]", messages)).prompt
+            return self._fmt(messages=cast("list[Any]", messages), tools=cast("Any", tools or None), **extra).prompt
         except ValueError:
             raise
         except Exception as e:  # jinja errors of any kind mean bad messages for this template

@@ -26,20 +26,24 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
+import numpy as np
+
 from dreamstage.serving.generation import (
     Admitted,
     Delta,
+    Embedded,
     EngineStopped,
     Event,
     Failed,
     Finished,
     GenerationRequest,
+    PromptScored,
     QueueFull,
     Sink,
     TextStream,
 )
 from dreamstage.serving.resident import ResidentModel
-from dreamstage.serving.sampling import GrammarError, build_chain
+from dreamstage.serving.sampling import GrammarError, Sampler, TokenLogprob, log_softmax, scored
 from dreamstage.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -90,6 +94,9 @@ class _Job:
     submitted: float
     prompt: list[int] = field(default_factory=list)
     max_tokens: int = 0
+    # The other choices of an n > 1 request: admitted with this job, they share
+    # its prompt's K/V (copied once it is decoded). Emptied at admission.
+    followers: list[_Job] = field(default_factory=list)
 
 
 class _Slot:
@@ -97,12 +104,14 @@ class _Slot:
         self.seq_id = seq_id
         self.tokens: list[int] = []   # tokens whose K/V this sequence holds, in order
         self.job: _Job | None = None
-        self.chain = None             # sampler chain of the active request
+        self.sampler: Sampler | None = None   # sampler chain of the active request
+        self.prompt_scores: list[TokenLogprob | None] = []   # with prompt_logprobs, filled during prefill
         self.pending: list[int] = []  # prompt tokens still to decode
         self.next_token: int | None = None  # sampled, not yet decoded
         self.generated = 0
         self.cached = 0
         self.stream: TextStream | None = None
+        self.awaiting: _Slot | None = None   # a follower waiting for this slot's leader to finish its prompt
         self.adapter_version = 0
         self.t_last: float = 0.0
         self.first_token_at: float | None = None
@@ -154,6 +163,7 @@ class Engine:
         # promotion bumps it between two decode batches (on this thread).
         self.adapter_version = 0
         self.stats = EngineStats()
+        self._vocab_ids = np.arange(model.n_vocab, dtype=np.int32)   # row index -> token id, for prompt scores
         self.slots = [_Slot(i) for i in range(self.n_seq)]
         self._lease: SequenceLease | None = None   # an idle slot lent to the dream hook
         self._cond = threading.Condition()
@@ -211,19 +221,30 @@ class Engine:
 
     def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
         """Queue a request. Raises QueueFull (backpressure) or EngineStopped."""
-        if request.max_tokens is not None and request.max_tokens < 1:
+        return self.submit_group([request], [sink])[0]
+
+    def submit_group(self, requests: list[GenerationRequest], sinks: list[Sink]) -> list[RequestHandle]:
+        """Queue the choices of one n > 1 request: the first request's prompt is
+        decoded once and its K/V copied to the others' slots, which are taken
+        together (so n must not exceed the slots). Each choice has its own
+        sampling (seed), sink and handle. Raises QueueFull, EngineStopped, ValueError."""
+        if not 1 <= len(requests) <= self.n_seq or len(sinks) != len(requests):
+            raise ValueError(f"n: {len(requests)} choices, where this server has {self.n_seq} slots")
+        if any(r.max_tokens is not None and r.max_tokens < 1 for r in requests):
             raise ValueError("max_tokens must be at least 1")
         with self._cond:
             if not self._running:
                 raise EngineStopped("the engine is not running")
-            if self._outstanding >= self.n_seq + self.max_queue:
+            if self._outstanding + len(requests) > self.n_seq + self.max_queue:
                 raise QueueFull(f"{self._outstanding} requests outstanding: all {self.n_seq} slots busy "
                                 f"and the waiting room of {self.max_queue} is full")
-            handle = RequestHandle(self, next(self._ids))
-            self._inbox.append(_Job(handle, request, sink, time.perf_counter()))
-            self._outstanding += 1
+            now = time.perf_counter()
+            jobs = [_Job(RequestHandle(self, next(self._ids)), r, k, now) for r, k in zip(requests, sinks, strict=True)]
+            jobs[0].followers = jobs[1:]
+            self._inbox.append(jobs[0])
+            self._outstanding += len(jobs)
             self._cond.notify_all()
-        return handle
+        return [j.handle for j in jobs]
 
     @property
     def queue_depth(self) -> int:
@@ -326,6 +347,7 @@ class Engine:
                     self._intake(inbox)
                     self._reap_cancelled()
                     self._admit()
+                    self._embed_waiting()
                     if self._step():
                         self._call_hook(False)
                 except Exception as e:  # a bug must fail requests, never kill the engine
@@ -376,10 +398,13 @@ class Engine:
             job.handle.cancelled = True
 
     def _finish_job(self, job: _Job, event: Event, outcome: str) -> None:
-        self._send(job, event)
-        self.stats.count_request(outcome)
+        # followers still attached: the group was never admitted, and ends as its leader does
+        followers, job.followers = job.followers, []
+        for f in [job, *followers]:
+            self._send(f, event)
+            self.stats.count_request(outcome)
         with self._cond:
-            self._outstanding -= 1
+            self._outstanding -= 1 + len(followers)
 
     def _intake(self, jobs: list[_Job]) -> None:
         for job in jobs:
@@ -412,11 +437,12 @@ class Engine:
             self._finish_job(job, Failed(400, "prompt is empty after tokenization", "prompt"), "invalid")
             return
         room = self.slot_ctx - len(toks)
-        if req.max_tokens is None:
+        if req.max_tokens is None or room < 1:
             if room < 1:
-                self._finish_job(job, Failed(400, f"prompt has {len(toks)} tokens; the per-slot context is "
-                                                  f"{self.slot_ctx} tokens (n_ctx {m.n_ctx} / {self.n_seq} slots), "
-                                                  "leaving no room to generate", "messages"), "invalid")
+                self._finish_job(job, Failed(400, f"{req.prompt_param}: the prompt has {len(toks)} tokens; the "
+                                                  f"per-slot context is {self.slot_ctx} tokens (n_ctx {m.n_ctx} / "
+                                                  f"{self.n_seq} slots), leaving no room to generate",
+                                             req.prompt_param), "invalid")
                 return
             max_tokens = room
         elif req.max_tokens > room:
@@ -443,37 +469,67 @@ class Engine:
         while self._waiting:
             lent = self._lease.slot if self._lease is not None else None
             free = [s for s in self.slots if not s.busy and s is not lent]
-            if not free and lent is not None and not lent.busy:
+            job = self._waiting[0]
+            need = 1 + len(job.followers)
+            if len(free) < need and lent is not None and not lent.busy:
                 self._end_lease()                   # serving needs the lent slot back
-                free = [lent]
-            if not free:
+                free.append(lent)
+            if len(free) < need:
                 return
-            job = self._waiting.popleft()
+            self._waiting.popleft()
             # Prefer the free slot whose cache shares the longest prefix.
             slot, n_common = max(((s, _common_prefix(s.tokens, job.prompt)) for s in free), key=lambda x: x[1])
+            fresh = not job.request.cache_prompt or job.request.prompt_logprobs is not None
             # At least the last prompt token is decoded again: its logits are needed.
-            n_common = min(n_common, len(job.prompt) - 1)
-            try:
-                chain = build_chain(self.model.vocab, self.model.n_vocab, job.request.sampling)
-            except GrammarError as e:
-                self._finish_job(job, Failed(400, str(e), "grammar"), "invalid")
+            n_common = 0 if fresh else min(n_common, len(job.prompt) - 1)
+            group = [job, *job.followers]
+            samplers = self._samplers(group)
+            if samplers is None:
                 continue
-            except Exception as e:  # noqa: BLE001 - bad sampling values llama.cpp refused
-                self._finish_job(job, Failed(400, f"sampler could not be built: {e}", "sampling"), "invalid")
-                continue
-            self.lc.llama_memory_seq_rm(self.model.memory, slot.seq_id, n_common, -1)
-            del slot.tokens[n_common:]
-            slot.job, slot.chain = job, chain
-            slot.pending = job.prompt[n_common:]
-            slot.next_token = None
-            slot.generated = 0
-            slot.cached = n_common
-            slot.stream = TextStream(job.request.stop)
-            slot.adapter_version = self.adapter_version
-            slot.first_token_at = None
-            self.stats.prompt_tokens += len(job.prompt)
-            self.stats.prompt_tokens_cached += n_common
-            self._send(job, Admitted(slot.seq_id, slot.adapter_version, len(job.prompt), n_common))
+            job.followers = []
+            others = [s for s in free if s is not slot][:need - 1]
+            self._seat(slot, job, samplers[0], n_common)
+            for follower, fslot, sampler in zip(group[1:], others, samplers[1:], strict=True):
+                follower.prompt, follower.max_tokens = job.prompt, job.max_tokens
+                self._clear_slot(fslot)
+                self._seat(fslot, follower, sampler, len(job.prompt))
+                fslot.pending, fslot.awaiting = [], slot
+
+    def _samplers(self, group: list[_Job]) -> list[Sampler] | None:
+        """One sampler per job of an admitted group; None (the group failed with a 400) if one cannot be built."""
+        made: list[Sampler] = []
+        try:
+            for j in group:
+                made.append(Sampler(self.model.vocab, self.model.n_vocab, j.request.sampling))
+            return made
+        except Exception as e:  # noqa: BLE001 - a grammar or sampling value llama.cpp refused
+            for m in made:
+                m.free()
+            leader = group[0]
+            leader.followers = group[1:]
+            if isinstance(e, GrammarError):
+                self._finish_job(leader, Failed(400, str(e), "grammar"), "invalid")
+            else:
+                self._finish_job(leader, Failed(400, f"sampler could not be built: {e}", "sampling"), "invalid")
+            return None
+
+    def _seat(self, slot: _Slot, job: _Job, sampler: Sampler, n_common: int) -> None:
+        """Put `job` in `slot`, keeping the first n_common cached prompt tokens."""
+        self.lc.llama_memory_seq_rm(self.model.memory, slot.seq_id, n_common, -1)
+        del slot.tokens[n_common:]
+        slot.job, slot.sampler = job, sampler
+        slot.prompt_scores = [None]
+        slot.pending = job.prompt[n_common:]
+        slot.next_token = None
+        slot.generated = 0
+        slot.cached = n_common
+        slot.stream = TextStream(job.request.stop)
+        slot.adapter_version = self.adapter_version
+        slot.first_token_at = None
+        slot.awaiting = None
+        self.stats.prompt_tokens += len(job.prompt)
+        self.stats.prompt_tokens_cached += n_common     # a follower's whole prompt: its leader's copied K/V
+        self._send(job, Admitted(slot.seq_id, slot.adapter_version, len(job.prompt), n_common))
 
     def _step(self) -> bool:
         """Build and decode one batch; sample and stream. False when there was nothing to decode."""
@@ -485,6 +541,8 @@ class Engine:
         pos = cast("ctypes.Array[ctypes.c_int32]", batch.pos)
         n = 0
         outputs: list[tuple[_Slot, int]] = []
+        prompt_rows: list[tuple[_Slot, int, int]] = []   # (slot, batch row, prompt position it predicts)
+        copies: list[tuple[_Slot, _Slot]] = []   # (leader, follower): the prompt's K/V to copy after this decode
         # Generating slots first: each costs one token, so decode never starves.
         for s in self.slots:
             if s.busy and s.next_token is not None:
@@ -498,18 +556,24 @@ class Engine:
         for s in self.slots:
             if n >= self.n_batch:
                 break
-            if s.busy and s.pending:
+            if s.busy and s.pending and not (s.job is not None and s.job.request.embed):
                 take = min(len(s.pending), self.n_batch - n)
                 chunk, s.pending = s.pending[:take], s.pending[take:]
                 base = len(s.tokens)
+                score = s.job is not None and s.job.request.prompt_logprobs is not None
                 for i, t in enumerate(chunk):
-                    tok[n], pos[n], nseq[n], logits[n] = t, base + i, 1, 0
+                    tok[n], pos[n], nseq[n], logits[n] = t, base + i, 1, int(score)
                     seq[n][0] = s.seq_id
+                    if score and (s.pending or i < len(chunk) - 1):
+                        prompt_rows.append((s, n, base + i + 1))
                     n += 1
                 s.tokens.extend(chunk)
                 if not s.pending:
                     logits[n - 1] = 1
                     outputs.append((s, n - 1))
+                    joining = [f for f in self.slots if f.awaiting is s]
+                    outputs += [(f, n - 1) for f in joining]     # the same row: the same distribution
+                    copies += [(s, f) for f in joining]
         if n == 0:
             return False
         batch.n_tokens = n
@@ -524,13 +588,88 @@ class Engine:
                 self.failing = f"llama_decode failed with status {rc}"
             return True
         self.failing = None
+        for leader, f in copies:
+            # a whole-stream copy (one K/V stream per slot), done by llama.cpp before the next decode
+            self.lc.llama_memory_seq_rm(self.model.memory, f.seq_id, -1, -1)
+            self.lc.llama_memory_seq_cp(self.model.memory, leader.seq_id, f.seq_id, -1, -1)
+            f.tokens, f.awaiting = list(leader.tokens), None
+        self._score_prompts(prompt_rows, copies)
+        self._sample(outputs)
+        self.last_batch_s = time.perf_counter() - t_start
+        return True
+
+    def _embed_waiting(self) -> None:
+        """Answer each admitted embedding request whole: its prompt decoded alone, in batches
+        of n_batch with the context's embeddings on (llama.cpp then outputs every token),
+        pooled by mean and L2-normalized. Streams wait meanwhile, as for a prompt chunk."""
+        for s in self.slots:
+            job = s.job
+            if job is None or not job.request.embed or job.handle.cancelled:
+                continue
+            lc, ctx, batch = self.lc, self.model.ctx, self._batch
+            assert batch is not None
+            pos = cast("ctypes.Array[ctypes.c_int32]", batch.pos)
+            total = np.zeros(self.model.n_embd, dtype=np.float64)
+            lc.llama_memory_seq_rm(self.model.memory, s.seq_id, 0, -1)
+            s.tokens.clear()
+            lc.llama_set_embeddings(ctx, True)
+            try:
+                for a in range(0, len(job.prompt), self.n_batch):
+                    chunk = job.prompt[a:a + self.n_batch]
+                    for i, t in enumerate(chunk):
+                        batch.token[i], pos[i], batch.n_seq_id[i], batch.logits[i] = t, a + i, 1, 1
+                        batch.seq_id[i][0] = s.seq_id
+                    batch.n_tokens = len(chunk)
+                    if lc.llama_decode(ctx, batch) != 0:
+                        raise RuntimeError("llama_decode failed for an embedding request")
+                    s.tokens.extend(chunk)
+                    for i in range(len(chunk)):
+                        total += np.ctypeslib.as_array(lc.llama_get_embeddings_ith(ctx, i), shape=(self.model.n_embd,))
+            except RuntimeError as e:      # this request fails; the others go on
+                lc.llama_memory_seq_rm(self.model.memory, s.seq_id, -1, -1)
+                s.tokens.clear()
+                self._free_slot(s)
+                self._finish_job(job, Failed(500, str(e)), "error")
+                continue
+            finally:
+                lc.llama_set_embeddings(ctx, False)
+            mean = total / len(job.prompt)
+            norm = float(np.linalg.norm(mean)) or 1.0
+            event = Embedded(tuple(float(x) for x in mean / norm), len(job.prompt))
+            s.pending = []
+            self._free_slot(s)
+            self._finish_job(job, event, "stop")
+
+    def _score_prompts(self, rows: list[tuple[_Slot, int, int]], copies: list[tuple[_Slot, _Slot]]) -> None:
+        """Score prompt positions from their rows' logits (the raw model distribution); send
+        PromptScored to each slot whose prompt this batch finished, and to its followers (`copies`)."""
+        for s, idx, at in rows:
+            job = s.job
+            if job is None or job.request.prompt_logprobs is None:
+                continue
+            row = self.lc.llama_get_logits_ith(self.model.ctx, idx)
+            logits = np.ctypeslib.as_array(row, shape=(self.model.n_vocab,)).astype(np.float64)
+            s.prompt_scores.append(scored(self._vocab_ids, log_softmax(logits), job.prompt[at],
+                                          job.request.prompt_logprobs))
+        for s in {r[0] for r in rows}:
+            if s.job is not None and not s.pending:
+                scores = PromptScored(tuple(s.prompt_scores))
+                for j in [s.job, *(f.job for leader, f in copies if leader is s and f.job is not None)]:
+                    self._send(j, scores)
+
+    def _sample(self, outputs: list[tuple[_Slot, int]]) -> None:
+        """Sample each slot that has an output row; stream its text; release finished slots."""
         now = time.perf_counter()
         eog = self.model.is_eog
         for s, idx in outputs:
-            job, stream = s.job, s.stream
-            if job is None or stream is None or job.handle.cancelled:
+            job, stream, sampler = s.job, s.stream, s.sampler
+            if job is None or stream is None or sampler is None or job.handle.cancelled:
                 continue
-            token = lc.llama_sampler_sample(s.chain, self.model.ctx, idx)
+            top = job.request.logprobs
+            if top is None:
+                token, logprob = sampler.sample(self.model.ctx, idx), None
+            else:
+                token, logprob = sampler.sample_scored(self.model.ctx, idx, top)
             s.generated += 1
             self.stats.generated_tokens += 1
             if s.first_token_at is None:
@@ -539,19 +678,17 @@ class Engine:
             else:
                 self.stats.itl.observe(now - s.t_last)
             s.t_last = now
-            if eog(token):
+            if (eog(token) and not job.request.ignore_eos) or token in job.request.stop_tokens:
                 self._release(s, "stop")
                 continue
             text = stream.push(self.model.token_piece(token))
-            self._send(job, Delta(text, token))
+            self._send(job, Delta(text, token, logprob))
             if stream.stopped:
                 self._release(s, "stop", flush=False)
             elif s.generated >= job.max_tokens:
                 self._release(s, "length")
             else:
                 s.next_token = token
-        self.last_batch_s = time.perf_counter() - t_start
-        return True
 
     def _decode_failed(self, rc: int, outputs) -> None:
         # Status 1 means no free K/V cells; others are hard errors. Either way the
@@ -582,9 +719,13 @@ class Engine:
         self._finish_job(job, event, outcome or reason or "cancelled")
 
     def _free_slot(self, s: _Slot) -> None:
-        if s.chain is not None:
-            self.lc.llama_sampler_free(s.chain)
-        s.chain = None
+        for f in self.slots:
+            if f.awaiting is s:           # its leader left before the prompt was decoded: decode it itself
+                assert f.job is not None
+                f.awaiting, f.pending, f.cached = None, list(f.job.prompt), 0
+        if s.sampler is not None:
+            s.sampler.free()
+        s.sampler = None
         s.job = None
         s.pending = []
         s.next_token = None

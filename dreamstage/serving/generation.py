@@ -12,7 +12,7 @@ import codecs
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dreamstage.serving.sampling import SamplingParams
+from dreamstage.serving.sampling import SamplingParams, TokenLogprob
 
 
 # -- events sent to a request's sink ---------------------------------------------
@@ -27,7 +27,23 @@ class Admitted:
 @dataclass(frozen=True)
 class Delta:
     text: str          # may be "" while a multi-byte character or a stop-string prefix is held back
-    token: int
+    token: int         # -1: held-back text flushed at the end, no token of its own
+    logprob: TokenLogprob | None = None   # with GenerationRequest.logprobs
+
+
+@dataclass(frozen=True)
+class PromptScored:
+    """The prompt's tokens scored by the model (GenerationRequest.prompt_logprobs), sent
+    once the prompt is decoded, before the first Delta. Entry 0 is None (no context)."""
+    logprobs: tuple[TokenLogprob | None, ...]
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """The answer to an embedding request (GenerationRequest.embed): the mean of the
+    prompt's last hidden states, L2-normalized. Ends the request, as Finished does."""
+    embedding: tuple[float, ...]
+    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -46,7 +62,7 @@ class Failed:
     param: str | None = None
 
 
-Event = Admitted | Delta | Finished | Failed
+Event = Admitted | PromptScored | Delta | Finished | Embedded | Failed
 Sink = Callable[[Event], None]
 
 
@@ -65,6 +81,13 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     add_special: bool = True         # add BOS when the vocabulary wants it (text prompts)
+    stop_tokens: frozenset[int] = frozenset()   # sampling one ends the request ("stop"), not emitted
+    ignore_eos: bool = False         # end-of-generation tokens do not end the request
+    cache_prompt: bool = True        # False: the slot's cached prefix is not reused
+    prompt_param: str = "prompt"     # the request field a too-long prompt is blamed on
+    logprobs: int | None = None      # each token's logprob with this many top alternatives; None: none
+    prompt_logprobs: int | None = None   # score the prompt too (its whole prefix is decoded afresh)
+    embed: bool = False              # decode the prompt only and answer its pooled embedding (Embedded)
 
 
 

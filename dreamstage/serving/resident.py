@@ -19,6 +19,11 @@ from dreamstage.owner import NativeOwner
 
 # Serving K/V cache types accepted by --kv-type, mapped to ggml_type ids.
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+# Bytes per element of each K/V type (block size over elements per block).
+KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
+            "q4_1": 20 / 32, "q4_0": 18 / 32}
+# An automatic per-slot context is a multiple of this (llama.cpp pads K/V streams to 256 cells).
+AUTO_CTX_STEP = 256
 
 _log_lock = threading.Lock()
 _log_cb = None
@@ -47,7 +52,9 @@ def quiet_native_logs(enabled: bool = True) -> None:
 @dataclass(frozen=True)
 class ResidentConfig:
     model_path: str | None = None     # None: the embedded default model
-    n_ctx: int = 4096                  # total serving context, shared by the slots
+    n_ctx: int = 4096                  # total serving context, shared by the slots; 0: automatic (auto_slot_ctx)
+    # With n_ctx 0: the largest share of the K/V device's free memory the serving K/V may take.
+    auto_ctx_memory_share: float = 0.25
     n_seq: int = 4                     # parallel sequences (slots)
     n_batch: int = 512
     n_threads: int = 0                 # 0: all cores
@@ -72,8 +79,10 @@ class ResidentConfig:
     def validate(self) -> None:
         for name in ("n_ctx", "n_seq", "n_batch"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            if not isinstance(v, int) or v < (0 if name == "n_ctx" else 1):
+                raise ValueError(f"{name} must be a positive integer{' or 0' if name == 'n_ctx' else ''}, got {v!r}")
+        if not 0.0 < self.auto_ctx_memory_share <= 1.0:
+            raise ValueError(f"auto_ctx_memory_share must be in (0, 1], got {self.auto_ctx_memory_share!r}")
         if self.n_threads < 0:
             raise ValueError(f"n_threads must be >= 0, got {self.n_threads!r}")
         if not isinstance(self.n_gpu_layers, int):
@@ -107,8 +116,10 @@ class ResidentModel(NativeOwner):
         if not self.model:
             raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")
         self.vocab = lc.llama_model_get_vocab(self.model)
+        self.n_ctx_train = lc.llama_model_n_ctx_train(self.model)
+        n_ctx = cfg.n_ctx or cfg.n_seq * self.auto_slot_ctx()
         cparams = lc.llama_context_default_params()
-        cparams.n_ctx = cfg.n_ctx
+        cparams.n_ctx = n_ctx
         cparams.n_batch = cfg.n_batch
         cparams.n_ubatch = min(cfg.n_batch, 512)
         cparams.n_seq_max = cfg.n_seq
@@ -124,12 +135,35 @@ class ResidentModel(NativeOwner):
         if not self.ctx:
             lc.llama_model_free(self.model)
             self.model = None
-            raise ValueError(f"could not create a context (n_ctx={cfg.n_ctx}, kv_type={cfg.kv_type!r})")
+            raise ValueError(f"could not create a context (n_ctx={n_ctx}, kv_type={cfg.kv_type!r})")
         self.memory = lc.llama_get_memory(self.ctx)
         self.dependents: weakref.WeakSet[Any] = weakref.WeakSet()  # closed before the context is freed
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_embd = lc.llama_model_n_embd(self.model)
         self.n_ctx = lc.llama_n_ctx(self.ctx)
         self.n_batch = lc.llama_n_batch(self.ctx)   # llama.cpp clamps n_batch to n_ctx: the largest decode it takes
+
+    def kv_cell_bytes(self) -> float:
+        """Bytes one context cell (a token's K and V in every layer) takes in the serving K/V type."""
+        lc, m = self.lc, self.model
+        arch = self.meta("general.architecture") or ""
+        n_head = max(1, lc.llama_model_n_head(m))
+        head = lc.llama_model_n_embd(m) // n_head
+        k_len = int(self.meta(f"{arch}.attention.key_length") or head)
+        v_len = int(self.meta(f"{arch}.attention.value_length") or head)
+        return lc.llama_model_n_layer(m) * lc.llama_model_n_head_kv(m) * (k_len + v_len) * KV_BYTES[self.config.kv_type]
+
+    def auto_slot_ctx(self) -> int:
+        """The context each slot gets when none is configured: the model's trained
+        context, cut (to a multiple of AUTO_CTX_STEP) so that the slots' K/V take at most
+        `auto_ctx_memory_share` of the free memory of the device that holds them."""
+        cfg = self.config
+        devices = native.devices()
+        gpus = [d for d in devices if d["name"] != "CPU"]
+        holder = gpus if gpus and cfg.n_gpu_layers != 0 else [d for d in devices if d["name"] == "CPU"]
+        free = min((d["free"] for d in holder), default=0)
+        fits = int(free * cfg.auto_ctx_memory_share / (cfg.n_seq * self.kv_cell_bytes()))
+        return max(AUTO_CTX_STEP, min(self.n_ctx_train, fits) // AUTO_CTX_STEP * AUTO_CTX_STEP)
 
     # -- lifetime -------------------------------------------------------------
     def close(self) -> None:
@@ -196,12 +230,13 @@ class ResidentModel(NativeOwner):
             n = self.lc.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, special)
         return buf.raw[:n]
 
-    def token_piece(self, token: int) -> bytes:
+    def token_piece(self, token: int, special: bool = False) -> bytes:
+        """A token's bytes; `special`: control tokens as their text (else empty)."""
         buf = ctypes.create_string_buffer(64)
-        n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     # -- a plain single-sequence generation (demo and tests) ---------------------

@@ -1,20 +1,30 @@
 """Sampling parameters and the llama.cpp sampler chain built from them.
 
 The chain is built and freed on the engine thread (it is a llama object).
-Order follows llama.cpp's common sampler: grammar first (it masks whole
-tokens), then penalties, the truncating filters, temperature, and finally the
-seeded draw. Temperature 0 means greedy: no filters, no draw, argmax.
+Order: grammar first (it masks whole tokens), then logit bias and penalties
+(llama.cpp's common sampler has them in that order), the truncating filters,
+temperature, and finally the seeded draw. Temperature 0 means greedy: no
+filters, no draw, argmax. Logprobs are read between penalties and truncation.
 """
 from __future__ import annotations
 
 import ctypes
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
 
 from dreamstage import native
 
-# Penalties look back over this many generated tokens (llama.cpp's default).
-PENALTY_LAST_N = 64
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probability (natural log) of `token`, and the `top` (token, logprob) pairs."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class GrammarError(ValueError):
@@ -23,19 +33,49 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = 0              # 0: off
-    top_p: float = 1.0          # 1.0: off
-    min_p: float = 0.0          # 0.0: off
+    """One request's sampling. The defaults are llama-server's (its common
+    sampling parameters), so a request that sets nothing samples as it would
+    there; a GGUF's own generation settings replace them (model_defaults)."""
+    temperature: float = 0.8
+    top_k: int = 40             # 0: off
+    top_p: float = 0.95         # 1.0: off
+    min_p: float = 0.05         # 0.0: off
+    typical_p: float = 1.0      # 1.0: off (locally typical sampling)
     repeat_penalty: float = 1.0
+    penalty_last_n: int = 64    # generated tokens the penalties look back over (0: none)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None     # None: a fresh random seed per request
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token, bias) added to the logits; -inf bans
     grammar: str | None = None  # GBNF, root rule "root"
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+# GGUF keys of a model's recommended generation settings (llama.cpp's
+# general.sampling.*) and the SamplingParams field each one sets.
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": ("temperature", float), "general.sampling.top_k": ("top_k", int),
+                      "general.sampling.top_p": ("top_p", float), "general.sampling.min_p": ("min_p", float),
+                      "general.sampling.penalty_repeat": ("repeat_penalty", float),
+                      "general.sampling.penalty_last_n": ("penalty_last_n", int)}
+
+
+def model_defaults(meta: Callable[[str], str | None]) -> SamplingParams:
+    """The sampling defaults for a model: its GGUF's general.sampling.* values
+    where present (and readable), llama-server's for the rest.
+    `meta(key)` returns a metadata value as text, or None."""
+    given: dict[str, Any] = {}
+    for key, (name, kind) in GGUF_SAMPLING_KEYS.items():
+        text = meta(key)
+        if text is None:
+            continue
+        try:
+            given[name] = kind(float(text)) if kind is int else kind(text)
+        except ValueError:
+            continue
+    return replace(SamplingParams(), **given)
 
 
 def json_schema_grammar(schema: dict | None) -> str:
@@ -51,28 +91,33 @@ def json_schema_grammar(schema: dict | None) -> str:
         raise GrammarError(f"JSON schema could not be converted to a grammar: {e}") from e
 
 
-def build_chain(vocab, n_vocab: int, p: SamplingParams):
-    """A new sampler chain (caller frees with llama_sampler_free)."""
-    lc = native.llama_cpp()
-    params = lc.llama_sampler_chain_default_params()
-    params.no_perf = True
-    chain = lc.llama_sampler_chain_init(params)
+def _pre_stage(lc, chain, vocab, n_vocab: int, p: SamplingParams) -> None:
+    """What the reported distribution has been through: grammar, logit bias, penalties."""
     add = lc.llama_sampler_chain_add
     if p.grammar:
         g = lc.llama_sampler_init_grammar(vocab, p.grammar.encode("utf-8"), b"root")
         if not g:
-            lc.llama_sampler_free(chain)
             raise GrammarError("grammar could not be parsed by llama.cpp "
                                "(check the GBNF; the root rule must be named 'root')")
         add(chain, g)
+    if p.logit_bias:
+        biases = (lc.llama_logit_bias * len(p.logit_bias))(*(lc.llama_logit_bias(t, b) for t, b in p.logit_bias))
+        add(chain, lc.llama_sampler_init_logit_bias(n_vocab, len(p.logit_bias), biases))
     if p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-        add(chain, lc.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, p.repeat_penalty,
+        add(chain, lc.llama_sampler_init_penalties(n_vocab, p.penalty_last_n, p.repeat_penalty,
                                                    p.frequency_penalty, p.presence_penalty))
+
+
+def _post_stage(lc, chain, p: SamplingParams) -> None:
+    """Truncation, temperature and the draw (or argmax at temperature 0)."""
+    add = lc.llama_sampler_chain_add
     if p.greedy:
         add(chain, lc.llama_sampler_init_greedy())
-        return chain
+        return
     if p.top_k > 0:
         add(chain, lc.llama_sampler_init_top_k(p.top_k))
+    if p.typical_p < 1.0:
+        add(chain, lc.llama_sampler_init_typical(p.typical_p, 1))
     if p.top_p < 1.0:
         add(chain, lc.llama_sampler_init_top_p(p.top_p, 1))
     if p.min_p > 0.0:
@@ -80,4 +125,91 @@ def build_chain(vocab, n_vocab: int, p: SamplingParams):
     add(chain, lc.llama_sampler_init_temp(p.temperature))
     seed = lc.LLAMA_DEFAULT_SEED if p.seed is None else ctypes.c_uint32(p.seed).value
     add(chain, lc.llama_sampler_init_dist(seed))
-    return chain
+
+
+def _new_chain(lc):
+    params = lc.llama_sampler_chain_default_params()
+    params.no_perf = True
+    return lc.llama_sampler_chain_init(params)
+
+
+class Sampler:
+    """One request's llama.cpp sampler chain, built and freed on the engine thread.
+
+    Two stages, each a chain, both owned by one outer chain: `pre` (grammar,
+    logit bias, penalties) and `post` (truncation, temperature, the draw).
+    `sample` runs them as one; `sample_scored` reads the distribution between
+    them, which is what logprobs report: after penalties and bias, before
+    temperature and truncation. Both draw the same token for the same state."""
+
+    def __init__(self, vocab, n_vocab: int, p: SamplingParams):
+        lc = self.lc = native.llama_cpp()
+        self.n_vocab = n_vocab
+        self.chain = _new_chain(lc)
+        self.pre, self.post = _new_chain(lc), _new_chain(lc)
+        lc.llama_sampler_chain_add(self.chain, self.pre)     # the outer chain owns (and frees) both
+        lc.llama_sampler_chain_add(self.chain, self.post)
+        try:
+            _pre_stage(lc, self.pre, vocab, n_vocab, p)
+            _post_stage(lc, self.post, p)
+        except BaseException:
+            self.free()
+            raise
+        self._cells = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+
+    def sample(self, ctx, idx: int) -> int:
+        return self.lc.llama_sampler_sample(self.chain, ctx, idx)
+
+    def sample_scored(self, ctx, idx: int, top_n: int) -> tuple[int, TokenLogprob]:
+        """The drawn token and its log-probability (with the top_n most likely) under the pre stage's distribution."""
+        lc, n = self.lc, self.n_vocab
+        cells = self._cells
+        cells["id"] = np.arange(n, dtype=np.int32)
+        cells["logit"] = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, idx), shape=(n,))
+        cells["p"] = 0.0
+        cur = lc.llama_token_data_array(cells.ctypes.data_as(lc.llama_token_data_p), n, -1, False)
+        lc.llama_sampler_apply(self.pre, ctypes.byref(cur))
+        staged = _cells_of(cur)
+        logprobs = log_softmax(staged["logit"].astype(np.float64))
+        ids = staged["id"].copy()
+        lc.llama_sampler_apply(self.post, ctypes.byref(cur))
+        token = int(cur.data[cur.selected].id)
+        lc.llama_sampler_accept(self.chain, token)
+        return token, scored(ids, logprobs, token, top_n)
+
+    def free(self) -> None:
+        if self.chain is not None:
+            self.lc.llama_sampler_free(self.chain)
+        self.chain = self.pre = self.post = None
+
+
+# llama_token_data: {llama_token id; float logit; float p}
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+def _cells_of(cur) -> np.ndarray:
+    # a sampler may point `data` elsewhere; read whatever it points at now
+    addr = ctypes.cast(cur.data, ctypes.c_void_p).value or 0
+    raw = (ctypes.c_char * (cur.size * _TOKEN_DATA.itemsize)).from_address(addr)
+    return np.frombuffer(raw, dtype=_TOKEN_DATA, count=cur.size)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Natural-log probabilities of float64 logits; -inf logits (masked tokens) stay -inf."""
+    finite = logits[np.isfinite(logits)]
+    top = finite.max() if finite.size else 0.0
+    shifted = logits - top
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def scored(ids: np.ndarray, logprobs: np.ndarray, token: int, top_n: int) -> TokenLogprob:
+    """`token`'s log-probability and the top_n finite ones, most likely first (ties by id)."""
+    where = np.nonzero(ids == token)[0]
+    own = float(logprobs[where[0]]) if where.size else float("-inf")
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n > 0:
+        k = min(top_n, logprobs.size)
+        part = np.argpartition(-logprobs, k - 1)[:k]
+        order = sorted(part, key=lambda i: (-logprobs[i], ids[i]))
+        top = tuple((int(ids[i]), float(logprobs[i])) for i in order if np.isfinite(logprobs[i]))
+    return TokenLogprob(token, own, top)

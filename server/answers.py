@@ -1,0 +1,149 @@
+"""The bodies the two completion routes answer with: whole (`full`) or as
+stream chunks (`opening`, `prompt`, `delta`, `final`), in OpenAI's shapes.
+
+A shape is built per request from what it asked for (logprobs, echo); the
+engine's events (serving.generation) go in, JSON-ready dicts come out.
+"""
+from __future__ import annotations
+
+import uuid
+
+from dreamstage.server.bridge import Collected
+from dreamstage.server.logprobs import chat_entry, completion_logprobs
+from dreamstage.serving.generation import Delta, Finished, PromptScored
+from dreamstage.serving.sampling import TokenLogprob
+from dreamstage.serving.tools import parse_tool_calls
+
+
+def usage(ends: list[Finished]) -> dict:
+    """One request's usage: the prompt once (its choices share it), every choice's completion."""
+    first, completion = ends[0], sum(f.completion_tokens for f in ends)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+
+
+class ChatShape:
+    """With `tools` (the offered names), an answer is held until it ends and then read
+    for tool calls (serving.tools): streamed as one delta of content or of tool_calls."""
+
+    def __init__(self, base: dict, pieces: tuple[bytes, ...], logprobs: bool, tools: frozenset[str] | None = None,
+                 one_call: bool = False):
+        self.base, self.pieces, self.logprobs = base, pieces, logprobs
+        self.tools, self.one_call = tools, one_call
+        self._held: dict[int, tuple[list[str], list[TokenLogprob]]] = {}
+
+    def _message(self, text: str) -> tuple[dict, bool]:
+        """The assistant message for `text`, and whether it holds tool calls."""
+        parsed = parse_tool_calls(text, self.tools) if self.tools else None
+        if parsed is None:
+            return {"role": "assistant", "content": text}, False
+        head, calls = parsed
+        calls = calls[:1] if self.one_call else calls
+        return {"role": "assistant", "content": head or None,
+                "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}, True
+
+    def _chunk(self, version: int, choices: list[dict]) -> dict:
+        return {**self.base, "object": "chat.completion.chunk", "adapter_version": version, "choices": choices}
+
+    def opening(self, version: int, n: int) -> dict | None:
+        return self._chunk(version, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None} for i in range(n)])
+
+    def prompt(self, ev: PromptScored, version: int, index: int) -> dict | None:
+        return None
+
+    def delta(self, ev: Delta, version: int, index: int) -> dict | None:
+        if self.tools:
+            parts, lps = self._held.setdefault(index, ([], []))
+            parts.append(ev.text)
+            if ev.logprob is not None:
+                lps.append(ev.logprob)
+            return None
+        lp = None if ev.logprob is None else {"content": [chat_entry(self.pieces, ev.logprob)]}
+        if not ev.text and lp is None:
+            return None
+        return self._chunk(version, [{"index": index, "delta": {"content": ev.text}, "logprobs": lp,
+                                      "finish_reason": None}])
+
+    def final(self, fin: Finished, index: int) -> list[dict]:
+        out, finish = [], fin.finish_reason
+        if self.tools:
+            parts, lps = self._held.pop(index, ([], []))
+            message, called = self._message("".join(parts))
+            lp = {"content": [chat_entry(self.pieces, t) for t in lps]} if self.logprobs else None
+            delta = {k: v for k, v in message.items() if k != "role"}
+            if called:
+                finish = "tool_calls"
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
+            out.append(self._chunk(fin.adapter_version, [{"index": index, "delta": delta, "logprobs": lp,
+                                                          "finish_reason": None}]))
+        out.append(self._chunk(fin.adapter_version, [{"index": index, "delta": {}, "logprobs": None,
+                                                      "finish_reason": finish}]))
+        return out
+
+    def full(self, got: list[Collected]) -> dict:
+        def choice(i: int, c: Collected) -> dict:
+            lp = {"content": [chat_entry(self.pieces, t) for t in c.logprobs]} if self.logprobs else None
+            message, called = self._message(c.text)
+            return {"index": i, "message": message, "logprobs": lp,
+                    "finish_reason": "tool_calls" if called else c.finished.finish_reason}
+        return {**self.base, "object": "chat.completion", "adapter_version": got[0].finished.adapter_version,
+                "choices": [choice(i, c) for i, c in enumerate(got)], "usage": usage([c.finished for c in got])}
+
+
+class CompletionShape:
+    """`echo` puts the prompt's text first; with `logprobs`, its tokens' scores lead the lists."""
+
+    def __init__(self, base: dict, pieces: tuple[bytes, ...], logprobs: bool, echo_text: str | None,
+                 prompt: list[int]):
+        self.base, self.pieces, self.logprobs = base, pieces, logprobs
+        self.echo_text, self.prompt_tokens = echo_text, prompt
+        self._start = len(echo_text) if echo_text is not None else 0   # where the first token's text starts
+        self._offsets: dict[int, int] = {}   # per choice: where its next token's text starts
+
+    def _chunk(self, version: int, index: int, text: str, logprobs, finish: str | None) -> dict:
+        return {**self.base, "adapter_version": version,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def _prompt_logprobs(self, scores) -> dict:
+        return completion_logprobs(self.pieces, list(scores), self.prompt_tokens, 0)
+
+    def opening(self, version: int, n: int) -> dict | None:
+        if self.echo_text is None or self.logprobs:
+            return None                      # with logprobs the echo waits for the prompt's scores
+        return {**self.base, "adapter_version": version,
+                "choices": [{"index": i, "text": self.echo_text, "logprobs": None, "finish_reason": None}
+                            for i in range(n)]}
+
+    def prompt(self, ev: PromptScored, version: int, index: int) -> dict | None:
+        if self.echo_text is None:
+            return None
+        return self._chunk(version, index, self.echo_text, self._prompt_logprobs(ev.logprobs), None)
+
+    def delta(self, ev: Delta, version: int, index: int) -> dict | None:
+        lp = None
+        if ev.logprob is not None:
+            lp = completion_logprobs(self.pieces, [ev.logprob], [ev.token], self._offsets.get(index, self._start))
+        self._offsets[index] = self._offsets.get(index, self._start) + len(ev.text)
+        if not ev.text and lp is None:
+            return None
+        return self._chunk(version, index, ev.text, lp, None)
+
+    def final(self, fin: Finished, index: int) -> list[dict]:
+        return [self._chunk(fin.adapter_version, index, "", None, fin.finish_reason)]
+
+    def _choice(self, i: int, c: Collected) -> dict:
+        text = c.text if self.echo_text is None else self.echo_text + c.text
+        lp = None
+        if self.logprobs:
+            lp = completion_logprobs(self.pieces, list(c.logprobs), [t.token for t in c.logprobs], self._start)
+            if self.echo_text is not None and c.prompt_logprobs is not None:
+                head = self._prompt_logprobs(c.prompt_logprobs)
+                lp = {k: head[k] + lp[k] for k in lp}
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finished.finish_reason}
+
+    def full(self, got: list[Collected]) -> dict:
+        return {**self.base, "adapter_version": got[0].finished.adapter_version,
+                "choices": [self._choice(i, c) for i, c in enumerate(got)], "usage": usage([c.finished for c in got])}

@@ -1,0 +1,608 @@
+"""Compatibility with llama-server and vLLM clients (issue 47), against a live server with the openai SDK."""
+from __future__ import annotations
+
+import json
+import math
+import queue
+import re
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from background_server import BackgroundServer
+
+from dreamstage import native
+from dreamstage.server.settings import ServerSettings
+from dreamstage.serving.chat import ChatTemplate
+from dreamstage.serving.engine import Delta, Finished, GenerationRequest
+from dreamstage.serving.resident import AUTO_CTX_STEP, ResidentConfig, ResidentModel
+from dreamstage.serving.sampling import SamplingParams, model_defaults
+
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    # 3 slots (n = 3) of 512 tokens: a completion that runs to the context's end stays short
+    with BackgroundServer(ServerSettings(ctx=1536, parallel=3, threads=1, max_queue=4)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        yield c
+
+
+def engine_tokens(server, prompt: str, max_tokens: int, **request) -> tuple[list[int], Finished]:
+    """Greedy tokens straight from the engine, with the ids the HTTP answer does not carry."""
+    events: queue.Queue = queue.Queue()
+    server.service.engine.submit(GenerationRequest(prompt, max_tokens, SamplingParams(temperature=0), **request),
+                                 events.put)
+    tokens = []
+    while True:
+        ev = events.get(timeout=300)
+        if isinstance(ev, Delta):
+            tokens.append(ev.token)
+        elif isinstance(ev, Finished):
+            return [t for t in tokens if t >= 0], ev
+
+
+# -- a tolerant schema ---------------------------------------------------------------
+def test_unknown_fields_are_ignored_and_named_in_a_header(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model="any", messages=[{"role": "user", "content": "Hi", "reasoning_content": "x"}], max_tokens=4,
+        temperature=0, extra_body={"frobnicate": 1, "skip_special_tokens": False, "cache_prompt": True,
+                                   "bad\nname\u00e9": 2})
+    assert raw.http_response.status_code == 200
+    named = raw.headers["x-dreamstage-ignored-fields"].split(", ")
+    # honoured extras (cache_prompt) are not in it; ignored extras and unknown ones are, nested paths too
+    assert set(named) == {"frobnicate", "skip_special_tokens", "messages[0].reasoning_content",
+                          "bad%0Aname%C3%A9"}
+    assert raw.parse().choices[0].message.content
+    plain = client.chat.completions.with_raw_response.create(model="any", messages=ASK, max_tokens=2)
+    assert "x-dreamstage-ignored-fields" not in plain.headers
+
+
+def test_the_header_is_bounded(http):
+    body = {"prompt": "Hi", "max_tokens": 1, **{f"f{i}": i for i in range(40)}}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200
+    assert r.headers["x-dreamstage-ignored-fields"].endswith("+24 more")
+
+
+def test_strict_api_restores_the_400s():
+    with BackgroundServer(ServerSettings(ctx=512, parallel=1, threads=1, strict_api=True)) as srv:
+        with httpx.Client(base_url=srv.url, timeout=300) as http:
+            for route, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "a"})):
+                r = http.post(route, json={**body, "max_token": 5})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == "max_token" and "max_token" in r.json()["error"]["message"]
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x", "foo": 1}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].foo"
+            # the anchors' own extras are accepted even so
+            r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "n_probs": 0,
+                                                        "skip_special_tokens": True, "cache_prompt": False})
+            assert r.status_code == 200
+            assert set(r.headers["x-dreamstage-ignored-fields"].split(", ")) == {"skip_special_tokens", "n_probs"}
+
+
+def test_n_predict_bounds_the_answer(client):
+    done = client.completions.create(model="x", prompt="Once upon a time", temperature=0,
+                                     extra_body={"n_predict": 5, "ignore_eos": True})
+    assert done.usage.completion_tokens == 5 and done.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model="x", messages=ASK, temperature=0,
+                                          extra_body={"n_predict": 3, "ignore_eos": True})
+    assert chat.usage.completion_tokens == 3
+    # max_tokens wins over n_predict when both are given
+    both = client.completions.create(model="x", prompt="Once upon a time", temperature=0, max_tokens=2,
+                                     extra_body={"n_predict": 9, "ignore_eos": True})
+    assert both.usage.completion_tokens == 2
+
+
+def test_repetition_penalty_is_repeat_penalty(client, http):
+    def ask(**extra):
+        return client.completions.create(model="x", prompt="one one one one one", max_tokens=12, temperature=0,
+                                         extra_body=extra).choices[0].text
+    plain, vllm, ours = ask(), ask(repetition_penalty=1.8), ask(repeat_penalty=1.8)
+    assert vllm == ours != plain
+    r = http.post("/v1/completions", json={"prompt": "a", "repeat_penalty": 1.1, "repetition_penalty": 1.2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+
+
+def test_stop_token_ids_end_the_answer_before_that_token(server, client):
+    prompt = "The days of the week are Monday,"
+    tokens, _ = engine_tokens(server, prompt, 8)
+    assert len(tokens) == 8
+    stop_at = next(i for i in range(2, 8) if tokens[i] not in tokens[:i])
+    done = client.completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0,
+                                     extra_body={"stop_token_ids": [tokens[stop_at]]})
+    assert done.choices[0].finish_reason == "stop"
+    assert done.usage.completion_tokens == stop_at + 1      # the stop token was sampled, not emitted
+    assert done.choices[0].text == server.service.model.detokenize(tokens[:stop_at])
+
+
+def test_ignore_eos_runs_past_the_end_of_turn(server, client):
+    tokens, fin = engine_tokens(server, "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n", 64)
+    assert fin.finish_reason == "stop" and fin.completion_tokens < 64
+    _, fin = engine_tokens(server, "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n", 64,
+                           ignore_eos=True)
+    assert fin.finish_reason == "length" and fin.completion_tokens == 64
+
+
+def test_cache_prompt_false_evaluates_the_whole_prompt(client):
+    long_ask = [{"role": "user", "content": "Describe the history of Paris in one paragraph."}]
+    client.chat.completions.create(model="x", messages=long_ask, max_tokens=1, temperature=0)
+    again = client.chat.completions.create(model="x", messages=long_ask, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    fresh = client.chat.completions.create(model="x", messages=long_ask, max_tokens=1, temperature=0,
+                                           extra_body={"cache_prompt": False})
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_typical_p_keeps_the_draw_to_one_token(client):
+    def draw(seed, **extra):
+        return client.completions.create(model="x", prompt="My favourite animal is the", max_tokens=8,
+                                         temperature=1.0, seed=seed, extra_body=extra).choices[0].text
+    free = {draw(s) for s in range(4)}
+    assert len(free) > 1
+    assert len({draw(s, typical_p=1e-6) for s in range(4)}) == 1
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    t = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}|{{ flavour }}|{{ bos_token }}", "<s>",
+                     "</s>")
+    assert t.render([{"role": "user", "content": "hi"}], {"flavour": "mint", "bos_token": "forged"}) == "hi|mint|<s>"
+    r = client.chat.completions.create(model="x", messages=ASK, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content is not None
+
+
+# -- context and defaults ------------------------------------------------------------
+def test_default_context_is_the_trained_context_and_holds_a_long_conversation():
+    with BackgroundServer(ServerSettings(parallel=1, threads=1)) as srv:
+        model = srv.service.model
+        assert model.n_ctx_train == int(model.meta("llama.context_length"))
+        with httpx.Client(base_url=srv.url, timeout=600) as http:
+            slots = http.get("/slots").json()
+            assert slots["slot_context"] == slots["n_ctx_train"] == model.n_ctx_train
+            assert http.get("/props").json()["default_generation_settings"]["n_ctx"] == model.n_ctx_train
+            # about 6,000 tokens of conversation, answered
+            turns = []
+            for i in range(56):
+                turns += [{"role": "user", "content": f"Note {i}: " + "the river runs past the old mill " * 12},
+                          {"role": "assistant", "content": f"Noted {i}."}]
+            turns.append({"role": "user", "content": "What was the first note about?"})
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            done = client.chat.completions.create(model="x", messages=turns, max_tokens=8, temperature=0)
+            assert 5500 < done.usage.prompt_tokens < model.n_ctx_train and done.choices[0].message.content
+            r = http.post("/v1/chat/completions", json={"messages": turns * 2, "max_tokens": 8})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            assert str(model.n_ctx_train) in r.json()["error"]["message"]
+
+
+def test_the_automatic_context_is_capped_by_memory():
+    probe = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
+    try:
+        cell = probe.kv_cell_bytes()
+    finally:
+        probe.close()
+    free = min(d["free"] for d in native.devices() if d["name"] == "CPU")
+    # a share that fits about 4.5 steps of cells for each of 2 slots: each slot gets 4 steps
+    share = 4.5 * AUTO_CTX_STEP * 2 * cell / free
+    capped = ResidentModel(ResidentConfig(n_ctx=0, n_seq=2, n_threads=1, kv_unified=False,
+                                          auto_ctx_memory_share=share))
+    try:
+        assert capped.lc.llama_n_ctx_seq(capped.ctx) == 4 * AUTO_CTX_STEP < capped.n_ctx_train
+    finally:
+        capped.close()
+
+
+def test_too_long_a_request_is_a_400_naming_the_numbers(server, http):
+    slot = server.service.engine.slot_ctx
+    r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": slot})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    msg = r.json()["error"]["message"]
+    assert str(slot) in msg and f"max_tokens ({slot})" in msg
+    r = http.post("/v1/completions", json={"prompt": [1] * (slot + 1)})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt" and str(slot + 1) in err["message"]
+
+
+def test_completions_without_max_tokens_run_to_the_context_end(server, client):
+    done = client.completions.create(model="x", prompt="Once upon a time", temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.prompt_tokens + done.usage.completion_tokens == server.service.engine.slot_ctx
+
+
+def test_sampling_defaults_are_llama_servers_unless_the_gguf_says(server, client, http):
+    assert model_defaults(server.service.model.meta) == SamplingParams()   # this GGUF has no sampling keys
+    params = http.get("/props").json()["default_generation_settings"]["params"]
+    assert (params["temperature"], params["top_k"], params["top_p"], params["min_p"]) == (0.8, 40, 0.95, 0.05)
+    meta = {"general.sampling.temp": "0.3", "general.sampling.top_k": "20", "general.sampling.min_p": "oops"}
+    own = model_defaults(meta.get)
+    assert (own.temperature, own.top_k, own.min_p, own.top_p) == (0.3, 20, SamplingParams().min_p, 0.95)
+
+    def draw(seed, **fields):
+        return client.completions.create(model="x", prompt="My favourite animal is the", max_tokens=16,
+                                         seed=seed, extra_body=fields).choices[0].text
+    explicit = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+    unfiltered = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    seeds = range(3)
+    assert [draw(s) for s in seeds] == [draw(s, **explicit) for s in seeds]
+    assert [draw(s) for s in seeds] != [draw(s, **unfiltered) for s in seeds]
+
+
+# -- /tokenize and /detokenize ----------------------------------------------------------
+def test_tokenize_and_detokenize_round_trip_in_llama_servers_shapes(server, http):
+    model = server.service.model
+    text = "Héllo <|im_start|> wörld"
+    toks = http.post("/tokenize", json={"content": text}).json()["tokens"]
+    assert toks == model.tokenize(text, add_special=False, parse_special=True)
+    im_start = model.tokenize("<|im_start|>", add_special=False, parse_special=True)
+    assert len(im_start) == 1 and im_start[0] in toks          # parsed as the control token by default
+    plain = http.post("/tokenize", json={"content": text, "parse_special": False}).json()["tokens"]
+    assert im_start[0] not in plain and len(plain) > len(toks)
+    assert http.post("/detokenize", json={"tokens": toks}).json() == {"content": text}
+    # mixed content: text pieces and ids, in order
+    mixed = http.post("/tokenize", json={"content": ["Hello", 42, " world"]}).json()["tokens"]
+    assert mixed == model.tokenize("Hello", False, True) + [42] + model.tokenize(" world", False, True)
+    assert http.post("/tokenize", json={}).json() == {"tokens": []}
+    assert http.post("/detokenize", json={}).json() == {"content": ""}
+
+
+def test_tokenize_with_pieces_gives_text_or_bytes(server, http):
+    model = server.service.model
+    out = http.post("/tokenize", json={"content": "naïve 龘", "with_pieces": True}).json()["tokens"]
+    assert [t["id"] for t in out] == model.tokenize("naïve 龘", False, True)
+    joined = b""
+    for t in out:
+        piece = t["piece"]
+        assert isinstance(piece, str) or all(isinstance(b, int) and 0 <= b < 256 for b in piece)
+        joined += piece.encode() if isinstance(piece, str) else bytes(piece)
+    assert joined.decode() == "naïve 龘"
+    assert any(isinstance(t["piece"], list) for t in out)   # 龘 spans tokens that are not UTF-8 alone
+
+
+def test_tokenize_add_special_and_bad_ids(server, http):
+    model = server.service.model
+    with_bos = http.post("/tokenize", json={"content": "hi", "add_special": True}).json()["tokens"]
+    assert with_bos == model.tokenize("hi", add_special=True, parse_special=True)
+    for route, body, param in (("/detokenize", {"tokens": [1, model.n_vocab]}, "tokens[1]"),
+                               ("/tokenize", {"content": ["a", model.n_vocab + 5]}, "content[1]"),
+                               ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+                               ("/tokenize", {"content": 5}, "content")):
+        r = http.post(route, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# -- logprobs ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference():
+    """A second copy of the model, for the logits a server's logprobs must match."""
+    model = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
+    yield model
+    model.close()
+
+
+def reference_greedy(model, tokens: list[int], steps: int) -> list[tuple[int, np.ndarray]]:
+    """(argmax token, log-softmax row) at each of `steps` greedy positions after `tokens`."""
+    lc = model.lc
+    lc.llama_memory_seq_rm(model.memory, 0, -1, -1)
+    batch = lc.llama_batch_init(len(tokens) + steps, 0, 1)
+    out, pending, pos = [], list(tokens), 0
+    try:
+        for _ in range(steps):
+            batch.n_tokens = len(pending)
+            for i, t in enumerate(pending):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos + i, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, i == len(pending) - 1
+            assert lc.llama_decode(model.ctx, batch) == 0
+            pos += len(pending)
+            row = np.ctypeslib.as_array(lc.llama_get_logits_ith(model.ctx, len(pending) - 1),
+                                        shape=(model.n_vocab,)).astype(np.float64)
+            logp = row - np.logaddexp.reduce(row)
+            best = int(row.argmax())
+            out.append((best, logp))
+            pending = [best]
+    finally:
+        lc.llama_batch_free(batch)
+    return out
+
+
+def test_completion_logprobs_match_the_models_logits(server, client, reference):
+    prompt = "The three primary colours are"
+    done = client.completions.create(model="x", prompt=prompt, max_tokens=6, temperature=0, logprobs=5,
+                                     extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    ref = reference_greedy(reference, reference.tokenize(prompt, True, False), 6)
+    pieces = server.service.prompts.pieces
+    for i, (best, logp) in enumerate(ref):
+        assert lp.tokens[i] == pieces[best].decode("utf-8", "replace")
+        assert lp.token_logprobs[i] == pytest.approx(logp[best], abs=2e-3)
+        top = sorted(lp.top_logprobs[i].values(), reverse=True)
+        assert len(top) == 5 and top[0] == pytest.approx(lp.token_logprobs[i], abs=1e-6)
+        assert top == pytest.approx(sorted(logp, reverse=True)[:5], abs=2e-3)
+
+
+def test_chat_logprobs_ordered_and_the_same_streamed(client):
+    ask = dict(model="x", messages=ASK, max_tokens=8, temperature=0, logprobs=True, top_logprobs=4)
+    done = client.chat.completions.create(**ask)
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens
+    assert b"".join(bytes(e.bytes) for e in content).decode() == done.choices[0].message.content
+    for e in content:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 4 and tops == sorted(tops, reverse=True)
+        assert e.top_logprobs[0].token == e.token and e.logprob == tops[0] <= 0   # greedy: the most likely
+        assert sum(math.exp(t) for t in tops) <= 1 + 1e-6
+    streamed = []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(model="x", messages=ASK, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_sampled_logprobs_are_of_the_distribution_before_truncation(client):
+    # top_k 1 leaves one candidate, yet the reported distribution is the one before truncation
+    done = client.chat.completions.create(model="x", messages=ASK, max_tokens=4, temperature=1.0, seed=3,
+                                          logprobs=True, top_logprobs=3, extra_body={"top_k": 1})
+    for e in done.choices[0].logprobs.content:
+        assert e.logprob < 0 and len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+
+
+def test_echo_scores_the_prompt(client, server):
+    prompt = "Water boils at one hundred degrees"
+    n_prompt = len(server.service.model.tokenize(prompt, True, False))
+    done = client.completions.create(model="x", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    c = done.choices[0]
+    assert c.text.startswith(prompt) and len(c.text) > len(prompt)
+    lp = c.logprobs
+    assert len(lp.tokens) == n_prompt + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens[:n_prompt]).endswith(prompt)       # BOS, if any, then the prompt's text
+    for i in range(1, n_prompt):
+        if lp.tokens[i] in lp.top_logprobs[i]:
+            assert lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+        else:
+            assert lp.token_logprobs[i] <= min(lp.top_logprobs[i].values())
+    streamed = [ch.choices[0] for ch in client.completions.create(
+        model="x", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices]
+    assert "".join(ch.text for ch in streamed) == c.text
+    got = [x for ch in streamed if ch.logprobs for x in ch.logprobs.token_logprobs]
+    assert got[0] is None and got[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-9)
+    plain = client.completions.create(model="x", prompt=prompt, max_tokens=2, echo=True)
+    assert plain.choices[0].text.startswith(prompt)
+
+
+def test_bad_logprob_requests_are_400s(http):
+    for route, body, param in (
+            ("/v1/chat/completions", {"messages": ASK, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ("/v1/chat/completions", {"messages": ASK, "top_logprobs": 2}, "top_logprobs"),
+            ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+            ("/v1/completions", {"prompt": "a", "logprobs": -1}, "logprobs")):
+        r = http.post(route, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# -- logit_bias and seed --------------------------------------------------------------------
+def test_logit_bias_bans_and_shifts_the_reported_distribution(client, http):
+    ask = dict(model="x", prompt="The three primary colours are", max_tokens=1, temperature=0, logprobs=5)
+    first = client.completions.create(**ask).choices[0]
+    top_text = first.logprobs.tokens[0]
+    top_id = http.post("/tokenize", json={"content": top_text}).json()["tokens"]
+    assert len(top_id) == 1
+    banned = client.completions.create(**ask, logit_bias={str(top_id[0]): -100}).choices[0]
+    assert banned.text != top_text and top_text not in banned.logprobs.top_logprobs[0]
+    # llama-server's list form, false meaning a ban, does the same
+    listed = client.completions.create(**ask, extra_body={"logit_bias": [[top_id[0], False]]}).choices[0]
+    assert listed.text == banned.text
+    # a positive bias raises the token's reported logprob: the distribution is after the bias
+    second = sorted(first.logprobs.top_logprobs[0].items(), key=lambda kv: -kv[1])[1]
+    second_id = http.post("/tokenize", json={"content": second[0]}).json()["tokens"][0]
+    lifted = client.completions.create(**ask, logit_bias={str(second_id): 3.0}).choices[0]
+    assert lifted.logprobs.top_logprobs[0][second[0]] > second[1]
+    for bias, param in (({"x1": 1}, "logit_bias"), ({"1": 101}, "logit_bias.1"), ({"99999999": 1}, "logit_bias"),
+                        ([[1, True]], "logit_bias"), ([[-1, 1.0]], "logit_bias"), ([[1, 2, 3]], "logit_bias")):
+        r = http.post("/v1/completions", json={"prompt": "a", "logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# -- n > 1 ---------------------------------------------------------------------------------
+def metric(http, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", http.get("/metrics").text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def evaluated(http) -> float:
+    """Prompt tokens the engine decoded (admitted minus reused from a cache)."""
+    return metric(http, "dreamstage_prompt_tokens_total") - metric(http, "dreamstage_prompt_tokens_cached_total")
+
+
+def test_n_choices_share_one_prompt_evaluation_and_reproduce_per_seed(client, http):
+    ask = dict(model="x", prompt="My favourite animal is the", max_tokens=10, temperature=1.0, seed=11,
+               extra_body={"cache_prompt": False, "ignore_eos": True})
+    before = evaluated(http)
+    three = client.completions.create(n=3, **ask)
+    spent = evaluated(http) - before
+    assert sorted(c.index for c in three.choices) == [0, 1, 2]
+    assert spent == three.usage.prompt_tokens                  # the prompt was decoded once, not three times
+    assert three.usage.completion_tokens == 30
+    again = client.completions.create(n=3, **ask)
+    assert [c.text for c in again.choices] == [c.text for c in three.choices]
+    # choice i is what a single request with seed + i draws
+    alone = [client.completions.create(**{**ask, "seed": 11 + i}).choices[0].text for i in range(3)]
+    assert alone == [c.text for c in three.choices]
+    assert len({c.text for c in three.choices}) == 3
+
+
+def test_n_choices_stream_by_index(client):
+    ask = dict(model="x", messages=ASK, max_tokens=8, temperature=1.0, seed=5, n=2, logprobs=True)
+    whole = client.chat.completions.create(**ask)
+    texts, finishes, logprobs = ["", ""], [None, None], [[], []]
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+            if ch.logprobs:
+                logprobs[ch.index] += [e.logprob for e in ch.logprobs.content]
+    assert texts == [c.message.content for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert finishes == [c.finish_reason for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert logprobs == [[e.logprob for e in c.logprobs.content] for c in sorted(whole.choices, key=lambda c: c.index)]
+
+
+def test_more_choices_than_slots_is_a_400(http, server):
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "n": server.service.engine.n_seq + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_explicit_nulls_take_the_defaults(client, http):
+    body = {"prompt": "Hi", "max_tokens": 2, "logit_bias": None, "temperature": None, "seed": None, "logprobs": None,
+            "stop_token_ids": None, "n_predict": None, "repeat_last_n": None}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and "x-dreamstage-ignored-fields" not in r.headers, r.text
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "logit_bias": None,
+                                                "top_logprobs": None, "chat_template_kwargs": None})
+    assert r.status_code == 200, r.text
+
+
+# -- tools ----------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "The sum of two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def weather_args_valid(arguments: str) -> dict:
+    args = json.loads(arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    return args
+
+
+def test_a_tool_loop_call_result_answer(client):
+    first = client.chat.completions.create(model="x", messages=WEATHER_ASK, tools=[WEATHER], tool_choice="required",
+                                           temperature=0, max_tokens=64)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    weather_args_valid(call.function.arguments)
+    messages = [*WEATHER_ASK, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "temperature_c": 21}'}]
+    final = client.chat.completions.create(model="x", messages=messages, tools=[WEATHER], temperature=0,
+                                           max_tokens=24)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the call and its result are in the prompt
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens + 10
+    answer = client.chat.completions.create(model="x", messages=messages, tools=[WEATHER], tool_choice="none",
+                                            temperature=0, max_tokens=24)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_a_streamed_tool_call_matches_the_whole_one(client):
+    ask = dict(model="x", messages=WEATHER_ASK, tools=[WEATHER, ADD], tool_choice="required", temperature=0,
+               max_tokens=64)
+    whole = client.chat.completions.create(**ask).choices[0].message.tool_calls
+    name, arguments, finish, ids = "", "", None, set()
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                ids.add(tc.id)
+                name += tc.function.name or ""
+                arguments += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and len(ids) == 1
+    assert (name, json.loads(arguments)) == (whole[0].function.name, json.loads(whole[0].function.arguments))
+
+
+def test_a_named_tool_choice_calls_that_tool(client):
+    done = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "What is two plus three?"}], tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}}, temperature=0, max_tokens=48)
+    call = done.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "add" and set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
+
+
+def test_bad_tool_requests_are_400s(http):
+    for body, param in (({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+                         "tools[0].function.name"),
+                        ({"tools": [WEATHER], "tool_choice": "required", "grammar": 'root ::= "a"'}, "body")):
+        r = http.post("/v1/chat/completions", json={"messages": ASK, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# -- /v1/embeddings -----------------------------------------------------------------------------
+def reference_embedding(model, tokens: list[int]) -> np.ndarray:
+    lc = model.lc
+    lc.llama_memory_seq_rm(model.memory, 0, -1, -1)
+    batch = lc.llama_batch_init(len(tokens), 0, 1)
+    lc.llama_set_embeddings(model.ctx, True)
+    try:
+        batch.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, 1
+            batch.seq_id[i][0] = 0
+        assert lc.llama_decode(model.ctx, batch) == 0
+        rows = [np.ctypeslib.as_array(lc.llama_get_embeddings_ith(model.ctx, i), shape=(model.n_embd,)).copy()
+                for i in range(len(tokens))]
+    finally:
+        lc.llama_set_embeddings(model.ctx, False)
+        lc.llama_batch_free(batch)
+    mean = np.mean(np.array(rows, dtype=np.float64), axis=0)
+    return mean / np.linalg.norm(mean)
+
+
+def test_embeddings_are_off_unless_asked(http):
+    r = http.post("/v1/embeddings", json={"input": "hello"})
+    assert r.status_code == 501 and "--embeddings" in r.json()["error"]["message"]
+
+
+def test_embeddings_match_the_models_pooled_hidden_states(reference):
+    with BackgroundServer(ServerSettings(ctx=1024, parallel=2, threads=1, embeddings=True)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        before = client.chat.completions.create(model="x", messages=ASK, max_tokens=8, temperature=0)
+        texts = ["The cat sat on the mat.", "Quantum chromodynamics", "The cat sat on the mat."]
+        got = client.embeddings.create(model="x", input=texts)
+        assert [d.index for d in got.data] == [0, 1, 2]
+        vecs = [np.array(d.embedding) for d in got.data]
+        assert all(v.shape == (reference.n_embd,) and abs(np.linalg.norm(v) - 1) < 1e-6 for v in vecs)
+        assert np.array_equal(vecs[0], vecs[2]) and not np.allclose(vecs[0], vecs[1])
+        tokens = reference.tokenize(texts[1], True, False)
+        assert got.usage.prompt_tokens == 2 * len(reference.tokenize(texts[0], True, False)) + len(tokens)
+        assert np.allclose(vecs[1], reference_embedding(reference, tokens), atol=1e-4)
+        ids = client.embeddings.create(model="x", input=tokens).data[0].embedding
+        assert np.allclose(ids, vecs[1], atol=1e-6)
+        # serving is unchanged after it: the same greedy answer
+        after = client.chat.completions.create(model="x", messages=ASK, max_tokens=8, temperature=0)
+        assert after.choices[0].message.content == before.choices[0].message.content
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            plain = http.post("/v1/embeddings", json={"input": texts[1], "encoding_format": "float"}).json()
+            assert np.allclose(plain["data"][0]["embedding"], vecs[1], atol=1e-6)
+            for body, param in (({"input": ""}, "input[0]"), ({"input": [[1, 10**9]]}, "input[0]"),
+                                ({"input": [1] * 2000}, "input")):
+                r = http.post("/v1/embeddings", json=body)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
