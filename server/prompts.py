@@ -93,6 +93,7 @@ class PromptTokenizer:
 
     def _chat(self, chat_template, messages: list[dict], variables: dict | None = None,
               tools: list[dict] | None = None) -> list[int]:
+        self._refuse_control_text_outside_content(messages, tools)
         try:
             segments, located = chat_segments(lambda ms: chat_template.render(ms, variables, tools), messages)
         except ValueError as e:
@@ -106,6 +107,23 @@ class PromptTokenizer:
             if text:
                 out += self.model.tokenize(text, add_special=add_special and not out, parse_special=parse_special)
         return out
+
+    def _refuse_control_text_outside_content(self, messages: list[dict], tools: list[dict] | None) -> None:
+        """Tool definitions, tool calls' arguments and names are rendered as template text, where
+        special tokens are parsed: a control token's text there could forge a turn, so it is a 400."""
+        stack: list[tuple[object, str]] = [(tools or [], "tools")]
+        stack += [({k: v for k, v in m.items() if k != "content"}, f"messages[{i}]") for i, m in enumerate(messages)]
+        while stack:
+            value, path = stack.pop()
+            if isinstance(value, str):
+                hit = next((c for c in self.control_texts if c in value), None)
+                if hit is not None:
+                    raise APIError(400, f"{path}: contains the control token {hit!r}, which the chat template "
+                                        "would read as one", path, "control_token_in_content")
+            elif isinstance(value, dict):
+                stack.extend((v, f"{path}.{k}") for k, v in value.items())
+            elif isinstance(value, list):
+                stack.extend((v, f"{path}[{j}]") for j, v in enumerate(value))
 
     def _refuse_control_text(self, messages: list[dict]) -> None:
         for i, m in enumerate(messages):
