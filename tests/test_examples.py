@@ -418,3 +418,56 @@ def test_group_prefix_joins_plain_examples_with_one_rendered_prompt(resident):
     assert [(w.tokens, w.mask) for w in group.windows()] == [(w.tokens, w.mask) for w in plain.train[:2]]
     assert [w for _, _, w in group.replies] == [1.0, 1.0]
     assert resident.detokenize(list(group.prefix), True).endswith("The capital of France is")
+
+
+def test_an_agent_transcript_with_tools_trains_its_calls_as_serving_prompts_them(resident):
+    """Tools, an assistant's tool_calls and a tool message (OpenAI's shapes): the
+    conversation renders to the tokens serving prompts it with (the default model's
+    template reads no tools: they go into a system message, calls into tagged text),
+    and the trained replies are the call and the final answer."""
+    import asyncio
+
+    from dreamstage.server.prompts import PromptTokenizer
+    from dreamstage.serving.chat import ChatTemplate
+    from dreamstage.serving.tools import prompt_messages
+
+    tools = [{"type": "function", "function": {"name": "weather", "description": "Today's weather in a city.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "Snow, -3 C."},
+                {"role": "assistant", "content": "It is snowing in Oslo, -3 C."}]
+    ex = parse_train_request({"examples": [{"messages": messages, "tools": tools}]}).to_job_spec().examples[0].example
+    r = ChatRenderer(resident).render(ex)
+    # serving's prompt for the conversation up to the final answer, then that answer's own tokens
+    served = [{k: v for k, v in m.items() if v is not None} for m in messages[:3]]
+    served[1]["content"] = ""
+    prompts = PromptTokenizer(resident, 2048)
+    head = asyncio.run(prompts.chat(ChatTemplate.for_model(resident), prompt_messages(served, tools, False)))
+    first, last = r.replies
+    assert r.tokens[:last.start] == head
+    text = lambda sp: resident.detokenize(r.tokens[sp.start:sp.end], special=True)   # noqa: E731
+    assert text(first) == '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call><|im_end|>'
+    assert text(last) == "It is snowing in Oslo, -3 C.<|im_end|>"
+    assert "Today's weather in a city." in resident.detokenize(r.tokens[:first.start], special=True)
+
+
+@pytest.mark.parametrize("call,path", [
+    ({"type": "function", "function": {"name": "f"}}, "arguments"),
+    ({"type": "function", "function": {"name": "", "arguments": "{}"}}, "name"),
+    ({"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}, "arguments"),
+    ({"type": "tool", "function": {"name": "f", "arguments": "{}"}}, "type"),
+    ({"function": {"name": "f", "arguments": "{}"}, "extra": 1}, "extra"),
+])
+def test_a_malformed_tool_call_in_a_training_example_is_named(call, path):
+    from pydantic import ValidationError
+
+    from dreamstage.validation import field_errors
+    body = {"examples": [{"messages": [{"role": "user", "content": "x"},
+                                       {"role": "assistant", "tool_calls": [call]}]}]}
+    with pytest.raises(ValidationError) as e:
+        parse_train_request(body)
+    ((param, _),) = field_errors(e.value)
+    assert param.startswith("examples[0].chat.messages[1].tool_calls[0]") and param.endswith(path), param

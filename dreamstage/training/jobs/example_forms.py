@@ -3,7 +3,7 @@ chat and a weighted group of completions. Validated once here; groups are
 flattened into the plain forms (`PlainExample`) the renderer consumes."""
 from __future__ import annotations
 
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
@@ -17,6 +17,23 @@ def strict_config() -> ConfigDict:
     return ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
+class CalledFunction(BaseModel):
+    """The function an assistant message called: its name and its arguments (JSON text, as OpenAI's tool_calls)."""
+
+    model_config = strict_config()
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=1 << 20)
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of a training conversation (an agent's transcript)."""
+
+    model_config = strict_config()
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     """One chat message. `train` is meaningful on assistant messages only."""
 
@@ -26,7 +43,7 @@ class Message(BaseModel):
     content: str | None = None
     train: bool | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     @field_validator("role")
@@ -57,10 +74,12 @@ class Message(BaseModel):
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it (no `train` key)."""
         d: dict[str, Any] = {"role": self.role, "content": self.content if self.content is not None else ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             v = getattr(self, key)
             if v is not None:
                 d[key] = v
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
         return d
 
 

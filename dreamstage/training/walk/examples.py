@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from dreamstage.serving.chat import FALLBACK_TEMPLATE
+from dreamstage.serving.tools import prompt_messages
 from dreamstage.training.jobs.example_forms import ChatExample, Message, PromptCompletion, TextExample
 from dreamstage.training.jobs.spec import JobSpec, SourcedExample
 from dreamstage.training.walk.groups import TrainGroup, assemble_group, group_by_prefix
@@ -148,7 +149,7 @@ class ChatRenderer:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         self.tok = tok
-        source = template if template is not None else (tok.chat_template() or FALLBACK_TEMPLATE)
+        source = self.source = template if template is not None else (tok.chat_template() or FALLBACK_TEMPLATE)
         bos_text = tok.detokenize([tok.bos], special=True) if tok.bos >= 0 else ""
         eos_text = tok.detokenize([tok.eos], special=True) if tok.eos >= 0 else ""
         try:
@@ -182,19 +183,26 @@ class ChatRenderer:
         # Nothing after the last trained reply carries loss; drop it.
         last = max(i for i, m in enumerate(msgs) if m.trained)
         msgs = msgs[: last + 1]
-        dicts = [m.template_dict() for m in msgs]
-        full = self._render(dicts, ex.tools, False)
+        # Tools and calls as serving prompts them (dreamstage/serving/tools.py): through a
+        # template that reads tools, else a system message first and calls as tagged text.
+        native = bool(ex.tools) and "tools" in self.source
+        dicts = prompt_messages([m.template_dict() for m in msgs], list(ex.tools or []), native)
+        tools = ex.tools if native else None
+        lead = len(dicts) - len(msgs)                  # a system message put first for the tools
+        trained = [False] * lead + [m.trained for m in msgs]
+        role_of = ["system"] * lead + [m.role for m in msgs]
+        full = self._render(dicts, tools, False)
 
         # Character cuts: the end of every message, and for each trained reply
         # the end of its header (the prompt with add_generation_prompt).
         cuts: list[tuple[int, str, int]] = []  # (offset, what ends here, message index)
-        for i, m in enumerate(msgs):
-            if m.trained:
-                header = self._render(dicts[:i], ex.tools, True)
-                self._check_prefix(full, header, f"messages[:{i}] with add_generation_prompt", i)
+        for i in range(len(dicts)):
+            if trained[i]:
+                header = self._render(dicts[:i], tools, True)
+                self._check_prefix(full, header, f"messages[:{i - lead}] with add_generation_prompt", i - lead)
                 cuts.append((len(header), "header", i))
-            upto = self._render(dicts[: i + 1], ex.tools, False)
-            self._check_prefix(full, upto, f"messages[:{i + 1}]", i)
+            upto = self._render(dicts[: i + 1], tools, False)
+            self._check_prefix(full, upto, f"messages[:{i - lead + 1}]", i - lead)
             cuts.append((len(upto), "message", i))
         cuts.sort(key=lambda c: (c[0], c[2], c[1] == "message"))
 
@@ -212,12 +220,12 @@ class ChatRenderer:
                                          not tokens)
             if not tokens and len(piece) >= 2 and piece[0] == piece[1] == self.tok.bos:
                 piece = piece[1:]  # template already emitted BOS and the tokenizer added one
-            role = msgs[i].role
+            role = role_of[i]
             if what == "header":
                 roles += ["template"] * len(piece)
                 unit_start = len(tokens)
                 tokens += piece
-            elif msgs[i].trained:
+            elif trained[i]:
                 start = len(tokens)
                 n_trained = next((k + 1 for k, t in enumerate(piece) if self.tok.is_eog(t)), len(piece))
                 tokens += piece
