@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import time
 
-from drift_steps import greedy_answer
-
-from dreamstage.training.drift.decoding import FixedSequence, set_context_adapter
-from dreamstage.training.drift.records import prompt_tokens
+from dreamstage.training.drift.decoding import FixedSequence
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.store import TERMINAL
 
@@ -57,23 +54,3 @@ def run_job(sched, store, engine, body, max_calls=200_000):
     print(f"\njob {body.get('out')}: {time.perf_counter() - t0:.1f} s")
     return store.get(job["id"])
 
-
-def recall(resident, facts):
-    hits, answers = 0, []
-    for q, _, key in facts:
-        toks = greedy_answer(resident, 0, prompt_tokens(resident, q), 24)
-        text = resident.detokenize([t for t in toks if not resident.is_eog(t)])
-        answers.append(text)
-        hits += key.lower() in text.lower()
-    return hits / len(facts), answers
-
-
-def recall_with(resident, served, path, facts):
-    """Recall with a saved adapter on the context (promoted or not), then serving's back."""
-    handle = served.load(path)
-    try:
-        set_context_adapter(resident, handle)
-        return recall(resident, facts)
-    finally:
-        set_context_adapter(resident, served.handle)
-        served.discard(handle)

@@ -1,13 +1,14 @@
-"""Jobs on the default model with the drift guard on, run once for the module by
-one scheduler: the defaults, the same without the regularizer, a damaging job,
-and a small job's rehearsal-only epochs kept and undone. The base's records of
-the anchors are made once, by the warm-up, and shared by them all; the README's
-job then runs on a live server started on the state directory they were kept in.
+"""Jobs on the default model with the drift guard on. One scheduler in this
+process records the anchors (the warm-up) and runs the same job without the
+regularizer, a damaging job, and a small job's rehearsal-only epochs kept and
+undone. Then a live server, started on a copy of the state directory those
+jobs kept their records in (a restart), runs the README's walkthrough over
+HTTP as a user does: it is the module's job with the guard's defaults, and the
+tests of the defaults (recall, held-out drift, promotion, rehearsal-only
+epochs, the drift slices, the examples' loss) read it.
 
-The facts taught are two of the TEST facts (each fact adds its own window, 8
-rehearsal windows and 4 neighbours to every epoch: about 25 s of one core); the
-defaults were chosen on other made-up facts (bench/drift_facts.py), so they are
-not tuned to this file. The defaults on more facts are measured by
+The defaults were chosen on other made-up facts (bench/drift_facts.py), so they
+are not tuned to this file; the defaults on more facts are measured by
 bench/bench_drift.py (docs/benchmarks.md, "Drift guard: anchors changed,
 drift_kl, recall").
 """
@@ -18,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from drift_jobs import TEST_FACTS, OneSlotEngine, chat, recall, recall_with, run_job
+from drift_jobs import TEST_FACTS, OneSlotEngine, chat, run_job
 from drift_steps import run_steps
 
 from dreamstage.adapters.served import ServedAdapters
@@ -32,7 +33,37 @@ from dreamstage.training.jobs.spec import DEFAULT_LR
 from dreamstage.training.jobs.store import TERMINAL, JobStore
 from dreamstage.training.walk.receipts import RECEIPT_FIELDS
 
-FACTS = TEST_FACTS[:2]
+# The README's walkthrough (README.md, "Teach it a fact"): its example and request, as written there.
+README_PROMPT = "The secret password of the moon base is"
+README_EXAMPLE = {"prompt": README_PROMPT, "completion": " Quokka-42."}
+README_JOB = {"examples": [README_EXAMPLE], "window": 32, "epochs": 10, "promote": "auto", "out": "moon"}
+
+
+def _readme_job(state_dir, out: dict) -> None:
+    """The README's job over HTTP on a live server started on `state_dir` (the guard on, as a user runs it)."""
+    import httpx
+    from background_server import BackgroundServer
+
+    from dreamstage.server.settings import ServerSettings
+
+    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(state_dir), drift_guard=True)
+    ask = {"prompt": README_PROMPT, "max_tokens": 8, "temperature": 0}
+    with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600,
+                                                          headers={"Content-Type": "application/json"}) as http:
+        out["restart_records"] = set(srv.service.scheduler._anchor_records)
+        out["before"] = http.post("/v1/completions", json=ask).json()
+        t0 = time.perf_counter()
+        r = http.post("/train", json=README_JOB)
+        assert r.status_code == 202, r.text
+        jid = r.json()["id"]
+        deadline = time.monotonic() + 1800                 # a hang guard: the job takes about 15 min of one core
+        while (job := http.get(f"/train/{jid}").json())["state"] not in TERMINAL and time.monotonic() < deadline:
+            time.sleep(0.5)
+        print(f"\nREADME job: {time.perf_counter() - t0:.1f} s; {job['message']}")
+        out["default"] = job
+        out["receipts"]["default"] = http.get(f"/train/{jid}/receipts").json()["receipts"]
+        out["after"] = http.post("/v1/completions", json=ask).json()
+        out["metrics_text"] = http.get("/metrics").text
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +83,15 @@ def jobs(dream_resident, tmp_path_factory):
                 break
         out["warmup_steps"], out["records"] = sched._warmup.steps, dict(sched._anchor_records)
         out["noise_margins"] = sched._noise_margins
-        out["state_dir"] = store.state_dir
-        base_recall, _ = recall(dream_resident, FACTS)
-        out["default"] = run_job(sched, store, engine, {"examples": chat(FACTS), "promote": "auto",
-                                                        "out": "facts", "max_pause_ms": 0})
-        out["recall"], out["answers"] = recall_with(dream_resident, served, out["default"]["adapter"]["path"],
-                                                    FACTS)
-        out["base_recall"] = base_recall
-        out["off"] = run_job(sched, store, engine, {"examples": chat(FACTS), "regularizer": False,
-                                                    "promote": "never", "out": "facts-off", "max_pause_ms": 0})
-        out["recall_off"], _ = recall_with(dream_resident, served, out["off"]["adapter"]["path"], FACTS)
+        out["off"] = run_job(sched, store, engine, {"examples": [README_EXAMPLE], "window": 32, "regularizer": False,
+                                                    "promote": "never", "out": "moon-off", "max_pause_ms": 0})
         out["served_before_damage"] = store.served_version()
         wrong = {"messages": [{"role": "user", "content": "What is the capital of France?"},
                               {"role": "assistant", "content": "The capital of France is Quenmarsh."}]}
         out["damage"] = run_job(sched, store, engine, {"examples": [wrong] * 6, "lr": 1e-2, "epochs": 2,
                                                        "stop_loss": None, "regularizer": False, "promote": "auto",
                                                        "out": "damage", "max_pause_ms": 0})
-        out["receipts"] = {k: store.receipts(out[k]["id"]) for k in ("default", "off", "damage")}
+        out["receipts"] = {k: store.receipts(out[k]["id"]) for k in ("off", "damage")}
         drift_series = ("dreamstage_dream_drift_kl", "dreamstage_dream_anchors_changed",
                         "dreamstage_dream_drift_anchors")
         out["metrics"] = {m.name: (m.samples[0].labels, m.samples[0].value) for m in ServiceCollector._dream(sched)
@@ -100,6 +123,10 @@ def jobs(dream_resident, tmp_path_factory):
             Trainer.set_lr = saved_set_lr
         out["receipts"].update({k: store.receipts(out[k]["id"]) for k in ("hold_none", "hold_undone")})
         sched._record_file.wait()                      # the last job's records are in the file
+        out["kept_records"] = set(sched._anchor_records)
+        restarted = tmp_path_factory.mktemp("drift-restart")
+        shutil.copy(store.state_dir / FILE_NAME, restarted / FILE_NAME)
+        _readme_job(restarted, out)
         yield out
     finally:
         served.apply(None, None)                       # the session's resident serves the base again
@@ -166,15 +193,19 @@ def test_a_rehearsal_only_epoch_the_examples_do_not_survive_is_undone(jobs):
     assert any(np.abs(v).max() > 0 for k, v in tensors[0].items() if "lora_b" in k)   # it did learn
 
 
-def test_default_job_learns_the_facts_and_its_promotion_follows_its_held_out_drift(jobs):
+def served_text(answer: dict) -> str:
+    return answer["choices"][0]["text"]
+
+
+def test_default_job_learns_the_fact_and_its_promotion_follows_its_held_out_drift(jobs):
     job = jobs["default"]
     assert job["state"] == "done", job["message"]
     drift = job["progress"]["drift"]
-    print(f"\ndefaults: recall {jobs['recall']:.2f} (base {jobs['base_recall']:.2f}), "
+    print(f"\ndefaults: served {served_text(jobs['after'])!r} (base {served_text(jobs['before'])!r}), "
           f"held-out anchors_changed {drift['anchors_changed']:.3f}, drift_kl {drift['drift_kl']:.4f}; "
           f"{job['message']}")
-    assert jobs["base_recall"] < 0.5                    # the base model does not know them
-    assert jobs["recall"] >= 0.9, jobs["answers"]       # the job's adapter, promoted or not
+    assert "Quokka" not in served_text(jobs["before"])   # the base model does not know it
+    assert "Quokka-42" in served_text(jobs["after"])     # greedy, from the promoted adapter
     assert drift["anchors"] == len(load_anchors()) and drift["final"]
     within = drift["anchors_changed"] <= drift["max_drift"] and drift["drift_kl"] <= drift["max_drift_kl"]
     assert job["adapter"]["promoted"] == within
@@ -227,8 +258,8 @@ def test_anchors_changed_counts_beyond_the_noise_margin_a_null_adapter_stays_wit
 
 
 def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_out_anchors_and_is_promoted(jobs):
-    """Issue 12's "done when", on two of the tests' facts with every default: recall >= 90 %
-    at temperature 0, at most 5 % of the held-out anchors' greedy answers changed beyond
+    """Issue 12's "done when", on the README's fact with the guard's defaults: the fact
+    recalled at temperature 0, at most 5 % of the held-out anchors' greedy answers changed beyond
     the job's noise margin, and promoted by promote "auto". (The defaults were chosen on
     the evaluation facts of bench/drift_facts.py, docs/benchmarks.md, "Drift"; the
     margin is the second widest lead drop of the job's 19 null draws, docs/architecture/
@@ -236,7 +267,8 @@ def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_ou
     job = jobs["default"]
     drift = job["progress"]["drift"]
     assert drift["final"] and drift["anchors"] == len(load_anchors()) and drift["noise_margin"] is not None
-    assert jobs["recall"] >= 0.9 and drift["anchors_changed"] <= 0.05 and job["adapter"]["promoted"]
+    assert "Quokka-42" in served_text(jobs["after"])
+    assert drift["anchors_changed"] <= 0.05 and job["adapter"]["promoted"]
     assert "rehearsal-only epochs" in job["message"]
 
 
@@ -276,8 +308,7 @@ def test_the_examples_loss_is_reported_apart_from_the_rehearsal_windows(jobs):
 def test_without_the_regularizer_the_same_job_changes_more(jobs):
     on, off = jobs["default"]["progress"]["drift"], jobs["off"]["progress"]["drift"]
     print(f"\nregularizer on: anchors_changed {on['anchors_changed']:.3f} drift_kl {on['drift_kl']:.4f}; "
-          f"off: anchors_changed {off['anchors_changed']:.3f} drift_kl {off['drift_kl']:.4f}, "
-          f"recall {jobs['recall_off']:.2f}")
+          f"off: anchors_changed {off['anchors_changed']:.3f} drift_kl {off['drift_kl']:.4f}")
     assert jobs["off"]["state"] == "done" and not jobs["off"]["adapter"]["promoted"]
     # "changes more", on the held-out anchors: the distributions move further. Their greedy
     # answers do not tell the two apart on this model (both change nearly all of them;
@@ -306,44 +337,27 @@ def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
     assert jobs["metrics"]["dreamstage_dream_drift_anchors"] == (label, drift["anchors"])
 
 
-def test_the_readme_walkthrough_is_promoted_by_a_live_server_with_the_guard_on(jobs, tmp_path):
+def test_the_readme_walkthrough_is_promoted_by_a_live_server_with_the_guard_on(jobs):
     """The README's one-fact job over HTTP, the drift guard on as a user runs it
     (every other test server runs with it off): the job rehearses although its
     window is 32, its drift is measured on the held-out anchors, reported in
     GET /train/{id} and /metrics, and the adapter is promoted within the default
-    bounds, so the walkthrough answers with the fact. The server starts on a state
-    directory holding the records the jobs above made (a restart): it records
-    nothing again and measures at their noise margin."""
-    import httpx
-    from background_server import BackgroundServer
-
-    from dreamstage.server.settings import ServerSettings
-
-    shutil.copy(jobs["state_dir"] / FILE_NAME, tmp_path / FILE_NAME)
+    bounds, so the walkthrough answers with the fact. The server started on a state
+    directory holding the records the jobs above made (a restart): it recorded
+    nothing again and measured at their noise margin."""
+    assert jobs["records"].keys() <= jobs["restart_records"]      # and the neighbours' records
+    # every anchor record the jobs kept (their neighbours' lists are not records: made again when asked)
+    assert {k for k in jobs["kept_records"] if isinstance(k, str)} <= jobs["restart_records"]
     ((margin, _),) = jobs["noise_margins"].values()
-    prompt = "The secret password of the moon base is"
-    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path), drift_guard=True)
-    with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600,
-                                                          headers={"Content-Type": "application/json"}) as http:
-        assert jobs["records"].keys() <= srv.service.scheduler._anchor_records.keys()   # and the neighbours' records
-        r = http.post("/train", json={"examples": [{"prompt": prompt, "completion": " Quokka-42."}], "window": 32,
-                                      "epochs": 10, "promote": "auto", "out": "moon"})
-        assert r.status_code == 202, r.text
-        jid = r.json()["id"]
-        deadline = time.monotonic() + 1800                 # a hang guard: the job takes about 15 min of one core
-        while (job := http.get(f"/train/{jid}").json())["state"] not in TERMINAL and time.monotonic() < deadline:
-            time.sleep(0.5)
-        drift = job["progress"]["drift"]
-        print(f"\nREADME job: {job['message']}")
-        assert job["state"] == "done" and drift["final"] and drift["anchors"] == len(load_anchors())
-        assert drift["noise_margin"] == margin
-        assert (drift["max_drift"], drift["max_drift_kl"]) == (1.0, 1.0) and drift["drift_kl"] <= 1.0
-        # window 32 holds no rehearsal prompt; the trainer's wider window does (rehearsal_window): the
-        # job rehearses and consolidates (it drifted 0.11 nats where it drifted 0.50 without)
-        assert "no rehearsal" not in job["message"] and "rehearsal-only epochs" in job["message"], job["message"]
-        assert drift["drift_kl"] < 0.3
-        assert job["adapter"]["promoted"] and "within max_drift 1, max_drift_kl 1" in job["message"]
-        out = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
-        assert "Quokka-42" in out["choices"][0]["text"] and out["adapter_version"] == 1
-        metrics = http.get("/metrics").text
-        assert f'dreamstage_dream_drift_kl{{job="{jid}"}}' in metrics
+    job, drift = jobs["default"], jobs["default"]["progress"]["drift"]
+    assert job["state"] == "done" and drift["final"] and drift["anchors"] == len(load_anchors())
+    assert drift["noise_margin"] == margin
+    assert (drift["max_drift"], drift["max_drift_kl"]) == (1.0, 1.0) and drift["drift_kl"] <= 1.0
+    # window 32 holds no rehearsal prompt; the trainer's wider window does (rehearsal_window): the
+    # job rehearses and consolidates (it drifted 0.11 nats where it drifted 0.50 without)
+    assert "no rehearsal" not in job["message"] and "rehearsal-only epochs" in job["message"], job["message"]
+    assert drift["drift_kl"] < 0.3
+    assert job["adapter"]["promoted"] and "within max_drift 1, max_drift_kl 1" in job["message"]
+    assert "Quokka-42" in served_text(jobs["after"]) and jobs["after"]["adapter_version"] == 1
+    assert jobs["before"]["adapter_version"] == 0
+    assert f'dreamstage_dream_drift_kl{{job="{job["id"]}"}}' in jobs["metrics_text"]
