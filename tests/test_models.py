@@ -41,7 +41,8 @@ def test_truncated_gguf_named(tmp_path):
         ResidentModel(ResidentConfig(model_path=str(bad)))
 
 
-@pytest.mark.parametrize("field,value", [("n_ctx", 0), ("kv_type", "q3_x"), ("flash_attn", "maybe")])
+@pytest.mark.parametrize("field,value", [("n_ctx", -1), ("n_seq", 0), ("kv_type", "q3_x"), ("flash_attn", "maybe"),
+                                         ("auto_ctx_memory_share", 0.0)])
 def test_bad_config_named(field, value):
     with pytest.raises(ValueError, match=field):
         ResidentConfig(**{field: value}).validate()
