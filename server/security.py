@@ -57,14 +57,22 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _host_and_port(header: str, default: str) -> tuple[str, str]:
+    """'example.com:8080' -> ('example.com', '8080'); no port -> the scheme's default."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        name, _, rest = h[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif h.count(":") == 1:
+        name, port = h.split(":")
+    else:
+        name, port = h, ""
+    return name, port or default
+
+
 def host_name(header: str) -> str:
     """'example.com:8080' -> 'example.com', '[::1]:8080' -> '::1' (lowercase)."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        return header[1:].split("]", 1)[0]
-    if header.count(":") == 1:
-        return header.split(":", 1)[0]
-    return header
+    return _host_and_port(header, "")[0]
 
 
 @dataclass(frozen=True)
@@ -154,19 +162,6 @@ class SecurityGuard:
 
 
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
-
-
-def _host_and_port(header: str, default: str) -> tuple[str, str]:
-    """'example.com:8080' -> ('example.com', '8080'); no port -> the scheme's default."""
-    h = header.strip().lower()
-    if h.startswith("["):
-        name, _, rest = h[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
-    elif h.count(":") == 1:
-        name, port = h.split(":")
-    else:
-        name, port = h, ""
-    return name, port or default
 
 
 def same_origin(origin: str, host: str | None) -> bool:

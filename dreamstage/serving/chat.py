@@ -25,6 +25,11 @@ _RESERVED = frozenset({"messages", "eos_token", "bos_token", "raise_exception", 
                        "functions", "function_call", "tools", "tool_choice", "strftime_now"})
 
 
+def reads_tools(template_source: str) -> bool:
+    """Whether a chat template reads a `tools` variable (else tools go into a system message)."""
+    return "tools" in template_source
+
+
 class ChatTemplate:
     def __init__(self, template: str | None, bos_text: str, eos_text: str):
         native.llama_cpp()  # llama_cpp modules must load against our libllama
@@ -43,7 +48,7 @@ class ChatTemplate:
     @property
     def supports_tools(self) -> bool:
         """Whether the template reads a `tools` variable (else tools go into a system message)."""
-        return "tools" in self.source
+        return reads_tools(self.source)
 
     def render(self, messages: list[dict], variables: dict[str, Any] | None = None,
                tools: list[dict] | None = None) -> str:

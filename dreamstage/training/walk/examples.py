@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-from dreamstage.serving.chat import FALLBACK_TEMPLATE
+from dreamstage.serving.chat import FALLBACK_TEMPLATE, reads_tools
 from dreamstage.serving.tools import prompt_messages
 from dreamstage.training.jobs.example_forms import ChatExample, Message, PromptCompletion, TextExample
 from dreamstage.training.jobs.spec import JobSpec, SourcedExample
@@ -185,7 +185,7 @@ class ChatRenderer:
         msgs = msgs[: last + 1]
         # Tools and calls as serving prompts them (dreamstage/serving/tools.py): through a
         # template that reads tools, else a system message first and calls as tagged text.
-        native = bool(ex.tools) and "tools" in self.source
+        native = bool(ex.tools) and reads_tools(self.source)
         dicts = prompt_messages([m.template_dict() for m in msgs], list(ex.tools or []), native)
         tools = ex.tools if native else None
         lead = len(dicts) - len(msgs)                  # a system message put first for the tools
