@@ -144,7 +144,7 @@ def build_info() -> dict:
 
 
 # -- dream.h ---------------------------------------------------------------------
-DREAM_STATUS_OK, DREAM_STATUS_REFUSED, DREAM_STATUS_ERROR, DREAM_STATUS_STOPPED = 0, 1, 2, 3
+DREAM_STATUS_OK, DREAM_STATUS_REFUSED, DREAM_STATUS_ERROR, DREAM_STATUS_STOPPED, DREAM_STATUS_ABORTED = 0, 1, 2, 3, 4
 
 
 class DreamReceiptC(ctypes.Structure):
@@ -175,6 +175,8 @@ class DreamReceiptC(ctypes.Structure):
         ("refused_allowance_mib", ctypes.c_double),
         ("message", ctypes.c_char * 512),
         ("group_reply", ctypes.c_int32),
+        ("aborted_had_ms", ctypes.c_double),
+        ("aborted_need_ms", ctypes.c_double),
     ]
 
 
@@ -378,6 +380,9 @@ def _declare_state(L: ctypes.CDLL) -> None:
     # void dream_set_step_deadline(struct dream_stage * ds, double ms);
     L.dream_set_step_deadline.argtypes = [p, ctypes.c_double]
     L.dream_set_step_deadline.restype = None
+    # void dream_set_step_abort(struct dream_stage * ds, double ms);
+    L.dream_set_step_abort.argtypes = [p, ctypes.c_double]
+    L.dream_set_step_abort.restype = None
     # size_t dream_serving_compute_bytes(struct llama_context * ctx);
     L.dream_serving_compute_bytes.argtypes = [p]
     L.dream_serving_compute_bytes.restype = ctypes.c_size_t

@@ -73,6 +73,11 @@ class FakeTrainer:
     def set_step_deadline(self, ms):
         self.deadline_ms = ms
 
+    abort_ms: float | None = None
+
+    def set_step_abort(self, ms):
+        self.abort_ms = ms
+
     def micro_step(self):
         assert not self.closed and self.chunks_left
         p = self.pos
@@ -485,6 +490,12 @@ def spiky_job(tmp_path, trainer=None, max_pause_ms=100):
     return store, jid
 
 
+def assert_next_is_the_same_chunk(receipts, status):
+    for r, nxt in zip(receipts, receipts[1:], strict=False):
+        if r["status"] == status:
+            assert (nxt["chunk_pos"], nxt["chunk_tokens"]) == (r["chunk_pos"], r["chunk_tokens"])
+
+
 def test_a_step_past_the_deadline_is_stopped_and_the_walk_retries_it(tmp_path):
     # every 7th step is descheduled for 8x its time (a 4-token step: 480 ms
     # against a 100 ms bound): it stops at the deadline (90 ms) as often as it
@@ -496,9 +507,7 @@ def test_a_step_past_the_deadline_is_stopped_and_the_walk_retries_it(tmp_path):
     receipts = store.receipts(jid)
     stopped = [r for r in receipts if r["status"] == "stopped"]
     # each stopped step is gone on with: the next micro-step is the same chunk
-    for r, nxt in zip(receipts, receipts[1:], strict=False):
-        if r["status"] == "stopped":
-            assert (nxt["chunk_pos"], nxt["chunk_tokens"]) == (r["chunk_pos"], r["chunk_tokens"])
+    assert_next_is_the_same_chunk(receipts, "stopped")
     assert len(stopped) >= 5 and job["progress"]["stopped"] == len(stopped) == job["pacing"]["steps_stopped"]
     assert job["progress"]["stopped_ms"] == pytest.approx(sum(r["ms"] for r in stopped)) and stopped[0]["ms"] > 0
     assert job["progress"]["tokens"] == 3 * 135          # every stopped chunk was trained later
@@ -569,6 +578,46 @@ def test_a_plain_walk_whose_steps_cannot_stop_is_cut_once_one_passes_the_bound(t
     assert over == 6 and all(r["chunk_pos"] % 64 == 0 for r in receipts[:over + 1])       # the job's own grid
     assert max(r["chunk_tokens"] for r in receipts[over + 1:]) < 64
     assert store.get(jid)["pacing"]["chunk_kept"] is False
+
+
+class SegmentSpikyTrainer(PlainSpikyTrainer):
+    """A plain-walk spiky trainer whose spikes (every 7th step) fall inside one
+    segment, which the deadline cannot cut (it was begun in time), and which
+    honours the time limit as the native core does: such a step is aborted
+    at the limit and undone. Other steps stop at the deadline as before."""
+
+    def _timed_step(self):
+        if self.left is None and self.abort_ms and (SpikyTrainer.calls + 1) % 7 == 0:
+            SpikyTrainer.calls += 1
+            p = self.pos
+            n = min(self.chunk, len(self.tokens) - p)
+            TimedTrainer.clock.t += self.abort_ms / 1000
+            r = self._receipt("aborted", p, n, 0.0, sum(self.mask[p + 1:p + n + 1]),
+                              message="aborted at the step's time limit")
+            return dataclasses.replace(r, aborted_had_ms=self.abort_ms, aborted_need_ms=8 * (20.0 + 10.0 * n))
+        return super()._timed_step()
+
+
+def test_a_step_past_its_time_limit_is_aborted_undone_and_run_again(tmp_path):
+    # every 7th step is descheduled for 8x its time inside one segment, which
+    # the deadline cannot stop: it is aborted at the time limit (the bound,
+    # 100 ms) and undone, and the walk runs the same chunk again. No pause
+    # passes the limit, every token is trained once, and the kept chunk is
+    # cut only after two aborts in a row (here: never, the spikes are apart).
+    SegmentSpikyTrainer.stoppable = True
+    store, jid = spiky_job(tmp_path, SegmentSpikyTrainer)
+    job = store.get(jid)
+    assert job["state"] == "done", job["message"]
+    receipts = store.receipts(jid)
+    aborted = [r for r in receipts if r["status"] == "aborted"]
+    assert_next_is_the_same_chunk(receipts, "aborted")
+    assert all(r["aborted_had_ms"] == pytest.approx(100.0, abs=1) and r["aborted_need_ms"] > 100.0 for r in aborted)
+    assert len(aborted) >= 1 and job["progress"]["aborted"] == len(aborted) == job["pacing"]["steps_aborted"]
+    assert job["progress"]["aborted_ms"] == pytest.approx(sum(r["ms"] for r in aborted))
+    assert job["progress"]["tokens"] == 3 * 135           # each aborted chunk trained once, later
+    f = job["pacing"]
+    assert f["chunk_kept"] is True and f["step_abort_ms"] == pytest.approx(100.0, abs=5)
+    assert f["pauses_over_max"] <= len(aborted) and f["micro_step_ms_p95"] <= 100 + 5
 
 
 def test_without_a_deadline_the_same_spikes_pass_the_bound(tmp_path, monkeypatch):

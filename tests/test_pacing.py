@@ -392,6 +392,29 @@ def test_a_descheduled_step_now_and_then_does_not_shrink_the_chunk():
     assert sorted(chunks)[len(chunks) // 2] == 8 and sh.noise() == StepShaper.NOISE_CAP
 
 
+def test_an_abort_at_the_time_limit_moves_down_or_keeps_the_chunk_once():
+    sh = StepShaper(250, ladder(64, 1), [1])
+    run_shaper(sh, {1: lambda n: 0.02 + 0.01 * n}, 40)
+    assert sh.chunk == 16 and sh.abort_ms() == pytest.approx(StepShaper.ABORT * 250)
+    assert sh.abort_ms() > sh.deadline_ms()
+    sh.record_aborted(16)                          # undone: the chunk runs again, a rung smaller, held
+    assert sh.choose() == (8, 1) and sh.figures()["steps_aborted"] == 1
+    # the kept chunk stays after one abort (the deadline now stops before the slow
+    # segment) and is cut after ABORTS_TO_CUT in a row; a step that ends resets the run
+    kept = StepShaper(250, ladder(64, 1), [1], keep_chunk=True)
+    kept.record_aborted(64)
+    assert kept.choose(64) == (64, 1) and kept.keep_chunk
+    kept.record(0.2, 64, 1)
+    kept.record_aborted(64)
+    assert kept.keep_chunk
+    kept.record_aborted(64)
+    assert not kept.keep_chunk and kept.choose(64)[0] <= StepShaper.FIRST_CHUNK
+    # the limit follows the deadline: none while there is none
+    slow = StepShaper(250, ladder(64, 1), [1])
+    run_shaper(slow, {1: lambda n: 0.30 + 0.01 * n}, 40)
+    assert slow.deadline_ms() is None and slow.abort_ms() is None
+
+
 def test_a_stop_at_the_deadline_moves_the_next_chunk_down_a_rung():
     sh = StepShaper(250, ladder(64, 1), [1])
     run_shaper(sh, {1: lambda n: 0.02 + 0.01 * n}, 40)

@@ -1,6 +1,7 @@
 """The dream stage's micro-step on the default model's resident context."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -356,6 +357,23 @@ def test_accumulate_windows_must_be_positive(rm):
         Trainer(rm, optimizer=OptimizerConfig(accumulate_windows=0))
 
 
+def _twin_windows(rm):
+    """Two overlapping 24-token windows, and a prompt serving decodes between steps."""
+    toks = rm.tokenize(TEXT * 8)
+    return [(toks[0:24], np.ones(24, np.uint8)), (toks[5:29], np.ones(24, np.uint8))], \
+        rm.tokenize("The capital of France is")
+
+
+@contextlib.contextmanager
+def _twin(rm):
+    """Two trainers that start from the same parameters (a reference and one under test)."""
+    cfg = dict(cache_type="q8_0", window=24, chunk=8, optimizer=OptimizerConfig(lr=2e-3))
+    with Trainer(rm, LoraConfig(top_layers=3, seed=5), **cfg) as ref, \
+            Trainer(rm, LoraConfig(top_layers=3, seed=5), **cfg) as other:
+        other.set_lora_parameters(ref.lora_parameters())
+        yield ref, other
+
+
 def test_a_stopped_step_goes_on_where_it_stopped_and_trains_as_an_unstopped_one(rm):
     # A step past its deadline stops between two segments of its graph (status
     # "stopped"), keeping what it computed, and the next micro-step goes on
@@ -365,13 +383,8 @@ def test_a_stopped_step_goes_on_where_it_stopped_and_trains_as_an_unstopped_one(
     # deadline shorter than any segment: one segment per micro-step), so the
     # cells of the chunks before must survive and the partial results too.
     # Serving decodes in between, on the same context.
-    toks = rm.tokenize(TEXT * 8)
-    windows = [(toks[0:24], np.ones(24, np.uint8)), (toks[5:29], np.ones(24, np.uint8))]
-    cfg = dict(cache_type="q8_0", window=24, chunk=8, optimizer=OptimizerConfig(lr=2e-3))
-    prompt = rm.tokenize("The capital of France is")
-    with Trainer(rm, LoraConfig(top_layers=3, seed=5), **cfg) as plain, \
-            Trainer(rm, LoraConfig(top_layers=3, seed=5), **cfg) as stopped:
-        stopped.set_lora_parameters(plain.lora_parameters())
+    windows, prompt = _twin_windows(rm)
+    with _twin(rm) as (plain, stopped):
         start = plain.lora_parameters()
         n_stopped = 0
         for toks_w, mask in windows:
@@ -417,6 +430,55 @@ def test_a_stopped_step_goes_on_where_it_stopped_and_trains_as_an_unstopped_one(
     rm.lc.llama_memory_seq_rm(rm.memory, 0, -1, -1)
 
 
+def test_an_aborted_step_leaves_no_trace_and_the_chunk_runs_again(rm):
+    # A step still computing at its time limit (dream_set_step_abort) is aborted
+    # between two graph nodes and undone: against a trainer where it never began,
+    # the same windows give the same losses, gradients, optimizer state and
+    # parameters to the last float. Aborted: a window's first chunk, a later
+    # chunk after an earlier one accumulated its gradient, and a step stopped at
+    # the deadline and then aborted while going on (its computed part goes too).
+    # Serving decodes in between, on the same context and CPU backend.
+    windows, prompt = _twin_windows(rm)
+    with _twin(rm) as (plain, aborted):
+        n_aborted = 0
+        for w, (toks_w, mask) in enumerate(windows):
+            ref = plain.train_window(toks_w, mask)
+            aborted.begin_window(toks_w, mask)
+            got = []
+            for i in range(len(ref)):
+                if i in (0, 2):
+                    if w == 1 and i == 2:                # stopped first, then aborted going on
+                        aborted.set_step_deadline(1e-3)
+                        assert aborted.micro_step().status == "stopped"
+                        aborted.set_step_deadline(None)
+                    aborted.set_step_abort(1e-3)         # past after the first graph node
+                    r = aborted.micro_step()
+                    assert r.status == "aborted", r.message
+                    assert (r.chunk_pos, r.chunk_tokens) == (ref[i].chunk_pos, ref[i].chunk_tokens)
+                    assert r.aborted_had_ms == pytest.approx(1e-3) and r.aborted_need_ms > r.aborted_had_ms
+                    assert "aborted" in r.message and r.loss == 0 and r.step == ref[i].step   # not counted
+                    assert aborted.chunks_left == len(ref) - i   # the walk did not move
+                    n_aborted += 1
+                    aborted.set_step_abort(None)
+                    rm.lc.llama_memory_seq_rm(rm.memory, 0, -1, -1)
+                    _decode(rm, prompt, 0)               # serving between (asserts it decoded)
+                got.append(aborted.micro_step())
+            assert [r.status for r in got] == ["ok"] * len(ref)
+            assert [r.loss for r in got] == [r.loss for r in ref]
+            np.testing.assert_array_equal(aborted.gradients(), plain.gradients())
+            for a, b in zip(aborted.optimizer_state(), plain.optimizer_state(), strict=True):
+                np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(aborted.lora_parameters(), plain.lora_parameters())
+        assert n_aborted == 4
+        # a limit that is never reached changes nothing
+        aborted.set_step_abort(60_000.0)
+        a, b = plain.train_window(*windows[0]), aborted.train_window(*windows[0])
+        assert [r.status for r in b] == ["ok"] * len(a) and [r.loss for r in a] == [r.loss for r in b]
+        with pytest.raises(ValueError, match="time limit"):
+            aborted.set_step_abort(float("inf"))
+    rm.lc.llama_memory_seq_rm(rm.memory, 0, -1, -1)
+
+
 def test_the_exact_walks_reverse_pass_is_never_stopped(rm):
     # The reverse pass adds into the adjoint buffers as it computes, so a stop
     # midway could not be undone: its chunks ignore the deadline and finish,
@@ -441,6 +503,7 @@ def test_the_exact_walks_reverse_pass_is_never_stopped(rm):
             if r.status != "stopped":
                 got.append(r)
         assert stops >= 2
+        tr.set_step_abort(1e-3)                      # nor aborted: undoing it would need the adjoints as they were
         while tr.chunks_left:                        # the reverse pass, same deadline: never stopped
             got.append(tr.micro_step())
             assert not tr.last_step_stoppable        # the pacer then cuts chunks instead (StepShaper.cut)

@@ -343,6 +343,12 @@ void dream_set_step_deadline(struct dream_stage * ds, double ms) {
     }
 }
 
+void dream_set_step_abort(struct dream_stage * ds, double ms) {
+    if (ds) {
+        ds->exec.step_abort_ms = ms > 0 ? ms : 0;   // NaN too: no limit
+    }
+}
+
 size_t dream_serving_compute_bytes(struct llama_context * ctx) {
     ggml_backend_sched_t s = ctx->get_sched();
     size_t total = 0;

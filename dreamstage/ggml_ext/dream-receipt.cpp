@@ -56,13 +56,13 @@ static const dream_field_layout k_receipt_layout[] = {
     DREAM_RECEIPT_MEMBER(context_mib), DREAM_RECEIPT_MEMBER(adapter_mib), DREAM_RECEIPT_MEMBER(optimizer_mib),
     DREAM_RECEIPT_MEMBER(walk_mib), DREAM_RECEIPT_MEMBER(refused_chunk_pos), DREAM_RECEIPT_MEMBER(refused_chunk_tokens),
     DREAM_RECEIPT_MEMBER(refused_need_mib), DREAM_RECEIPT_MEMBER(refused_allowance_mib), DREAM_RECEIPT_MEMBER(message),
-    DREAM_RECEIPT_MEMBER(group_reply),
+    DREAM_RECEIPT_MEMBER(group_reply), DREAM_RECEIPT_MEMBER(aborted_had_ms), DREAM_RECEIPT_MEMBER(aborted_need_ms),
 };
 #undef DREAM_RECEIPT_MEMBER
 
 // The last member ends the struct (up to its alignment): a member appended
 // to the struct but not to the table fails the build here.
-static_assert(offsetof(dream_receipt, group_reply) + sizeof(((dream_receipt *) nullptr)->group_reply) + alignof(dream_receipt) >
+static_assert(offsetof(dream_receipt, aborted_need_ms) + sizeof(((dream_receipt *) nullptr)->aborted_need_ms) + alignof(dream_receipt) >
               sizeof(dream_receipt), "k_receipt_layout must end with the last member of struct dream_receipt");
 
 extern "C" int32_t dream_receipt_layout(const dream_field_layout ** fields, size_t * struct_size) {

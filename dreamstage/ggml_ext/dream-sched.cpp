@@ -227,34 +227,82 @@ static uint64_t dream_segment_key(ggml_cgraph * g) {
     return ((uint64_t) n_nodes << 40) ^ (uint64_t) ggml_nelements(ggml_graph_node(g, 0));
 }
 
+namespace {
+// The CPU backend's abort callback while a segment runs under a time limit:
+// true from the first node that ends at or after `at` (ggml checks it between nodes).
+struct dream_abort_clock {
+    dream_deadline_t at;
+    bool fired = false;
+};
+
+bool dream_abort_due(void * data) {
+    auto * a = (dream_abort_clock *) data;
+    a->fired = a->fired || std::chrono::steady_clock::now() >= a->at;
+    return a->fired;
+}
+
+// Serving's abort callback is put back on every exit.
+struct dream_abort_scope {
+    llama_context * lctx = nullptr;
+    ~dream_abort_scope() {
+        if (lctx) {
+            dream_context_access::set_cpu_abort(*lctx, nullptr, nullptr);
+        }
+    }
+};
+}
+
 // Computes g on the CPU backend in segments from *next_node, stopping between two once the
-// deadline passed (GGML_STATUS_ABORTED, *next_node the first node not computed).
+// deadline (if any) passed (GGML_STATUS_ABORTED, *next_node the first node not computed);
+// with abort_at, a segment still running then is aborted between two nodes
+// (GGML_STATUS_ABORTED, ds.exec.aborted set, ds.exec.aborted_need_ms the rest as last measured).
 static ggml_status dream_sched_compute_segments(dream_stage & ds, ggml_cgraph * g, ggml_backend_t cpu,
-                                                const dream_deadline_t & deadline, int32_t * next_node) {
+                                                const dream_deadline_t * deadline, int32_t * next_node,
+                                                const dream_deadline_t * abort_at) {
     const int n_nodes = ggml_graph_n_nodes(g);
     // A segment is begun only when it is predicted to end before the
     // deadline (what it took when this shape last ran; unknown: 0). The
-    // first segment of a call always runs, so every call makes progress.
+    // first segment of a call always runs, so every call makes progress
+    // (unless the time limit aborts it: the pacer then shrinks the chunk).
     if (ds.exec.segment_ms.size() > DREAM_SEGMENT_SHAPES) {
         ds.exec.segment_ms.clear();
     }
     std::vector<float> & took = ds.exec.segment_ms[dream_segment_key(g)];
     took.resize((n_nodes + DREAM_SEGMENT_NODES - 1) / DREAM_SEGMENT_NODES, 0.0f);
+    dream_abort_clock clock;
+    dream_abort_scope restore;
+    if (abort_at) {
+        clock.at = *abort_at;
+        restore.lctx = ds.lctx;
+        dream_context_access::set_cpu_abort(*ds.lctx, dream_abort_due, &clock);
+    }
     for (int i = *next_node; i < n_nodes; i += DREAM_SEGMENT_NODES) {
         const auto t_seg = std::chrono::steady_clock::now();
         const float predicted = took[i / DREAM_SEGMENT_NODES];
-        if (i > *next_node &&
-            t_seg + std::chrono::duration<double, std::milli>(predicted) >= deadline) {
+        if (deadline && i > *next_node &&
+            t_seg + std::chrono::duration<double, std::milli>(predicted) >= *deadline) {
             *next_node = i;
             return GGML_STATUS_ABORTED;
         }
         ggml_cgraph view = ggml_graph_view(g, i, std::min(n_nodes, i + DREAM_SEGMENT_NODES));
         const ggml_status st = ggml_backend_graph_compute(cpu, &view);
+        const float ms =
+            (float) std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_seg).count();
+        if (st == GGML_STATUS_ABORTED && clock.fired) {
+            // the segment takes at least this long now: the deadline stops before it next time
+            took[i / DREAM_SEGMENT_NODES] = std::max(took[i / DREAM_SEGMENT_NODES], ms);
+            double rest = 0;
+            for (size_t j = (size_t) i / DREAM_SEGMENT_NODES + 1; j < took.size(); ++j) {
+                rest += took[j];
+            }
+            ds.exec.aborted = true;
+            ds.exec.aborted_need_ms = std::max(0.0, (double) predicted - ms) + rest;
+            return GGML_STATUS_ABORTED;
+        }
         if (st != GGML_STATUS_SUCCESS) {
             return st;
         }
-        took[i / DREAM_SEGMENT_NODES] =
-            (float) std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_seg).count();
+        took[i / DREAM_SEGMENT_NODES] = ms;
     }
     *next_node = n_nodes;
     return GGML_STATUS_SUCCESS;
@@ -262,8 +310,10 @@ static ggml_status dream_sched_compute_segments(dream_stage & ds, ggml_cgraph * 
 
 ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, bool allocated,
                                 const std::function<void()> & set_inputs, const dream_deadline_t * deadline,
-                                int32_t * next_node) {
+                                int32_t * next_node, const dream_deadline_t * abort_at) {
     ggml_backend_sched_t se = ds.exec.sched_exec.get();
+    ds.exec.aborted = false;
+    ds.exec.aborted_need_ms = 0;
     // (the exec scheduler was reset before the graph was built; a reset here
     // would drop the backend pins the build set)
     if (!allocated) {
@@ -288,9 +338,9 @@ ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched,
     // with another backend in it runs to its end.
     ds.exec.last_one_cpu_split = cpu && ggml_backend_sched_get_n_splits(se) == 1 && n_nodes > 0 &&
                             ggml_backend_sched_get_tensor_backend(se, ggml_graph_node(g, n_nodes - 1)) == cpu;
-    if (deadline && next_node && ds.exec.last_one_cpu_split) {
+    if ((deadline || abort_at) && next_node && ds.exec.last_one_cpu_split) {
         ds.exec.last_n_splits = 1;
-        return dream_sched_compute_segments(ds, g, cpu, *deadline, next_node);
+        return dream_sched_compute_segments(ds, g, cpu, deadline, next_node, abort_at);
     }
     if (next_node && *next_node > 0) {
         return GGML_STATUS_FAILED;                  // only a segmented graph goes on from a node

@@ -44,6 +44,19 @@ struct dream_context_access {
             set_n_threads(backend, n);
         }
     }
+    // the CPU backend's abort callback: the stage's own while a training graph
+    // runs (cb), serving's again after (cb null: llama_set_abort_callback's)
+    static void set_cpu_abort(llama_context & c, ggml_abort_callback cb, void * data) {
+        if (c.backend_cpu == nullptr) {
+            return;
+        }
+        auto * reg = ggml_backend_dev_backend_reg(ggml_backend_get_device(c.backend_cpu));
+        auto * set_abort = (ggml_backend_set_abort_callback_t) ggml_backend_reg_get_proc_address(
+            reg, "ggml_backend_set_abort_callback");
+        if (set_abort) {
+            set_abort(c.backend_cpu, cb ? cb : c.abort_callback, cb ? data : c.abort_callback_data);
+        }
+    }
     // removes an adapter the stage is about to free from serving's set
     static void detach_lora(llama_context & c, llama_adapter_lora * a) {
         if (c.loras && c.loras->erase(a)) {
@@ -225,6 +238,9 @@ struct dream_exec_state {
     bool    graph_reuse  = true;    // dream_set_graph_reuse
     int64_t graph_reuses = 0;       // micro-steps that reused the step graph
     double  step_deadline_ms = 0;   // dream_set_step_deadline; <= 0: none
+    double  step_abort_ms = 0;      // dream_set_step_abort; <= 0: none
+    bool    aborted = false;        // the last segmented compute was aborted inside a segment (abort callback)
+    double  aborted_need_ms = 0;    // ... and the time the step needed, estimated
     dream_suspended_step suspended; // a step stopped at its deadline, continued by the next micro-step
     // per graph shape, how long each segment took when it last ran: a segment
     // predicted to end past the deadline is not begun
@@ -355,10 +371,12 @@ bool   dream_sched_plan(dream_stage & ds, ggml_cgraph * g, dream_graph_plan & pl
 // earlier step, no second allocation), sets its inputs (when given) and computes it. With a deadline and next_node (the first node to
 // compute), a graph wholly on the CPU backend runs in segments and stops
 // between two once the deadline passed: GGML_STATUS_ABORTED, *next_node the
-// first node not computed (dream_set_step_deadline).
+// first node not computed (dream_set_step_deadline). With abort_at too, a segment
+// still running then is aborted between two nodes: GGML_STATUS_ABORTED with
+// ds.exec.aborted set, the graph's results partial (dream_set_step_abort).
 ggml_status dream_sched_compute(dream_stage & ds, ggml_cgraph * g, bool batched, bool allocated,
                                 const std::function<void()> & set_inputs, const dream_deadline_t * deadline = nullptr,
-                                int32_t * next_node = nullptr);
+                                int32_t * next_node = nullptr, const dream_deadline_t * abort_at = nullptr);
 void dream_step_graph_drop(dream_stage & ds);
 void dream_suspended_drop(dream_stage & ds);   // forgets a stopped step: its cells reverted, its graph freed
 void   dream_sched_release(dream_stage & ds);         // ends the exec scheduler's use of the last graph

@@ -45,11 +45,13 @@ struct dream_graph_scope {
 };
 }
 
-// When a micro-step that began at t_start is stopped (dream_set_step_deadline).
-static dream_deadline_t dream_step_deadline(const dream_stage & ds, std::chrono::steady_clock::time_point t_start) {
+// When a micro-step that began at t_start is stopped (dream_set_step_deadline), or `ms` after it.
+static dream_deadline_t dream_step_deadline(const dream_stage & ds, std::chrono::steady_clock::time_point t_start,
+                                            double ms = -1) {
     return t_start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                         std::chrono::duration<double, std::milli>(ds.exec.step_deadline_ms));
+                         std::chrono::duration<double, std::milli>(ms >= 0 ? ms : ds.exec.step_deadline_ms));
 }
+
 
 // After a step's graph computed: the device pools it grew, its loss and its gradient.
 static bool dream_step_read(dream_stage & ds, dream_receipt & r, dream_step_graph & sgraph, bool train, bool need_opt_state) {
@@ -104,6 +106,17 @@ struct dream_step_shape {
 };
 }
 
+// A step aborted at its time limit (dream_set_step_abort), already undone by the caller: its receipt.
+static int32_t dream_step_aborted(dream_stage & ds, dream_receipt & r, const dream_step_run & run) {
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - run.t_start).count();
+    r.aborted_had_ms = ds.exec.step_abort_ms;
+    r.aborted_need_ms = ms + ds.exec.aborted_need_ms;
+    dream_receipt_message(r, "aborted at the step's time limit of %.1f ms (it needed about %.1f ms): chunk at %d "
+                          "(%d tokens) undone, the next micro-step starts it again", r.aborted_had_ms,
+                          r.aborted_need_ms, run.chunk.p, run.chunk.n);
+    return DREAM_STATUS_ABORTED;
+}
+
 // Ends a micro-step's receipt with status; a refused or failed step frees the adjoint buffers it made.
 static int32_t dream_step_finish(dream_stage & ds, dream_receipt & r, const dream_step_run & run, int32_t status) {
     r.status = status;
@@ -142,9 +155,15 @@ static int32_t dream_step_resume(dream_stage & ds, dream_receipt & r, dream_step
     r.graph_mib = su.graph_mib;
     std::snprintf(r.walk_pass, sizeof(r.walk_pass), "%s", su.train ? "backward" : "forward");
     const dream_deadline_t deadline = dream_step_deadline(ds, run.t_start);
+    const dream_deadline_t abort_at = dream_step_deadline(ds, run.t_start, ds.exec.step_abort_ms);
     const ggml_status st = dream_sched_compute(ds, ds.exec.step_graph.gb, su.batched, true, nullptr,
-                                               ds.exec.step_deadline_ms > 0 ? &deadline : nullptr, &su.next_node);
+                                               ds.exec.step_deadline_ms > 0 ? &deadline : nullptr, &su.next_node,
+                                               ds.exec.step_abort_ms > 0 ? &abort_at : nullptr);
     ds.exec.last_step_stoppable = true;            // it stopped once
+    if (st == GGML_STATUS_ABORTED && ds.exec.aborted) {
+        dream_suspended_drop(ds);                   // the parts computed before go too: the chunk starts again
+        return dream_step_aborted(ds, r, run);
+    }
     if (st == GGML_STATUS_ABORTED) {
         dream_receipt_message(r, "stopped at the step deadline of %.1f ms again, %d of %d graph nodes computed: the "
                               "next micro-step goes on with chunk at %d (%d tokens)", ds.exec.step_deadline_ms,
@@ -636,13 +655,22 @@ static int32_t dream_step_compute(dream_stage & ds, dream_receipt & r, const dre
     dream_step_graph & sgraph = reuse ? ds.exec.step_graph : fresh;
     // the step deadline (dream_set_step_deadline): only a graph that writes
     // nothing but this chunk's own cache cells may stop midway and go on later
-    const bool stoppable = ds.exec.step_deadline_ms > 0 && !c.backward_pass && c.group_reply < 0;
+    // (and only such a graph may be aborted at the time limit: undoing it is reverting those cells)
+    const bool can_stop = !c.backward_pass && c.group_reply < 0;
+    const bool stoppable = ds.exec.step_deadline_ms > 0 && can_stop;
+    const bool abortable = ds.exec.step_abort_ms > 0 && can_stop;
     const dream_deadline_t deadline = dream_step_deadline(ds, run.t_start);
+    const dream_deadline_t abort_at = dream_step_deadline(ds, run.t_start, ds.exec.step_abort_ms);
     int32_t next_node = 0;
     const ggml_status st = dream_sched_compute(ds, sgraph.gb, c.n > 1, reuse,
                                                [&] { dream_step_set_inputs(ds, sgraph, sh, c.p, mctx); },
-                                               stoppable ? &deadline : nullptr, &next_node);
-    ds.exec.last_step_stoppable = !c.backward_pass && c.group_reply < 0 && ds.exec.last_one_cpu_split;
+                                               stoppable ? &deadline : nullptr, &next_node,
+                                               abortable ? &abort_at : nullptr);
+    ds.exec.last_step_stoppable = can_stop && ds.exec.last_one_cpu_split;
+    if (st == GGML_STATUS_ABORTED && ds.exec.aborted) {
+        // nothing read, accumulated or advanced; the scope drops the graph and reverts the chunk's cells
+        return dream_step_aborted(ds, r, run);
+    }
     if (st == GGML_STATUS_ABORTED && stoppable) {
         return dream_step_suspend(ds, r, run, sh, fresh, scope, keepable, reuse, need_opt_state, next_node);
     }

@@ -30,6 +30,7 @@ LLAMA_API const char * dream_build_info(void);
 #define DREAM_STATUS_REFUSED 1
 #define DREAM_STATUS_ERROR   2
 #define DREAM_STATUS_STOPPED 3   // stopped at its deadline; the next micro-step goes on with it (dream_set_step_deadline)
+#define DREAM_STATUS_ABORTED 4   // aborted at its time limit and undone; the next micro-step starts the chunk again (dream_set_step_abort)
 
 // One receipt per micro-step (and one for dream_init). Field names are the
 // canonical ones, kept unchanged in Python, the job store and the HTTP API
@@ -60,6 +61,8 @@ struct dream_receipt {
     double  refused_allowance_mib;
     char    message[512];           // what did not fit / what failed; "" when ok
     int32_t group_reply;            // shared-prefix group: the reply this chunk walked, G for the shared prefix; -1: no group
+    double  aborted_had_ms;         // aborted: the time limit the step had (dream_set_step_abort); 0 unless aborted
+    double  aborted_need_ms;        // aborted: the time it needed, estimated (computed so far + the rest as last measured)
 };
 
 // One member of a struct as this library was compiled: a binding compares
@@ -283,6 +286,17 @@ LLAMA_API bool dream_optimizer_on_device(const struct dream_stage * ds);
 // sweep); a reverse-pass chunk and a group's chunks always finish, as does a
 // graph with a GPU in it. ms <= 0: no deadline (the default).
 LLAMA_API void dream_set_step_deadline(struct dream_stage * ds, double ms);
+
+// A hard time limit for the micro-steps that follow, later than the deadline
+// (a segment begun before the deadline may run past it on a crowded machine).
+// A step that could stop at the deadline (see above) and is still computing `ms`
+// after it began is aborted between two graph nodes through the CPU backend's
+// abort callback and undone: its cache cells reverted, a stopped part dropped,
+// nothing accumulated, the walk where it was. It returns DREAM_STATUS_ABORTED
+// with aborted_had_ms and aborted_need_ms; the next micro-step starts the chunk
+// again. Steps that cannot stop, and graphs with a GPU in them, are never
+// aborted. ms <= 0: no limit (the default).
+LLAMA_API void dream_set_step_abort(struct dream_stage * ds, double ms);
 
 // Bytes of serving's compute buffers on ctx, all devices. Training graphs run
 // on the stage's own schedulers, so a micro-step or a refusal never changes it.

@@ -61,7 +61,7 @@ class StepRan:
     tokens: int             # the chunk's tokens
     threads: int
     trains: bool            # it had loss tokens
-    kind: str               # "ok" | "stopped" (at its deadline) | "resumed" (the rest of a stopped step)
+    kind: str               # "ok" | "stopped" (at its deadline) | "resumed" (the rest of a stopped step) | "aborted"
     native_ms: float
     before_s: float         # the pause's time before the native step
 
@@ -267,12 +267,15 @@ class JobProgram:
             deadline = self._shaper.deadline_ms()
             # the deadline is on the native step; the pause began earlier
             trainer.set_step_deadline(None if deadline is None else max(1.0, deadline - 1000.0 * before))
+            limit = self._shaper.abort_ms()
+            trainer.set_step_abort(None if limit is None else max(1.0, limit - 1000.0 * before))
         receipt = clear_receipt(threads_of.run(threads, trainer.micro_step), spec)
         self.stats.record(receipt)
         # for the shaper: a whole step, a stopped part, or the end of a stopped step (record_rest)
-        kind = "stopped" if receipt.status == "stopped" else "resumed" if lp.resume_threads is not None else "ok"
+        kind = (receipt.status if receipt.status in ("stopped", "aborted")
+                else "resumed" if lp.resume_threads is not None else "ok")
         self._step_ran = (StepRan(receipt.chunk_tokens, threads, receipt.tokens > 0, kind, receipt.ms, before)
-                          if receipt.status in ("ok", "stopped") else None)
+                          if receipt.status in ("ok", "stopped", "aborted") else None)
         lp.resume_threads = threads if receipt.status == "stopped" else None
         if (self._shaper is not None and self._shaper.keep_chunk and not group and receipt.status == "ok"
                 and spec.pacing.max_pause_ms is not None and receipt.ms > spec.pacing.max_pause_ms

@@ -34,6 +34,9 @@ def new_progress(spec: JobSpec) -> dict[str, Any]:
         # micro-steps stopped at the pause deadline (the next one went on with
         # the chunk) and the time of their parts (in train_ms too)
         "stopped": 0, "stopped_ms": 0.0,
+        # micro-steps aborted at the step's time limit and undone (the chunk ran
+        # again later) and the time they took (not in train_ms: nothing came of it)
+        "aborted": 0, "aborted_ms": 0.0,
         # the exact walk: the horizon in use (0: whole window; None: plain walk)
         # and the last micro-step's pass (forward | backward)
         "horizon": (spec.horizon or 0) if spec.exact else None, "walk_pass": None,
@@ -90,6 +93,9 @@ def fold_receipt(p: dict[str, Any], d: Mapping[str, Any]) -> None:
         p["stopped"] = p.get("stopped", 0) + 1          # (a job stored before stops had neither)
         p["stopped_ms"] = p.get("stopped_ms", 0.0) + ms
         p["train_ms"] += ms                             # the step's first part: its time trained too
+    elif d["status"] == "aborted":
+        p["aborted"] = p.get("aborted", 0) + 1          # (a job stored before aborts had neither)
+        p["aborted_ms"] = p.get("aborted_ms", 0.0) + float(d.get("ms") or 0.0)
     if d.get("group"):
         g = dict(d["group"])
         p.setdefault("groups", {})[g.pop("label")] = g

@@ -325,6 +325,8 @@ class DreamScheduler(JobProgram):
                 self._shaper.record_overhead(seconds - ran.before_s - ran.native_ms / 1000.0)
                 if ran.kind == "stopped":
                     self._shaper.record_stopped(seconds, ran.tokens, ran.threads)
+                elif ran.kind == "aborted":
+                    self._shaper.record_aborted(ran.tokens)
                 elif ran.kind == "resumed":
                     self._shaper.record_rest(seconds, ran.tokens, ran.threads, ran.trains)
                 elif ran.kind == "ok":

@@ -103,6 +103,8 @@ class StepShaper:
     FORWARD_TO_TRAIN = 4.0  # a training step over a forward-only one of the same chunk, until both are measured
     DEADLINE = 0.9        # a step still computing at this fraction of the bound stops, goes on later (deadline_ms)...
     MIN_DEADLINE = 0.5    # ...less the pause's own overhead, but never below this fraction
+    ABORT = 1.0           # a step still computing at this fraction of the bound (less overhead) is aborted, undone
+    ABORTS_TO_CUT = 2     # keep_chunk: aborts in a row before the shaper cuts chunks after all
 
     def __init__(self, max_pause_ms: float, rungs: Sequence[int], threads: Sequence[int] = (1,),
                  other_load: Callable[[], float] | None = None, cores: int | None = None,
@@ -141,6 +143,8 @@ class StepShaper:
         self._smallest_at = {True: 0, False: 0}
         self.switches = 0
         self.stops = 0                        # steps stopped at the deadline
+        self.aborts = 0                       # steps aborted at the time limit (abort_ms)
+        self._aborts_in_row = 0
         self._wins: dict[int, int] = {}       # probes in a row that beat the current count
         self._last_seen: dict[int, tuple[int, float]] = {}   # per count: its latest (chunk, seconds)
         self.keep_chunk = bool(keep_chunk)
@@ -332,6 +336,42 @@ class StepShaper:
         room = self.TARGET * self.max_pause_s - self.overhead()
         return max(self.MIN_DEADLINE * self.max_pause_s, min(self.DEADLINE * self.max_pause_s, room)) * 1000.0
 
+    def abort_ms(self) -> float | None:
+        """The time limit after which the next step is aborted between two
+        graph nodes and undone (`Trainer.set_step_abort`), or None: no limit
+        (when there is no deadline either).
+
+        The deadline stops a step between segments, predicted from what each
+        segment took; on a crowded machine a segment begun in time may still
+        run far past the bound (the pause was 11.7 s at p95 under four busy loops
+        per core). The limit is `ABORT` of the bound less the pauses' overhead,
+        and never before the deadline."""
+        deadline = self.deadline_ms()
+        if deadline is None:
+            return None
+        return max(deadline, (self.ABORT * self.max_pause_s - self.overhead()) * 1000.0)
+
+    def record_aborted(self, chunk_tokens: int) -> None:
+        """After a step aborted at its time limit (undone: the walk starts the
+        chunk again). The parts of a stopped step are gone with it. Where chunks
+        are cut, the next is a rung smaller, held like after a step over the bound;
+        with `keep_chunk` the chunk stays once (the native step now knows the slow
+        segment, so the deadline stops before it), and `ABORTS_TO_CUT` aborts in a
+        row cut chunks from then on (`cut`)."""
+        self.aborts += 1
+        self._aborts_in_row += 1
+        self._stopped_s = 0.0
+        self._probe = None
+        if self.keep_chunk:
+            if self._aborts_in_row >= self.ABORTS_TO_CUT:
+                self.cut()
+            return
+        self._exploring = None
+        if chunk_tokens > self.rungs[-1]:
+            self.chunk = self._rung_below(chunk_tokens - 1)
+            self._hold = (self.chunk, self.HOLD_STEPS)
+        self._last_slow = True
+
     def _probe_lost(self, threads: int) -> None:
         """A probe of `threads` did not win: its run of wins ends and the next
         probe of that count waits twice as long (up to MAX_PROBE_EVERY)."""
@@ -373,6 +413,7 @@ class StepShaper:
         used, and whether it trained (had loss tokens) or only ran forward."""
         if chunk_tokens <= 0:
             return
+        self._aborts_in_row = 0
         self._last_seen[threads] = (chunk_tokens, seconds)
         if self._probe is not None and threads == self._probe:
             self._probe = None
@@ -444,11 +485,13 @@ class StepShaper:
             "dream_threads": self.threads,
             "thread_switches": self.switches,
             "steps_stopped": self.stops,
+            "steps_aborted": self.aborts,
             "chunk_kept": self.keep_chunk,
             "step_ms_predicted": p * 1000.0 if p is not None else None,
             "step_noise": self.noise(),
             "pause_overhead_ms_p95": self.overhead() * 1000.0,
             "step_deadline_ms": self.deadline_ms(),
+            "step_abort_ms": self.abort_ms(),
         }
 
 

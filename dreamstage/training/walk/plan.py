@@ -132,6 +132,8 @@ class Walk:
                 return "retry"          # the native core halved the horizon; the chunk stays
         if status == "stopped":
             return "stopped"            # stopped at the step deadline: the next micro-step goes on with the chunk
+        if status == "aborted":
+            return "aborted"            # aborted at the time limit, undone: the next micro-step starts the chunk again
         if status == "refused":
             nxt = next_chunk(self.chunk, self.floor)
             if nxt is None:

@@ -15,13 +15,15 @@ from typing import Any
 # Importing dreamstage.native is cheap: the library loads on first use.
 from dreamstage.native import DreamReceiptC
 
-STATUS_NAMES = {0: "ok", 1: "refused", 2: "error", 3: "stopped"}
+STATUS_NAMES = {0: "ok", 1: "refused", 2: "error", 3: "stopped", 4: "aborted"}
 RECEIPT_STATUSES = tuple(STATUS_NAMES.values())
 
 
 @dataclass(frozen=True)
 class Receipt:
-    status: str                 # ok | refused | error | stopped (at the step deadline; the next micro-step goes on)
+    # ok | refused | error | stopped (at the step deadline; the next micro-step goes on)
+    # | aborted (at the step's time limit, undone; the next micro-step starts the chunk again)
+    status: str
     step: int
     window: int
     chunk: int
@@ -46,6 +48,8 @@ class Receipt:
     refused_allowance_mib: float
     message: str
     group_reply: int = -1       # shared-prefix group: the reply this chunk walked, G for the shared prefix; -1: none
+    aborted_had_ms: float = 0.0   # aborted: the time limit the step had; 0 unless aborted
+    aborted_need_ms: float = 0.0  # aborted: the time it needed, estimated
 
     @classmethod
     def from_c(cls, c: DreamReceiptC) -> Receipt:
@@ -123,7 +127,8 @@ _NOTHING_WALKED = asdict(Receipt(
     status="ok", step=0, window=-1, chunk=0, chunk_pos=0, chunk_tokens=0, context_cache_type="", recompute=False,
     exact=False, horizon=-1, walk_pass="", loss=0.0, tokens=0, ms=0.0, graph_mib=0.0, context_mib=0.0,
     adapter_mib=0.0, optimizer_mib=0.0, walk_mib=0.0, refused_chunk_pos=-1, refused_chunk_tokens=0,
-    refused_need_mib=0.0, refused_allowance_mib=0.0, message="", group_reply=-1))
+    refused_need_mib=0.0, refused_allowance_mib=0.0, message="", group_reply=-1, aborted_had_ms=0.0,
+    aborted_need_ms=0.0))
 
 
 def kind_receipt(kind: str, *, step: int, ms: float, memory: dict[str, Any] | None = None, message: str = "",

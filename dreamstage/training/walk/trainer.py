@@ -365,6 +365,15 @@ class Trainer(NativeOwner):
             raise ValueError(f"step deadline must be a finite number of ms or None, got {ms!r}")
         self.L.dream_set_step_deadline(self._handle(), float(ms) if ms is not None and ms > 0 else 0.0)
 
+    def set_step_abort(self, ms: float | None) -> None:
+        """Abort a micro-step that could stop at a deadline but is still
+        computing `ms` after it began, between two graph nodes, and undo it
+        (status "aborted"; the next micro_step starts the chunk again). None or
+        <= 0: no limit. CPU graphs only, as the deadline (dream_set_step_abort)."""
+        if ms is not None and not (isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms)):
+            raise ValueError(f"step time limit must be a finite number of ms or None, got {ms!r}")
+        self.L.dream_set_step_abort(self._handle(), float(ms) if ms is not None and ms > 0 else 0.0)
+
     @property
     def last_step_stoppable(self) -> bool:
         """Whether the last micro-step could have stopped at a step deadline: a
