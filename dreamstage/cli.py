@@ -26,10 +26,21 @@ def _check_bind(host: str, port: int) -> None:
             raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+# Connection limits (server/connections.py): flag help; each default is ServerSettings'.
+CONNECTION_FLAGS = {
+    "max_connections": (int, "open connections in all before new ones get 503 (lowered to fit the open-file limit)"),
+    "max_connections_per_client": (int, "open connections from one client address (0: no limit, e.g. behind a "
+                                        "proxy)"),
+    "header_timeout_s": (float, "seconds a request's head may take from its first byte (Slowloris)"),
+    "body_timeout_s": (float, "seconds a request's body may take after its head"),
+    "keep_alive_s": (int, "seconds an idle keep-alive connection stays open"),
+    "fd_reserve": (int, "file descriptors connections never take, for /health, the state store and model files"),
+}
+
 # `serve` flags that set a ServerSettings field of the same name. A flag not
 # given leaves the field to DREAMSTAGE_<FIELD>, else to ServerSettings' default.
 SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "batch", "threads", "kv_type", "adapter", "max_queue",
-                "max_body_bytes", "n_gpu_layers", "api_key")
+                "max_body_bytes", "n_gpu_layers", "api_key") + tuple(CONNECTION_FLAGS)
 
 
 def serve_settings(args: argparse.Namespace):
@@ -309,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an origin (https://app.example) that gets CORS headers (repeatable; default none)")
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help=f"larger request bodies get 413 (default {default['max_body_bytes']})")
+    for name, (kind, text) in CONNECTION_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
+                       help=f"{text} (default {default[name]})")
     for name, f in JobLimits.__dataclass_fields__.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None,
                        help=f"training limit (default {f.default})")

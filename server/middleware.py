@@ -6,10 +6,13 @@
   (`"\\ud800"` parses in Python, but cannot be encoded, so it would blow up in
   the tokenizer), gets 400 naming the field. Such text never reaches a route,
   a job or the engine thread.
-- A JSON body with an object of more than MAX_OBJECT_KEYS keys, or nested
-  deeper than MAX_JSON_DEPTH, gets 413 naming the bound: validating 300,000
-  unknown keys took seconds on the event loop, which carries every stream.
-  Large bodies are checked on a worker thread.
+- A JSON body with an object of more than MAX_OBJECT_KEYS keys, nested
+  deeper than MAX_JSON_DEPTH, or with a string longer than MAX_STRING_CHARS,
+  gets 413 naming the bound: validating 300,000 unknown keys took seconds on
+  the event loop, which carries every stream. The check is a scan of the
+  raw bytes that builds nothing (json.loads would hold the GIL, and so the
+  event loop, for the whole parse of a hostile body); large bodies are
+  scanned on a worker thread, in small steps the event loop runs between.
 """
 from __future__ import annotations
 
@@ -29,57 +32,51 @@ _INLINE_CHECK_BYTES = 64 << 10
 # schema is far smaller) and nesting (a tool's JSON schema is the deepest we take).
 MAX_OBJECT_KEYS = 4096
 MAX_JSON_DEPTH = 64
+# One JSON string (a prompt, a message): longer than any slot's context holds
+# (1 Mi characters is about 250k tokens), and a key this long is no field.
+MAX_STRING_CHARS = 1 << 20
 
-
-class _TooManyKeys(Exception):
-    pass
-
-
-def _bounded_object(pairs):
-    if len(pairs) > MAX_OBJECT_KEYS:
-        raise _TooManyKeys
-    return dict(pairs)
-
-
-def _depth(obj) -> int:
-    """How deeply `obj` nests (a scalar: 0); iterative, stops past MAX_JSON_DEPTH."""
-    deepest, stack = 0, [(obj, 1)]
-    while stack:
-        value, d = stack.pop()
-        if isinstance(value, dict | list):
-            deepest = max(deepest, d)
-            if deepest > MAX_JSON_DEPTH:
-                return deepest
-            stack.extend((v, d + 1) for v in (value.values() if isinstance(value, dict) else value))
-    return deepest
+# The scan's tokens: a whole string (escapes included), a bracket, a colon.
+_SHAPE_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\]:]')
 
 
 def body_shape_problem(raw: bytes) -> tuple[str, str] | None:
     """(param, message) when a JSON body is larger in shape than a request can be, else None
     (a body that does not parse is left to the route, which names what is wrong)."""
-    if raw.count(b":") <= MAX_OBJECT_KEYS and raw.count(b"{") + raw.count(b"[") <= MAX_JSON_DEPTH:
-        return None                     # too few keys and brackets to break either bound: no parse
-    try:
-        parsed = json.loads(raw, object_pairs_hook=_bounded_object)
-    except _TooManyKeys:
-        return "body", f"body: an object has more than {MAX_OBJECT_KEYS} keys (MAX_OBJECT_KEYS)"
-    except RecursionError:
-        return "body", f"body: nested deeper than {MAX_JSON_DEPTH} levels (MAX_JSON_DEPTH)"
-    except ValueError:
-        return None
-    if _depth(parsed) > MAX_JSON_DEPTH:
-        return "body", f"body: nested deeper than {MAX_JSON_DEPTH} levels (MAX_JSON_DEPTH)"
+    if (raw.count(b":") <= MAX_OBJECT_KEYS and raw.count(b"{") + raw.count(b"[") <= MAX_JSON_DEPTH
+            and len(raw) <= MAX_STRING_CHARS):
+        return None                     # too few keys, brackets and bytes to break a bound: no scan
+    keys: list[int] = []                # per open object its keys so far; -1 for an open list
+    for m in _SHAPE_TOKEN.finditer(raw):
+        tok = m.group()
+        first = tok[:1]
+        if first == b'"':
+            # characters as written (an escape counts its own), not bytes: UTF-8 takes up to 4 per character
+            if len(tok) - 2 > MAX_STRING_CHARS and len(tok.decode("utf-8", "replace")) - 2 > MAX_STRING_CHARS:
+                return "body", f"body: a string is longer than {MAX_STRING_CHARS} characters (MAX_STRING_CHARS)"
+        elif first == b":":
+            if keys and keys[-1] >= 0:
+                keys[-1] += 1
+                if keys[-1] > MAX_OBJECT_KEYS:
+                    return "body", f"body: an object has more than {MAX_OBJECT_KEYS} keys (MAX_OBJECT_KEYS)"
+        elif first in (b"{", b"["):
+            keys.append(0 if first == b"{" else -1)
+            if len(keys) > MAX_JSON_DEPTH:
+                return "body", f"body: nested deeper than {MAX_JSON_DEPTH} levels (MAX_JSON_DEPTH)"
+        elif keys:
+            keys.pop()
     return None
 
 
 def _check_body(raw: bytes) -> tuple[int, str, str, str] | None:
-    """(status, param, message, code) for a body refused at the edge, else None."""
-    problem = body_text_problem(raw)
-    if problem is not None:
-        return 400, *problem, "invalid_text"
+    """(status, param, message, code) for a body refused at the edge, else None.
+    The shape first: the text check may parse the body, which a hostile shape must never reach."""
     problem = body_shape_problem(raw)
     if problem is not None:
         return 413, *problem, "body_too_complex"
+    problem = body_text_problem(raw)
+    if problem is not None:
+        return 400, *problem, "invalid_text"
     return None
 
 

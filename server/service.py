@@ -30,6 +30,7 @@ def run_uvicorn(service: Service, app, *, host: str, port: int, log_level: str =
     marks the job interrupted and frees native memory."""
     import uvicorn
 
+    from dreamstage.server.connections import uvicorn_config
     from dreamstage.server.openai_routes import SHUTDOWN_GRACE_S
 
     class _Server(uvicorn.Server):
@@ -42,8 +43,8 @@ def run_uvicorn(service: Service, app, *, host: str, port: int, log_level: str =
         raise _Terminated()
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    server = _Server(uvicorn_config(app, service.settings.connection_limits(), host=host, port=port,
+                                    log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     try:
         server.run()
     except (_Terminated, KeyboardInterrupt):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dreamstage.server.connections import ConnectionLimits
 from dreamstage.server.security import SecurityPolicy, is_loopback
 from dreamstage.serving.resident import KV_TYPES, ResidentConfig
 from dreamstage.training.jobs.submit import JobLimits
@@ -39,6 +40,14 @@ class ServerSettings(BaseSettings):
     adapter: str | None = None        # a GGUF LoRA to import and serve at startup (--adapter)
     max_queue: int = Field(default=64, ge=0)           # requests that may wait for a slot before 503
     max_body_bytes: int = Field(default=4 << 20, ge=1024)   # larger request bodies get 413
+    # Connections (server/connections.py): past a limit a new connection gets a
+    # fixed 503 and is closed unread; a head or body slower than its timeout is cut.
+    max_connections: int = Field(default=4096, ge=1)   # in all (lowered to fit the open-file limit)
+    max_connections_per_client: int = Field(default=64, ge=0)   # per client address; 0: none (behind a proxy)
+    header_timeout_s: float = Field(default=10.0, gt=0)    # a request's head, from its first byte
+    body_timeout_s: float = Field(default=60.0, gt=0)      # its body, from the end of the head
+    keep_alive_s: int = Field(default=5, ge=1)             # an idle keep-alive connection is closed
+    fd_reserve: int = Field(default=128, ge=16)            # descriptors connections never take
     retry_after_s: int = 1            # Retry-After on 503
     model_alias: str | None = None    # the id /v1/models reports; default: the file's stem
     n_gpu_layers: int = -1            # layers on the GPU (-ngl); negative: all; 0: none
@@ -73,6 +82,11 @@ class ServerSettings(BaseSettings):
                              "with --no-train")
         self.limits.validate()
         return self
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(max_connections=self.max_connections, max_per_client=self.max_connections_per_client,
+                                header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+                                keep_alive_s=self.keep_alive_s, fd_reserve=self.fd_reserve)
 
     def security(self) -> SecurityPolicy:
         return SecurityPolicy.for_bind(self.host, self.api_key, self.allowed_hosts)

@@ -8,6 +8,7 @@ import threading
 import uvicorn
 
 from dreamstage.server.app import create_app
+from dreamstage.server.connections import uvicorn_config
 from dreamstage.server.service import Service
 from dreamstage.server.settings import ServerSettings
 from dreamstage.serving.engine import DreamHook
@@ -23,7 +24,9 @@ class BackgroundServer:
         self._sock.bind((settings.host, 0))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://{settings.host}:{self.port}"
-        config = uvicorn.Config(create_app(self.service), log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn_config(create_app(self.service), settings.connection_limits(), log_level="warning",
+                                timeout_graceful_shutdown=2)
+        self.connections = config.connection_book          # the limits in force and what they refused
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="dreamstage-uvicorn", daemon=True)

@@ -7,6 +7,7 @@ import json
 import os
 import stat
 import threading
+import time
 from urllib.parse import quote
 
 import httpx
@@ -15,19 +16,21 @@ from background_server import BackgroundServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dreamstage.server.middleware import MAX_JSON_DEPTH, MAX_OBJECT_KEYS
+from dreamstage.server.middleware import MAX_JSON_DEPTH, MAX_OBJECT_KEYS, MAX_STRING_CHARS
 from dreamstage.server.settings import JobLimits, ServerSettings
 
 JSON = {"Content-Type": "application/json"}
 LIMITS = JobLimits(max_job_examples=1000, max_example_tokens=400, max_job_tokens=3000, max_queued_jobs=1,
                    max_queued_tokens=3000)
 IM_START = "<|im_start|>"
+PER_CLIENT = 16
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
-    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(state), limits=LIMITS, max_queue=4)
+    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(state), limits=LIMITS, max_queue=4,
+                              max_connections_per_client=PER_CLIENT, keep_alive_s=60)
     with BackgroundServer(settings) as srv:
         yield srv
 
@@ -261,6 +264,96 @@ def test_an_object_of_too_many_keys_is_refused_at_the_edge_before_validation(htt
     small = {"prompt": "x", **{f"k{i}": i for i in range(MAX_OBJECT_KEYS - 1)}}
     assert http.post("/v1/completions", json=small).status_code in (200, 400)
     still_serves(http)
+
+
+def test_a_string_longer_than_the_bound_is_refused_naming_it(http):
+    raw = json.dumps({"prompt": "x" * (MAX_STRING_CHARS + 1), "max_tokens": 1}).encode()
+    assert f"longer than {MAX_STRING_CHARS} characters (MAX_STRING_CHARS)" in refused(
+        raw_post(http, "/v1/completions", raw), 413, "body")
+    # at the bound it is text like any other (here: far more than a slot's context)
+    raw = json.dumps({"prompt": "é" * MAX_STRING_CHARS, "max_tokens": 1}, ensure_ascii=False).encode()
+    assert raw_post(http, "/v1/completions", raw).status_code == 400
+
+
+def _stream_gaps(server, during) -> tuple[list[float], list]:
+    """Seconds between a chat stream's events while `during()` runs beside it."""
+    body = {"messages": [{"role": "user", "content": "Count from one to fifty."}], "max_tokens": 40,
+            "temperature": 0, "stream": True}
+    times: list[float] = []
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream():
+        with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as c:
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                for ln in r.iter_lines():
+                    if ln.startswith("data: "):
+                        times.append(time.monotonic())
+                        lines.append(ln)
+                        started.set()
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(300)
+    results = during()
+    t.join(600)
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in ln for ln in lines)
+    return [b - a for a, b in zip(times, times[1:], strict=False)], results
+
+
+def test_hostile_bodies_stall_streams_no_longer_than_normal_requests(http, server):
+    """While a stream runs, hostile bodies (300,000 keys, 100,000 deep, a string past
+    the bound) are refused from a worker thread: the stream's longest token gap is
+    within a generous bound of its longest gap beside as many normal requests."""
+    hostile = [json.dumps({f"k{i}": 0 for i in range(300_000)}, separators=(",", ":")).encode(),
+               b"[" * 100_000 + b"]" * 100_000,
+               json.dumps({"prompt": "x" * (MAX_STRING_CHARS + 1)}).encode()] * 2
+    normal = [json.dumps({"prompt": "The sky is", "max_tokens": 1}).encode()] * len(hostile)
+
+    def post_all(bodies):
+        def run():
+            with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as c:
+                return [c.post("/v1/completions", content=b).status_code for b in bodies]
+        return run
+    gaps_normal, codes = _stream_gaps(server, post_all(normal))
+    assert codes == [200] * len(normal)
+    gaps_hostile, codes = _stream_gaps(server, post_all(hostile))
+    assert codes == [413] * len(hostile)
+    print(f"longest gap beside hostile bodies {max(gaps_hostile):.3f} s, beside normal ones {max(gaps_normal):.3f} s")
+    assert max(gaps_hostile) <= 2 * max(gaps_normal) + 0.25, (max(gaps_hostile), max(gaps_normal))
+
+
+def test_half_open_connections_past_the_per_client_limit_do_not_stop_chat(server):
+    """The real server behind the guarded protocol: an address that holds its
+    PER_CLIENT connections open and silent gets a 503 for the next one, read
+    from nothing; chat from another address, and from the same address on a
+    connection it had open before, goes on."""
+    import socket
+    host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
+    same = httpx.Client(base_url=server.url, timeout=600, headers=JSON,
+                        transport=httpx.HTTPTransport(local_address="127.0.0.7"))
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    assert same.post("/v1/chat/completions", json=chat).status_code == 200
+    socks = []
+    try:
+        for _ in range(PER_CLIENT * 3):
+            s = socket.socket()
+            s.bind(("127.0.0.7", 0))
+            s.settimeout(10)
+            s.connect((host, int(port)))
+            socks.append(s)
+        refused_n = 0
+        for s in socks[PER_CLIENT:]:
+            got = s.recv(64)
+            refused_n += got.startswith(b"HTTP/1.1 503")
+        assert refused_n == len(socks) - PER_CLIENT          # (the client above holds one place)
+        assert server.connections.per_client["127.0.0.7"] == PER_CLIENT
+        with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as other:
+            assert other.post("/v1/chat/completions", json=chat).status_code == 200
+        assert same.post("/v1/chat/completions", json=chat).status_code == 200
+    finally:
+        for s in socks:
+            s.close()
+        same.close()
 
 
 @pytest.mark.parametrize("body,param", [
