@@ -56,6 +56,30 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def wait_healthy(url: str, server: subprocess.Popen, log_path: Path, timeout_s: float = 300) -> bool:
+    """Waits for the server's /health; False (its log's tail on stderr) when it exited or never answered."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            print(log_path.read_text()[-3000:], file=sys.stderr)
+            return False
+        time.sleep(0.2)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM, then a kill after two minutes."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(120)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
 def pct(values, q):
     if not values:
         return None
@@ -152,24 +176,11 @@ def main(argv=None) -> int:
     log = open(state / "server.log", "wb")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                print((state / "server.log").read_text()[-3000:], file=sys.stderr)
-                return 1
-            time.sleep(0.2)
+        if not wait_healthy(url, server, state / "server.log"):
+            return 1
         return run(args, url, server, state)
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(120)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
         log.close()
 
 
