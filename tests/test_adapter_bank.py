@@ -137,7 +137,11 @@ def refs(rm, lora_a, lora_b):
             "base": _run(rm, [(toks, BASE)], None)[0]}
 
 
-def test_mixed_batch_equals_each_adapter_alone(rm, lora_a, lora_b, refs):
+@pytest.mark.parametrize("gather", ["id", "dense"])
+def test_mixed_batch_equals_each_adapter_alone(rm, lora_a, lora_b, refs, gather, monkeypatch):
+    """Both ways of gathering each token's slot (MUL_MAT_ID, the CPU's default; a
+    masked product over every slot, a GPU's), read at the bank's creation."""
+    monkeypatch.setenv("DREAMSTAGE_BANK_GATHER", gather)
     toks = refs["toks"]
     with AdapterBank(rm, 4, max_rank=8) as bank:
         sa, sb = bank.load(lora_a), bank.load(lora_b)

@@ -1,9 +1,16 @@
 // The adapter bank: up to `capacity` GGUF LoRA adapters resident for serving,
 // applied per token inside one decode batch. Per adapted weight the bank keeps
 // every slot's A and B stacked on the weight's device; build_lora_mm's hook
-// (vendor patch 0109) adds B[s] A[s] x with GGML_OP_MUL_MAT_ID gathering each
-// token's slot s from a per-token index input. Stack index 0 is all zero: the
-// tokens on the base model gather it.
+// (vendor patch 0109) adds each token's B[s] A[s] x, s its slot, one of two ways:
+//   id:    GGML_OP_MUL_MAT_ID gathers each token's slot from a per-token index
+//          input (the MoE op; the CPU's way);
+//   dense: one product with every slot's A, a per-token one-hot mask over the
+//          slots, one product with every slot's B (plain MUL_MAT and MUL, so
+//          ggml-cuda keeps its CUDA graphs: its MUL_MAT_ID at a LoRA's rank
+//          takes a path that synchronizes the stream and turns them off).
+// DREAMSTAGE_BANK_GATHER picks; unset: id for weights on the host, dense on a GPU.
+// Stack index 0 is all zero: the tokens on the base model gather it (id) or
+// mask every slot (dense).
 #include "dream-stage.h"
 
 #include "ggml-backend.h"
@@ -19,8 +26,10 @@ namespace {
 
 // One adapted weight: every slot's factors, slot s at stack index s + 1.
 struct bank_stack {
+    bool dense = false;
     ggml_tensor * a = nullptr;   // [n_in, max_rank, capacity + 1]
-    ggml_tensor * b = nullptr;   // [max_rank, n_out, capacity + 1], each slot's scale folded in
+    ggml_tensor * b = nullptr;   // id: [max_rank, n_out, capacity + 1]; dense: [max_rank, capacity + 1, n_out];
+                                 // each slot's scale folded in
     ggml_context_ptr ctx;
     ggml_backend_buffer_ptr buf;
 };
@@ -33,6 +42,7 @@ struct dream_bank {
     ggml_backend_sched_t sched = nullptr;
     int32_t capacity = 0;
     int32_t max_rank = 0;
+    dream_bank_gather gather = DREAM_BANK_AUTO;
     std::unordered_map<const ggml_tensor *, std::unique_ptr<bank_stack>> stacks;   // by model weight
     std::vector<std::string> paths;        // [capacity]; "" = free slot
     uint64_t gen = 0;                      // bumps when a stack is added (the graph's topology changes)
@@ -47,41 +57,67 @@ namespace {
 // One bank per context, found by the context's scheduler (the graph builder's handle).
 std::unordered_map<ggml_backend_sched_t, dream_bank *> g_banks;
 
-// The per-token stack indices of one serving graph: `all` for the ubatch's
-// tokens, `out` for the rows kept for output (the last layer's products).
+// The per-token slots of one serving graph, for the ubatch's tokens (`all`)
+// and for the rows kept for output (`out`, the last layer's products): stack
+// indices (id) and one-hot masks over the stacks (dense), each made when a
+// product first needs it.
 class bank_input : public llm_graph_input_i {
 public:
-    bank_input(dream_bank * bank, ggml_tensor * all) : bank(bank), gen(bank->gen), all(all) {}
+    bank_input(dream_bank * bank, int64_t n_tokens) : bank(bank), gen(bank->gen), n_tokens(n_tokens) {}
 
     void set_input(const llama_ubatch * ub) override {
         const bool mapped = ub->data && ub->data->batch_idxs.size() == ub->n_tokens;
-        std::vector<int32_t> v(ub->n_tokens);
+        std::vector<int32_t> all(ub->n_tokens), out;
         for (uint32_t i = 0; i < ub->n_tokens; ++i) {
             const int32_t bi = mapped ? ub->data->batch_idxs[i] : (int32_t) i;
-            v[i] = bi >= 0 && bi < (int32_t) bank->token_stack.size() ? bank->token_stack[bi] : 0;
-        }
-        ggml_backend_tensor_set(all, v.data(), 0, v.size() * sizeof(int32_t));
-        if (out) {
-            std::vector<int32_t> o;
-            for (uint32_t i = 0; i < ub->n_tokens; ++i) {
-                if (ub->output[i]) {
-                    o.push_back(v[i]);
-                }
+            all[i] = bi >= 0 && bi < (int32_t) bank->token_stack.size() ? bank->token_stack[bi] : 0;
+            if (ub->output[i]) {
+                out.push_back(all[i]);
             }
-            o.resize(out->ne[1], 0);
-            ggml_backend_tensor_set(out, o.data(), 0, o.size() * sizeof(int32_t));
+        }
+        for (int o = 0; o < 2; ++o) {
+            std::vector<int32_t> & v = o ? out : all;
+            if (ids[o]) {
+                v.resize(ids[o]->ne[1], 0);
+                ggml_backend_tensor_set(ids[o], v.data(), 0, v.size() * sizeof(int32_t));
+            }
+            if (mask[o]) {
+                const int64_t n_stack = mask[o]->ne[1];
+                std::vector<float> m(ggml_nelements(mask[o]), 0.0f);
+                for (size_t t = 0; t < v.size() && t < (size_t) mask[o]->ne[2]; ++t) {
+                    if (v[t] > 0) {
+                        m[t * n_stack + v[t]] = 1.0f;
+                    }
+                }
+                ggml_backend_tensor_set(mask[o], m.data(), 0, m.size() * sizeof(float));
+            }
         }
     }
 
     // the graph holds the bank's term for the stacks of generation `gen`
     bool can_reuse(const llm_graph_params & params) override {
-        return bank->armed && bank->gen == gen && all->ne[1] == (int64_t) params.ubatch.n_tokens;
+        return bank->armed && bank->gen == gen && n_tokens == (int64_t) params.ubatch.n_tokens;
+    }
+
+    // the slots of n_tok rows: indices [1, n_tok] (I32) or masks [1, n_stack, n_tok] (F32)
+    ggml_tensor * get(ggml_context * ctx, int64_t n_tok, bool dense) {
+        const int o = n_tok != n_tokens;
+        ggml_tensor *& t = dense ? mask[o] : ids[o];
+        if (!t) {
+            t = dense ? ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, bank->capacity + 1, n_tok)
+                      : ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, n_tok);
+            ggml_format_name(t, "dream_bank_%s%s", dense ? "mask" : "ids", o ? "_out" : "");
+            ggml_set_input(t);
+        }
+        GGML_ASSERT(t->ne[dense ? 2 : 1] == n_tok);
+        return t;
     }
 
     dream_bank * bank;
     uint64_t gen;
-    ggml_tensor * all;
-    ggml_tensor * out = nullptr;
+    int64_t n_tokens;
+    ggml_tensor * ids[2] = { nullptr, nullptr };
+    ggml_tensor * mask[2] = { nullptr, nullptr };
 };
 
 // After the bank's state changed: a graph built in another state is not reused.
@@ -115,7 +151,34 @@ std::vector<float> read_f32(const ggml_tensor * t) {
 }
 
 size_t slot_stride_a(const ggml_tensor * a) { return a->nb[2]; }
-size_t slot_stride_b(const ggml_tensor * b) { return b->nb[2]; }
+
+// Bytes one slot's B takes.
+size_t slot_bytes_b(const bank_stack & st) { return st.b->ne[0] * (st.dense ? st.b->ne[2] : st.b->ne[1]) * sizeof(float); }
+
+// Writes stack index k's B from bp ([max_rank, n_out]; NULL: zeros).
+void write_slot_b(bank_stack & st, int64_t k, const float * bp) {
+    const int64_t r = st.b->ne[0];
+    if (!st.dense) {
+        const size_t sb = st.b->nb[2];
+        if (bp) {
+            ggml_backend_tensor_set(st.b, bp, k * sb, sb);
+        } else {
+            ggml_backend_tensor_memset(st.b, 0, k * sb, sb);
+        }
+        return;
+    }
+    // dense: slot k's rank-row r of output j sits at (j, k): one read-modify-write of the stack
+    std::vector<float> all(ggml_nelements(st.b));
+    ggml_backend_tensor_get(st.b, all.data(), 0, ggml_nbytes(st.b));
+    const int64_t n_stack = st.b->ne[1], n_out = st.b->ne[2];
+    for (int64_t j = 0; j < n_out; ++j) {
+        float * dst = all.data() + (j * n_stack + k) * r;
+        for (int64_t q = 0; q < r; ++q) {
+            dst[q] = bp ? bp[j * r + q] : 0.0f;
+        }
+    }
+    ggml_backend_tensor_set(st.b, all.data(), 0, ggml_nbytes(st.b));
+}
 
 } // namespace
 
@@ -149,27 +212,26 @@ ggml_tensor * dream_hook_bank_mm(ggml_context * ctx, llm_graph_result * res, ggm
         }
     }
     if (!inp) {
-        ggml_tensor * all = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, n_tokens);
-        ggml_set_name(all, "dream_bank_ids");
-        ggml_set_input(all);
-        inp = static_cast<bank_input *>(res->add_input(std::make_unique<bank_input>(&bank, all)));
+        inp = static_cast<bank_input *>(res->add_input(std::make_unique<bank_input>(&bank, n_tokens)));
     }
-    ggml_tensor * ids = inp->all;
-    if (n_tok != n_tokens) {            // the rows kept for output (the last layer after get_rows)
-        if (!inp->out) {
-            inp->out = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, n_tok);
-            ggml_set_name(inp->out, "dream_bank_ids_out");
-            ggml_set_input(inp->out);
-        }
-        GGML_ASSERT(inp->out->ne[1] == n_tok);
-        ids = inp->out;
+    const bank_stack & s = *st->second;
+    const int64_t r = bank.max_rank, n_stack = bank.capacity + 1, n_out = w->ne[1];
+    ggml_tensor * xc = ggml_is_contiguous(x) ? x : ggml_cont(ctx, x);
+    ggml_tensor * term;
+    if (s.dense) {
+        ggml_tensor * mask = inp->get(ctx, n_tok, true);                                       // [1, n_stack, n_tok]
+        ggml_tensor * ax = ggml_mul_mat(ctx, ggml_reshape_2d(ctx, s.a, n_in, r * n_stack),
+                                        ggml_reshape_2d(ctx, xc, n_in, n_tok));                  // [r * n_stack, n_tok]
+        ax = ggml_mul(ctx, ggml_reshape_3d(ctx, ax, r, n_stack, n_tok), mask);                   // other slots zeroed
+        term = ggml_mul_mat(ctx, ggml_reshape_2d(ctx, s.b, r * n_stack, n_out),
+                            ggml_reshape_2d(ctx, ax, r * n_stack, n_tok));                       // [n_out, n_tok]
+    } else {
+        ggml_tensor * ids = inp->get(ctx, n_tok, false);                                       // [1, n_tok]
+        ggml_tensor * ax = ggml_mul_mat_id(ctx, s.a, ggml_reshape_3d(ctx, xc, n_in, 1, n_tok), ids);   // [r, 1, n_tok]
+        term = ggml_mul_mat_id(ctx, s.b, ax, ids);                                             // [n_out, 1, n_tok]
     }
-
-    ggml_tensor * xr = ggml_reshape_3d(ctx, ggml_is_contiguous(x) ? x : ggml_cont(ctx, x), n_in, 1, n_tok);
-    ggml_tensor * ax = ggml_mul_mat_id(ctx, st->second->a, xr, ids);    // [max_rank, 1, n_tok]
-    ggml_tensor * bax = ggml_mul_mat_id(ctx, st->second->b, ax, ids);   // [n_out, 1, n_tok]
     // the term first, as patch 0103 orders the context's own adapters
-    return ggml_add(ctx, ggml_reshape(ctx, bax, y), y);
+    return ggml_add(ctx, ggml_reshape(ctx, term, y), y);
 }
 
 dream_bank * dream_bank_init(llama_context * ctx, int32_t capacity, int32_t max_rank, char * err, size_t err_size) {
@@ -196,6 +258,7 @@ dream_bank * dream_bank_init(llama_context * ctx, int32_t capacity, int32_t max_
     bank->sched = sched;
     bank->capacity = capacity;
     bank->max_rank = max_rank;
+    bank->gather = dream_switches_read().bank_gather;
     bank->paths.assign(capacity, "");
     g_banks[sched] = bank;
     return bank;
@@ -270,11 +333,13 @@ int32_t dream_bank_load(dream_bank * bank, const char * path, float scale, char 
         ggml_init_params ip = { 2 * ggml_tensor_overhead(), nullptr, true };
         st->ctx.reset(ggml_init(ip));
         const int64_t n = bank->capacity + 1;
+        ggml_backend_buffer_type_t buft = dream_lora_buft(p.w);
+        st->dense = bank->gather == DREAM_BANK_DENSE || (bank->gather == DREAM_BANK_AUTO && !ggml_backend_buft_is_host(buft));
         st->a = ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, p.w->ne[0], bank->max_rank, n);
-        st->b = ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, bank->max_rank, p.w->ne[1], n);
+        st->b = st->dense ? ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, bank->max_rank, n, p.w->ne[1])
+                          : ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, bank->max_rank, p.w->ne[1], n);
         ggml_format_name(st->a, "%s.bank_a", p.w->name);
         ggml_format_name(st->b, "%s.bank_b", p.w->name);
-        ggml_backend_buffer_type_t buft = dream_lora_buft(p.w);
         st->buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(st->ctx.get(), buft));
         if (!st->buf) {
             set_err(err, err_size, "%s: could not allocate the bank's stack for %s in %s", path, p.w->name,
@@ -304,10 +369,10 @@ int32_t dream_bank_load(dream_bank * bank, const char * path, float scale, char 
                 bp[j * r_max + k] = b[j * r + k] * s;
             }
         }
-        const size_t sa = slot_stride_a(st.a), sb = slot_stride_b(st.b);
+        const size_t sa = slot_stride_a(st.a);
         ggml_backend_tensor_memset(st.a, 0, (slot + 1) * sa, sa);
         ggml_backend_tensor_set(st.a, a.data(), (slot + 1) * sa, a.size() * sizeof(float));
-        ggml_backend_tensor_set(st.b, bp.data(), (slot + 1) * sb, sb);
+        write_slot_b(st, slot + 1, bp.data());
     }
     bank->paths[slot] = path;
     bank_sync_graph(*bank);
@@ -319,9 +384,9 @@ bool dream_bank_unload(dream_bank * bank, int32_t slot) {
         return false;
     }
     for (auto & [w, st] : bank->stacks) {
-        const size_t sa = slot_stride_a(st->a), sb = slot_stride_b(st->b);
+        const size_t sa = slot_stride_a(st->a);
         ggml_backend_tensor_memset(st->a, 0, (slot + 1) * sa, sa);
-        ggml_backend_tensor_memset(st->b, 0, (slot + 1) * sb, sb);
+        write_slot_b(*st, slot + 1, nullptr);
     }
     for (auto & t : bank->token_stack) {
         if (t == slot + 1) {
@@ -362,7 +427,7 @@ size_t dream_bank_slot_bytes(const dream_bank * bank, int32_t slot) {
     }
     size_t n = 0;
     for (const auto & [w, st] : bank->stacks) {
-        n += slot_stride_a(st->a) + slot_stride_b(st->b);
+        n += slot_stride_a(st->a) + slot_bytes_b(*st);
     }
     return n;
 }

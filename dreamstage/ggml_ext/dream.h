@@ -293,8 +293,10 @@ LLAMA_API size_t dream_serving_compute_bytes(struct llama_context * ctx);
 // sequences on different adapters and on the base. Every adapted weight keeps
 // all slots' A and B stacked (F32, padded to max_rank, each slot's scale folded
 // into B) on that weight's device; a decode the bank was armed for adds each
-// token's B A x through GGML_OP_MUL_MAT_ID. One bank per context; it never
-// enters training graphs, and a decode it was not armed for is unchanged.
+// token's B A x, gathered by GGML_OP_MUL_MAT_ID or, on a GPU, by a one-hot
+// mask over every slot's product (DREAMSTAGE_BANK_GATHER, dream-bank.cpp).
+// One bank per context; it never enters training graphs, and a decode it was
+// not armed for is unchanged.
 struct dream_bank;
 
 // Creates ctx's bank with `capacity` slots (1..1024) for adapters of rank up to
