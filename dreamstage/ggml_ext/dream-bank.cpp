@@ -39,7 +39,7 @@ struct bank_stack {
 struct dream_bank {
     llama_context * lctx = nullptr;
     const llama_model * model = nullptr;
-    ggml_backend_sched_t sched = nullptr;
+    const llama_adapter_cvec * key = nullptr;   // the context's control-vector set: its lasting handle in graph builds
     int32_t capacity = 0;
     int32_t max_rank = 0;
     dream_bank_gather gather = DREAM_BANK_AUTO;
@@ -54,8 +54,8 @@ struct dream_bank {
 
 namespace {
 
-// One bank per context, found by the context's scheduler (the graph builder's handle).
-std::unordered_map<ggml_backend_sched_t, dream_bank *> g_banks;
+// One bank per context, found by the context's control-vector set (dream_hook_bank_mm).
+std::unordered_map<const llama_adapter_cvec *, dream_bank *> g_banks;
 
 // The per-token slots of one serving graph, for the ubatch's tokens (`all`)
 // and for the rows kept for output (`out`, the last layer's products): stack
@@ -182,12 +182,12 @@ void write_slot_b(bank_stack & st, int64_t k, const float * bp) {
 
 } // namespace
 
-ggml_tensor * dream_hook_bank_mm(ggml_context * ctx, llm_graph_result * res, ggml_backend_sched * sched, bool training,
+ggml_tensor * dream_hook_bank_mm(ggml_context * ctx, llm_graph_result * res, const llama_adapter_cvec * cvec, bool training,
                                  int64_t n_tokens, const ggml_tensor * w, ggml_tensor * x, ggml_tensor * y) {
     if (training || g_banks.empty()) {
         return y;
     }
-    auto it = g_banks.find(sched);
+    auto it = g_banks.find(cvec);
     if (it == g_banks.end()) {
         return y;
     }
@@ -247,20 +247,20 @@ dream_bank * dream_bank_init(llama_context * ctx, int32_t capacity, int32_t max_
         set_err(err, err_size, "max_rank %d is out of range (1..4096)", max_rank);
         return nullptr;
     }
-    ggml_backend_sched_t sched = ctx->get_sched();
-    if (g_banks.count(sched)) {
+    const llama_adapter_cvec * key = dream_context_access::cvec(*ctx);
+    if (g_banks.count(key)) {
         set_err(err, err_size, "this context already has an adapter bank");
         return nullptr;
     }
     auto * bank = new dream_bank();
     bank->lctx = ctx;
     bank->model = &ctx->get_model();
-    bank->sched = sched;
+    bank->key = key;
     bank->capacity = capacity;
     bank->max_rank = max_rank;
     bank->gather = dream_switches_read().bank_gather;
     bank->paths.assign(capacity, "");
-    g_banks[sched] = bank;
+    g_banks[key] = bank;
     return bank;
 }
 
@@ -271,7 +271,7 @@ void dream_bank_free(dream_bank * bank) {
     if (bank->built_armed) {            // serving's last graph reads the stacks freed below
         dream_context_access::forget_graph(*bank->lctx);
     }
-    g_banks.erase(bank->sched);
+    g_banks.erase(bank->key);
     delete bank;
 }
 

@@ -9,7 +9,7 @@ struct ggml_cgraph;
 struct ggml_tensor;
 class llama_kv_cache_context;
 class llm_graph_result;
-struct ggml_backend_sched;
+struct llama_adapter_cvec;
 
 // llama_context::graph_max_nodes: the scheduler and graph storage of every
 // context are sized for training graphs (forward + backward + gradients) too,
@@ -28,12 +28,13 @@ bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv
                             ggml_tensor ** k, ggml_tensor ** v);
 
 // llm_graph_context::build_lora_mm, after the context's own adapters: y is
-// w x so far. When the adapter bank of the context whose scheduler is `sched`
-// is armed (dream_bank_set_token_adapters) and holds adapters for w, returns
-// y + B[s] A[s] x with each token's slot s gathered by GGML_OP_MUL_MAT_ID
-// (tokens on the base gather an all-zero slot); otherwise returns y itself.
-// Never for training graphs. n_tokens: the graph's ubatch tokens.
-ggml_tensor * dream_hook_bank_mm(ggml_context * ctx, llm_graph_result * res, ggml_backend_sched * sched, bool training,
+// w x so far. When the adapter bank of the context that `cvec` belongs to (its
+// control-vector set: one per context, as long-lived as the context, unlike
+// its scheduler, which a reserve replaces) is armed
+// (dream_bank_set_token_adapters) and holds adapters for w, returns
+// y + B[s] A[s] x with each token's slot s (dream-bank.cpp); otherwise returns
+// y itself. Never for training graphs. n_tokens: the graph's ubatch tokens.
+ggml_tensor * dream_hook_bank_mm(ggml_context * ctx, llm_graph_result * res, const llama_adapter_cvec * cvec, bool training,
                                  int64_t n_tokens, const ggml_tensor * w, ggml_tensor * x, ggml_tensor * y);
 
 // A GGML_OP_CUSTOM node of ours that ggml-cuda runs too (patch 0108): op params
