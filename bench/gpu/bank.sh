@@ -11,7 +11,9 @@
 # Prepared on the dev machine as bench/gpu/run.sh says (.gpu/llama.cpp from trim_tree.py,
 # .gpu/tokenizer_kv.json, .gpu/site/gguf), then on the device machine from the root:
 #   bash bench/gpu/bank.sh OUTDIR [bases=q8_0,q4_k_m] [ranks=8] [targets="attn_q,attn_v;all"]
-# Writes OUTDIR/bank_check_{tf32,fp32}.json and OUTDIR/bank_bench_<base>.json. Exit 1 when a check fails.
+# GATHERS="dense id" (default: dense) runs each under DREAMSTAGE_BANK_GATHER=<gather>.
+# Writes OUTDIR/bank_check_<gather>_{tf32,fp32}.json and OUTDIR/bank_bench_<gather>_<base>.json.
+# Exit 1 when a check fails.
 set -uo pipefail
 OUT=${1:-/tmp/dream_bank}; BASES=${2:-q8_0,q4_k_m}; RANKS=${3:-8}; TARGETS=${4:-"attn_q,attn_v;all"}
 mkdir -p "$OUT"
@@ -31,15 +33,20 @@ cmake --build $B -j16 --target dream_bank_bench dream_quantize > "$OUT/build.log
 echo "build: $(( $(date +%s) - t0 )) s"
 wait $GEN || { cat "$OUT/make_model.log"; exit 1; }
 rc=0
-for math in tf32 fp32; do
-    ( [ $math = fp32 ] && export NVIDIA_TF32_OVERRIDE=0; $B/bin/dream_bank_bench check $M/small_f32.gguf $M ) \
-        > "$OUT/bank_check_$math.json" 2> "$OUT/bank_check_$math.err" || rc=1
-    echo "== check $math"; cat "$OUT/bank_check_$math.json"
+for g in ${GATHERS:-dense}; do
+    export DREAMSTAGE_BANK_GATHER=$g
+    for math in tf32 fp32; do
+        ( [ $math = fp32 ] && export NVIDIA_TF32_OVERRIDE=0; $B/bin/dream_bank_bench check $M/small_f32.gguf $M ) \
+            > "$OUT/bank_check_${g}_$math.json" 2> "$OUT/bank_check_${g}_$math.err" || rc=1
+        echo "== check $g $math"; cat "$OUT/bank_check_${g}_$math.json"
+    done
 done
 for base in ${BASES//,/ }; do
     [ -s $M/llama1b_$base.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_$base.gguf $base > "$OUT/quantize_$base.log" 2>&1
-    $B/bin/dream_bank_bench bench $M/llama1b_$base.gguf $M "$RANKS" "$TARGETS" 4,8 3 64 \
-        > "$OUT/bank_bench_$base.json" 2> "$OUT/bank_bench_$base.err" || rc=1
-    echo "== bench $base"; grep -h '"rank"' "$OUT/bank_bench_$base.err" || tail -5 "$OUT/bank_bench_$base.err"
+    for g in ${GATHERS:-dense}; do
+        DREAMSTAGE_BANK_GATHER=$g $B/bin/dream_bank_bench bench $M/llama1b_$base.gguf $M "$RANKS" "$TARGETS" 4,8 3 64 \
+            > "$OUT/bank_bench_${g}_$base.json" 2> "$OUT/bank_bench_${g}_$base.err" || rc=1
+        echo "== bench $g $base"; grep -h '"rank"' "$OUT/bank_bench_${g}_$base.err" || tail -5 "$OUT/bank_bench_${g}_$base.err"
+    done
 done
 exit $rc
