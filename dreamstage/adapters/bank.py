@@ -70,7 +70,9 @@ class AdapterBank(NativeOwner):
     def set_token_adapters(self, ids: Sequence[int]) -> None:
         """Arm the bank for the next decodes: ids[i] is the slot of the batch's
         i-th token (BASE = -1 for the base model). An empty list, or only BASE,
-        disarms. Call right before llama_decode with the batch it decodes."""
+        disarms. Call right before llama_decode with the batch it decodes; the
+        arming holds until the next call, so a decode of another batch that
+        should not read these slots comes after a disarm."""
         n = len(ids)
         arr = (ctypes.c_int32 * max(n, 1))(*ids)
         err = ctypes.create_string_buffer(_ERR)
