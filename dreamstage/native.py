@@ -386,6 +386,30 @@ def _declare_state(L: ctypes.CDLL) -> None:
     # size_t dream_serving_compute_bytes(struct llama_context * ctx);
     L.dream_serving_compute_bytes.argtypes = [p]
     L.dream_serving_compute_bytes.restype = ctypes.c_size_t
+    # struct dream_bank * dream_bank_init(struct llama_context * ctx, int32_t capacity, int32_t max_rank,
+    #                                     char * err, size_t err_size);
+    L.dream_bank_init.argtypes = [p, ctypes.c_int32, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+    L.dream_bank_init.restype = p
+    # void dream_bank_free(struct dream_bank * bank);
+    L.dream_bank_free.argtypes = [p]
+    L.dream_bank_free.restype = None
+    # int32_t dream_bank_load(struct dream_bank * bank, const char * path, float scale, char * err, size_t err_size);
+    L.dream_bank_load.argtypes = [p, ctypes.c_char_p, ctypes.c_float, ctypes.c_char_p, ctypes.c_size_t]
+    L.dream_bank_load.restype = ctypes.c_int32
+    # bool dream_bank_unload(struct dream_bank * bank, int32_t slot);
+    L.dream_bank_unload.argtypes = [p, ctypes.c_int32]
+    L.dream_bank_unload.restype = ctypes.c_bool
+    # bool dream_bank_set_token_adapters(struct dream_bank * bank, const int32_t * slots, int32_t n,
+    #                                    char * err, size_t err_size);
+    L.dream_bank_set_token_adapters.argtypes = [p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
+                                                ctypes.c_char_p, ctypes.c_size_t]
+    L.dream_bank_set_token_adapters.restype = ctypes.c_bool
+    # size_t dream_bank_slot_bytes(const struct dream_bank * bank, int32_t slot);
+    L.dream_bank_slot_bytes.argtypes = [p, ctypes.c_int32]
+    L.dream_bank_slot_bytes.restype = ctypes.c_size_t
+    # size_t dream_bank_total_bytes(const struct dream_bank * bank);
+    L.dream_bank_total_bytes.argtypes = [p]
+    L.dream_bank_total_bytes.restype = ctypes.c_size_t
 
 
 def _declare_testing(L: ctypes.CDLL) -> None:

@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "split.h"
+
 using clk = std::chrono::steady_clock;
 
 static double median(std::vector<double> v) {
@@ -84,16 +86,6 @@ int main(int argc, char ** argv) {
     const int ngl = argc > 2 ? std::atoi(argv[2]) : 99;
     std::vector<int> ranks;
     std::vector<std::string> target_sets;
-    auto split = [](const std::string & s, char sep) {
-        std::vector<std::string> v;
-        for (size_t p = 0; p <= s.size();) {
-            size_t q = s.find(sep, p);
-            if (q == std::string::npos) q = s.size();
-            if (q > p) v.push_back(s.substr(p, q - p));
-            p = q + 1;
-        }
-        return v;
-    };
     for (const auto & r : split(argc > 3 ? argv[3] : "8", ',')) ranks.push_back(std::atoi(r.c_str()));
     for (const auto & t : split(argc > 4 ? argv[4] : "attn_q,attn_v;all", ';')) {
         target_sets.push_back(t == "all" ? "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down" : t);

@@ -79,8 +79,7 @@ static bool dream_buft_is_extra(ggml_backend_buffer_type_t buft) {
     return false;
 }
 
-// Where a LoRA for weight w lives: the weight's device, in its default buffer type.
-static ggml_backend_buffer_type_t dream_lora_buft(const ggml_tensor * w) {
+ggml_backend_buffer_type_t dream_lora_buft(const ggml_tensor * w) {
     ggml_backend_buffer_type_t wbuft = ggml_backend_buffer_get_type(w->buffer);
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(wbuft);
     if (!dev || ggml_backend_buft_is_host(wbuft)) {

@@ -8,6 +8,8 @@ struct ggml_context;
 struct ggml_cgraph;
 struct ggml_tensor;
 class llama_kv_cache_context;
+class llm_graph_result;
+struct llama_adapter_cvec;
 
 // llama_context::graph_max_nodes: the scheduler and graph storage of every
 // context are sized for training graphs (forward + backward + gradients) too,
@@ -24,6 +26,16 @@ uint32_t dream_hook_sched_graph_nodes(uint32_t serving_nodes);
 bool dream_hook_training_kv(ggml_context * ctx, ggml_cgraph * gf, const llama_kv_cache_context * mctx, int32_t il,
                             ggml_tensor * k_cur, ggml_tensor * v_cur, ggml_tensor * k_idxs, ggml_tensor * v_idxs,
                             ggml_tensor ** k, ggml_tensor ** v);
+
+// llm_graph_context::build_lora_mm, after the context's own adapters: y is
+// w x so far. When the adapter bank of the context that `cvec` belongs to (its
+// control-vector set: one per context, as long-lived as the context, unlike
+// its scheduler, which a reserve replaces) is armed
+// (dream_bank_set_token_adapters) and holds adapters for w, returns
+// y + B[s] A[s] x with each token's slot s (dream-bank.cpp); otherwise returns
+// y itself. Never for training graphs. n_tokens: the graph's ubatch tokens.
+ggml_tensor * dream_hook_bank_mm(ggml_context * ctx, llm_graph_result * res, const llama_adapter_cvec * cvec, bool training,
+                                 int64_t n_tokens, const ggml_tensor * w, ggml_tensor * x, ggml_tensor * y);
 
 // A GGML_OP_CUSTOM node of ours that ggml-cuda runs too (patch 0108): op params
 // [DREAM_CUSTOM_TAG_PARAM] hold DREAM_CUSTOM_TAG, the next one the kind. The

@@ -63,6 +63,9 @@ struct dream_context_access {
             c.sched_need_reserve = true;
         }
     }
+    // makes the next decode build its graph instead of reusing the last one
+    // (the adapter bank changed what the graph must hold)
+    static void forget_graph(llama_context & c) { c.gf_res_prev_active = nullptr; }
 };
 
 // ggml_backend_sched_free as a unique_ptr deleter
@@ -289,6 +292,8 @@ inline ggml_backend_dev_t dream_host_device() {
 
 // dream-adapter.cpp
 bool dream_adapter_create(dream_stage & ds, std::string & err);
+// Where a LoRA for weight w lives: the weight's device, in its default buffer type.
+ggml_backend_buffer_type_t dream_lora_buft(const ggml_tensor * w);
 void dream_adapter_copy(dream_stage & ds, bool shadow_to_served);
 bool dream_adapter_read(const dream_stage & ds, bool shadow, float * out);
 void dream_adapter_write(dream_stage & ds, const float * in);

@@ -14,6 +14,9 @@
 // where the optimizer's state lives (DREAMSTAGE_OPTIMIZER)
 enum dream_opt_where { DREAM_OPT_AUTO, DREAM_OPT_HOST, DREAM_OPT_DEVICE };
 
+// how the adapter bank gathers each token's adapter (DREAMSTAGE_BANK_GATHER)
+enum dream_bank_gather { DREAM_BANK_AUTO, DREAM_BANK_ID, DREAM_BANK_DENSE };
+
 struct dream_switches {
     // NVIDIA_TF32_OVERRIDE=0: the FP32 mode, exact F32 products throughout (no fused attention, no F16 products)
     bool fp32_mode = false;
@@ -37,6 +40,9 @@ struct dream_switches {
     bool f16_products = true;
     // DREAMSTAGE_CUDA_OUT_PROD_MATH=fp32: the quantized OUT_PROD's SGEMM in full FP32, not TF32
     bool out_prod_fp32 = false;
+    // DREAMSTAGE_BANK_GATHER=id|dense: the adapter bank's term through MUL_MAT_ID, or through
+    // every slot's product masked per token; unset: MUL_MAT_ID on the CPU, dense on a GPU
+    dream_bank_gather bank_gather = DREAM_BANK_AUTO;
 };
 
 namespace dream_switches_detail {
@@ -64,6 +70,9 @@ inline dream_switches dream_switches_read() {
     s.lora_fusion = lf == nullptr || std::atoi(lf) != 0;
     s.f16_products = !is("DREAMSTAGE_F16_PRODUCTS", "0");
     s.out_prod_fp32 = is("DREAMSTAGE_CUDA_OUT_PROD_MATH", "fp32");
+    s.bank_gather = is("DREAMSTAGE_BANK_GATHER", "id")      ? DREAM_BANK_ID
+                    : is("DREAMSTAGE_BANK_GATHER", "dense") ? DREAM_BANK_DENSE
+                                                            : DREAM_BANK_AUTO;
     return s;
 }
 
@@ -76,14 +85,16 @@ inline const dream_switches & dream_switches_loaded() {
 // "NAME=value,..." for every switch, as dream_build_info reports it.
 inline std::string dream_switches_describe(const dream_switches & s) {
     static const char * const where[] = { "auto", "host", "device" };
+    static const char * const gather[] = { "auto", "id", "dense" };
     char buf[512];
     std::snprintf(buf, sizeof(buf),
                   "NVIDIA_TF32_OVERRIDE=%s,DREAMSTAGE_PROFILE=%d,DREAMSTAGE_OPTIMIZER=%s,DREAMSTAGE_FUSED_ATTN=%d,"
                   "DREAMSTAGE_CPU_BACKWARD=%s,DREAMSTAGE_CPU_MUL_MAT=%s,DREAMSTAGE_CUDA_TRAIN_MMQ=%d,"
                   "DREAMSTAGE_CE_KERNEL=%d,DREAMSTAGE_LORA_FUSION=%d,DREAMSTAGE_F16_PRODUCTS=%d,"
-                  "DREAMSTAGE_CUDA_OUT_PROD_MATH=%s",
+                  "DREAMSTAGE_CUDA_OUT_PROD_MATH=%s,DREAMSTAGE_BANK_GATHER=%s",
                   s.fp32_mode ? "0" : "default", s.profile, where[s.optimizer], s.fused_attn ? 1 : 0,
                   s.cpu_backward_fused ? "fused" : "panel", s.cpu_mul_mat ? "batched" : "ggml", s.cuda_train_mmq ? 1 : 0,
-                  s.ce_kernel ? 1 : 0, s.lora_fusion ? 1 : 0, s.f16_products ? 1 : 0, s.out_prod_fp32 ? "fp32" : "tf32");
+                  s.ce_kernel ? 1 : 0, s.lora_fusion ? 1 : 0, s.f16_products ? 1 : 0, s.out_prod_fp32 ? "fp32" : "tf32",
+                  gather[s.bank_gather]);
     return buf;
 }

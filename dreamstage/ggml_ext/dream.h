@@ -302,6 +302,54 @@ LLAMA_API void dream_set_step_abort(struct dream_stage * ds, double ms);
 // on the stage's own schedulers, so a micro-step or a refusal never changes it.
 LLAMA_API size_t dream_serving_compute_bytes(struct llama_context * ctx);
 
+// The adapter bank: GGUF LoRA adapters resident beside the base model for
+// serving, each in a slot, applied per token so that one decode batch can hold
+// sequences on different adapters and on the base. Every adapted weight keeps
+// all slots' A and B stacked (F32, padded to max_rank, each slot's scale folded
+// into B) on that weight's device; a decode the bank was armed for adds each
+// token's B A x, gathered by GGML_OP_MUL_MAT_ID or, on a GPU, by a one-hot
+// mask over every slot's product (DREAMSTAGE_BANK_GATHER, dream-bank.cpp).
+// One bank per context; it never enters training graphs, and a decode it was
+// not armed for is unchanged.
+struct dream_bank;
+
+// Creates ctx's bank with `capacity` slots (1..1024) for adapters of rank up to
+// max_rank (1..4096). Allocates nothing yet: a weight's stack is allocated when
+// the first adapter that adapts it loads. Returns NULL with err (err_size bytes,
+// may be NULL) naming the bad value, or when ctx already has a bank. Free the
+// bank before ctx.
+LLAMA_API struct dream_bank * dream_bank_init(struct llama_context * ctx, int32_t capacity, int32_t max_rank,
+                                              char * err, size_t err_size);
+
+// Frees the bank's stacks; serving's next decode builds its graph afresh.
+LLAMA_API void dream_bank_free(struct dream_bank * bank);
+
+// Loads the GGUF LoRA at path (llama.cpp's loader: format, architecture and
+// shapes checked) into the lowest free slot with user scale `scale` (the
+// term is scale * alpha / rank * B A x, as llama_set_adapters_lora applies it).
+// Returns the slot, or -1 with err naming the file and what is wrong (a full
+// bank, a rank above max_rank, a failed allocation); a refusal changes nothing
+// that serves. Call between decodes.
+LLAMA_API int32_t dream_bank_load(struct dream_bank * bank, const char * path, float scale, char * err, size_t err_size);
+
+// Empties a slot (its factors zeroed, tokens armed on it fall back to the base)
+// for a later load. Returns false for a slot that holds no adapter. Call between decodes.
+LLAMA_API bool dream_bank_unload(struct dream_bank * bank, int32_t slot);
+
+// Arms the bank for the decodes that follow: slots[i] is the adapter slot of
+// the i-th token of the llama_batch passed to llama_decode (-1: the base
+// model), n its token count. Holds until the next call; n == 0 or every slot
+// -1 disarms (decodes run exactly as without a bank). Returns false with err
+// naming the token when a slot holds no adapter (nothing changed).
+LLAMA_API bool dream_bank_set_token_adapters(struct dream_bank * bank, const int32_t * slots, int32_t n,
+                                             char * err, size_t err_size);
+
+// Bytes one loaded slot takes in the bank's stacks (0 for an empty slot).
+LLAMA_API size_t dream_bank_slot_bytes(const struct dream_bank * bank, int32_t slot);
+
+// Bytes of every stack the bank allocated, all slots and devices.
+LLAMA_API size_t dream_bank_total_bytes(const struct dream_bank * bank);
+
 #ifdef __cplusplus
 }
 #endif

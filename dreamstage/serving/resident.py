@@ -282,6 +282,23 @@ class ResidentModel(NativeOwner):
             raise RuntimeError(f"llama_decode failed with status {rc}")
 
 
+    def decode_entries(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """llama_decode one batch of (token, pos, seq_id, wants_logits) rows, sequences
+        mixed as given (tests and benchmarks); logits_ith(i) then reads row i."""
+        lc = self.lc
+        batch = lc.llama_batch_init(max(len(entries), 1), 0, 1)
+        try:
+            batch.n_tokens = len(entries)
+            for i, (t, pos, seq, out) in enumerate(entries):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, pos, 1, out
+                batch.seq_id[i][0] = seq
+            rc = lc.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with status {rc}")
+        finally:
+            lc.llama_batch_free(batch)
+
+
 def _argmax(logits_ptr, n: int) -> int:
     import numpy as np
     arr = np.ctypeslib.as_array(logits_ptr, shape=(n,))
