@@ -29,7 +29,7 @@ def _check_bind(host: str, port: int) -> None:
 # `serve` flags that set a ServerSettings field of the same name. A flag not
 # given leaves the field to DREAMSTAGE_<FIELD>, else to ServerSettings' default.
 SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "batch", "threads", "kv_type", "adapter", "max_queue",
-                "max_body_bytes", "n_gpu_layers", "api_key")
+                "max_body_bytes", "n_gpu_layers", "api_key", "max_adapters", "adapter_budget_mib", "api_keys")
 
 
 def serve_settings(args: argparse.Namespace):
@@ -287,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the dream stage keeps jobs and adapters (default ~/.local/share/dreamstage)")
     p.add_argument("--adapter", default=None, metavar="PATH",
                    help="a GGUF LoRA to serve from startup (imported into the state directory as a new version)")
+    p.add_argument("--max-adapters", dest="max_adapters", type=int, default=None, metavar="N",
+                   help=f"named adapters resident beside the base (default {default['max_adapters']})")
+    p.add_argument("--adapter-budget-mib", dest="adapter_budget_mib", type=float, default=None, metavar="MIB",
+                   help="memory the resident adapters' files may take (default: the device's free memory)")
+    p.add_argument("--api-keys", dest="api_keys", default=None, metavar="FILE",
+                   help='a JSON file of keys scoped to adapters: {"KEY": {"adapters": ["alice"], "train": true}}')
     p.add_argument("--max-queue", type=int, default=None,
                    help=f"requests waiting for a slot before 503 (default {default['max_queue']})")
     p.add_argument("--no-train", action="store_true", help="serve only: no /train, no adapters, no state directory")

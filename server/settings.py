@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS
 from dreamstage.server.security import SecurityPolicy, is_loopback
 from dreamstage.serving.resident import KV_TYPES, ResidentConfig
 from dreamstage.training.jobs.submit import JobLimits
@@ -37,6 +38,13 @@ class ServerSettings(BaseSettings):
     kv_type: str = "f16"
     state_dir: str | None = None      # the dream stage's jobs and adapters; None: training is off
     adapter: str | None = None        # a GGUF LoRA to import and serve at startup (--adapter)
+    # Named adapters with a served version resident beside the base; also how
+    # many adapter files serving keeps loaded at once.
+    max_adapters: int = Field(default=DEFAULT_MAX_ADAPTERS, ge=1, le=256)
+    # The resident adapters' files may take this many MiB; None: the device's free memory.
+    adapter_budget_mib: float | None = Field(default=None, gt=0)
+    # A key file (JSON: key -> {"adapters": [names], "train": bool}) of keys scoped to adapter names.
+    api_keys: str | None = None
     max_queue: int = Field(default=64, ge=0)           # requests that may wait for a slot before 503
     max_body_bytes: int = Field(default=4 << 20, ge=1024)   # larger request bodies get 413
     retry_after_s: int = 1            # Retry-After on 503
