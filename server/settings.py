@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS
 from dreamstage.server.security import SecurityPolicy, is_loopback
+from dreamstage.server.tenants import load_key_file
 from dreamstage.serving.resident import KV_TYPES, ResidentConfig
 from dreamstage.training.jobs.submit import JobLimits
 
@@ -75,7 +76,9 @@ class ServerSettings(BaseSettings):
             raise ValueError("api_key must not be empty")
         # Anyone who can POST /train changes what the model says to everyone,
         # and that change persists. Off this machine that needs a key.
-        if self.state_dir is not None and not self.api_key and not is_loopback(self.host):
+        if self.api_keys is not None:
+            load_key_file(self.api_keys)          # a bad key file is refused at startup, naming the entry
+        if self.state_dir is not None and not self.api_key and not self.api_keys and not is_loopback(self.host):
             raise ValueError(f"refusing to serve training routes on {self.host}, which is not a loopback address, "
                              "without an API key: set --api-key (or DREAMSTAGE_API_KEY), or turn training off "
                              "with --no-train")
@@ -83,7 +86,8 @@ class ServerSettings(BaseSettings):
         return self
 
     def security(self) -> SecurityPolicy:
-        return SecurityPolicy.for_bind(self.host, self.api_key, self.allowed_hosts)
+        scoped = load_key_file(self.api_keys) if self.api_keys is not None else None
+        return SecurityPolicy.for_bind(self.host, self.api_key, self.allowed_hosts, scoped)
 
     def resident_config(self) -> ResidentConfig:
         # One K/V stream per slot: a request's output does not depend on what

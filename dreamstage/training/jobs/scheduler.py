@@ -144,8 +144,8 @@ class DreamScheduler(JobProgram):
         handles freed. The future raises AdapterInUse while a request or the job uses it."""
         return self._command("retire", (name,))
 
-    def check_file(self, name: str, path: str) -> concurrent.futures.Future:
-        """Whether llama.cpp loads `path` for this model and it fits as `name`
+    def check_file(self, name: str | None, path: str) -> concurrent.futures.Future:
+        """Whether llama.cpp loads `path` for this model and (unless name is None) it fits as `name`
         (an import's check, on the engine thread). The future's result is None."""
         return self._command("check", (name, path))
 
@@ -448,7 +448,8 @@ class DreamScheduler(JobProgram):
                     continue
                 else:
                     name, path = args
-                    self.switch.check_room(name, path)
+                    if name is not None:
+                        self.switch.check_room(name, path)
                     self.switch.served.discard(self.switch.served.load(path))
                     fut.set_result(None)
                     continue

@@ -1,0 +1,285 @@
+"""Many named adapters on one resident model (issue 46): selection per request,
+import and export, scoped keys, --max-adapters, unloading, fair training queues.
+
+Adapters here are hand-made GGUF LoRAs with random factors on the tiny llama
+model (tests/tiny_model.py), imported over HTTP: each changes the model's
+greedy answers, and nothing trains, so the file stays fast.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import zipfile
+
+import httpx
+import numpy as np
+import pytest
+from background_server import BackgroundServer
+
+from dreamstage.adapters.files import load_lora, save_lora
+from dreamstage.server.settings import ServerSettings
+
+PROMPT = "The capital of the moon is"
+KEY = "operator-key"
+ALICE_KEY, BOB_KEY, READER_KEY = "alice-key", "bob-key", "reader-key"
+
+
+def lora_file(path, seed: int, targets=("attn_q", "attn_v"), n_layer: int = 2, rank: int = 4, arch: str = "llama",
+              n_embd: int = 64, kv_out: int = 32, scale: float = 1.5):
+    """A GGUF LoRA for the tiny model with random A and B (B is not zero: it changes the answers)."""
+    rng = np.random.default_rng(seed)
+    outs = {"attn_q": n_embd, "attn_k": kv_out, "attn_v": kv_out, "attn_output": n_embd}
+    factors = {(layer, t): (rng.normal(0, 1 / np.sqrt(n_embd), (rank, n_embd)).astype(np.float32),
+                            rng.normal(0, scale, (outs[t], rank)).astype(np.float32))
+               for layer in range(n_layer) for t in targets}
+    return save_lora(path, factors, alpha=float(rank), model_arch=arch)
+
+
+def b64(path) -> str:
+    return base64.b64encode(open(path, "rb").read()).decode()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("loras")
+    return {name: lora_file(d / f"{name}.gguf", seed) for name, seed in (("alice", 1), ("bob", 2), ("alice2", 3),
+                                                                         ("carol", 4))}
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    path.write_text(json.dumps({ALICE_KEY: {"adapters": ["alice"], "train": True},
+                                BOB_KEY: {"adapters": ["bob"], "train": True},
+                                READER_KEY: {"adapters": ["alice"], "train": False}}))
+    return path
+
+
+def settings(tiny_model_path, state_dir, **kw) -> ServerSettings:
+    base = dict(model=str(tiny_model_path), ctx=1024, parallel=4, threads=1, kv_type="f32", state_dir=str(state_dir))
+    return ServerSettings(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory, files, key_file):
+    state = tmp_path_factory.mktemp("state")
+    with BackgroundServer(settings(tiny_model_path, state, api_key=KEY, api_keys=str(key_file),
+                                   max_adapters=3)) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as http:
+            for name in ("alice", "bob"):
+                r = http.post("/adapters", json={"name": name, "gguf": b64(files[name])})
+                assert r.status_code == 201, r.text
+            yield srv, http
+
+
+def complete(http, model=None, prompt=PROMPT, key=None, **kw):
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, **kw}
+    if model is not None:
+        body["model"] = model
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return http.post("/v1/completions", json=body, headers=headers)
+
+
+def text(r) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_each_adapter_answers_as_it_does_alone_and_the_base_differs(server, tiny_model_path, tmp_path, files):
+    srv, http = server
+    alice, bob, base = text(complete(http, "alice")), text(complete(http, "bob")), text(complete(http, "base"))
+    assert len({alice, bob, base}) == 3
+    # the same, asked together from threads (requests of both adapters in flight at once)
+    got: dict[str, str] = {}
+
+    def ask(name):
+        got[name] = text(complete(http, name))
+    threads = [threading.Thread(target=ask, args=(n,)) for n in ("alice", "bob", "base", "alice")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {"alice": alice, "bob": bob, "base": base}
+    # each equals that adapter served alone: a fresh server with only it, as the default
+    with BackgroundServer(settings(tiny_model_path, tmp_path / "alone", adapter=str(files["alice"]))) as alone:
+        with httpx.Client(base_url=alone.url, timeout=60) as h2:
+            assert text(complete(h2)) == alice
+            assert text(complete(h2, "base")) == base
+
+
+def test_responses_name_the_adapter_and_version_that_answered(server):
+    srv, http = server
+    r = complete(http, "alice")
+    assert r.headers["x-dreamstage-adapter"] == "alice@1"
+    assert r.json()["adapter"] == "alice@1" and r.json()["model"] == "alice"
+    assert int(r.headers["x-dreamstage-adapter-version"]) == r.json()["adapter_version"] >= 1
+    r = complete(http, srv.service.model_id)
+    assert r.headers["x-dreamstage-adapter"] == "base" and r.json()["adapter_version"] == 0
+    r = http.post("/v1/chat/completions", json={"model": "bob", "max_tokens": 4, "temperature": 0,
+                                                "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json()["adapter"] == "bob@1" and r.json()["model"] == "bob"
+
+
+def test_unknown_model_is_openai_model_not_found_never_the_default(server):
+    srv, http = server
+    for model in ("nobody", "alice@99", "gpt-4o"):
+        r = complete(http, model)
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert err["code"] == "model_not_found" and err["param"] == "model" and model in err["message"]
+        assert err["type"] == "invalid_request_error"
+
+
+def test_a_pinned_version_answers_while_a_newer_one_serves(server, files):
+    srv, http = server
+    v1 = text(complete(http, "alice"))
+    r = http.post("/adapters", json={"name": "alice", "gguf": b64(files["alice2"])})
+    assert r.status_code == 201 and r.json()["imported"]["version"] == 2
+    try:
+        v2 = text(complete(http, "alice"))
+        assert v2 != v1
+        assert text(complete(http, "alice@1")) == v1 and text(complete(http, "alice@2")) == v2
+        pinned = complete(http, "alice@1")
+        assert pinned.headers["x-dreamstage-adapter"] == "alice@1" and pinned.json()["adapter_version"] is None
+    finally:
+        assert http.post("/adapters/alice/rollback").status_code == 200
+    assert text(complete(http, "alice")) == v1
+
+
+def test_llama_server_lora_field_selects_an_adapter(server):
+    srv, http = server
+    alice, base = text(complete(http, "alice")), text(complete(http, "base"))
+    models = [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert text(complete(http, lora=[{"name": "alice", "scale": 1.0}])) == alice
+    assert text(complete(http, lora=[{"id": models.index("alice") - 1, "scale": 1.0}])) == alice
+    assert text(complete(http, lora=[{"name": "alice", "scale": 0.0}])) == base
+    half = complete(http, lora=[{"name": "alice", "scale": 0.5}])
+    assert half.json()["adapter"] == "alice@1*0.5"
+    r = complete(http, lora=[{"name": "alice", "scale": 1.0}, {"name": "bob", "scale": 1.0}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
+    r = complete(http, lora=[{"id": 7}])
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = complete(http, "bob", lora=[{"name": "alice"}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
+    r = complete(http, lora=[{"scale": 1.0}])
+    assert r.status_code == 400
+
+
+def test_v1_models_lists_the_base_and_every_served_adapter(server):
+    srv, http = server
+    data = http.get("/v1/models").json()["data"]
+    assert data[0]["id"] == srv.service.model_id and data[0]["owned_by"] == "dreamstage"
+    adapters = {m["id"]: m for m in data[1:]}
+    assert set(adapters) == {"alice", "bob"}
+    for m in adapters.values():
+        assert m["object"] == "model" and m["parent"] == srv.service.model_id and m["version"] == 1
+        assert m["created"] > 0 and m["adapter_version"] >= 1
+
+
+def test_scoped_keys_keep_tenants_apart(server, files):
+    srv, http = server
+    alice_answer = text(complete(http, "alice"))
+    assert text(complete(http, "alice", key=ALICE_KEY)) == alice_answer
+    for key, other in ((ALICE_KEY, "bob"), (BOB_KEY, "alice")):
+        h = {"Authorization": f"Bearer {key}"}
+        assert complete(http, other, key=key).json()["error"]["code"] == "model_not_found"
+        assert complete(http, lora=[{"name": other}], key=key).status_code == 404
+        assert [m["id"] for m in http.get("/v1/models", headers=h).json()["data"][1:]] == [key.split("-")[0]]
+        listed = http.get("/adapters", headers=h).json()
+        assert {a["name"] for a in listed["adapters"]} == {key.split("-")[0]}
+        assert http.get(f"/adapters/{other}/versions/1", headers=h).status_code == 404
+        assert http.get(f"/adapters/{other}/versions/1?format=peft", headers=h).status_code == 404
+        assert http.delete(f"/adapters/{other}", headers=h).status_code == 404
+        assert http.post(f"/adapters/{other}/promote", headers=h).status_code == 404
+        assert http.post(f"/adapters/{other}/rollback", headers=h).status_code == 404
+        assert http.post("/adapters/rollback", headers=h).status_code == 404
+        r = http.post("/train", json={"text": "a lesson", "adapter": other}, headers=h)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "adapter"
+        assert http.post("/adapters", json={"name": other, "gguf": b64(files["carol"])}, headers=h).status_code == 404
+        assert http.get("/slots", headers=h).status_code == 404          # names every adapter
+    # own adapter: exported; a key without train may chat but not train
+    assert http.get("/adapters/alice/versions/1", headers={"Authorization": f"Bearer {ALICE_KEY}"}).status_code == 200
+    assert text(complete(http, "alice", key=READER_KEY)) == alice_answer
+    r = http.post("/train", json={"text": "a lesson", "adapter": "alice"},
+                  headers={"Authorization": f"Bearer {READER_KEY}"})
+    assert r.status_code == 403
+    assert complete(http, "alice", key="wrong").status_code == 401
+
+
+def test_malformed_and_mismatched_imports_are_422_and_store_nothing(server, tmp_path):
+    srv, http = server
+    before = http.get("/adapters").json()["adapters"]
+    wrong_dims = lora_file(tmp_path / "dims.gguf", 5, n_embd=96, kv_out=48)
+    wrong_arch = lora_file(tmp_path / "arch.gguf", 5, arch="qwen2")
+    bad_layer = lora_file(tmp_path / "layer.gguf", 5, n_layer=4)
+    cases = [({"name": "dave", "gguf": base64.b64encode(b"not a gguf at all").decode()}, "gguf"),
+             ({"name": "dave", "gguf": "***"}, "gguf"),
+             ({"name": "dave", "gguf": b64(wrong_arch)}, "gguf"),
+             ({"name": "dave", "gguf": b64(wrong_dims)}, "name"),
+             ({"name": "dave", "gguf": b64(bad_layer)}, "name"),
+             ({"name": "dave"}, "body"),
+             ({"name": "../x", "gguf": b64(wrong_dims)}, "name"),
+             ({"name": "base", "gguf": b64(wrong_dims)}, "name"),
+             ({"name": "dave", "peft": {"config": {"r": 4, "lora_alpha": 8}, "safetensors": "AAAA"}}, "peft"),
+             ({"name": "dave", "peft": {"config": {"peft_type": "IA3"}, "safetensors": "AAAA"}}, "peft")]
+    for body, param in cases:
+        r = http.post("/adapters", json=body)
+        assert r.status_code == 422, (body.get("name"), param, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+    assert http.get("/adapters").json()["adapters"] == before
+    assert not list(srv.service.store.adapters_dir.glob(".import.*"))
+
+
+def test_round_trip_import_serve_export_gguf_and_peft(server, files, tmp_path):
+    srv, http = server
+    r = http.get("/adapters/bob/versions/1")
+    assert r.status_code == 200 and r.content == open(files["bob"], "rb").read()
+    r = http.get("/adapters/bob/versions/1?format=peft")
+    assert r.status_code == 200
+    z = zipfile.ZipFile(io.BytesIO(r.content))
+    config = json.loads(z.read("adapter_config.json"))
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    peft = {"config": config, "safetensors": base64.b64encode(z.read("adapter_model.safetensors")).decode()}
+    r = http.post("/adapters", json={"name": "bobpeft", "peft": peft})
+    assert r.status_code == 201, r.text
+    try:
+        # the PEFT file converted back is the same adapter: the same factors, the same logprobs
+        back, alpha = load_lora(srv.service.store.adapter_path("bobpeft", 1))
+        orig, alpha0 = load_lora(files["bob"])
+        assert alpha == alpha0 and back.keys() == orig.keys()
+        for k in orig:
+            np.testing.assert_array_equal(back[k][0], orig[k][0])
+            np.testing.assert_array_equal(back[k][1], orig[k][1])
+        a = complete(http, "bob", logprobs=5, cache_prompt=False).json()["choices"][0]["logprobs"]
+        b = complete(http, "bobpeft", logprobs=5, cache_prompt=False).json()["choices"][0]["logprobs"]
+        assert a["tokens"] == b["tokens"] and a["token_logprobs"] == b["token_logprobs"]
+    finally:
+        assert http.delete("/adapters/bobpeft").status_code == 200
+
+
+def test_max_adapters_refuses_one_more_and_unloading_makes_room(server, files):
+    srv, http = server
+    r = http.post("/adapters", json={"name": "carol", "gguf": b64(files["carol"])})
+    assert r.status_code == 201                            # the third of --max-adapters 3
+    r = http.post("/adapters", json={"name": "dave", "gguf": b64(files["carol"])})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "max_adapters"
+    assert "max-adapters 3" in r.json()["error"]["message"]
+    assert "dave" not in {a["name"] for a in http.get("/adapters").json()["adapters"]}
+    r = http.delete("/adapters/carol")
+    assert r.status_code == 200 and r.json()["unloaded"]
+    r = complete(http, "carol")
+    assert r.status_code == 404 and "no served version" in r.json()["error"]["message"]
+    assert text(complete(http, "carol@1"))              # its versions stay stored, pinnable
+
+
+def test_the_memory_allowance_refuses_an_adapter_that_does_not_fit(tiny_model_path, tmp_path, files):
+    with BackgroundServer(settings(tiny_model_path, tmp_path / "s", adapter_budget_mib=0.001)) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            r = http.post("/adapters", json={"name": "alice", "gguf": b64(files["alice"])})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_memory"
+            assert "allowance" in r.json()["error"]["message"]
+            assert http.get("/adapters").json()["adapters"] == []
+            r = http.post("/adapters", json={"name": "alice", "gguf": b64(files["alice"]), "promote": False})
+            assert r.status_code == 201                   # stored, not resident: nothing counted
