@@ -89,6 +89,15 @@ def _name(request: Request, raw: str, param: str = "name") -> str:
     return raw
 
 
+def _known(request: Request, raw: str):
+    """(service, name) for a stored adapter the key may touch; 404 otherwise."""
+    service = _training_service(request)
+    name = _name(request, raw)
+    if not service.store.adapters(name):
+        raise APIError(404, f"no adapter {name!r}", "name", "not_found")
+    return service, name
+
+
 def _scoped_view(request: Request, service) -> dict:
     scope = scope_of(request)
     if not scope.scoped:
@@ -123,10 +132,7 @@ async def adapters(request: Request):
 
 @router.get("/adapters/{name}")
 async def one_adapter(name: str, request: Request):
-    service = _training_service(request)
-    name = _name(request, name)
-    if not service.store.adapters(name):
-        raise APIError(404, f"no adapter {name!r}", "name", "not_found")
+    service, name = _known(request, name)
     return public({**_name_view(service, name), "adapters": service.store.adapters(name)})
 
 
@@ -183,10 +189,7 @@ async def _rollback(service, name: str | None):
 
 @router.post("/adapters/{name}/rollback")
 async def rollback_name(name: str, request: Request):
-    service = _training_service(request)
-    name = _name(request, name)
-    if not service.store.adapters(name):
-        raise APIError(404, f"no adapter {name!r}", "name", "not_found")
+    service, name = _known(request, name)
     return await _rollback(service, name)
 
 
@@ -204,10 +207,7 @@ async def promote(name: str, request: Request):
 
 @router.delete("/adapters/{name}")
 async def unload(name: str, request: Request):
-    service = _training_service(request)
-    name = _name(request, name)
-    if not service.store.adapters(name):
-        raise APIError(404, f"no adapter {name!r}", "name", "not_found")
+    service, name = _known(request, name)
     if any(j["out"] == name and j["state"] != "queued" for j in _jobs(service.store)):
         raise APIError(409, f"adapter {name!r} is training; cancel its job first", "name", "adapter_in_use")
     retired = await _engine_call(service, service.scheduler.retire(name))
