@@ -29,11 +29,14 @@ def listed_adapters(service, scope: AdapterScope) -> list[dict]:
     return [v for n in store.resident_names() if scope.allows(n) for v in [store.served(n)] if v is not None]
 
 
-def resolve(service, model: str | None, lora, scope: AdapterScope) -> AdapterChoice:
-    """The request's AdapterChoice, or an APIError naming `model` or `lora`."""
+def resolve(service, model: str | None, lora, scope: AdapterScope) -> AdapterChoice | None:
+    """The request's AdapterChoice, or an APIError naming `model` or `lora`. None: the
+    default adapter, which the engine reads when it admits the request."""
     if lora is not None:
         return _from_lora(service, model, lora, scope)
     if model is None:
+        if not scope.scoped:
+            return None                   # the engine reads the default at admission, after a booked promotion
         default = service.scheduler.switch.default_choice() if service.scheduler is not None else BASE
         return default if default.is_base or scope.allows(default.name) else BASE
     if model in (BASE_NAME, service.model_id):

@@ -57,7 +57,7 @@ class _EngineStream(EventSourceResponse):
 
 
 def _generation(service, body, prompt: list[int], grammar: str | None, prompt_param: str,
-                adapter: AdapterChoice) -> GenerationRequest:
+                adapter: AdapterChoice | None) -> GenerationRequest:
     """The engine's request: the body's sampling fields over the model's defaults, on `adapter`."""
     bias = body.bias_pairs()
     bad = next((t for t, _ in bias if t >= service.model.n_vocab), None)
@@ -105,6 +105,7 @@ async def _run(request: Request, gens: list[GenerationRequest], stream: bool, sh
     except ClientGone:
         return JSONResponse(errors.error_body(499, "client closed the request"), status_code=499)
     headers = {ADAPTER_NAME_HEADER: adm.adapter.label, **extra_headers}
+    shape.base["adapter"] = adm.adapter.label           # known once admitted (the default is read then)
     if adm.adapter_version is not None:
         headers[ADAPTER_HEADER] = str(adm.adapter_version)
     if not stream:
@@ -193,7 +194,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     gen = replace(_generation(service, body, prompt, grammar, "messages", adapter), logprobs=body.logprob_count())
     gens = _choices(body, gen, service.engine.n_seq)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-            "model": _answered_as(service, body.model, adapter), "system_fingerprint": None, "adapter": adapter.label}
+            "model": _answered_as(service, body.model, adapter), "system_fingerprint": None}
     names = frozenset(t["function"]["name"] for t in offered) if offered else None
     shape = ChatShape(base, service.prompts.pieces, body.logprobs is True, names, body.parallel_tool_calls is False)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -222,7 +223,7 @@ async def completions(body: CompletionRequest, request: Request):
                   prompt_logprobs=body.logprobs if scored else None)
     gens = _choices(body, gen, engine.n_seq)
     base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": _answered_as(service, body.model, adapter), "adapter": adapter.label}
+            "model": _answered_as(service, body.model, adapter)}
     echo_text = None
     if body.echo:
         echo_text = given if isinstance(given, str) else await service.prompts.detokenize(prompt)
@@ -231,9 +232,9 @@ async def completions(body: CompletionRequest, request: Request):
     return await _run(request, gens, body.stream, shape, include_usage, ignored)
 
 
-def _answered_as(service, model: str | None, adapter: AdapterChoice) -> str:
+def _answered_as(service, model: str | None, adapter: AdapterChoice | None) -> str:
     """The response's `model`: what the request named (vLLM echoes an adapter's name), else the base model's id."""
-    if model is not None and not adapter.is_base:
+    if model is not None and adapter is not None and not adapter.is_base:
         return model
     return service.model_id
 

@@ -283,3 +283,86 @@ def test_the_memory_allowance_refuses_an_adapter_that_does_not_fit(tiny_model_pa
             assert http.get("/adapters").json()["adapters"] == []
             r = http.post("/adapters", json={"name": "alice", "gguf": b64(files["alice"]), "promote": False})
             assert r.status_code == 201                   # stored, not resident: nothing counted
+
+
+def test_a_mixed_workload_holds_both_adapters_in_slots_and_alternates_batches(tiny_model_path, tmp_path, files):
+    """The engine seats requests of different adapters side by side; each batch decodes one
+    adapter (the per-batch seam), taking turns, and every answer equals its adapter's alone."""
+    from dreamstage.adapters.choice import BASE, AdapterChoice
+    from dreamstage.serving.engine import Engine, Finished, GenerationRequest
+    from dreamstage.serving.resident import ResidentConfig, ResidentModel
+    from dreamstage.serving.sampling import SamplingParams
+
+    model = ResidentModel(ResidentConfig(model_path=str(tiny_model_path), n_ctx=512, n_seq=3, n_threads=1,
+                                         kv_type="f32", kv_unified=False))
+    seen: list[list] = []
+
+    class Watch:
+        def after_batch(self, engine, idle):
+            if not idle:
+                seen.append([(s["adapter"], s["state"]) for s in engine.slots_info() if s["busy"]])
+
+    engine = Engine(model, hook=Watch()).start()
+    try:
+        choices = [AdapterChoice("alice", 1, str(files["alice"])), AdapterChoice("bob", 1, str(files["bob"])), BASE]
+
+        def run(batch) -> dict[str, list[int]]:
+            """Greedy tokens of each choice, all submitted at once."""
+            tokens: dict[str, list[int]] = {c.label: [] for c in batch}
+            finished = threading.Semaphore(0)
+
+            def sink(ev, label):
+                if isinstance(ev, Finished):
+                    finished.release()
+                elif hasattr(ev, "token"):
+                    tokens[label].append(ev.token)
+            for c in batch:
+                engine.submit(GenerationRequest(PROMPT, 16, SamplingParams(temperature=0.0), ignore_eos=True,
+                                                adapter=c), lambda ev, label=c.label: sink(ev, label))
+            for _ in batch:
+                assert finished.acquire(timeout=60)
+            return tokens
+        together = run(choices)
+        mixed = [b for b in seen if len({a for a, _ in b}) >= 2]
+        assert mixed, "no batch boundary saw slots of two adapters at once"
+        alone = {}
+        for c in choices:
+            alone.update(run([c]))
+        assert together == alone
+        assert len({tuple(v) for v in alone.values()}) == 3
+        # the seam gives each batch one adapter: the one after the last batch's, in turn
+        keys = sorted(c.key for c in choices)
+        assert engine.adapters.batch_keys(keys) == {keys[(keys.index(engine.adapters._last) + 1) % 3]}
+    finally:
+        engine.stop()
+        engine.adapters.close()
+        model.close()
+
+
+def test_the_training_queue_takes_adapter_names_in_turn(tmp_path):
+    from dreamstage.training.jobs.request import parse_train_request
+    from dreamstage.training.jobs.store import JobStore
+
+    with JobStore(tmp_path / "s") as store:
+        ids = [store.submit(parse_train_request({"text": f"lesson {i}", "adapter": name}))["id"]
+               for i, name in enumerate(["a", "a", "a", "b", "a", "c"])]
+        a1, a2, a3, b1, a4, c1 = ids
+        assert store.queue() == [a1, b1, c1, a2, a3, a4]
+        store.transition(a1, "starting")
+        assert store.queue() == [b1, c1, a2, a3, a4]      # a trained last: the others go first
+        store.transition(a1, "cancelled")
+        store.transition(b1, "starting")
+        assert store.queue()[:2] == [c1, a2]
+
+
+def test_adapter_and_out_name_one_adapter(tmp_path):
+    from pydantic import ValidationError
+
+    from dreamstage.training.jobs.request import parse_train_request
+
+    assert parse_train_request({"text": "x", "adapter": "alice"}).to_job_spec().out == "alice"
+    assert parse_train_request({"text": "x", "out": "alice", "adapter": "alice"}).to_job_spec().out == "alice"
+    with pytest.raises(ValidationError, match="name different adapters"):
+        parse_train_request({"text": "x", "adapter": "alice", "out": "bob"})
+    with pytest.raises(ValidationError, match="reserved"):
+        parse_train_request({"text": "x", "adapter": "base"})

@@ -465,9 +465,6 @@ class Engine:
         else:
             max_tokens = req.max_tokens
         job.prompt, job.max_tokens = toks, max_tokens
-        job.adapter = req.adapter if req.adapter is not None else self.default_adapter()
-        for f in job.followers:
-            f.adapter = job.adapter
         self._waiting.append(job)
 
     def _reap_cancelled(self) -> None:
@@ -492,6 +489,10 @@ class Engine:
             if len(free) < need:
                 return
             self._waiting.popleft()
+            # the default is read here, after hold_admission applied any booked promotion
+            job.adapter = job.request.adapter if job.request.adapter is not None else self.default_adapter()
+            for f in job.followers:
+                f.adapter = job.adapter
             if not self._acquire_adapter(job, need):
                 continue
             # Prefer the free slot whose cache shares the longest prefix computed with the same adapter.
