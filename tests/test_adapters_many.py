@@ -366,3 +366,38 @@ def test_adapter_and_out_name_one_adapter(tmp_path):
         parse_train_request({"text": "x", "adapter": "alice", "out": "bob"})
     with pytest.raises(ValidationError, match="reserved"):
         parse_train_request({"text": "x", "adapter": "base"})
+
+
+def test_client_and_cli_manage_adapters(server, files, tmp_path, capsys):
+    import asyncio
+
+    from dreamstage import cli
+    from dreamstage.client import AsyncClient, Client, DreamstageError
+
+    srv, http = server
+    with Client(srv.url, api_key=KEY) as c:
+        assert c.import_adapter("erin", files["carol"], promote=False)["imported"]["version"] == 1
+        dest = c.export_adapter("erin", 1, tmp_path / "erin.gguf")
+        assert dest.read_bytes() == open(files["carol"], "rb").read()
+        peft = tmp_path / "peft"
+        peft.mkdir()
+        with zipfile.ZipFile(c.export_adapter("erin", 1, tmp_path / "erin.zip", format="peft")) as z:
+            z.extractall(peft)
+        assert c.import_adapter("erin", peft, promote=False)["imported"]["version"] == 2
+        assert c.adapter("erin")["versions"] == [1, 2]
+        with pytest.raises(DreamstageError) as e:
+            c.rollback("erin")
+        assert e.value.status == 409
+        assert c.remove_adapter("erin")["unloaded"]
+
+    async def listing():
+        async with AsyncClient(srv.url, api_key=KEY) as a:
+            return await a.adapters(), await a.adapter("alice")
+    everything, alice = asyncio.run(listing())
+    assert "erin" in {n["name"] for n in everything["names"]} and alice["served"]["name"] == "alice"
+    assert cli.main(["adapters", "ls", "--url", srv.url, "--api-key", KEY]) == 0
+    out = capsys.readouterr().out
+    assert "alice" in out and "erin" in out
+    assert cli.main(["adapters", "export", "alice", "1", str(tmp_path / "a.gguf"), "--url", srv.url,
+                     "--api-key", KEY]) == 0
+    assert (tmp_path / "a.gguf").read_bytes() == open(files["alice"], "rb").read()
