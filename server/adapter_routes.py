@@ -45,7 +45,7 @@ from dreamstage.adapters.served import AdapterRefused
 from dreamstage.server.errors import APIError, strict_int
 from dreamstage.server.tenants import scope_of
 from dreamstage.server.train_routes import _invalid, _json_object, _storage_error, _training_service
-from dreamstage.server.views import adapters_view, public
+from dreamstage.server.views import adapters_view, name_view, public
 from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.scheduler import AdapterInUse
 from dreamstage.training.jobs.store import AdapterNotFound
@@ -104,36 +104,20 @@ def _scoped_view(request: Request, service) -> dict:
         return adapters_view(service)
     store = service.store
     names = [n for n in store.names() if scope.allows(n)]
-    return public({"names": [_name_view(service, n) for n in names],
+    return public({"names": [name_view(service, n) for n in names],
                    "adapters": [v for n in names for v in store.adapters(n)]})
-
-
-def _name_view(service, name: str) -> dict:
-    store = service.store
-    served = store.served(name)
-    return {"name": name, "served": served, "served_version": served["served_version"] if served else None,
-            "promotions": store.promotions(name), "versions": [v["version"] for v in store.adapters(name)],
-            "training": any(j["out"] == name for j in _jobs(store))}
-
-
-def _jobs(store) -> list[dict]:
-    view = store.overview()
-    return [j for j in (view["current"], *view["queue"]) if j is not None]
 
 
 @router.get("/adapters")
 async def adapters(request: Request):
     service = _training_service(request)
-    view = _scoped_view(request, service)
-    if not scope_of(request).scoped:
-        view["names"] = public([_name_view(service, n) for n in service.store.names()])
-    return view
+    return _scoped_view(request, service)
 
 
 @router.get("/adapters/{name}")
 async def one_adapter(name: str, request: Request):
     service, name = _known(request, name)
-    return public({**_name_view(service, name), "adapters": service.store.adapters(name)})
+    return public({**name_view(service, name), "adapters": service.store.adapters(name)})
 
 
 async def _engine_call(service, fut):
@@ -208,7 +192,8 @@ async def promote(name: str, request: Request):
 @router.delete("/adapters/{name}")
 async def unload(name: str, request: Request):
     service, name = _known(request, name)
-    if any(j["out"] == name and j["state"] != "queued" for j in _jobs(service.store)):
+    current = service.store.overview()["current"]
+    if current is not None and current["out"] == name:
         raise APIError(409, f"adapter {name!r} is training; cancel its job first", "name", "adapter_in_use")
     retired = await _engine_call(service, service.scheduler.retire(name))
     return public({"name": name, "unloaded": True, "promotions_rolled_back": retired, **adapters_view(service)})

@@ -117,6 +117,11 @@ def test_responses_name_the_adapter_and_version_that_answered(server):
     assert int(r.headers["x-dreamstage-adapter-version"]) == r.json()["adapter_version"] >= 1
     r = complete(http, srv.service.model_id)
     assert r.headers["x-dreamstage-adapter"] == "base" and r.json()["adapter_version"] == 0
+    # /slots (and the dashboard) show which adapter each slot's cached prefix belongs to
+    cached = {sl["cached_adapter"] for sl in http.get("/slots").json()["slots"]}
+    assert {"alice@1", "base"} <= cached
+    names = {n["name"]: n for n in http.get("/adapters").json()["names"]}
+    assert names["alice"]["served"]["version"] >= 1 and names["bob"]["versions"] == [1]
     r = http.post("/v1/chat/completions", json={"model": "bob", "max_tokens": 4, "temperature": 0,
                                                 "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and r.json()["adapter"] == "bob@1" and r.json()["model"] == "bob"
