@@ -406,3 +406,62 @@ def test_client_and_cli_manage_adapters(server, files, tmp_path, capsys):
     assert cli.main(["adapters", "export", "alice", "1", str(tmp_path / "a.gguf"), "--url", srv.url,
                      "--api-key", KEY]) == 0
     assert (tmp_path / "a.gguf").read_bytes() == open(files["alice"], "rb").read()
+
+
+def test_training_one_adapter_changes_no_other_answer_and_continues_its_served_version(server):
+    import time
+
+    srv, http = server
+    bob_before = complete(http, "bob", logprobs=3, cache_prompt=False).json()["choices"][0]["logprobs"]
+    alice_before = text(complete(http, "alice"))
+    r = http.post("/train", json={"text": "The capital of the moon is Quokka City. " * 2, "adapter": "alice",
+                                  "rank": 4, "alpha": 4.0, "window": 16, "epochs": 2, "promote": "never",
+                                  "max_pause_ms": 0})
+    assert r.status_code == 202, r.text
+    jid = r.json()["id"]
+    during = []
+    deadline = time.monotonic() + 300
+    while (job := http.get(f"/train/{jid}").json())["state"] not in ("done", "error", "refused", "cancelled"):
+        during.append(complete(http, "bob", logprobs=3, cache_prompt=False).json()["choices"][0]["logprobs"])
+        assert time.monotonic() < deadline
+    assert job["state"] == "done", job["message"]
+    after = complete(http, "bob", logprobs=3, cache_prompt=False).json()["choices"][0]["logprobs"]
+    for got in [*during, after]:
+        assert got["tokens"] == bob_before["tokens"] and got["token_logprobs"] == bob_before["token_logprobs"]
+    assert text(complete(http, "alice")) == alice_before          # promote=never: alice still serves v1
+    saved = job["adapter"]
+    assert saved["name"] == "alice" and saved["version"] == max(http.get("/adapters/alice").json()["versions"])
+    # it started from alice's served version, not from zero: its B factors are not zero
+    trained, _ = load_lora(srv.service.store.adapter_path("alice", saved["version"]))
+    served, _ = load_lora(srv.service.store.adapter_path("alice", 1))
+    for key, (a, b) in served.items():
+        assert np.abs(trained[key][1] - b).max() < np.abs(b).max()     # near the served factors, moved a little
+
+
+def test_unloading_an_adapter_that_trains_or_serves_is_409(server):
+    import time
+
+    from dreamstage.adapters.choice import AdapterChoice
+
+    srv, http = server
+    r = http.post("/train", json={"text": "A long lesson about the moon. " * 4, "adapter": "bob", "rank": 4,
+                                  "alpha": 4.0, "window": 16, "epochs": 1000, "promote": "never"})
+    jid = r.json()["id"]
+    try:
+        deadline = time.monotonic() + 120
+        while http.get(f"/train/{jid}").json()["state"] not in ("running", "done", "error"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = http.delete("/adapters/bob")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_in_use" and "training" in r.text
+    finally:
+        http.post(f"/train/{jid}/cancel")
+    # a request holding the adapter in a slot: the engine refuses to free it
+    adapters = srv.service.engine.adapters
+    view = srv.service.store.served("bob")
+    choice = AdapterChoice("bob", view["version"], view["path"])
+    adapters.acquire(choice)              # as a slot does at admission (the engine is idle between requests)
+    try:
+        assert adapters.unload("bob") is False
+    finally:
+        adapters.release(choice)
