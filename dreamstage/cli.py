@@ -40,7 +40,8 @@ CONNECTION_FLAGS = {
 # `serve` flags that set a ServerSettings field of the same name. A flag not
 # given leaves the field to DREAMSTAGE_<FIELD>, else to ServerSettings' default.
 SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "batch", "threads", "kv_type", "adapter", "max_queue",
-                "max_body_bytes", "n_gpu_layers", "api_key") + tuple(CONNECTION_FLAGS)
+                "max_body_bytes", "n_gpu_layers", "api_key", "max_adapters", "adapter_budget_mib",
+                "api_keys") + tuple(CONNECTION_FLAGS)
 
 
 def serve_settings(args: argparse.Namespace):
@@ -271,6 +272,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def render_adapters(view: dict) -> str:
+    """`dreamstage adapters ls`: one row per name: served version, versions, training."""
+    rows = [[n["name"], f"v{n['served']['version']}" if n.get("served") else "-",
+             ",".join(str(v) for v in n["versions"]), "yes" if n.get("training") else ""]
+            for n in view.get("names", [])]
+    return _table(["adapter", "serves", "versions", "training"], rows) if rows else "no adapters"
+
+
+def cmd_adapters(args: argparse.Namespace) -> int:
+    import json
+
+    with _client(args) as c:
+        if args.action == "ls":
+            print(render_adapters(c.adapters()))
+            return 0
+        if args.action == "import":
+            got = c.import_adapter(args.name, args.path, promote=not args.no_promote)
+            print(f"imported {args.name} v{got['imported']['version']}")
+        elif args.action == "export":
+            dest = c.export_adapter(args.name, args.version, args.dest, format=args.format)
+            print(f"wrote {dest}")
+        elif args.action == "promote":
+            got = c.promote(args.name, args.version)
+            print(f"{args.name} serves v{got['served']['version']} (served version {got['served']['served_version']})")
+        elif args.action == "rollback":
+            got = c.rollback(args.name)
+            print(json.dumps(got.get("served")))
+        else:
+            c.remove_adapter(args.name)
+            print(f"unloaded {args.name}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dreamstage", description="A resident LLM that serves and keeps learning.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -298,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the dream stage keeps jobs and adapters (default ~/.local/share/dreamstage)")
     p.add_argument("--adapter", default=None, metavar="PATH",
                    help="a GGUF LoRA to serve from startup (imported into the state directory as a new version)")
+    p.add_argument("--max-adapters", dest="max_adapters", type=int, default=None, metavar="N",
+                   help=f"named adapters resident beside the base (default {default['max_adapters']})")
+    p.add_argument("--adapter-budget-mib", dest="adapter_budget_mib", type=float, default=None, metavar="MIB",
+                   help="memory the resident adapters' files may take (default: the device's free memory)")
+    p.add_argument("--api-keys", dest="api_keys", default=None, metavar="FILE",
+                   help='a JSON file of keys scoped to adapters: {"KEY": {"adapters": ["alice"], "train": true}}')
     p.add_argument("--max-queue", type=int, default=None,
                    help=f"requests waiting for a slot before 503 (default {default['max_queue']})")
     p.add_argument("--no-train", action="store_true", help="serve only: no /train, no adapters, no state directory")
@@ -356,6 +396,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
     p.set_defaults(fn=cmd_status)
+    p = sub.add_parser("adapters", help="list, import, export, promote, roll back or unload named adapters")
+    acts = p.add_subparsers(dest="action", required=True)
+    acts.add_parser("ls", help="every adapter name: its served version and stored versions")
+    a = acts.add_parser("import", help="a GGUF LoRA file or a PEFT folder, as a new version of NAME")
+    a.add_argument("name")
+    a.add_argument("path")
+    a.add_argument("--no-promote", action="store_true", help="store it without serving it")
+    a = acts.add_parser("export", help="download a version: the GGUF, or --format peft (a zip)")
+    a.add_argument("name")
+    a.add_argument("version", type=int)
+    a.add_argument("dest")
+    a.add_argument("--format", choices=["gguf", "peft"], default="gguf")
+    a = acts.add_parser("promote", help="serve a version of NAME (default: its latest)")
+    a.add_argument("name")
+    a.add_argument("version", type=int, nargs="?")
+    a = acts.add_parser("rollback", help="undo NAME's latest promotion (no NAME: the latest of any)")
+    a.add_argument("name", nargs="?")
+    a = acts.add_parser("rm", help="unload NAME: it serves nothing; its versions stay stored")
+    a.add_argument("name")
+    for a in acts.choices.values():
+        a.add_argument("--url", default="http://127.0.0.1:8080")
+        a.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
+    p.set_defaults(fn=cmd_adapters)
     return ap
 
 

@@ -21,11 +21,13 @@ Weighted replies to one prompt train as one shared-prefix group:
 """
 from __future__ import annotations
 
+import base64
 import json
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from httpx_sse import EventSource
@@ -186,6 +188,20 @@ def _auth_headers(api_key: str | None, headers=None) -> dict:
     return out
 
 
+def import_body(name: str, path, promote: bool = True) -> dict:
+    """POST /adapters' body for a local GGUF file or PEFT folder (sent inline, base64)."""
+    path = Path(path)
+    if path.is_dir():
+        return {"name": name, "promote": promote,
+                "peft": {"config": json.loads((path / "adapter_config.json").read_text()),
+                         "safetensors": base64.b64encode((path / "adapter_model.safetensors").read_bytes()).decode()}}
+    return {"name": name, "promote": promote, "gguf": base64.b64encode(path.read_bytes()).decode()}
+
+
+def _rollback_path(name: str | None) -> str:
+    return "/adapters/rollback" if name is None else f"/adapters/{name}/rollback"
+
+
 class Client:
     def __init__(self, base_url: str = "http://127.0.0.1:8080", timeout: float | None = 600.0, *,
                  api_key: str | None = None, **httpx_kwargs):
@@ -275,9 +291,30 @@ class Client:
         body = {} if version is None else {"version": version}
         return self._json("POST", f"/adapters/{name}/promote", body, expect=(200, 202))
 
-    def rollback(self) -> dict:
-        """Serve the previously promoted adapter again (or the base model)."""
-        return self._json("POST", "/adapters/rollback", None, expect=(200, 202))
+    def rollback(self, name: str | None = None) -> dict:
+        """Undo the latest promotion of `name` (None: of any name, what requests naming no adapter get)."""
+        return self._json("POST", _rollback_path(name), None, expect=(200, 202))
+
+    def adapter(self, name: str) -> dict:
+        """One adapter name: its served version, promotions and stored versions."""
+        return self._json("GET", f"/adapters/{name}")
+
+    def import_adapter(self, name: str, path, *, promote: bool = True) -> dict:
+        """Import a local GGUF LoRA file, or a PEFT folder (adapter_config.json +
+        adapter_model.safetensors), as a new version of `name` (served unless promote=False)."""
+        return self._json("POST", "/adapters", import_body(name, path, promote), expect=(201,))
+
+    def export_adapter(self, name: str, version: int, dest, *, format: str = "gguf") -> Path:
+        """Download a version to `dest`: the GGUF, or (format="peft") a zip of the PEFT files."""
+        r = self._http.get(f"/adapters/{name}/versions/{version}", params={"format": format})
+        if r.status_code != 200:
+            _raise_for(r.status_code, r.content, r.headers)
+        Path(dest).write_bytes(r.content)
+        return Path(dest)
+
+    def remove_adapter(self, name: str) -> dict:
+        """Unload `name` (DELETE /adapters/{name}): it serves nothing; its versions stay stored."""
+        return self._json("DELETE", f"/adapters/{name}")
 
     def _json(self, method: str, path: str, body: dict | None = None, expect: tuple[int, ...] = (200,)) -> dict:
         # A state change without a body still says application/json: the server
@@ -341,6 +378,39 @@ class AsyncClient:
 
     async def health(self) -> dict:
         return (await self._http.get("/health")).json()
+
+    async def adapters(self) -> dict:
+        return await self._json("GET", "/adapters")
+
+    async def adapter(self, name: str) -> dict:
+        return await self._json("GET", f"/adapters/{name}")
+
+    async def promote(self, name: str, version: int | None = None) -> dict:
+        body = {} if version is None else {"version": version}
+        return await self._json("POST", f"/adapters/{name}/promote", body, expect=(200, 202))
+
+    async def rollback(self, name: str | None = None) -> dict:
+        return await self._json("POST", _rollback_path(name), {}, expect=(200, 202))
+
+    async def import_adapter(self, name: str, path, *, promote: bool = True) -> dict:
+        return await self._json("POST", "/adapters", import_body(name, path, promote), expect=(201,))
+
+    async def export_adapter(self, name: str, version: int, dest, *, format: str = "gguf") -> Path:
+        r = await self._http.get(f"/adapters/{name}/versions/{version}", params={"format": format})
+        if r.status_code != 200:
+            _raise_for(r.status_code, r.content, r.headers)
+        Path(dest).write_bytes(r.content)
+        return Path(dest)
+
+    async def remove_adapter(self, name: str) -> dict:
+        return await self._json("DELETE", f"/adapters/{name}")
+
+    async def _json(self, method: str, path: str, body: dict | None = None, expect: tuple[int, ...] = (200,)) -> dict:
+        r = await self._http.request(method, path, json=body) if body is not None \
+            else await self._http.request(method, path)
+        if r.status_code not in expect:
+            _raise_for(r.status_code, r.content, r.headers)
+        return r.json()
 
     async def _call(self, kind, prompt, params) -> Completion:
         r = await self._http.post(_PATHS[kind], json=_body(kind, prompt, False, params))

@@ -44,17 +44,17 @@ class ChatShape:
                 "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                 "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}, True
 
-    def _chunk(self, version: int, choices: list[dict]) -> dict:
+    def _chunk(self, version: int | None, choices: list[dict]) -> dict:
         return {**self.base, "object": "chat.completion.chunk", "adapter_version": version, "choices": choices}
 
-    def opening(self, version: int, n: int) -> dict | None:
+    def opening(self, version: int | None, n: int) -> dict | None:
         return self._chunk(version, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                       "finish_reason": None} for i in range(n)])
 
-    def prompt(self, ev: PromptScored, version: int, index: int) -> dict | None:
+    def prompt(self, ev: PromptScored, version: int | None, index: int) -> dict | None:
         return None
 
-    def delta(self, ev: Delta, version: int, index: int) -> dict | None:
+    def delta(self, ev: Delta, version: int | None, index: int) -> dict | None:
         if self.tools:
             parts, lps = self._held.setdefault(index, ([], []))
             parts.append(ev.text)
@@ -103,26 +103,26 @@ class CompletionShape:
         self._start = len(echo_text) if echo_text is not None else 0   # where the first token's text starts
         self._offsets: dict[int, int] = {}   # per choice: where its next token's text starts
 
-    def _chunk(self, version: int, index: int, text: str, logprobs, finish: str | None) -> dict:
+    def _chunk(self, version: int | None, index: int, text: str, logprobs, finish: str | None) -> dict:
         return {**self.base, "adapter_version": version,
                 "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
     def _prompt_logprobs(self, scores) -> dict:
         return completion_logprobs(self.pieces, list(scores), self.prompt_tokens, 0)
 
-    def opening(self, version: int, n: int) -> dict | None:
+    def opening(self, version: int | None, n: int) -> dict | None:
         if self.echo_text is None or self.logprobs:
             return None                      # with logprobs the echo waits for the prompt's scores
         return {**self.base, "adapter_version": version,
                 "choices": [{"index": i, "text": self.echo_text, "logprobs": None, "finish_reason": None}
                             for i in range(n)]}
 
-    def prompt(self, ev: PromptScored, version: int, index: int) -> dict | None:
+    def prompt(self, ev: PromptScored, version: int | None, index: int) -> dict | None:
         if self.echo_text is None:
             return None
         return self._chunk(version, index, self.echo_text, self._prompt_logprobs(ev.logprobs), None)
 
-    def delta(self, ev: Delta, version: int, index: int) -> dict | None:
+    def delta(self, ev: Delta, version: int | None, index: int) -> dict | None:
         lp = None
         if ev.logprob is not None:
             lp = completion_logprobs(self.pieces, [ev.logprob], [ev.token], self._offsets.get(index, self._start))

@@ -1,7 +1,7 @@
 """The app: middleware and routers, wired; each route lives in its role's module.
 
 - openai_routes.py: /v1/chat/completions, /v1/completions, /v1/models;
-- train_routes.py: /train and /adapters;
+- train_routes.py: /train; adapter_routes.py: /adapters;
 - events.py: /events, the live stream; dashboard.py: the page at /;
 - status_routes.py: /health, /slots, /props, /metrics;
 - token_routes.py: /tokenize, /detokenize (llama-server's shapes);
@@ -13,6 +13,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from dreamstage.server import errors, metrics, openapi, security
+from dreamstage.server.adapter_routes import router as adapter_router
 from dreamstage.server.dashboard import router as dashboard_router
 from dreamstage.server.embedding_routes import router as embedding_router
 from dreamstage.server.events import router as events_router
@@ -33,8 +34,8 @@ def create_app(service: Service) -> FastAPI:
     # security guard (Host, key, content type), then the body checks.
     app.add_middleware(BodyGuard, max_bytes=service.settings.max_body_bytes)
     security.install(app, service.settings.security(), service.settings.cors_origins)
-    for router in (openai_router, embedding_router, token_router, train_router, events_router, dashboard_router,
-                   status_router):
+    for router in (openai_router, embedding_router, token_router, train_router, adapter_router, events_router,
+                   dashboard_router, status_router):
         app.include_router(router)
     openapi.install(app)
     return app

@@ -13,21 +13,25 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from dreamstage.server.adapter_select import resolve
 from dreamstage.server.bridge import EngineRequest
 from dreamstage.server.errors import APIError
 from dreamstage.server.fields import field_headers
 from dreamstage.server.schemas import EmbeddingRequest
+from dreamstage.server.tenants import scope_of
 from dreamstage.serving.generation import GenerationRequest
 
 router = APIRouter()
 
 
-async def _one(request: Request, tokens: list[int]):
+async def _one(request: Request, tokens: list[int], body_model: str | None):
     service = request.app.state.service
     if len(tokens) >= service.engine.slot_ctx:
         raise APIError(400, f"input: {len(tokens)} tokens exceed the per-slot context of {service.engine.slot_ctx} "
                             "tokens", "input", "context_length_exceeded")
-    job = EngineRequest(service.engine, [GenerationRequest(tokens, 1, embed=True)], service.settings.retry_after_s)
+    adapter = resolve(service, body_model, None, scope_of(request))
+    job = EngineRequest(service.engine, [GenerationRequest(tokens, 1, embed=True, adapter=adapter)],
+                        service.settings.retry_after_s)
     try:
         await job.admitted(request.is_disconnected)
         return await job.embedded(request.is_disconnected)
@@ -52,7 +56,7 @@ async def embeddings(body: EmbeddingRequest, request: Request):
             raise APIError(400, f"input[{i}]: a token is not in the vocabulary (0..{service.model.n_vocab - 1})",
                            f"input[{i}]")
         prompts.append(item)
-    done = await asyncio.gather(*(_one(request, p) for p in prompts))
+    done = await asyncio.gather(*(_one(request, p, body.model) for p in prompts))
     used = sum(d.prompt_tokens for d in done)
 
     def encoded(vector: tuple[float, ...]):

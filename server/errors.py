@@ -44,8 +44,13 @@ def strict_int(raw: str, param: str, low: int, high: int = MAX_SQL_INT) -> int:
     return int(raw)
 
 
+# Codes whose type OpenAI gives differently from their status's (a 404 model_not_found is a bad request).
+_CODE_TYPES = {"model_not_found": "invalid_request_error"}
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+    kind = _CODE_TYPES.get(code or "", _TYPES.get(status, "server_error"))
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -14,12 +14,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
+from dreamstage.adapters.choice import AdapterChoice
 from dreamstage.server import errors
+from dreamstage.server.adapter_select import listed_adapters, resolve
 from dreamstage.server.answers import ChatShape, CompletionShape, usage
 from dreamstage.server.bridge import ClientGone, EngineRequest
 from dreamstage.server.errors import APIError
 from dreamstage.server.fields import field_headers
 from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
+from dreamstage.server.tenants import scope_of
+from dreamstage.server.views import public
 from dreamstage.serving.engine import Delta, Failed, Finished, GenerationRequest
 from dreamstage.serving.generation import PromptScored
 from dreamstage.serving.sampling import GrammarError, json_schema_grammar
@@ -27,6 +31,8 @@ from dreamstage.serving.tools import forced_call_grammar, prompt_messages
 
 router = APIRouter()
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
+# Which adapter answered: "base", or "<name>@<version>" (adapter_select.py).
+ADAPTER_NAME_HEADER = "X-Dreamstage-Adapter"
 
 # How long a token stream may take to end by itself once the server is told to
 # stop: the engine first finishes its step, then ends every open request with
@@ -50,8 +56,9 @@ class _EngineStream(EventSourceResponse):
             self._job.cancel()
 
 
-def _generation(service, body, prompt: list[int], grammar: str | None, prompt_param: str) -> GenerationRequest:
-    """The engine's request: the body's sampling fields over the model's defaults."""
+def _generation(service, body, prompt: list[int], grammar: str | None, prompt_param: str,
+                adapter: AdapterChoice | None) -> GenerationRequest:
+    """The engine's request: the body's sampling fields over the model's defaults, on `adapter`."""
     bias = body.bias_pairs()
     bad = next((t for t, _ in bias if t >= service.model.n_vocab), None)
     if bad is not None:
@@ -61,7 +68,7 @@ def _generation(service, body, prompt: list[int], grammar: str | None, prompt_pa
                        logit_bias=bias)
     return GenerationRequest(prompt, body.limit(), sampling, body.stop_list(),
                              stop_tokens=frozenset(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                             cache_prompt=body.cache_prompt, prompt_param=prompt_param)
+                             cache_prompt=body.cache_prompt, prompt_param=prompt_param, adapter=adapter)
 
 
 def _grammar(body: ChatCompletionRequest | CompletionRequest) -> str | None:
@@ -97,7 +104,10 @@ async def _run(request: Request, gens: list[GenerationRequest], stream: bool, sh
         adm = await job.admitted(disconnected)
     except ClientGone:
         return JSONResponse(errors.error_body(499, "client closed the request"), status_code=499)
-    headers = {ADAPTER_HEADER: str(adm.adapter_version), **extra_headers}
+    headers = {ADAPTER_NAME_HEADER: adm.adapter.label, **extra_headers}
+    shape.base["adapter"] = adm.adapter.label           # known once admitted (the default is read then)
+    if adm.adapter_version is not None:
+        headers[ADAPTER_HEADER] = str(adm.adapter_version)
     if not stream:
         try:
             got = await job.collect(disconnected)
@@ -107,7 +117,7 @@ async def _run(request: Request, gens: list[GenerationRequest], stream: bool, sh
     return _EngineStream(_events(job, shape, adm.adapter_version, include_usage), job, headers)
 
 
-async def _events(job: EngineRequest, shape, version: int, include_usage: bool):
+async def _events(job: EngineRequest, shape, version: int | None, include_usage: bool):
     """The SSE events of a streamed answer: chunks per choice, each choice's final one, usage, [DONE]."""
     first = shape.opening(version, job.n)
     if first is not None:
@@ -174,16 +184,17 @@ def _choices(body, gen: GenerationRequest, n_slots: int) -> list[GenerationReque
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     service = request.app.state.service
     ignored = field_headers(body, service.settings.strict_api)
+    adapter = resolve(service, body.model, body.lora, scope_of(request))
     offered = body.offered_tools()
     native = bool(offered) and service.chat.supports_tools
     messages = prompt_messages(_message_dicts(body), offered, native)
     grammar = _tool_grammar(body.forced_tools()) if body.forced_tools() else _grammar(body)
     # token ids, off the engine thread
     prompt = await service.prompts.chat(service.chat, messages, body.chat_template_kwargs, offered if native else None)
-    gen = replace(_generation(service, body, prompt, grammar, "messages"), logprobs=body.logprob_count())
+    gen = replace(_generation(service, body, prompt, grammar, "messages", adapter), logprobs=body.logprob_count())
     gens = _choices(body, gen, service.engine.n_seq)
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": service.model_id,
-            "system_fingerprint": None}
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+            "model": _answered_as(service, body.model, adapter), "system_fingerprint": None}
     names = frozenset(t["function"]["name"] for t in offered) if offered else None
     shape = ChatShape(base, service.prompts.pieces, body.logprobs is True, names, body.parallel_tool_calls is False)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -194,6 +205,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 async def completions(body: CompletionRequest, request: Request):
     service = request.app.state.service
     ignored = field_headers(body, service.settings.strict_api)
+    adapter = resolve(service, body.model, body.lora, scope_of(request))
     engine = service.engine
     given = body.prompt_value()
     if isinstance(given, str) and not given:
@@ -207,11 +219,11 @@ async def completions(body: CompletionRequest, request: Request):
     else:
         prompt = given
     scored = body.echo and body.logprobs is not None
-    gen = replace(_generation(service, body, prompt, grammar, "prompt"), logprobs=body.logprobs,
+    gen = replace(_generation(service, body, prompt, grammar, "prompt", adapter), logprobs=body.logprobs,
                   prompt_logprobs=body.logprobs if scored else None)
     gens = _choices(body, gen, engine.n_seq)
     base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": service.model_id}
+            "model": _answered_as(service, body.model, adapter)}
     echo_text = None
     if body.echo:
         echo_text = given if isinstance(given, str) else await service.prompts.detokenize(prompt)
@@ -220,9 +232,24 @@ async def completions(body: CompletionRequest, request: Request):
     return await _run(request, gens, body.stream, shape, include_usage, ignored)
 
 
+def _answered_as(service, model: str | None, adapter: AdapterChoice | None) -> str:
+    """The response's `model`: what the request named (vLLM echoes an adapter's name), else the base model's id."""
+    if model is not None and adapter is not None and not adapter.is_base:
+        return model
+    return service.model_id
+
+
 @router.get("/v1/models")
 async def models(request: Request):
+    """The base model, then every adapter with a served version (the key's, when it is scoped), as vLLM lists them."""
     service = request.app.state.service
     engine = service.engine
-    return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": 0,
-                                        "owned_by": "dreamstage", "adapter_version": engine.adapter_version}]}
+    scope = scope_of(request)
+    base = {"id": service.model_id, "object": "model", "created": 0, "owned_by": "dreamstage", "root": None,
+            "parent": None, "adapter_version": engine.adapter_version if not scope.scoped else None}
+    data = [base]
+    for v in listed_adapters(service, scope):
+        data.append({"id": v["name"], "object": "model", "created": int(v["created"]), "owned_by": "dreamstage",
+                     "root": v["path"], "parent": service.model_id, "version": v["version"],
+                     "adapter_version": v["served_version"], "default": v["default"]})
+    return {"object": "list", "data": public(data)}

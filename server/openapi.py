@@ -85,8 +85,8 @@ _WHY = {
 _COMMON = (401, 403)
 _WRITE = (400, 413, 415)
 _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
-    ("post", "/v1/chat/completions"): (400, 503),
-    ("post", "/v1/completions"): (400, 503),
+    ("post", "/v1/chat/completions"): (400, 404, 503),
+    ("post", "/v1/completions"): (400, 404, 503),
     ("get", "/health"): (503,),
     ("post", "/v1/embeddings"): (400, 501, 503),
     ("post", "/tokenize"): (400,),
@@ -99,15 +99,21 @@ _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/train/{job_id}/pause"): (404, 409, 422, 503, 507),
     ("post", "/train/{job_id}/resume"): (404, 409, 422, 503, 507),
     ("get", "/adapters"): (503,),
-    ("post", "/adapters/{name}/promote"): (404, 422, 503, 507),
-    ("post", "/adapters/rollback"): (409, 503, 507),
+    ("post", "/adapters/{name}/promote"): (404, 409, 422, 503, 507),
+    ("post", "/adapters/rollback"): (404, 409, 503, 507),
+    ("post", "/adapters/{name}/rollback"): (404, 409, 422, 503, 507),
+    ("post", "/adapters"): (403, 404, 409, 422, 503, 507),
+    ("delete", "/adapters/{name}"): (404, 409, 422, 503),
+    ("get", "/adapters/{name}"): (404, 422, 503),
+    ("get", "/adapters/{name}/versions/{version}"): (404, 422, 503),
 }
 
 
 def _bodies():
-    from dreamstage.server.train_routes import PromoteBody
+    from dreamstage.server.adapter_routes import ImportBody, PromoteBody
     from dreamstage.training.jobs.request import TrainRequest
-    return {("post", "/train"): (TrainRequest, True), ("post", "/adapters/{name}/promote"): (PromoteBody, False)}
+    return {("post", "/train"): (TrainRequest, True), ("post", "/adapters/{name}/promote"): (PromoteBody, False),
+            ("post", "/adapters"): (ImportBody, True)}
 
 
 def build(app) -> dict:

@@ -120,8 +120,23 @@ class ResponseFormat(_Strict):
 StopField = str | Annotated[list[str], Field(max_length=16)] | None
 
 
+class LoraEntry(_Strict):
+    """llama-server's per-request adapter: {"id": i | "name": n, "scale": s} (adapter_select.py)."""
+    id: int | None = Field(None, ge=0, le=2**31 - 1)
+    name: str | None = Field(None, min_length=1, max_length=80)
+    scale: float = Field(1.0, ge=-100.0, le=100.0)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> LoraEntry:
+        if (self.id is None) == (self.name is None):
+            raise ValueError("each lora entry gives id or name (one of them)")
+        return self
+
+
 class _Sampling(_Strict):
-    model: str | None = None       # any id is accepted: one model is resident
+    # an adapter name, name@version, "base" or the base model's id (adapter_select.py); none: the default adapter
+    model: str | None = Field(None, max_length=200)
+    lora: Annotated[list[LoraEntry], Field(max_length=64)] | None = None
     # Sampling fields left out (None) take the model's defaults (sampling.model_defaults).
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

@@ -32,10 +32,12 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import ipaddress
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from dreamstage.server.errors import send_error
+from dreamstage.server.tenants import SCOPED_PREFIXES, AdapterScope
 
 # Routes reachable without the key: liveness, which changes nothing, and the
 # dashboard's static page and assets, which hold no data. A browser cannot
@@ -83,15 +85,23 @@ class SecurityPolicy:
     allowed_hosts: frozenset[str] | None = None
     # Origins other than the server's own whose pages may write (--cors-origin).
     allowed_origins: frozenset[str] = frozenset()
+    # Keys scoped to adapter names (--api-keys, tenants.py); with any, a key is required.
+    scoped_keys: Mapping[str, AdapterScope] = field(default_factory=dict, hash=False)
 
     @classmethod
-    def for_bind(cls, host: str, api_key: str | None, extra_hosts=()) -> SecurityPolicy:
+    def for_bind(cls, host: str, api_key: str | None, extra_hosts=(),
+                 scoped_keys: Mapping[str, AdapterScope] | None = None) -> SecurityPolicy:
         extra = frozenset(h.lower() for h in extra_hosts)
+        scoped = dict(scoped_keys or {})
         if is_loopback(host):
-            return cls(api_key or None, LOOPBACK_NAMES | extra)
+            return cls(api_key or None, LOOPBACK_NAMES | extra, scoped_keys=scoped)
         # A public bind checks Host only when names are given (then the
         # loopback names too, so the machine itself can still call it).
-        return cls(api_key or None, (LOOPBACK_NAMES | extra) if extra else None)
+        return cls(api_key or None, (LOOPBACK_NAMES | extra) if extra else None, scoped_keys=scoped)
+
+    @property
+    def keyed(self) -> bool:
+        return self.api_key is not None or bool(self.scoped_keys)
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -140,11 +150,19 @@ class SecurityGuard:
                              f"{', '.join(sorted(policy.allowed_hosts))}; add names with --allowed-host)",
                         "host", "host_not_allowed", None)
         authorized = False
-        if policy.api_key is not None and (method, path) not in OPEN_ROUTES:
-            if not key_matches(_header(scope, b"authorization"), policy.api_key):
-                return (401, "missing or wrong API key: send Authorization: Bearer <key>", "authorization",
-                        "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-            authorized = True
+        if policy.keyed and (method, path) not in OPEN_ROUTES:
+            authorization = _header(scope, b"authorization")
+            if policy.api_key is not None and key_matches(authorization, policy.api_key):
+                authorized = True
+            else:
+                tenant = next((s for k, s in policy.scoped_keys.items() if key_matches(authorization, k)), None)
+                if tenant is None:
+                    return (401, "missing or wrong API key: send Authorization: Bearer <key>", "authorization",
+                            "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                if not path.startswith(SCOPED_PREFIXES):
+                    return (404, f"no route {path}", None, "not_found", None)
+                scope.setdefault("state", {})["adapter_scope"] = tenant
+                authorized = True
         if method in _WRITE_METHODS:
             refusal = origin_refusal(scope, policy)
             if refusal is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from dataclasses import dataclass
 
 from dreamstage.server.prompts import PromptTokenizer
 from dreamstage.server.settings import ServerSettings
@@ -54,6 +55,14 @@ def run_uvicorn(service: Service, app, *, host: str, port: int, log_level: str =
         service.close()
 
 
+@dataclass(frozen=True)
+class AdapterShape:
+    """What an imported or exported adapter must match: the resident model's architecture and heads."""
+    arch: str
+    n_head: int
+    n_head_kv: int
+
+
 class Service:
     def __init__(self, settings: ServerSettings, hook: DreamHook | None = None):
         self.settings = settings      # checked when it was made (ServerSettings validates itself)
@@ -62,6 +71,9 @@ class Service:
         self.chat = ChatTemplate.for_model(self.model)
         self.sampling_defaults = model_defaults(self.model.meta)   # a request's unset sampling fields
         self.model_id = settings.model_alias or self.model.model_path.stem
+        lc, m = self.model.lc, self.model.model
+        self.adapter_shape = AdapterShape(self.model.meta("general.architecture") or "", lc.llama_model_n_head(m),
+                                          lc.llama_model_n_head_kv(m))
         # The dream stage (POST /train) needs a state directory for its jobs and adapters.
         self.store = self.scheduler = self.submitter = None
         if settings.state_dir is not None and hook is None:
@@ -71,11 +83,13 @@ class Service:
             from dreamstage.training.jobs.submit import JobSubmitter
             self.store = JobStore(settings.state_dir)
             self.scheduler = hook = DreamScheduler(self.store, self.model, drift_guard=settings.drift_guard,
-                                                   record_file=DriftRecordFile(settings.state_dir, self.model))
+                                                   record_file=DriftRecordFile(settings.state_dir, self.model),
+                                                   max_adapters=settings.max_adapters,
+                                                   adapter_budget_mib=settings.adapter_budget_mib)
             self.submitter = JobSubmitter(self.store, self.scheduler, self.model, settings.limits)
         elif settings.adapter is not None:
             raise ValueError("--adapter needs a state directory (--state-dir) to keep its versions in")
-        self.engine = Engine(self.model, max_queue=settings.max_queue, hook=hook)
+        self.engine = Engine(self.model, max_queue=settings.max_queue, hook=hook, max_adapters=settings.max_adapters)
         self.prompts = PromptTokenizer(self.model, self.engine.slot_ctx)
         if self.scheduler is not None:
             try:
@@ -113,4 +127,5 @@ class Service:
             self.scheduler.close()
         if self.store is not None:
             self.store.close()
+        self.engine.adapters.close()
         self.model.close()

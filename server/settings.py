@@ -12,8 +12,10 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS
 from dreamstage.server.connections import ConnectionLimits
 from dreamstage.server.security import SecurityPolicy, is_loopback
+from dreamstage.server.tenants import load_key_file
 from dreamstage.serving.resident import KV_TYPES, ResidentConfig
 from dreamstage.training.jobs.submit import JobLimits
 
@@ -38,6 +40,13 @@ class ServerSettings(BaseSettings):
     kv_type: str = "f16"
     state_dir: str | None = None      # the dream stage's jobs and adapters; None: training is off
     adapter: str | None = None        # a GGUF LoRA to import and serve at startup (--adapter)
+    # Named adapters with a served version resident beside the base; also how
+    # many adapter files serving keeps loaded at once.
+    max_adapters: int = Field(default=DEFAULT_MAX_ADAPTERS, ge=1, le=256)
+    # The resident adapters' files may take this many MiB; None: the device's free memory.
+    adapter_budget_mib: float | None = Field(default=None, gt=0)
+    # A key file (JSON: key -> {"adapters": [names], "train": bool}) of keys scoped to adapter names.
+    api_keys: str | None = None
     max_queue: int = Field(default=64, ge=0)           # requests that may wait for a slot before 503
     max_body_bytes: int = Field(default=4 << 20, ge=1024)   # larger request bodies get 413
     # Connections (server/connections.py): past a limit a new connection gets a
@@ -76,7 +85,9 @@ class ServerSettings(BaseSettings):
             raise ValueError("api_key must not be empty")
         # Anyone who can POST /train changes what the model says to everyone,
         # and that change persists. Off this machine that needs a key.
-        if self.state_dir is not None and not self.api_key and not is_loopback(self.host):
+        if self.api_keys is not None:
+            load_key_file(self.api_keys)          # a bad key file is refused at startup, naming the entry
+        if self.state_dir is not None and not self.api_key and not self.api_keys and not is_loopback(self.host):
             raise ValueError(f"refusing to serve training routes on {self.host}, which is not a loopback address, "
                              "without an API key: set --api-key (or DREAMSTAGE_API_KEY), or turn training off "
                              "with --no-train")
@@ -89,7 +100,8 @@ class ServerSettings(BaseSettings):
                                 keep_alive_s=self.keep_alive_s, fd_reserve=self.fd_reserve)
 
     def security(self) -> SecurityPolicy:
-        return SecurityPolicy.for_bind(self.host, self.api_key, self.allowed_hosts)
+        scoped = load_key_file(self.api_keys) if self.api_keys is not None else None
+        return SecurityPolicy.for_bind(self.host, self.api_key, self.allowed_hosts, scoped)
 
     def resident_config(self) -> ResidentConfig:
         # One K/V stream per slot: a request's output does not depend on what

@@ -1,4 +1,4 @@
-"""Routes for training jobs and adapters: /train and /adapters.
+"""Routes for training jobs: /train (adapters are adapter_routes.py).
 
 Routes only: they parse JSON, call the training package and map its errors
 to HTTP. Submitting (validate, render, limits, commit, enqueue) is
@@ -17,26 +17,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dreamstage.server.errors import APIError, strict_int
-from dreamstage.server.views import adapters_view, public, with_unrecorded
-from dreamstage.training.jobs.request import check_adapter_name
-from dreamstage.training.jobs.store import AdapterNotFound, InvalidTransition, JobNotFound
+from dreamstage.server.tenants import scope_of
+from dreamstage.server.views import public, with_unrecorded
+from dreamstage.training.jobs.store import InvalidTransition, JobNotFound
 from dreamstage.training.jobs.submit import SubmitRefused, invalid
-from dreamstage.validation import field_errors
 
 router = APIRouter()
-
-# How long a promote/rollback call waits for the swap. The swap waits for the
-# busy slots to finish their requests; past this the answer is 202 (booked,
-# applied as soon as they drain).
-SWAP_WAIT_S = 30.0
-
-
-class PromoteBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    version: int | None = Field(default=None, ge=1)
 
 
 def _training_service(request: Request):
@@ -90,11 +78,31 @@ def _refused(e: SubmitRefused) -> APIError:
     return APIError(e.status, e.message, e.param, e.code)
 
 
+def _check_train_scope(request: Request, body: dict) -> None:
+    """A scoped key trains only its own adapters, and only when its key file says train: true."""
+    scope = scope_of(request)
+    if not scope.scoped:
+        return
+    if not scope.train:
+        raise APIError(403, "this API key may chat but not train (train: false in the key file)", None,
+                       "training_not_allowed")
+    name = body.get("adapter", body.get("out"))
+    if not isinstance(name, str):
+        raise _invalid([("adapter", "a key scoped to adapters names the adapter it trains")])
+    if not scope.allows(name):
+        raise APIError(404, f"no adapter {name!r}", "adapter", "not_found")
+
+
+def _visible(request: Request, job: dict) -> bool:
+    return scope_of(request).allows(job["out"])
+
+
 @router.post("/train", status_code=202)
 async def submit(request: Request):
     service = _training_service(request)
     body = await _json_object(request, required=True)
     assert body is not None  # required=True: an empty body is a 4xx
+    _check_train_scope(request, body)
     try:
         job = await asyncio.to_thread(service.submitter.submit, body)
     except SubmitRefused as e:
@@ -109,19 +117,32 @@ async def overview(request: Request):
     service = _training_service(request)
     view = service.store.overview()
     # the jobs as GET /train/{id} shows them: one that ended unrecorded (a full disk) is its error here too
-    current = view["current"] and with_unrecorded(service, view["current"])
-    queue = [with_unrecorded(service, j) for j in view["queue"]]
-    return public({"current": current, "queue": queue, "adapter_version": service.engine.adapter_version})
+    current = view["current"] and _visible(request, view["current"]) and with_unrecorded(service, view["current"])
+    queue = [with_unrecorded(service, j) for j in view["queue"] if _visible(request, j)]
+    return public({"current": current or None, "queue": queue, "adapter_version": service.engine.adapter_version})
 
 
 @router.get("/train/{job_id}")
 async def one_job(job_id: str, request: Request):
     service = _training_service(request)
     jid = _job_id(job_id)
+    _own_job(request, service, jid)
     try:
         return public(with_unrecorded(service, service.store.get(jid)))
     except JobNotFound as e:
         raise APIError(404, str(e), "id", "not_found") from None
+
+
+def _own_job(request: Request, service, jid: int) -> None:
+    """404 for a job of an adapter outside the key's scope (as for a job that does not exist)."""
+    if not scope_of(request).scoped:
+        return
+    try:
+        job = service.store.get(jid)
+    except JobNotFound as e:
+        raise APIError(404, str(e), "id", "not_found") from None
+    if not _visible(request, job):
+        raise APIError(404, f"no job {jid}", "id", "not_found")
 
 
 @router.get("/train/{job_id}/receipts")
@@ -129,6 +150,7 @@ async def job_receipts(job_id: str, request: Request, after: str = "0"):
     """Every micro-step's receipt (after seq `after`): its pass, horizon, memory, refusal."""
     service = _training_service(request)
     jid, after_seq = _job_id(job_id), strict_int(after, "after", 0)
+    _own_job(request, service, jid)
     try:
         return public({"receipts": service.store.receipts(jid, after_seq=after_seq)})
     except JobNotFound as e:
@@ -138,6 +160,7 @@ async def job_receipts(job_id: str, request: Request, after: str = "0"):
 async def _move(request: Request, job_id: str, target: str) -> dict:
     service = _training_service(request)
     jid = _job_id(job_id)
+    _own_job(request, service, jid)
     try:
         view = await asyncio.to_thread(service.submitter.transition, jid, target)
     except JobNotFound as e:
@@ -162,57 +185,3 @@ async def pause(job_id: str, request: Request):
 @router.post("/train/{job_id}/resume")
 async def resume(job_id: str, request: Request):
     return await _move(request, job_id, "running")
-
-
-@router.get("/adapters")
-async def adapters(request: Request):
-    return adapters_view(_training_service(request))
-
-
-async def _swap(service, fut) -> JSONResponse:
-    """Wait for the engine to book the swap, then (a while) for it to apply."""
-    if not service.engine.running:
-        fut.cancel()
-        raise APIError(503, "the engine is not running", None, "engine_stopped")
-    try:
-        view, applied = await asyncio.wait_for(asyncio.wrap_future(fut), SWAP_WAIT_S)
-    except AdapterNotFound as e:
-        raise APIError(404, str(e), "name", "not_found") from None
-    except ValueError as e:               # the file does not load (AdapterLoadError)
-        raise APIError(422, str(e), "name", "adapter_unloadable") from None
-    except (OSError, sqlite3.Error) as e:  # booking the promotion could not be written
-        raise _storage_error(e, "promotion") from None
-    except asyncio.TimeoutError:
-        raise APIError(503, "the engine did not take the request in time; retry", None, "busy") from None
-    try:
-        done = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(applied)), SWAP_WAIT_S)
-    except asyncio.TimeoutError:
-        done = False
-    body = {"applied": bool(done), "served": view, **adapters_view(service)}
-    return JSONResponse(body, status_code=200 if done else 202)
-
-
-@router.post("/adapters/rollback")
-async def rollback(request: Request):
-    service = _training_service(request)
-    try:
-        return await _swap(service, service.scheduler.rollback())
-    except APIError as e:
-        if e.status == 404:               # nothing to roll back is a state conflict, not a missing name
-            raise APIError(409, e.message, None, "nothing_to_roll_back") from None
-        raise
-
-
-@router.post("/adapters/{name}/promote")
-async def promote(name: str, request: Request):
-    service = _training_service(request)
-    try:
-        check_adapter_name(name)
-    except ValueError as e:
-        raise _invalid([("name", str(e))]) from None
-    body = await _json_object(request, required=False)
-    try:
-        version = PromoteBody.model_validate(body or {}).version
-    except ValidationError as e:
-        raise _invalid(field_errors(e)) from None
-    return await _swap(service, service.scheduler.promote(name, version))

@@ -15,11 +15,24 @@ def with_unrecorded(service, view: dict) -> dict:
 
 
 def adapters_view(service) -> dict:
-    """What GET /adapters returns: the served adapter, its promotions and every stored adapter."""
+    """What GET /adapters returns: the default's served adapter, the promotions, every
+    name (`name_view`) and every stored adapter version."""
     jobs = service.store
     return public({"served_version": service.engine.adapter_version, "served": jobs.served(),
                    "served_error": service.scheduler.served_error, "promotions": jobs.promotions(),
-                   "adapters": jobs.adapters()})
+                   "names": [name_view(service, n) for n in jobs.names()], "adapters": jobs.adapters()})
+
+
+def name_view(service, name: str) -> dict:
+    """One adapter name: what it serves, its promotions and versions, and whether a job trains it now."""
+    store = service.store
+    served = store.served(name)
+    jobs = store.overview()
+    current = jobs["current"]
+    return {"name": name, "served": served, "served_version": served["served_version"] if served else None,
+            "promotions": store.promotions(name), "versions": [v["version"] for v in store.adapters(name)],
+            "training": current is not None and current["out"] == name,
+            "queued_jobs": [j["id"] for j in jobs["queue"] if j["out"] == name]}
 
 
 def public(view):

@@ -57,7 +57,7 @@ def engine_tokens(server, prompt: str, max_tokens: int, **request) -> tuple[list
 # -- a tolerant schema ---------------------------------------------------------------
 def test_unknown_fields_are_ignored_and_named_in_a_header(client):
     raw = client.chat.completions.with_raw_response.create(
-        model="any", messages=[{"role": "user", "content": "Hi", "reasoning_content": "x"}], max_tokens=4,
+        model="base", messages=[{"role": "user", "content": "Hi", "reasoning_content": "x"}], max_tokens=4,
         temperature=0, extra_body={"frobnicate": 1, "skip_special_tokens": False, "cache_prompt": True,
                                    "bad\nname\u00e9": 2})
     assert raw.http_response.status_code == 200
@@ -66,7 +66,7 @@ def test_unknown_fields_are_ignored_and_named_in_a_header(client):
     assert set(named) == {"frobnicate", "skip_special_tokens", "messages[0].reasoning_content",
                           "bad%0Aname%C3%A9"}
     assert raw.parse().choices[0].message.content
-    plain = client.chat.completions.with_raw_response.create(model="any", messages=ASK, max_tokens=2)
+    plain = client.chat.completions.with_raw_response.create(model="base", messages=ASK, max_tokens=2)
     assert "x-dreamstage-ignored-fields" not in plain.headers
 
 
@@ -94,21 +94,21 @@ def test_strict_api_restores_the_400s():
 
 
 def test_n_predict_bounds_the_answer(client):
-    done = client.completions.create(model="x", prompt="Once upon a time", temperature=0,
+    done = client.completions.create(model="base", prompt="Once upon a time", temperature=0,
                                      extra_body={"n_predict": 5, "ignore_eos": True})
     assert done.usage.completion_tokens == 5 and done.choices[0].finish_reason == "length"
-    chat = client.chat.completions.create(model="x", messages=ASK, temperature=0,
+    chat = client.chat.completions.create(model="base", messages=ASK, temperature=0,
                                           extra_body={"n_predict": 3, "ignore_eos": True})
     assert chat.usage.completion_tokens == 3
     # max_tokens wins over n_predict when both are given
-    both = client.completions.create(model="x", prompt="Once upon a time", temperature=0, max_tokens=2,
+    both = client.completions.create(model="base", prompt="Once upon a time", temperature=0, max_tokens=2,
                                      extra_body={"n_predict": 9, "ignore_eos": True})
     assert both.usage.completion_tokens == 2
 
 
 def test_repetition_penalty_is_repeat_penalty(client, http):
     def ask(**extra):
-        return client.completions.create(model="x", prompt="one one one one one", max_tokens=12, temperature=0,
+        return client.completions.create(model="base", prompt="one one one one one", max_tokens=12, temperature=0,
                                          extra_body=extra).choices[0].text
     plain, vllm, ours = ask(), ask(repetition_penalty=1.8), ask(repeat_penalty=1.8)
     assert vllm == ours != plain
@@ -121,7 +121,7 @@ def test_stop_token_ids_end_the_answer_before_that_token(server, client):
     tokens, _ = engine_tokens(server, prompt, 8)
     assert len(tokens) == 8
     stop_at = next(i for i in range(2, 8) if tokens[i] not in tokens[:i])
-    done = client.completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0,
+    done = client.completions.create(model="base", prompt=prompt, max_tokens=8, temperature=0,
                                      extra_body={"stop_token_ids": [tokens[stop_at]]})
     assert done.choices[0].finish_reason == "stop"
     assert done.usage.completion_tokens == stop_at + 1      # the stop token was sampled, not emitted
@@ -138,17 +138,17 @@ def test_ignore_eos_runs_past_the_end_of_turn(server, client):
 
 def test_cache_prompt_false_evaluates_the_whole_prompt(client):
     long_ask = [{"role": "user", "content": "Describe the history of Paris in one paragraph."}]
-    client.chat.completions.create(model="x", messages=long_ask, max_tokens=1, temperature=0)
-    again = client.chat.completions.create(model="x", messages=long_ask, max_tokens=1, temperature=0)
+    client.chat.completions.create(model="base", messages=long_ask, max_tokens=1, temperature=0)
+    again = client.chat.completions.create(model="base", messages=long_ask, max_tokens=1, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
-    fresh = client.chat.completions.create(model="x", messages=long_ask, max_tokens=1, temperature=0,
+    fresh = client.chat.completions.create(model="base", messages=long_ask, max_tokens=1, temperature=0,
                                            extra_body={"cache_prompt": False})
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_typical_p_keeps_the_draw_to_one_token(client):
     def draw(seed, **extra):
-        return client.completions.create(model="x", prompt="My favourite animal is the", max_tokens=8,
+        return client.completions.create(model="base", prompt="My favourite animal is the", max_tokens=8,
                                          temperature=1.0, seed=seed, extra_body=extra).choices[0].text
     free = {draw(s) for s in range(4)}
     assert len(free) > 1
@@ -159,7 +159,7 @@ def test_chat_template_kwargs_reach_the_template(client):
     t = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}|{{ flavour }}|{{ bos_token }}", "<s>",
                      "</s>")
     assert t.render([{"role": "user", "content": "hi"}], {"flavour": "mint", "bos_token": "forged"}) == "hi|mint|<s>"
-    r = client.chat.completions.create(model="x", messages=ASK, max_tokens=2,
+    r = client.chat.completions.create(model="base", messages=ASK, max_tokens=2,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.content is not None
 
@@ -180,7 +180,7 @@ def test_default_context_is_the_trained_context_and_holds_a_long_conversation():
                           {"role": "assistant", "content": f"Noted {i}."}]
             turns.append({"role": "user", "content": "What was the first note about?"})
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=600)
-            done = client.chat.completions.create(model="x", messages=turns, max_tokens=8, temperature=0)
+            done = client.chat.completions.create(model="base", messages=turns, max_tokens=8, temperature=0)
             assert 5500 < done.usage.prompt_tokens < model.n_ctx_train and done.choices[0].message.content
             r = http.post("/v1/chat/completions", json={"messages": turns * 2, "max_tokens": 8})
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
@@ -216,7 +216,7 @@ def test_too_long_a_request_is_a_400_naming_the_numbers(server, http):
 
 
 def test_completions_without_max_tokens_run_to_the_context_end(server, client):
-    done = client.completions.create(model="x", prompt="Once upon a time", temperature=0,
+    done = client.completions.create(model="base", prompt="Once upon a time", temperature=0,
                                      extra_body={"ignore_eos": True})
     assert done.choices[0].finish_reason == "length"
     assert done.usage.prompt_tokens + done.usage.completion_tokens == server.service.engine.slot_ctx
@@ -231,7 +231,7 @@ def test_sampling_defaults_are_llama_servers_unless_the_gguf_says(server, client
     assert (own.temperature, own.top_k, own.min_p, own.top_p) == (0.3, 20, SamplingParams().min_p, 0.95)
 
     def draw(seed, **fields):
-        return client.completions.create(model="x", prompt="My favourite animal is the", max_tokens=16,
+        return client.completions.create(model="base", prompt="My favourite animal is the", max_tokens=16,
                                          seed=seed, extra_body=fields).choices[0].text
     explicit = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
     unfiltered = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
@@ -319,7 +319,7 @@ def reference_greedy(model, tokens: list[int], steps: int) -> list[tuple[int, np
 
 def test_completion_logprobs_match_the_models_logits(server, client, reference):
     prompt = "The three primary colours are"
-    done = client.completions.create(model="x", prompt=prompt, max_tokens=6, temperature=0, logprobs=5,
+    done = client.completions.create(model="base", prompt=prompt, max_tokens=6, temperature=0, logprobs=5,
                                      extra_body={"ignore_eos": True})
     lp = done.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
@@ -336,7 +336,7 @@ def test_completion_logprobs_match_the_models_logits(server, client, reference):
 
 
 def test_chat_logprobs_ordered_and_the_same_streamed(client):
-    ask = dict(model="x", messages=ASK, max_tokens=8, temperature=0, logprobs=True, top_logprobs=4)
+    ask = dict(model="base", messages=ASK, max_tokens=8, temperature=0, logprobs=True, top_logprobs=4)
     done = client.chat.completions.create(**ask)
     content = done.choices[0].logprobs.content
     assert len(content) == done.usage.completion_tokens
@@ -351,13 +351,13 @@ def test_chat_logprobs_ordered_and_the_same_streamed(client):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += chunk.choices[0].logprobs.content
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
-    plain = client.chat.completions.create(model="x", messages=ASK, max_tokens=2)
+    plain = client.chat.completions.create(model="base", messages=ASK, max_tokens=2)
     assert plain.choices[0].logprobs is None
 
 
 def test_sampled_logprobs_are_of_the_distribution_before_truncation(client):
     # top_k 1 leaves one candidate, yet the reported distribution is the one before truncation
-    done = client.chat.completions.create(model="x", messages=ASK, max_tokens=4, temperature=1.0, seed=3,
+    done = client.chat.completions.create(model="base", messages=ASK, max_tokens=4, temperature=1.0, seed=3,
                                           logprobs=True, top_logprobs=3, extra_body={"top_k": 1})
     for e in done.choices[0].logprobs.content:
         assert e.logprob < 0 and len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
@@ -366,7 +366,7 @@ def test_sampled_logprobs_are_of_the_distribution_before_truncation(client):
 def test_echo_scores_the_prompt(client, server):
     prompt = "Water boils at one hundred degrees"
     n_prompt = len(server.service.model.tokenize(prompt, True, False))
-    done = client.completions.create(model="x", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+    done = client.completions.create(model="base", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
                                      extra_body={"ignore_eos": True})
     c = done.choices[0]
     assert c.text.startswith(prompt) and len(c.text) > len(prompt)
@@ -381,12 +381,12 @@ def test_echo_scores_the_prompt(client, server):
         else:
             assert lp.token_logprobs[i] <= min(lp.top_logprobs[i].values())
     streamed = [ch.choices[0] for ch in client.completions.create(
-        model="x", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True,
+        model="base", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True,
         extra_body={"ignore_eos": True}) if ch.choices]
     assert "".join(ch.text for ch in streamed) == c.text
     got = [x for ch in streamed if ch.logprobs for x in ch.logprobs.token_logprobs]
     assert got[0] is None and got[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-9)
-    plain = client.completions.create(model="x", prompt=prompt, max_tokens=2, echo=True)
+    plain = client.completions.create(model="base", prompt=prompt, max_tokens=2, echo=True)
     assert plain.choices[0].text.startswith(prompt)
 
 
@@ -402,7 +402,7 @@ def test_bad_logprob_requests_are_400s(http):
 
 # -- logit_bias and seed --------------------------------------------------------------------
 def test_logit_bias_bans_and_shifts_the_reported_distribution(client, http):
-    ask = dict(model="x", prompt="The three primary colours are", max_tokens=1, temperature=0, logprobs=5)
+    ask = dict(model="base", prompt="The three primary colours are", max_tokens=1, temperature=0, logprobs=5)
     first = client.completions.create(**ask).choices[0]
     top_text = first.logprobs.tokens[0]
     top_id = http.post("/tokenize", json={"content": top_text}).json()["tokens"]
@@ -436,7 +436,7 @@ def evaluated(http) -> float:
 
 
 def test_n_choices_share_one_prompt_evaluation_and_reproduce_per_seed(client, http):
-    ask = dict(model="x", prompt="My favourite animal is the", max_tokens=10, temperature=1.0, seed=11,
+    ask = dict(model="base", prompt="My favourite animal is the", max_tokens=10, temperature=1.0, seed=11,
                extra_body={"cache_prompt": False, "ignore_eos": True})
     before = evaluated(http)
     three = client.completions.create(n=3, **ask)
@@ -453,7 +453,7 @@ def test_n_choices_share_one_prompt_evaluation_and_reproduce_per_seed(client, ht
 
 
 def test_n_choices_stream_by_index(client):
-    ask = dict(model="x", messages=ASK, max_tokens=8, temperature=1.0, seed=5, n=2, logprobs=True)
+    ask = dict(model="base", messages=ASK, max_tokens=8, temperature=1.0, seed=5, n=2, logprobs=True)
     whole = client.chat.completions.create(**ask)
     texts, finishes, logprobs = ["", ""], [None, None], [[], []]
     for chunk in client.chat.completions.create(**ask, stream=True):
@@ -500,7 +500,7 @@ def weather_args_valid(arguments: str) -> dict:
 
 
 def test_a_tool_loop_call_result_answer(client):
-    first = client.chat.completions.create(model="x", messages=WEATHER_ASK, tools=[WEATHER], tool_choice="required",
+    first = client.chat.completions.create(model="base", messages=WEATHER_ASK, tools=[WEATHER], tool_choice="required",
                                            temperature=0, max_tokens=64)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
@@ -509,18 +509,18 @@ def test_a_tool_loop_call_result_answer(client):
     weather_args_valid(call.function.arguments)
     messages = [*WEATHER_ASK, choice.message.model_dump(exclude_none=True),
                 {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "temperature_c": 21}'}]
-    final = client.chat.completions.create(model="x", messages=messages, tools=[WEATHER], temperature=0,
+    final = client.chat.completions.create(model="base", messages=messages, tools=[WEATHER], temperature=0,
                                            max_tokens=24)
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # the call and its result are in the prompt
     assert final.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens + 10
-    answer = client.chat.completions.create(model="x", messages=messages, tools=[WEATHER], tool_choice="none",
+    answer = client.chat.completions.create(model="base", messages=messages, tools=[WEATHER], tool_choice="none",
                                             temperature=0, max_tokens=24)
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
 
 def test_a_streamed_tool_call_matches_the_whole_one(client):
-    ask = dict(model="x", messages=WEATHER_ASK, tools=[WEATHER, ADD], tool_choice="required", temperature=0,
+    ask = dict(model="base", messages=WEATHER_ASK, tools=[WEATHER, ADD], tool_choice="required", temperature=0,
                max_tokens=64)
     whole = client.chat.completions.create(**ask).choices[0].message.tool_calls
     name, arguments, finish, ids = "", "", None, set()
@@ -537,7 +537,7 @@ def test_a_streamed_tool_call_matches_the_whole_one(client):
 
 def test_a_named_tool_choice_calls_that_tool(client):
     done = client.chat.completions.create(
-        model="x", messages=[{"role": "user", "content": "What is two plus three?"}], tools=[WEATHER, ADD],
+        model="base", messages=[{"role": "user", "content": "What is two plus three?"}], tools=[WEATHER, ADD],
         tool_choice={"type": "function", "function": {"name": "add"}}, temperature=0, max_tokens=48)
     call = done.choices[0].message.tool_calls[0]
     args = json.loads(call.function.arguments)
@@ -584,9 +584,9 @@ def test_embeddings_are_off_unless_asked(http):
 def test_embeddings_match_the_models_pooled_hidden_states(reference):
     with BackgroundServer(ServerSettings(ctx=1024, parallel=2, threads=1, embeddings=True)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        before = client.chat.completions.create(model="x", messages=ASK, max_tokens=8, temperature=0)
+        before = client.chat.completions.create(model="base", messages=ASK, max_tokens=8, temperature=0)
         texts = ["The cat sat on the mat.", "Quantum chromodynamics", "The cat sat on the mat."]
-        got = client.embeddings.create(model="x", input=texts)
+        got = client.embeddings.create(model="base", input=texts)
         assert [d.index for d in got.data] == [0, 1, 2]
         vecs = [np.array(d.embedding) for d in got.data]
         assert all(v.shape == (reference.n_embd,) and abs(np.linalg.norm(v) - 1) < 1e-6 for v in vecs)
@@ -594,10 +594,10 @@ def test_embeddings_match_the_models_pooled_hidden_states(reference):
         tokens = reference.tokenize(texts[1], True, False)
         assert got.usage.prompt_tokens == 2 * len(reference.tokenize(texts[0], True, False)) + len(tokens)
         assert np.allclose(vecs[1], reference_embedding(reference, tokens), atol=1e-4)
-        ids = client.embeddings.create(model="x", input=tokens).data[0].embedding
+        ids = client.embeddings.create(model="base", input=tokens).data[0].embedding
         assert np.allclose(ids, vecs[1], atol=1e-6)
         # serving is unchanged after it: the same greedy answer
-        after = client.chat.completions.create(model="x", messages=ASK, max_tokens=8, temperature=0)
+        after = client.chat.completions.create(model="base", messages=ASK, max_tokens=8, temperature=0)
         assert after.choices[0].message.content == before.choices[0].message.content
         with httpx.Client(base_url=srv.url, timeout=60) as http:
             plain = http.post("/v1/embeddings", json={"input": texts[1], "encoding_format": "float"}).json()

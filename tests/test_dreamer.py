@@ -272,7 +272,7 @@ def test_pause_stops_micro_steps_resume_continues_cancel_frees_the_trainer(tmp_p
     assert store.get(jid)["adapter"] is None        # a cancelled job saves nothing
 
 
-def test_epochs_report_held_out_loss_and_auto_promotion_swaps_between_batches(tmp_path):
+def test_epochs_report_held_out_loss_and_auto_promotion_applies_at_the_next_batch_without_a_drain(tmp_path):
     store, sched, engine = make(tmp_path)
     examples = [{"prompt": f"q{i}?", "completion": f"answer number {i}"} for i in range(4)]
     jid = submit(store, sched, text=None, examples=examples, epochs=3, val_split=0.25, promote="auto", out="qa")
@@ -282,13 +282,12 @@ def test_epochs_report_held_out_loss_and_auto_promotion_swaps_between_batches(tm
     assert len(p["eval_loss_per_epoch"]) == 3 and all(v is not None for v in p["eval_loss_per_epoch"])
     assert p["eval_loss_per_epoch"] == sorted(p["eval_loss_per_epoch"], reverse=True)
     assert store.served_version() == 1 and store.served()["name"] == "qa"
-    # booked, but the busy slot holds the swap: admission is held, the version unchanged
-    assert sched.hold_admission(engine) is True and engine.adapter_version == 0
-    engine.slots[0].busy = False
+    # applied at the batch boundary with the busy slot still busy: admission is not held,
+    # nothing is flushed (a slot's cached prefix is keyed by its own adapter)
     assert sched.hold_admission(engine) is False
-    assert engine.adapter_version == 1
+    assert engine.adapter_version == 1 and engine.default_adapter().label == "qa@1"
     assert sched.served.path.endswith("qa/v1.gguf")
-    assert engine.slots[1].tokens == [] and engine.slots[0].tokens == []   # stale prefixes dropped
+    assert engine.slots[1].tokens == [1, 2, 3] and engine.slots[0].tokens == [1, 2, 3]
     assert "promoted as served version 1" in store.get(jid)["message"]
 
 

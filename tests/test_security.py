@@ -223,7 +223,7 @@ def test_keyed_server_serves_the_openai_sdk_and_our_client(keyed):
 
     from dreamstage.client import Client
     sdk = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY)
-    out = sdk.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+    out = sdk.chat.completions.create(model="base", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                       temperature=0)
     assert out.choices[0].message.content
     with pytest.raises(openai.AuthenticationError):

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 _NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight\.lora_([ab])$")
+# An adapter's matrices: {(layer, target): (A (rank, n_in), B (n_out, rank))}.
+Factors = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
 
 @contextmanager

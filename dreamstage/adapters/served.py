@@ -1,24 +1,25 @@
-"""The adapter serving runs with, and how it changes: reload, promotion, rollback, the swap.
+"""What each adapter name serves, and how it changes: reload, promotion, rollback.
 
 Served adapters are files: a finished job's shadow adapter is saved as a
-GGUF LoRA (atomically) and promotion loads that file with llama.cpp's own
+GGUF LoRA (atomically) and serving loads that file with llama.cpp's own
 loader (`llama_adapter_lora_init`), the same path stock llama.cpp takes. So
 what serves survives the job's Trainer and a restart.
 
-A promotion or rollback is booked in the store first (so it survives a
-restart), with the file already loaded (a file llama.cpp refuses books
-nothing), and becomes the pending swap. The scheduler applies it between two
-decode batches once no slot is busy (`DreamScheduler.hold_admission`): the
-idle slots' cached prefixes are dropped (their K/V came from the old
-weights) and `engine.adapter_version` moves, so every completion ran on
-exactly one adapter version, the one it reports.
+Each name has its own served version (its latest live promotion in the
+store); the default adapter, which a request naming none gets, is the
+latest live promotion of any name. A promotion or rollback is booked in the
+store (so it survives a restart) once the file has loaded (a file llama.cpp
+refuses books nothing) and the adapter fits (--max-adapters names resident,
+and their files' bytes within the memory allowance). It then applies at
+once, between two batches: requests that start after it resolve to the new
+version; requests already running finish on theirs (each slot holds its own
+choice, and its cached prefix is keyed by it), so nothing is drained or flushed.
 
 Engine thread only (or before the engine starts).
 """
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import logging
 import os
 import re
@@ -26,54 +27,60 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from dreamstage import native
+from dreamstage.adapters.choice import BASE, DEFAULT_MAX_ADAPTERS, AdapterChoice
 from dreamstage.adapters.files import atomic_file, file_sha256
+from dreamstage.adapters.loaded import AdapterLoadError, load_adapter_file
 from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.store import AdapterNotFound, JobStore
 
 log = logging.getLogger("dreamstage.served")
 
 
-class AdapterLoadError(ValueError):
-    """llama.cpp could not load an adapter file for serving."""
+__all__ = ["AdapterLoadError", "AdapterSwitch", "AdapterRefused", "ServedAdapters"]
+
+# Memory the adapter allowance keeps free on the device, as the training gate does.
+ADAPTER_SLACK_MIB = 64.0
+
+
+class AdapterRefused(RuntimeError):
+    """An adapter that would not fit: more names than --max-adapters, or more
+    bytes than the allowance. Nothing was booked or allocated."""
+
+    def __init__(self, message: str, code: str, need_mib: float = 0.0, allowance_mib: float = 0.0):
+        super().__init__(message)
+        self.code, self.need_mib, self.allowance_mib = code, need_mib, allowance_mib
+
+    def receipt(self) -> dict:
+        return {"status": "refused", "code": self.code, "message": str(self),
+                "refused_need_mib": round(self.need_mib, 3), "refused_allowance_mib": round(self.allowance_mib, 3)}
 
 
 class ServedAdapters:
-    """The adapter serving runs with: one GGUF LoRA loaded by llama.cpp, or none (the base model).
+    """Checks that llama.cpp loads an adapter file for this model, and
+    remembers the default adapter's file. Serving itself loads adapters
+    through the engine's `PerBatchAdapters`; a handle loaded here is only
+    a check and is freed once the file is booked.
 
     Engine thread only (or before the engine starts)."""
 
     def __init__(self, resident):
         self.resident = resident
         self.lc = resident.lc
-        self.handle = None          # the llama_adapter_lora set on the context now
+        self.handle = None          # always None: serving's handles live in the engine's cache
         self.path: str | None = None
 
     def load(self, path) -> Any:
-        path = str(path)
-        if not os.path.isfile(path):
-            raise AdapterLoadError(f"adapter file {path!r} does not exist")
-        handle = self.lc.llama_adapter_lora_init(self.resident.model, path.encode())
-        if not handle:
-            raise AdapterLoadError(f"llama.cpp could not load {path!r} as a LoRA adapter for this model")
-        return handle
+        return load_adapter_file(self.resident, path)
 
     def apply(self, handle, path: str | None) -> None:
-        lc = self.lc
-        if handle is None:
-            lc.llama_set_adapters_lora(self.resident.ctx, None, 0, None)
-        else:
-            arr = (lc.llama_adapter_lora_p_ctypes * 1)(handle)
-            scales = (ctypes.c_float * 1)(1.0)
-            rc = lc.llama_set_adapters_lora(self.resident.ctx, arr, 1, scales)
-            if rc != 0:
-                raise AdapterLoadError(f"llama_set_adapters_lora failed with {rc}")
-        old, self.handle, self.path = self.handle, handle, path
-        if old is not None and old != handle:
-            lc.llama_adapter_lora_free(old)
+        """`path` is the default adapter's file now (None: the base); the check's handle is freed."""
+        self.path = path
+        self.discard(handle)
 
     def discard(self, handle) -> None:
-        """Free a loaded adapter that never became the served one."""
-        if handle is not None and handle != self.handle:
+        """Free a handle loaded as a check."""
+        if handle is not None:
             self.lc.llama_adapter_lora_free(handle)
 
 
@@ -85,14 +92,51 @@ class _Swap:
 
 
 class AdapterSwitch:
-    """What serves (reloaded at startup), and the one pending swap to apply
-    between batches. `served` holds the llama handles (a fake in tests)."""
+    """What serves (reloaded at startup), and the one booked change to apply
+    at the next batch boundary. `served` checks files (a fake in tests)."""
 
-    def __init__(self, store: JobStore, served: ServedAdapters):
+    def __init__(self, store: JobStore, served: ServedAdapters, max_adapters: int = DEFAULT_MAX_ADAPTERS,
+                 budget_mib: float | None = None):
         self.store = store
         self.served = served
+        self.max_adapters = max_adapters
+        self.budget_mib = budget_mib            # the resident adapters' bytes allowance; None: device free memory
         self.pending: _Swap | None = None
         self.served_error: str | None = None   # why the stored served adapter could not be reloaded
+        self.default = BASE                    # what a request naming no adapter gets (engine.default_adapter)
+
+    def default_choice(self) -> AdapterChoice:
+        return self.default
+
+    def _set_default(self, engine) -> None:
+        view = self.store.served()
+        if view is None:
+            self.default = BASE
+        else:
+            self.default = AdapterChoice(view["name"], view["version"], view["path"], 1.0, view["served_version"])
+        self.served.path = self.default.path
+        engine.adapter_version = self.default.served_version or 0
+        engine.default_adapter = self.default_choice
+
+    def check_room(self, name: str, path: str) -> None:
+        """Raise AdapterRefused when serving `path` as `name` would pass --max-adapters or the memory allowance."""
+        resident = self.store.resident_names()
+        if name not in resident and len(resident) >= self.max_adapters:
+            raise AdapterRefused(f"adapter {name!r} would be adapter {len(resident) + 1} resident beside the base, "
+                                 f"more than --max-adapters {self.max_adapters} (resident: {', '.join(resident)}); "
+                                 "retire one with DELETE /adapters/{name}", "max_adapters")
+        held = sum(_file_mib(v["path"]) for n in resident if n != name
+                   for v in [self.store.served(n)] if v is not None)
+        need = _file_mib(path)
+        if self.budget_mib is not None:
+            allowance, source = self.budget_mib - held, f"--adapter-budget-mib {self.budget_mib:g} MiB"
+        else:
+            allowance = _device_free_mib() - ADAPTER_SLACK_MIB
+            source = f"the device's free memory less {ADAPTER_SLACK_MIB:g} MiB"
+        if need > allowance:
+            raise AdapterRefused(f"adapter {name!r} needs {need:.2f} MiB; the allowance is {max(allowance, 0):.2f} "
+                                 f"MiB ({source}, {held:.2f} MiB held by the other resident adapters)",
+                                 "adapter_memory", need, max(allowance, 0.0))
 
     def reload(self, engine, adapter_path: str | None = None) -> None:
         """Reload the served adapter the store names; import and promote `adapter_path` (--adapter).
@@ -100,20 +144,24 @@ class AdapterSwitch:
         Call before the engine starts. A bad --adapter raises ValueError; a
         stored adapter that no longer loads is reported (`served_error`) and
         the base model serves, version 0."""
-        served = self.store.served()
-        if served is not None:
+        errors = []
+        for name in self.store.resident_names():
+            served = self.store.served(name)
+            assert served is not None  # resident: it has a live promotion
             try:
                 if served.get("sha256") and Path(served["path"]).is_file() \
                         and file_sha256(served["path"]) != served["sha256"]:
                     raise AdapterLoadError("its bytes differ from the sha256 recorded when it was saved")
                 handle = self.served.load(served["path"])
                 self.served.apply(handle, served["path"])
-                engine.adapter_version = served["served_version"]
             except AdapterLoadError as e:
-                self.served_error = (f"the promoted adapter {served['name']} v{served['version']} "
-                                     f"could not be reloaded: {e}; serving the base model")
-                log.error("%s", self.served_error)
-                engine.adapter_version = 0
+                errors.append(f"the promoted adapter {served['name']} v{served['version']} could not be reloaded: "
+                              f"{e}; it is rolled back")
+                self.store.retire(name)
+        if errors:
+            self.served_error = "; ".join(errors) + " (requests naming no adapter get what serves now)"
+            log.error("%s", self.served_error)
+        self._set_default(engine)
         if adapter_path is not None:
             self._import_startup_adapter(engine, Path(adapter_path))
 
@@ -130,7 +178,7 @@ class AdapterSwitch:
         self.store.add_adapter(name, version)
         self.store.promote(name, version)
         self.served.apply(handle, str(dst))
-        engine.adapter_version = self.store.served_version()
+        self._set_default(engine)
         self.served_error = None
         log.info("serving --adapter %s as %s v%d (served version %d)", src, name, version, engine.adapter_version)
 
@@ -144,6 +192,7 @@ class AdapterSwitch:
         elif version not in versions:
             raise AdapterNotFound(f"no adapter {name!r} version {version}")
         path = str(store.adapter_path(name, version))
+        self.check_room(name, path)
         handle = self.served.load(path)                 # refuse a file llama.cpp cannot load: nothing booked
         try:
             view = store.promote(name, version)
@@ -153,18 +202,20 @@ class AdapterSwitch:
         self._queue_swap(_Swap(handle, path, store.served_version(), view, applied))
         return view
 
-    def book_rollback(self, applied) -> dict | None:
+    def book_rollback(self, applied, name: str | None = None) -> dict | None:
+        """Undo the latest promotion of `name` (None: of any name, the default's)."""
         store = self.store
-        stack = store.promotions()
+        stack = store.promotions(name)
         if not stack:
-            raise AdapterNotFound("nothing to roll back: the base model is served")
+            raise AdapterNotFound("nothing to roll back: the base model is served" if name is None
+                                  else f"nothing to roll back: adapter {name!r} has no served version")
         handle = path = None
         if len(stack) >= 2:
             prev = stack[-2]
             path = str(store.adapter_path(prev["name"], prev["version"]))
             handle = self.served.load(path)
         try:
-            view = store.rollback()
+            view = store.rollback(name)
         except BaseException:
             self.served.discard(handle)
             raise
@@ -180,22 +231,43 @@ class AdapterSwitch:
         self.pending = swap
 
     def apply_pending(self, engine) -> None:
+        """Make the booked change the default for requests that start from now on."""
         swap, self.pending = self.pending, None
         assert swap is not None  # callers check for a pending swap
         try:
             self.served.apply(swap.handle, swap.path)
+            self._set_default(engine)
         except Exception as e:
             log.exception("adapter swap failed")
-            self.served.discard(swap.handle)
             if swap.future is not None:
                 swap.future.set_exception(e)
             return
-        engine.forget_cached_prefixes()         # their K/V came from the old weights
-        engine.adapter_version = swap.version
         self.served_error = None
         if swap.future is not None:
             swap.future.set_result(True)
-        log.info("serving adapter version %d (%s)", swap.version, swap.path or "base model")
+        log.info("served version %d (%s); the default is %s", swap.version, swap.path or "base model",
+                 self.default.label)
+
+    def retire(self, engine, name: str) -> int:
+        """DELETE /adapters/{name}: roll back all its promotions (the caller checked it is not in use)."""
+        n = self.store.retire(name)
+        self._set_default(engine)
+        return n
+
+
+def _file_mib(path) -> float:
+    try:
+        return os.path.getsize(path) / 2**20
+    except OSError:
+        return 0.0
+
+
+def _device_free_mib() -> float:
+    """Free memory of the device adapters load on: the first GPU, else the host."""
+    devices = native.devices()
+    gpus = [d for d in devices if d["name"] != "CPU"]
+    chosen = gpus or [d for d in devices if d["name"] == "CPU"]
+    return chosen[0]["free"] / 2**20 if chosen else 0.0
 
 
 def _adapter_name_from(path: Path) -> str:

@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
+from dreamstage.adapters.choice import BASE, DEFAULT_MAX_ADAPTERS, AdapterChoice
+from dreamstage.adapters.loaded import AdapterLoadError, AdaptersFull
+from dreamstage.adapters.selection import PerBatchAdapters
 from dreamstage.serving.generation import (
     Admitted,
     Delta,
@@ -48,6 +51,7 @@ from dreamstage.stats import EngineStats
 
 if TYPE_CHECKING:
     import ctypes
+    from collections.abc import Callable
 
     from llama_cpp.llama_cpp import llama_batch
 
@@ -94,6 +98,7 @@ class _Job:
     submitted: float
     prompt: list[int] = field(default_factory=list)
     max_tokens: int = 0
+    adapter: AdapterChoice = BASE     # resolved at intake (the request's, else the engine's default)
     # The other choices of an n > 1 request: admitted with this job, they share
     # its prompt's K/V (copied once it is decoded). Emptied at admission.
     followers: list[_Job] = field(default_factory=list)
@@ -112,7 +117,8 @@ class _Slot:
         self.cached = 0
         self.stream: TextStream | None = None
         self.awaiting: _Slot | None = None   # a follower waiting for this slot's leader to finish its prompt
-        self.adapter_version = 0
+        self.adapter_version: int | None = 0
+        self.adapter: AdapterChoice = BASE   # what `tokens`' K/V were computed with (and the job's while busy)
         self.t_last: float = 0.0
         self.first_token_at: float | None = None
 
@@ -143,7 +149,7 @@ class Engine:
     """Continuous batching over the resident context's sequence slots."""
 
     def __init__(self, model: ResidentModel, *, max_queue: int = 64, hook: DreamHook | None = None,
-                 idle_interval: float = 0.05):
+                 idle_interval: float = 0.05, max_adapters: int = DEFAULT_MAX_ADAPTERS):
         self.model = model
         self.lc = model.lc
         self.n_seq = model.config.n_seq
@@ -162,6 +168,10 @@ class Engine:
         # Version of the served adapter set; 0 = base model. The dream stage's
         # promotion bumps it between two decode batches (on this thread).
         self.adapter_version = 0
+        # Which adapter each batch decodes with (the seam a per-token bank replaces).
+        self.adapters = PerBatchAdapters(model, max_adapters)
+        # A request that names no adapter gets this one (the served default; the dream stage sets it).
+        self.default_adapter: Callable[[], AdapterChoice] = lambda: BASE
         self.stats = EngineStats()
         self._vocab_ids = np.arange(model.n_vocab, dtype=np.int32)   # row index -> token id, for prompt scores
         self.slots = [_Slot(i) for i in range(self.n_seq)]
@@ -276,6 +286,8 @@ class Engine:
                 "generated_tokens": s.generated if job else 0,
                 "max_tokens": job.max_tokens if job else 0,
                 "adapter_version": s.adapter_version if job else None,
+                "adapter": s.adapter.label if job else None,
+                "cached_adapter": s.adapter.label if s.tokens else None,
             })
         return out
 
@@ -477,14 +489,23 @@ class Engine:
             if len(free) < need:
                 return
             self._waiting.popleft()
-            # Prefer the free slot whose cache shares the longest prefix.
-            slot, n_common = max(((s, _common_prefix(s.tokens, job.prompt)) for s in free), key=lambda x: x[1])
+            # the default is read here, after hold_admission applied any booked promotion
+            job.adapter = job.request.adapter if job.request.adapter is not None else self.default_adapter()
+            for f in job.followers:
+                f.adapter = job.adapter
+            if not self._acquire_adapter(job, need):
+                continue
+            # Prefer the free slot whose cache shares the longest prefix computed with the same adapter.
+            slot, n_common = max(((s, _common_prefix(s.tokens, job.prompt) if s.adapter.key == job.adapter.key else 0)
+                                  for s in free), key=lambda x: x[1])
             fresh = not job.request.cache_prompt or job.request.prompt_logprobs is not None
             # At least the last prompt token is decoded again: its logits are needed.
             n_common = 0 if fresh else min(n_common, len(job.prompt) - 1)
             group = [job, *job.followers]
             samplers = self._samplers(group)
             if samplers is None:
+                for _ in range(need):
+                    self.adapters.release(job.adapter)
                 continue
             job.followers = []
             others = [s for s in free if s is not slot][:need - 1]
@@ -494,6 +515,21 @@ class Engine:
                 self._clear_slot(fslot)
                 self._seat(fslot, follower, sampler, len(job.prompt))
                 fslot.pending, fslot.awaiting = [], slot
+
+    def _acquire_adapter(self, job: _Job, need: int) -> bool:
+        """One reference to the job's adapter per slot it takes; False (the job failed) when it cannot load."""
+        got = 0
+        try:
+            for _ in range(need):
+                self.adapters.acquire(job.adapter)
+                got += 1
+            return True
+        except (AdapterLoadError, AdaptersFull) as e:
+            for _ in range(got):
+                self.adapters.release(job.adapter)
+            status = 503 if isinstance(e, AdaptersFull) else 422
+            self._finish_job(job, Failed(status, f"adapter {job.adapter.label}: {e}", "model"), "error")
+            return False
 
     def _samplers(self, group: list[_Job]) -> list[Sampler] | None:
         """One sampler per job of an admitted group; None (the group failed with a 400) if one cannot be built."""
@@ -524,12 +560,13 @@ class Engine:
         slot.generated = 0
         slot.cached = n_common
         slot.stream = TextStream(job.request.stop)
-        slot.adapter_version = self.adapter_version
+        slot.adapter = job.adapter
+        slot.adapter_version = job.adapter.served_version
         slot.first_token_at = None
         slot.awaiting = None
         self.stats.prompt_tokens += len(job.prompt)
         self.stats.prompt_tokens_cached += n_common     # a follower's whole prompt: its leader's copied K/V
-        self._send(job, Admitted(slot.seq_id, slot.adapter_version, len(job.prompt), n_common))
+        self._send(job, Admitted(slot.seq_id, slot.adapter_version, len(job.prompt), n_common, slot.adapter))
 
     def _step(self) -> bool:
         """Build and decode one batch; sample and stream. False when there was nothing to decode."""
@@ -543,11 +580,16 @@ class Engine:
         outputs: list[tuple[_Slot, int]] = []
         prompt_rows: list[tuple[_Slot, int, int]] = []   # (slot, batch row, prompt position it predicts)
         copies: list[tuple[_Slot, _Slot]] = []   # (leader, follower): the prompt's K/V to copy after this decode
+        rows: list[AdapterChoice] = []           # each row's adapter, for the seam
+        working = [s for s in self.slots if s.busy and (s.next_token is not None or (
+            s.pending and not (s.job is not None and s.job.request.embed)))]
+        turn = self.adapters.batch_keys([s.adapter.key for s in working])
         # Generating slots first: each costs one token, so decode never starves.
         for s in self.slots:
-            if s.busy and s.next_token is not None:
+            if s.busy and s.next_token is not None and s.adapter.key in turn:
                 tok[n], pos[n], nseq[n], logits[n] = s.next_token, len(s.tokens), 1, 1
                 seq[n][0] = s.seq_id
+                rows.append(s.adapter)
                 s.tokens.append(s.next_token)
                 s.next_token = None
                 outputs.append((s, n))
@@ -556,7 +598,7 @@ class Engine:
         for s in self.slots:
             if n >= self.n_batch:
                 break
-            if s.busy and s.pending and not (s.job is not None and s.job.request.embed):
+            if s.busy and s.pending and not (s.job is not None and s.job.request.embed) and s.adapter.key in turn:
                 take = min(len(s.pending), self.n_batch - n)
                 chunk, s.pending = s.pending[:take], s.pending[take:]
                 base = len(s.tokens)
@@ -568,6 +610,7 @@ class Engine:
                         prompt_rows.append((s, n, base + i + 1))
                     n += 1
                 s.tokens.extend(chunk)
+                rows += [s.adapter] * len(chunk)
                 if not s.pending:
                     logits[n - 1] = 1
                     outputs.append((s, n - 1))
@@ -576,6 +619,7 @@ class Engine:
                     copies += [(s, f) for f in joining]
         if n == 0:
             return False
+        self.adapters.bind(rows)
         batch.n_tokens = n
         self.last_batch_tokens = n
         self.last_batch_decode_tokens = n_decode
@@ -612,6 +656,7 @@ class Engine:
             total = np.zeros(self.model.n_embd, dtype=np.float64)
             lc.llama_memory_seq_rm(self.model.memory, s.seq_id, 0, -1)
             s.tokens.clear()
+            self.adapters.bind([s.adapter])
             lc.llama_set_embeddings(ctx, True)
             try:
                 for a in range(0, len(job.prompt), self.n_batch):
@@ -714,7 +759,7 @@ class Engine:
         if reason is None:
             event: Event = Failed(499, "cancelled")
         else:
-            event = Finished(reason, len(job.prompt), s.generated, s.cached, s.adapter_version)
+            event = Finished(reason, len(job.prompt), s.generated, s.cached, s.adapter_version, s.adapter)
         self._free_slot(s)
         self._finish_job(job, event, outcome or reason or "cancelled")
 
@@ -725,6 +770,8 @@ class Engine:
                 f.awaiting, f.pending, f.cached = None, list(f.job.prompt), 0
         if s.sampler is not None:
             s.sampler.free()
+        if s.job is not None:
+            self.adapters.release(s.job.adapter)
         s.sampler = None
         s.job = None
         s.pending = []

@@ -12,6 +12,7 @@ import codecs
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dreamstage.adapters.choice import BASE, AdapterChoice
 from dreamstage.serving.sampling import SamplingParams, TokenLogprob
 
 
@@ -19,9 +20,10 @@ from dreamstage.serving.sampling import SamplingParams, TokenLogprob
 @dataclass(frozen=True)
 class Admitted:
     slot: int
-    adapter_version: int
+    adapter_version: int | None      # the served version it runs on (None: a pinned version)
     prompt_tokens: int
     cached_tokens: int
+    adapter: AdapterChoice = BASE
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    adapter_version: int
+    adapter_version: int | None
+    adapter: AdapterChoice = BASE
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class GenerationRequest:
     logprobs: int | None = None      # each token's logprob with this many top alternatives; None: none
     prompt_logprobs: int | None = None   # score the prompt too (its whole prefix is decoded afresh)
     embed: bool = False              # decode the prompt only and answer its pooled embedding (Embedded)
+    adapter: AdapterChoice | None = None   # None: the engine's default adapter (Engine.default_adapter)
 
 
 

@@ -17,6 +17,7 @@ const state = {
   job: null,            // the followed job, as GET /train/{id} reports it
   receipts: [],         // its receipts as {seq, receipt}, oldest first
   adapters: null,       // GET /adapters
+  slots: null,          // the last slots event
   devices: [],
   training: true,
 };
@@ -141,7 +142,9 @@ function renderSlots(ev) {
   body.replaceChildren(...ev.slots.map((s) => el("tr", { class: s.busy ? "busy" : "" },
     el("td", {}, s.id), el("td", {}, s.state), el("td", {}, s.prompt_tokens),
     el("td", {}, s.busy ? `${s.generated_tokens} / ${s.max_tokens ?? "–"}` : "–"),
-    el("td", {}, s.cached_tokens), el("td", {}, s.adapter_version ?? "–"))));
+    el("td", {}, s.cached_tokens), el("td", { class: "adapter" }, s.busy ? s.adapter : (s.cached_adapter ? `(${s.cached_adapter})` : "–")))));
+  state.slots = ev.slots;
+  renderNames();
 }
 
 function stat(label, value, id) {
@@ -281,6 +284,18 @@ function renderAdapters() {
       el("td", {}, ad.promoted ? `v${ad.served_version}` : ""), el("td", {}, btn));
   });
   $("#adapters tbody").replaceChildren(...rows);
+  renderNames();
+}
+
+// One row per adapter name: what it serves, the requests in slots now, its job and versions.
+function renderNames() {
+  const a = state.adapters;
+  if (!a || !a.names) return;
+  const serving = (name) => (state.slots || []).filter((s) => s.busy && s.adapter && s.adapter.split("@")[0] === name).length;
+  $("#names tbody").replaceChildren(...a.names.map((n) => el("tr", { "data-name": n.name },
+    el("td", {}, n.name), el("td", {}, n.served ? `v${n.served.version}` : "–"), el("td", { class: "requests" }, serving(n.name)),
+    el("td", {}, n.training ? "training" : (n.queued_jobs.length ? `${n.queued_jobs.length} queued` : "")),
+    el("td", {}, n.versions.join(", ")))));
 }
 
 async function act(fn, where) {

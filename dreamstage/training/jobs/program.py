@@ -161,10 +161,30 @@ class JobProgram:
             return
         self._closing.append(trainer)
         try:
+            why = self._start_from_served(jid, trainer)
+            if why is not None:
+                yield from self._end(jid, "error", why)
+                return
             yield from self._train(jid, spec, rendered, trainer, engine)
         finally:
             trainer.close()
             self._closing.remove(trainer)
+
+    def _start_from_served(self, jid: int, trainer) -> str | None:
+        """A job on a name that serves a version starts from it (a new name from zero).
+        Returns why it cannot (its shape differs from the job's), else None."""
+        name = self.store.get(jid)["out"]
+        served = self.store.served(name)
+        load = getattr(trainer, "load", None)
+        if served is None or load is None:
+            return None
+        try:
+            load(served["path"])
+        except (ValueError, OSError) as e:
+            return (f"adapter {name!r} serves v{served['version']}, which this job would continue, but its "
+                    f"shape differs from the job's rank/targets/top_layers: {e}")
+        log.info("dream job %s starts from %s v%d", jid, name, served["version"])
+        return None
 
     def _job_trainer(self, spec: JobSpec, engine) -> tuple[Any, JobSpec]:
         """The job's Trainer and the spec its walk runs under. When the guard
@@ -466,8 +486,9 @@ class JobProgram:
         lend = getattr(engine, "hold_idle_sequence", None)
         if not self.drift_guard or getattr(self.resident, "ctx", None) is None or lend is None:
             return None
-        served = self.switch.served
-        return lend, lambda: set_context_adapter(self.resident, served.handle)
+        adapters = getattr(engine, "adapters", None)
+        # serving sets its adapter before each batch; the probe only says it changed it
+        return lend, (adapters.invalidate if adapters is not None else lambda: set_context_adapter(self.resident, None))
 
     def _drift_guard(self, spec: JobSpec, rendered: RenderedJob, engine) -> DriftGuard | None:
         """The job's drift guard, or None (`_probe_access`)."""

@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from dreamstage.adapters.choice import BASE_NAME
 from dreamstage.training.jobs.example_forms import (
     Example,
     GroupExample,
@@ -115,6 +116,10 @@ class TrainRequest(BaseModel):
     max_pause_ms: float = Field(default=DEFAULT_MAX_PAUSE_MS, ge=0.0, le=600_000.0)
 
     promote: Literal["never", "manual", "auto"] = "manual"
+    # The adapter the job trains: an existing name starts from its served
+    # version, a new one from zero. `out` is its older spelling (the two must
+    # agree); neither: a new adapter named job-<id>.
+    adapter: str | None = None
     out: str | None = None
     # plain examples whose rendered prompt (the tokens before the first trained
     # one) is the same train as one shared-prefix group of unit weights: one
@@ -166,12 +171,19 @@ class TrainRequest(BaseModel):
         _parse_targets(v)
         return v
 
-    @field_validator("out")
+    @field_validator("out", "adapter")
     @classmethod
-    def _out(cls, v: str | None) -> str | None:
+    def _out(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None:
-            check_adapter_name(v)
+            check_adapter_name(v, info.field_name or "out")
         return v
+
+    @model_validator(mode="after")
+    def _adapter_is_out(self) -> TrainRequest:
+        if self.adapter is not None and self.out is not None and self.adapter != self.out:
+            raise ValueError(f"adapter {self.adapter!r} and out {self.out!r} name different adapters; "
+                             "give one (out is adapter's older name)")
+        return self
 
     @field_validator("examples")
     @classmethod
@@ -285,7 +297,7 @@ class TrainRequest(BaseModel):
             seed=self.seed,
             pacing=pacing,
             promote=self.promote,
-            out=self.out,
+            out=self.adapter or self.out,
             regularizer=self.regularizer,
             anchor_ratio=self.anchor_ratio,
             rehearsal=self.rehearsal,
@@ -312,13 +324,15 @@ def _parse_targets(v: str | list[str]) -> tuple[str, ...]:
     return tuple(sorted(names, key=LORA_TARGETS.index))
 
 
-def check_adapter_name(name: str) -> str:
-    """A bare, safe adapter name; raise ValueError naming it otherwise."""
+def check_adapter_name(name: str, field_name: str = "out") -> str:
+    """A bare, safe adapter name, not "base" (the name of no adapter); raise ValueError naming it otherwise."""
     if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name) or ".." in name or name.endswith("."):
         raise ValueError(
-            f"out {name!r} is not a bare adapter name (letters, digits, '_', '-', '.', "
+            f"{field_name} {name!r} is not a bare adapter name (letters, digits, '_', '-', '.', "
             "at most 64, starting with a letter or digit, no paths)"
         )
+    if name == BASE_NAME:
+        raise ValueError(f"{field_name} {name!r} is reserved: it selects the base model, no adapter")
     return name
 
 

@@ -15,9 +15,10 @@ scheduler advances it once when the Pacer allows; with no active slot it
 advances it repeatedly (after the idle grace) until a request arrives, so a
 directed request waits at most one micro-step.
 
-What serves, and how a promotion or rollback becomes a swap between two
-batches, is `served.py` (`AdapterSwitch`); this module only decides when
-the pending swap may be applied (no busy slot).
+What each name serves, and how a promotion or rollback changes it, is
+`served.py` (`AdapterSwitch`); this module applies a booked change at the
+next batch boundary, busy slots or not (each slot keeps its own adapter).
+Jobs train one at a time, round-robin across adapter names (`JobStore.queue`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any
 
+from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS
 from dreamstage.adapters.served import AdapterSwitch, ServedAdapters
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift.record_file import DriftRecordFile
@@ -45,6 +47,10 @@ from dreamstage.training.walk.examples import RenderedJob
 from dreamstage.training.walk.trainer import native_trainer
 
 log = logging.getLogger("dreamstage.scheduler")
+
+
+class AdapterInUse(RuntimeError):
+    """An adapter a request or the training job is using cannot be unloaded."""
 
 # How long one idle call may keep training before it returns to the engine
 # loop (which then waits idle_interval and calls again). A request arriving
@@ -66,7 +72,8 @@ class DreamScheduler(JobProgram):
     def __init__(self, store: JobStore, resident, *, make_trainer: Callable | None = None,
                  served: ServedAdapters | None = None, idle_grace_s: float = DEFAULT_IDLE_GRACE_S,
                  clock: Callable[[], float] = time.monotonic, drift_guard: bool = True,
-                 record_file: DriftRecordFile | None = None):
+                 record_file: DriftRecordFile | None = None, max_adapters: int = DEFAULT_MAX_ADAPTERS,
+                 adapter_budget_mib: float | None = None):
         self.store = store
         self.drift_guard = drift_guard
         self._anchor_records: dict = {}   # prompt -> the base's AnchorBase, shared by every job of this process
@@ -79,7 +86,8 @@ class DreamScheduler(JobProgram):
         self._served_at = -math.inf                # when the last decode batch ended
         self.resident = resident
         self.make_trainer = make_trainer or native_trainer
-        self.switch = AdapterSwitch(store, served if served is not None else ServedAdapters(resident))
+        self.switch = AdapterSwitch(store, served if served is not None else ServedAdapters(resident),
+                                    max_adapters, adapter_budget_mib)
         self.idle_grace_s = idle_grace_s
         self.clock = clock
         self._lock = threading.Lock()
@@ -127,8 +135,19 @@ class DreamScheduler(JobProgram):
         check_adapter_name(name)
         return self._command("promote", (name, version))
 
-    def rollback(self) -> concurrent.futures.Future:
-        return self._command("rollback", ())
+    def rollback(self, name: str | None = None) -> concurrent.futures.Future:
+        """Undo the latest promotion of `name` (None: of any name). The future's result is (view, applied_future)."""
+        return self._command("rollback", (name,))
+
+    def retire(self, name: str) -> concurrent.futures.Future:
+        """Unload `name` (DELETE /adapters/{name}): its promotions rolled back, its
+        handles freed. The future raises AdapterInUse while a request or the job uses it."""
+        return self._command("retire", (name,))
+
+    def check_file(self, name: str | None, path: str) -> concurrent.futures.Future:
+        """Whether llama.cpp loads `path` for this model and (unless name is None) it fits as `name`
+        (an import's check, on the engine thread). The future's result is None."""
+        return self._command("check", (name, path))
 
     def _command(self, kind: str, args: tuple) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -205,15 +224,12 @@ class DreamScheduler(JobProgram):
     def hold_admission(self, engine) -> bool:
         """Called by the engine before admitting requests: True keeps them waiting.
 
-        A pending adapter swap holds admission until the busy slots drain,
-        then is applied here, between two batches."""
+        A booked promotion or rollback applies here, between two batches, so
+        the requests admitted next resolve to it; nothing waits for it."""
         if self._commands:
             self._run_commands(engine)
-        if self.switch.pending is None:
-            return False
-        if engine.busy_slots():
-            return True
-        self.switch.apply_pending(engine)
+        if self.switch.pending is not None:
+            self.switch.apply_pending(engine)
         return False
 
     def after_batch(self, engine, idle: bool) -> None:
@@ -221,7 +237,7 @@ class DreamScheduler(JobProgram):
             self._record_failures()
         if self._commands:
             self._run_commands(engine)
-        if self.switch.pending is not None and not engine.busy_slots():
+        if self.switch.pending is not None:
             self.switch.apply_pending(engine)
         if not idle and self._pacer is not None:
             self._pacer.record_batch(engine.last_batch_decode_tokens, self._batch_seconds(engine),
@@ -405,6 +421,14 @@ class DreamScheduler(JobProgram):
             self._record_file.save_in_background(self._anchor_records, self._noise_margins)
 
     # -- promotion and rollback (engine thread) ------------------------------------------------
+    def _retire(self, engine, name: str) -> int:
+        if self._job_id is not None and self.store.get(self._job_id)["out"] == name:
+            raise AdapterInUse(f"adapter {name!r} is training (job {self._job_id}); cancel the job first")
+        adapters = getattr(engine, "adapters", None)
+        if adapters is not None and not adapters.unload(name):
+            raise AdapterInUse(f"adapter {name!r} is answering requests; retry when they finish")
+        return self.switch.retire(engine, name)
+
     def _run_commands(self, engine) -> None:
         while True:
             with self._lock:
@@ -415,13 +439,22 @@ class DreamScheduler(JobProgram):
                 continue
             try:
                 view: dict | None
+                applied: concurrent.futures.Future = concurrent.futures.Future()
                 if kind == "promote":
                     name, version = args
-                    applied: concurrent.futures.Future = concurrent.futures.Future()
                     view = self.switch.book_promotion(name, version, applied)
+                elif kind == "rollback":
+                    view = self.switch.book_rollback(applied, *args)
+                elif kind == "retire":
+                    fut.set_result(self._retire(engine, *args))
+                    continue
                 else:
-                    applied = concurrent.futures.Future()
-                    view = self.switch.book_rollback(applied)
+                    name, path = args
+                    if name is not None:
+                        self.switch.check_room(name, path)
+                    self.switch.served.discard(self.switch.served.load(path))
+                    fut.set_result(None)
+                    continue
                 fut.set_result((view, applied))
             except Exception as e:  # noqa: BLE001 - reported to the caller, never raised into the engine
                 fut.set_exception(e)

@@ -295,8 +295,25 @@ class JobStore:
         return current
 
     def queue(self) -> list[int]:
-        """Queued job ids, oldest first (the order they will train in)."""
-        return [r["id"] for r in self._conn().execute("SELECT id FROM jobs WHERE state='queued' ORDER BY id")]
+        """Queued job ids in the order they will train in: round-robin across
+        adapter names (`out`), the name that last started a job longest ago
+        first (a name that never did, before any that did), each name's jobs
+        oldest first. So a long queue for one adapter does not starve a short
+        job for another."""
+        with self._read() as conn:
+            rows = conn.execute("SELECT id, out FROM jobs WHERE state='queued' ORDER BY id").fetchall()
+            started = {r["out"]: r["at"] for r in conn.execute(
+                "SELECT out, MAX(started) AS at FROM jobs WHERE started IS NOT NULL GROUP BY out")}
+        per_name: dict[str, list[int]] = {}
+        for r in rows:
+            per_name.setdefault(r["out"], []).append(r["id"])
+        names = sorted(per_name, key=lambda n: (n in started, started.get(n, 0.0), per_name[n][0]))
+        order: list[int] = []
+        while names:
+            for n in names:
+                order.append(per_name[n].pop(0))
+            names = [n for n in names if per_name[n]]
+        return order
 
     def next_queued(self) -> int | None:
         q = self.queue()
@@ -459,43 +476,64 @@ class JobStore:
                 c.execute("UPDATE jobs SET adapter_name=?, adapter_version=? WHERE id=?", (name, version, job_id))
         return self._adapter_view(name, version)
 
-    def _served_row(self, conn: sqlite3.Connection) -> sqlite3.Row | None:
-        return conn.execute("SELECT * FROM promotions WHERE rolled_back_at IS NULL "
-                            "ORDER BY served_version DESC LIMIT 1").fetchone()
+    def _served_row(self, conn: sqlite3.Connection, name: str | None = None) -> sqlite3.Row | None:
+        """The live promotion serving `name` (its latest), or with no name the
+        default: the latest live promotion of any name (what requests that
+        name no adapter get)."""
+        if name is None:
+            return conn.execute("SELECT * FROM promotions WHERE rolled_back_at IS NULL "
+                                "ORDER BY served_version DESC LIMIT 1").fetchone()
+        return conn.execute("SELECT * FROM promotions WHERE rolled_back_at IS NULL AND name=? "
+                            "ORDER BY served_version DESC LIMIT 1", (name,)).fetchone()
 
     def _adapter_view(self, name: str, version: int, conn: sqlite3.Connection | None = None) -> dict[str, Any]:
         conn = conn or self._conn()
         row = conn.execute("SELECT * FROM adapters WHERE name=? AND version=?", (name, version)).fetchone()
         if row is None:
             raise AdapterNotFound(f"no adapter {name!r} version {version}")
-        served = self._served_row(conn)
-        promoted = served is not None and (served["name"], served["version"]) == (name, version)
+        served = self._served_row(conn, name)
+        promoted = served is not None and served["version"] == version
+        default = self._served_row(conn)
         return {"name": name, "version": version, "path": row["path"], "created": row["created"],
                 "job_id": row["job_id"], "eval_loss": row["eval_loss"], "sha256": row["sha256"],
                 "drift": json.loads(row["drift"]) if row["drift"] else None, "promoted": promoted,
-                "served_version": served["served_version"] if promoted and served is not None else None}
+                "served_version": served["served_version"] if promoted and served is not None else None,
+                "default": promoted and default is not None and served is not None
+                and default["served_version"] == served["served_version"]}
 
-    def adapters(self) -> list[dict[str, Any]]:
-        conn = self._conn()
-        rows = conn.execute("SELECT name, version FROM adapters ORDER BY name, version").fetchall()
-        return [self._adapter_view(r["name"], r["version"], conn) for r in rows]
+    def adapters(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Every stored adapter version (of `name` only, when given)."""
+        with self._read() as conn:
+            rows = conn.execute("SELECT name, version FROM adapters WHERE ? IS NULL OR name=? ORDER BY name, version",
+                                (name, name)).fetchall()
+            return [self._adapter_view(r["name"], r["version"], conn) for r in rows]
 
-    def served(self) -> dict[str, Any] | None:
-        """The adapter being served now (for reload at startup), or None for the base model."""
-        conn = self._conn()
-        row = self._served_row(conn)
-        return self._adapter_view(row["name"], row["version"], conn) if row else None
+    def names(self) -> list[str]:
+        """Every adapter name with a stored version."""
+        return [r[0] for r in self._conn().execute("SELECT DISTINCT name FROM adapters ORDER BY name")]
 
-    def served_version(self) -> int:
-        """The number every completion reports; 0 is the base model."""
-        row = self._served_row(self._conn())
+    def resident_names(self) -> list[str]:
+        """The names with a served version (a live promotion): the adapters resident beside the base."""
+        return [r[0] for r in self._conn().execute(
+            "SELECT DISTINCT name FROM promotions WHERE rolled_back_at IS NULL ORDER BY name")]
+
+    def served(self, name: str | None = None) -> dict[str, Any] | None:
+        """The version serving `name` (no name: the default, what requests naming
+        no adapter get), or None: the base model."""
+        with self._read() as conn:
+            row = self._served_row(conn, name)
+            return self._adapter_view(row["name"], row["version"], conn) if row else None
+
+    def served_version(self, name: str | None = None) -> int:
+        """The served version number of `name` (no name: the default) that completions report; 0 is the base model."""
+        row = self._served_row(self._conn(), name)
         return row["served_version"] if row else 0
 
-    def promotions(self) -> list[dict[str, Any]]:
-        """The live promotion stack, oldest first (what rollback walks back through)."""
+    def promotions(self, name: str | None = None) -> list[dict[str, Any]]:
+        """The live promotions (of `name`), oldest first (what rollback walks back through)."""
         return [dict(r) for r in self._conn().execute(
             "SELECT served_version, name, version, at FROM promotions WHERE rolled_back_at IS NULL "
-            "ORDER BY served_version")]
+            "AND (? IS NULL OR name=?) ORDER BY served_version", (name, name))]
 
     def promote(self, name: str, version: int | None = None) -> dict[str, Any]:
         """Book a promotion (latest version by default) under a new served
@@ -512,12 +550,22 @@ class JobStore:
             c.execute("INSERT INTO promotions (name, version, at) VALUES (?, ?, ?)", (name, version, self.clock()))
         return self._adapter_view(name, version)
 
-    def rollback(self) -> dict[str, Any] | None:
-        """Undo the current promotion; returns what is served now (None = base)."""
+    def rollback(self, name: str | None = None) -> dict[str, Any] | None:
+        """Undo the latest promotion (of `name`; no name: the latest of any);
+        returns what serves it now (None = base)."""
         with self._write() as c:
-            row = self._served_row(c)
+            row = self._served_row(c, name)
             if row is None:
-                raise AdapterNotFound("nothing to roll back: the base model is served")
+                raise AdapterNotFound("nothing to roll back: the base model is served" if name is None
+                                      else f"nothing to roll back: adapter {name!r} has no served version")
             c.execute("UPDATE promotions SET rolled_back_at=? WHERE served_version=?",
                       (self.clock(), row["served_version"]))
-        return self.served()
+        return self.served(name)
+
+    def retire(self, name: str) -> int:
+        """Roll back every live promotion of `name`: it serves nothing and is no
+        longer resident (its versions stay stored). Returns how many were undone."""
+        with self._write() as c:
+            n = c.execute("UPDATE promotions SET rolled_back_at=? WHERE name=? AND rolled_back_at IS NULL",
+                          (self.clock(), name)).rowcount
+        return n
