@@ -28,7 +28,10 @@ def test_a_pydantic_ai_agent_gets_a_structured_answer_and_calls_our_tool(server)
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    model = OpenAIChatModel("dreamstage", provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key="unused"))
+    import httpx
+    # an app names a model the server lists, as it must with vLLM (an unknown name is a 404)
+    model_id = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    model = OpenAIChatModel(model_id, provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key="unused"))
     agent = Agent(model, output_type=Capital, model_settings={"temperature": 0.0, "max_tokens": 128})
     result = agent.run_sync("What is the capital of France? Answer with the country and its capital city.")
     assert isinstance(result.output, Capital) and result.output.city and result.output.country
