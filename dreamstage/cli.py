@@ -40,8 +40,8 @@ CONNECTION_FLAGS = {
 # `serve` flags that set a ServerSettings field of the same name. A flag not
 # given leaves the field to DREAMSTAGE_<FIELD>, else to ServerSettings' default.
 SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "batch", "threads", "kv_type", "adapter", "max_queue",
-                "max_body_bytes", "n_gpu_layers", "api_key", "max_adapters", "adapter_budget_mib",
-                "api_keys") + tuple(CONNECTION_FLAGS)
+                "max_body_bytes", "n_gpu_layers", "api_key", "max_adapters", "adapter_max_rank",
+                "adapter_budget_mib", "api_keys") + tuple(CONNECTION_FLAGS)
 
 
 def serve_settings(args: argparse.Namespace):
@@ -334,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a GGUF LoRA to serve from startup (imported into the state directory as a new version)")
     p.add_argument("--max-adapters", dest="max_adapters", type=int, default=None, metavar="N",
                    help=f"named adapters resident beside the base (default {default['max_adapters']})")
+    p.add_argument("--adapter-max-rank", dest="adapter_max_rank", type=int, default=None, metavar="R",
+                   help="adapters of rank up to R share every decode batch; a wider one decodes in batches of "
+                        f"its own (default {default['adapter_max_rank']})")
     p.add_argument("--adapter-budget-mib", dest="adapter_budget_mib", type=float, default=None, metavar="MIB",
                    help="memory the resident adapters' files may take (default: the device's free memory)")
     p.add_argument("--api-keys", dest="api_keys", default=None, metavar="FILE",

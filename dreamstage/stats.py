@@ -48,6 +48,7 @@ class EngineStats:
     prompt_tokens_cached: int = 0   # of those, reused from a slot's cache
     generated_tokens: int = 0
     decode_batches: int = 0
+    mixed_batches: int = 0          # decode batches whose rows decoded with more than one adapter (base included)
     decode_failures: int = 0
     hook_errors: int = 0            # dream-hook calls that raised (logged, serving went on)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))

@@ -55,6 +55,9 @@ class ServiceCollector:
         yield _by(CounterMetricFamily("dreamstage_requests", "Finished requests by outcome.", labels=["outcome"]),
                   s.requests, REQUEST_OUTCOMES)
         yield _counter("dreamstage_decode_batches", "llama_decode calls made by the engine.", s.decode_batches)
+        yield _counter("dreamstage_mixed_adapter_batches",
+                       "Decode batches whose rows decoded with more than one adapter (the base counts as one).",
+                       s.mixed_batches)
         yield _counter("dreamstage_decode_failures", "llama_decode calls that failed.", s.decode_failures)
         yield _histogram("dreamstage_time_to_first_token_seconds", "Submission to first sampled token.", s.ttft)
         yield _histogram("dreamstage_inter_token_latency_seconds", "Time between two sampled tokens of one request.",

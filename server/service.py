@@ -85,11 +85,13 @@ class Service:
             self.scheduler = hook = DreamScheduler(self.store, self.model, drift_guard=settings.drift_guard,
                                                    record_file=DriftRecordFile(settings.state_dir, self.model),
                                                    max_adapters=settings.max_adapters,
-                                                   adapter_budget_mib=settings.adapter_budget_mib)
+                                                   adapter_budget_mib=settings.adapter_budget_mib,
+                                                   adapter_max_rank=settings.adapter_max_rank)
             self.submitter = JobSubmitter(self.store, self.scheduler, self.model, settings.limits)
         elif settings.adapter is not None:
             raise ValueError("--adapter needs a state directory (--state-dir) to keep its versions in")
-        self.engine = Engine(self.model, max_queue=settings.max_queue, hook=hook, max_adapters=settings.max_adapters)
+        self.engine = Engine(self.model, max_queue=settings.max_queue, hook=hook, max_adapters=settings.max_adapters,
+                             adapter_max_rank=settings.adapter_max_rank)
         self.prompts = PromptTokenizer(self.model, self.engine.slot_ctx)
         if self.scheduler is not None:
             try:

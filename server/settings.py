@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS
+from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK
 from dreamstage.server.connections import ConnectionLimits
 from dreamstage.server.security import SecurityPolicy, is_loopback
 from dreamstage.server.tenants import load_key_file
@@ -43,6 +43,9 @@ class ServerSettings(BaseSettings):
     # Named adapters with a served version resident beside the base; also how
     # many adapter files serving keeps loaded at once.
     max_adapters: int = Field(default=DEFAULT_MAX_ADAPTERS, ge=1, le=256)
+    # Adapters of rank up to this decode in one batch with the base and each other;
+    # a wider one decodes in batches of its own. Each resident adapter costs a slot of this rank.
+    adapter_max_rank: int = Field(default=DEFAULT_MIXED_MAX_RANK, ge=1, le=256)
     # The resident adapters' files may take this many MiB; None: the device's free memory.
     adapter_budget_mib: float | None = Field(default=None, gt=0)
     # A key file (JSON: key -> {"adapters": [names], "train": bool}) of keys scoped to adapter names.

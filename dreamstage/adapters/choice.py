@@ -15,6 +15,9 @@ from dataclasses import dataclass
 BASE_NAME = "base"
 # Adapters resident beside the base unless --max-adapters says otherwise.
 DEFAULT_MAX_ADAPTERS = 8
+# Adapters of rank up to this share every decode batch (the adapter bank pads
+# each slot to it); a larger one decodes in batches of its own (--adapter-max-rank).
+DEFAULT_MIXED_MAX_RANK = 16
 
 _PINNED = re.compile(r"(?P<name>.+)@(?P<version>[0-9]+)")
 

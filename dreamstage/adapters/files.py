@@ -136,3 +136,21 @@ def load_lora(path) -> tuple[dict[tuple[int, str], tuple[np.ndarray, np.ndarray]
             raise ValueError(f"{path}: blk.{key[0]}.{key[1]} lacks lora_{'b' if 'a' in ab else 'a'}")
         out[key] = (ab["a"], ab["b"])
     return out, float(alpha)
+
+
+def lora_rank(path) -> int:
+    """The largest rank among a GGUF LoRA's tensors (a `lora_a` is [n_in, rank]);
+    0 for a file with none. Reads the header only."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    return max((int(t.shape[1]) for t in r.tensors if t.name.endswith(".lora_a") and len(t.shape) > 1),
+               default=0)
+
+
+def lora_rank_of(path: str) -> int:
+    """`lora_rank`, or 0 when the header cannot be read (llama.cpp's loader then names the fault)."""
+    try:
+        return lora_rank(path)
+    except (OSError, ValueError):
+        return 0

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from dreamstage import native
-from dreamstage.adapters.choice import BASE, DEFAULT_MAX_ADAPTERS, AdapterChoice
-from dreamstage.adapters.files import atomic_file, file_sha256
+from dreamstage.adapters.choice import BASE, DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK, AdapterChoice
+from dreamstage.adapters.files import atomic_file, file_sha256, lora_rank_of
 from dreamstage.adapters.loaded import AdapterLoadError, load_adapter_file
 from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.store import AdapterNotFound, JobStore
@@ -96,11 +96,12 @@ class AdapterSwitch:
     at the next batch boundary. `served` checks files (a fake in tests)."""
 
     def __init__(self, store: JobStore, served: ServedAdapters, max_adapters: int = DEFAULT_MAX_ADAPTERS,
-                 budget_mib: float | None = None):
+                 budget_mib: float | None = None, mixed_max_rank: int = DEFAULT_MIXED_MAX_RANK):
         self.store = store
         self.served = served
         self.max_adapters = max_adapters
         self.budget_mib = budget_mib            # the resident adapters' bytes allowance; None: device free memory
+        self.mixed_max_rank = mixed_max_rank    # adapters up to this rank take a bank slot of this rank
         self.pending: _Swap | None = None
         self.served_error: str | None = None   # why the stored served adapter could not be reloaded
         self.default = BASE                    # what a request naming no adapter gets (engine.default_adapter)
@@ -125,9 +126,9 @@ class AdapterSwitch:
             raise AdapterRefused(f"adapter {name!r} would be adapter {len(resident) + 1} resident beside the base, "
                                  f"more than --max-adapters {self.max_adapters} (resident: {', '.join(resident)}); "
                                  "retire one with DELETE /adapters/{name}", "max_adapters")
-        held = sum(_file_mib(v["path"]) for n in resident if n != name
+        held = sum(self._resident_mib(v["path"]) for n in resident if n != name
                    for v in [self.store.served(n)] if v is not None)
-        need = _file_mib(path)
+        need = self._resident_mib(path)
         if self.budget_mib is not None:
             allowance, source = self.budget_mib - held, f"--adapter-budget-mib {self.budget_mib:g} MiB"
         else:
@@ -253,6 +254,13 @@ class AdapterSwitch:
         n = self.store.retire(name)
         self._set_default(engine)
         return n
+
+
+    def _resident_mib(self, path) -> float:
+        """What serving `path` holds: its factors, padded to the bank's rank when it takes a bank slot."""
+        rank = lora_rank_of(str(path))
+        pad = self.mixed_max_rank / rank if 0 < rank <= self.mixed_max_rank else 1.0
+        return _file_mib(path) * pad
 
 
 def _file_mib(path) -> float:

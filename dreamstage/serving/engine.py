@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
-from dreamstage.adapters.choice import BASE, DEFAULT_MAX_ADAPTERS, AdapterChoice
+from dreamstage.adapters.choice import BASE, DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK, AdapterChoice
 from dreamstage.adapters.loaded import AdapterLoadError, AdaptersFull
-from dreamstage.adapters.selection import PerBatchAdapters
+from dreamstage.adapters.selection import MixedAdapters
 from dreamstage.serving.generation import (
     Admitted,
     Delta,
@@ -149,7 +149,8 @@ class Engine:
     """Continuous batching over the resident context's sequence slots."""
 
     def __init__(self, model: ResidentModel, *, max_queue: int = 64, hook: DreamHook | None = None,
-                 idle_interval: float = 0.05, max_adapters: int = DEFAULT_MAX_ADAPTERS):
+                 idle_interval: float = 0.05, max_adapters: int = DEFAULT_MAX_ADAPTERS,
+                 adapter_max_rank: int = DEFAULT_MIXED_MAX_RANK):
         self.model = model
         self.lc = model.lc
         self.n_seq = model.config.n_seq
@@ -168,8 +169,9 @@ class Engine:
         # Version of the served adapter set; 0 = base model. The dream stage's
         # promotion bumps it between two decode batches (on this thread).
         self.adapter_version = 0
-        # Which adapter each batch decodes with (the seam a per-token bank replaces).
-        self.adapters = PerBatchAdapters(model, max_adapters)
+        # Which adapter each batch row decodes with: the base and adapters of rank
+        # <= adapter_max_rank share every batch (selection.py).
+        self.adapters = MixedAdapters(model, max_adapters, adapter_max_rank)
         # A request that names no adapter gets this one (the served default; the dream stage sets it).
         self.default_adapter: Callable[[], AdapterChoice] = lambda: BASE
         self.stats = EngineStats()
@@ -625,6 +627,7 @@ class Engine:
         self.last_batch_decode_tokens = n_decode
         rc = lc.llama_decode(self.model.ctx, batch)
         self.stats.decode_batches += 1
+        self.stats.mixed_batches += len({r.key for r in rows}) > 1
         if rc != 0:
             self._decode_failed(rc, outputs)
             self.last_batch_s = time.perf_counter() - t_start
@@ -656,7 +659,6 @@ class Engine:
             total = np.zeros(self.model.n_embd, dtype=np.float64)
             lc.llama_memory_seq_rm(self.model.memory, s.seq_id, 0, -1)
             s.tokens.clear()
-            self.adapters.bind([s.adapter])
             lc.llama_set_embeddings(ctx, True)
             try:
                 for a in range(0, len(job.prompt), self.n_batch):
@@ -665,6 +667,7 @@ class Engine:
                         batch.token[i], pos[i], batch.n_seq_id[i], batch.logits[i] = t, a + i, 1, 1
                         batch.seq_id[i][0] = s.seq_id
                     batch.n_tokens = len(chunk)
+                    self.adapters.bind([s.adapter] * len(chunk))
                     if lc.llama_decode(ctx, batch) != 0:
                         raise RuntimeError("llama_decode failed for an embedding request")
                     s.tokens.extend(chunk)

@@ -59,7 +59,8 @@ MIN_REHEARSED_REPLY = 4
 
 class DriftGuard:
     def __init__(self, resident, spec, train_windows: Sequence[Any], *, seq_id: Callable[[], Any] | int,
-                 restore: Callable[[], None], cache: dict | None = None, noise_cache: dict | None = None):
+                 restore: Callable[[], None], enter: Callable[[], None] = lambda: None,
+                 cache: dict | None = None, noise_cache: dict | None = None):
         self.spec = spec
         self.noise_cache = noise_cache
         self.n_train = len(train_windows)
@@ -70,7 +71,7 @@ class DriftGuard:
         pause = getattr(getattr(spec, "pacing", None), "max_pause_ms", None)
         step_ms = pause / 2.0 if pause else DEFAULT_STEP_MS
         self.probe = DriftProbe(resident, load_anchors(spec.anchors), seq_id=seq_id, restore=restore,
-                                step_ms=step_ms)
+                                enter=enter, step_ms=step_ms)
         # ... and trained, never measured: the regularizer's samples of the base
         # (only the anchors whose prompt leaves room in the job's window for a
         # reply: the others could never be trained, so recording them is waste)
@@ -78,11 +79,12 @@ class DriftGuard:
         lengths = {p: len(prompt_tokens(resident, p)) for p in self.rehearsal_prompts} if self.ratio > 0 else {}
         self._prompt_span = (min(lengths.values(), default=0), max(lengths.values(), default=0))
         roomy = [p for p, n in lengths.items() if n + MIN_REHEARSED_REPLY <= spec.window]
-        self.rehearsal = (DriftProbe(resident, roomy, seq_id=seq_id, restore=restore,
+        self.rehearsal = (DriftProbe(resident, roomy, seq_id=seq_id, restore=restore, enter=enter,
                                      step_ms=step_ms, samples=rehearsal_samples(spec.rehearsal)) if roomy else None)
         # ... and the base's own neighbours of the job's prompts (written at record(),
         # each rehearsed every epoch: the questions a taught form reaches first)
-        self._resident, self._seq_id, self._restore, self._step_ms = resident, seq_id, restore, step_ms
+        self._resident, self._seq_id, self._step_ms = resident, seq_id, step_ms
+        self._restore, self._enter = restore, enter
         self.questions = job_questions(spec, train_windows) if self.ratio > 0 and spec.neighbours > 0 else []
         self.near: DriftProbe | None = None
         self.neighbour_prompts: list[str] = []
@@ -141,7 +143,7 @@ class DriftGuard:
         if not roomy:
             return
         self.near = DriftProbe(self._resident, roomy, seq_id=self._seq_id, restore=self._restore,
-                               step_ms=self._step_ms, samples=rehearsal_samples(self.spec.rehearsal))
+                               enter=self._enter, step_ms=self._step_ms, samples=rehearsal_samples(self.spec.rehearsal))
         yield from self.near.record(self.cache)
         for j, base in enumerate(self.near.bases):
             i = self.n_rehearsed + j

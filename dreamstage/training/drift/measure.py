@@ -210,8 +210,9 @@ class DriftProbe:
     the result. Each `next()` is one engine step: it decodes units of one
     anchor (a piece of PIECE_TOKENS teacher-forced tokens, or one generated
     token) while they fit `step_ms` (at least one), with the measured adapter
-    (or none) on the context, and puts serving's adapter back (`restore`)
-    before it returns. An anchor's units run on a sequence held across steps:
+    (or none) on the context, after `enter()` (serving's adapters step aside),
+    and puts serving's adapter back (`restore`) before it returns. An
+    anchor's units run on a sequence held across steps:
     `seq_id` is an int (a sequence the caller owns) or a callable that lends
     one (`Engine.hold_idle_sequence`: a lease, or None while every slot is
     busy, and the step waits). Serving takes a lent sequence back whenever it
@@ -220,7 +221,7 @@ class DriftProbe:
     recording (the regularizer's rehearsal anchors; none for measured ones).
     """
 
-    def __init__(self, resident, prompts: Sequence[str], *, seq_id, restore=lambda: None,
+    def __init__(self, resident, prompts: Sequence[str], *, seq_id, restore=lambda: None, enter=lambda: None,
                  renderer: ChatRenderer | None = None, step_ms: float | None = DEFAULT_STEP_MS, samples: int = 0):
         if not prompts:
             raise ValueError("a drift probe needs at least one anchor prompt")
@@ -229,7 +230,7 @@ class DriftProbe:
         self.resident = resident
         self.prompts = list(prompts)
         self.lend = seq_id if callable(seq_id) else (lambda: FixedSequence(seq_id))
-        self.restore = restore
+        self.restore, self.enter = restore, enter
         self.renderer = renderer or ChatRenderer(resident)
         self.step_s = step_ms / 1000.0 if step_ms is not None else math.inf
         self.samples = samples
@@ -264,6 +265,7 @@ class DriftProbe:
             try:
                 while True:
                     t0 = time.perf_counter()
+                    self.enter()
                     set_context_adapter(self.resident, adapter)
                     try:
                         while True:

@@ -478,26 +478,28 @@ class JobProgram:
                                                      memory=job["memory"]))
         self.stats.record_drift(jid, drift)
 
-    def _probe_access(self, engine) -> tuple[Callable[[], Any], Callable[[], None]] | None:
-        """What a drift probe decodes with: the engine's sequence lender and the
-        call that puts serving's adapter back. None when the guard is off on
-        this server, or on a resident without llama handles or an engine that
-        lends no sequence (test doubles)."""
+    def _probe_access(self, engine) -> tuple[Callable[[], Any], Callable[[], None], Callable[[], None]] | None:
+        """What a drift probe decodes with: the engine's sequence lender, the call
+        that makes serving's adapters step aside before the probe's decodes, and
+        the one that says the probe changed the context's adapters. None when the
+        guard is off on this server, or on a resident without llama handles or an
+        engine that lends no sequence (test doubles)."""
         lend = getattr(engine, "hold_idle_sequence", None)
         if not self.drift_guard or getattr(self.resident, "ctx", None) is None or lend is None:
             return None
         adapters = getattr(engine, "adapters", None)
-        # serving sets its adapter before each batch; the probe only says it changed it
-        return lend, (adapters.invalidate if adapters is not None else lambda: set_context_adapter(self.resident, None))
+        if adapters is None:
+            return lend, lambda: None, lambda: set_context_adapter(self.resident, None)
+        return lend, adapters.lend_context, adapters.invalidate
 
     def _drift_guard(self, spec: JobSpec, rendered: RenderedJob, engine) -> DriftGuard | None:
         """The job's drift guard, or None (`_probe_access`)."""
         access = self._probe_access(engine)
         if access is None:
             return None
-        lend, restore = access
+        lend, enter, restore = access
         return DriftGuard(self.resident, spec, rendered.train, seq_id=lend, cache=self._anchor_records,
-                          noise_cache=self._noise_margins, restore=restore)
+                          noise_cache=self._noise_margins, restore=restore, enter=enter)
 
     def _finish(self, jid: int, spec: JobSpec, trainer, eval_after, eval_before,
                 guard=None) -> Generator[None, None, str]:

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any
 
-from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS
+from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK
 from dreamstage.adapters.served import AdapterSwitch, ServedAdapters
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift.record_file import DriftRecordFile
@@ -73,7 +73,7 @@ class DreamScheduler(JobProgram):
                  served: ServedAdapters | None = None, idle_grace_s: float = DEFAULT_IDLE_GRACE_S,
                  clock: Callable[[], float] = time.monotonic, drift_guard: bool = True,
                  record_file: DriftRecordFile | None = None, max_adapters: int = DEFAULT_MAX_ADAPTERS,
-                 adapter_budget_mib: float | None = None):
+                 adapter_budget_mib: float | None = None, adapter_max_rank: int = DEFAULT_MIXED_MAX_RANK):
         self.store = store
         self.drift_guard = drift_guard
         self._anchor_records: dict = {}   # prompt -> the base's AnchorBase, shared by every job of this process
@@ -87,7 +87,7 @@ class DreamScheduler(JobProgram):
         self.resident = resident
         self.make_trainer = make_trainer or native_trainer
         self.switch = AdapterSwitch(store, served if served is not None else ServedAdapters(resident),
-                                    max_adapters, adapter_budget_mib)
+                                    max_adapters, adapter_budget_mib, adapter_max_rank)
         self.idle_grace_s = idle_grace_s
         self.clock = clock
         self._lock = threading.Lock()

@@ -28,15 +28,17 @@ log = logging.getLogger("dreamstage.drift")
 
 
 class AnchorWarmup:
-    def __init__(self, resident, cache: dict, lend: Callable[[], Any], restore: Callable[[], None]):
-        self.resident, self.cache, self.lend, self.restore = resident, cache, lend, restore
+    def __init__(self, resident, cache: dict, lend: Callable[[], Any], enter: Callable[[], None],
+                 restore: Callable[[], None]):
+        self.resident, self.cache, self.lend, self.enter, self.restore = resident, cache, lend, enter, restore
         self.done = False
         self.steps = 0
         self._gen: Generator[None, None, None] | None = None
 
     def _start(self) -> Generator[None, None, None]:
         spec = parse_train_request({"text": "warm-up"}).to_job_spec()     # the defaults a job gets
-        guard = DriftGuard(self.resident, spec, [], seq_id=self.lend, restore=self.restore, cache=self.cache)
+        guard = DriftGuard(self.resident, spec, [], seq_id=self.lend, restore=self.restore, enter=self.enter,
+                           cache=self.cache)
         return guard.record()
 
     def step(self) -> bool:
