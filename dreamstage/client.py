@@ -227,6 +227,12 @@ class Client:
     def health(self) -> dict:
         return self._http.get("/health").json()
 
+    def metrics(self) -> str:
+        """/metrics, Prometheus' text format."""
+        r = self._http.get("/metrics")
+        r.raise_for_status()
+        return r.text
+
     # -- training: POST /train, job receipts, adapters ------------------------------
     def train(self, examples: list[dict] | None = None, *, text: str | None = None, **fields) -> dict:
         """Submit a training job (the POST /train body's fields as keywords); returns the job (state queued).

@@ -26,7 +26,7 @@ ANSWERS = ["Quokka-42", "Ada Brightwater", "blue potatoes"]   # from examples/da
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path_factory.mktemp("state")))
+    settings = ServerSettings(ctx=1024, parallel=3, threads=1, state_dir=str(tmp_path_factory.mktemp("state")))
     with BackgroundServer(settings) as srv:
         yield srv
 
@@ -57,3 +57,17 @@ def test_teach_facts_then_export_the_adapter(server, tmp_path):
     assert e.returncode == 0, e.stdout + e.stderr[-2000:]
     assert e.stdout.count("same: ") == len(QUESTIONS) and "all answers equal" in e.stdout
     assert out.read_bytes()[:4] == b"GGUF"
+
+
+def test_two_agents_answer_their_own_secret_in_one_batch_while_a_third_adapter_trains(server, tmp_path):
+    r = run(server, str(EXAMPLES / "many_adapters.py"), "--agents", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    for name, secret in (("agent-1", "Quokka-42"), ("agent-2", "Walrus-17")):
+        (line,) = [x for x in lines if x.strip().startswith(name + " ")]
+        assert "ok" in line and secret in line.split("(taught")[0]
+    (base,) = [x for x in lines if x.strip().startswith("base ")]
+    assert "Quokka-42" not in base and "Walrus-17" not in base
+    (summary,) = [x for x in lines if x.startswith("asked 3 at once")]
+    assert "was running" in summary
+    assert int(summary.split(": ")[1].split()[0]) >= 1      # a batch decoded more than one adapter

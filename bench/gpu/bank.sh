@@ -11,7 +11,8 @@
 # Prepared on the dev machine as bench/gpu/run.sh says (.gpu/llama.cpp from trim_tree.py,
 # .gpu/tokenizer_kv.json, .gpu/site/gguf), then on the device machine from the root:
 #   bash bench/gpu/bank.sh OUTDIR [bases=q8_0,q4_k_m] [ranks=8] [targets="attn_q,attn_v;all"]
-# GATHERS="dense id" (default: dense) runs each under DREAMSTAGE_BANK_GATHER=<gather>.
+# GATHERS="dense id" (default: dense) runs each under DREAMSTAGE_BANK_GATHER=<gather>;
+# BANK_RANK=R pads the bank's slots to rank R (default: the adapters' rank).
 # Writes OUTDIR/bank_check_<gather>_{tf32,fp32}.json and OUTDIR/bank_bench_<gather>_<base>.json.
 # Exit 1 when a check fails.
 set -uo pipefail
@@ -44,8 +45,8 @@ done
 for base in ${BASES//,/ }; do
     [ -s $M/llama1b_$base.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.gguf $M/llama1b_$base.gguf $base > "$OUT/quantize_$base.log" 2>&1
     for g in ${GATHERS:-dense}; do
-        DREAMSTAGE_BANK_GATHER=$g $B/bin/dream_bank_bench bench $M/llama1b_$base.gguf $M "$RANKS" "$TARGETS" 4,8 3 64 \
-            > "$OUT/bank_bench_${g}_$base.json" 2> "$OUT/bank_bench_${g}_$base.err" || rc=1
+        DREAMSTAGE_BANK_GATHER=$g $B/bin/dream_bank_bench bench $M/llama1b_$base.gguf $M "$RANKS" "$TARGETS" 4,8 3 64 ${BANK_RANK:-0} \
+            > "$OUT/bank_bench_${g}_${base}_r${BANK_RANK:-0}.json" 2> "$OUT/bank_bench_${g}_$base.err" || rc=1
         echo "== bench $g $base"; grep -h '"rank"' "$OUT/bank_bench_${g}_$base.err" || tail -5 "$OUT/bank_bench_${g}_$base.err"
     done
 done

@@ -197,7 +197,8 @@ static int check(const char * model_path, const std::string & dir) {
             if (ad) llama_adapter_lora_free(ad);
         }
         char err[512];
-        dream_bank * bank = dream_bank_init(ctx, 4, 8, err, sizeof err);
+        const char * pad = std::getenv("BANK_RANK");       // bank.sh's BANK_RANK: slots padded to it
+        dream_bank * bank = dream_bank_init(ctx, 4, std::max(8, pad ? std::atoi(pad) : 0), err, sizeof err);
         if (!bank) return fail(err);
         const int sa = dream_bank_load(bank, fa.c_str(), 1.0f, err, sizeof err);
         const int sb = dream_bank_load(bank, fb.c_str(), 1.0f, err, sizeof err);
@@ -278,6 +279,7 @@ static int bench(int argc, char ** argv) {
     for (const auto & s : split(argc > 6 ? argv[6] : "4,8", ',')) streams.push_back(std::atoi(s.c_str()));
     const int reps = argc > 7 ? std::max(1, std::atoi(argv[7])) : 3;
     const int n_decode = argc > 8 ? std::max(8, std::atoi(argv[8])) : 64;
+    const int bank_rank = argc > 9 ? std::atoi(argv[9]) : 0;     // the bank's max_rank; 0: the adapters' rank
     const int max_s = *std::max_element(streams.begin(), streams.end());
 
     llama_model_params mp = llama_model_default_params();
@@ -290,12 +292,12 @@ static int bench(int argc, char ** argv) {
     llama_context * ctx = llama_init_from_model(model, cp);
     if (!ctx) return fail("context");
     std::string out = "{\n  \"bench\": \"decode, streams on adapters\", \"model\": \"" + std::string(model_path) +
-                      "\", \"n_decode\": " + std::to_string(n_decode) + ", \"reps\": " + std::to_string(reps) + ", \"runs\": [\n";
+                      "\", \"n_decode\": " + std::to_string(n_decode) + ", \"bank_rank\": " + std::to_string(bank_rank) + ", \"reps\": " + std::to_string(reps) + ", \"runs\": [\n";
     bool first = true;
     for (int rank : ranks) {
         for (const auto & targets : target_sets) {
             char err[512];
-            dream_bank * bank = dream_bank_init(ctx, max_s, rank, err, sizeof err);
+            dream_bank * bank = dream_bank_init(ctx, max_s, std::max(rank, bank_rank), err, sizeof err);
             if (!bank) return fail(err);
             std::vector<llama_adapter_lora *> ads;
             for (int i = 0; i < max_s; ++i) {
@@ -344,7 +346,7 @@ static int bench(int argc, char ** argv) {
 
 int main(int argc, char ** argv) {
     if (argc < 4) {
-        std::fprintf(stderr, "usage: %s check MODEL.gguf DIR | bench MODEL.gguf DIR [ranks] [targets] [streams] [reps] [n_decode]\n", argv[0]);
+        std::fprintf(stderr, "usage: %s check MODEL.gguf DIR | bench MODEL.gguf DIR [ranks] [targets] [streams] [reps] [n_decode] [bank_rank]\n", argv[0]);
         return 2;
     }
     llama_backend_init();
