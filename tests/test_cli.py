@@ -202,3 +202,18 @@ def test_a_bad_setting_from_the_environment_is_one_line_naming_it(monkeypatch, c
     assert cli.main(["serve", "--no-train", "--ctx", "64"]) == 2
     assert one_line(capsys.readouterr().err) == ("dreamstage serve: ctx 64 leaves fewer than 16 tokens per slot "
                                                  "for 8 slots")
+
+
+def test_every_subcommand_prints_its_help():
+    """argparse formats help strings with %: a stray one crashes --help."""
+    import argparse
+
+    from dreamstage.cli import build_parser
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert "serve" in subs.choices
+    for name, sub in subs.choices.items():
+        text = sub.format_help()
+        assert name in text and "usage" in text
+    assert "usage" in parser.format_help()
+    assert "25% of the free memory" in subs.choices["serve"].format_help().replace("\n", " ").replace("  ", " ")
