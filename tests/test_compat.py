@@ -619,6 +619,15 @@ def test_a_malformed_call_is_answered_as_text(client, text):
     assert not any(ch.delta.tool_calls for ch in chunks) and chunks[-1].finish_reason == "stop"
 
 
+def test_a_text_answer_with_tools_offered_streams_as_it_comes(client):
+    text = "The sky over Paris is clear, and it is 21 degrees."
+    chunks = [ch for chunk in client.chat.completions.create(
+        model="base", messages=WEATHER_ASK, tools=[WEATHER], temperature=0, max_tokens=64, stream=True,
+        extra_body={"grammar": "root ::= " + json.dumps(text)}) for ch in chunk.choices]
+    pieces = [ch.delta.content for ch in chunks if ch.delta.content]
+    assert "".join(pieces) == text and len(pieces) > 5 and chunks[-1].finish_reason == "stop"
+
+
 def test_a_named_tool_choice_calls_that_tool(client):
     done = client.chat.completions.create(
         model="base", messages=[{"role": "user", "content": "What is two plus three?"}], tools=[WEATHER, ADD],
