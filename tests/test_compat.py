@@ -239,8 +239,10 @@ def test_info_says_the_context_and_the_sampling_defaults_serve_gets():
     assert "serve sampling   temperature 0.8, top_k 40" in text
 
 
-def test_too_long_a_request_is_a_400_naming_the_numbers(server, http):
+def test_too_long_a_request_is_a_400_naming_the_numbers(server, http, client):
     slot = server.service.engine.slot_ctx
+    # a vLLM client learns the limit from the model list
+    assert [m.model_extra["max_model_len"] for m in client.models.list().data] == [slot]
     r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": slot})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     msg = r.json()["error"]["message"]
