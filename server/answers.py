@@ -7,12 +7,13 @@ engine's events (serving.generation) go in, JSON-ready dicts come out.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 
 from dreamstage.server.bridge import Collected
 from dreamstage.server.logprobs import chat_entry, completion_logprobs
 from dreamstage.serving.generation import Delta, Finished, PromptScored
 from dreamstage.serving.sampling import TokenLogprob
-from dreamstage.serving.tools import parse_tool_calls
+from dreamstage.serving.tools import parse_tool_calls, streamable_prefix
 
 
 def usage(ends: list[Finished]) -> dict:
@@ -23,15 +24,26 @@ def usage(ends: list[Finished]) -> dict:
             "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
+@dataclass
+class _Held:
+    """A streamed answer read for tool calls at its end: its text so far, how much of it
+    went out as content, and its tokens' logprobs."""
+    text: str = ""
+    sent: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
 class ChatShape:
-    """With `tools` (the offered names), an answer is held until it ends and then read
-    for tool calls (serving.tools): streamed as one delta of content or of tool_calls."""
+    """With `tools` (the offered names), an answer is read for tool calls (serving.tools)
+    once it ends. Streamed, the text no call format could claim goes out as it comes
+    (`streamable_prefix`); the rest is held to the end, then sent as one delta of
+    content or of tool_calls. With logprobs the whole answer is held."""
 
     def __init__(self, base: dict, pieces: tuple[bytes, ...], logprobs: bool, tools: frozenset[str] | None = None,
                  one_call: bool = False):
         self.base, self.pieces, self.logprobs = base, pieces, logprobs
         self.tools, self.one_call = tools, one_call
-        self._held: dict[int, tuple[list[str], list[TokenLogprob]]] = {}
+        self._held: dict[int, _Held] = {}
 
     def _message(self, text: str) -> tuple[dict, bool]:
         """The assistant message for `text`, and whether it holds tool calls."""
@@ -56,11 +68,16 @@ class ChatShape:
 
     def delta(self, ev: Delta, version: int | None, index: int) -> dict | None:
         if self.tools:
-            parts, lps = self._held.setdefault(index, ([], []))
-            parts.append(ev.text)
+            held = self._held.setdefault(index, _Held())
+            held.text += ev.text
             if ev.logprob is not None:
-                lps.append(ev.logprob)
-            return None
+                held.logprobs.append(ev.logprob)
+            safe = 0 if self.logprobs else streamable_prefix(held.text)
+            if safe <= held.sent:
+                return None
+            text, held.sent = held.text[held.sent:safe], safe
+            return self._chunk(version, [{"index": index, "delta": {"content": text}, "logprobs": None,
+                                          "finish_reason": None}])
         lp = None if ev.logprob is None else {"content": [chat_entry(self.pieces, ev.logprob)]}
         if not ev.text and lp is None:
             return None
@@ -70,15 +87,20 @@ class ChatShape:
     def final(self, fin: Finished, index: int) -> list[dict]:
         out, finish = [], fin.finish_reason
         if self.tools:
-            parts, lps = self._held.pop(index, ([], []))
-            message, called = self._message("".join(parts))
-            lp = {"content": [chat_entry(self.pieces, t) for t in lps]} if self.logprobs else None
-            delta = {k: v for k, v in message.items() if k != "role"}
-            if called:
+            held = self._held.pop(index, _Held())
+            message, called = self._message(held.text)
+            lp = {"content": [chat_entry(self.pieces, t) for t in held.logprobs]} if self.logprobs else None
+            if called:     # what went out is the content before the calls, white space aside
+                rest = (message["content"] or "")[len(held.text[:held.sent].strip()):]
+                delta: dict = {"content": rest or None, "tool_calls": [
+                    {"index": k, **c} for k, c in enumerate(message["tool_calls"])]}
                 finish = "tool_calls"
-                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
-            out.append(self._chunk(fin.adapter_version, [{"index": index, "delta": delta, "logprobs": lp,
-                                                          "finish_reason": None}]))
+            else:
+                rest = held.text[held.sent:]
+                delta = {"content": rest}
+            if called or rest or not held.sent:
+                out.append(self._chunk(fin.adapter_version, [{"index": index, "delta": delta, "logprobs": lp,
+                                                              "finish_reason": None}]))
         out.append(self._chunk(fin.adapter_version, [{"index": index, "delta": {}, "logprobs": None,
                                                       "finish_reason": finish}]))
         return out

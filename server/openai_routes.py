@@ -245,11 +245,13 @@ async def models(request: Request):
     service = request.app.state.service
     engine = service.engine
     scope = scope_of(request)
+    # max_model_len (vLLM's): the tokens one request may hold, prompt and answer together
     base = {"id": service.model_id, "object": "model", "created": 0, "owned_by": "dreamstage", "root": None,
-            "parent": None, "adapter_version": engine.adapter_version if not scope.scoped else None}
+            "parent": None, "max_model_len": engine.slot_ctx,
+            "adapter_version": engine.adapter_version if not scope.scoped else None}
     data = [base]
     for v in listed_adapters(service, scope):
         data.append({"id": v["name"], "object": "model", "created": int(v["created"]), "owned_by": "dreamstage",
-                     "root": v["path"], "parent": service.model_id, "version": v["version"],
-                     "adapter_version": v["served_version"], "default": v["default"]})
+                     "root": v["path"], "parent": service.model_id, "max_model_len": engine.slot_ctx,
+                     "version": v["version"], "adapter_version": v["served_version"], "default": v["default"]})
     return {"object": "list", "data": public(data)}

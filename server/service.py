@@ -11,7 +11,7 @@ from dreamstage.server.settings import ServerSettings
 from dreamstage.serving.chat import ChatTemplate
 from dreamstage.serving.engine import DreamHook, Engine
 from dreamstage.serving.resident import ResidentModel
-from dreamstage.serving.sampling import model_defaults
+from dreamstage.serving.sampling import defaults_source, model_defaults
 
 log = logging.getLogger("dreamstage.server")
 
@@ -70,6 +70,10 @@ class Service:
         # Built before the engine thread starts: after that, only it calls llama.
         self.chat = ChatTemplate.for_model(self.model)
         self.sampling_defaults = model_defaults(self.model.meta)   # a request's unset sampling fields
+        self.sampling_source = defaults_source(self.model.meta)
+        # /v1/embeddings decodes n_batch outputs at a time: their buffer is taken now,
+        # before any job measures free memory, rather than at the first request.
+        self.output_reserve_bytes = self.model.reserve_outputs() if settings.embeddings else 0
         self.model_id = settings.model_alias or self.model.model_path.stem
         lc, m = self.model.lc, self.model.model
         self.adapter_shape = AdapterShape(self.model.meta("general.architecture") or "", lc.llama_model_n_head(m),

@@ -28,7 +28,14 @@ async def health(request: Request):
 async def slots(request: Request):
     service = request.app.state.service
     return {"slot_context": service.engine.slot_ctx, "n_ctx": service.model.n_ctx,
-            "n_ctx_train": service.model.n_ctx_train, "slots": service.engine.slots_info()}
+            "n_ctx_train": service.model.n_ctx_train, "context": context(service),
+            "sampling_defaults_source": service.sampling_source, "slots": service.engine.slots_info()}
+
+
+def context(service) -> dict:
+    """The slots' context and how it was chosen (ResidentModel.context_plan)."""
+    plan = {**service.model.context_plan.as_dict(), "slot_ctx": service.engine.slot_ctx}
+    return {**plan, "output_buffer_reserved_mib": round(service.output_reserve_bytes / (1 << 20), 1)}
 
 
 @router.get("/props")
@@ -39,7 +46,7 @@ async def props(request: Request):
     return {"default_generation_settings": {"n_ctx": service.engine.slot_ctx, "params": defaults},
             "total_slots": service.engine.n_seq, "model_path": str(service.model.model_path),
             "model_alias": service.model_id, "n_ctx_train": service.model.n_ctx_train,
-            "chat_template": service.chat.source}
+            "sampling_defaults_source": service.sampling_source, "chat_template": service.chat.source}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -7,17 +7,17 @@ import queue
 import re
 
 import httpx
+import jsonschema_rs
 import numpy as np
 import openai
 import pytest
 from background_server import BackgroundServer
 
-from dreamstage import native
 from dreamstage.server.settings import ServerSettings
 from dreamstage.serving.chat import ChatTemplate
 from dreamstage.serving.engine import Delta, Finished, GenerationRequest
 from dreamstage.serving.resident import AUTO_CTX_STEP, ResidentConfig, ResidentModel
-from dreamstage.serving.sampling import SamplingParams, model_defaults
+from dreamstage.serving.sampling import SamplingParams, defaults_source, model_defaults
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -68,6 +68,18 @@ def test_unknown_fields_are_ignored_and_named_in_a_header(client):
     assert raw.parse().choices[0].message.content
     plain = client.chat.completions.with_raw_response.create(model="base", messages=ASK, max_tokens=2)
     assert "x-dreamstage-ignored-fields" not in plain.headers
+
+
+def test_what_the_table_says_is_not_served_is_named_or_404(http):
+    """README's compatibility table: vLLM's guided decoding and beam fields are ignored (and named),
+    llama-server's own non-OpenAI routes are not served."""
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "guided_json": {"type": "object"},
+                                           "best_of": 2, "min_tokens": 3, "prompt_logprobs": 1})
+    assert r.status_code == 200
+    assert set(r.headers["x-dreamstage-ignored-fields"].split(", ")) == {"guided_json", "best_of", "min_tokens",
+                                                                          "prompt_logprobs"}
+    for route in ("/completion", "/embedding", "/infill", "/rerank", "/apply-template"):
+        assert http.post(route, json={"prompt": "Hi"}).status_code == 404, route
 
 
 def test_the_header_is_bounded(http):
@@ -172,6 +184,8 @@ def test_default_context_is_the_trained_context_and_holds_a_long_conversation():
         with httpx.Client(base_url=srv.url, timeout=600) as http:
             slots = http.get("/slots").json()
             assert slots["slot_context"] == slots["n_ctx_train"] == model.n_ctx_train
+            assert (slots["context"]["chosen_by"], slots["context"]["slot_ctx"]) == ("trained", model.n_ctx_train)
+            assert slots["sampling_defaults_source"].startswith("llama-server's")
             assert http.get("/props").json()["default_generation_settings"]["n_ctx"] == model.n_ctx_train
             # about 6,000 tokens of conversation, answered
             turns = []
@@ -187,25 +201,48 @@ def test_default_context_is_the_trained_context_and_holds_a_long_conversation():
             assert str(model.n_ctx_train) in r.json()["error"]["message"]
 
 
-def test_the_automatic_context_is_capped_by_memory():
+def test_the_automatic_context_is_capped_by_memory(monkeypatch):
+    from dreamstage.serving import resident
     probe = ResidentModel(ResidentConfig(n_ctx=512, n_seq=1, n_threads=1))
     try:
-        cell = probe.kv_cell_bytes()
+        cell, reserve = probe.kv_cell_bytes(), probe.output_rows_bytes(512)
     finally:
         probe.close()
-    free = min(d["free"] for d in native.devices() if d["name"] == "CPU")
+    # the host's available memory (not ggml's CPU figure, its total) is what the K/V may take a share of,
+    # less what the output buffer may still grow to
+    available = 2 << 30
+    monkeypatch.setattr(resident, "host_available_bytes", lambda: available)
     # a share that fits about 4.5 steps of cells for each of 2 slots: each slot gets 4 steps
-    share = 4.5 * AUTO_CTX_STEP * 2 * cell / free
+    share = 4.5 * AUTO_CTX_STEP * 2 * cell / (available - reserve)
     capped = ResidentModel(ResidentConfig(n_ctx=0, n_seq=2, n_threads=1, kv_unified=False,
                                           auto_ctx_memory_share=share))
     try:
         assert capped.lc.llama_n_ctx_seq(capped.ctx) == 4 * AUTO_CTX_STEP < capped.n_ctx_train
+        plan = capped.context_plan
+        assert (plan.slot_ctx, plan.chosen_by, plan.kv_device) == (4 * AUTO_CTX_STEP, "memory", "CPU")
+        assert plan.available_mib == available / 2**20
+        assert plan.kv_mib == pytest.approx(8 * AUTO_CTX_STEP * cell / 2**20, abs=0.1)
     finally:
         capped.close()
 
 
-def test_too_long_a_request_is_a_400_naming_the_numbers(server, http):
+def test_info_says_the_context_and_the_sampling_defaults_serve_gets():
+    from dreamstage import info
+    from dreamstage.default_model import default_model_path
+    got = info.serving_defaults(default_model_path())
+    ctx = got["context"]
+    assert (got["slots"], ctx["n_ctx_train"]) == (ServerSettings().parallel, 8192)
+    assert ctx["chosen_by"] in ("trained", "memory") and ctx["slot_ctx"] <= 8192 and ctx["kv_mib"] > 0
+    assert got["sampling"]["temperature"] == SamplingParams().temperature and "llama-server" in got["sampling_source"]
+    text = info.render({**info.collect(), "serving": got})
+    assert f"serve context    {ctx['slot_ctx']} tokens per slot x {got['slots']} slots" in text
+    assert "serve sampling   temperature 0.8, top_k 40" in text
+
+
+def test_too_long_a_request_is_a_400_naming_the_numbers(server, http, client):
     slot = server.service.engine.slot_ctx
+    # a vLLM client learns the limit from the model list
+    assert [m.model_extra["max_model_len"] for m in client.models.list().data] == [slot]
     r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": slot})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     msg = r.json()["error"]["message"]
@@ -216,19 +253,26 @@ def test_too_long_a_request_is_a_400_naming_the_numbers(server, http):
 
 
 def test_completions_without_max_tokens_run_to_the_context_end(server, client):
-    done = client.completions.create(model="base", prompt="Once upon a time", temperature=0,
-                                     extra_body={"ignore_eos": True})
+    slot = server.service.engine.slot_ctx
+    # a prompt that leaves 12 tokens of room: decoding it in batches is quicker than generating the room
+    prompt = (server.service.model.tokenize("Once upon a time " * slot, True, False))[:slot - 12]
+    done = client.completions.create(model="base", prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
     assert done.choices[0].finish_reason == "length"
-    assert done.usage.prompt_tokens + done.usage.completion_tokens == server.service.engine.slot_ctx
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (slot - 12, 12)
 
 
 def test_sampling_defaults_are_llama_servers_unless_the_gguf_says(server, client, http):
     assert model_defaults(server.service.model.meta) == SamplingParams()   # this GGUF has no sampling keys
-    params = http.get("/props").json()["default_generation_settings"]["params"]
+    props = http.get("/props").json()
+    params = props["default_generation_settings"]["params"]
+    assert "no general.sampling" in props["sampling_defaults_source"]
+    assert http.get("/slots").json()["context"]["chosen_by"] == "ctx"       # --ctx was given
     assert (params["temperature"], params["top_k"], params["top_p"], params["min_p"]) == (0.8, 40, 0.95, 0.05)
     meta = {"general.sampling.temp": "0.3", "general.sampling.top_k": "20", "general.sampling.min_p": "oops"}
     own = model_defaults(meta.get)
     assert (own.temperature, own.top_k, own.min_p, own.top_p) == (0.3, 20, SamplingParams().min_p, 0.95)
+    assert defaults_source(meta.get) == ("the GGUF's general.sampling.* for temperature, top_k; "
+                                         "llama-server's for the rest")
 
     def draw(seed, **fields):
         return client.completions.create(model="base", prompt="My favourite animal is the", max_tokens=16,
@@ -494,8 +538,9 @@ WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris to
 
 
 def weather_args_valid(arguments: str) -> dict:
+    """The call's arguments, valid for get_weather's parameter schema (nothing more than it names)."""
     args = json.loads(arguments)
-    assert set(args) == {"city"} and isinstance(args["city"], str)
+    jsonschema_rs.validate({**WEATHER["function"]["parameters"], "additionalProperties": False}, args)
     return args
 
 
@@ -533,6 +578,58 @@ def test_a_streamed_tool_call_matches_the_whole_one(client):
             finish = ch.finish_reason or finish
     assert finish == "tool_calls" and len(ids) == 1
     assert (name, json.loads(arguments)) == (whole[0].function.name, json.loads(whole[0].function.arguments))
+
+
+def test_a_streamed_tool_loop_accumulates_in_the_sdk(client):
+    """The openai SDK's own stream accumulation (index, id, type, name, arguments) builds the call,
+    the schema validates it, and the loop goes on streamed to a final answer."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(model="base", messages=WEATHER_ASK, tools=[WEATHER, ADD],
+                                                tool_choice="required", temperature=0, max_tokens=64, stream=True):
+        state.handle_chunk(chunk)
+    first = state.get_final_completion().choices[0]
+    assert first.finish_reason == "tool_calls" and len(first.message.tool_calls) == 1
+    call = first.message.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    weather_args_valid(call.function.arguments)
+    sent = {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": call.function.arguments}}
+    messages = [*WEATHER_ASK, {"role": "assistant", "content": None, "tool_calls": [sent]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "temperature_c": 21}'}]
+    with client.chat.completions.stream(model="base", messages=messages, tools=[WEATHER, ADD], tool_choice="none",
+                                        temperature=0, max_tokens=16) as stream:
+        said = "".join(ev.delta for ev in stream if ev.type == "content.delta")
+        final = stream.current_completion_snapshot.choices[0]   # get_final_completion refuses "length"
+    assert said and final.message.content == said and final.finish_reason in ("stop", "length")
+    assert not final.message.tool_calls
+
+
+MALFORMED_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',   # cut JSON
+                   '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',               # not an offered tool
+                   '[TOOL_CALLS] [{"name": "add", "arguments": [1, 2]}]')                    # arguments not an object
+
+
+@pytest.mark.parametrize("text", MALFORMED_CALLS)
+def test_a_malformed_call_is_answered_as_text(client, text):
+    """The model's answer held to a malformed call by a grammar: 200 with the text, never a 500."""
+    gbnf = "root ::= " + json.dumps(text)
+    ask = dict(model="base", messages=WEATHER_ASK, tools=[WEATHER, ADD], temperature=0, max_tokens=64,
+               extra_body={"grammar": gbnf})
+    done = client.chat.completions.create(**ask).choices[0]
+    assert (done.message.content, done.message.tool_calls, done.finish_reason) == (text, None, "stop")
+    chunks = [ch for chunk in client.chat.completions.create(**ask, stream=True) for ch in chunk.choices]
+    assert "".join(ch.delta.content or "" for ch in chunks) == text
+    assert not any(ch.delta.tool_calls for ch in chunks) and chunks[-1].finish_reason == "stop"
+
+
+def test_a_text_answer_with_tools_offered_streams_as_it_comes(client):
+    text = "The sky over Paris is clear, and it is 21 degrees."
+    chunks = [ch for chunk in client.chat.completions.create(
+        model="base", messages=WEATHER_ASK, tools=[WEATHER], temperature=0, max_tokens=64, stream=True,
+        extra_body={"grammar": "root ::= " + json.dumps(text)}) for ch in chunk.choices]
+    pieces = [ch.delta.content for ch in chunks if ch.delta.content]
+    assert "".join(pieces) == text and len(pieces) > 5 and chunks[-1].finish_reason == "stop"
 
 
 def test_a_named_tool_choice_calls_that_tool(client):
@@ -581,8 +678,25 @@ def test_embeddings_are_off_unless_asked(http):
     assert r.status_code == 501 and "--embeddings" in r.json()["error"]["message"]
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_the_output_buffer_is_reserved_once_and_serving_is_unchanged(reference):
+    before = reference.generate_greedy("The capital of France is", 6)
+    rss = rss_bytes()
+    reserved = reference.reserve_outputs()
+    assert reserved == reference.n_batch * (reference.n_vocab + reference.n_embd) * 4
+    assert rss_bytes() - rss > 0.9 * reserved        # taken (and written) now, not at the first embedding
+    assert reference.lc.llama_memory_seq_pos_max(reference.memory, 0) == -1     # the batch left no cells
+    assert reference.generate_greedy("The capital of France is", 6) == before
+
+
 def test_embeddings_match_the_models_pooled_hidden_states(reference):
     with BackgroundServer(ServerSettings(ctx=1024, parallel=2, threads=1, embeddings=True)) as srv:
+        model = srv.service.model
+        assert srv.service.output_reserve_bytes == model.output_rows_bytes(model.n_batch)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         before = client.chat.completions.create(model="base", messages=ASK, max_tokens=8, temperature=0)
         texts = ["The cat sat on the mat.", "Quantum chromodynamics", "The cat sat on the mat."]

@@ -120,3 +120,45 @@ def test_a_template_that_reads_tools_gets_them_and_the_calls():
             {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
     text = t.render(prompt_messages(msgs, [WEATHER], native=True), None, [WEATHER])
     assert text == '[get_weather]Weather?<get_weather {"city": "Paris"}>sunny'
+
+
+STREAMED = [
+    ("Paris is sunny today.", "Paris is sunny today.", None),
+    ("Let me check.\n<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}</tool_call>",
+     "Let me check.", [("get_weather", {"city": "Oslo"})]),
+    ("One moment [TOOL_CALLS][{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}]",
+     "One moment", [("add", {"a": 1, "b": 2})]),
+    ("{\"name\": \"add\", \"parameters\": {\"a\": 5, \"b\": 6}}", None, [("add", {"a": 5, "b": 6})]),
+    ("<tool_call>{\"name\": \"rm_rf\", \"arguments\": {}}</tool_call>",            # not offered: text
+     "<tool_call>{\"name\": \"rm_rf\", \"arguments\": {}}</tool_call>", None),
+    ("Use <b>bold</b> or [links](x) {braces} freely.", "Use <b>bold</b> or [links](x) {braces} freely.", None),
+    ("Try <tool_cal", "Try <tool_cal", None),                                       # a marker's prefix, then the end
+    ("{\"answer\": 42}", "{\"answer\": 42}", None),
+]
+
+
+@pytest.mark.parametrize("text,content,expected", STREAMED)
+@pytest.mark.parametrize("piece", [1, 3, 7])
+def test_a_streamed_answer_with_tools_sends_text_as_it_comes_and_calls_at_the_end(text, content, expected, piece):
+    """Streamed in pieces of `piece` characters, the content deltas add up to the whole answer's
+    content, no part of a call goes out as content, and the calls come whole at the end."""
+    from dreamstage.server.answers import ChatShape
+    from dreamstage.serving.generation import Delta, Finished
+    shape = ChatShape({}, (), False, NAMES)
+    early = [shape.delta(Delta(text[i:i + piece], 0), 0, 0) for i in range(0, len(text), piece)]
+    early_text = "".join(c["choices"][0]["delta"]["content"] for c in early if c)
+    last = shape.final(Finished("stop", 1, 1, 0, 0), 0)
+    deltas = [c["choices"][0]["delta"] for c in last]
+    streamed = early_text + "".join(d.get("content") or "" for d in deltas)
+    whole, called = ChatShape({}, (), False, NAMES)._message(text)
+    assert streamed == (whole["content"] or "") == (content or "")
+    assert last[-1]["choices"][0]["finish_reason"] == ("tool_calls" if expected else "stop")
+    got = [d["tool_calls"] for d in deltas if d.get("tool_calls")]
+    if expected:
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got[0]] == expected
+        assert [c["index"] for c in got[0]] == list(range(len(expected))) and all(c["id"] for c in got[0])
+        assert "{" not in early_text and "tool_call" not in early_text and "TOOL" not in early_text
+    else:
+        assert not got
+    if text.startswith(("Paris", "Use")):
+        assert len(early_text) > len(text) // 2          # plain text is not held to the end

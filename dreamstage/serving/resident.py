@@ -93,6 +93,86 @@ class ResidentConfig:
             raise ValueError(f"flash_attn {self.flash_attn!r} is not one of auto, on, off")
 
 
+def model_meta(lc, model, key: str) -> str | None:
+    """A GGUF metadata value as text, or None."""
+    buf = ctypes.create_string_buffer(4096)
+    n = lc.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+
+def kv_cell_bytes(lc, model, kv_type: str) -> float:
+    """Bytes one context cell (a token's K and V in every layer) takes in `kv_type`."""
+    arch = model_meta(lc, model, "general.architecture") or ""
+    n_head = max(1, lc.llama_model_n_head(model))
+    head = lc.llama_model_n_embd(model) // n_head
+    k_len = int(model_meta(lc, model, f"{arch}.attention.key_length") or head)
+    v_len = int(model_meta(lc, model, f"{arch}.attention.value_length") or head)
+    return lc.llama_model_n_layer(model) * lc.llama_model_n_head_kv(model) * (k_len + v_len) * KV_BYTES[kv_type]
+
+
+def host_available_bytes() -> int | None:
+    """Linux's MemAvailable: what the host can still give without swapping. ggml's CPU
+    device reports its total as free (upstream calls host free memory ill-defined)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_bytes(device: dict) -> int:
+    """What a device (native.devices()) can still give: the host's available memory for the CPU."""
+    if device["name"] == "CPU":
+        host = host_available_bytes()
+        return device["free"] if host is None else min(host, device["free"])
+    return device["free"]
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """Each slot's context and how it was chosen (`/slots`, `/props`, `dreamstage info`)."""
+    slot_ctx: int
+    n_ctx_train: int
+    chosen_by: str               # "ctx" (configured), "trained" (the model's), "memory" (cut to fit)
+    kv_mib: float                # the slots' K/V, all of them
+    kv_device: str               # the device that holds it
+    available_mib: float         # that device's available memory when planned
+    output_reserve_mib: float    # the output buffer's most (n_batch rows), host memory, kept out of the share
+    memory_share: float          # of available memory, less the output reserve, the K/V may take (automatic only)
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 1) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+def plan_context(lc, model, cfg: ResidentConfig) -> ContextPlan:
+    """The context each slot gets. Configured (cfg.n_ctx): n_ctx / n_seq. Automatic: the
+    model's trained context, cut (to a multiple of AUTO_CTX_STEP) so that the slots' K/V
+    take at most `auto_ctx_memory_share` of the K/V device's available memory, less (on
+    the host) what llama.cpp's output buffer may still grow to."""
+    n_train = lc.llama_model_n_ctx_train(model)
+    cell = kv_cell_bytes(lc, model, cfg.kv_type)
+    devices = native.devices()
+    gpus = [d for d in devices if d["name"] != "CPU"]
+    holder = gpus if gpus and cfg.n_gpu_layers != 0 else [d for d in devices if d["name"] == "CPU"]
+    free = min((available_bytes(d) for d in holder), default=0)
+    on_host = not (gpus and cfg.n_gpu_layers != 0)
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    reserve = cfg.n_batch * (n_vocab + lc.llama_model_n_embd(model)) * 4
+    mib = float(1 << 20)
+    if cfg.n_ctx:
+        slot, chosen = cfg.n_ctx // cfg.n_seq, "ctx"
+    else:
+        fits = int(max(0, free - (reserve if on_host else 0)) * cfg.auto_ctx_memory_share / (cfg.n_seq * cell))
+        slot = max(AUTO_CTX_STEP, min(n_train, fits) // AUTO_CTX_STEP * AUTO_CTX_STEP)
+        chosen = "trained" if slot == n_train else "memory"
+    return ContextPlan(slot_ctx=slot, n_ctx_train=n_train, chosen_by=chosen, kv_mib=slot * cfg.n_seq * cell / mib,
+                       kv_device=",".join(d["name"] for d in holder) or "CPU", available_mib=free / mib,
+                       output_reserve_mib=reserve / mib, memory_share=cfg.auto_ctx_memory_share)
+
+
 class ResidentModel(NativeOwner):
     """Owns the llama_model and the llama_context; tokenizer helpers included."""
 
@@ -117,7 +197,8 @@ class ResidentModel(NativeOwner):
             raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self.model)
-        n_ctx = cfg.n_ctx or cfg.n_seq * self.auto_slot_ctx()
+        self.context_plan = plan_context(lc, self.model, cfg)
+        n_ctx = self.context_plan.slot_ctx * cfg.n_seq if not cfg.n_ctx else cfg.n_ctx
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = cfg.n_batch
@@ -145,25 +226,39 @@ class ResidentModel(NativeOwner):
 
     def kv_cell_bytes(self) -> float:
         """Bytes one context cell (a token's K and V in every layer) takes in the serving K/V type."""
-        lc, m = self.lc, self.model
-        arch = self.meta("general.architecture") or ""
-        n_head = max(1, lc.llama_model_n_head(m))
-        head = lc.llama_model_n_embd(m) // n_head
-        k_len = int(self.meta(f"{arch}.attention.key_length") or head)
-        v_len = int(self.meta(f"{arch}.attention.value_length") or head)
-        return lc.llama_model_n_layer(m) * lc.llama_model_n_head_kv(m) * (k_len + v_len) * KV_BYTES[self.config.kv_type]
+        return kv_cell_bytes(self.lc, self.model, self.config.kv_type)
 
-    def auto_slot_ctx(self) -> int:
-        """The context each slot gets when none is configured: the model's trained
-        context, cut (to a multiple of AUTO_CTX_STEP) so that the slots' K/V take at most
-        `auto_ctx_memory_share` of the free memory of the device that holds them."""
-        cfg = self.config
-        devices = native.devices()
-        gpus = [d for d in devices if d["name"] != "CPU"]
-        holder = gpus if gpus and cfg.n_gpu_layers != 0 else [d for d in devices if d["name"] == "CPU"]
-        free = min((d["free"] for d in holder), default=0)
-        fits = int(free * cfg.auto_ctx_memory_share / (cfg.n_seq * self.kv_cell_bytes()))
-        return max(AUTO_CTX_STEP, min(self.n_ctx_train, fits) // AUTO_CTX_STEP * AUTO_CTX_STEP)
+    def output_rows_bytes(self, rows: int) -> int:
+        """Host bytes llama.cpp's output buffer takes to hold `rows` outputs (logits and embeddings)."""
+        return rows * (self.n_vocab + self.n_embd) * 4
+
+    def reserve_outputs(self) -> int:
+        """Grow llama.cpp's output buffer now to n_batch rows, the most a decode asks for
+        (an embeddings request, a scored prompt), rather than at the first such request:
+        its memory is then taken before serving starts and before any job measures what
+        is free. Returns the buffer's bytes. Before the engine thread starts only: it
+        clears the sequences it fills.
+
+        llama_decode sizes the buffer before it computes; an abort callback that stops
+        the graph at its first node leaves the buffer grown and the batch's cells
+        removed again (a backend without abort support computes the batch: the same)."""
+        lc = self.lc
+        per_seq = max(1, lc.llama_n_ctx_seq(self.ctx))     # n_batch <= n_ctx: the sequences together hold it
+        rows = [(max(self.bos, 0), i % per_seq, i // per_seq, True) for i in range(self.n_batch)]
+        seqs = range(rows[-1][2] + 1)
+        for seq in seqs:
+            lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        stop = lc.ggml_abort_callback(lambda _data: True)
+        lc.llama_set_embeddings(self.ctx, True)
+        lc.llama_set_abort_callback(self.ctx, stop, None)
+        try:
+            self.decode_entries(rows, allowed=(0, 2))
+        finally:
+            lc.llama_set_abort_callback(self.ctx, lc.ggml_abort_callback(), None)
+            lc.llama_set_embeddings(self.ctx, False)
+            for seq in seqs:
+                lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        return self.output_rows_bytes(self.n_batch)
 
     # -- lifetime -------------------------------------------------------------
     def close(self) -> None:
@@ -180,9 +275,7 @@ class ResidentModel(NativeOwner):
 
     # -- metadata -------------------------------------------------------------
     def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(4096)
-        n = self.lc.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+        return model_meta(self.lc, self.model, key)
 
     def chat_template(self) -> str | None:
         t = self.lc.llama_model_chat_template(self.model, None)
@@ -282,9 +375,10 @@ class ResidentModel(NativeOwner):
             raise RuntimeError(f"llama_decode failed with status {rc}")
 
 
-    def decode_entries(self, entries: list[tuple[int, int, int, bool]]) -> None:
+    def decode_entries(self, entries: list[tuple[int, int, int, bool]], allowed: tuple[int, ...] = (0,)) -> None:
         """llama_decode one batch of (token, pos, seq_id, wants_logits) rows, sequences
-        mixed as given (tests and benchmarks); logits_ith(i) then reads row i."""
+        mixed as given (tests and benchmarks); logits_ith(i) then reads row i.
+        A status outside `allowed` raises."""
         lc = self.lc
         batch = lc.llama_batch_init(max(len(entries), 1), 0, 1)
         try:
@@ -293,7 +387,7 @@ class ResidentModel(NativeOwner):
                 batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, pos, 1, out
                 batch.seq_id[i][0] = seq
             rc = lc.llama_decode(self.ctx, batch)
-            if rc != 0:
+            if rc not in allowed:
                 raise RuntimeError(f"llama_decode failed with status {rc}")
         finally:
             lc.llama_batch_free(batch)

@@ -62,9 +62,8 @@ GGUF_SAMPLING_KEYS = {"general.sampling.temp": ("temperature", float), "general.
                       "general.sampling.penalty_last_n": ("penalty_last_n", int)}
 
 
-def model_defaults(meta: Callable[[str], str | None]) -> SamplingParams:
-    """The sampling defaults for a model: its GGUF's general.sampling.* values
-    where present (and readable), llama-server's for the rest.
+def gguf_sampling(meta: Callable[[str], str | None]) -> dict[str, Any]:
+    """The SamplingParams fields a GGUF's general.sampling.* values set (readable ones only).
     `meta(key)` returns a metadata value as text, or None."""
     given: dict[str, Any] = {}
     for key, (name, kind) in GGUF_SAMPLING_KEYS.items():
@@ -75,7 +74,21 @@ def model_defaults(meta: Callable[[str], str | None]) -> SamplingParams:
             given[name] = kind(float(text)) if kind is int else kind(text)
         except ValueError:
             continue
-    return replace(SamplingParams(), **given)
+    return given
+
+
+def model_defaults(meta: Callable[[str], str | None]) -> SamplingParams:
+    """The sampling defaults for a model: its GGUF's general.sampling.* values
+    where present (and readable), llama-server's for the rest."""
+    return replace(SamplingParams(), **gguf_sampling(meta))
+
+
+def defaults_source(meta: Callable[[str], str | None]) -> str:
+    """Where model_defaults' values come from, in words (`/props`, `/slots`, `dreamstage info`)."""
+    given = gguf_sampling(meta)
+    if not given:
+        return "llama-server's (the GGUF has no general.sampling.* values)"
+    return f"the GGUF's general.sampling.* for {', '.join(given)}; llama-server's for the rest"
 
 
 def json_schema_grammar(schema: dict | None) -> str:

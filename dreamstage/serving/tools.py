@@ -138,6 +138,30 @@ def parse_tool_calls(text: str, names: frozenset[str]) -> tuple[str, list[ToolCa
     return (head, calls) if calls else None
 
 
+# Where a call can begin after some text: the Hermes tag, Mistral's marker.
+_CALL_MARKERS = (CALL_OPEN, "[TOOL_CALLS]")
+# An answer whose first text starts so may be a call as a whole (a JSON object
+# or list, Llama 3.x's tag): it is held until it ends.
+_WHOLE_CALL_STARTS = ("{", "[", "<|python_tag|>", *_CALL_MARKERS)
+
+
+def streamable_prefix(text: str) -> int:
+    """How much of an answer still being written can be streamed as content: the
+    text that no call format could claim, whatever comes after it. parse_tool_calls
+    gives the same text (less surrounding white space) as the content before any call."""
+    body = text.lstrip()
+    if not body or any(body.startswith(s) or s.startswith(body) for s in _WHOLE_CALL_STARTS):
+        return 0
+    cut = min((i for i in (text.find(m) for m in _CALL_MARKERS) if i >= 0), default=len(text))
+    # a marker may be arriving: hold back a tail that begins one
+    for m in _CALL_MARKERS:
+        for k in range(min(len(m) - 1, cut), 0, -1):
+            if text[cut - k:cut] == m[:k]:
+                cut -= k
+                break
+    return len(text[:cut].rstrip())
+
+
 def forced_call_grammar(tools: list[dict], json_schema_grammar) -> str:
     """GBNF for exactly one call, in CALL_OPEN/CALL_CLOSE tags, to one of `tools`, its
     arguments valid for the tool's JSON schema. `json_schema_grammar(schema) -> GBNF` converts."""
