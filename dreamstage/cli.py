@@ -321,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=None, help=f"slots decoded together (default {default['parallel']})")
     p.add_argument("--ctx", type=int, default=None,
                    help="total context; each slot gets ctx/parallel (default: each slot gets the model's trained "
-                        f"context, as far as {default['ctx_memory_share'] * 100:.0f}%% of the free memory holds the K/V)")
+                        f"context, as far as {default['ctx_memory_share'] * 100:.0f}%% of the free memory holds "
+                        "the K/V)")
     p.add_argument("--batch", type=int, default=None, help=f"tokens per decode batch (default {default['batch']})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=None, metavar="N",
