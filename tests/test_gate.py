@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import re
 import resource
 
 import numpy as np
@@ -135,3 +137,22 @@ def test_training_never_touches_serving_compute_buffer():
             assert L.dream_serving_compute_bytes(rm.ctx) == serving
         assert L.dream_serving_compute_bytes(rm.ctx) == serving
         assert rm.generate_greedy(prompt, max_tokens=8) == before_text
+
+
+def _mem_available_mib() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux's MemAvailable")
+def test_the_cpus_free_memory_is_the_hosts_available_memory_not_its_total(rm):
+    """ggml's CPU device reports the host's total as free; the gate reads MemAvailable, so what
+    serving and other processes hold counts. A slack above it leaves no allowance, and the
+    refusal names the free figure the gate saw."""
+    avail = _mem_available_mib()
+    with pytest.raises(DreamError) as e:
+        Trainer(rm, LoraConfig(top_layers=1), cache_type="q8_0", window=64, chunk=16, slack_mib=avail + 4096)
+    rec = e.value.receipt
+    assert rec.status == "refused" and rec.refused_allowance_mib == 0.0
+    seen = float(re.search(r"free memory \(([0-9.]+) MiB\) is below the slack", rec.message).group(1))
+    assert abs(seen - _mem_available_mib()) < max(0.02 * avail, 256), (seen, avail)

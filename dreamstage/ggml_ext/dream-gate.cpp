@@ -1,15 +1,40 @@
 // The memory gate: a chunk (or the job's start) may allocate only what fits.
 // need comes from ggml's allocator planning the real graph (dream-step.cpp);
 // allowance = min(budget left to the job, device free) - slack, per device.
-// The CPU is a device too (free = host available memory).
+// The CPU is a device too (free = the host's available memory, MemAvailable).
 #include "dream-stage.h"
 
 #include "ggml-backend.h"
 #include "llama-impl.h"   // format()
 
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
 #include <string>
 #include <map>
+
+// A CPU device's free memory: Linux's MemAvailable (ggml's CPU device reports the
+// host's total as free, which would never see what serving holds); ggml's figure
+// where /proc/meminfo is absent.
+static size_t dream_device_free(ggml_backend_dev_t dev) {
+    size_t free = 0, total = 0;
+    ggml_backend_dev_memory(dev, &free, &total);
+    if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+        return free;
+    }
+    FILE * f = std::fopen("/proc/meminfo", "r");
+    if (!f) {
+        return free;
+    }
+    char line[256];
+    unsigned long long kib = 0;
+    bool found = false;
+    while (!found && std::fgets(line, sizeof line, f)) {
+        found = std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
+    }
+    std::fclose(f);
+    return found ? (size_t) kib * 1024 : free;
+}
 
 double dream_held_mib(const struct dream_stage * ds) {
     return dream_held_mib(*ds);
@@ -34,10 +59,7 @@ dream_gate_verdict dream_gate_check(const dream_stage & ds, const std::vector<st
     dream_gate_verdict v;
     bool first = true;
     for (const auto & [dev, bytes] : per_dev) {
-        size_t free = 0, total = 0;
-        if (dev) {
-            ggml_backend_dev_memory(dev, &free, &total);
-        }
+        const size_t free = dev ? dream_device_free(dev) : 0;
         const double free_mib = (double) free / DREAM_MIB, slack = ds.params.slack_mib;
         double allowance = free_mib - slack;
         std::string why;
