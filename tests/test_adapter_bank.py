@@ -19,6 +19,10 @@ REL_L2 = 1e-4     # CPU, F32 factors: only the scale's place (folded into B) and
 # BOS (random tokens) turns rounding-sized differences into 1e-2 in its logits, so
 # random prompts are checked on the tiny F32 model, where rounding stays rounding.
 REL_L2_F32 = 1e-5
+# The bgmv gather sums in its own order (not ggml's MUL_MAT's, which id and dense
+# reuse, bit for bit): on the Q4_1 model that rounding is amplified as above, so
+# there it is held to the greedy tokens and this; the F32 model holds it to REL_L2_F32.
+REL_L2_Q8 = 1e-1
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +128,9 @@ def _rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def _assert_same(rows: list[np.ndarray], ref: list[np.ndarray], what: str):
+def _assert_same(rows: list[np.ndarray], ref: list[np.ndarray], what: str, tol: float = REL_L2):
     for i, (x, r) in enumerate(zip(rows, ref, strict=True)):
-        assert _rel_l2(x, r) < REL_L2, f"{what}, row {i}: rel L2 {_rel_l2(x, r):.2e}"
+        assert _rel_l2(x, r) < tol, f"{what}, row {i}: rel L2 {_rel_l2(x, r):.2e}"
         assert int(np.argmax(x)) == int(np.argmax(r)), f"{what}, row {i}: greedy token differs"
 
 
@@ -143,10 +147,14 @@ def refs(rm, lora_a, lora_b):
             "base": _run(rm, [(toks, BASE)], None)[0]}
 
 
-@pytest.mark.parametrize("gather", ["id", "dense"])
+GATHERS = ["id", "dense", "bgmv"]
+
+
+@pytest.mark.parametrize("gather", GATHERS)
 def test_mixed_batch_equals_each_adapter_alone(rm, lora_a, lora_b, refs, gather, monkeypatch):
-    """Both ways of gathering each token's slot (MUL_MAT_ID, the CPU's default; a
-    masked product over every slot, a GPU's), read at the bank's creation."""
+    """Every way of gathering each token's slot (MUL_MAT_ID, the CPU's default; a
+    masked product over every slot; the one-op gather a GPU runs as a kernel, here
+    its CPU body), read at the bank's creation."""
     monkeypatch.setenv("DREAMSTAGE_BANK_GATHER", gather)
     toks = refs["toks"]
     with AdapterBank(rm, 4, max_rank=8) as bank:
@@ -156,13 +164,16 @@ def test_mixed_batch_equals_each_adapter_alone(rm, lora_a, lora_b, refs, gather,
     assert _rel_l2(refs["a"][0], refs["base"][0]) > 100 * REL_L2
     assert _rel_l2(refs["b"][0], refs["base"][0]) > 100 * REL_L2
     assert _rel_l2(refs["a"][0], refs["b"][0]) > 100 * REL_L2
-    _assert_same(out[0], refs["a"], "seq 0 on adapter A")
-    _assert_same(out[1], refs["b"], "seq 1 on adapter B")
-    _assert_same(out[2], refs["base"], "seq 2 on the base")
+    tol = REL_L2_Q8 if gather == "bgmv" else REL_L2
+    _assert_same(out[0], refs["a"], "seq 0 on adapter A", tol)
+    _assert_same(out[1], refs["b"], "seq 1 on adapter B", tol)
+    _assert_same(out[2], refs["base"], "seq 2 on the base", tol)
 
 
-def test_mixed_batch_of_random_prompts_on_an_f32_model(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("gather", GATHERS)
+def test_mixed_batch_of_random_prompts_on_an_f32_model(tiny_model_path, tmp_path, gather, monkeypatch):
     from dreamstage.serving.resident import ResidentConfig, ResidentModel
+    monkeypatch.setenv("DREAMSTAGE_BANK_GATHER", gather)
     m = ResidentModel(ResidentConfig(model_path=str(tiny_model_path), n_ctx=256, n_seq=3, n_threads=1,
                                      kv_type="f32", flash_attn="off"))
     try:

@@ -11,7 +11,7 @@
 # Prepared on the dev machine as bench/gpu/run.sh says (.gpu/llama.cpp from trim_tree.py,
 # .gpu/tokenizer_kv.json, .gpu/site/gguf), then on the device machine from the root:
 #   bash bench/gpu/bank.sh OUTDIR [bases=q8_0,q4_k_m] [ranks=8] [targets="attn_q,attn_v;all"]
-# GATHERS="dense id" (default: dense) runs each under DREAMSTAGE_BANK_GATHER=<gather>;
+# GATHERS="bgmv dense id" (default: dense) runs each under DREAMSTAGE_BANK_GATHER=<gather>;
 # BANK_RANK=R pads the bank's slots to rank R (default: the adapters' rank).
 # Writes OUTDIR/bank_check_<gather>_{tf32,fp32}.json and OUTDIR/bank_bench_<gather>_<base>.json.
 # Exit 1 when a check fails.

@@ -1,22 +1,26 @@
 // The adapter bank: up to `capacity` GGUF LoRA adapters resident for serving,
 // applied per token inside one decode batch. Per adapted weight the bank keeps
 // every slot's A and B stacked on the weight's device; build_lora_mm's hook
-// (vendor patch 0109) adds each token's B[s] A[s] x, s its slot, one of two ways:
+// (vendor patch 0109) adds each token's B[s] A[s] x, s its slot, one of three ways:
 //   id:    GGML_OP_MUL_MAT_ID gathers each token's slot from a per-token index
 //          input (the MoE op; the CPU's way);
 //   dense: one product with every slot's A, a per-token one-hot mask over the
 //          slots, one product with every slot's B (plain MUL_MAT and MUL, so
 //          ggml-cuda keeps its CUDA graphs: its MUL_MAT_ID at a LoRA's rank
-//          takes a path that synchronizes the stream and turns them off).
-// DREAMSTAGE_BANK_GATHER picks; unset: id for weights on the host, dense on a GPU.
-// Stack index 0 is all zero: the tokens on the base model gather it (id) or
-// mask every slot (dense).
+//          takes a path that synchronizes the stream and turns them off);
+//   bgmv:  one op per weight (DREAM_CUSTOM_BANK_BGMV: a CUDA kernel in
+//          cuda/custom-ops.cu, a CPU body here) reads each token's index and
+//          only that slot's factors, as Punica's BGMV does.
+// DREAMSTAGE_BANK_GATHER picks; unset: id for weights on the host, bgmv on a GPU.
+// Stack index 0 is all zero: the tokens on the base model gather it (id, bgmv)
+// or mask every slot (dense).
 #include "dream-stage.h"
 
 #include "ggml-backend.h"
 #include "llama-batch.h"
 #include "llama-graph.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -26,7 +30,8 @@ namespace {
 
 // One adapted weight: every slot's factors, slot s at stack index s + 1.
 struct bank_stack {
-    bool dense = false;
+    bool dense = false;          // the dense layout and gather; else the id layout (id or bgmv)
+    bool bgmv = false;
     ggml_tensor * a = nullptr;   // [n_in, max_rank, capacity + 1]
     ggml_tensor * b = nullptr;   // id: [max_rank, n_out, capacity + 1]; dense: [max_rank, capacity + 1, n_out];
                                  // each slot's scale folded in
@@ -152,6 +157,41 @@ std::vector<float> read_f32(const ggml_tensor * t) {
 
 size_t slot_stride_a(const ggml_tensor * a) { return a->nb[2]; }
 
+// DREAM_CUSTOM_BANK_BGMV on the CPU: dst[:, t] = B[s] (A[s] x[:, t]), s = ids[t], from
+// src x [n_in, n_tok], A [n_in, r, n], B [r, n_out, n], ids [1, n_tok] (all contiguous).
+// Thread ith computes its share of the outputs of every token.
+void bank_bgmv_cpu(ggml_tensor * dst, int ith, int nth, void *) {
+    const ggml_tensor * x = dst->src[0], * a = dst->src[1], * b = dst->src[2], * ids = dst->src[3];
+    const int64_t n_in = x->ne[0], n_tok = x->ne[1], r = a->ne[1], n_out = dst->ne[0];
+    const int64_t per = (n_out + nth - 1) / nth, j0 = std::min(n_out, ith * per), j1 = std::min(n_out, j0 + per);
+    std::vector<float> u(r);
+    for (int64_t t = 0; t < n_tok; ++t) {
+        const int32_t s = ((const int32_t *) ids->data)[t];
+        float * y = (float *) dst->data + t * n_out;
+        if (s == 0) {
+            std::fill(y + j0, y + j1, 0.0f);
+            continue;
+        }
+        const float * xt = (const float *) x->data + t * n_in;
+        const float * as = (const float *) a->data + (int64_t) s * r * n_in;
+        for (int64_t k = 0; k < r; ++k) {
+            double acc = 0.0;
+            for (int64_t i = 0; i < n_in; ++i) {
+                acc += (double) as[k * n_in + i] * xt[i];
+            }
+            u[k] = (float) acc;
+        }
+        const float * bs = (const float *) b->data + (int64_t) s * r * n_out;
+        for (int64_t j = j0; j < j1; ++j) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < r; ++k) {
+                acc += bs[j * r + k] * u[k];
+            }
+            y[j] = acc;
+        }
+    }
+}
+
 // Bytes one slot's B takes.
 size_t slot_bytes_b(const bank_stack & st) { return st.b->ne[0] * (st.dense ? st.b->ne[2] : st.b->ne[1]) * sizeof(float); }
 
@@ -225,6 +265,10 @@ ggml_tensor * dream_hook_bank_mm(ggml_context * ctx, llm_graph_result * res, con
         ax = ggml_mul(ctx, ggml_reshape_3d(ctx, ax, r, n_stack, n_tok), mask);                   // other slots zeroed
         term = ggml_mul_mat(ctx, ggml_reshape_2d(ctx, s.b, r * n_stack, n_out),
                             ggml_reshape_2d(ctx, ax, r * n_stack, n_tok));                       // [n_out, n_tok]
+    } else if (s.bgmv) {
+        ggml_tensor * args[4] = { ggml_reshape_2d(ctx, xc, n_in, n_tok), s.a, s.b, inp->get(ctx, n_tok, false) };
+        term = dream_custom_tagged(ggml_custom_4d(ctx, GGML_TYPE_F32, n_out, n_tok, 1, 1, args, 4, bank_bgmv_cpu,
+                                                  GGML_N_TASKS_MAX, nullptr), DREAM_CUSTOM_BANK_BGMV);
     } else {
         ggml_tensor * ids = inp->get(ctx, n_tok, false);                                       // [1, n_tok]
         ggml_tensor * ax = ggml_mul_mat_id(ctx, s.a, ggml_reshape_3d(ctx, xc, n_in, 1, n_tok), ids);   // [r, 1, n_tok]
@@ -334,7 +378,9 @@ int32_t dream_bank_load(dream_bank * bank, const char * path, float scale, char 
         st->ctx.reset(ggml_init(ip));
         const int64_t n = bank->capacity + 1;
         ggml_backend_buffer_type_t buft = dream_lora_buft(p.w);
-        st->dense = bank->gather == DREAM_BANK_DENSE || (bank->gather == DREAM_BANK_AUTO && !ggml_backend_buft_is_host(buft));
+        const bool host = ggml_backend_buft_is_host(buft);
+        st->dense = bank->gather == DREAM_BANK_DENSE;
+        st->bgmv = bank->gather == DREAM_BANK_BGMV || (bank->gather == DREAM_BANK_AUTO && !host);
         st->a = ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, p.w->ne[0], bank->max_rank, n);
         st->b = st->dense ? ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, bank->max_rank, n, p.w->ne[1])
                           : ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, bank->max_rank, p.w->ne[1], n);

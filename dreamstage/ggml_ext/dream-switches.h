@@ -15,7 +15,7 @@
 enum dream_opt_where { DREAM_OPT_AUTO, DREAM_OPT_HOST, DREAM_OPT_DEVICE };
 
 // how the adapter bank gathers each token's adapter (DREAMSTAGE_BANK_GATHER)
-enum dream_bank_gather { DREAM_BANK_AUTO, DREAM_BANK_ID, DREAM_BANK_DENSE };
+enum dream_bank_gather { DREAM_BANK_AUTO, DREAM_BANK_ID, DREAM_BANK_DENSE, DREAM_BANK_BGMV };
 
 struct dream_switches {
     // NVIDIA_TF32_OVERRIDE=0: the FP32 mode, exact F32 products throughout (no fused attention, no F16 products)
@@ -40,8 +40,9 @@ struct dream_switches {
     bool f16_products = true;
     // DREAMSTAGE_CUDA_OUT_PROD_MATH=fp32: the quantized OUT_PROD's SGEMM in full FP32, not TF32
     bool out_prod_fp32 = false;
-    // DREAMSTAGE_BANK_GATHER=id|dense: the adapter bank's term through MUL_MAT_ID, or through
-    // every slot's product masked per token; unset: MUL_MAT_ID on the CPU, dense on a GPU
+    // DREAMSTAGE_BANK_GATHER=id|dense|bgmv: the adapter bank's term through MUL_MAT_ID, through
+    // every slot's product masked per token, or one gathering op per weight (a CUDA kernel);
+    // unset: MUL_MAT_ID on the CPU, bgmv on a GPU
     dream_bank_gather bank_gather = DREAM_BANK_AUTO;
 };
 
@@ -72,6 +73,7 @@ inline dream_switches dream_switches_read() {
     s.out_prod_fp32 = is("DREAMSTAGE_CUDA_OUT_PROD_MATH", "fp32");
     s.bank_gather = is("DREAMSTAGE_BANK_GATHER", "id")      ? DREAM_BANK_ID
                     : is("DREAMSTAGE_BANK_GATHER", "dense") ? DREAM_BANK_DENSE
+                    : is("DREAMSTAGE_BANK_GATHER", "bgmv")  ? DREAM_BANK_BGMV
                                                             : DREAM_BANK_AUTO;
     return s;
 }
@@ -85,7 +87,7 @@ inline const dream_switches & dream_switches_loaded() {
 // "NAME=value,..." for every switch, as dream_build_info reports it.
 inline std::string dream_switches_describe(const dream_switches & s) {
     static const char * const where[] = { "auto", "host", "device" };
-    static const char * const gather[] = { "auto", "id", "dense" };
+    static const char * const gather[] = { "auto", "id", "dense", "bgmv" };
     char buf[512];
     std::snprintf(buf, sizeof(buf),
                   "NVIDIA_TF32_OVERRIDE=%s,DREAMSTAGE_PROFILE=%d,DREAMSTAGE_OPTIMIZER=%s,DREAMSTAGE_FUSED_ATTN=%d,"
