@@ -275,11 +275,11 @@ def test_a_string_longer_than_the_bound_is_refused_naming_it(http):
     assert raw_post(http, "/v1/completions", raw).status_code == 400
 
 
-def _stream_gaps(server, during) -> tuple[list[float], list]:
-    """Seconds between a chat stream's events while `during()` runs beside it."""
-    body = {"messages": [{"role": "user", "content": "Count from one to fifty."}], "max_tokens": 40,
-            "temperature": 0, "stream": True}
-    times: list[float] = []
+def _stream_gaps(server, during, max_tokens: int = 40, times: list[float] | None = None) -> tuple[list[float], list]:
+    """Seconds between a chat stream's events while `during()` runs beside it (`times`: when each came)."""
+    body = {"messages": [{"role": "user", "content": "Count from one to fifty."}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    times = [] if times is None else times
     lines: list[str] = []
     started = threading.Event()
 
@@ -320,6 +320,49 @@ def test_hostile_bodies_stall_streams_no_longer_than_normal_requests(http, serve
     assert codes == [413] * len(hostile)
     print(f"longest gap beside hostile bodies {max(gaps_hostile):.3f} s, beside normal ones {max(gaps_normal):.3f} s")
     assert max(gaps_hostile) <= 2 * max(gaps_normal) + 0.25, (max(gaps_hostile), max(gaps_normal))
+
+
+def test_a_large_legal_body_is_read_beside_the_streams(http, server, monkeypatch):
+    """A legal 3 MB body (1.5 million token ids) used to be parsed and validated on
+    the event loop, every stream waiting. The edge now decodes and validates it on
+    a worker thread with a decoder that yields the GIL: a running stream's events
+    keep arriving while the body is read, its longest gap then is within the
+    bound of its gaps beside normal requests, and the route gets the validated
+    body (here it names the prompt, longer than a slot's context)."""
+    from dreamstage.server import middleware
+    reads: list[tuple[float, float, str, int]] = []
+    real = middleware.read_body
+
+    def timed(raw, *args):
+        t0 = time.monotonic()
+        try:
+            return real(raw, *args)
+        finally:
+            reads.append((t0, time.monotonic(), threading.current_thread().name, len(raw)))
+    monkeypatch.setattr(middleware, "read_body", timed)
+    ids = [7] * 1_500_000
+    raw = json.dumps({"prompt": ids, "max_tokens": 1}, separators=(",", ":")).encode()
+    normal = json.dumps({"prompt": "The sky is", "max_tokens": 1}).encode()
+    answers: list[httpx.Response] = []
+
+    def post(body):
+        def run():
+            time.sleep(0.3)                     # the stream is under way before the body arrives
+            with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as c:
+                answers.append(c.post("/v1/completions", content=body))
+        return run
+    gaps_normal, _ = _stream_gaps(server, post(normal), max_tokens=60)
+    times: list[float] = []
+    gaps_large, _ = _stream_gaps(server, post(raw), max_tokens=400, times=times)
+    assert "1500000 tokens" in refused(answers[-1], 400, "prompt")      # validated, then refused by the route
+    t0, t1, thread, size = next(r for r in reads if r[3] == len(raw))
+    assert thread != "dreamstage-uvicorn"                                # not on the event loop's thread
+    during = [t for t in times if t0 < t < t1]
+    print(f"read the {size >> 20} MiB body in {t1 - t0:.2f} s; {len(during)} stream events meanwhile; longest gap "
+          f"{max(gaps_large):.3f} s (beside a normal request {max(gaps_normal):.3f} s)")
+    assert len(during) >= 3, (t1 - t0, len(during))     # the stream went on while the body was read
+    assert times[-1] > t1                               # and was still running after it
+    assert max(gaps_large) <= 2 * max(gaps_normal) + 0.25, (max(gaps_large), max(gaps_normal))
 
 
 def test_half_open_connections_past_the_per_client_limit_do_not_stop_chat(server):
