@@ -392,6 +392,13 @@ def test_half_open_connections_past_the_per_client_limit_do_not_stop_chat(server
         assert server.connections.per_client["127.0.0.7"] == PER_CLIENT
         with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as other:
             assert other.post("/v1/chat/completions", json=chat).status_code == 200
+            # /metrics reports the edge: what is open, the limit, and refusals by the limit that refused
+            figures = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1])
+                       for ln in other.get("/metrics").text.splitlines() if ln.startswith("dreamstage_connections")}
+        assert figures['dreamstage_connections_refused_total{limit="max_connections_per_client"}'] >= refused_n
+        assert figures["dreamstage_connections_open"] >= PER_CLIENT + 1
+        assert figures["dreamstage_connections_limit"] == server.connections.limits.max_connections
+        assert 'dreamstage_connections_timed_out_total{phase="head"}' in figures
         assert same.post("/v1/chat/completions", json=chat).status_code == 200
     finally:
         for s in socks:
