@@ -126,8 +126,8 @@ def read_body(raw: bytes, large: bool = False) -> DecodedBody | tuple[int, str, 
     except UnicodeDecodeError as e:
         return 400, "body", f"body: not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})", "invalid_text"
     try:
-        value, end = _decoder(large).raw_decode(text, _WHITESPACE.match(text, 0).end())
-        if _WHITESPACE.match(text, end).end() != len(text):
+        value, end = _decoder(large).raw_decode(text, _after_space(text, 0))
+        if _after_space(text, end) != len(text):
             raise json.JSONDecodeError("Extra data", text, end)
     except json.JSONDecodeError as e:
         return DecodedBody(not_json=e, large=large)
@@ -169,6 +169,11 @@ class EdgeRoute(APIRoute):
 
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _after_space(text: str, i: int) -> int:
+    m = _WHITESPACE.match(text, i)
+    return m.end() if m else i
 
 
 def json_body(request, raw: bytes) -> Any:

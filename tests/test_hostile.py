@@ -322,6 +322,22 @@ def test_hostile_bodies_stall_streams_no_longer_than_normal_requests(http, serve
     assert max(gaps_hostile) <= 2 * max(gaps_normal) + 0.25, (max(gaps_hostile), max(gaps_normal))
 
 
+@pytest.mark.parametrize("large", [False, True])
+def test_the_edge_decodes_as_json_does_and_a_whole_number_is_an_integer(large):
+    """Both of the edge's decoders (C inline, pure Python on a worker thread) read
+    what json.loads reads; 2.0 is the integer 2, as JSON Schema (and so the OpenAPI
+    document the fuzzer generates from) has it; text after the value is not JSON."""
+    from dreamstage.server.middleware import DecodedBody, read_body
+    for raw in (b' {"a": [1, 2.5, 1e2, -3.0, 1e400], "b": {"c": "\\u00e9"}} ', b"[]", b'"x"', b"0"):
+        got = read_body(raw, large)
+        assert isinstance(got, DecodedBody) and got.not_json is None and got.value == json.loads(raw), raw
+    got = read_body(b'{"n": 2.0, "m": 2.5}', large)
+    assert isinstance(got, DecodedBody) and type(got.value["n"]) is int and got.value["m"] == 2.5
+    for raw in (b"{} x", b'{"a": }', b""):
+        got = read_body(raw, large)
+        assert isinstance(got, DecodedBody) and got.not_json is not None, raw
+
+
 def test_a_large_legal_body_is_read_beside_the_streams(http, server, monkeypatch):
     """A legal 3 MB body (1.5 million token ids) used to be parsed and validated on
     the event loop, every stream waiting. The edge now decodes and validates it on
