@@ -1,6 +1,7 @@
 """Request models for the OpenAI-compatible routes.
 
-Wrong JSON types are refused rather than coerced ("5" is not 5). Fields no
+Wrong JSON types are refused rather than coerced ("5" is not 5; 2.0 is 2,
+as JSON Schema reads it: the edge decodes a whole number as an integer). Fields no
 model here declares are kept aside, not refused, as llama-server and vLLM do:
 the route names them in a response header and the log (`ignored_fields`), and
 `--strict-api` turns them back into 400s so a typo (`max_token`) is named.
