@@ -258,6 +258,34 @@ class BoundedLog(logging.Filter):
         return True
 
 
+class ConnectionCollector:
+    """The book's figures for GET /metrics: open connections, the limit in force,
+    refusals by the limit that refused and timeouts by phase (EdgeLog.totals)."""
+
+    def __init__(self, book: ConnectionBook):
+        self.book = book
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield GaugeMetricFamily("dreamstage_connections_open", "Open client connections.", value=self.book.open)
+        yield GaugeMetricFamily("dreamstage_connections_limit", "Connections admitted at once (max_connections, "
+                                "fitted under the open-file limit).", value=self.book.limits.max_connections)
+        refused = CounterMetricFamily("dreamstage_connections_refused",
+                                      "Connections answered 503 and closed unread, by the limit that refused them.",
+                                      labels=["limit"])
+        timed_out = CounterMetricFamily("dreamstage_connections_timed_out",
+                                        "Connections cut because a request's head or body came too slowly.",
+                                        labels=["phase"])
+        totals = self.book.log.totals
+        for limit in ("max_connections", "max_connections_per_client"):
+            refused.add_metric([limit], totals[f"refused ({limit})"])
+        for phase in ("head", "body"):
+            timed_out.add_metric([phase], totals[f"{phase} timeouts"])
+        yield refused
+        yield timed_out
+
+
 EDGE_LOGGERS = ("asyncio", "uvicorn.error")
 
 
@@ -290,4 +318,7 @@ def uvicorn_config(app, limits: ConnectionLimits, **kwargs):
     config = uvicorn.Config(app, http=protocol_class(book), timeout_keep_alive=limits.keep_alive_s,
                             **kwargs)
     config.connection_book = book   # type: ignore[attr-defined]  # for tests and benchmarks
+    registry = getattr(getattr(app, "state", None), "metrics", None)
+    if registry is not None:                          # GET /metrics reports the book
+        registry.register(ConnectionCollector(book))
     return config

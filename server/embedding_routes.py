@@ -17,11 +17,12 @@ from dreamstage.server.adapter_select import resolve
 from dreamstage.server.bridge import EngineRequest
 from dreamstage.server.errors import APIError
 from dreamstage.server.fields import field_headers
+from dreamstage.server.middleware import EdgeRoute
 from dreamstage.server.schemas import EmbeddingRequest
 from dreamstage.server.tenants import scope_of
 from dreamstage.serving.generation import GenerationRequest
 
-router = APIRouter()
+router = APIRouter(route_class=EdgeRoute)     # bodies as the edge decoded them (middleware.py)
 
 
 async def _one(request: Request, tokens: list[int], body_model: str | None):

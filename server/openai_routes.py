@@ -21,6 +21,7 @@ from dreamstage.server.answers import ChatShape, CompletionShape, usage
 from dreamstage.server.bridge import ClientGone, EngineRequest
 from dreamstage.server.errors import APIError
 from dreamstage.server.fields import field_headers
+from dreamstage.server.middleware import EdgeRoute
 from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
 from dreamstage.server.tenants import scope_of
 from dreamstage.server.views import public
@@ -29,7 +30,7 @@ from dreamstage.serving.generation import PromptScored
 from dreamstage.serving.sampling import GrammarError, json_schema_grammar
 from dreamstage.serving.tools import forced_call_grammar, prompt_messages
 
-router = APIRouter()
+router = APIRouter(route_class=EdgeRoute)     # bodies as the edge decoded them (middleware.py)
 ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
 # Which adapter answered: "base", or "<name>@<version>" (adapter_select.py).
 ADAPTER_NAME_HEADER = "X-Dreamstage-Adapter"

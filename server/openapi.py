@@ -88,7 +88,7 @@ _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/chat/completions"): (400, 404, 503),
     ("post", "/v1/completions"): (400, 404, 503),
     ("get", "/health"): (503,),
-    ("post", "/v1/embeddings"): (400, 501, 503),
+    ("post", "/v1/embeddings"): (400, 404, 501, 503),
     ("post", "/tokenize"): (400,),
     ("post", "/detokenize"): (400,),
     ("post", "/train"): (413, 422, 503, 507),
@@ -107,6 +107,49 @@ _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/adapters/{name}"): (404, 422, 503),
     ("get", "/adapters/{name}/versions/{version}"): (404, 422, 503),
 }
+
+
+def _parameters() -> dict[str, dict]:
+    """The path and query parameters the routes parse themselves, as the parsers take them
+    (errors.strict_int, check_adapter_name); FastAPI sees only strings."""
+    from dreamstage.adapters.choice import BASE_NAME
+    from dreamstage.server.errors import MAX_SQL_INT
+    # ADAPTER_NAME_RE without "..", a trailing "." or the reserved name.
+    name = {"type": "string",
+            "pattern": rf"^(?!{BASE_NAME}$)(?!.*\.\.)[A-Za-z0-9]([A-Za-z0-9_.-]{{0,62}}[A-Za-z0-9_-])?$"}
+    return {"job_id": {"type": "integer", "minimum": 1, "maximum": MAX_SQL_INT},
+            "version": {"type": "integer", "minimum": 1, "maximum": MAX_SQL_INT},
+            "after": {"type": "integer", "minimum": 0, "maximum": MAX_SQL_INT, "default": 0},
+            "name": name}
+
+
+# Rules the request models check in validators, which pydantic does not write
+# into their schemas: the document states them, so a client (and the fuzzer)
+# can tell a valid body from one the server will refuse.
+_NOT_EMPTY_TEXT = {"type": "string", "minLength": 1}
+_RULES: dict[str, dict] = {
+    # LoraEntry._one_of: an id or a name, not both (two disjoint shapes: a oneOf is slow to generate)
+    "LoraEntry": {"anyOf": [
+        {"required": ["id"], "properties": {"id": {"type": "integer"}, "name": {"type": "null"}}},
+        {"required": ["name"], "properties": {"name": {"type": "string"}, "id": {"type": "null"}}}]},
+    # TrainRequest._has_examples
+    "TrainRequest": {"anyOf": [{"required": ["text"], "properties": {"text": {"type": "string"}}},
+                               {"required": ["examples"], "properties": {"examples": {"type": "array",
+                                                                                      "minItems": 1}}}]},
+}
+
+
+def _apply_rules(schemas: dict) -> None:
+    for name, rule in _RULES.items():
+        if name in schemas:
+            schemas[name].update(rule)
+    for model, field in (("CompletionRequest", "prompt"), ("EmbeddingRequest", "input")):
+        texts = schemas.get(model, {}).get("properties", {}).get(field, {})
+        for member in texts.get("anyOf", ()):        # the routes refuse an empty text
+            if member.get("type") == "string":
+                member.update(_NOT_EMPTY_TEXT)
+            elif member.get("items", {}).get("type") == "string":
+                member["items"] = {**member["items"], **_NOT_EMPTY_TEXT}
 
 
 def _bodies():
@@ -128,8 +171,12 @@ def build(app) -> dict:
         op = doc["paths"][path][method]
         op["requestBody"] = {"required": required, "content": {
             "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    params = _parameters()
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
+            for param in op.get("parameters", ()):
+                if param["name"] in params and param["in"] in ("path", "query"):
+                    param["schema"] = {"title": param["schema"].get("title", param["name"]), **params[param["name"]]}
             responses = op["responses"]
             # FastAPI's own 422 (HTTPValidationError) is not what these routes answer.
             responses.pop("422", None)
@@ -158,6 +205,7 @@ def build(app) -> dict:
                                 "content": {"application/json": {"schema": swap}}}
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
+    _apply_rules(schemas)
     # Completions stream as server-sent events when `stream` is true.
     for path in ("/v1/chat/completions", "/v1/completions"):
         if path in doc["paths"]:

@@ -1,6 +1,7 @@
 """Request models for the OpenAI-compatible routes.
 
-Wrong JSON types are refused rather than coerced ("5" is not 5). Fields no
+Wrong JSON types are refused rather than coerced ("5" is not 5; 2.0 is 2,
+as JSON Schema reads it: the edge decodes a whole number as an integer). Fields no
 model here declares are kept aside, not refused, as llama-server and vLLM do:
 the route names them in a response header and the log (`ignored_fields`), and
 `--strict-api` turns them back into 400s so a typo (`max_token`) is named.
@@ -37,6 +38,8 @@ def ignored_fields(model: BaseModel, prefix: str = "") -> tuple[list[str], list[
         (extras if name in IGNORED_EXTRAS and not prefix else unknown).append(path)
     for name in type(model).model_fields:
         value = getattr(model, name)
+        if isinstance(value, list) and not (value and isinstance(value[0], _Strict)):
+            continue        # a list holds models or none: 1.5 million token ids need no walk on the event loop
         items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
         for i, item in items:
             if isinstance(item, _Strict):

@@ -9,9 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dreamstage.server.fields import field_headers
+from dreamstage.server.middleware import EdgeRoute
 from dreamstage.server.schemas import DetokenizeRequest, TokenizeRequest
 
-router = APIRouter()
+router = APIRouter(route_class=EdgeRoute)     # bodies as the edge decoded them (middleware.py)
 
 
 def _piece(model, token: int) -> str | list[int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import sqlite3
 from typing import Any
 
@@ -19,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dreamstage.server.errors import APIError, strict_int
+from dreamstage.server.middleware import json_body
 from dreamstage.server.tenants import scope_of
 from dreamstage.server.views import public, with_unrecorded
 from dreamstage.training.jobs.store import InvalidTransition, JobNotFound
@@ -48,7 +48,7 @@ async def _json_object(request: Request, required: bool) -> dict[str, Any] | Non
             raise _invalid([("body", "a JSON object is required")])
         return None
     try:
-        body = json.loads(raw)
+        body = json_body(request, raw)      # as the edge decoded it (server/middleware.py)
     except (ValueError, UnicodeDecodeError) as e:
         raise _invalid([("body", f"not valid JSON: {e}")]) from None
     except RecursionError:

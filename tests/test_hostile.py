@@ -275,11 +275,11 @@ def test_a_string_longer_than_the_bound_is_refused_naming_it(http):
     assert raw_post(http, "/v1/completions", raw).status_code == 400
 
 
-def _stream_gaps(server, during) -> tuple[list[float], list]:
-    """Seconds between a chat stream's events while `during()` runs beside it."""
-    body = {"messages": [{"role": "user", "content": "Count from one to fifty."}], "max_tokens": 40,
-            "temperature": 0, "stream": True}
-    times: list[float] = []
+def _stream_gaps(server, during, max_tokens: int = 40, times: list[float] | None = None) -> tuple[list[float], list]:
+    """Seconds between a chat stream's events while `during()` runs beside it (`times`: when each came)."""
+    body = {"messages": [{"role": "user", "content": "Count from one to fifty."}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    times = [] if times is None else times
     lines: list[str] = []
     started = threading.Event()
 
@@ -322,6 +322,65 @@ def test_hostile_bodies_stall_streams_no_longer_than_normal_requests(http, serve
     assert max(gaps_hostile) <= 2 * max(gaps_normal) + 0.25, (max(gaps_hostile), max(gaps_normal))
 
 
+@pytest.mark.parametrize("large", [False, True])
+def test_the_edge_decodes_as_json_does_and_a_whole_number_is_an_integer(large):
+    """Both of the edge's decoders (C inline, pure Python on a worker thread) read
+    what json.loads reads; 2.0 is the integer 2, as JSON Schema (and so the OpenAPI
+    document the fuzzer generates from) has it; text after the value is not JSON."""
+    from dreamstage.server.middleware import DecodedBody, read_body
+    for raw in (b' {"a": [1, 2.5, 1e2, -3.0, 1e400], "b": {"c": "\\u00e9"}} ', b"[]", b'"x"', b"0"):
+        got = read_body(raw, large)
+        assert isinstance(got, DecodedBody) and got.not_json is None and got.value == json.loads(raw), raw
+    got = read_body(b'{"n": 2.0, "m": 2.5}', large)
+    assert isinstance(got, DecodedBody) and type(got.value["n"]) is int and got.value["m"] == 2.5
+    for raw in (b"{} x", b'{"a": }', b""):
+        got = read_body(raw, large)
+        assert isinstance(got, DecodedBody) and got.not_json is not None, raw
+
+
+def test_a_large_legal_body_is_read_beside_the_streams(http, server, monkeypatch):
+    """A legal 3 MB body (1.5 million token ids) used to be parsed and validated on
+    the event loop, every stream waiting. The edge now decodes and validates it on
+    a worker thread with a decoder that yields the GIL: a running stream's events
+    keep arriving while the body is read, its longest gap then is within the
+    bound of its gaps beside normal requests, and the route gets the validated
+    body (here it names the prompt, longer than a slot's context)."""
+    from dreamstage.server import middleware
+    reads: list[tuple[float, float, str, int]] = []
+    real = middleware.read_body
+
+    def timed(raw, *args):
+        t0 = time.monotonic()
+        try:
+            return real(raw, *args)
+        finally:
+            reads.append((t0, time.monotonic(), threading.current_thread().name, len(raw)))
+    monkeypatch.setattr(middleware, "read_body", timed)
+    ids = [7] * 1_500_000
+    raw = json.dumps({"prompt": ids, "max_tokens": 1}, separators=(",", ":")).encode()
+    normal = json.dumps({"prompt": "The sky is", "max_tokens": 1}).encode()
+    answers: list[httpx.Response] = []
+
+    def post(body):
+        def run():
+            time.sleep(0.3)                     # the stream is under way before the body arrives
+            with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as c:
+                answers.append(c.post("/v1/completions", content=body))
+        return run
+    gaps_normal, _ = _stream_gaps(server, post(normal), max_tokens=60)
+    times: list[float] = []
+    gaps_large, _ = _stream_gaps(server, post(raw), max_tokens=400, times=times)
+    assert "1500000 tokens" in refused(answers[-1], 400, "prompt")      # validated, then refused by the route
+    t0, t1, thread, size = next(r for r in reads if r[3] == len(raw))
+    assert thread != "dreamstage-uvicorn"                                # not on the event loop's thread
+    during = [t for t in times if t0 < t < t1]
+    print(f"read the {size >> 20} MiB body in {t1 - t0:.2f} s; {len(during)} stream events meanwhile; longest gap "
+          f"{max(gaps_large):.3f} s (beside a normal request {max(gaps_normal):.3f} s)")
+    assert len(during) >= 3, (t1 - t0, len(during))     # the stream went on while the body was read
+    assert times[-1] > t1                               # and was still running after it
+    assert max(gaps_large) <= 2 * max(gaps_normal) + 0.25, (max(gaps_large), max(gaps_normal))
+
+
 def test_half_open_connections_past_the_per_client_limit_do_not_stop_chat(server):
     """The real server behind the guarded protocol: an address that holds its
     PER_CLIENT connections open and silent gets a 503 for the next one, read
@@ -349,6 +408,13 @@ def test_half_open_connections_past_the_per_client_limit_do_not_stop_chat(server
         assert server.connections.per_client["127.0.0.7"] == PER_CLIENT
         with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as other:
             assert other.post("/v1/chat/completions", json=chat).status_code == 200
+            # /metrics reports the edge: what is open, the limit, and refusals by the limit that refused
+            figures = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1])
+                       for ln in other.get("/metrics").text.splitlines() if ln.startswith("dreamstage_connections")}
+        assert figures['dreamstage_connections_refused_total{limit="max_connections_per_client"}'] >= refused_n
+        assert figures["dreamstage_connections_open"] >= PER_CLIENT + 1
+        assert figures["dreamstage_connections_limit"] == server.connections.limits.max_connections
+        assert 'dreamstage_connections_timed_out_total{phase="head"}' in figures
         assert same.post("/v1/chat/completions", json=chat).status_code == 200
     finally:
         for s in socks:

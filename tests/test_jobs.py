@@ -104,6 +104,14 @@ def test_an_unnamed_job_gets_a_default_adapter_name_and_the_view_omits_examples(
     assert job["progress"]["eval_loss"] is None and job["refusals"] == [] and job["adapter"] is None
 
 
+def test_a_null_examples_or_text_beside_the_other_is_counted_as_none(store):
+    """The fuzzer's find: `"examples": null` beside a text was stored, then its view raised (a 500)."""
+    job = store.submit(parse_train_request({"text": "t", "examples": None}))
+    assert store.get(job["id"])["spec"]["examples"] == 1
+    job = store.submit(parse_train_request({"text": None, "examples": [{"prompt": "p", "completion": "c"}]}))
+    assert store.get(job["id"])["spec"]["examples"] == 1
+
+
 def test_unknown_jobs_raise_naming_the_id(store):
     with pytest.raises(JobNotFound, match="no job 42"):
         store.get(42)

@@ -408,7 +408,8 @@ class JobStore:
         row = self._row(job_id, conn)
         p = json.loads(row["progress"])
         request = json.loads(row["request"])
-        n_examples = (1 if "text" in request else 0) + len(request.pop("examples", []))
+        # a body may give "examples": null beside its text (or "text": null beside examples)
+        n_examples = (request.get("text") is not None) + len(request.pop("examples", None) or [])
         request.pop("text", None)
         adapter = None
         if row["adapter_name"] is not None:

@@ -478,6 +478,7 @@ class Pacer:
             "idle_collisions": self._collisions,
             "micro_step_ms_p50": percentile(steps, 50),
             "micro_step_ms_p95": percentile(steps, 95),
+            "micro_step_ms_p99": percentile(steps, 99),
             "micro_step_ms_max": self._max_step_ms if self._steps else None,
             "pauses_over_max": self._over_pause,
             "wall_s": wall,
