@@ -24,11 +24,10 @@ def server():
 
 
 def test_a_pydantic_ai_agent_gets_a_structured_answer_and_calls_our_tool(server):
+    import httpx
     from pydantic_ai import Agent
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
-
-    import httpx
     # an app names a model the server lists, as it must with vLLM (an unknown name is a 404)
     model_id = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
     model = OpenAIChatModel(model_id, provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key="unused"))
