@@ -53,7 +53,9 @@ def _readme_job(state_dir, out: dict) -> None:
         out["restart_records"] = set(srv.service.scheduler._anchor_records)
         out["before"] = http.post("/v1/completions", json=ask).json()
         t0 = time.perf_counter()
-        r = http.post("/train", json=README_JOB)
+        # without a pause bound (no chat waits here; the bound is tests/test_pacing.py's and
+        # test_train_api.py's): the bound's short steps would only stretch the same walk
+        r = http.post("/train", json={**README_JOB, "max_pause_ms": 0})
         assert r.status_code == 202, r.text
         jid = r.json()["id"]
         deadline = time.monotonic() + 1800                 # a hang guard: the job takes about 15 min of one core
