@@ -59,7 +59,7 @@ def _readme_job(state_dir, out: dict) -> None:
         r = http.post("/train", json={**README_JOB, "max_pause_ms": 0})
         assert r.status_code == 202, r.text
         jid = r.json()["id"]
-        deadline = time.monotonic() + 1800                 # a hang guard: the job takes about 15 min of one core
+        deadline = time.monotonic() + 1800                 # a hang guard: the job takes about 6 min of one core
         while (job := http.get(f"/train/{jid}").json())["state"] not in TERMINAL and time.monotonic() < deadline:
             time.sleep(0.5)
         print(f"\nREADME job: {time.perf_counter() - t0:.1f} s; {job['message']}")
