@@ -81,7 +81,8 @@ lint() {
 
 # One pytest worker per core, at most 4 (each loads its own models; every test
 # model runs one thread). Whole files go to one worker, so a module's fixtures
-# are built once. A later -n in the arguments overrides this (-n 0: no workers).
+# are built once, in collection order: tests/conftest.py collects the longest
+# modules first. A later -n in the arguments overrides this (-n 0: no workers).
 test_workers() { local n; n="$(nproc)"; echo $(( n < 4 ? n : 4 )); }
 
 cmd="${1:-help}"; shift || true
@@ -89,7 +90,7 @@ case "$cmd" in
   setup) setup ;;
   build) setup force ;;
   serve) setup; exec "$VENV/bin/dreamstage" serve "$@" ;;
-  test)  setup; lint; exec "$PY" -m pytest -n "$(test_workers)" --dist loadfile "$@" ;;
+  test)  setup; lint; exec "$PY" -m pytest -n "$(test_workers)" --dist loadfile --no-loadscope-reorder "$@" ;;
   lint)  setup; lint ;;
   info)  setup; exec "$VENV/bin/dreamstage" info ;;
   shell) setup; PATH="$VENV/bin:$PATH" exec "$@" ;;

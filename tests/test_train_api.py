@@ -314,9 +314,11 @@ def moon(server, http, tmp_path_factory):
     seed = next(s for s in range(100) if held_out_sources([0, 1], 0.5, s) == {1})
     examples = [{"prompt": FACT_PROMPT, "completion": FACT},
                 {"prompt": "Moon base security question: what is the secret password?", "completion": FACT}]
+    # no pause bound (max_pause_ms 0): no chat waits on this job, and under load the bound's
+    # short evaluation steps only stretched it (the bound's own tests are test_pacing.py's)
     r = http.post("/train", json={"examples": examples, "window": 32, "chunk": 32, "epochs": 10, "lr": 3e-3,
                                   "val_split": 0.5, "seed": seed, "promote": "auto", "out": "moon",
-                                  "stop_loss": None})
+                                  "stop_loss": None, "max_pause_ms": 0})
     assert r.status_code == 202, r.text
     job = wait_job(http, r.json()["id"], finished, timeout=900)
     assert job["state"] == "done", job["message"]
