@@ -569,9 +569,10 @@ class Engine:
                 return
             # the default is read here, after hold_admission applied any booked promotion
             adapter = job.request.adapter if job.request.adapter is not None else self.default_adapter()
-            # Prefer the free slot whose cache shares the longest prefix computed with the same adapter.
+            # Prefer the free slot whose cache shares the longest prefix computed with the same adapter;
+            # on a tie an empty slot, then the least recently used (the other cached prefixes stay).
             slot, n_common = max(((s, _common_prefix(s.tokens, job.prompt) if s.adapter.key == adapter.key else 0)
-                                  for s in free), key=lambda x: x[1])
+                                  for s in free), key=lambda x: (x[1], not x[0].tokens, -x[0].used_at))
             others = [s for s in free if s is not slot][:need - 1]
             # A unified pool: the group's cells must fit now (each choice reserves prompt +
             # max_tokens), else it waits at the head of the queue for busy slots to finish.
