@@ -98,7 +98,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     training = f"jobs and adapters in {state_dir}" if state_dir else "training off"
     print(f"dreamstage: serving {service.model_id} ({service.model.model_path}) at http://{host}:{settings.port}/v1 "
-          f"- {cfg.n_seq} slots x {service.engine.slot_ctx} tokens, kv {cfg.kv_type}, "
+          f"- {cfg.n_seq} slots {'sharing' if cfg.kv_unified else 'x'} {service.engine.slot_ctx} tokens, "
+          f"kv {cfg.kv_type}, "
           f"{cfg.n_threads or 'all'} threads; {training}; "
           f"{'API key required' if settings.api_key else 'no API key'} "
           f"(adapter version {service.engine.adapter_version})", flush=True)

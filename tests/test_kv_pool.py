@@ -171,3 +171,79 @@ def test_a_lent_sequence_reserves_its_positions_and_serving_takes_the_room_back(
         engine._free_slot(busy if busy.busy else idle)
     finally:
         model.close()
+
+
+def test_the_switch_is_read_in_one_place_and_the_automatic_context_sizes_one_pool(monkeypatch):
+    from dreamstage import cli, info
+    from dreamstage.default_model import default_model_path
+    from dreamstage.serving import resident
+
+    def settings(*flags):
+        return cli.serve_settings(cli.build_parser().parse_args(["serve", "--no-train", *flags]))
+
+    monkeypatch.delenv("DREAMSTAGE_KV_UNIFIED", raising=False)
+    assert settings().kv_unified is False and settings().resident_config().kv_unified is False
+    assert settings("--kv-unified").resident_config().kv_unified is True
+    monkeypatch.setenv("DREAMSTAGE_KV_UNIFIED", "true")
+    assert settings().kv_unified is True and settings("--no-kv-unified").kv_unified is False
+    got = info.serving_defaults(default_model_path())       # what `serve` would plan, with the variable
+    ctx = got["context"]
+    assert ctx["kv_unified"] is True and ctx["n_ctx"] == ctx["slot_ctx"] <= ctx["n_ctx_train"]
+    assert f"serve context    {ctx['slot_ctx']} tokens shared by {got['slots']} slots (one K/V pool" in (
+        info.render({**info.collect(), "serving": got}))
+
+    # a memory share that holds 9.5 steps of cells: two streams get 4 steps each, one pool 9
+    probe = ResidentModel(ResidentConfig(n_ctx=256, n_seq=1, n_threads=1))
+    try:
+        cell, reserve = probe.kv_cell_bytes(), probe.output_rows_bytes(512)
+    finally:
+        probe.close()
+    available = 2 << 30
+    monkeypatch.setattr(resident, "host_available_bytes", lambda: available)
+    share = 9.5 * resident.AUTO_CTX_STEP * cell / (available - reserve)
+    for unified, slot, total in ((False, 4, 8), (True, 9, 9)):
+        model = ResidentModel(ResidentConfig(n_ctx=0, n_seq=2, n_threads=1, kv_unified=unified,
+                                             auto_ctx_memory_share=share))
+        try:
+            plan, step = model.context_plan, resident.AUTO_CTX_STEP
+            assert (plan.slot_ctx, plan.n_ctx, plan.chosen_by) == (slot * step, total * step, "memory")
+            assert (model.n_ctx, model.lc.llama_n_ctx_seq(model.ctx)) == (total * step, slot * step)
+            assert plan.kv_mib == pytest.approx(total * step * cell / 2**20, abs=0.1)
+        finally:
+            model.close()
+
+
+def test_the_drift_probe_waits_for_room_in_the_pool_then_records_and_measures_zero_drift():
+    from dreamstage.training.drift.anchors import load_anchors
+    from dreamstage.training.drift.measure import DriftProbe
+
+    model = ResidentModel(ResidentConfig(n_ctx=256, n_seq=2, n_threads=1, kv_unified=True))
+    try:
+        engine = Engine(model)           # not started: the test is the engine thread
+        busy = engine.slots[0]
+        busy.job, busy.reserved = object(), 250
+        probe = DriftProbe(model, load_anchors()[:1], seq_id=engine.hold_idle_sequence, step_ms=None)
+        record = probe.record()
+        for _ in range(3):               # 250 reserved: no room for the anchor, nothing decoded
+            next(record)
+            assert engine._lease is not None and engine._lease.cells == 0 and not probe.bases
+        busy.job, busy.reserved = None, 0
+        for _ in record:
+            assert engine._lease is None or engine._lease.cells >= len(probe.bases[0].forced if probe.bases else ())
+        base = probe.bases[0]
+        assert len(base.answer) > 0
+        # a cached prefix on the other slot takes the pool's first cells: the probe's land after it
+        cached = model.tokenize("The quick brown fox jumps over the lazy dog. " * 4)[:37]
+        model.decode_entries([(t, i, busy.seq_id, False) for i, t in enumerate(cached)])
+        busy.tokens[:] = cached
+        measure = probe.measure(None)    # the adapter off: at the drift floor still
+        while True:
+            try:
+                next(measure)
+            except StopIteration as stop:
+                drift = stop.value
+                break
+        assert drift.drift_kl < 1e-6 and drift.changed == 0 and drift.tokens > 0     # as tests/test_drift.py
+        assert engine._lease is None and engine.pool_info()["lent"] == 0
+    finally:
+        model.close()
