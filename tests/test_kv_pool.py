@@ -173,7 +173,7 @@ def test_a_lent_sequence_reserves_its_positions_and_serving_takes_the_room_back(
         model.close()
 
 
-def test_the_switch_is_read_in_one_place_and_the_automatic_context_sizes_one_pool(monkeypatch):
+def test_the_switch_is_read_in_one_place_and_the_automatic_context_sizes_one_pool(server, monkeypatch):
     from dreamstage import cli, info
     from dreamstage.default_model import default_model_path
     from dreamstage.serving import resident
@@ -193,14 +193,9 @@ def test_the_switch_is_read_in_one_place_and_the_automatic_context_sizes_one_poo
         info.render({**info.collect(), "serving": got}))
 
     # a memory share that holds 9.5 steps of cells: two streams get 4 steps each, one pool 9
-    probe = ResidentModel(ResidentConfig(n_ctx=256, n_seq=1, n_threads=1))
-    try:
-        cell, reserve = probe.kv_cell_bytes(), probe.output_rows_bytes(512)
-    finally:
-        probe.close()
-    available = 2 << 30
+    cell, available = server.service.model.kv_cell_bytes(), 2 << 30
     monkeypatch.setattr(resident, "host_available_bytes", lambda: available)
-    share = 9.5 * resident.AUTO_CTX_STEP * cell / (available - reserve)
+    share = 9.5 * resident.AUTO_CTX_STEP * cell / (available - server.service.model.output_rows_bytes(512))
     for unified, slot, total in ((False, 4, 8), (True, 9, 9)):
         model = ResidentModel(ResidentConfig(n_ctx=0, n_seq=2, n_threads=1, kv_unified=unified,
                                              auto_ctx_memory_share=share))
