@@ -327,8 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{default['ctx_memory_share'] * 100:.0f}%% of the free memory holds the K/V)")
     p.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=None,
                    help="one K/V pool all slots share, as llama-server's: a request may use the whole context "
-                        "(default: off, one stream per slot, so a request's output does not depend on its "
-                        "neighbours; docs/architecture/serving.md)")
+                        "(default: off, one stream per slot, so a request's output does not depend on what else "
+                        "is in its batch; docs/architecture/serving.md)")
     p.add_argument("--batch", type=int, default=None, help=f"tokens per decode batch (default {default['batch']})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=None, metavar="N",

@@ -37,9 +37,8 @@ class ServerSettings(BaseSettings):
     # With ctx None: the largest share of the K/V device's free memory the slots' K/V may take.
     ctx_memory_share: float = Field(default=0.25, gt=0.0, le=1.0)
     # One K/V pool all slots share, as llama-server's unified cache (True), or one
-    # stream per slot (False): a request's output then does not depend on what its
-    # neighbours hold, and the drift guard's records meet the same arithmetic
-    # again (docs/architecture/serving.md, "K/V layout").
+    # stream per slot (False): a request's output then does not depend on what
+    # else is in its batch (docs/architecture/serving.md, "K/V layout").
     kv_unified: bool = False
     batch: int = 512                  # tokens per llama_decode (prompt chunks + decode tokens)
     threads: int = 0                  # 0: all cores

@@ -130,9 +130,9 @@ def test_idle_prefixes_are_evicted_least_recent_first_and_reused_while_there_is_
 
 
 def test_greedy_answers_equal_the_per_slot_stream_servers_one_at_a_time(http, words):
-    # On an empty pool a request's cells follow its positions, as on a stream of its own, so the
-    # arithmetic is the same. Batched with others (or on a pool left fragmented) it is not: see
-    # docs/architecture/serving.md, "K/V layout", the reason --kv-unified is not the default.
+    # Alone on an empty pool a request meets the kernels it meets on a stream of its own, so the
+    # arithmetic is the same. Batched with others it need not be (docs/architecture/serving.md,
+    # "K/V layout": the reason --kv-unified is not the default; bench/kv_layout.py measures it).
     def chat(c, content):
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
                                                  "temperature": 0, "max_tokens": 24})
