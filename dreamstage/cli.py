@@ -39,7 +39,8 @@ CONNECTION_FLAGS = {
 
 # `serve` flags that set a ServerSettings field of the same name. A flag not
 # given leaves the field to DREAMSTAGE_<FIELD>, else to ServerSettings' default.
-SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "batch", "threads", "kv_type", "adapter", "max_queue",
+SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "kv_unified", "batch", "threads", "kv_type", "adapter",
+                "max_queue",
                 "max_body_bytes", "n_gpu_layers", "api_key", "max_adapters", "adapter_max_rank",
                 "adapter_budget_mib", "api_keys") + tuple(CONNECTION_FLAGS)
 
@@ -97,7 +98,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     training = f"jobs and adapters in {state_dir}" if state_dir else "training off"
     print(f"dreamstage: serving {service.model_id} ({service.model.model_path}) at http://{host}:{settings.port}/v1 "
-          f"- {cfg.n_seq} slots x {service.engine.slot_ctx} tokens, kv {cfg.kv_type}, "
+          f"- {cfg.n_seq} slots {'sharing' if cfg.kv_unified else 'x'} {service.engine.slot_ctx} tokens, "
+          f"kv {cfg.kv_type}, "
           f"{cfg.n_threads or 'all'} threads; {training}; "
           f"{'API key required' if settings.api_key else 'no API key'} "
           f"(adapter version {service.engine.adapter_version})", flush=True)
@@ -320,9 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help=f"(default {default['port']})")
     p.add_argument("--parallel", type=int, default=None, help=f"slots decoded together (default {default['parallel']})")
     p.add_argument("--ctx", type=int, default=None,
-                   help="total context; each slot gets ctx/parallel (default: each slot gets the model's trained "
-                        f"context, as far as {default['ctx_memory_share'] * 100:.0f}%% of the free memory holds "
-                        "the K/V)")
+                   help="total context; each slot gets ctx/parallel, or all of it with --kv-unified (default: the "
+                        "model's trained context per slot, or in all with --kv-unified, as far as "
+                        f"{default['ctx_memory_share'] * 100:.0f}%% of the free memory holds the K/V)")
+    p.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=None,
+                   help="one K/V pool all slots share, as llama-server's: a request may use the whole context "
+                        "(default: off, one stream per slot, so a request's output does not depend on what else "
+                        "is in its batch; docs/architecture/serving.md)")
     p.add_argument("--batch", type=int, default=None, help=f"tokens per decode batch (default {default['batch']})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=None, metavar="N",

@@ -81,11 +81,12 @@ def render(i: dict) -> str:
         why = {"trained": "the model's trained context",
                "memory": f"cut from the trained {c['n_ctx_train']} so the K/V take at most "
                          f"{c['memory_share']:.0%} of {c['kv_device']}'s {c['available_mib']:.0f} MiB available",
-               "ctx": "--ctx / parallel"}[c["chosen_by"]]
+               "ctx": "--ctx" if c["kv_unified"] else "--ctx / parallel"}[c["chosen_by"]]
         s = serving["sampling"]
+        shape = (f"{c['slot_ctx']} tokens shared by {serving['slots']} slots (one K/V pool; {why})" if c["kv_unified"]
+                 else f"{c['slot_ctx']} tokens per slot x {serving['slots']} slots ({why})")
         lines += [
-            f"serve context    {c['slot_ctx']} tokens per slot x {serving['slots']} slots ({why}); "
-            f"K/V {c['kv_mib']:.0f} MiB {serving['kv_type']} on {c['kv_device']}",
+            f"serve context    {shape}; K/V {c['kv_mib']:.0f} MiB {serving['kv_type']} on {c['kv_device']}",
             f"serve sampling   temperature {s['temperature']:g}, top_k {s['top_k']}, top_p {s['top_p']:g}, "
             f"min_p {s['min_p']:g}, repeat_penalty {s['repeat_penalty']:g}: {serving['sampling_source']}",
         ]

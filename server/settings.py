@@ -30,11 +30,16 @@ class ServerSettings(BaseSettings):
     host: str = "127.0.0.1"           # loopback unless asked otherwise
     port: int = Field(default=8080, ge=0, le=65535)
     parallel: int = Field(default=4, ge=1)   # slots (sequence ids) decoded together
-    # Total context; each slot gets ctx // parallel. None: each slot gets the
-    # model's trained context, as memory allows (ResidentModel.auto_slot_ctx).
+    # Total context; each slot gets ctx // parallel (one K/V stream per slot), or,
+    # with kv_unified, every request may use all of it. None: the model's trained
+    # context per slot (or in all, kv_unified), as memory allows (resident.plan_context).
     ctx: int | None = Field(default=None, ge=1)
     # With ctx None: the largest share of the K/V device's free memory the slots' K/V may take.
     ctx_memory_share: float = Field(default=0.25, gt=0.0, le=1.0)
+    # One K/V pool all slots share, as llama-server's unified cache (True), or one
+    # stream per slot (False): a request's output then does not depend on what
+    # else is in its batch (docs/architecture/serving.md, "K/V layout").
+    kv_unified: bool = False
     batch: int = 512                  # tokens per llama_decode (prompt chunks + decode tokens)
     threads: int = 0                  # 0: all cores
     kv_type: str = "f16"
@@ -80,7 +85,7 @@ class ServerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:
-        if self.ctx is not None and self.ctx < self.parallel * 16:
+        if self.ctx is not None and self.ctx < (1 if self.kv_unified else self.parallel) * 16:
             raise ValueError(f"ctx {self.ctx} leaves fewer than 16 tokens per slot for {self.parallel} slots")
         if self.kv_type not in KV_TYPES:
             raise ValueError(f"kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
@@ -107,9 +112,7 @@ class ServerSettings(BaseSettings):
         return SecurityPolicy.for_bind(self.host, self.api_key, self.allowed_hosts, scoped)
 
     def resident_config(self) -> ResidentConfig:
-        # One K/V stream per slot: a request's output does not depend on what
-        # its neighbours are doing (see docs/architecture/serving.md).
         return ResidentConfig(model_path=self.model, n_ctx=self.ctx or 0, n_seq=self.parallel,
                               auto_ctx_memory_share=self.ctx_memory_share,
                               n_batch=self.batch, n_threads=self.threads, kv_type=self.kv_type,
-                              kv_unified=False, n_gpu_layers=self.n_gpu_layers)
+                              kv_unified=self.kv_unified, n_gpu_layers=self.n_gpu_layers)

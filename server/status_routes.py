@@ -33,8 +33,10 @@ async def slots(request: Request):
 
 
 def context(service) -> dict:
-    """The slots' context and how it was chosen (ResidentModel.context_plan)."""
-    plan = {**service.model.context_plan.as_dict(), "slot_ctx": service.engine.slot_ctx}
+    """The slots' context and how it was chosen (ResidentModel.context_plan); with a
+    unified K/V, the pool's cells (reserved, cached, lent, free: Engine.pool_info)."""
+    plan = {**service.model.context_plan.as_dict(), "slot_ctx": service.engine.slot_ctx,
+            "n_ctx": service.model.n_ctx, "pool": service.engine.pool_info()}
     return {**plan, "output_buffer_reserved_mib": round(service.output_reserve_bytes / (1 << 20), 1)}
 
 

@@ -119,6 +119,9 @@ class _Slot:
         self.awaiting: _Slot | None = None   # a follower waiting for this slot's leader to finish its prompt
         self.adapter_version: int | None = 0
         self.adapter: AdapterChoice = BASE   # what `tokens`' K/V were computed with (and the job's while busy)
+        # Unified pool: the cells the busy request may hold at most (prompt + max_tokens); 0 while idle.
+        self.reserved = 0
+        self.used_at = 0.0   # when the slot last finished or took a request: idle prefixes go least recent first
         self.t_last: float = 0.0
         self.first_token_at: float | None = None
 
@@ -134,10 +137,19 @@ class SequenceLease:
 
     def __init__(self, engine: Engine, slot: _Slot):
         self.engine, self.slot, self.valid = engine, slot, True
+        self.cells = 0     # unified pool: the room held for the borrower's decodes (reserve)
 
     @property
     def seq_id(self) -> int:
         return self.slot.seq_id
+
+    def reserve(self, cells: int) -> bool:
+        """Engine thread only: clear the sequence and hold room for decodes of
+        positions 0 .. cells-1 on it, before the borrower starts a run of them.
+        False while a unified pool has no such room (ask again at a later step);
+        always True with one K/V stream per slot. Raises ValueError when `cells`
+        exceeds the context, which no room could hold."""
+        return self.valid and self.engine._reserve_lease(self, cells)
 
     def release(self) -> None:
         if self.valid and self.engine._lease is self:
@@ -155,14 +167,13 @@ class Engine:
         self.lc = model.lc
         self.n_seq = model.config.n_seq
         self.n_batch = model.n_batch
-        # Per-slot context budget: prompt + max_tokens <= slot_ctx, so an
-        # admitted request can always finish. With one K/V stream per sequence
-        # (kv_unified=False, how serving runs) that is the stream's size. With a
-        # unified cache the slots share n_ctx cells and each gets a fixed share.
-        if model.config.kv_unified:
-            self.slot_ctx = model.n_ctx // self.n_seq
-        else:
-            self.slot_ctx = self.lc.llama_n_ctx_seq(model.ctx)
+        # A request's context budget: prompt + max_tokens <= slot_ctx. With one
+        # K/V stream per slot that is the stream's size. With a unified cache
+        # (kv_unified) every slot draws on one pool of n_ctx cells and a request
+        # may use all of it: admission reserves prompt + max_tokens cells of the
+        # pool, so an admitted request can always finish (_make_room).
+        self.slot_ctx = self.lc.llama_n_ctx_seq(model.ctx)
+        self.pool: int | None = model.n_ctx if model.config.kv_unified else None
         self.max_queue = max_queue
         self.hook: DreamHook = hook or NoDream()
         self.idle_interval = idle_interval
@@ -290,6 +301,7 @@ class Engine:
                 "adapter_version": s.adapter_version if job else None,
                 "adapter": s.adapter.label if job else None,
                 "cached_adapter": s.adapter.label if s.tokens else None,
+                "reserved_cells": s.reserved if job else 0,
             })
         return out
 
@@ -313,7 +325,9 @@ class Engine:
         `release()`, or when serving needs the slot: `_admit` takes a lent slot
         only when no other is free, clears it, and marks the lease invalid, so
         a request never waits for the borrower. One lease at a time: asking
-        again while it is valid returns the same lease."""
+        again while it is valid returns the same lease. With a unified pool the
+        borrower calls `lease.reserve(cells)` before each run of decodes: the
+        lease holds that room, and admission ends the loan before a request waits."""
         if self._lease is not None and self._lease.valid:
             return self._lease
         idle = [s for s in self.slots if not s.busy]
@@ -328,10 +342,63 @@ class Engine:
         self.lc.llama_memory_seq_rm(self.model.memory, slot.seq_id, -1, -1)
         slot.tokens.clear()
 
+    def pool_info(self) -> dict | None:
+        """The unified pool's cells (/slots): None with one K/V stream per slot."""
+        if self.pool is None:
+            return None
+        lease = self._lease.cells if self._lease is not None and self._lease.valid else 0
+        reserved = sum(s.reserved for s in self.slots if s.busy)
+        cached = sum(len(s.tokens) for s in self.slots if not s.busy)
+        return {"cells": self.pool, "reserved": reserved, "cached": cached, "lent": lease,
+                "free": self.pool - reserved - cached - lease, "evicted_prefixes": self.stats.evicted_prefixes}
+
+    def _pool_demand(self, skip: tuple[_Slot, ...] = ()) -> int:
+        """Cells of the unified pool spoken for: each busy slot's reservation, each idle
+        slot's cached prefix (a prefix copied to n > 1 choices counts once per slot:
+        never less than llama.cpp holds), the lease's room; `skip`'s slots left out."""
+        lease = self._lease.cells if self._lease is not None and self._lease.valid else 0
+        return lease + sum(s.reserved if s.busy else len(s.tokens) for s in self.slots if s not in skip)
+
+    def _make_room(self, need: int, skip: tuple[_Slot, ...], take_lease: bool) -> bool:
+        """Unified pool: True when `need` cells fit beside what is spoken for, after ending
+        the lease (take_lease) and evicting idle slots' cached prefixes, least recently used
+        first, as far as that takes. Nothing is taken when even all of it would not make the
+        room: the request waits for busy slots to finish, and the prefixes stay."""
+        assert self.pool is not None
+        free = self.pool - self._pool_demand(skip)
+        if need <= free:
+            return True
+        lease = self._lease if take_lease and self._lease is not None and self._lease.valid else None
+        idle = sorted((s for s in self.slots if not s.busy and s.tokens and s not in skip), key=lambda s: s.used_at)
+        if need > free + (lease.cells if lease else 0) + sum(len(s.tokens) for s in idle):
+            return False
+        if lease is not None and lease.cells:
+            free += lease.cells
+            self._end_lease()                         # serving takes the lent room back first
+        for s in idle:
+            if need <= free:
+                break
+            free += len(s.tokens)
+            self._clear_slot(s)
+            self.stats.evicted_prefixes += 1
+        return True
+
+    def _reserve_lease(self, lease: SequenceLease, cells: int) -> bool:
+        if cells > self.slot_ctx:
+            raise ValueError(f"a lent sequence of {cells} positions exceeds the context of {self.slot_ctx} tokens")
+        self._clear_slot(lease.slot)
+        if self.pool is None:
+            return True
+        lease.cells = 0
+        if not self._make_room(cells, (), take_lease=False):
+            return False
+        lease.cells = cells
+        return True
+
     def _end_lease(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None and lease.valid:
-            lease.valid = False
+            lease.valid, lease.cells = False, 0
             self._clear_slot(lease.slot)
 
     def _wake(self) -> None:
@@ -450,24 +517,34 @@ class Engine:
         if not toks:
             self._finish_job(job, Failed(400, "prompt is empty after tokenization", "prompt"), "invalid")
             return
-        room = self.slot_ctx - len(toks)
+        budget, words = self._budget(1 + len(job.followers))
+        room = budget - len(toks)
         if req.max_tokens is None or room < 1:
             if room < 1:
-                self._finish_job(job, Failed(400, f"{req.prompt_param}: the prompt has {len(toks)} tokens; the "
-                                                  f"per-slot context is {self.slot_ctx} tokens (n_ctx {m.n_ctx} / "
-                                                  f"{self.n_seq} slots), leaving no room to generate",
-                                             req.prompt_param), "invalid")
+                self._finish_job(job, Failed(400, f"{req.prompt_param}: the prompt has {len(toks)} tokens; {words}, "
+                                                  "leaving no room to generate", req.prompt_param), "invalid")
                 return
             max_tokens = room
         elif req.max_tokens > room:
             self._finish_job(job, Failed(400, f"prompt ({len(toks)} tokens) plus max_tokens ({req.max_tokens}) "
-                                              f"exceeds the per-slot context of {self.slot_ctx} tokens "
-                                              f"(n_ctx {m.n_ctx} / {self.n_seq} slots)", "max_tokens"), "invalid")
+                                              f"exceeds {words}", "max_tokens"), "invalid")
             return
         else:
             max_tokens = req.max_tokens
         job.prompt, job.max_tokens = toks, max_tokens
         self._waiting.append(job)
+
+    def _budget(self, choices: int) -> tuple[int, str]:
+        """The most prompt + max_tokens one choice of a request of `choices` may take, and
+        those numbers in words for a 400. One stream per slot: the stream. A unified pool:
+        all of it, split evenly between the choices of n > 1 (each reserves its own)."""
+        if self.pool is None:
+            return self.slot_ctx, (f"the per-slot context of {self.slot_ctx} tokens "
+                                   f"(n_ctx {self.model.n_ctx} / {self.n_seq} slots)")
+        if choices == 1:
+            return self.slot_ctx, f"the context of {self.slot_ctx} tokens (shared by {self.n_seq} slots)"
+        share = self.slot_ctx // choices
+        return share, f"the context of {self.slot_ctx} tokens split between {choices} choices ({share} each)"
 
     def _reap_cancelled(self) -> None:
         for job in [j for j in self._waiting if j.handle.cancelled]:
@@ -490,16 +567,24 @@ class Engine:
                 free.append(lent)
             if len(free) < need:
                 return
-            self._waiting.popleft()
             # the default is read here, after hold_admission applied any booked promotion
-            job.adapter = job.request.adapter if job.request.adapter is not None else self.default_adapter()
+            adapter = job.request.adapter if job.request.adapter is not None else self.default_adapter()
+            # Prefer the free slot whose cache shares the longest prefix computed with the same adapter;
+            # on a tie an empty slot, then the least recently used (the other cached prefixes stay).
+            slot, n_common = max(((s, _common_prefix(s.tokens, job.prompt) if s.adapter.key == adapter.key else 0)
+                                  for s in free), key=lambda x: (x[1], not x[0].tokens, -x[0].used_at))
+            others = [s for s in free if s is not slot][:need - 1]
+            # A unified pool: the group's cells must fit now (each choice reserves prompt +
+            # max_tokens), else it waits at the head of the queue for busy slots to finish.
+            if self.pool is not None and not self._make_room(need * (len(job.prompt) + job.max_tokens),
+                                                             (slot, *others), take_lease=True):
+                return
+            self._waiting.popleft()
+            job.adapter = adapter
             for f in job.followers:
                 f.adapter = job.adapter
             if not self._acquire_adapter(job, need):
                 continue
-            # Prefer the free slot whose cache shares the longest prefix computed with the same adapter.
-            slot, n_common = max(((s, _common_prefix(s.tokens, job.prompt) if s.adapter.key == job.adapter.key else 0)
-                                  for s in free), key=lambda x: x[1])
             fresh = not job.request.cache_prompt or job.request.prompt_logprobs is not None
             # At least the last prompt token is decoded again: its logits are needed.
             n_common = 0 if fresh else min(n_common, len(job.prompt) - 1)
@@ -510,7 +595,6 @@ class Engine:
                     self.adapters.release(job.adapter)
                 continue
             job.followers = []
-            others = [s for s in free if s is not slot][:need - 1]
             self._seat(slot, job, samplers[0], n_common)
             for follower, fslot, sampler in zip(group[1:], others, samplers[1:], strict=True):
                 follower.prompt, follower.max_tokens = job.prompt, job.max_tokens
@@ -566,6 +650,8 @@ class Engine:
         slot.adapter_version = job.adapter.served_version
         slot.first_token_at = None
         slot.awaiting = None
+        slot.reserved = len(job.prompt) + job.max_tokens
+        slot.used_at = time.perf_counter()
         self.stats.prompt_tokens += len(job.prompt)
         self.stats.prompt_tokens_cached += n_common     # a follower's whole prompt: its leader's copied K/V
         self._send(job, Admitted(slot.seq_id, slot.adapter_version, len(job.prompt), n_common, slot.adapter))
@@ -636,7 +722,8 @@ class Engine:
             return True
         self.failing = None
         for leader, f in copies:
-            # a whole-stream copy (one K/V stream per slot), done by llama.cpp before the next decode
+            # one stream per slot: a whole-stream copy, done by llama.cpp before the next decode;
+            # a unified pool: the prompt's cells are tagged with the follower's sequence too
             self.lc.llama_memory_seq_rm(self.model.memory, f.seq_id, -1, -1)
             self.lc.llama_memory_seq_cp(self.model.memory, leader.seq_id, f.seq_id, -1, -1)
             f.tokens, f.awaiting = list(leader.tokens), None
@@ -777,6 +864,8 @@ class Engine:
             self.adapters.release(s.job.adapter)
         s.sampler = None
         s.job = None
+        s.reserved = 0
+        s.used_at = time.perf_counter()
         s.pending = []
         s.next_token = None
         s.stream = None

@@ -52,7 +52,7 @@ def quiet_native_logs(enabled: bool = True) -> None:
 @dataclass(frozen=True)
 class ResidentConfig:
     model_path: str | None = None     # None: the embedded default model
-    n_ctx: int = 4096                  # total serving context, shared by the slots; 0: automatic (auto_slot_ctx)
+    n_ctx: int = 4096                  # total serving context, shared by the slots; 0: automatic (plan_context)
     # With n_ctx 0: the largest share of the K/V device's free memory the serving K/V may take.
     auto_ctx_memory_share: float = 0.25
     n_seq: int = 4                     # parallel sequences (slots)
@@ -63,8 +63,8 @@ class ResidentConfig:
     # True: the slots share one cache of n_ctx cells. False: each sequence gets
     # its own stream of n_ctx / n_seq cells, so a sequence's cell layout (and
     # with it the attention's summation order) does not depend on its
-    # neighbours: greedy output is then the same batched or alone. Serving
-    # uses False (docs/architecture/serving.md).
+    # neighbours: greedy output is then the same batched or alone. `serve`
+    # uses False unless --kv-unified (docs/architecture/serving.md).
     kv_unified: bool = True
     seed: int = 0
     # Extra buffer types (CPU_REPACK) repack quantized weights into a layout the
@@ -133,11 +133,13 @@ def available_bytes(device: dict) -> int:
 
 @dataclass(frozen=True)
 class ContextPlan:
-    """Each slot's context and how it was chosen (`/slots`, `/props`, `dreamstage info`)."""
-    slot_ctx: int
+    """The serving context and how it was chosen (`/slots`, `/props`, `dreamstage info`)."""
+    slot_ctx: int                # the most one request may use: its slot's stream, or the whole pool (kv_unified)
+    n_ctx: int                   # the cells asked of llama.cpp, every slot's together
+    kv_unified: bool             # one pool all slots share (True), or one stream per slot
     n_ctx_train: int
     chosen_by: str               # "ctx" (configured), "trained" (the model's), "memory" (cut to fit)
-    kv_mib: float                # the slots' K/V, all of them
+    kv_mib: float                # the K/V of all n_ctx cells
     kv_device: str               # the device that holds it
     available_mib: float         # that device's available memory when planned
     output_reserve_mib: float    # the output buffer's most (n_batch rows), host memory, kept out of the share
@@ -148,10 +150,12 @@ class ContextPlan:
 
 
 def plan_context(lc, model, cfg: ResidentConfig) -> ContextPlan:
-    """The context each slot gets. Configured (cfg.n_ctx): n_ctx / n_seq. Automatic: the
-    model's trained context, cut (to a multiple of AUTO_CTX_STEP) so that the slots' K/V
-    take at most `auto_ctx_memory_share` of the K/V device's available memory, less (on
-    the host) what llama.cpp's output buffer may still grow to."""
+    """The serving context. Configured (cfg.n_ctx): n_ctx cells in all, n_ctx / n_seq a
+    slot (or all of them for any request, kv_unified). Automatic: the model's trained
+    context for each K/V stream (one per slot, or the one pool), cut (to a multiple of
+    AUTO_CTX_STEP) so that all of them take at most `auto_ctx_memory_share` of the K/V
+    device's available memory, less (on the host) what llama.cpp's output buffer may
+    still grow to."""
     n_train = lc.llama_model_n_ctx_train(model)
     cell = kv_cell_bytes(lc, model, cfg.kv_type)
     devices = native.devices()
@@ -162,13 +166,15 @@ def plan_context(lc, model, cfg: ResidentConfig) -> ContextPlan:
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
     reserve = cfg.n_batch * (n_vocab + lc.llama_model_n_embd(model)) * 4
     mib = float(1 << 20)
+    streams = 1 if cfg.kv_unified else cfg.n_seq
     if cfg.n_ctx:
-        slot, chosen = cfg.n_ctx // cfg.n_seq, "ctx"
+        slot, total, chosen = cfg.n_ctx // streams, cfg.n_ctx, "ctx"
     else:
-        fits = int(max(0, free - (reserve if on_host else 0)) * cfg.auto_ctx_memory_share / (cfg.n_seq * cell))
+        fits = int(max(0, free - (reserve if on_host else 0)) * cfg.auto_ctx_memory_share / (streams * cell))
         slot = max(AUTO_CTX_STEP, min(n_train, fits) // AUTO_CTX_STEP * AUTO_CTX_STEP)
-        chosen = "trained" if slot == n_train else "memory"
-    return ContextPlan(slot_ctx=slot, n_ctx_train=n_train, chosen_by=chosen, kv_mib=slot * cfg.n_seq * cell / mib,
+        total, chosen = slot * streams, "trained" if slot == n_train else "memory"
+    return ContextPlan(slot_ctx=slot, n_ctx=total, kv_unified=cfg.kv_unified, n_ctx_train=n_train,
+                       chosen_by=chosen, kv_mib=total * cell / mib,
                        kv_device=",".join(d["name"] for d in holder) or "CPU", available_mib=free / mib,
                        output_reserve_mib=reserve / mib, memory_share=cfg.auto_ctx_memory_share)
 
@@ -198,7 +204,7 @@ class ResidentModel(NativeOwner):
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self.model)
         self.context_plan = plan_context(lc, self.model, cfg)
-        n_ctx = self.context_plan.slot_ctx * cfg.n_seq if not cfg.n_ctx else cfg.n_ctx
+        n_ctx = self.context_plan.n_ctx
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = cfg.n_batch

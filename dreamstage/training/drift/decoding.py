@@ -23,12 +23,15 @@ TOP_K = 256
 class FixedSequence:
     """A sequence the caller owns outright (tests, benchmarks, a resident with
     no serving): always valid, nothing to give back. The engine's leases
-    (`Engine.hold_idle_sequence`) have the same three members."""
+    (`Engine.hold_idle_sequence`) have the same members."""
 
     valid = True
 
     def __init__(self, seq_id: int):
         self.seq_id = seq_id
+
+    def reserve(self, cells: int) -> bool:
+        return True
 
     def release(self) -> None:
         pass

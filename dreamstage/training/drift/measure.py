@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from dreamstage.training.drift.decoding import Decoder, FixedSequence, log_softmax, set_context_adapter
-from dreamstage.training.drift.neighbours import MAX_JOB_NEIGHBOURS, neighbour_units, plain_words
-from dreamstage.training.drift.records import AnchorBase, prompt_tokens, record_units
+from dreamstage.training.drift.neighbours import MAX_JOB_NEIGHBOURS, NEIGHBOUR_TOKENS, neighbour_units, plain_words
+from dreamstage.training.drift.records import ANCHOR_TOKENS, AnchorBase, prompt_tokens, record_units
 from dreamstage.training.walk.examples import ChatRenderer
 
 # The decode time one step of a probe aims at (at least one unit runs) when
@@ -242,25 +242,28 @@ class DriftProbe:
         self.restarts = 0                       # anchors started again after serving took the sequence back
         self._lease: Any = None
 
-    def _held(self) -> Generator[None, None, Any]:
-        while self._lease is None or not self._lease.valid:
-            got = self.lend()
-            self._lease = FixedSequence(got) if isinstance(got, int) else got
-            if self._lease is None:
-                yield
-        return self._lease
+    def _held(self, cells: int) -> Generator[None, None, Any]:
+        # a lease, with room reserved for `cells` positions (a unified K/V pool may have none yet)
+        while True:
+            if self._lease is None or not self._lease.valid:
+                got = self.lend()
+                self._lease = FixedSequence(got) if isinstance(got, int) else got
+            if self._lease is not None and self._lease.reserve(cells):
+                return self._lease
+            yield
 
     def _give_back(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None and lease.valid:
             lease.release()
 
-    def _anchor(self, units_on, adapter) -> Generator[None, None, tuple[Any, float]]:
+    def _anchor(self, units_on, adapter, cells: int) -> Generator[None, None, tuple[Any, float]]:
         """One anchor's units (`units_on(seq_id)`), as many per step as fit
-        step_s, on the held sequence; (its result, its decode ms)."""
+        step_s, on the held sequence, which they fill to at most `cells`
+        positions; (its result, its decode ms)."""
         ms = 0.0
         while True:
-            lease = yield from self._held()
+            lease = yield from self._held(cells)
             units = units_on(lease.seq_id)
             try:
                 while True:
@@ -299,7 +302,8 @@ class DriftProbe:
                     continue
                 toks = prompt_tokens(self.resident, prompt, self.renderer)
                 base, _ = yield from self._anchor(
-                    lambda s, p=prompt, t=toks: record_units(self.resident, s, p, t, samples=self.samples), None)
+                    lambda s, p=prompt, t=toks: record_units(self.resident, s, p, t, samples=self.samples), None,
+                    len(toks) + ANCHOR_TOKENS)
                 if cache is not None:
                     cache[prompt] = base
                 out.append(base)
@@ -326,7 +330,8 @@ class DriftProbe:
                     got = cache[key]
                 else:
                     got, _ = yield from self._anchor(
-                        lambda s, q=q: neighbour_units(self.resident, s, q, self.renderer, n), None)
+                        lambda s, q=q: neighbour_units(self.resident, s, q, self.renderer, n), None,
+                        sum(map(len, self.renderer.user_turn(q))) + NEIGHBOUR_TOKENS)
                     if cache is not None:
                         cache[key] = got
                     yield
@@ -345,7 +350,7 @@ class DriftProbe:
             for base in (self.bases if indices is None else [self.bases[i] for i in indices]):
                 prompts.append(base.prompt)
                 (kl, n, f, lead, d), one = yield from self._anchor(lambda s, b=base: drift_units(self.resident, s, b),
-                                                                adapter_handle)
+                                                                adapter_handle, len(base.forced))
                 ms += one
                 self.anchor_ms = one if self.anchor_ms is None else 0.5 * (self.anchor_ms + one)
                 kl_sum, tokens = kl_sum + kl, tokens + n
@@ -371,7 +376,8 @@ class DriftProbe:
         try:
             for w in windows:
                 lead, _ = yield from self._anchor(
-                    lambda s, w=w: reply_lead_units(self.resident, s, w.tokens, w.mask), adapter_handle)
+                    lambda s, w=w: reply_lead_units(self.resident, s, w.tokens, w.mask), adapter_handle,
+                    len(w.tokens))
                 out.append(lead)
                 yield
         finally:
