@@ -8,12 +8,12 @@ The questions (issue 46, "Measure", CPU side):
    prompt is reused from a slot's cache, now and as the old server did (flush on swap)?
 
     /work/venvs/mixbench/bin/python bench/bench_adapters_http.py [--streams 4 8] [--targets qv all]
-        [--reps 2] [--gen 32] [--threads 2] [--systems dreamstage llama-server]
+        [--reps 2] [--gen 16] [--threads 1] [--systems dreamstage llama-server]
         [--convs 4 --turns 4] [--skip-decode] [--skip-prefix] [--tag TAG]
 
 Decode. For each target set (q,v or all 7) and S, S random rank-8 LoRAs (B != 0) are
 written with dreamstage.adapters.files.save_lora, and both servers run at once (idle
-between their rounds), each with S slots, 2 threads and the default model:
+between their rounds), each with S slots, --threads threads and the default model:
   dreamstage    `python -m dreamstage serve --parallel S --threads 2 --state-dir TMP
                 --no-drift-guard`, the adapters imported and promoted as a0..a{S-1}
                 through POST /adapters {"name", "path"}; a request picks `model`:
@@ -451,8 +451,8 @@ def main() -> int:
     ap.add_argument("--streams", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--targets", nargs="+", choices=sorted(TARGETS), default=["qv", "all"])
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--gen", type=int, default=32, help="tokens per stream (max_tokens, ignore_eos)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gen", type=int, default=16, help="tokens per stream (max_tokens, ignore_eos)")
+    ap.add_argument("--threads", type=int, default=1, help="per server (2 on the 2 shared cores stalls for seconds)")
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
     ap.add_argument("--build-llama-server", action="store_true", help="(re)build it first (the docstring's commands)")
