@@ -14,7 +14,7 @@ The questions (issue 46, "Measure", CPU side):
 Decode. For each target set (q,v or all 7) and S, S random rank-8 LoRAs (B != 0) are
 written with dreamstage.adapters.files.save_lora, and both servers run at once (idle
 between their rounds), each with S slots, --threads threads and the default model:
-  dreamstage    `python -m dreamstage serve --parallel S --threads 2 --state-dir TMP
+  dreamstage    `python -m dreamstage serve --parallel S --threads T --state-dir TMP
                 --no-drift-guard`, the adapters imported and promoted as a0..a{S-1}
                 through POST /adapters {"name", "path"}; a request picks `model`:
                 "base" / "a0" / "a{i}";
@@ -28,7 +28,7 @@ between their rounds), each with S slots, --threads threads and the default mode
                 where dream_ext.cmake (written by this script) adds dreamstage/ggml_ext to
                 libllama and ggml-cpu as the repo's CMakeLists.txt does: the patched tree calls
                 our hooks, which stay inert in llama-server;
-                (--llama-server names another binary), run with `-np S -t 2 -tb 2`, every
+                (--llama-server names another binary), run with `-np S -t T -tb T`, every
                 LoRA as `--lora FILE` and `--lora-init-without-apply` (scale 0 at start);
                 a request picks no `lora` / `[{"id": 0, "scale": 1}]` / `[{"id": i, "scale": 1}]`.
 Each rep runs every (system, mode) once, the order rotated per rep. A round is S
@@ -38,18 +38,21 @@ the first token of any stream to the last token of any stream (the prompt exclud
 ITL = the gaps between one stream's chunks. Medians over reps; mixed/one per system.
 
 Prefix. An in-process dreamstage server (--convs slots) with adapters A and B holds
---convs conversations of --turns turns (16 greedy tokens a reply); the requests go
-one at a time, conversation k on A when k is even, on B when odd, so consecutive
-requests alternate adapters. hit rate = the change of dreamstage_prompt_tokens_cached
-over dreamstage_prompt_tokens in /metrics. Modes, each from empty slots:
+--convs conversations of --turns turns (16 greedy tokens a reply), conversation k on A
+when k is even, on B when odd, in two traffic patterns: one request at a time
+(consecutive requests alternate adapters) and each turn's requests at once. hit rate =
+the change of dreamstage_prompt_tokens_cached over dreamstage_prompt_tokens in /metrics.
+Modes, each from empty slots:
   one      every conversation on A (no alternation: the ceiling);
   after    A and B interleaved (today's server);
   before   the same, and before each request whose adapter differs from the previous
-           request's, Engine.forget_cached_prefixes() runs on the engine thread (a
-           wrapper around the dream hook runs it at the next idle wake-up, <= 50 ms;
-           the bench waits for it): what the single-adapter server did on every swap.
-llama-server runs the `after` traffic too (each LoRA per request); its hit rate is
-the sum of `timings.cache_n` over that of `cache_n + prompt_n` of the answers.
+           request's (together: before each turn) Engine.forget_cached_prefixes() runs
+           on the engine thread (a wrapper around the dream hook runs it at the next
+           idle wake-up, <= 50 ms; the bench waits for it): what the single-adapter
+           server did on every swap.
+llama-server runs the `after` traffic too (a fresh server per pattern, each LoRA per
+request); its hit rate is the sum of `timings.cache_n` over that of
+`cache_n + prompt_n` of the answers.
 
 Writes bench/results/adapters-http-cpu-<date>[-tag].json.
 """
