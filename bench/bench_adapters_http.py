@@ -7,7 +7,7 @@ The questions (issue 46, "Measure", CPU side):
 2. prefix cache: with conversations on two adapters interleaved, how much of each
    prompt is reused from a slot's cache, now and as the old server did (flush on swap)?
 
-    /work/venvs/mixbench/bin/python bench/bench_adapters_http.py [--streams 4 8] [--targets qv all]
+    .venv/bin/python bench/bench_adapters_http.py [--streams 4 8] [--targets qv all]
         [--reps 2] [--gen 16] [--threads 1] [--systems dreamstage llama-server]
         [--convs 4 --turns 4] [--skip-decode] [--skip-prefix] [--tag TAG]
 
