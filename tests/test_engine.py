@@ -102,6 +102,22 @@ def test_prompt_extending_a_slot_cache_reuses_it(engine):
     assert ev_b[0].cached_tokens == ev_b[0].prompt_tokens - 1
 
 
+def test_conversations_one_at_a_time_keep_their_own_slots(engine):
+    """Two conversations taking turns, one request at a time: a new conversation takes an
+    empty slot rather than give up the other's cache for the chat template's shared
+    header, so each next turn continues its own cache."""
+    engine.forget_cached_prefixes()
+    first = {k: CHAT.format(q) for k, q in (("x", "Name a river."), ("y", "Name a mountain."))}
+    runs = {k: run(engine, p, 6) for k, p in first.items()}
+    for k, p in first.items():
+        answer, events = runs[k]
+        nxt = p + answer + "<|im_end|>\n<|im_start|>user\nAnd another?<|im_end|>\n<|im_start|>assistant\n"
+        _, ev = run(engine, nxt, 4)
+        # the first turn's prompt and most of its answer come from this conversation's own slot
+        # (the answer's last token or two may tokenize differently inside the longer text)
+        assert ev[0].cached_tokens >= events[0].prompt_tokens + 6 - 2, (k, events[0], ev[0])
+
+
 def test_stop_string_ends_generation_without_emitting_it(engine):
     full, _ = run(engine, CHAT.format("What is the capital of France?"), 24)
     assert "Paris" in full

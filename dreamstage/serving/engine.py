@@ -569,10 +569,8 @@ class Engine:
                 return
             # the default is read here, after hold_admission applied any booked promotion
             adapter = job.request.adapter if job.request.adapter is not None else self.default_adapter()
-            # Prefer the free slot whose cache shares the longest prefix computed with the same adapter;
-            # on a tie an empty slot, then the least recently used (the other cached prefixes stay).
             slot, n_common = max(((s, _common_prefix(s.tokens, job.prompt) if s.adapter.key == adapter.key else 0)
-                                  for s in free), key=lambda x: (x[1], not x[0].tokens, -x[0].used_at))
+                                  for s in free), key=_slot_preference)
             others = [s for s in free if s is not slot][:need - 1]
             # A unified pool: the group's cells must fit now (each choice reserves prompt +
             # max_tokens), else it waits at the head of the queue for busy slots to finish.
@@ -884,6 +882,17 @@ class Engine:
             self._waiting.clear()
         for job in pending:
             self._finish_job(job, Failed(503, "the server is shutting down"), "error")
+
+
+def _slot_preference(cand: tuple[_Slot, int]) -> tuple:
+    """Which free slot a request takes (the max): one whose cache it continues (the
+    common prefix, computed with the same adapter, is at least half of what the slot
+    holds), the longest first; else an empty slot, so another conversation's cache is
+    not given up for a shared template header; else the longest common prefix; on a
+    tie the least recently used."""
+    slot, common = cand
+    continues = common > 0 and 2 * common >= len(slot.tokens)
+    return (continues, common if continues else -1, not slot.tokens, common, -slot.used_at)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
