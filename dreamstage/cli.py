@@ -307,11 +307,14 @@ def cmd_adapters(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dreamstage", description="A resident LLM that serves and keeps learning.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("info", help="version, pinned llama.cpp, patches, backends and devices")
-    p.set_defaults(fn=cmd_info)
+def _client_flags(p) -> None:
+    """The flags of a command that talks to a running server."""
+    p.add_argument("--url", default="http://127.0.0.1:8080")
+    p.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
+
+
+def _add_serve(sub) -> None:
+    """`dreamstage serve`: a flag per ServerSettings field it sets (SERVE_FIELDS)."""
     p = sub.add_parser("serve", help="serve the resident model",
                        description="Each option may also be set as DREAMSTAGE_<OPTION> (e.g. DREAMSTAGE_PORT=9000, "
                                    "DREAMSTAGE_LIMITS__MAX_QUEUED_JOBS=4); a flag wins over the environment.")
@@ -378,11 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"training limit (default {f.default})")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)
+
+
+def _add_train(sub) -> None:
+    """`dreamstage train` and `dreamstage status`."""
     p = sub.add_parser("train", help="post a JSONL file of examples to POST /train")
     p.add_argument("file", help="JSONL: one example per line (text, prompt/completion, messages, or a group: "
                                 "{prompt | messages, completions: [text or {text | message, weight}]})")
-    p.add_argument("--url", default="http://127.0.0.1:8080")
-    p.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
     p.add_argument("--wait", action="store_true", help="poll until the job ends, with a progress bar on stderr")
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--lr", type=float, default=None)
@@ -400,12 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="examples with one rendered prompt train as one shared-prefix group (the prompt once)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="any other /train field, the value as JSON when it parses (e.g. --set rank=16)")
+    _client_flags(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("status", help="the served adapter, the job training now and the queue (or one job)")
     p.add_argument("job", nargs="?", type=int, help="a job id: its progress, message and refusals")
-    p.add_argument("--url", default="http://127.0.0.1:8080")
-    p.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
+    _client_flags(p)
     p.set_defaults(fn=cmd_status)
+
+
+def _add_adapters(sub) -> None:
+    """`dreamstage adapters ls | import | export | promote | rollback | rm`."""
     p = sub.add_parser("adapters", help="list, import, export, promote, roll back or unload named adapters")
     acts = p.add_subparsers(dest="action", required=True)
     acts.add_parser("ls", help="every adapter name: its served version and stored versions")
@@ -426,9 +435,18 @@ def build_parser() -> argparse.ArgumentParser:
     a = acts.add_parser("rm", help="unload NAME: it serves nothing; its versions stay stored")
     a.add_argument("name")
     for a in acts.choices.values():
-        a.add_argument("--url", default="http://127.0.0.1:8080")
-        a.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
+        _client_flags(a)
     p.set_defaults(fn=cmd_adapters)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dreamstage", description="A resident LLM that serves and keeps learning.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("info", help="version, pinned llama.cpp, patches, backends and devices")
+    p.set_defaults(fn=cmd_info)
+    _add_serve(sub)
+    _add_train(sub)
+    _add_adapters(sub)
     return ap
 
 
