@@ -121,7 +121,6 @@ class MixedAdapters:
     def __init__(self, resident, capacity: int, max_rank: int = DEFAULT_MIXED_MAX_RANK):
         self.bank = AdapterBank(resident, capacity, max_rank=max_rank)
         self.alone = PerBatchAdapters(resident, capacity)
-        self.capacity = capacity
         self._slots: OrderedDict[Key, int] = OrderedDict()   # banked adapters, least recently used first
         self._refs: dict[Key, int] = {}
         self._wide: set[Key] = set()      # decoded alone
@@ -160,16 +159,14 @@ class MixedAdapters:
                 del self._refs[key]
 
     def _make_room(self) -> None:
-        while len(self._slots) >= self.capacity:
+        while len(self._slots) >= self.bank.capacity:
             idle = next((k for k in self._slots if not self._refs.get(k)), None)
             if idle is None:
-                raise AdaptersFull(f"all {self.capacity} loaded adapters (--max-adapters) are answering requests")
+                raise AdaptersFull(f"all {self.bank.capacity} loaded adapters (--max-adapters) are answering requests")
             self._free(idle)
 
     def _free(self, key: Key) -> None:
-        if self._armed:      # the armed rows may name the slot: disarm before it empties
-            self.bank.set_token_adapters([])
-            self._armed = False
+        self._disarm()       # the armed rows may name the slot: disarm before it empties
         self.bank.unload(self._slots.pop(key))
 
     def batch_keys(self, with_work: Sequence[Key]) -> frozenset[Key]:
