@@ -8,9 +8,10 @@
 //          slots, one product with every slot's B (plain MUL_MAT and MUL, so
 //          ggml-cuda keeps its CUDA graphs: its MUL_MAT_ID at a LoRA's rank
 //          takes a path that synchronizes the stream and turns them off);
-//   bgmv:  one op per weight (DREAM_CUSTOM_BANK_BGMV: a CUDA kernel in
-//          cuda/custom-ops.cu, a CPU body here) reads each token's index and
-//          only that slot's factors, as Punica's BGMV does.
+//   bgmv:  two ops per weight, as Punica's BGMV shrink and expand: u = A[s] x
+//          (DREAM_CUSTOM_BANK_SHRINK), then y + B[s] u written as the weight's
+//          output (DREAM_CUSTOM_BANK_EXPAND); CUDA kernels in cuda/custom-ops.cu,
+//          CPU bodies here; each reads only its token's slot.
 // DREAMSTAGE_BANK_GATHER picks; unset: id for weights on the host, bgmv on a GPU.
 // Stack index 0 is all zero: the tokens on the base model gather it (id, bgmv)
 // or mask every slot (dense).
@@ -157,37 +158,45 @@ std::vector<float> read_f32(const ggml_tensor * t) {
 
 size_t slot_stride_a(const ggml_tensor * a) { return a->nb[2]; }
 
-// DREAM_CUSTOM_BANK_BGMV on the CPU: dst[:, t] = B[s] (A[s] x[:, t]), s = ids[t], from
-// src x [n_in, n_tok], A [n_in, r, n], B [r, n_out, n], ids [1, n_tok] (all contiguous).
+// DREAM_CUSTOM_BANK_SHRINK on the CPU: dst[:, t] = A[s] x[:, t], s = ids[t] (zeros for s = 0),
+// from src x [n_in, n_tok], A [n_in, r, n], ids [1, n_tok]; dst [r, n_tok] (all contiguous).
+void bank_shrink_cpu(ggml_tensor * dst, int ith, int nth, void *) {
+    const ggml_tensor * x = dst->src[0], * a = dst->src[1], * ids = dst->src[2];
+    const int64_t n_in = x->ne[0], n_tok = x->ne[1], r = a->ne[1];
+    for (int64_t q = ith; q < r * n_tok; q += nth) {
+        const int64_t t = q / r, k = q % r;
+        const int32_t s = ((const int32_t *) ids->data)[t];
+        double acc = 0.0;
+        if (s != 0) {
+            const float * xt = (const float *) x->data + t * n_in;
+            const float * ak = (const float *) a->data + ((int64_t) s * r + k) * n_in;
+            for (int64_t i = 0; i < n_in; ++i) {
+                acc += (double) ak[i] * xt[i];
+            }
+        }
+        ((float *) dst->data)[q] = (float) acc;
+    }
+}
+
+// DREAM_CUSTOM_BANK_EXPAND on the CPU: dst[:, t] = y[:, t] + B[s] u[:, t], s = ids[t], from
+// src y [n_out, n_tok], u [r, n_tok], B [r, n_out, n], ids [1, n_tok] (all contiguous).
 // Thread ith computes its share of the outputs of every token.
-void bank_bgmv_cpu(ggml_tensor * dst, int ith, int nth, void *) {
-    const ggml_tensor * x = dst->src[0], * a = dst->src[1], * b = dst->src[2], * ids = dst->src[3];
-    const int64_t n_in = x->ne[0], n_tok = x->ne[1], r = a->ne[1], n_out = dst->ne[0];
+void bank_expand_cpu(ggml_tensor * dst, int ith, int nth, void *) {
+    const ggml_tensor * y = dst->src[0], * u = dst->src[1], * b = dst->src[2], * ids = dst->src[3];
+    const int64_t n_out = y->ne[0], n_tok = y->ne[1], r = u->ne[0];
     const int64_t per = (n_out + nth - 1) / nth, j0 = std::min(n_out, ith * per), j1 = std::min(n_out, j0 + per);
-    std::vector<float> u(r);
     for (int64_t t = 0; t < n_tok; ++t) {
         const int32_t s = ((const int32_t *) ids->data)[t];
-        float * y = (float *) dst->data + t * n_out;
-        if (s == 0) {
-            std::fill(y + j0, y + j1, 0.0f);
-            continue;
-        }
-        const float * xt = (const float *) x->data + t * n_in;
-        const float * as = (const float *) a->data + (int64_t) s * r * n_in;
-        for (int64_t k = 0; k < r; ++k) {
-            double acc = 0.0;
-            for (int64_t i = 0; i < n_in; ++i) {
-                acc += (double) as[k * n_in + i] * xt[i];
-            }
-            u[k] = (float) acc;
-        }
+        const float * yt = (const float *) y->data + t * n_out;
+        float * out = (float *) dst->data + t * n_out;
+        const float * ut = (const float *) u->data + t * r;
         const float * bs = (const float *) b->data + (int64_t) s * r * n_out;
         for (int64_t j = j0; j < j1; ++j) {
             float acc = 0.0f;
-            for (int64_t k = 0; k < r; ++k) {
-                acc += bs[j * r + k] * u[k];
+            for (int64_t k = 0; s != 0 && k < r; ++k) {
+                acc += bs[j * r + k] * ut[k];
             }
-            y[j] = acc;
+            out[j] = acc + yt[j];
         }
     }
 }
@@ -266,9 +275,17 @@ ggml_tensor * dream_hook_bank_mm(ggml_context * ctx, llm_graph_result * res, con
         term = ggml_mul_mat(ctx, ggml_reshape_2d(ctx, s.b, r * n_stack, n_out),
                             ggml_reshape_2d(ctx, ax, r * n_stack, n_tok));                       // [n_out, n_tok]
     } else if (s.bgmv) {
-        ggml_tensor * args[4] = { ggml_reshape_2d(ctx, xc, n_in, n_tok), s.a, s.b, inp->get(ctx, n_tok, false) };
-        term = dream_custom_tagged(ggml_custom_4d(ctx, GGML_TYPE_F32, n_out, n_tok, 1, 1, args, 4, bank_bgmv_cpu,
-                                                  GGML_N_TASKS_MAX, nullptr), DREAM_CUSTOM_BANK_BGMV);
+        // shrink then expand, the expand adding onto the weight's output: no separate ADD
+        ggml_tensor * ids = inp->get(ctx, n_tok, false);
+        ggml_tensor * in[3] = { ggml_reshape_2d(ctx, xc, n_in, n_tok), s.a, ids };
+        ggml_tensor * u = dream_custom_tagged(ggml_custom_4d(ctx, GGML_TYPE_F32, r, n_tok, 1, 1, in, 3, bank_shrink_cpu,
+                                                             GGML_N_TASKS_MAX, nullptr), DREAM_CUSTOM_BANK_SHRINK);
+        ggml_tensor * yc = ggml_is_contiguous(y) ? y : ggml_cont(ctx, y);
+        ggml_tensor * out[4] = { ggml_reshape_2d(ctx, yc, n_out, n_tok), u, s.b, ids };
+        ggml_tensor * sum = dream_custom_tagged(ggml_custom_4d(ctx, GGML_TYPE_F32, n_out, n_tok, 1, 1, out, 4,
+                                                               bank_expand_cpu, GGML_N_TASKS_MAX, nullptr),
+                                                DREAM_CUSTOM_BANK_EXPAND);
+        return ggml_reshape(ctx, sum, y);
     } else {
         ggml_tensor * ids = inp->get(ctx, n_tok, false);                                       // [1, n_tok]
         ggml_tensor * ax = ggml_mul_mat_id(ctx, s.a, ggml_reshape_3d(ctx, xc, n_in, 1, n_tok), ids);   // [r, 1, n_tok]

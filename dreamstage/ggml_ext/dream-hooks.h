@@ -45,4 +45,5 @@ ggml_tensor * dream_hook_bank_mm(ggml_context * ctx, llm_graph_result * res, con
 #define DREAM_CUSTOM_SWIGLU_BACK 1            // dream-glu.cpp: SwiGLU's backward, dg then du
 #define DREAM_CUSTOM_SOFT_REST_CE      2      // dream-soft.cpp: soft targets' loss rows with their rest (CPU only)
 #define DREAM_CUSTOM_SOFT_REST_CE_BACK 3      // ... and its backward (CPU only)
-#define DREAM_CUSTOM_BANK_BGMV   4            // dream-bank.cpp: each token's B[s] A[s] x, s from an index
+#define DREAM_CUSTOM_BANK_SHRINK 4            // dream-bank.cpp: each token's A[s] x, s from an index
+#define DREAM_CUSTOM_BANK_EXPAND 5            // dream-bank.cpp: each token's y + B[s] u
