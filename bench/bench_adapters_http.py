@@ -1,6 +1,6 @@
-"""Many LoRA adapters through the HTTP server on the CPU: dreamstage against llama-server.
+"""Many LoRA adapters through the HTTP server: dreamstage against llama-server.
 
-The questions (issue 46, "Measure", CPU side):
+The questions (issue 46, "Measure"; on the CPU, or with --ngl on a GPU: bench/gpu/adapters_http.sh):
 1. decode: with S concurrent streaming chat clients, what does every stream on its
    own adapter ("mixed") cost against every stream on one adapter ("one") and against
    the base, end to end through HTTP, for dreamstage and for llama-server?
@@ -10,6 +10,7 @@ The questions (issue 46, "Measure", CPU side):
     .venv/bin/python bench/bench_adapters_http.py [--streams 4 8] [--targets qv all]
         [--reps 2] [--gen 16] [--threads 1] [--systems dreamstage llama-server]
         [--convs 4 --turns 4] [--skip-decode] [--skip-prefix] [--tag TAG]
+        [--model M.gguf] [--ngl N] [--out-dir DIR]
 
 Decode. For each target set (q,v or all 7) and S, S random rank-8 LoRAs (B != 0) are
 written with dreamstage.adapters.files.save_lora, and both servers run at once (idle
@@ -21,12 +22,14 @@ between their rounds), each with S slots, --threads threads and the default mode
   llama-server  the pinned tree (vendor/llama.cpp, patched), built outside the repo by
                 `--build-llama-server` (once; or when /tmp/llama_server_build/bin/llama-server is missing):
                     cmake -S vendor/llama.cpp -B /tmp/llama_server_build -DCMAKE_BUILD_TYPE=Release
+                      -DGGML_NATIVE=ON (--ngl > 0: -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
                       -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_COMMON=ON
-                      -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+                      -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+                      -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
                       -DCMAKE_PROJECT_llama.cpp_INCLUDE=/tmp/llama_server_build/dream_ext.cmake
-                    cmake --build /tmp/llama_server_build --target llama-server -j2
+                    cmake --build /tmp/llama_server_build --target llama-server -j<cpus>
                 where dream_ext.cmake (written by this script) adds dreamstage/ggml_ext to
-                libllama and ggml-cpu as the repo's CMakeLists.txt does: the patched tree calls
+                libllama, ggml-cpu (and ggml-cuda) as the repo's CMakeLists.txt does: the patched tree calls
                 our hooks, which stay inert in llama-server;
                 (--llama-server names another binary), run with `-np S -t T -tb T`, every
                 LoRA as `--lora FILE` and `--lora-init-without-apply` (scale 0 at start);
@@ -100,6 +103,11 @@ QUESTIONS = [
 PREFIX_REPLY_TOKENS = 16
 
 
+def _gpu_name() -> str:
+    r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    return r.stdout.strip() or r.stderr.strip()
+
+
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
@@ -170,28 +178,39 @@ function(dream_ext)
     set_source_files_properties(${{ext}} TARGET_DIRECTORY llama PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
     set_source_files_properties({repo}/dreamstage/ggml_ext/dream-info.cpp TARGET_DIRECTORY llama PROPERTIES
         COMPILE_DEFINITIONS "DREAM_PIN_VERSION=\\"bench\\";DREAM_PIN_COMMIT=\\"bench\\";DREAM_PATCHES=\\"bench\\"")
+    if (TARGET ggml-cuda)
+        file(GLOB cu {repo}/dreamstage/ggml_ext/cuda/*.cu)
+        target_sources(ggml-cuda PRIVATE ${{cu}})
+        target_include_directories(ggml-cuda PRIVATE {tree}/ggml/src/ggml-cuda)
+    endif()
 endfunction()
 """
 
 
-def build_llama_server(exe: Path) -> None:
-    """Build llama-server from the patched pinned tree in exe's grandparent folder (the docstring's commands)."""
-    build, tree = exe.parents[1], ROOT / "vendor" / "llama.cpp"
+def build_llama_server(exe: Path, cuda: bool) -> None:
+    """Build llama-server from the patched pinned tree (DREAMSTAGE_LLAMA_TREE when set, as for the
+    GPU machine's trimmed tree) in exe's grandparent folder (the docstring's commands; with CUDA
+    for sm_90 when `cuda`)."""
+    build = exe.parents[1]
+    tree = Path(os.environ.get("DREAMSTAGE_LLAMA_TREE") or ROOT / "vendor" / "llama.cpp")
     build.mkdir(parents=True, exist_ok=True)
     (build / "dream_ext.cmake").write_text(DREAM_EXT.format(repo=ROOT, tree=tree))
-    subprocess.run(["cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+    flags = ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"] if cuda else ["-DGGML_NATIVE=ON"]
+    subprocess.run(["cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *flags,
                     "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_COMMON=ON",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DLLAMA_BUILD_EXAMPLES=OFF", f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={build / 'dream_ext.cmake'}"],
+                    "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+                    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={build / 'dream_ext.cmake'}"],
                    check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j2"], check=True,
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{os.cpu_count()}"], check=True,
                    stdout=subprocess.DEVNULL)
 
 
-def start_dreamstage(model: Path, loras: list[Path], slots: int, threads: int, state: Path, logs: Path) -> Proc:
+def start_dreamstage(model: Path, loras: list[Path], slots: int, threads: int, state: Path, logs: Path,
+                     ngl: int = 0) -> Proc:
     p = Proc([sys.executable, "-m", "dreamstage", "serve", "--model", str(model), "--host", "127.0.0.1",
               "--port", "{port}", "--parallel", str(slots), "--ctx", str(SLOT_CTX * slots), "--threads", str(threads),
-              "--state-dir", str(state), "--no-drift-guard"], logs / "dreamstage.log")
+              "--state-dir", str(state), "--no-drift-guard", "--n-gpu-layers", str(ngl)], logs / "dreamstage.log")
     wait_ready(p.url, p.proc)
     for i, path in enumerate(loras):
         r = httpx.post(p.url + "/adapters", json={"name": f"a{i}", "path": str(path)}, timeout=120)
@@ -201,9 +220,10 @@ def start_dreamstage(model: Path, loras: list[Path], slots: int, threads: int, s
     return p
 
 
-def start_llama_server(exe: Path, model: Path, loras: list[Path], slots: int, threads: int, logs: Path) -> Proc:
+def start_llama_server(exe: Path, model: Path, loras: list[Path], slots: int, threads: int, logs: Path,
+                       ngl: int = 0) -> Proc:
     argv = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}", "-np", str(slots),
-            "-c", str(SLOT_CTX * slots), "-t", str(threads), "-tb", str(threads), "--no-webui",
+            "-c", str(SLOT_CTX * slots), "-t", str(threads), "-tb", str(threads), "--no-webui", "-ngl", str(ngl),
             "--lora-init-without-apply"]
     for path in loras:
         argv += ["--lora", str(path)]
@@ -267,9 +287,10 @@ def run_decode(args, model: Path, work: Path) -> list[dict]:
             try:
                 for system in args.systems:
                     log(f"{targets}, {streams} streams: starting {system}")
-                    procs[system] = (start_dreamstage(model, loras, streams, args.threads, d / "state", work)
+                    procs[system] = (start_dreamstage(model, loras, streams, args.threads, d / "state", work, args.ngl)
                                      if system == "dreamstage" else
-                                     start_llama_server(args.llama_server, model, loras, streams, args.threads, work))
+                                     start_llama_server(args.llama_server, model, loras, streams, args.threads, work,
+                                                        args.ngl))
                     asyncio.run(decode_round(procs[system].url, system, "mixed", streams, 4))   # warm-up
                 pairs = [(s, m) for m in MODES for s in args.systems]
                 for rep in range(args.reps):
@@ -463,19 +484,23 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4, help="prefix: turns per conversation")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-prefix", action="store_true")
-    ap.add_argument("--tag", default="", help="suffix: adapters-http-cpu-<date>[-tag].json")
+    ap.add_argument("--tag", default="", help="suffix: adapters-http-<cpu|gpu>-<date>[-tag].json")
+    ap.add_argument("--model", type=Path, help="a GGUF (default: the default model)")
+    ap.add_argument("--ngl", type=int, default=0, help="layers on the GPU, both servers (> 0: gpu in the file name)")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
     if args.gen < 2 or args.reps < 1 or args.convs < 2 or args.turns < 1 or min(args.streams) < 1:
         ap.error("--gen >= 2, --reps >= 1, --convs >= 2, --turns >= 1 and every --streams >= 1")
     if "llama-server" in args.systems and (args.build_llama_server or not args.llama_server.is_file()):
         log(f"building llama-server into {args.llama_server.parents[1]} (2 cores: tens of minutes)")
-        build_llama_server(args.llama_server)
+        build_llama_server(args.llama_server, cuda=args.ngl > 0)
     from dreamstage.default_model import default_model
-    model = default_model()
+    model = args.model or default_model()
     out: dict = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_name()},
+                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_name(),
+                             "gpu": _gpu_name() if args.ngl > 0 else None},
                  "model": model.name, "rank": RANK, "threads": args.threads, "gen": args.gen, "reps": args.reps,
-                 "slot_ctx": SLOT_CTX, "systems": args.systems, "load_1m_start": os.getloadavg()[0]}
+                 "slot_ctx": SLOT_CTX, "systems": args.systems, "ngl": args.ngl, "load_1m_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="adapters-http-") as tmp:
         work = Path(tmp)
         if not args.skip_decode:
@@ -486,10 +511,12 @@ def main() -> int:
         if not args.skip_prefix:
             out["prefix"] = run_prefix(args, model, work)
     out["load_1m_end"] = os.getloadavg()[0]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"adapters-http-cpu-{dt.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    device = "gpu" if args.ngl > 0 else "cpu"
+    tag = f"-{args.tag}" if args.tag else ""
+    path = args.out_dir / f"adapters-http-{device}-{dt.date.today().isoformat()}{tag}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
-    log(f"wrote {path.relative_to(ROOT)}")
+    log(f"wrote {path}")
     return 0
 
 

@@ -9,8 +9,11 @@ unconditionally) and ggml/ (CMakeLists.txt, cmake/, include/, and src/ without
 the other backends' directories: ggml-cpu and ggml-cuda stay, with every file at
 the top of ggml/src), plus the stamp, which the top-level CMakeLists checks
 against vendor/pin.json and vendor/patches. No .git, docs, tools or tests.
+--server adds what llama-server needs (common/, tools/server, tools/mtmd, the UI's
+build files without its web sources, scripts/ui-assets.cmake) and a tools/CMakeLists.txt
+that adds only those, for bench/gpu/llama_server.sh.
 
-Usage: bench/gpu/trim_tree.py [--src vendor/llama.cpp] [--dest .gpu/llama.cpp]
+Usage: bench/gpu/trim_tree.py [--src vendor/llama.cpp] [--dest .gpu/llama.cpp] [--server]
 Refuses (exit 2) a source whose stamp does not match the current pin and patches:
 run vendor/materialize.py first.
 """
@@ -31,7 +34,27 @@ GGML_DIRS = ["cmake", "include"]
 GGML_BACKENDS = {"ggml-cpu", "ggml-cuda"}
 
 
-def trim(src: Path, dest: Path) -> int:
+SERVER_TOOLS = """llama_add_compile_flags()
+add_subdirectory(mtmd)
+add_subdirectory(ui)
+add_subdirectory(server)
+"""
+
+
+def add_server(src: Path, dest: Path) -> None:
+    """llama-server's sources on top of a trimmed tree (see the module docstring)."""
+    ignore = shutil.ignore_patterns(".git", "__pycache__")
+    shutil.copytree(src / "common", dest / "common", ignore=ignore)
+    for name in ("server", "mtmd"):
+        shutil.copytree(src / "tools" / name, dest / "tools" / name, ignore=ignore)
+    shutil.copytree(src / "tools" / "ui", dest / "tools" / "ui",
+                    ignore=shutil.ignore_patterns(".git", "src", "tests", "node_modules"))
+    (dest / "scripts").mkdir(exist_ok=True)
+    shutil.copy2(src / "scripts" / "ui-assets.cmake", dest / "scripts" / "ui-assets.cmake")
+    (dest / "tools" / "CMakeLists.txt").write_text(SERVER_TOOLS)
+
+
+def trim(src: Path, dest: Path, server: bool = False) -> int:
     if materialize.read_stamp(src) != materialize.expected_stamp(materialize.load_pin()):
         print(f"[trim_tree] {src}: stamp does not match vendor/pin.json + vendor/patches; "
               "run python3 vendor/materialize.py", file=sys.stderr)
@@ -54,6 +77,8 @@ def trim(src: Path, dest: Path) -> int:
             shutil.copy2(entry, dest / "ggml" / "src" / entry.name)
         elif entry.name in GGML_BACKENDS:
             shutil.copytree(entry, dest / "ggml" / "src" / entry.name, ignore=ignore)
+    if server:
+        add_server(src, dest)
     if materialize.read_stamp(dest) != materialize.read_stamp(src):
         print("[trim_tree] the copied stamp differs from the source's", file=sys.stderr)
         return 1
@@ -66,8 +91,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--src", type=Path, default=ROOT / "vendor" / "llama.cpp")
     ap.add_argument("--dest", type=Path, default=ROOT / ".gpu" / "llama.cpp")
+    ap.add_argument("--server", action="store_true", help="add llama-server's sources")
     a = ap.parse_args()
-    return trim(a.src.resolve(), a.dest.resolve())
+    return trim(a.src.resolve(), a.dest.resolve(), a.server)
 
 
 if __name__ == "__main__":
