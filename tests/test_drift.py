@@ -1,7 +1,7 @@
 """The drift guard on the default model: measurement, regularizer, promotion rule.
 
-Whole jobs on the default model, and the README's job on a live server, are
-test_drift_jobs.py.
+Whole jobs on the default model are test_drift_jobs.py; the README's job on a
+live server is test_drift_readme.py.
 """
 from __future__ import annotations
 
