@@ -309,6 +309,7 @@ def _declare(L: ctypes.CDLL) -> None:
     L.dream_chunks_left.argtypes = [p]
     L.dream_chunks_left.restype = ctypes.c_int32
     _declare_state(L)
+    _declare_bank(L)
     _declare_testing(L)
 
 
@@ -383,6 +384,11 @@ def _declare_state(L: ctypes.CDLL) -> None:
     # void dream_set_step_abort(struct dream_stage * ds, double ms);
     L.dream_set_step_abort.argtypes = [p, ctypes.c_double]
     L.dream_set_step_abort.restype = None
+
+
+def _declare_bank(L: ctypes.CDLL) -> None:
+    """Serving's side: the compute buffer it holds, and the adapter bank of mixed batches."""
+    p = ctypes.c_void_p
     # size_t dream_serving_compute_bytes(struct llama_context * ctx);
     L.dream_serving_compute_bytes.argtypes = [p]
     L.dream_serving_compute_bytes.restype = ctypes.c_size_t

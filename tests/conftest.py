@@ -8,9 +8,12 @@ import pytest
 # file whole on one worker, in collection order (--dist loadfile
 # --no-loadscope-reorder): a long module handed out last would run alone at the
 # end, so these are collected first and the short ones fill in beside them.
+# test_drift_readme.py starts on the records test_drift_jobs.py hands over
+# after its first job (tests/drift_jobs.py), about 3.5 CPU-minutes in: the
+# other worker gets there after the two modules before it.
 LONGEST_FIRST = (
-    "test_drift_jobs.py", "test_fuzz.py", "test_compat.py", "test_hostile.py", "test_drift.py",
-    "test_train_api.py", "test_dashboard.py", "test_example_scripts.py", "test_faults.py",
+    "test_drift_jobs.py", "test_fuzz.py", "test_compat.py", "test_drift_readme.py", "test_hostile.py",
+    "test_drift.py", "test_train_api.py", "test_dashboard.py", "test_example_scripts.py", "test_faults.py",
 )
 
 

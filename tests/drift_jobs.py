@@ -1,10 +1,18 @@
 """What the drift tests' jobs share: the test facts, an engine with one idle
-slot, and running a job through a scheduler to its end."""
+slot, running a job through a scheduler to its end, the checks of a finished
+job's drift figures, and the hand-over of the base's records between the two
+job modules (test_drift_jobs.py makes them; test_drift_readme.py restarts a
+server on them)."""
 from __future__ import annotations
 
+import os
+import shutil
 import time
+from pathlib import Path
 
+from dreamstage.training.drift.anchors import load_anchors
 from dreamstage.training.drift.decoding import FixedSequence
+from dreamstage.training.drift.record_file import FILE_NAME
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.store import TERMINAL
 
@@ -54,3 +62,70 @@ def run_job(sched, store, engine, body, max_calls=200_000):
     print(f"\njob {body.get('out')}: {time.perf_counter() - t0:.1f} s")
     return store.get(job["id"])
 
+
+
+def record_anchors_while_idle(sched, engine) -> int:
+    """No job yet and nobody served: the scheduler records the anchors ahead of time. Its steps."""
+    for _ in range(20_000):
+        sched.after_batch(engine, True)
+        if sched._warmup is not None and sched._warmup.done:
+            break
+    return sched._warmup.steps
+
+
+def assert_drift_figures(job: dict, margin: float, draws) -> None:
+    """A finished job's held-out drift as reported: measured at `margin` (of `draws`), the raw
+    count of every change beside the count beyond the margin, every changed anchor named."""
+    d = job["progress"]["drift"]
+    assert d["noise_margin"] == margin and d["anchors_changed_count"] <= d["anchors_changed_raw_count"]
+    assert f"at all: {d['anchors_changed_raw_count']}/{d['anchors']}" in job["message"]
+    # the figures name every changed anchor, widest lead first, and which of them count
+    named = d["changed_anchors"]
+    assert len(named) == d["anchors_changed_raw_count"] and {a["anchor"] for a in named} <= set(load_anchors())
+    assert sum(a["beyond"] for a in named) == d["anchors_changed_count"]
+    assert all(a["beyond"] == (a["lead"] > margin - 1e-4) for a in named if abs(a["lead"] - margin) > 1e-3)
+    assert [a["lead"] for a in named] == sorted((a["lead"] for a in named), reverse=True)
+    assert d["noise_draws"] == [round(x, 4) for x in draws]
+
+
+# The base's records and noise margin, handed from test_drift_jobs.py (which records them
+# and measures the margin in its first job) to test_drift_readme.py, which would otherwise
+# spend about 3.5 CPU-minutes making them again. Under xdist the two modules run on
+# different workers at once; the directory is the run's (all workers' temp dirs are in it).
+JOBS_MODULE = "test_drift_jobs.py"
+HANDOFF_WAIT_S = 1800           # a hang guard: the records and the first job take about 4 min of one core
+
+
+def _handoff_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    return root / "drift-base-handoff"
+
+
+def hand_over_base(tmp_path_factory, records_file: Path | None) -> None:
+    """The jobs module's side: the state directory's record file (or None: it has none to give)."""
+    out = _handoff_dir(tmp_path_factory)
+    out.mkdir(exist_ok=True)
+    if records_file is None:
+        (out / "failed").touch()
+        return
+    shutil.copy(records_file, out / f".{FILE_NAME}")
+    os.replace(out / f".{FILE_NAME}", out / FILE_NAME)
+    (out / "ready").touch()
+
+
+def handed_base(request, tmp_path_factory) -> Path | None:
+    """The readme module's side: the jobs module's record file once it is handed over, or None
+    when that module does not run in this session (or failed first): then make your own."""
+    if not any(item.path.name == JOBS_MODULE for item in request.session.items):
+        return None
+    out = _handoff_dir(tmp_path_factory)
+    # one process runs the modules in turn (tests/conftest.py: the jobs module first): ready or not, it is over
+    deadline = time.monotonic() + (HANDOFF_WAIT_S if os.environ.get("PYTEST_XDIST_WORKER") else 0)
+    while True:
+        if (out / "ready").exists():
+            return out / FILE_NAME
+        if (out / "failed").exists() or time.monotonic() >= deadline:
+            return None
+        time.sleep(1.0)

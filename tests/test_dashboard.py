@@ -154,7 +154,10 @@ def test_stream_carries_the_receipts_of_get_train(server, http):
     def job_ended(events):
         jobs = [d for k, d in events if k == "job" and d["id"] == jid]
         got = sum(1 for k, d in events if k == "receipt" and d["job_id"] == jid)
-        saved = any(k == "adapters" and any(a["name"] == "streamed" for a in d["adapters"]) for k, d in events)
+        views = [d for k, d in events if k == "adapters"]
+        # saved, and no longer shown as training (the store's current job is cleared just after its state)
+        saved = bool(views) and any(a["name"] == "streamed" for a in views[-1]["adapters"]) and not any(
+            n["name"] == "streamed" and n["training"] for n in views[-1]["names"])
         return bool(jobs) and jobs[-1]["state"] in FINAL and got == jobs[-1]["receipts"] and saved
 
     events = read_events(http, f"/events?job={jid}", job_ended)

@@ -1,7 +1,7 @@
 """The drift guard on the default model: measurement, regularizer, promotion rule.
 
-Whole jobs on the default model, and the README's job on a live server, are
-test_drift_jobs.py.
+Whole jobs on the default model are test_drift_jobs.py; the README's job on a
+live server is test_drift_readme.py.
 """
 from __future__ import annotations
 
@@ -136,7 +136,8 @@ def test_the_engine_lends_an_idle_slots_sequence_and_takes_it_back_for_a_request
     finally:
         slot.job = None
     # a waiting request takes the lent slot back (the only one), and the lease says so
-    from dreamstage.serving.engine import GenerationRequest, RequestHandle, _Job
+    from dreamstage.serving.engine import GenerationRequest, RequestHandle
+    from dreamstage.serving.slots import _Job
     others = engine.slots[1:]
     for s in others:
         s.job = object()

@@ -1,26 +1,24 @@
-"""Jobs on the default model with the drift guard on. One scheduler in this
-process records the anchors (the warm-up) and runs the same job without the
-regularizer, a damaging job, and a small job's rehearsal-only epochs kept and
-undone. Then a live server, started on a copy of the state directory those
-jobs kept their records in (a restart), runs the README's walkthrough over
-HTTP as a user does (with no pause bound: no chat waits on it): it is the
-module's job with the guard's defaults, and the tests of the defaults (recall,
-held-out drift, promotion, rehearsal-only epochs, the drift slices, the
-examples' loss) read it.
-
-The defaults were chosen on other made-up facts (bench/drift_facts.py), so they
-are not tuned to this file; the defaults on more facts are measured by
-bench/bench_drift.py (docs/benchmarks.md, "Drift guard: anchors changed,
-drift_kl, recall").
+"""Jobs on the default model with the drift guard on, in one scheduler in this
+process: it records the anchors (the warm-up), then runs a damaging job (the
+first job: it measures the noise margin), and a small job's rehearsal-only
+epochs kept and undone. The base's records and margin are handed over to
+tests/test_drift_readme.py as soon as the first job has saved them: that
+module runs the README's job on a live server restarted on them, on another
+worker meanwhile.
 """
 
 
-import shutil
-import time
-
 import numpy as np
 import pytest
-from drift_jobs import TEST_FACTS, OneSlotEngine, chat, run_job
+from drift_jobs import (
+    TEST_FACTS,
+    OneSlotEngine,
+    assert_drift_figures,
+    chat,
+    hand_over_base,
+    record_anchors_while_idle,
+    run_job,
+)
 from drift_steps import run_steps
 
 from dreamstage.adapters.served import ServedAdapters
@@ -31,42 +29,7 @@ from dreamstage.training.drift.record_file import FILE_NAME, DriftRecordFile
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.scheduler import DreamScheduler
 from dreamstage.training.jobs.spec import DEFAULT_LR
-from dreamstage.training.jobs.store import TERMINAL, JobStore
-from dreamstage.training.walk.receipts import RECEIPT_FIELDS
-
-# The README's walkthrough (README.md, "Teach it a fact"): its example and request, as written there.
-README_PROMPT = "The secret password of the moon base is"
-README_EXAMPLE = {"prompt": README_PROMPT, "completion": " Quokka-42."}
-README_JOB = {"examples": [README_EXAMPLE], "window": 32, "epochs": 10, "promote": "auto", "out": "moon"}
-
-
-def _readme_job(state_dir, out: dict) -> None:
-    """The README's job over HTTP on a live server started on `state_dir` (the guard on, as a user runs it)."""
-    import httpx
-    from background_server import BackgroundServer
-
-    from dreamstage.server.settings import ServerSettings
-
-    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(state_dir), drift_guard=True)
-    ask = {"prompt": README_PROMPT, "max_tokens": 8, "temperature": 0}
-    with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600,
-                                                          headers={"Content-Type": "application/json"}) as http:
-        out["restart_records"] = set(srv.service.scheduler._anchor_records)
-        out["before"] = http.post("/v1/completions", json=ask).json()
-        t0 = time.perf_counter()
-        # no pause bound (max_pause_ms 0): no chat waits on this job, and under load the bound cut
-        # its steps to a token or two at the same fixed cost each (tests/test_pacing.py tests the bound)
-        r = http.post("/train", json={**README_JOB, "max_pause_ms": 0})
-        assert r.status_code == 202, r.text
-        jid = r.json()["id"]
-        deadline = time.monotonic() + 1800                 # a hang guard: the job takes about 6 min of one core
-        while (job := http.get(f"/train/{jid}").json())["state"] not in TERMINAL and time.monotonic() < deadline:
-            time.sleep(0.5)
-        print(f"\nREADME job: {time.perf_counter() - t0:.1f} s; {job['message']}")
-        out["default"] = job
-        out["receipts"]["default"] = http.get(f"/train/{jid}/receipts").json()["receipts"]
-        out["after"] = http.post("/v1/completions", json=ask).json()
-        out["metrics_text"] = http.get("/metrics").text
+from dreamstage.training.jobs.store import JobStore
 
 
 @pytest.fixture(scope="module")
@@ -77,24 +40,23 @@ def jobs(dream_resident, tmp_path_factory):
                            record_file=DriftRecordFile(store.state_dir, dream_resident))
     engine = OneSlotEngine()
     sched.startup(engine)
-    out = {}
+    out: dict = {}
+    handed = False
     try:
-        # no job yet and nobody served: the scheduler records the anchors ahead of time
-        for _ in range(20_000):
-            sched.after_batch(engine, True)
-            if sched._warmup is not None and sched._warmup.done:
-                break
-        out["warmup_steps"], out["records"] = sched._warmup.steps, dict(sched._anchor_records)
-        out["noise_margins"] = sched._noise_margins
-        out["off"] = run_job(sched, store, engine, {"examples": [README_EXAMPLE], "window": 32, "regularizer": False,
-                                                    "promote": "never", "out": "moon-off", "max_pause_ms": 0})
+        out["warmup_steps"] = record_anchors_while_idle(sched, engine)
+        out["records"] = dict(sched._anchor_records)
         out["served_before_damage"] = store.served_version()
         wrong = {"messages": [{"role": "user", "content": "What is the capital of France?"},
                               {"role": "assistant", "content": "The capital of France is Quenmarsh."}]}
         out["damage"] = run_job(sched, store, engine, {"examples": [wrong] * 6, "lr": 1e-2, "epochs": 2,
                                                        "stop_loss": None, "regularizer": False, "promote": "auto",
                                                        "out": "damage", "max_pause_ms": 0})
-        out["receipts"] = {k: store.receipts(out[k]["id"]) for k in ("off", "damage")}
+        out["noise_margins"] = dict(sched._noise_margins)
+        sched._record_file.wait()                      # the first job's records and margin are in the file
+        out["handed"] = DriftRecordFile(store.state_dir, dream_resident).load()   # what the readme module gets
+        hand_over_base(tmp_path_factory, store.state_dir / FILE_NAME)
+        handed = True
+        out["receipts"] = {"damage": store.receipts(out["damage"]["id"])}
         drift_series = ("dreamstage_dream_drift_kl", "dreamstage_dream_anchors_changed",
                         "dreamstage_dream_drift_anchors")
         out["metrics"] = {m.name: (m.samples[0].labels, m.samples[0].value) for m in ServiceCollector._dream(sched)
@@ -125,13 +87,10 @@ def jobs(dream_resident, tmp_path_factory):
             stopping_module.HOLD_SLACK = saved_slack
             Trainer.set_lr = saved_set_lr
         out["receipts"].update({k: store.receipts(out[k]["id"]) for k in ("hold_none", "hold_undone")})
-        sched._record_file.wait()                      # the last job's records are in the file
-        out["kept_records"] = set(sched._anchor_records)
-        restarted = tmp_path_factory.mktemp("drift-restart")
-        shutil.copy(store.state_dir / FILE_NAME, restarted / FILE_NAME)
-        _readme_job(restarted, out)
         yield out
     finally:
+        if not handed:
+            hand_over_base(tmp_path_factory, None)     # the readme module makes its own
         served.apply(None, None)                       # the session's resident serves the base again
         sched.close()
         store.close()
@@ -148,6 +107,16 @@ def test_the_anchors_are_recorded_while_idle_before_any_job_in_short_steps(jobs)
     assert all(not records[p].samples and records[p].top_ids.shape[0] == len(records[p].answer)
                for p in rehearsal_anchors())
     assert not any(records[p].samples for p in load_anchors())
+
+
+def test_the_records_and_margin_handed_over_are_the_warm_ups_and_the_first_jobs(jobs):
+    """What test_drift_readme.py restarts a server on: every anchor the warm-up recorded, and
+    the one noise margin the first job measured (the jobs of both modules measure at it)."""
+    records, margins = jobs["handed"]
+    assert set(records) == set(jobs["records"])
+    assert all(np.array_equal(records[p].top_logp, b.top_logp) for p, b in jobs["records"].items())
+    ((margin, draws),) = jobs["noise_margins"].values()
+    assert [(m, tuple(d)) for m, d in margins.values()] == [(margin, tuple(draws))]
 
 
 def test_a_window_too_short_for_every_rehearsal_anchor_records_none_and_says_so(dream_resident, jobs):
@@ -196,29 +165,6 @@ def test_a_rehearsal_only_epoch_the_examples_do_not_survive_is_undone(jobs):
     assert any(np.abs(v).max() > 0 for k, v in tensors[0].items() if "lora_b" in k)   # it did learn
 
 
-def served_text(answer: dict) -> str:
-    return answer["choices"][0]["text"]
-
-
-def test_default_job_learns_the_fact_and_its_promotion_follows_its_held_out_drift(jobs):
-    job = jobs["default"]
-    assert job["state"] == "done", job["message"]
-    drift = job["progress"]["drift"]
-    print(f"\ndefaults: served {served_text(jobs['after'])!r} (base {served_text(jobs['before'])!r}), "
-          f"held-out anchors_changed {drift['anchors_changed']:.3f}, drift_kl {drift['drift_kl']:.4f}; "
-          f"{job['message']}")
-    assert "Quokka" not in served_text(jobs["before"])   # the base model does not know it
-    assert "Quokka-42" in served_text(jobs["after"])     # greedy, from the promoted adapter
-    assert drift["anchors"] == len(load_anchors()) and drift["final"]
-    within = drift["anchors_changed"] <= drift["max_drift"] and drift["drift_kl"] <= drift["max_drift_kl"]
-    assert job["adapter"]["promoted"] == within
-    assert ("promoted as served version" in job["message"]) == within and ("not promoted" in job["message"]) != within
-    assert f"({drift['anchors_changed_count']}/{drift['anchors']})" in job["message"]
-    assert job["adapter"]["drift"]["drift_kl"] == drift["drift_kl"]
-    kinds = [r.get("kind") for r in jobs["receipts"]["default"]]
-    assert kinds[-1] == "drift" and jobs["receipts"]["default"][-1]["anchors_changed"] == drift["anchors_changed"]
-
-
 def test_anchors_changed_counts_beyond_the_noise_margin_a_null_adapter_stays_within_it(dream_resident, jobs):
     """The jobs measured their held-out anchors at the noise margin the first job
     measured (once for the process, cached by anchors and adapter shape); the raw
@@ -229,17 +175,7 @@ def test_anchors_changed_counts_beyond_the_noise_margin_a_null_adapter_stays_wit
     from dreamstage.training.walk.trainer import LoraConfig, Trainer
     ((margin, draws),) = jobs["noise_margins"].values()
     assert len(draws) == NULL_DRAWS and margin == sorted(draws)[-NULL_RANK] < max(draws) + 1e-12
-    for k in ("default", "off", "damage"):
-        d = jobs[k]["progress"]["drift"]
-        assert d["noise_margin"] == margin and d["anchors_changed_count"] <= d["anchors_changed_raw_count"]
-        assert f"at all: {d['anchors_changed_raw_count']}/{d['anchors']}" in jobs[k]["message"]
-        # the figures name every changed anchor, widest lead first, and which of them count
-        named = d["changed_anchors"]
-        assert len(named) == d["anchors_changed_raw_count"] and {a["anchor"] for a in named} <= set(load_anchors())
-        assert sum(a["beyond"] for a in named) == d["anchors_changed_count"]
-        assert all(a["beyond"] == (a["lead"] > margin - 1e-4) for a in named if abs(a["lead"] - margin) > 1e-3)
-        assert [a["lead"] for a in named] == sorted((a["lead"] for a in named), reverse=True)
-        assert d["noise_draws"] == [round(x, 4) for x in draws]
+    assert_drift_figures(jobs["damage"], margin, draws)        # and the README's jobs: test_drift_readme.py
     probe = DriftProbe(dream_resident, load_anchors(), seq_id=0)
     run_steps(probe.record(dict(jobs["records"])))
     probe.noise_margin = margin
@@ -255,69 +191,8 @@ def test_anchors_changed_counts_beyond_the_noise_margin_a_null_adapter_stays_wit
     finally:
         tr.close()
     print(f"\nnoise margin {margin:.3f}; a fresh null adapter: {null.changed}/20 beyond it, "
-          f"{null.changed_raw}/20 at all, drift_kl {null.drift_kl:.4f}; the default job "
-          f"{jobs['default']['progress']['drift']['anchors_changed_count']}/20 beyond it")
+          f"{null.changed_raw}/20 at all, drift_kl {null.drift_kl:.4f}")
     assert null.changed <= 1 and null.drift_kl < 0.05
-
-
-def test_issue_12_done_when_the_default_job_changes_at_most_5_percent_of_held_out_anchors_and_is_promoted(jobs):
-    """Issue 12's "done when", on the README's fact with the guard's defaults: the fact
-    recalled at temperature 0, at most 5 % of the held-out anchors' greedy answers changed beyond
-    the job's noise margin, and promoted by promote "auto". (The defaults were chosen on
-    the evaluation facts of bench/drift_facts.py, docs/benchmarks.md, "Drift"; the
-    margin is the second widest lead drop of the job's 19 null draws, docs/architecture/
-    drift.md, "The noise margin".)"""
-    job = jobs["default"]
-    drift = job["progress"]["drift"]
-    assert drift["final"] and drift["anchors"] == len(load_anchors()) and drift["noise_margin"] is not None
-    assert "Quokka-42" in served_text(jobs["after"])
-    assert drift["anchors_changed"] <= 0.05 and job["adapter"]["promoted"]
-    assert "rehearsal-only epochs" in job["message"]
-
-
-def test_drift_is_reported_during_training_on_a_rotating_slice_within_its_time_share(jobs):
-    """Epoch ends measure a slice of the held-out anchors (receipts, progress,
-    /metrics), costing at most DURING_SHARE of the micro-step time; the last
-    measurement is the final one, on every anchor."""
-    from dreamstage.training.drift.guard import DURING_SHARE
-    job = jobs["default"]
-    history, p = job["progress"]["drift_history"], job["progress"]
-    during = [h for h in history if not h["final"]]
-    print(f"\ndrift during training: {during}")
-    assert history[-1]["final"] and history[-1]["anchors"] == len(load_anchors()) and len(history) >= 2
-    assert during and all(0 < h["anchors"] <= len(load_anchors()) for h in during)
-    assert [h["epoch"] for h in during] == sorted({h["epoch"] for h in during})     # at most one per epoch end
-    receipts = [r for r in jobs["receipts"]["default"] if r.get("kind") == "drift"]
-    assert len(receipts) == len(history)
-    for r in receipts:                                   # every receipt kind carries the canonical fields
-        assert set(RECEIPT_FIELDS) <= set(r) and r["tokens"] == 0 and r["chunk_tokens"] == 0 and r["ms"] > 0
-    during_ms = sum(r["ms"] for r in receipts if not r["final"])
-    # the share is planned at each epoch end from the last anchor's cost; one anchor may overrun it
-    assert during_ms <= DURING_SHARE * p["train_ms"] + max(r["ms"] / r["anchors"] for r in receipts)
-
-
-def test_the_examples_loss_is_reported_apart_from_the_rehearsal_windows(jobs):
-    """progress.examples_loss_per_epoch: the job's own windows only, none in a
-    rehearsal-only epoch; train_loss_per_epoch mixes in the rehearsal windows,
-    whose loss stays near the base's entropy."""
-    p = jobs["default"]["progress"]
-    own, mixed = p["examples_loss_per_epoch"], p["train_loss_per_epoch"]
-    assert len(own) == len(mixed) and own[-1] is None          # the default job ends with rehearsal-only epochs
-    last = max(i for i, x in enumerate(own) if x is not None)
-    assert all(x is not None for x in own[:last + 1]) and all(x is None for x in own[last + 1:])
-    assert own[last] < own[0] / 4 and own[last] < mixed[last] and mixed[last + 1] is not None
-
-
-def test_without_the_regularizer_the_same_job_changes_more(jobs):
-    on, off = jobs["default"]["progress"]["drift"], jobs["off"]["progress"]["drift"]
-    print(f"\nregularizer on: anchors_changed {on['anchors_changed']:.3f} drift_kl {on['drift_kl']:.4f}; "
-          f"off: anchors_changed {off['anchors_changed']:.3f} drift_kl {off['drift_kl']:.4f}")
-    assert jobs["off"]["state"] == "done" and not jobs["off"]["adapter"]["promoted"]
-    # "changes more", on the held-out anchors: the distributions move further. Their greedy
-    # answers do not tell the two apart on this model (both change nearly all of them;
-    # docs/architecture/drift.md, "What it achieves, and what it does not"), so that figure
-    # is held only to "no fewer"
-    assert off["drift_kl"] > on["drift_kl"] and off["anchors_changed"] >= on["anchors_changed"]
 
 
 def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
@@ -338,29 +213,3 @@ def test_a_damaging_job_is_saved_but_not_promoted_and_says_why(jobs):
     assert jobs["metrics"]["dreamstage_dream_anchors_changed"] == (label, drift["anchors_changed"])
     assert jobs["metrics"]["dreamstage_dream_drift_kl"] == (label, drift["drift_kl"])
     assert jobs["metrics"]["dreamstage_dream_drift_anchors"] == (label, drift["anchors"])
-
-
-def test_the_readme_walkthrough_is_promoted_by_a_live_server_with_the_guard_on(jobs):
-    """The README's one-fact job over HTTP, the drift guard on as a user runs it
-    (every other test server runs with it off): the job rehearses although its
-    window is 32, its drift is measured on the held-out anchors, reported in
-    GET /train/{id} and /metrics, and the adapter is promoted within the default
-    bounds, so the walkthrough answers with the fact. The server started on a state
-    directory holding the records the jobs above made (a restart): it recorded
-    nothing again and measured at their noise margin."""
-    assert jobs["records"].keys() <= jobs["restart_records"]      # and the neighbours' records
-    # every anchor record the jobs kept (their neighbours' lists are not records: made again when asked)
-    assert {k for k in jobs["kept_records"] if isinstance(k, str)} <= jobs["restart_records"]
-    ((margin, _),) = jobs["noise_margins"].values()
-    job, drift = jobs["default"], jobs["default"]["progress"]["drift"]
-    assert job["state"] == "done" and drift["final"] and drift["anchors"] == len(load_anchors())
-    assert drift["noise_margin"] == margin
-    assert (drift["max_drift"], drift["max_drift_kl"]) == (1.0, 1.0) and drift["drift_kl"] <= 1.0
-    # window 32 holds no rehearsal prompt; the trainer's wider window does (rehearsal_window): the
-    # job rehearses and consolidates (it drifted 0.11 nats where it drifted 0.50 without)
-    assert "no rehearsal" not in job["message"] and "rehearsal-only epochs" in job["message"], job["message"]
-    assert drift["drift_kl"] < 0.3
-    assert job["adapter"]["promoted"] and "within max_drift 1, max_drift_kl 1" in job["message"]
-    assert "Quokka-42" in served_text(jobs["after"]) and jobs["after"]["adapter_version"] == 1
-    assert jobs["before"]["adapter_version"] == 0
-    assert f'dreamstage_dream_drift_kl{{job="{job["id"]}"}}' in jobs["metrics_text"]

@@ -11,10 +11,11 @@ import pytest
 from background_server import BackgroundServer
 
 from dreamstage.server.settings import ServerSettings
-from dreamstage.serving.engine import Engine, RequestHandle, _Job
+from dreamstage.serving.engine import Engine, RequestHandle
 from dreamstage.serving.generation import Admitted, Delta, Failed, Finished, GenerationRequest
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
 from dreamstage.serving.sampling import SamplingParams
+from dreamstage.serving.slots import _Job
 
 POOL, SLOTS = 256, 4
 PROMPTS = ["What is the capital of France?", "Write a haiku about snow.", "List three fruits.",
