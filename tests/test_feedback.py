@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
+import httpx
 import pytest
+from background_server import BackgroundServer
 
 from dreamstage.records.feedback import FeedbackRequest, rating_weights
 from dreamstage.records.learner import build_job
 from dreamstage.records.store import Feedback
+from dreamstage.server.settings import ServerSettings
 from dreamstage.training.jobs.example_forms import TokenExample
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.stored import SPEC_VERSION, from_stored, to_stored
@@ -120,3 +124,123 @@ def test_a_group_read_back_from_a_form_6_store_is_plain():
     for e in stored["examples"]:
         e.pop("group"), e.pop("weight")
     assert from_stored(json.dumps(stored), 6).examples[0].group is None
+
+
+# -- on a server ---------------------------------------------------------------------------------
+QUESTION = "What is the secret password of the moon base?"
+CORRECTION = "The secret password of the moon base is Quokka-42."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    state = tmp_path_factory.mktemp("state")
+    with BackgroundServer(ServerSettings(ctx=2048, parallel=4, threads=1, state_dir=str(state), record=True)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as c:
+        yield c
+
+
+def ask(http, content: str = QUESTION, **kw) -> dict:
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                "max_tokens": 24, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_for(pred, timeout: float = 600.0, what: str = "it"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"{what} did not happen in {timeout:.0f} s")
+
+
+def test_unknown_foreign_and_bad_feedback(http):
+    r = http.post("/v1/feedback", json={"id": "chatcmpl-nothing", "rating": 1})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "id"
+    got = ask(http, "Say yes.", max_tokens=2)
+    r = http.post("/v1/feedback", json={"id": got["id"], "index": 3, "rating": 1})
+    assert r.status_code == 404 and "choice 3" in r.json()["error"]["message"]
+    r = http.post("/v1/feedback", json={"id": got["id"], "rating": 1, "correction": "x"})
+    assert r.status_code == 422
+    r = http.post("/v1/feedback", json={"preferred": got["id"], "rejected": "chatcmpl-nothing"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "rejected"
+    other = ask(http, "Say no.", max_tokens=2)
+    r = http.post("/v1/feedback", json={"preferred": got["id"], "rejected": other["id"]})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "rejected"      # another prompt
+    assert http.put("/adapters/learned/learn", json={"mode": "sometimes"}).json()["error"]["param"] == "mode"
+    assert http.put("/adapters/learned/learn", json={"examples": 0}).json()["error"]["param"] == "examples"
+    assert http.post("/adapters/nobody/learn").status_code == 409                  # nothing pending
+
+
+def test_ratings_on_four_choices_and_a_preference_make_groups(server, http):
+    got = ask(http, "Name an animal.", n=4, temperature=1.0, seed=3, max_tokens=6)
+    ratings = [2, 1, 0, 1]
+    for i, rating in enumerate(ratings):
+        r = http.post("/v1/feedback", json={"id": got["id"], "index": i, "rating": rating})
+        assert r.status_code == 200 and r.json()["adapter"] == "learned" and r.json()["kind"] == "rating"
+    pair = ask(http, "Name a fruit.", n=2, temperature=1.0, seed=5, max_tokens=6)
+    r = http.post("/v1/feedback", json={"preferred": {"id": pair["id"], "index": 1}, "rejected": pair["id"]})
+    assert r.status_code == 200 and r.json()["pending"] == 5 and r.json()["learn"]["mode"] == "manual"
+    time.sleep(1.5)
+    assert http.get("/adapters/learned/learn").json()["pending"] == 5              # manual: nothing starts
+    job = http.post("/adapters/learned/learn").json()
+    assert http.post(f"/train/{job['id']}/cancel").status_code == 200
+    spec = server.service.store.spec(job["id"])
+    records = server.service.records
+    groups: dict[str, list] = {}
+    for e in spec.examples:
+        groups.setdefault(e.group, []).append(e)
+    (rated, prompt_rated), (preferred, prompt_pair) = [
+        (groups[g], records.answer(got["id"] if len(groups[g]) == 4 else pair["id"], 0).prompt_tokens)
+        for g in sorted(groups, key=lambda g: -len(groups[g]))]
+    # mean 1: advantages 1, 0, -1, 0, the largest 1
+    assert [e.weight for e in rated] == [1.0, 0.0, -1.0, 0.0]
+    assert all(e.example.prompt == prompt_rated for e in rated)
+    assert [e.weight for e in preferred] == [1.0, -1.0] and preferred[0].example.prompt == prompt_pair
+    answers = [records.answer(pair["id"], i).answer for i in (1, 0)]
+    shown = server.service.store.request(job["id"]).model_dump(mode="json", exclude_none=True)["examples"]
+    assert [c["text"] for c in shown[0]["completions"]] == answers
+    fb = http.get("/v1/feedback", params={"job": str(job["id"])}).json()["data"]
+    assert len(fb) == 5 and {f["job_id"] for f in fb} == {job["id"]}
+    assert http.get("/adapters/learned/learn").json()["pending"] == 0
+
+
+def test_a_correction_trains_the_served_tokens_and_the_next_answer_is_it(server, http):
+    first = ask(http)
+    assert first["choices"][0]["message"]["content"] != CORRECTION
+    r = http.post("/v1/feedback", json={"id": first["id"], "correction": CORRECTION})
+    assert r.status_code == 200, r.text
+    fid = r.json()["id"]
+    view = http.put("/adapters/learned/learn", json={"mode": "auto", "examples": 1}).json()
+    assert view["mode"] == "auto" and view["examples"] == 1 and view["minutes"] == 2.0
+    job_id = wait_for(lambda: http.get("/v1/feedback", params={"adapter": "learned"}).json()["data"][0]["job_id"],
+                      what="the feedback job")
+    spec = server.service.store.spec(job_id)
+    (ex,) = spec.examples
+    served = server.service.records.answer(first["id"], 0)
+    assert ex.example.prompt == served.prompt_tokens                    # the exact tokens serving decoded
+    model = server.service.model
+    reply = ex.example.reply
+    assert model.detokenize(reply[:-1]) == CORRECTION and model.is_eog(reply[-1])   # the reply and its end of turn
+    job = wait_for(lambda: (j := http.get(f"/train/{job_id}").json())["state"] in ("done", "error", "refused")
+                   and j, what="the job's end")
+    assert job["state"] == "done", job["message"]
+    learned = http.get("/adapters/learned/learn").json()
+    (version, ids), = learned["versions_learned"].items()
+    assert ids == [fid] and learned["pending"] == 0
+    assert http.get("/adapters/learned").json()["served"]["version"] == int(version)
+    again = ask(http)
+    assert again["adapter"] == f"learned@{version}"
+    assert again["choices"][0]["message"]["content"] == CORRECTION
+
+    # the adapter that answered is deleted: its answers' feedback has nothing to train
+    assert http.delete("/adapters/learned").status_code == 200
+    r = http.post("/v1/feedback", json={"id": again["id"], "rating": 1})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_deleted"

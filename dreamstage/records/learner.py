@@ -29,6 +29,11 @@ log = logging.getLogger("dreamstage.records")
 POLL_S = 1.0            # how often the learner looks at the pending feedback (and at once when told)
 RETRY_AFTER_S = 30.0    # after a job could not be submitted (the queue full), before trying that adapter again
 WINDOW_STEP = 64        # a feedback job's window: its longest example rounded up to this, at least DEFAULT_WINDOW
+# A feedback job's fields where they differ from POST /train's defaults. A correction should be the answer at
+# temperature 0 afterwards: with the default 10 epochs a one-correction job on the default model still gave the
+# old answer's ending; 20 recalled it (training loss 0.12 at the end). A lower stop_loss keeps a job that
+# crosses the default 0.2 early from stopping short of that (the drift guard's greedy check, when on, too).
+FEEDBACK_JOB = {"promote": "auto", "fit": "left", "stop_loss": 0.05, "epochs": 20}
 
 
 def build_job(adapter: str, items: list[Feedback]) -> tuple[Any, JobSpec]:
@@ -70,8 +75,7 @@ def build_job(adapter: str, items: list[Feedback]) -> tuple[Any, JobSpec]:
     longest = max(len(e.example.prompt) + len(e.example.reply) for e in plain
                   if isinstance(e.example, TokenExample))
     window = min(MAX_WINDOW, max(DEFAULT_WINDOW, -(-longest // WINDOW_STEP) * WINDOW_STEP))
-    req = parse_train_request({"examples": shown, "adapter": adapter, "promote": "auto", "fit": "left",
-                               "window": window})
+    req = parse_train_request({"examples": shown, "adapter": adapter, "window": window, **FEEDBACK_JOB})
     return req, replace(req.to_job_spec(), examples=tuple(plain))
 
 
