@@ -42,7 +42,8 @@ CONNECTION_FLAGS = {
 SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "kv_unified", "batch", "threads", "kv_type", "adapter",
                 "max_queue",
                 "max_body_bytes", "n_gpu_layers", "api_key", "max_adapters", "adapter_max_rank",
-                "adapter_budget_mib", "api_keys") + tuple(CONNECTION_FLAGS)
+                "adapter_budget_mib", "api_keys", "record_days", "record_mib", "learn",
+                "learn_adapter") + tuple(CONNECTION_FLAGS)
 
 
 def serve_settings(args: argparse.Namespace):
@@ -64,6 +65,8 @@ def serve_settings(args: argparse.Namespace):
         given["strict_api"] = True
     if args.embeddings:
         given["embeddings"] = True
+    if args.record:
+        given["record"] = True
     if args.no_train:
         given["state_dir"] = None
     elif args.state_dir:
@@ -359,6 +362,21 @@ def _add_serve(sub) -> None:
                         "checks the held-out loss only (docs/architecture/drift.md)")
     p.add_argument("--embeddings", action="store_true",
                    help="serve POST /v1/embeddings: mean-pooled last hidden states of the resident model")
+    p.add_argument("--record", action="store_true",
+                   help="keep each served exchange (conversation, exact prompt tokens, answer, adapter, sampling) "
+                        "for feedback: POST /v1/feedback, GET|DELETE /v1/records (default: off; a request with "
+                        '"store": false is never kept)')
+    p.add_argument("--record-days", dest="record_days", type=float, default=None, metavar="DAYS",
+                   help=f"records older than this are deleted (default {default['record_days']:g})")
+    p.add_argument("--record-mib", dest="record_mib", type=float, default=None, metavar="MIB",
+                   help=f"past this the oldest records are deleted (default {default['record_mib']:g})")
+    from dreamstage.records.store import LEARN_MODES
+    p.add_argument("--learn", choices=LEARN_MODES, default=None,
+                   help="the default adapter's learning from feedback: manual (POST /adapters/NAME/learn starts a "
+                        "job) or auto (a job starts by itself); needs --record (default: as stored, manual)")
+    p.add_argument("--learn-adapter", dest="learn_adapter", default=None, metavar="NAME",
+                   help="the adapter feedback on the base model's answers trains "
+                        f"(default {default['learn_adapter']})")
     p.add_argument("--strict-api", action="store_true",
                    help="refuse unknown fields on the OpenAI routes with a 400 (default: ignore them and name them "
                         "in the X-Dreamstage-Ignored-Fields header)")

@@ -244,3 +244,88 @@ def test_a_correction_trains_the_served_tokens_and_the_next_answer_is_it(server,
     assert http.delete("/adapters/learned").status_code == 200
     r = http.post("/v1/feedback", json={"id": again["id"], "rating": 1})
     assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_deleted"
+
+
+def test_kill_9_between_feedback_and_job_loses_nothing_and_trains_nothing_twice(tmp_path):
+    """A server process killed after feedback is committed and before any job, then again once the job that
+    claimed it exists (queued or training): after the last start the feedback is trained by exactly one
+    finished job, and the version lists it."""
+    import sqlite3
+
+    from test_faults import ServerProcess
+
+    state = tmp_path / "state"
+    first = ServerProcess(None, state, "--record", ctx=1024)
+    got = first.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
+                                                         "max_tokens": 8, "temperature": 0}).json()
+    fid = first.http.post("/v1/feedback", json={"id": got["id"], "correction": CORRECTION}).json()["id"]
+    assert first.http.put("/adapters/learned/learn", json={"examples": 1}).json()["mode"] == "manual"
+    first.stop()                                           # kill -9: the feedback waits, pending, in the store
+
+    second = ServerProcess(None, state, "--record", "--learn", "auto", ctx=1024)
+    job = wait_for(lambda: second.http.get("/v1/feedback", params={"adapter": "learned"}).json()["data"][0]["job_id"],
+                   what="the feedback job")
+    second.stop()                                          # kill -9 with the job queued or training
+
+    third = ServerProcess(None, state, "--record", ctx=1024)
+    try:
+        def settled():
+            view = third.http.get("/adapters/learned/learn").json()
+            return view if view["pending"] == 0 and view["open_job"] is None and view["versions_learned"] else None
+        view = wait_for(settled, what="the feedback trained")
+        (version, ids), = view["versions_learned"].items()
+        assert ids == [fid]
+    finally:
+        third.stop()
+    conn = sqlite3.connect(state / "dreamstage.sqlite3")
+    try:
+        jobs = dict(conn.execute("SELECT id, state FROM jobs"))
+        (claimed,) = conn.execute("SELECT job_id FROM feedback WHERE id=?", (fid,)).fetchone()
+        versions = conn.execute("SELECT version, job_id FROM adapters WHERE name='learned'").fetchall()
+    finally:
+        conn.close()
+    assert jobs[claimed] == "done" and versions == [(int(version), claimed)]
+    # the job killed mid-way, if it was, ended interrupted and trained nothing; no other job ran
+    assert set(jobs) <= {job, claimed} and (claimed == job or jobs[job] == "interrupted")
+
+
+def test_auto_learning_starts_a_job_at_n_items_or_t_minutes_after_the_last(tmp_path):
+    from dreamstage.records.learner import Learner
+    from dreamstage.records.store import LearnSettings, RecordStore
+    from dreamstage.training.jobs.store import JobStore
+
+    t = [1000.0]
+    jobs = JobStore(tmp_path, clock=lambda: t[0])
+    records = RecordStore(jobs)
+
+    class Submitter:                                       # what JobSubmitter.submit_spec does with the store
+        def submit_spec(self, req, spec, within):
+            return jobs.submit(req, spec, within)
+
+    learner = Learner(records, Submitter(), clock=lambda: t[0])
+
+    def give(adapter: str, n: int = 1) -> None:
+        for _ in range(n):
+            records.add_feedback(adapter, "rec", "correction", "k",
+                                 {"prompt": [1, 2], "prompt_text": "Q", "replies": [reply("A", [3, 4])]})
+
+    records.set_learning("alice", LearnSettings("auto", examples=3, minutes=2.0))
+    give("alice", 2)
+    give("bob", 5)                                         # manual: never by itself
+    assert learner.tick() == []
+    t[0] += 119.0
+    assert learner.tick() == []
+    give("alice")                                          # the third: at once
+    (first,) = learner.tick()
+    assert jobs.state(first) == "queued" and len(jobs.spec(first).examples) == 3
+    give("alice")
+    t[0] += 600.0
+    assert learner.tick() == []                            # one feedback job of a name at a time
+    jobs.transition(first, "starting")
+    jobs.transition(first, "running")
+    jobs.transition(first, "done")
+    (second,) = learner.tick()                             # 10 minutes after the last item: due by time
+    assert len(jobs.spec(second).examples) == 1
+    assert records.pending_counts() == {"bob": (5, 1000.0)}
+    assert records.feedback_counts() == {"received": 9, "pending": 5, "training": 1, "used": 3, "dropped": 0}
+    jobs.close()
