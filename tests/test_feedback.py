@@ -329,3 +329,36 @@ def test_auto_learning_starts_a_job_at_n_items_or_t_minutes_after_the_last(tmp_p
     assert records.pending_counts() == {"bob": (5, 1000.0)}
     assert records.feedback_counts() == {"received": 9, "pending": 5, "training": 1, "used": 3, "dropped": 0}
     jobs.close()
+
+
+def test_a_job_of_only_negative_feedback_stays_finite_and_the_guard_decides(tiny_model_path, tmp_path):
+    """Ratings of -1 only (each answer read against zero: weight -1) on the tiny model with the drift guard
+    on: the job ends, every figure and every adapter weight finite, its reply losses held at the cap (measured:
+    6.14 and 6.01 after 24 epochs, cap 6), and
+    the version either promoted by the guard or kept back with its figures."""
+    import numpy as np
+
+    from dreamstage.adapters.files import load_lora
+
+    settings = ServerSettings(model=str(tiny_model_path), ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path),
+                              record=True, drift_guard=True)
+    with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600, headers=JSON) as c:
+        got = ask(c, "Say something rude.", n=2, temperature=1.0, seed=11, max_tokens=8)
+        for i in range(2):
+            assert c.post("/v1/feedback", json={"id": got["id"], "index": i, "rating": -1}).status_code == 200
+        job_id = c.post("/adapters/learned/learn").json()["id"]
+        assert all(e.weight == -1.0 for e in srv.service.store.spec(job_id).examples)
+        job = wait_for(lambda: (j := c.get(f"/train/{job_id}").json())["state"] in ("done", "error", "refused")
+                       and j, what="the job's end")
+        assert job["state"] == "done", job["message"]
+        groups = job["progress"]["groups"]
+        assert len(groups) == 1 and all(g["weights"] == [-1.0, -1.0] for g in groups.values())
+        losses = [x for g in groups.values() for x in g["reply_losses"]]
+        assert all(math.isfinite(x) for x in losses) and max(losses) < NEGATIVE_NLL_CAP + 1.0
+        adapter = job["adapter"]
+        drift = adapter["drift"]
+        assert drift is not None and math.isfinite(drift["drift_kl"]) and 0 <= drift["anchors_changed"] <= 1
+        factors, _ = load_lora(srv.service.store.adapter_path("learned", adapter["version"]))
+        assert all(np.isfinite(a).all() and np.isfinite(b).all() for a, b in factors.values())
+        # the guard's decision, either way, is the job's message; a version kept back waits to be promoted
+        assert adapter["promoted"] == ("not promoted" not in job["message"]), job["message"]
