@@ -246,6 +246,50 @@ def test_a_correction_trains_the_served_tokens_and_the_next_answer_is_it(server,
     assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_deleted"
 
 
+def test_feedback_through_the_clients_the_cli_and_metrics(server, http, capsys):
+    import asyncio
+    import re
+
+    from dreamstage import cli
+    from dreamstage.client import AsyncClient, Client, DreamstageError
+
+    with Client(server.url) as c:
+        assert c.learning("learned", mode="manual")["mode"] == "manual"
+        got = c.chat([{"role": "user", "content": "Name a colour."}], max_tokens=4, temperature=0)
+        rid = got.raw["id"]
+        assert c.record(rid)[0]["answer"] == got.text
+        fb = c.feedback(rid, rating=1)
+        assert (fb["kind"], fb["adapter"], fb["pending"]) == ("rating", "learned", 1)
+        with pytest.raises(DreamstageError) as e:
+            c.feedback(rid, index=-1, rating=1)
+        assert e.value.status == 422 and e.value.param == "index"
+
+    async def correct():
+        async with AsyncClient(server.url) as a:
+            return await a.feedback(rid, correction="Blue."), await a.learning("learned")
+    fb, view = asyncio.run(correct())
+    assert fb["kind"] == "correction" and view["pending"] == 2
+
+    assert cli.main(["feedback", rid, "--rating", "-1", "--url", server.url]) == 0
+    out = capsys.readouterr().out
+    assert "(rating) for adapter learned: 3 pending; learning manual" in out
+    with pytest.raises(SystemExit):
+        cli.main(["feedback", rid, "--url", server.url])
+    capsys.readouterr()
+
+    text = http.get("/metrics").text
+    assert re.search(r'^dreamstage_feedback_pending\{adapter="learned"\} 3\.0$', text, re.M)
+    received = float(re.search(r"^dreamstage_feedback_received_total (\S+)$", text, re.M).group(1))
+    used = float(re.search(r"^dreamstage_feedback_used_total (\S+)$", text, re.M).group(1))
+    assert received >= 3 and used >= 1                      # the correction job of the test before, done
+    assert re.search(r"^dreamstage_records [1-9]", text, re.M)
+
+    assert cli.main(["feedback", "--learn", "learned", "--url", server.url]) == 0
+    job = int(re.search(r"job (\d+)", capsys.readouterr().out).group(1))
+    assert http.post(f"/train/{job}/cancel").status_code == 200
+    assert http.get("/adapters/learned/learn").json()["pending"] == 0
+
+
 def test_kill_9_between_feedback_and_job_loses_nothing_and_trains_nothing_twice(tmp_path):
     """A server process killed after feedback is committed and before any job, then again once the job that
     claimed it exists (queued or training): after the last start the feedback is trained by exactly one
