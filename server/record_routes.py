@@ -256,6 +256,19 @@ async def list_feedback(request: Request, adapter: str | None = None, job: str |
     return {"object": "list", "data": [f.view() for f in got]}
 
 
+@router.get("/v1/feedback/pending")
+async def pending_feedback(request: Request):
+    """Per adapter the key may see: pending feedback and its learning (what the dashboard shows)."""
+    service = _records_service(request)
+    scope = scope_of(request)
+    records = service.records
+    counts = records.pending_counts()
+    names = sorted(n for n in set(counts) | set(records.auto_names()) if scope.allows(n))
+    return {"learn_adapter": service.settings.learn_adapter,
+            "pending": {n: {"count": counts.get(n, (0, None))[0], "last": counts.get(n, (0, None))[1],
+                            **asdict(records.learning(n))} for n in names}}
+
+
 # -- learning ----------------------------------------------------------------------------------------
 class LearnBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
