@@ -3,7 +3,8 @@
 - `GET /v1/records?adapter=&limit=&before=`: the newest records first; `GET /v1/records/{id}`: one
   exchange's choices; `DELETE /v1/records/{id}`; `DELETE /adapters/{name}/records`.
 - `POST /v1/feedback`: a correction, a rating or a preference on recorded answers (records/feedback.py);
-  `GET /v1/feedback?adapter=`: feedback and the job each went into.
+  `GET /v1/feedback?adapter=&job=`: feedback and the job each went into; `DELETE /v1/feedback/{id}`: a pending
+  item; `GET /v1/feedback/pending`: per adapter, its pending count and learning.
 - `GET|PUT /adapters/{name}/learn`: an adapter's learning (`mode` manual | auto, `examples`, `minutes`) and
   its pending feedback; `POST /adapters/{name}/learn`: a job of its pending feedback now.
 
@@ -13,7 +14,9 @@ A key scoped to adapters (tenants.py) sees the records of its adapters only; the
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import sqlite3
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,6 +33,7 @@ from dreamstage.training.jobs.submit import SubmitRefused
 from dreamstage.validation import field_errors
 
 router = APIRouter()
+log = logging.getLogger("dreamstage.records")
 MAX_LIST = 1000
 
 
@@ -108,13 +112,8 @@ def _name(request: Request, raw: str) -> str:
 async def _store_call(fn, *args, what: str):
     try:
         return await asyncio.to_thread(fn, *args)
-    except OSError as e:
+    except (OSError, sqlite3.Error) as e:
         raise _storage_error(e, what) from None
-    except Exception as e:
-        import sqlite3
-        if isinstance(e, sqlite3.Error):
-            raise _storage_error(e, what) from None
-        raise
 
 
 # -- records -----------------------------------------------------------------------------------------
@@ -237,9 +236,9 @@ async def post_feedback(request: Request):
     adapter, record_id, key, body = await asyncio.to_thread(_prepare, request, service, fb)
     fid = await _store_call(service.records.add_feedback, adapter, record_id, fb.kind, key, body, what="feedback")
     service.learner.notify()
-    count, _ = service.records.pending_counts().get(adapter, (0, 0.0))
+    view = await asyncio.to_thread(learn_view, service, adapter)
     return {"id": fid, "object": "feedback", "kind": fb.kind, "adapter": adapter, "record_id": record_id,
-            "pending": count, "learn": asdict(service.records.learning(adapter))}
+            "pending": view["pending"], "learn": {k: view[k] for k in ("mode", "examples", "minutes")}}
 
 
 @router.get("/v1/feedback")
@@ -252,8 +251,22 @@ async def list_feedback(request: Request, adapter: str | None = None, job: str |
         raise APIError(422, "adapter: a scoped key lists one adapter's feedback at a time", "adapter",
                        "invalid_value")
     job_id = strict_int(job, "job", 1) if job is not None else None
-    got = service.records.feedback(adapter, job_id, strict_int(limit, "limit", 1, MAX_LIST))
+    got = await asyncio.to_thread(service.records.feedback, adapter, job_id, strict_int(limit, "limit", 1, MAX_LIST))
     return {"object": "list", "data": [f.view() for f in got]}
+
+
+@router.delete("/v1/feedback/{feedback_id}")
+async def delete_feedback(feedback_id: str, request: Request):
+    """A pending item (one a job has taken is part of that job, as a POST /train example is)."""
+    service = _records_service(request)
+    fid = strict_int(feedback_id, "id", 1)
+    item = await asyncio.to_thread(service.records.feedback_item, fid)
+    if item is None or not scope_of(request).allows(item.adapter):
+        raise APIError(404, f"no feedback {fid}", "id", "not_found")
+    if not await _store_call(service.records.delete_pending, fid, what="feedback"):
+        raise APIError(409, f"feedback {fid} is in job {item.job_id}; only pending feedback can be deleted", "id",
+                       "feedback_in_job")
+    return {"id": fid, "deleted": True}
 
 
 @router.get("/v1/feedback/pending")
@@ -287,7 +300,7 @@ def learn_view(service, name: str) -> dict[str, Any]:
 @router.get("/adapters/{name}/learn")
 async def get_learn(name: str, request: Request):
     service = _records_service(request)
-    return learn_view(service, _name(request, name))
+    return await asyncio.to_thread(learn_view, service, _name(request, name))
 
 
 @router.put("/adapters/{name}/learn")
@@ -302,7 +315,7 @@ async def put_learn(name: str, request: Request):
     new = LearnSettings(body.mode or old.mode, body.examples or old.examples, body.minutes or old.minutes)
     await _store_call(service.records.set_learning, name, new, what="learning")
     service.learner.notify()
-    return learn_view(service, name)
+    return await asyncio.to_thread(learn_view, service, name)
 
 
 @router.post("/adapters/{name}/learn", status_code=202)
@@ -315,6 +328,8 @@ async def post_learn(name: str, request: Request):
         job = await asyncio.to_thread(service.learner.learn, name)
     except SubmitRefused as e:
         raise _refused(e) from None
+    except LookupError as e:                 # an item deleted while the job was made: nothing was stored
+        raise APIError(409, f"{e}; retry", "name", "feedback_changed") from None
     if job is None:
         raise APIError(409, f"adapter {name!r} has no pending feedback", "name", "nothing_pending")
-    return {"id": job["id"], "state": job["state"], **learn_view(service, name)}
+    return {"id": job["id"], "state": job["state"], **await asyncio.to_thread(learn_view, service, name)}

@@ -290,6 +290,19 @@ def test_feedback_through_the_clients_the_cli_and_metrics(server, http, capsys):
     assert http.get("/adapters/learned/learn").json()["pending"] == 0
 
 
+def test_pending_feedback_can_be_deleted_and_feedback_in_a_job_cannot(http):
+    got = ask(http, "Name a bird.", max_tokens=4)
+    fid = http.post("/v1/feedback", json={"id": got["id"], "rating": 1}).json()["id"]
+    assert http.get("/adapters/learned/learn").json()["pending"] == 1
+    assert http.delete(f"/v1/feedback/{fid}").json() == {"id": fid, "deleted": True}
+    assert http.get("/adapters/learned/learn").json()["pending"] == 0
+    assert http.delete(f"/v1/feedback/{fid}").status_code == 404
+    taken = next(f for f in http.get("/v1/feedback", params={"adapter": "learned"}).json()["data"] if f["job_id"])
+    r = http.delete(f"/v1/feedback/{taken['id']}")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "feedback_in_job"
+    assert http.delete("/v1/feedback/x").json()["error"]["param"] == "id"
+
+
 def test_kill_9_between_feedback_and_job_loses_nothing_and_trains_nothing_twice(tmp_path):
     """A server process killed after feedback is committed and before any job, then again once the job that
     claimed it exists (queued or training): after the last start the feedback is trained by exactly one

@@ -236,6 +236,16 @@ class RecordStore:
                 "SELECT * FROM feedback WHERE (? IS NULL OR adapter=?) AND (? IS NULL OR job_id=?) "
                 "ORDER BY id DESC LIMIT ?", (adapter, adapter, job_id, job_id, limit))]
 
+    def feedback_item(self, feedback_id: int) -> Feedback | None:
+        with self.jobs.reading() as c:
+            row = c.execute("SELECT * FROM feedback WHERE id=?", (feedback_id,)).fetchone()
+        return _feedback(row) if row is not None else None
+
+    def delete_pending(self, feedback_id: int) -> bool:
+        """Delete a pending item; False when a job has it (or it is gone)."""
+        with self.jobs.transaction() as c:
+            return c.execute("DELETE FROM feedback WHERE id=? AND job_id IS NULL", (feedback_id,)).rowcount == 1
+
     def pending_counts(self) -> dict[str, tuple[int, float]]:
         """Per adapter: (pending items, when the last one came)."""
         with self.jobs.reading() as c:
