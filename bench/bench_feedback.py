@@ -4,10 +4,10 @@
     nice python bench/bench_feedback.py --mode ratings --out bench/results/feedback-ratings-DATE.json
 
 One server (the default model, `--record --learn auto`, the drift guard on, a fresh state directory; one
-thread unless --threads). A chat client asks back to back the whole time (short general questions,
-temperature 0), so the job trains beside a steady user; its tokens per second before the feedback and while
-the job runs give the chat slowdown. The facts below were made up for this benchmark and written before its
-first run; the model cannot know them.
+thread unless --threads). A chat client asks the whole time (short general questions, temperature 0), reading
+each answer for --think-s (3 s; 0: back to back) before the next; its tokens per second of request time before
+the feedback and while the job runs give the chat slowdown. The facts below were made up for this benchmark
+and written before its first run; the model cannot know them.
 
 - corrections: the user asks each of the K questions (temperature 0) and corrects each answer once.
 - ratings: each question names two options; the user samples two answers (n = 2, temperature 1.0) and rates
@@ -70,27 +70,31 @@ def ask(http: httpx.Client, question: str, **kw) -> dict:
 
 
 class ChatClient:
-    """Asks back to back until stopped; counts completion tokens over time."""
+    """A user chatting until stopped: asks, reads the answer for `think_s`, asks again; counts completion tokens
+    and the time its requests took."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, think_s: float):
         self.http = httpx.Client(base_url=url, timeout=600)
-        self.samples: list[tuple[float, int]] = []      # (end time, completion tokens)
+        self.think_s = think_s
+        self.requests: list[tuple[float, float, int]] = []   # (start, end, completion tokens)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         i = 0
         while not self._stop.is_set():
+            t0 = time.monotonic()
             got = ask(self.http, CHAT[i % len(CHAT)], max_tokens=24)
-            self.samples.append((time.monotonic(), got["usage"]["completion_tokens"]))
+            self.requests.append((t0, time.monotonic(), got["usage"]["completion_tokens"]))
             i += 1
+            self._stop.wait(self.think_s)
 
     def rate(self, t0: float, t1: float) -> float | None:
-        """Completion tokens per second of the requests that ended in [t0, t1]."""
-        inside = [(t, n) for t, n in self.samples if t0 <= t <= t1]
-        if len(inside) < 2:
+        """Completion tokens per second of request time, over the requests that ended in [t0, t1]."""
+        inside = [(a, b, n) for a, b, n in self.requests if t0 <= b <= t1]
+        if not inside:
             return None
-        return sum(n for _, n in inside[1:]) / (inside[-1][0] - inside[0][0])
+        return sum(n for _, _, n in inside) / sum(b - a for a, b, _ in inside)
 
     def start(self) -> ChatClient:
         self._thread.start()
@@ -136,7 +140,7 @@ def prime(http: httpx.Client, timeout_s: float) -> float:
     one-epoch job of an unrelated example that promotes nothing, while nothing else runs. Returns its seconds."""
     t0 = time.monotonic()
     job = http.post("/train", json={"examples": [{"prompt": "Priming:", "completion": " done."}], "epochs": 1,
-                                    "promote": "never", "adapter": "prime"}).json()
+                                    "consolidate": 0, "neighbours": 0, "promote": "never", "adapter": "prime"}).json()
     while time.monotonic() - t0 < timeout_s:
         if http.get(f"/train/{job['id']}").json()["state"] in ("done", "error", "refused", "cancelled"):
             break
@@ -144,14 +148,14 @@ def prime(http: httpx.Client, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
-def run(mode: str, threads: int, baseline_s: float, timeout_s: float, primed: bool) -> dict:
+def run(mode: str, threads: int, baseline_s: float, timeout_s: float, primed: bool, think_s: float) -> dict:
     with tempfile.TemporaryDirectory() as state:
         settings = ServerSettings(ctx=2048, parallel=4, threads=threads, state_dir=state, record=True,
                                   learn="auto", drift_guard=True)
         with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600) as http:
             before = recall(http, mode)
             prime_s = prime(http, timeout_s) if primed else None
-            chat = ChatClient(srv.url).start()
+            chat = ChatClient(srv.url, think_s).start()
             t0 = time.monotonic()
             time.sleep(baseline_s)
             base_rate = chat.rate(t0, time.monotonic())
@@ -196,11 +200,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--baseline-s", type=float, default=30.0, help="chat alone before the feedback")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
+    ap.add_argument("--think-s", type=float, default=3.0, help="the user's pause between an answer and the next "
+                                                                   "question (0: back to back)")
     ap.add_argument("--prime", action="store_true",
                     help="do the drift guard's set-up first, while idle (a server's first job pays it otherwise)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    got = run(args.mode, args.threads, args.baseline_s, args.timeout_s, args.prime)
+    got = run(args.mode, args.threads, args.baseline_s, args.timeout_s, args.prime, args.think_s)
     print(json.dumps(got, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps({

@@ -99,13 +99,22 @@ def _record_id(raw: str) -> str:
     return raw
 
 
-def _name(request: Request, raw: str) -> str:
+def _adapter_query(request: Request, adapter: str | None) -> None:
+    """`?adapter=`: a name the key may touch, or "base" (the base model's, for an unscoped key); else 422/404."""
+    if adapter == "base":
+        if scope_of(request).scoped:
+            raise APIError(404, "no adapter 'base' for this key", "adapter", "not_found")
+    elif adapter is not None:
+        _name(request, adapter, "adapter")
+
+
+def _name(request: Request, raw: str, param: str = "name") -> str:
     try:
-        check_adapter_name(raw, "name")
+        check_adapter_name(raw, param)
     except ValueError as e:
-        raise _invalid([("name", str(e))]) from None
+        raise _invalid([(param, str(e))]) from None
     if not scope_of(request).allows(raw):
-        raise APIError(404, f"no adapter {raw!r}", "name", "not_found")
+        raise APIError(404, f"no adapter {raw!r}", param, "not_found")
     return raw
 
 
@@ -122,10 +131,7 @@ async def list_records(request: Request, adapter: str | None = None, limit: str 
     service = _records_service(request)
     scope = scope_of(request)
     n = strict_int(limit, "limit", 1, MAX_LIST)
-    if adapter is not None and adapter != "base":
-        _name(request, adapter)
-    if adapter == "base" and scope.scoped:
-        raise APIError(404, "no adapter 'base' records for this key", "adapter", "not_found")
+    _adapter_query(request, adapter)
     got = await _store_call(service.records.recent, adapter, scope.names, n, before, what="records")
     on = service.records.policy
     return {"object": "list", "data": [a.view() for a in got], "recording": True,
@@ -163,10 +169,16 @@ async def delete_adapter_records(name: str, request: Request):
 
 
 # -- feedback ----------------------------------------------------------------------------------------
+# pydantic names the member of a union an error came from (`preferred.AnswerRef`); the field is the client's
+_UNION_TAGS = (".AnswerRef", ".constrained-str")
+
+
 def feedback_errors(e: ValidationError) -> list[tuple[str, str]]:
-    """A cross-field message "rejected: ..." names its field."""
+    """Each error's field; a cross-field message "rejected: ..." names its field."""
     out = []
     for path, msg in field_errors(e):
+        for tag in _UNION_TAGS:
+            path = path.replace(tag, "")
         head, sep, rest = msg.partition(": ")
         out.append((head, rest) if path == "body" and sep and head in FeedbackRequest.model_fields else (path, msg))
     return out
@@ -197,6 +209,8 @@ def _prepare(request: Request, service, fb: FeedbackRequest) -> tuple[str, str, 
     replies: ReplyRenderer = service.reply_renderer
     if fb.kind == "preference":
         good, bad = (_answer_of(request, service, fb.ref(k), k) for k in ("preferred", "rejected"))
+        if fb.ref("preferred") == fb.ref("rejected"):
+            raise APIError(422, "rejected: the same answer as preferred", "rejected", "invalid_value")
         adapter = _target(request, service, good, "preferred")
         if _target(request, service, bad, "rejected") != adapter or good.prompt_tokens != bad.prompt_tokens:
             raise APIError(422, "rejected: not an answer to the same prompt by the same adapter as preferred",
@@ -245,9 +259,8 @@ async def post_feedback(request: Request):
 async def list_feedback(request: Request, adapter: str | None = None, job: str | None = None, limit: str = "100"):
     service = _records_service(request)
     scope = scope_of(request)
-    if adapter is not None:
-        _name(request, adapter)
-    elif scope.scoped:
+    _adapter_query(request, adapter)            # "base": none (feedback trains an adapter)
+    if adapter is None and scope.scoped:
         raise APIError(422, "adapter: a scoped key lists one adapter's feedback at a time", "adapter",
                        "invalid_value")
     job_id = strict_int(job, "job", 1) if job is not None else None

@@ -53,7 +53,7 @@ def test_a_negative_reply_is_dropped_once_its_nll_passes_the_cap():
     ({"id": "x", "index": -1, "rating": 1}, "index"),
     ({"preferred": "a"}, "preferred"),
     ({"rejected": "a", "rating": 1, "id": "x"}, "rejected"),
-    ({"preferred": "a", "rejected": "a"}, "rejected"),
+    ({"preferred": "", "rejected": "a"}, "preferred"),
     ({"id": "x", "preferred": "a", "rejected": "b"}, "id"),
     ({"id": "x", "rating": 1, "mood": "happy"}, "mood"),
 ])
@@ -171,6 +171,8 @@ def test_unknown_foreign_and_bad_feedback(http):
     assert r.status_code == 422
     r = http.post("/v1/feedback", json={"preferred": got["id"], "rejected": "chatcmpl-nothing"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "rejected"
+    r = http.post("/v1/feedback", json={"preferred": got["id"], "rejected": {"id": got["id"], "index": 0}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "rejected"      # the same answer twice
     other = ask(http, "Say no.", max_tokens=2)
     r = http.post("/v1/feedback", json={"preferred": got["id"], "rejected": other["id"]})
     assert r.status_code == 422 and r.json()["error"]["param"] == "rejected"      # another prompt

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,8 +41,8 @@ class FeedbackRequest(BaseModel):
     index: int = Field(0, ge=0, le=127)
     correction: str | None = Field(None, min_length=1, max_length=MAX_CORRECTION_CHARS)
     rating: float | None = Field(None, ge=-1e6, le=1e6)
-    preferred: AnswerRef | str | None = None
-    rejected: AnswerRef | str | None = None
+    preferred: AnswerRef | Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+    rejected: AnswerRef | Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
 
     @model_validator(mode="after")
     def _one_kind(self) -> FeedbackRequest:
@@ -57,8 +57,6 @@ class FeedbackRequest(BaseModel):
                 raise ValueError("preferred: needs rejected (a preference names both answers)")
             if self.id is not None:
                 raise ValueError("id: a preference names its answers in preferred and rejected, not id")
-            if self.ref("preferred") == self.ref("rejected"):
-                raise ValueError("rejected: the same answer as preferred")
         elif self.id is None:
             raise ValueError(f"id: required with {given[0]} (the completion id the answer carried)")
         return self
