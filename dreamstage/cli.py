@@ -42,7 +42,8 @@ CONNECTION_FLAGS = {
 SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "kv_unified", "batch", "threads", "kv_type", "adapter",
                 "max_queue",
                 "max_body_bytes", "n_gpu_layers", "api_key", "max_adapters", "adapter_max_rank",
-                "adapter_budget_mib", "api_keys") + tuple(CONNECTION_FLAGS)
+                "adapter_budget_mib", "api_keys", "record_days", "record_mib", "learn",
+                "learn_adapter") + tuple(CONNECTION_FLAGS)
 
 
 def serve_settings(args: argparse.Namespace):
@@ -64,6 +65,8 @@ def serve_settings(args: argparse.Namespace):
         given["strict_api"] = True
     if args.embeddings:
         given["embeddings"] = True
+    if args.record:
+        given["record"] = True
     if args.no_train:
         given["state_dir"] = None
     elif args.state_dir:
@@ -307,6 +310,47 @@ def cmd_adapters(args: argparse.Namespace) -> int:
     return 0
 
 
+def _answer_ref(raw: str) -> str | dict:
+    """ID, or ID:INDEX for a choice other than the first."""
+    rid, sep, index = raw.rpartition(":")
+    if sep and index.isdigit():
+        return {"id": rid, "index": int(index)}
+    return raw
+
+
+def cmd_feedback(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        if args.learn:
+            job = c.learn(args.learn)
+            print(f"job {job['id']} ({job['state']}) learns {args.learn}'s feedback")
+            return 0
+        got = c.feedback(args.id, index=args.index, correction=args.correction, rating=args.rating,
+                         preferred=_answer_ref(args.preferred) if args.preferred else None,
+                         rejected=_answer_ref(args.rejected) if args.rejected else None)
+    learn = got["learn"]
+    print(f"feedback {got['id']} ({got['kind']}) for adapter {got['adapter']}: {got['pending']} pending; learning "
+          f"{learn['mode']}" + (f" (a job at {learn['examples']} or {learn['minutes']:g} min after the last)"
+                                if learn["mode"] == "auto" else f" (dreamstage feedback --learn {got['adapter']})"))
+    return 0
+
+
+def _add_feedback(sub) -> None:
+    """`dreamstage feedback ID --correction TEXT | --rating X`, `--preferred ID --rejected ID`, `--learn NAME`."""
+    p = sub.add_parser("feedback", help="correct, rate or compare recorded answers (serve --record), or start a job "
+                                        "of an adapter's pending feedback")
+    p.add_argument("id", nargs="?", help="the completion id the answer carried")
+    p.add_argument("--index", type=int, default=0, help="the choice of an n > 1 answer (default 0)")
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--correction", metavar="TEXT", help="the answer it should have given")
+    kind.add_argument("--rating", type=float, help="a number: +1 / -1, or any scale (docs/architecture/feedback.md)")
+    kind.add_argument("--preferred", metavar="ID[:INDEX]", help="the better of two answers to one prompt (with "
+                                                                "--rejected)")
+    kind.add_argument("--learn", metavar="NAME", help="start a job of NAME's pending feedback now")
+    p.add_argument("--rejected", metavar="ID[:INDEX]", help="the worse of the two")
+    _client_flags(p)
+    p.set_defaults(fn=cmd_feedback)
+
+
 def _client_flags(p) -> None:
     """The flags of a command that talks to a running server."""
     p.add_argument("--url", default="http://127.0.0.1:8080")
@@ -359,6 +403,21 @@ def _add_serve(sub) -> None:
                         "checks the held-out loss only (docs/architecture/drift.md)")
     p.add_argument("--embeddings", action="store_true",
                    help="serve POST /v1/embeddings: mean-pooled last hidden states of the resident model")
+    p.add_argument("--record", action="store_true",
+                   help="keep each served exchange (conversation, exact prompt tokens, answer, adapter, sampling) "
+                        "for feedback: POST /v1/feedback, GET|DELETE /v1/records (default: off; a request with "
+                        '"store": false is never kept)')
+    p.add_argument("--record-days", dest="record_days", type=float, default=None, metavar="DAYS",
+                   help=f"records older than this are deleted (default {default['record_days']:g})")
+    p.add_argument("--record-mib", dest="record_mib", type=float, default=None, metavar="MIB",
+                   help=f"past this the oldest records are deleted (default {default['record_mib']:g})")
+    from dreamstage.records.store import LEARN_MODES
+    p.add_argument("--learn", choices=LEARN_MODES, default=None,
+                   help="the default adapter's learning from feedback: manual (POST /adapters/NAME/learn starts a "
+                        "job) or auto (a job starts by itself); needs --record (default: as stored, manual)")
+    p.add_argument("--learn-adapter", dest="learn_adapter", default=None, metavar="NAME",
+                   help="the adapter feedback on the base model's answers trains "
+                        f"(default {default['learn_adapter']})")
     p.add_argument("--strict-api", action="store_true",
                    help="refuse unknown fields on the OpenAI routes with a 400 (default: ignore them and name them "
                         "in the X-Dreamstage-Ignored-Fields header)")
@@ -447,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_train(sub)
     _add_adapters(sub)
+    _add_feedback(sub)
     return ap
 
 

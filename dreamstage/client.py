@@ -198,6 +198,24 @@ def import_body(name: str, path, promote: bool = True) -> dict:
     return {"name": name, "promote": promote, "gguf": base64.b64encode(path.read_bytes()).decode()}
 
 
+def feedback_body(id: str | None = None, *, index: int = 0, correction: str | None = None,
+                  rating: float | None = None, preferred: str | dict | None = None,
+                  rejected: str | dict | None = None) -> dict:
+    """POST /v1/feedback's body: on answer `id` (choice `index`) a `correction` or a `rating`, or a preference
+    between two answers (`preferred`, `rejected`: an id, or {"id", "index"}); the server checks the rest."""
+    given = {"id": id, "correction": correction, "rating": rating, "preferred": preferred, "rejected": rejected}
+    body = {k: v for k, v in given.items() if v is not None}
+    if index:
+        body["index"] = index
+    return body
+
+
+def _learn_call(name: str, settings: dict) -> tuple[str, str, dict | None]:
+    """GET an adapter's learning, or PUT the settings given (mode, examples, minutes)."""
+    given = {k: v for k, v in settings.items() if v is not None}
+    return ("PUT", f"/adapters/{name}/learn", given) if given else ("GET", f"/adapters/{name}/learn", None)
+
+
 def _rollback_path(name: str | None) -> str:
     return "/adapters/rollback" if name is None else f"/adapters/{name}/rollback"
 
@@ -322,6 +340,39 @@ class Client:
         """Unload `name` (DELETE /adapters/{name}): it serves nothing; its versions stay stored."""
         return self._json("DELETE", f"/adapters/{name}")
 
+    def feedback(self, id: str | None = None, **fields) -> dict:
+        """Feedback on a recorded answer (serve --record): `correction=`, `rating=` (with `index=` for a
+        choice), or `preferred=`/`rejected=` (feedback_body). Returns the stored item and the pending count."""
+        return self._json("POST", "/v1/feedback", feedback_body(id, **fields))
+
+    def records(self, adapter: str | None = None, limit: int = 100) -> list[dict]:
+        """The newest recorded answers (of `adapter`; "base": the base model's)."""
+        params = {"limit": str(limit), **({"adapter": adapter} if adapter else {})}
+        r = self._http.get("/v1/records", params=params)
+        if r.status_code != 200:
+            _raise_for(r.status_code, r.content, r.headers)
+        return r.json()["data"]
+
+    def record(self, id: str) -> list[dict]:
+        """Every recorded choice of completion `id`."""
+        return self._json("GET", f"/v1/records/{id}")["data"]
+
+    def delete_record(self, id: str) -> dict:
+        return self._json("DELETE", f"/v1/records/{id}")
+
+    def delete_records(self, adapter: str) -> dict:
+        """Delete every record of `adapter`'s answers."""
+        return self._json("DELETE", f"/adapters/{adapter}/records")
+
+    def learning(self, name: str, *, mode: str | None = None, examples: int | None = None,
+                 minutes: float | None = None) -> dict:
+        """`name`'s learning from feedback and its pending count; with settings, change them first."""
+        return self._json(*_learn_call(name, {"mode": mode, "examples": examples, "minutes": minutes}))
+
+    def learn(self, name: str) -> dict:
+        """A job of `name`'s pending feedback, now (202; 409 when none is pending)."""
+        return self._json("POST", f"/adapters/{name}/learn", None, expect=(202,))
+
     def _json(self, method: str, path: str, body: dict | None = None, expect: tuple[int, ...] = (200,)) -> dict:
         # A state change without a body still says application/json: the server
         # refuses body-less POSTs without it (or the key), as a cross-site guard.
@@ -410,6 +461,22 @@ class AsyncClient:
 
     async def remove_adapter(self, name: str) -> dict:
         return await self._json("DELETE", f"/adapters/{name}")
+
+    async def feedback(self, id: str | None = None, **fields) -> dict:
+        return await self._json("POST", "/v1/feedback", feedback_body(id, **fields))
+
+    async def record(self, id: str) -> list[dict]:
+        return (await self._json("GET", f"/v1/records/{id}"))["data"]
+
+    async def delete_record(self, id: str) -> dict:
+        return await self._json("DELETE", f"/v1/records/{id}")
+
+    async def learning(self, name: str, *, mode: str | None = None, examples: int | None = None,
+                       minutes: float | None = None) -> dict:
+        return await self._json(*_learn_call(name, {"mode": mode, "examples": examples, "minutes": minutes}))
+
+    async def learn(self, name: str) -> dict:
+        return await self._json("POST", f"/adapters/{name}/learn", {}, expect=(202,))
 
     async def _json(self, method: str, path: str, body: dict | None = None, expect: tuple[int, ...] = (200,)) -> dict:
         r = await self._http.request(method, path, json=body) if body is not None \

@@ -5,7 +5,8 @@
 - events.py: /events, the live stream; dashboard.py: the page at /;
 - status_routes.py: /health, /slots, /props, /metrics;
 - token_routes.py: /tokenize, /detokenize (llama-server's shapes);
-- embedding_routes.py: /v1/embeddings (with --embeddings).
+- embedding_routes.py: /v1/embeddings (with --embeddings);
+- record_routes.py: /v1/records, /v1/feedback, /adapters/{name}/records and /learn (with --record).
 Lifecycle lives in service.py, request models in schemas.py, errors in errors.py.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dreamstage.server.embedding_routes import router as embedding_router
 from dreamstage.server.events import router as events_router
 from dreamstage.server.middleware import BodyGuard
 from dreamstage.server.openai_routes import router as openai_router
+from dreamstage.server.record_routes import router as record_router
 from dreamstage.server.service import Service
 from dreamstage.server.status_routes import router as status_router
 from dreamstage.server.token_routes import router as token_router
@@ -34,8 +36,8 @@ def create_app(service: Service) -> FastAPI:
     # security guard (Host, key, content type), then the body checks.
     app.add_middleware(BodyGuard, max_bytes=service.settings.max_body_bytes)
     security.install(app, service.settings.security(), service.settings.cors_origins)
-    for router in (openai_router, embedding_router, token_router, train_router, adapter_router, events_router,
-                   dashboard_router, status_router):
+    for router in (openai_router, record_router, embedding_router, token_router, train_router, adapter_router,
+                   events_router, dashboard_router, status_router):
         app.include_router(router)
     openapi.install(app)
     return app

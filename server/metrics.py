@@ -69,11 +69,30 @@ class ServiceCollector:
         dream = getattr(self.service, "scheduler", None)
         if dream is not None:
             yield from self._dream(dream)
+        records = getattr(self.service, "records", None)
+        if records is not None:
+            yield from self._feedback(records)
         submitter = getattr(self.service, "submitter", None)
         if submitter is not None:
             yield _by(CounterMetricFamily("dreamstage_train_submissions_refused",
                                           "POST /train bodies refused, by error code.", labels=["code"]),
                       dict(submitter.refused), ("invalid_value", "limit_exceeded"))
+
+    @staticmethod
+    def _feedback(records) -> Iterator[Metric]:
+        """Read from the store at the scrape (a few indexed counts): feedback survives restarts, and so do these."""
+        n = records.feedback_counts()
+        yield _counter("dreamstage_feedback_received", "Feedback items received (POST /v1/feedback).", n["received"])
+        yield _counter("dreamstage_feedback_used", "Feedback items trained by a job that finished.", n["used"])
+        yield _gauge("dreamstage_feedback_training", "Feedback items in a job queued or training now.", n["training"])
+        pending = GaugeMetricFamily("dreamstage_feedback_pending", "Feedback items waiting for a job, by adapter.",
+                                    labels=["adapter"])
+        for name, (count, _) in sorted(records.pending_counts().items()):
+            pending.add_metric([name], count)
+        yield pending
+        kept, size = records.totals()
+        yield _gauge("dreamstage_records", "Served answers recorded (serve --record).", kept)
+        yield _gauge("dreamstage_records_bytes", "Bytes the records take in the store.", size)
 
     @staticmethod
     def _dream(dream) -> Iterator[Metric]:

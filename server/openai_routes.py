@@ -22,6 +22,7 @@ from dreamstage.server.bridge import ClientGone, EngineRequest
 from dreamstage.server.errors import APIError
 from dreamstage.server.fields import field_headers
 from dreamstage.server.middleware import EdgeRoute
+from dreamstage.server.record_routes import Exchange, begin
 from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
 from dreamstage.server.tenants import scope_of
 from dreamstage.server.views import public
@@ -96,7 +97,7 @@ def _sse(obj) -> dict[str, str]:
 
 
 async def _run(request: Request, gens: list[GenerationRequest], stream: bool, shape, include_usage: bool,
-               extra_headers: dict[str, str]):
+               extra_headers: dict[str, str], exchange: Exchange | None = None):
     """Admit the request's choices to the engine; answer whole (JSON) or as an SSE stream, in `shape` (answers.py)."""
     service = request.app.state.service
     job = EngineRequest(service.engine, gens, service.settings.retry_after_s)
@@ -114,18 +115,25 @@ async def _run(request: Request, gens: list[GenerationRequest], stream: bool, sh
             got = await job.collect(disconnected)
         except ClientGone:
             return JSONResponse(errors.error_body(499, "client closed the request"), status_code=499)
-        return JSONResponse(shape.full(got), headers=headers)
-    return _EngineStream(_events(job, shape, adm.adapter_version, include_usage), job, headers)
+        answer = shape.full(got)
+        if exchange is not None:
+            await exchange.save(shape.base["id"], [(c.text, c.finished) for c in got])
+        return JSONResponse(answer, headers=headers)
+    return _EngineStream(_events(job, shape, adm.adapter_version, include_usage, exchange), job, headers)
 
 
-async def _events(job: EngineRequest, shape, version: int | None, include_usage: bool):
+async def _events(job: EngineRequest, shape, version: int | None, include_usage: bool,
+                  exchange: Exchange | None = None):
     """The SSE events of a streamed answer: chunks per choice, each choice's final one, usage, [DONE]."""
     first = shape.opening(version, job.n)
     if first is not None:
         yield _sse(first)
     ends: dict[int, Finished] = {}
+    texts: list[list[str]] = [[] for _ in range(job.n)]     # each choice's answer, for its record
     while True:
         i, ev = await job.next()
+        if isinstance(ev, Delta):
+            texts[i].append(ev.text)
         if isinstance(ev, (Delta, PromptScored)):
             piece = shape.delta(ev, version, i) if isinstance(ev, Delta) else shape.prompt(ev, version, i)
             if piece is not None:
@@ -141,6 +149,8 @@ async def _events(job: EngineRequest, shape, version: int | None, include_usage:
                 u = dict(closing[-1])
                 u["choices"], u["usage"] = [], usage([ends[k] for k in sorted(ends)])
                 yield _sse(u)
+            if exchange is not None:
+                await exchange.save(shape.base["id"], [("".join(texts[k]), ends[k]) for k in range(job.n)])
             yield {"data": "[DONE]"}
             return
         elif isinstance(ev, Failed):
@@ -199,7 +209,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     names = frozenset(t["function"]["name"] for t in offered) if offered else None
     shape = ChatShape(base, service.prompts.pieces, body.logprobs is True, names, body.parallel_tool_calls is False)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _run(request, gens, body.stream, shape, include_usage, ignored)
+    exchange = begin(service, body, "chat", gens, messages=messages, tools=offered if native else None)
+    return await _run(request, gens, body.stream, shape, include_usage, ignored, exchange)
 
 
 @router.post("/v1/completions")
@@ -230,7 +241,8 @@ async def completions(body: CompletionRequest, request: Request):
         echo_text = given if isinstance(given, str) else await service.prompts.detokenize(prompt)
     shape = CompletionShape(base, service.prompts.pieces, body.logprobs is not None, echo_text, prompt)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _run(request, gens, body.stream, shape, include_usage, ignored)
+    exchange = begin(service, body, "completion", gens, prompt=given if isinstance(given, str) else None)
+    return await _run(request, gens, body.stream, shape, include_usage, ignored, exchange)
 
 
 def _answered_as(service, model: str | None, adapter: AdapterChoice | None) -> str:

@@ -106,6 +106,18 @@ _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
     ("delete", "/adapters/{name}"): (404, 409, 422, 503),
     ("get", "/adapters/{name}"): (404, 422, 503),
     ("get", "/adapters/{name}/versions/{version}"): (404, 422, 503),
+    # records and feedback (record_routes.py); 503: recording off
+    ("get", "/v1/records"): (404, 422, 503),
+    ("get", "/v1/records/{record_id}"): (404, 422, 503),
+    ("delete", "/v1/records/{record_id}"): (404, 422, 503, 507),
+    ("delete", "/adapters/{name}/records"): (404, 422, 503, 507),
+    ("post", "/v1/feedback"): (403, 404, 409, 422, 503, 507),
+    ("get", "/v1/feedback"): (404, 422, 503),
+    ("get", "/v1/feedback/pending"): (503,),
+    ("delete", "/v1/feedback/{feedback_id}"): (404, 409, 422, 503, 507),
+    ("get", "/adapters/{name}/learn"): (404, 422, 503),
+    ("put", "/adapters/{name}/learn"): (404, 413, 415, 422, 503, 507),
+    ("post", "/adapters/{name}/learn"): (403, 404, 409, 422, 503, 507),
 }
 
 
@@ -117,16 +129,29 @@ def _parameters() -> dict[str, dict]:
     # ADAPTER_NAME_RE without "..", a trailing "." or the reserved name.
     name = {"type": "string",
             "pattern": rf"^(?!{BASE_NAME}$)(?!.*\.\.)[A-Za-z0-9]([A-Za-z0-9_.-]{{0,62}}[A-Za-z0-9_-])?$"}
+    # ?adapter= (records, feedback): a name, or the base model's
+    adapter = {"type": "string", "pattern": r"^(?!.*\.\.)[A-Za-z0-9]([A-Za-z0-9_.-]{0,62}[A-Za-z0-9_-])?$"}
     return {"job_id": {"type": "integer", "minimum": 1, "maximum": MAX_SQL_INT},
+            "feedback_id": {"type": "integer", "minimum": 1, "maximum": MAX_SQL_INT},
+            "job": {"type": "integer", "minimum": 1, "maximum": MAX_SQL_INT},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100},
+            "record_id": {"type": "string", "minLength": 1, "maxLength": 200},
             "version": {"type": "integer", "minimum": 1, "maximum": MAX_SQL_INT},
             "after": {"type": "integer", "minimum": 0, "maximum": MAX_SQL_INT, "default": 0},
-            "name": name}
+            "name": name, "adapter": adapter}
 
 
 # Rules the request models check in validators, which pydantic does not write
 # into their schemas: the document states them, so a client (and the fuzzer)
 # can tell a valid body from one the server will refuse.
 _NOT_EMPTY_TEXT = {"type": "string", "minLength": 1}
+
+
+def _only(given: tuple[str, ...], absent: tuple[str, ...]) -> dict:
+    """A body with the fields `given` (not null) and the fields `absent` null or left out."""
+    return {"required": list(given), "properties": {**{k: {"not": {"type": "null"}} for k in given},
+                                                    **{k: {"type": "null"} for k in absent}}}
+
 _RULES: dict[str, dict] = {
     # LoraEntry._one_of: an id or a name, not both (two disjoint shapes: a oneOf is slow to generate)
     "LoraEntry": {"anyOf": [
@@ -136,6 +161,10 @@ _RULES: dict[str, dict] = {
     "TrainRequest": {"anyOf": [{"required": ["text"], "properties": {"text": {"type": "string"}}},
                                {"required": ["examples"], "properties": {"examples": {"type": "array",
                                                                                       "minItems": 1}}}]},
+    # FeedbackRequest._one_kind: id with a correction or a rating, or preferred with rejected
+    "FeedbackRequest": {"anyOf": [_only(("id", "correction"), ("rating", "preferred", "rejected")),
+                                  _only(("id", "rating"), ("correction", "preferred", "rejected")),
+                                  _only(("preferred", "rejected"), ("id", "correction", "rating"))]},
 }
 
 
@@ -153,10 +182,13 @@ def _apply_rules(schemas: dict) -> None:
 
 
 def _bodies():
+    from dreamstage.records.feedback import FeedbackRequest
     from dreamstage.server.adapter_routes import ImportBody, PromoteBody
+    from dreamstage.server.record_routes import LearnBody
     from dreamstage.training.jobs.request import TrainRequest
     return {("post", "/train"): (TrainRequest, True), ("post", "/adapters/{name}/promote"): (PromoteBody, False),
-            ("post", "/adapters"): (ImportBody, True)}
+            ("post", "/adapters"): (ImportBody, True), ("post", "/v1/feedback"): (FeedbackRequest, True),
+            ("put", "/adapters/{name}/learn"): (LearnBody, True)}
 
 
 def build(app) -> dict:

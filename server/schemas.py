@@ -166,6 +166,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=128)   # choices; at most the server's slots (checked by the route)
     user: str | None = None
+    store: bool | None = None      # OpenAI's; false: this exchange is never recorded (serve --record)
     grammar: str | None = Field(None, min_length=1)  # GBNF, root rule "root"
 
     @field_validator("repetition_penalty")

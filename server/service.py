@@ -5,6 +5,7 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dreamstage.server.prompts import PromptTokenizer
 from dreamstage.server.settings import ServerSettings
@@ -12,6 +13,11 @@ from dreamstage.serving.chat import ChatTemplate
 from dreamstage.serving.engine import DreamHook, Engine
 from dreamstage.serving.resident import ResidentModel
 from dreamstage.serving.sampling import defaults_source, model_defaults
+
+if TYPE_CHECKING:
+    from dreamstage.records.feedback import ReplyRenderer
+    from dreamstage.records.learner import Learner
+    from dreamstage.records.store import RecordStore
 
 log = logging.getLogger("dreamstage.server")
 
@@ -80,6 +86,9 @@ class Service:
                                           lc.llama_model_n_head_kv(m))
         # The dream stage (POST /train) needs a state directory for its jobs and adapters.
         self.store = self.scheduler = self.submitter = None
+        self.records: RecordStore | None = None       # --record (_start_records)
+        self.learner: Learner | None = None
+        self.reply_renderer: ReplyRenderer | None = None
         if settings.state_dir is not None and hook is None:
             from dreamstage.training.drift.record_file import DriftRecordFile
             from dreamstage.training.jobs.scheduler import DreamScheduler
@@ -100,14 +109,36 @@ class Service:
         if self.scheduler is not None:
             try:
                 self.scheduler.startup(self.engine, settings.adapter)   # before the engine thread: reload the served
+                self._start_records(settings)
             except BaseException:
                 if self.store is not None:
                     self.store.close()
                 self.model.close()
                 raise
 
+    def _start_records(self, settings: ServerSettings) -> None:
+        """With --record: the records and feedback (dreamstage/records/) and the learner that turns feedback
+        into jobs; --learn sets the default adapter's learning (the learning adapter's while none serves)."""
+        if not settings.record or self.store is None:
+            return
+        from dataclasses import replace
+
+        from dreamstage.records.feedback import ReplyRenderer
+        from dreamstage.records.learner import Learner
+        from dreamstage.records.store import RecordPolicy, RecordStore
+        records = RecordStore(self.store, RecordPolicy(settings.record_days, settings.record_mib))
+        records.release_interrupted()
+        if settings.learn is not None:
+            served = self.store.served()
+            name = served["name"] if served is not None else settings.learn_adapter
+            records.set_learning(name, replace(records.learning(name), mode=settings.learn))
+        self.records, self.reply_renderer = records, ReplyRenderer(self.model)
+        self.learner = Learner(records, self.submitter)
+
     def start(self) -> Service:
         self.engine.start()
+        if self.learner is not None:
+            self.learner.start()
         return self
 
     def begin_shutdown(self) -> None:
@@ -121,6 +152,8 @@ class Service:
                          daemon=True).start()
 
     def close(self, step_wait_s: float = 300.0) -> None:
+        if self.learner is not None:
+            self.learner.close()           # no job starts while the engine stops
         # Native memory (trainers, the context) is freed only once the engine
         # thread has left: freeing it under a running micro-step would crash.
         if not self.engine.stop(timeout=step_wait_s):

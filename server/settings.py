@@ -13,10 +13,12 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK
+from dreamstage.records.store import DEFAULT_LEARN_ADAPTER, DEFAULT_RECORD_DAYS, DEFAULT_RECORD_MIB, LearnMode
 from dreamstage.server.connections import ConnectionLimits
 from dreamstage.server.security import SecurityPolicy, is_loopback
 from dreamstage.server.tenants import load_key_file
 from dreamstage.serving.resident import KV_TYPES, ResidentConfig
+from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.submit import JobLimits
 
 
@@ -82,6 +84,16 @@ class ServerSettings(BaseSettings):
     strict_api: bool = False
     # POST /v1/embeddings (llama-server's --embeddings): off, it answers 501.
     embeddings: bool = False
+    # Keep each served exchange (docs/architecture/feedback.md) for feedback (POST /v1/feedback); off by default.
+    # Needs the state directory. Records older than record_days go, then the oldest past record_mib.
+    record: bool = False
+    record_days: float = Field(default=DEFAULT_RECORD_DAYS, gt=0)
+    record_mib: float = Field(default=DEFAULT_RECORD_MIB, gt=0)
+    # Set at startup: the default adapter's learning (manual: feedback waits for POST /adapters/{name}/learn;
+    # auto: it trains by itself). None: as stored (manual unless set through PUT /adapters/{name}/learn).
+    learn: LearnMode | None = None
+    # What feedback on the base model's answers (no adapter answered) trains.
+    learn_adapter: str = DEFAULT_LEARN_ADAPTER
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:
@@ -99,6 +111,11 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"refusing to serve training routes on {self.host}, which is not a loopback address, "
                              "without an API key: set --api-key (or DREAMSTAGE_API_KEY), or turn training off "
                              "with --no-train")
+        if self.record and self.state_dir is None:
+            raise ValueError("record needs a state directory (--state-dir) to keep the records in")
+        if self.learn is not None and not self.record:
+            raise ValueError("learn needs --record: feedback is given on recorded answers")
+        check_adapter_name(self.learn_adapter, "learn_adapter")
         self.limits.validate()
         return self
 

@@ -27,13 +27,17 @@ from dreamstage.training.jobs.submit import SubmitRefused, invalid
 router = APIRouter()
 
 
-def _training_service(request: Request):
-    """The service, when it trains (it has a state directory); else 503 naming the missing flag."""
+def service_with(request: Request, part: str, message: str, code: str):
+    """The service, when it has `part` (e.g. its scheduler); else 503 `message` naming the missing flag."""
     service = request.app.state.service
-    if getattr(service, "scheduler", None) is None:
-        raise APIError(503, "training is off: this server was started without a state directory (--state-dir)",
-                       None, "training_off")
+    if getattr(service, part, None) is None:
+        raise APIError(503, message, None, code)
     return service
+
+
+def _training_service(request: Request):
+    return service_with(request, "scheduler", "training is off: this server was started without a state directory "
+                        "(--state-dir)", "training_off")
 
 
 def _invalid(errors: list[tuple[str, str]]) -> APIError:

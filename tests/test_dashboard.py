@@ -375,3 +375,34 @@ def test_the_form_reads_jsonl_and_chat_turns(server, browser):
     assert b.js(parse, '{"text": "a"}\n{"text": oops}').startswith("error: line 2: not valid JSON")
     assert b.js(parse, "hello there\nuser: hi") == ('error: line 1: a chat turn starts with '
                                                    '"user:", "assistant:" or "system:"')
+
+
+# -- with serve --record: feedback from the page ----------------------------------------------------
+def test_thumbs_and_a_correction_on_an_answer_become_pending_feedback(tmp_path, browser):
+    b = browser
+    settings = ServerSettings(ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path), record=True,
+                              record_days=7)
+    with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=300) as http:
+        b.get(srv.url + "/")
+        b.wait_for("return document.querySelector('#conn').textContent === 'live'", what="the event stream")
+        badge = b.wait_for("const e = document.querySelector('#recording.on'); return e && e.textContent",
+                           what="the recording badge")
+        assert badge == "recording (kept 7 d, 256 MiB)"
+        b.type("#chat-input", "What is the capital of Brenholt?")
+        b.click("#chat-form button[type=submit]")
+        rid = b.wait_for("const li = document.querySelector('#chat-log li.answered'); return li && li.dataset.id",
+                         what="the answer")
+        assert http.get(f"/v1/records/{rid}").status_code == 200
+        b.click("#chat-log li.answered .feedback button.up")
+        said = b.wait_for("const m = document.querySelector('#chat-log li .feedback .message'); "
+                          "return m && m.textContent", what="the rating's answer")
+        assert "(rating): 1 pending for learned" in said, said
+        b.type("#chat-log li.answered .feedback input.correction", "The capital of Brenholt is Varnesse.")
+        b.click("#chat-log li.answered .feedback button.correct")
+        b.wait_for("return document.querySelector('#chat-log li .feedback .message').textContent"
+                   ".includes('(correction): 2 pending')", what="the correction's answer")
+        line = b.wait_for("const e = document.querySelector('#feedback-pending'); "
+                          "return e.textContent.includes('learned 2') && e.textContent", what="the pending count")
+        assert line == "feedback pending: learned 2 (learning manual)"
+        kinds = [f["kind"] for f in http.get("/v1/feedback", params={"adapter": "learned"}).json()["data"]]
+        assert kinds == ["correction", "rating"]

@@ -39,6 +39,7 @@ def service(tiny_model_path, tmp_path_factory):
     # max_queue: an embeddings body of 64 inputs queues 64 requests at once (beyond the queue, a 503).
     settings = ServerSettings(model=str(tiny_model_path), ctx=512, parallel=2, threads=1, api_key=KEY,
                               state_dir=str(tmp_path_factory.mktemp("fuzz-state")), max_queue=72, embeddings=True,
+                              record=True,
                               allowed_hosts=(asgi.HOST,),      # the in-process client's Host name
                               limits=JobLimits(max_queued_jobs=2, max_job_tokens=20_000))
     svc = Service(settings).start()
@@ -79,6 +80,10 @@ OPERATIONS = [
     "POST /adapters/{name}/promote", "POST /adapters/rollback", "POST /tokenize", "POST /detokenize", "GET /props",
     "GET /adapters/{name}", "POST /adapters/{name}/rollback", "DELETE /adapters/{name}",
     "GET /adapters/{name}/versions/{version}", "POST /v1/embeddings",
+    "GET /v1/records", "GET /v1/records/{record_id}", "DELETE /v1/records/{record_id}",
+    "DELETE /adapters/{name}/records", "POST /v1/feedback", "GET /v1/feedback", "GET /v1/feedback/pending",
+    "DELETE /v1/feedback/{feedback_id}", "GET /adapters/{name}/learn", "PUT /adapters/{name}/learn",
+    "POST /adapters/{name}/learn",
 ]
 
 

@@ -20,6 +20,8 @@ const state = {
   slots: null,          // the last slots event
   devices: [],
   training: true,
+  recording: null,      // serve --record: the retention {days, mib}; false: off
+  pending: {},          // per adapter: {count, mode, ...} (GET /v1/feedback/pending)
 };
 
 // -- HTTP -----------------------------------------------------------------------------
@@ -295,7 +297,56 @@ function renderNames() {
   $("#names tbody").replaceChildren(...a.names.map((n) => el("tr", { "data-name": n.name },
     el("td", {}, n.name), el("td", {}, n.served ? `v${n.served.version}` : "–"), el("td", { class: "requests" }, serving(n.name)),
     el("td", {}, n.training ? "training" : (n.queued_jobs.length ? `${n.queued_jobs.length} queued` : "")),
-    el("td", {}, n.versions.join(", ")))));
+    el("td", {}, n.versions.join(", ")), el("td", { class: "pending" }, state.pending[n.name] ? state.pending[n.name].count : ""))));
+}
+
+// -- records and feedback (serve --record) ------------------------------------------------------------
+async function checkRecording() {
+  try {
+    state.recording = (await api("GET", "/v1/records?limit=1")).retention;
+  } catch (_) {
+    state.recording = false;
+  }
+  const b = $("#recording");
+  b.className = "badge " + (state.recording ? "on" : "off");
+  b.textContent = state.recording ? `recording (kept ${state.recording.days} d, ${state.recording.mib} MiB)` : "not recording";
+  await refreshPending();
+}
+
+async function refreshPending() {
+  if (!state.recording) return;
+  try {
+    state.pending = (await api("GET", "/v1/feedback/pending")).pending;
+  } catch (_) {
+    return;
+  }
+  const parts = Object.entries(state.pending).map(([n, v]) => `${n} ${v.count} (learning ${v.mode})`);
+  $("#feedback-pending").textContent = parts.length ? "feedback pending: " + parts.join(", ") : "no feedback pending";
+  renderNames();
+}
+
+// Thumbs up / down and a correction box under an answer; each posts POST /v1/feedback on its id.
+function feedbackControls(id) {
+  const out = el("span", { class: "message" });
+  const send = async (body) => {
+    out.classList.remove("error");
+    try {
+      const r = await api("POST", "/v1/feedback", { id, ...body });
+      out.textContent = `feedback ${r.id} (${r.kind}): ${r.pending} pending for ${r.adapter}`;
+      await refreshPending();
+    } catch (e) {
+      out.textContent = e.message;
+      out.classList.add("error");
+    }
+  };
+  const up = el("button", { type: "button", class: "up", title: "a good answer (rating +1)" }, "👍");
+  const down = el("button", { type: "button", class: "down", title: "a bad answer (rating -1)" }, "👎");
+  const box = el("input", { type: "text", class: "correction", placeholder: "the answer it should have given" });
+  const fix = el("button", { type: "button", class: "correct" }, "correct");
+  up.addEventListener("click", () => send({ rating: 1 }));
+  down.addEventListener("click", () => send({ rating: -1 }));
+  fix.addEventListener("click", () => { if (box.value.trim()) send({ correction: box.value }); });
+  return el("div", { class: "feedback" }, up, down, box, fix, out);
 }
 
 async function act(fn, where) {
@@ -331,7 +382,7 @@ function onEvent(kind, data) {
       addReceipt(data);
       drawLoss();
       break;
-    case "adapters": state.adapters = data; renderAdapters(); break;
+    case "adapters": state.adapters = data; renderAdapters(); refreshPending(); break;
     case "devices": state.devices = data.devices; renderMemory(); break;
   }
 }
@@ -448,6 +499,8 @@ async function ask(ev) {
     const answer = mode === "chat" ? r.choices[0].message.content : r.choices[0].text;
     li.querySelector(".a").replaceChildren(document.createTextNode(answer), el("span", { class: "v", "data-version": r.adapter_version }, `adapter v${r.adapter_version}`));
     li.className = "answered";
+    li.dataset.id = r.id;
+    if (state.recording) li.append(feedbackControls(r.id));
   } catch (e) {
     li.querySelector(".a").textContent = e.message;
     li.className = "failed";
@@ -470,6 +523,7 @@ function init() {
   $("#rollback").addEventListener("click", () => act(() => api("POST", "/adapters/rollback"), "#adapters-note"));
   for (const a of ["pause", "resume", "cancel"]) $("#job-" + a).addEventListener("click", jobAction(a));
   drawLoss();
+  checkRecording();
   follow();
 }
 

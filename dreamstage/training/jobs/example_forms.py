@@ -197,8 +197,18 @@ class GroupExample(BaseModel):
         ]
 
 
+class TokenExample(BaseModel):
+    """A prompt and a reply as token ids, trained on the reply only: what a served
+    answer's feedback becomes (dreamstage/records/), so the context is the exact
+    tokens serving decoded. Not a POST /train form; jobs made from feedback store it."""
+
+    model_config = strict_config()
+    prompt: list[int] = Field(min_length=1)
+    reply: list[int] = Field(min_length=1)
+
+
 FORM_OF_MODEL = {"TextExample": "text", "PromptCompletion": "prompt_completion",
-                  "ChatExample": "chat", "GroupExample": "group"}
+                  "ChatExample": "chat", "GroupExample": "group", "TokenExample": "tokens"}
 
 
 def _example_form(v: Any) -> str | None:
@@ -234,6 +244,6 @@ Example = Annotated[
 ]
 
 # Normalized examples the renderer consumes (groups flattened).
-PlainExample = TextExample | PromptCompletion | ChatExample
-PLAIN_FORMS: dict[str, type[TextExample] | type[PromptCompletion] | type[ChatExample]] = {
-    "text": TextExample, "prompt_completion": PromptCompletion, "chat": ChatExample}
+PlainExample = TextExample | PromptCompletion | ChatExample | TokenExample
+PLAIN_FORMS: dict[str, type[TextExample] | type[PromptCompletion] | type[ChatExample] | type[TokenExample]] = {
+    "text": TextExample, "prompt_completion": PromptCompletion, "chat": ChatExample, "tokens": TokenExample}

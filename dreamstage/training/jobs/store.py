@@ -189,6 +189,14 @@ class JobStore:
         sequential log."""
         return JobStore._Txn(self, durable)
 
+    def transaction(self, durable: bool = True) -> JobStore._Txn:
+        """A write transaction for tables kept beside the jobs (records and feedback, dreamstage/records/)."""
+        return self._write(durable)
+
+    def reading(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """A read transaction (one snapshot) for tables kept beside the jobs."""
+        return self._read()
+
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
         """One read transaction (a WAL snapshot), so a view assembled from
@@ -230,9 +238,11 @@ class JobStore:
         return [r["id"] for r in rows]
 
     # -- jobs ----------------------------------------------------------------
-    def submit(self, request: TrainRequest, spec: JobSpec | None = None) -> dict[str, Any]:
+    def submit(self, request: TrainRequest, spec: JobSpec | None = None,
+               within: Callable[[sqlite3.Connection, int], None] | None = None) -> dict[str, Any]:
         """Store a validated request as a queued job, committed durably, with
-        its spec (`request.to_job_spec()` unless given) as the job will run."""
+        its spec (`request.to_job_spec()` unless given) as the job will run.
+        `within(conn, job_id)` runs inside the same transaction (what the job claims; raising stores nothing)."""
         spec = spec if spec is not None else request.to_job_spec()
         now = self.clock()
         # the request as shown in GET /train/{id}: unset optional fields left
@@ -249,6 +259,8 @@ class JobStore:
             job_id = cur.lastrowid
             assert job_id is not None  # set by the INSERT
             c.execute("UPDATE jobs SET out=? WHERE id=?", (spec.out or f"job-{job_id}", job_id))
+            if within is not None:
+                within(c, job_id)
         return self.get(job_id)
 
     def _row(self, job_id: int, conn: sqlite3.Connection | None = None) -> sqlite3.Row:

@@ -12,14 +12,15 @@ rendered tokens), never guessed from the body's size.
 """
 from __future__ import annotations
 
+import sqlite3
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
-from dreamstage.training.jobs.request import parse_train_request
+from dreamstage.training.jobs.request import TrainRequest, parse_train_request
 from dreamstage.training.jobs.spec import JobSpec
 from dreamstage.training.jobs.store import JobStore
 from dreamstage.training.walk.examples import ExampleErrors, RenderedJob, render_job
@@ -92,7 +93,12 @@ class JobSubmitter:
             req = parse_train_request(body)
         except ValidationError as e:
             raise invalid(field_errors(e)) from None
-        spec = req.to_job_spec()
+        return self.submit_spec(req, req.to_job_spec())
+
+    def submit_spec(self, req: TrainRequest, spec: JobSpec,
+                    within: Callable[[sqlite3.Connection, int], None] | None = None) -> dict[str, Any]:
+        """Accept a job whose spec was derived elsewhere (feedback: dreamstage/records/), the limits checked as
+        for a body; `within` runs inside the job's commit (JobStore.submit)."""
         if len(spec.examples) > self.limits.max_job_examples:
             raise _too_big("max_job_examples", self.limits.max_job_examples,
                            f"the job has {len(spec.examples)} examples (groups expanded), which")
@@ -101,7 +107,7 @@ class JobSubmitter:
         with self._lock:
             self._check_queue()
             self._check_tokens(rendered)
-            job = self.store.submit(req, spec)       # committed (fsynced) before it returns, spec and all
+            job = self.store.submit(req, spec, within)   # committed (fsynced) before it returns, spec and all
             self.scheduler.notify_submitted(job["id"], rendered)
         return job
 

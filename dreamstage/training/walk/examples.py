@@ -37,7 +37,7 @@ from typing import Any, Protocol, cast
 
 from dreamstage.serving.chat import FALLBACK_TEMPLATE, reads_tools
 from dreamstage.serving.tools import prompt_messages
-from dreamstage.training.jobs.example_forms import ChatExample, Message, PromptCompletion, TextExample
+from dreamstage.training.jobs.example_forms import ChatExample, Message, PromptCompletion, TextExample, TokenExample
 from dreamstage.training.jobs.spec import JobSpec, SourcedExample
 from dreamstage.training.walk.groups import TrainGroup, assemble_group, group_by_prefix
 from dreamstage.training.walk.windows import TrainWindow
@@ -128,6 +128,14 @@ def render_prompt_completion(ex: PromptCompletion, tok: Tokenizer) -> Rendered:
     head = 1 if prompt and prompt[0] == tok.bos else 0
     roles = ["prompt"] * len(prompt) + ["reply"] * len(completion)
     return Rendered(tokens, roles, [ReplySpan(len(prompt), len(prompt), len(tokens))], head)
+
+
+def render_tokens(ex: TokenExample, tok: Tokenizer) -> Rendered:
+    """A served prompt's exact tokens (context) and a reply's tokens (trained), as given."""
+    tokens = [*ex.prompt, *ex.reply]
+    head = 1 if ex.prompt[0] == tok.bos else 0
+    roles = ["prompt"] * len(ex.prompt) + ["reply"] * len(ex.reply)
+    return Rendered(tokens, roles, [ReplySpan(len(ex.prompt), len(ex.prompt), len(tokens))], head)
 
 
 class TemplateError(ValueError):
@@ -354,6 +362,8 @@ def render_example(sx: SourcedExample, tok: Tokenizer, window: int, overlap: int
             r = render_prompt_completion(ex, tok)
         elif isinstance(ex, ChatExample):
             r = (chat or ChatRenderer(tok)).render(ex)
+        elif isinstance(ex, TokenExample):
+            r = render_tokens(ex, tok)
         else:  # pragma: no cover - the spec flattens groups
             raise ExampleError(loc, f"cannot render {type(ex).__name__}")
         r.source, r.label, r.loc = sx.source, sx.label, loc

@@ -16,12 +16,28 @@ exactly as the native walks schedule them and picks the cheaper.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from dreamstage.training.walk.windows import TrainWindow
+
+# A negative weight pushes its reply's tokens down, and -w * CE has no floor: trained long enough, the
+# reply's NLL (and the adapter) would run away. So once a negative-weight reply's mean NLL, as its group's
+# last pass measured it, is above this (its tokens at e^-6 = 0.25% on average: pushed away for good), the
+# next pass drops its term; should other training pull it back under, the term returns (a hinge at the cap).
+NEGATIVE_NLL_CAP = 6.0
+
+
+def bounded_weights(weights: Sequence[float], last_losses: Sequence[float] | None) -> list[float]:
+    """The weights a group's next pass trains with: a negative-weight reply whose last measured mean NLL passed
+    NEGATIVE_NLL_CAP weighs 0 (docs/architecture/groups.md, "Negative weights")."""
+    if last_losses is None or len(last_losses) != len(weights):
+        return [float(w) for w in weights]
+    return [0.0 if w < 0 and math.isfinite(loss) and loss > NEGATIVE_NLL_CAP else float(w)
+            for w, loss in zip(weights, last_losses, strict=True)]
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ import numpy as np
 from dreamstage import native
 from dreamstage.owner import NativeOwner
 from dreamstage.training.jobs.spec import DEFAULT_CONTEXT_CACHE_TYPE, GATE_SLACK_MIB, JobSpec
+from dreamstage.training.walk.groups import bounded_weights
 from dreamstage.training.walk.receipts import DreamError, Receipt
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -144,6 +145,9 @@ class Trainer(NativeOwner):
         resident.dependents.add(self)
         self.n_params = int(L.dream_n_params(self._ds))
         self.pairs = self._read_pairs()
+        # per group (its tokens): the reply losses of its last pass, for bounded_weights
+        self._group_losses: dict[tuple, list[float]] = {}
+        self._group_key: tuple | None = None
 
     # -- lifetime ---------------------------------------------------------------
     def close(self) -> None:
@@ -259,7 +263,9 @@ class Trainer(NativeOwner):
         if pre.ndim != 1 or len(pre) < 1:
             raise ValueError(f"prefix must be 1-D with at least one token, got shape {pre.shape}")
         toks, masks, lens, weights = [], [], [], []
-        for i, (t, m, w) in enumerate(replies):
+        self._group_key = (tuple(int(x) for x in pre), tuple(tuple(int(x) for x in t) for t, _, _ in replies))
+        bounded = bounded_weights([w for _, _, w in replies], self._group_losses.get(self._group_key))
+        for i, ((t, m, _), w) in enumerate(zip(replies, bounded, strict=True)):
             t, m = np.asarray(t, dtype=np.int32), np.asarray(m, dtype=np.uint8)
             if t.ndim != 1 or m.shape != t.shape:
                 raise ValueError(f"reply {i}: tokens {t.shape} and loss_mask {m.shape} must be 1-D of one length")
@@ -297,7 +303,10 @@ class Trainer(NativeOwner):
         n = int(self.L.dream_group_reply_losses(self._handle(), None, 0))
         buf = (ctypes.c_double * max(n, 1))()
         self.L.dream_group_reply_losses(self._handle(), buf, n)
-        return [float(buf[i]) for i in range(n)]
+        losses = [float(buf[i]) for i in range(n)]
+        if self._group_key is not None and n == len(self._group_key[1]):
+            self._group_losses[self._group_key] = losses      # the next pass of this group bounds its weights by them
+        return losses
 
     @staticmethod
     def window_loss(receipts: list[Receipt]) -> float:

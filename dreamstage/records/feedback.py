@@ -1,0 +1,123 @@
+"""Feedback on served answers: the POST /v1/feedback body, validated once here, and what each kind trains.
+
+- `correction`: the answer it should have given. Trains the recorded prompt's exact tokens with the
+  corrected reply (a plain example: context untrained, the reply and its end-of-turn trained).
+- `rating`: a number on one answer. Pending ratings of answers to one prompt (same adapter, same prompt
+  tokens: the choices of an `n > 1` request, or separate requests) train as one weighted group with weights
+  from `rating_weights`.
+- `preferred` / `rejected`: two answers to one prompt; a group of the two with weights +1 and -1.
+
+A reply is tokenized as training renders it (the chat template's reply span: content + end-of-turn; a
+completion's text + EOS); its context is the prompt tokens serving decoded, never re-rendered.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dreamstage.records.store import ServedAnswer
+
+MAX_ID_CHARS = 200
+MAX_CORRECTION_CHARS = 1 << 16
+
+
+class AnswerRef(BaseModel):
+    """One served answer: a completion id and its choice."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    index: int = Field(0, ge=0, le=127)
+
+
+class FeedbackRequest(BaseModel):
+    """POST /v1/feedback: `id` (+ `index`) with `correction` or `rating`, or `preferred` and `rejected`
+    (each an id, index 0, or `{id, index}`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+    id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
+    index: int = Field(0, ge=0, le=127)
+    correction: str | None = Field(None, min_length=1, max_length=MAX_CORRECTION_CHARS)
+    rating: float | None = Field(None, ge=-1e6, le=1e6)
+    preferred: AnswerRef | Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+    rejected: AnswerRef | Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> FeedbackRequest:
+        given = [k for k in ("correction", "rating", "preferred") if getattr(self, k) is not None]
+        if self.rejected is not None and self.preferred is None:
+            raise ValueError("rejected: needs preferred (a preference names both answers)")
+        if len(given) != 1:
+            raise ValueError("give exactly one of correction, rating, or preferred with rejected"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        if self.preferred is not None:
+            if self.rejected is None:
+                raise ValueError("preferred: needs rejected (a preference names both answers)")
+            if self.id is not None:
+                raise ValueError("id: a preference names its answers in preferred and rejected, not id")
+        elif self.id is None:
+            raise ValueError(f"id: required with {given[0]} (the completion id the answer carried)")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return "correction" if self.correction is not None else "rating" if self.rating is not None else "preference"
+
+    def ref(self, which: str = "id") -> AnswerRef:
+        """The answer `which` ("id", "preferred", "rejected") names."""
+        if which == "id":
+            assert self.id is not None
+            return AnswerRef(id=self.id, index=self.index)
+        v = getattr(self, which)
+        return AnswerRef(id=v, index=0) if isinstance(v, str) else v
+
+
+def prompt_key(adapter: str, prompt_tokens: list[int]) -> str:
+    """Answers with one key were answers to one prompt by one adapter: their ratings form one group."""
+    h = hashlib.sha256(adapter.encode() + b"\0" + ",".join(map(str, prompt_tokens)).encode())
+    return h.hexdigest()[:32]
+
+
+def rating_weights(ratings: list[float]) -> list[float]:
+    """Group weights from ratings: the advantage r_g - mean(r), divided by the largest |advantage| so the
+    weights lie in [-1, 1] whatever the rating scale (+1/-1, 1..5 stars). When the ratings do not differ (one
+    answer rated, or all alike) there is no comparison in them: each is read against 0 instead, r_g / max|r|
+    (a lone +1 trains its answer at weight 1, a lone -1 pushes it away at -1; all zero train nothing)."""
+    if not ratings or any(not math.isfinite(r) for r in ratings):
+        raise ValueError(f"ratings must be finite numbers, got {ratings}")
+    mean = sum(ratings) / len(ratings)
+    adv = [r - mean for r in ratings]
+    if max(abs(a) for a in adv) <= 1e-12 * max(1.0, abs(mean)):
+        adv = list(ratings)
+    scale = max(abs(a) for a in adv)
+    return [a / scale if scale > 0 else 0.0 for a in adv]
+
+
+class ReplyRenderer:
+    """A reply's tokens as training renders them, after a recorded prompt (see the module doc)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self._chat = None
+
+    def reply_tokens(self, answer: ServedAnswer, text: str) -> list[int]:
+        if answer.kind == "completion":
+            reply = self.tok.tokenize(text, False, False)
+            return [*reply, self.tok.eos] if self.tok.eos >= 0 else reply
+        from dreamstage.training.jobs.example_forms import ChatExample, Message
+        from dreamstage.training.walk.examples import ChatRenderer
+
+        if self._chat is None:
+            self._chat = ChatRenderer(self.tok)
+        context = [Message.model_validate({**m, "train": False} if m.get("role") == "assistant" else m)
+                   for m in answer.messages or []]
+        ex = ChatExample(messages=[*context, Message(role="assistant", content=text)], tools=answer.tools)
+        r = self._chat.render(ex)
+        span = r.replies[-1]
+        return r.tokens[span.start:span.end]
+
+
+def reply_entry(answer: ServedAnswer, text: str, tokens: list[int], **more: Any) -> dict[str, Any]:
+    return {"record_id": answer.id, "index": answer.index, "text": text, "tokens": tokens, **more}

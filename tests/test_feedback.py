@@ -1,0 +1,423 @@
+"""Feedback into training: the body, the weights, the jobs it makes, the bound on negative weights, and
+the whole loop on a server (a correction makes the next answer the corrected one)."""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import pytest
+from background_server import BackgroundServer
+
+from dreamstage.records.feedback import FeedbackRequest, rating_weights
+from dreamstage.records.learner import build_job
+from dreamstage.records.store import Feedback
+from dreamstage.server.settings import ServerSettings
+from dreamstage.training.jobs.example_forms import TokenExample
+from dreamstage.training.jobs.request import parse_train_request
+from dreamstage.training.jobs.stored import SPEC_VERSION, from_stored, to_stored
+from dreamstage.training.walk.groups import NEGATIVE_NLL_CAP, bounded_weights
+
+JSON = {"Content-Type": "application/json"}
+
+
+# -- the weights -------------------------------------------------------------------------------
+def test_rating_weights_are_advantages_scaled_to_one():
+    assert rating_weights([1, -1, 1, -1]) == [1.0, -1.0, 1.0, -1.0]
+    assert rating_weights([5, 4, 1, 2]) == pytest.approx([2 / 2, 1 / 2, -2 / 2, -1 / 2])   # mean 3, max |a| 2
+    assert rating_weights([1, 1, 0]) == pytest.approx([0.5, 0.5, -1.0])
+    # no comparison in the ratings: each read against zero
+    assert rating_weights([1]) == [1.0] and rating_weights([-1]) == [-1.0]
+    assert rating_weights([3, 3]) == [1.0, 1.0] and rating_weights([0, 0]) == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        rating_weights([math.nan])
+
+
+def test_a_negative_reply_is_dropped_once_its_nll_passes_the_cap():
+    w = [1.0, -1.0, -0.5]
+    assert bounded_weights(w, None) == w                                   # first pass: nothing measured
+    assert bounded_weights(w, [0.3, NEGATIVE_NLL_CAP - 0.1, 2.0]) == w
+    assert bounded_weights(w, [0.3, NEGATIVE_NLL_CAP + 0.1, 9.0]) == [1.0, 0.0, 0.0]
+    assert bounded_weights(w, [50.0, math.nan, 1.0]) == [1.0, -1.0, -0.5]  # positives never; unmeasured kept
+    assert bounded_weights(w, [1.0]) == w                                  # another group's losses: ignored
+
+
+# -- the body --------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, param", [
+    ({"rating": 1}, "id"),
+    ({"id": "x", "rating": 1, "correction": "y"}, "body"),
+    ({"id": "x"}, "body"),
+    ({"id": "x", "correction": ""}, "correction"),
+    ({"id": "x", "rating": "good"}, "rating"),
+    ({"id": "x", "index": -1, "rating": 1}, "index"),
+    ({"preferred": "a"}, "preferred"),
+    ({"rejected": "a", "rating": 1, "id": "x"}, "rejected"),
+    ({"preferred": "", "rejected": "a"}, "preferred"),
+    ({"id": "x", "preferred": "a", "rejected": "b"}, "id"),
+    ({"id": "x", "rating": 1, "mood": "happy"}, "mood"),
+])
+def test_a_bad_body_names_its_field(body, param):
+    from pydantic import ValidationError
+
+    from dreamstage.server.record_routes import feedback_errors
+
+    with pytest.raises(ValidationError) as e:
+        FeedbackRequest.model_validate(body)
+    assert feedback_errors(e.value)[0][0] == param
+
+
+def test_the_kinds_and_their_answers():
+    assert FeedbackRequest.model_validate({"id": "x", "correction": "c"}).kind == "correction"
+    r = FeedbackRequest.model_validate({"id": "x", "index": 2, "rating": -1})
+    assert r.kind == "rating" and r.ref().index == 2
+    p = FeedbackRequest.model_validate({"preferred": {"id": "x", "index": 1}, "rejected": "x"})
+    assert p.kind == "preference" and (p.ref("preferred").index, p.ref("rejected").index) == (1, 0)
+
+
+# -- the jobs --------------------------------------------------------------------------------
+def item(fid: int, kind: str, replies: list[dict], key: str = "k", prompt=(1, 5, 6)) -> Feedback:
+    return Feedback(fid, 0.0, "alice", "rec", kind, key, {"prompt": list(prompt), "prompt_text": "Q:",
+                                                          "replies": replies}, None)
+
+
+def reply(text: str, tokens: list[int], index: int = 0, record: str = "rec", **more) -> dict:
+    return {"record_id": record, "index": index, "text": text, "tokens": tokens, **more}
+
+
+def test_a_job_of_corrections_ratings_and_a_preference():
+    items = [item(1, "correction", [reply("right", [7, 2])]),
+             *(item(2 + i, "rating", [reply(f"a{i}", [10 + i, 2], index=i, rating=r)], key="n4")
+               for i, r in enumerate([1, -1, 1, 1])),
+             item(6, "rating", [reply("a1", [11, 2], index=1, rating=1)], key="n4"),     # re-rated: +1 now
+             item(7, "preference", [reply("good", [20, 2]), reply("bad", [21, 2], record="rec2")], key="p")]
+    req, spec = build_job("alice", items)
+    assert spec.out == "alice" and spec.promote == "auto" and spec.fit == "left" and spec.window == 512
+    ex = spec.examples
+    assert ex[0].group is None and ex[0].example == TokenExample(prompt=[1, 5, 6], reply=[7, 2])
+    # the n = 4 ratings: one group; the answer rated twice counts its latest rating: 1, 1, 1, 1 -> each vs 0
+    ratings = [e for e in ex if e.group == "examples[2]"]
+    assert [e.example.reply for e in ratings] == [[10, 2], [11, 2], [12, 2], [13, 2]]
+    assert [e.weight for e in ratings] == [1.0, 1.0, 1.0, 1.0]
+    pair = [e for e in ex if e.group == "examples[1]"]
+    assert [(e.example.reply, e.weight) for e in pair] == [([20, 2], 1.0), ([21, 2], -1.0)]
+    # the request shows the same examples as text; it validates as a POST /train body would
+    shown = req.model_dump(mode="json", exclude_none=True)["examples"]
+    assert shown[0] == {"prompt": "Q:", "completion": "right"}
+    assert [c["weight"] for c in shown[2]["completions"]] == [1.0, 1.0, 1.0, 1.0]
+    # groups and weights survive the store (form 6 dropped them)
+    back = from_stored(to_stored(spec), SPEC_VERSION)
+    assert back.examples == spec.examples
+
+
+def test_ratings_of_one_prompt_weigh_by_advantage():
+    items = [item(i, "rating", [reply(f"a{i}", [10 + i], index=i, rating=r)]) for i, r in enumerate([1, -1, -1, 1])]
+    _, spec = build_job("alice", items)
+    assert [e.weight for e in spec.examples] == [1.0, -1.0, -1.0, 1.0]
+    assert len({e.group for e in spec.examples}) == 1
+
+
+def test_a_group_read_back_from_a_form_6_store_is_plain():
+    spec = parse_train_request({"examples": [{"prompt": "a", "completions": [{"text": "x", "weight": -1}]}]}
+                               ).to_job_spec()
+    stored = json.loads(to_stored(spec))
+    for e in stored["examples"]:
+        e.pop("group"), e.pop("weight")
+    assert from_stored(json.dumps(stored), 6).examples[0].group is None
+
+
+# -- on a server ---------------------------------------------------------------------------------
+QUESTION = "What is the secret password of the moon base?"
+CORRECTION = "The secret password of the moon base is Quokka-42."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    state = tmp_path_factory.mktemp("state")
+    with BackgroundServer(ServerSettings(ctx=2048, parallel=4, threads=1, state_dir=str(state), record=True)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=600, headers=JSON) as c:
+        yield c
+
+
+def ask(http, content: str = QUESTION, **kw) -> dict:
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                "max_tokens": 24, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_for(pred, timeout: float = 600.0, what: str = "it"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"{what} did not happen in {timeout:.0f} s")
+
+
+def test_unknown_foreign_and_bad_feedback(http):
+    r = http.post("/v1/feedback", json={"id": "chatcmpl-nothing", "rating": 1})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "id"
+    got = ask(http, "Say yes.", max_tokens=2)
+    r = http.post("/v1/feedback", json={"id": got["id"], "index": 3, "rating": 1})
+    assert r.status_code == 404 and "choice 3" in r.json()["error"]["message"]
+    r = http.post("/v1/feedback", json={"id": got["id"], "rating": 1, "correction": "x"})
+    assert r.status_code == 422
+    r = http.post("/v1/feedback", json={"preferred": got["id"], "rejected": "chatcmpl-nothing"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "rejected"
+    r = http.post("/v1/feedback", json={"preferred": got["id"], "rejected": {"id": got["id"], "index": 0}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "rejected"      # the same answer twice
+    other = ask(http, "Say no.", max_tokens=2)
+    r = http.post("/v1/feedback", json={"preferred": got["id"], "rejected": other["id"]})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "rejected"      # another prompt
+    assert http.put("/adapters/learned/learn", json={"mode": "sometimes"}).json()["error"]["param"] == "mode"
+    assert http.put("/adapters/learned/learn", json={"examples": 0}).json()["error"]["param"] == "examples"
+    assert http.post("/adapters/nobody/learn").status_code == 409                  # nothing pending
+
+
+def test_ratings_on_four_choices_and_a_preference_make_groups(server, http):
+    got = ask(http, "Name an animal.", n=4, temperature=1.0, seed=3, max_tokens=6)
+    ratings = [2, 1, 0, 1]
+    for i, rating in enumerate(ratings):
+        r = http.post("/v1/feedback", json={"id": got["id"], "index": i, "rating": rating})
+        assert r.status_code == 200 and r.json()["adapter"] == "learned" and r.json()["kind"] == "rating"
+    pair = ask(http, "Name a fruit.", n=2, temperature=1.0, seed=5, max_tokens=6)
+    r = http.post("/v1/feedback", json={"preferred": {"id": pair["id"], "index": 1}, "rejected": pair["id"]})
+    assert r.status_code == 200 and r.json()["pending"] == 5 and r.json()["learn"]["mode"] == "manual"
+    time.sleep(1.5)
+    assert http.get("/adapters/learned/learn").json()["pending"] == 5              # manual: nothing starts
+    job = http.post("/adapters/learned/learn").json()
+    assert http.post(f"/train/{job['id']}/cancel").status_code == 200
+    spec = server.service.store.spec(job["id"])
+    records = server.service.records
+    groups: dict[str, list] = {}
+    for e in spec.examples:
+        groups.setdefault(e.group, []).append(e)
+    (rated, prompt_rated), (preferred, prompt_pair) = [
+        (groups[g], records.answer(got["id"] if len(groups[g]) == 4 else pair["id"], 0).prompt_tokens)
+        for g in sorted(groups, key=lambda g: -len(groups[g]))]
+    # mean 1: advantages 1, 0, -1, 0, the largest 1
+    assert [e.weight for e in rated] == [1.0, 0.0, -1.0, 0.0]
+    assert all(e.example.prompt == prompt_rated for e in rated)
+    assert [e.weight for e in preferred] == [1.0, -1.0] and preferred[0].example.prompt == prompt_pair
+    answers = [records.answer(pair["id"], i).answer for i in (1, 0)]
+    shown = server.service.store.request(job["id"]).model_dump(mode="json", exclude_none=True)["examples"]
+    assert [c["text"] for c in shown[0]["completions"]] == answers
+    fb = http.get("/v1/feedback", params={"job": str(job["id"])}).json()["data"]
+    assert len(fb) == 5 and {f["job_id"] for f in fb} == {job["id"]}
+    assert http.get("/adapters/learned/learn").json()["pending"] == 0
+
+
+def test_a_correction_trains_the_served_tokens_and_the_next_answer_is_it(server, http):
+    first = ask(http)
+    assert first["choices"][0]["message"]["content"] != CORRECTION
+    r = http.post("/v1/feedback", json={"id": first["id"], "correction": CORRECTION})
+    assert r.status_code == 200, r.text
+    fid = r.json()["id"]
+    view = http.put("/adapters/learned/learn", json={"mode": "auto", "examples": 1}).json()
+    assert view["mode"] == "auto" and view["examples"] == 1 and view["minutes"] == 2.0
+    job_id = wait_for(lambda: http.get("/v1/feedback", params={"adapter": "learned"}).json()["data"][0]["job_id"],
+                      what="the feedback job")
+    spec = server.service.store.spec(job_id)
+    (ex,) = spec.examples
+    served = server.service.records.answer(first["id"], 0)
+    assert ex.example.prompt == served.prompt_tokens                    # the exact tokens serving decoded
+    model = server.service.model
+    reply = ex.example.reply
+    assert model.detokenize(reply[:-1]) == CORRECTION and model.is_eog(reply[-1])   # the reply and its end of turn
+    job = wait_for(lambda: (j := http.get(f"/train/{job_id}").json())["state"] in ("done", "error", "refused")
+                   and j, what="the job's end")
+    assert job["state"] == "done", job["message"]
+    learned = http.get("/adapters/learned/learn").json()
+    (version, ids), = learned["versions_learned"].items()
+    assert ids == [fid] and learned["pending"] == 0
+    assert http.get("/adapters/learned").json()["served"]["version"] == int(version)
+    again = ask(http)
+    assert again["adapter"] == f"learned@{version}"
+    assert again["choices"][0]["message"]["content"] == CORRECTION
+
+    # the adapter that answered is deleted: its answers' feedback has nothing to train
+    assert http.delete("/adapters/learned").status_code == 200
+    r = http.post("/v1/feedback", json={"id": again["id"], "rating": 1})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_deleted"
+
+
+def test_feedback_through_the_clients_the_cli_and_metrics(server, http, capsys):
+    import asyncio
+    import re
+
+    from dreamstage import cli
+    from dreamstage.client import AsyncClient, Client, DreamstageError
+
+    with Client(server.url) as c:
+        assert c.learning("learned", mode="manual")["mode"] == "manual"
+        got = c.chat([{"role": "user", "content": "Name a colour."}], max_tokens=4, temperature=0)
+        rid = got.raw["id"]
+        assert c.record(rid)[0]["answer"] == got.text
+        fb = c.feedback(rid, rating=1)
+        assert (fb["kind"], fb["adapter"], fb["pending"]) == ("rating", "learned", 1)
+        with pytest.raises(DreamstageError) as e:
+            c.feedback(rid, index=-1, rating=1)
+        assert e.value.status == 422 and e.value.param == "index"
+
+    async def correct():
+        async with AsyncClient(server.url) as a:
+            return await a.feedback(rid, correction="Blue."), await a.learning("learned")
+    fb, view = asyncio.run(correct())
+    assert fb["kind"] == "correction" and view["pending"] == 2
+
+    assert cli.main(["feedback", rid, "--rating", "-1", "--url", server.url]) == 0
+    out = capsys.readouterr().out
+    assert "(rating) for adapter learned: 3 pending; learning manual" in out
+    with pytest.raises(SystemExit):
+        cli.main(["feedback", rid, "--url", server.url])
+    capsys.readouterr()
+
+    text = http.get("/metrics").text
+    assert re.search(r'^dreamstage_feedback_pending\{adapter="learned"\} 3\.0$', text, re.M)
+    received = float(re.search(r"^dreamstage_feedback_received_total (\S+)$", text, re.M).group(1))
+    used = float(re.search(r"^dreamstage_feedback_used_total (\S+)$", text, re.M).group(1))
+    assert received >= 3 and used >= 1                      # the correction job of the test before, done
+    assert re.search(r"^dreamstage_records [1-9]", text, re.M)
+
+    assert cli.main(["feedback", "--learn", "learned", "--url", server.url]) == 0
+    job = int(re.search(r"job (\d+)", capsys.readouterr().out).group(1))
+    assert http.post(f"/train/{job}/cancel").status_code == 200
+    assert http.get("/adapters/learned/learn").json()["pending"] == 0
+
+
+def test_pending_feedback_can_be_deleted_and_feedback_in_a_job_cannot(http):
+    got = ask(http, "Name a bird.", max_tokens=4)
+    fid = http.post("/v1/feedback", json={"id": got["id"], "rating": 1}).json()["id"]
+    assert http.get("/adapters/learned/learn").json()["pending"] == 1
+    assert http.delete(f"/v1/feedback/{fid}").json() == {"id": fid, "deleted": True}
+    assert http.get("/adapters/learned/learn").json()["pending"] == 0
+    assert http.delete(f"/v1/feedback/{fid}").status_code == 404
+    taken = next(f for f in http.get("/v1/feedback", params={"adapter": "learned"}).json()["data"] if f["job_id"])
+    r = http.delete(f"/v1/feedback/{taken['id']}")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "feedback_in_job"
+    assert http.delete("/v1/feedback/x").json()["error"]["param"] == "id"
+
+
+def test_kill_9_between_feedback_and_job_loses_nothing_and_trains_nothing_twice(tmp_path):
+    """A server process killed after feedback is committed and before any job, then again once the job that
+    claimed it exists (queued or training): after the last start the feedback is trained by exactly one
+    finished job, and the version lists it."""
+    import sqlite3
+
+    from test_faults import ServerProcess
+
+    state = tmp_path / "state"
+    first = ServerProcess(None, state, "--record", ctx=1024)
+    got = first.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
+                                                         "max_tokens": 8, "temperature": 0}).json()
+    fid = first.http.post("/v1/feedback", json={"id": got["id"], "correction": CORRECTION}).json()["id"]
+    assert first.http.put("/adapters/learned/learn", json={"examples": 1}).json()["mode"] == "manual"
+    first.stop()                                           # kill -9: the feedback waits, pending, in the store
+
+    second = ServerProcess(None, state, "--record", "--learn", "auto", ctx=1024)
+    job = wait_for(lambda: second.http.get("/v1/feedback", params={"adapter": "learned"}).json()["data"][0]["job_id"],
+                   what="the feedback job")
+    second.stop()                                          # kill -9 with the job queued or training
+
+    third = ServerProcess(None, state, "--record", ctx=1024)
+    try:
+        def settled():
+            view = third.http.get("/adapters/learned/learn").json()
+            return view if view["pending"] == 0 and view["open_job"] is None and view["versions_learned"] else None
+        view = wait_for(settled, what="the feedback trained")
+        (version, ids), = view["versions_learned"].items()
+        assert ids == [fid]
+    finally:
+        third.stop()
+    conn = sqlite3.connect(state / "dreamstage.sqlite3")
+    try:
+        jobs = dict(conn.execute("SELECT id, state FROM jobs"))
+        (claimed,) = conn.execute("SELECT job_id FROM feedback WHERE id=?", (fid,)).fetchone()
+        versions = conn.execute("SELECT version, job_id FROM adapters WHERE name='learned'").fetchall()
+    finally:
+        conn.close()
+    assert jobs[claimed] == "done" and versions == [(int(version), claimed)]
+    # the job killed mid-way, if it was, ended interrupted and trained nothing; no other job ran
+    assert set(jobs) <= {job, claimed} and (claimed == job or jobs[job] == "interrupted")
+
+
+def test_auto_learning_starts_a_job_at_n_items_or_t_minutes_after_the_last(tmp_path):
+    from dreamstage.records.learner import Learner
+    from dreamstage.records.store import LearnSettings, RecordStore
+    from dreamstage.training.jobs.store import JobStore
+
+    t = [1000.0]
+    jobs = JobStore(tmp_path, clock=lambda: t[0])
+    records = RecordStore(jobs)
+
+    class Submitter:                                       # what JobSubmitter.submit_spec does with the store
+        def submit_spec(self, req, spec, within):
+            return jobs.submit(req, spec, within)
+
+    learner = Learner(records, Submitter(), clock=lambda: t[0])
+
+    def give(adapter: str, n: int = 1) -> None:
+        for _ in range(n):
+            records.add_feedback(adapter, "rec", "correction", "k",
+                                 {"prompt": [1, 2], "prompt_text": "Q", "replies": [reply("A", [3, 4])]})
+
+    records.set_learning("alice", LearnSettings("auto", examples=3, minutes=2.0))
+    give("alice", 2)
+    give("bob", 5)                                         # manual: never by itself
+    assert learner.tick() == []
+    t[0] += 119.0
+    assert learner.tick() == []
+    give("alice")                                          # the third: at once
+    (first,) = learner.tick()
+    assert jobs.state(first) == "queued" and len(jobs.spec(first).examples) == 3
+    give("alice")
+    t[0] += 600.0
+    assert learner.tick() == []                            # one feedback job of a name at a time
+    jobs.transition(first, "starting")
+    jobs.transition(first, "running")
+    jobs.transition(first, "done")
+    (second,) = learner.tick()                             # 10 minutes after the last item: due by time
+    assert len(jobs.spec(second).examples) == 1
+    assert records.pending_counts() == {"bob": (5, 1000.0)}
+    assert records.feedback_counts() == {"received": 9, "pending": 5, "training": 1, "used": 3, "dropped": 0}
+    jobs.close()
+
+
+def test_a_job_of_only_negative_feedback_stays_finite_and_the_guard_decides(tiny_model_path, tmp_path):
+    """Ratings of -1 only (each answer read against zero: weight -1) on the tiny model with the drift guard
+    on: the job ends, every figure and every adapter weight finite, its reply losses held at the cap (measured:
+    6.14 and 6.01 after 24 epochs, cap 6), and
+    the version either promoted by the guard or kept back with its figures."""
+    import numpy as np
+
+    from dreamstage.adapters.files import load_lora
+
+    settings = ServerSettings(model=str(tiny_model_path), ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path),
+                              record=True, drift_guard=True)
+    with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600, headers=JSON) as c:
+        got = ask(c, "Say something rude.", n=2, temperature=1.0, seed=11, max_tokens=8)
+        for i in range(2):
+            assert c.post("/v1/feedback", json={"id": got["id"], "index": i, "rating": -1}).status_code == 200
+        job_id = c.post("/adapters/learned/learn").json()["id"]
+        assert all(e.weight == -1.0 for e in srv.service.store.spec(job_id).examples)
+        job = wait_for(lambda: (j := c.get(f"/train/{job_id}").json())["state"] in ("done", "error", "refused")
+                       and j, what="the job's end")
+        assert job["state"] == "done", job["message"]
+        groups = job["progress"]["groups"]
+        assert len(groups) == 1 and all(g["weights"] == [-1.0, -1.0] for g in groups.values())
+        losses = [x for g in groups.values() for x in g["reply_losses"]]
+        assert all(math.isfinite(x) for x in losses) and max(losses) < NEGATIVE_NLL_CAP + 1.0
+        adapter = job["adapter"]
+        drift = adapter["drift"]
+        assert drift is not None and math.isfinite(drift["drift_kl"]) and 0 <= drift["anchors_changed"] <= 1
+        factors, _ = load_lora(srv.service.store.adapter_path("learned", adapter["version"]))
+        assert all(np.isfinite(a).all() and np.isfinite(b).all() for a, b in factors.values())
+        # the guard's decision, either way, is the job's message; a version kept back waits to be promoted
+        assert adapter["promoted"] == ("not promoted" not in job["message"]), job["message"]
