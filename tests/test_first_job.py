@@ -19,6 +19,7 @@ from dreamstage.training.drift import measure as measure_module
 from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
 from dreamstage.training.drift.guard import DriftGuard
 from dreamstage.training.drift.measure import DriftProbe
+from dreamstage.training.drift.record_file import DriftRecordFile
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.scheduler import DreamScheduler
 from dreamstage.training.jobs.store import TERMINAL, JobStore
@@ -147,3 +148,23 @@ def test_each_epoch_visits_the_same_windows_as_with_every_record_made_first(drea
         [full.windows[i].label for i in full.consolidation_order(0)]
     for a, b in zip(late.probe.bases, full.probe.bases, strict=True):
         assert a.answer == b.answer and np.array_equal(a.top_ids, b.top_ids)
+
+
+def test_the_records_made_before_a_stop_are_kept_for_the_restart(dream_resident, short_anchors, tmp_path):
+    """A server stopped while its first job still records keeps what was recorded: the
+    restart loads it from the state directory and records only the rest."""
+    store = JobStore(tmp_path)
+    sched = DreamScheduler(store, dream_resident, served=ServedAdapters(dream_resident), drift_guard=True,
+                           idle_grace_s=0.0, record_file=DriftRecordFile(tmp_path, dream_resident))
+    engine = OneSlotEngine()
+    sched.startup(engine)
+    job = store.submit(parse_train_request(JOB))
+    sched.notify_submitted(job["id"])
+    while store.get(job["id"])["progress"]["step"] < 1:
+        sched.after_batch(engine, True)
+    made = {p for p in sched._anchor_records if isinstance(p, str)}
+    sched.close()
+    assert store.get(job["id"])["state"] == "interrupted"
+    store.close()
+    records, _ = DriftRecordFile(tmp_path, dream_resident).load()
+    assert set(records) == made and 0 < len(made & set(REHEARSED)) < len(REHEARSED)

@@ -119,6 +119,8 @@ class JobProgram:
     if TYPE_CHECKING:
         def _flush_figures(self, final: bool) -> None: ...
 
+        def _save_records(self) -> None: ...
+
     def _end(self, jid: int, target: str, message: str) -> Generator[None, None, None]:
         """Move the job to a final state; a pause that raced in waits for resume.
         The pacing figures are stored first, so the final state's event and a
@@ -268,6 +270,7 @@ class JobProgram:
         guard.step_recording()
         if not guard.recording:
             self._note_records(lp.jid, guard)
+            self._save_records()                        # a restart before the job ends keeps them
         yield
         return True
 
