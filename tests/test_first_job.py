@@ -1,8 +1,8 @@
 """A job trains before the drift guard's records are all made (issue 53, item 4).
 
-On the default model, with the anchor sets cut short (4 measured, 12
-rehearsal) and 3 null draws, so that a whole first job runs in about a
-minute of one core: its first micro-step comes while records are still
+On the default model, with the anchor sets cut short (4 measured, 8
+rehearsal, 4 of them a job epoch) and 3 null draws, so that a whole first
+job runs in well under a minute of one core: its first micro-step comes while records are still
 missing, the records an epoch visits are made before it, and the promotion
 reads every measured anchor and the noise margin of them all.
 """
@@ -26,10 +26,10 @@ from dreamstage.training.jobs.store import TERMINAL, JobStore
 from dreamstage.training.walk.examples import render_job
 
 MEASURED = load_anchors()[:4]
-REHEARSED = rehearsal_anchors()[:12]
+REHEARSED = rehearsal_anchors()[:8]
 NULLS = 3
 JOB = {"examples": [{"prompt": "The secret password of the moon base is", "completion": " Quokka-42."}],
-       "window": 32, "epochs": 3, "lr": 0.001, "seed": 2, "neighbours": 1, "consolidate": 1,
+       "window": 32, "epochs": 2, "lr": 0.001, "seed": 2, "anchor_ratio": 4, "neighbours": 1, "consolidate": 1,
        "promote": "auto", "out": "moon"}
 
 
