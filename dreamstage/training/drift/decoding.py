@@ -47,7 +47,8 @@ class Decoder:
 
     def __init__(self, resident, seq_id: int):
         self.rm, self.lc, self.seq_id = resident, resident.lc, seq_id
-        self._batch: Any = None         # a llama_batch of PIECE_TOKENS, made at the first decode
+        self._batch: Any = None         # a llama_batch of PIECE_TOKENS (or more), made at the first decode
+        self._batch_size = 0
 
     def clear(self) -> None:
         self.lc.llama_memory_seq_rm(self.rm.memory, self.seq_id, -1, -1)
@@ -57,16 +58,22 @@ class Decoder:
             self.lc.llama_batch_free(self._batch)
             self._batch = None
 
-    def _decode(self, tokens: Sequence[int], pos0: int, want_from: int) -> None:
-        if self._batch is None:
-            self._batch = self.lc.llama_batch_init(max(PIECE_TOKENS, 1), 0, 1)
+    def _decode(self, tokens: Sequence[int], pos0: int | Sequence[int], want_from: int,
+                seq_ids: Sequence[int] | None = None) -> None:
+        """Decodes `tokens`, token i at position pos0 + i of this sequence, or (with
+        `seq_ids`: one token per sequence) at pos0[i] of seq_ids[i]; logits from row want_from on."""
+        if self._batch is None or (seq_ids is not None and len(seq_ids) > self._batch_size):
+            if self._batch is not None:
+                self.lc.llama_batch_free(self._batch)
+            self._batch_size = max(PIECE_TOKENS, len(seq_ids or ()))
+            self._batch = self.lc.llama_batch_init(self._batch_size, 0, 1)
         batch = self._batch
         batch.n_tokens = len(tokens)
         for i, t in enumerate(tokens):
             batch.token[i] = t
-            batch.pos[i] = pos0 + i
+            batch.pos[i] = pos0 + i if isinstance(pos0, int) else pos0[i]
             batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = self.seq_id
+            batch.seq_id[i][0] = self.seq_id if seq_ids is None else seq_ids[i]
             batch.logits[i] = i >= want_from
         rc = self.lc.llama_decode(self.rm.ctx, batch)
         if rc != 0:
@@ -126,6 +133,37 @@ class Decoder:
         out = yield from self._answer_units(row, len(prompt), max_tokens, lambda r: int(r.argmax()))
         self.clear()
         return out
+
+    def greedy_many_units(self, prompts: Sequence[Sequence[int]], seq_ids: Sequence[int],
+                          max_tokens: int) -> Generator[None, None, list[list[int]]]:
+        """The greedy answers of several prompts at once, prompt i on seq_ids[i]
+        (this decoder's own sequence need not be among them): each prompt decoded
+        alone in its pieces, as greedy_units does, then one batch per answer token
+        holding the next token of every answer not yet ended, so the answers take
+        as many decodes as the longest. Units: a prompt piece, or one such batch."""
+        if len(prompts) != len(seq_ids) or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("greedy_many_units needs one distinct sequence per prompt")
+        lanes = [Decoder(self.rm, s) for s in seq_ids]
+        try:
+            rows = []
+            for lane, prompt in zip(lanes, prompts, strict=True):
+                lane.clear()
+                rows.append((yield from lane._prompt_units(prompt)))
+                yield
+            outs: list[list[int]] = [[int(r.argmax())] for r in rows]
+            while True:
+                live = [i for i, o in enumerate(outs) if not self.rm.is_eog(o[-1]) and len(o) < max_tokens]
+                if not live:
+                    return outs
+                self._decode([outs[i][-1] for i in live], [len(prompts[i]) + len(outs[i]) - 1 for i in live], 0,
+                             [seq_ids[i] for i in live])
+                for row, i in enumerate(live):
+                    outs[i].append(int(self._row(row).argmax()))
+                yield
+        finally:
+            for lane in lanes:
+                lane.clear()
+                lane.close()
 
     def sample_units(self, prompt: Sequence[int], max_tokens: int, rngs: Sequence[np.random.Generator],
                      tops: list | None = None, draw: Callable[[np.ndarray, np.random.Generator], int] | None = None

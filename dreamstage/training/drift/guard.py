@@ -29,11 +29,12 @@ The early stop and the hold on the job's own windows are stopping.py.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
+from dreamstage.training.drift import measure as drift_measure
 from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
-from dreamstage.training.drift.measure import DEFAULT_STEP_MS, Drift, DriftProbe, summary_of
+from dreamstage.training.drift.measure import DEFAULT_STEP_MS, Drift, DriftProbe, null_vectors, summary_of
 from dreamstage.training.drift.neighbours import job_questions
 from dreamstage.training.drift.records import prompt_tokens
 from dreamstage.training.drift.rehearsal import (
@@ -70,8 +71,9 @@ class DriftGuard:
         # decodes of up to PIECE_TOKENS tokens; at least one runs per step)
         pause = getattr(getattr(spec, "pacing", None), "max_pause_ms", None)
         step_ms = pause / 2.0 if pause else DEFAULT_STEP_MS
+        self._turn: list = [None]                # the guard's probes share one lent sequence
         self.probe = DriftProbe(resident, load_anchors(spec.anchors), seq_id=seq_id, restore=restore,
-                                enter=enter, step_ms=step_ms)
+                                enter=enter, step_ms=step_ms, turn=self._turn)
         # ... and trained, never measured: the regularizer's samples of the base
         # (only the anchors whose prompt leaves room in the job's window for a
         # reply: the others could never be trained, so recording them is waste)
@@ -79,8 +81,8 @@ class DriftGuard:
         lengths = {p: len(prompt_tokens(resident, p)) for p in self.rehearsal_prompts} if self.ratio > 0 else {}
         self._prompt_span = (min(lengths.values(), default=0), max(lengths.values(), default=0))
         roomy = [p for p, n in lengths.items() if n + MIN_REHEARSED_REPLY <= spec.window]
-        self.rehearsal = (DriftProbe(resident, roomy, seq_id=seq_id, restore=restore, enter=enter,
-                                     step_ms=step_ms, samples=rehearsal_samples(spec.rehearsal)) if roomy else None)
+        self.rehearsal = (DriftProbe(resident, roomy, seq_id=seq_id, restore=restore, enter=enter, step_ms=step_ms,
+                                     samples=rehearsal_samples(spec.rehearsal), turn=self._turn) if roomy else None)
         # ... and the base's own neighbours of the job's prompts (written at record(),
         # each rehearsed every epoch: the questions a taught form reaches first)
         self._resident, self._seq_id, self._step_ms = resident, seq_id, step_ms
@@ -93,7 +95,13 @@ class DriftGuard:
         # rehearsal anchor -> its windows' positions in self.windows; the neighbours
         # follow the shipped rehearsal anchors, from index n_rehearsed on
         self._anchor_pos: dict[int, list[int]] = {}
-        self.n_rehearsed = 0
+        self.n_rehearsed = len(self.rehearsal.prompts) if self.rehearsal is not None else 0
+        self._rehearsed_bases: dict[int, Any] = {}          # rehearsal anchor -> its record, once made
+        self._neighbours_done = not self.questions
+        # a job's records made while it trains (start(); None: not started, or all made)
+        self._backlog: Generator[None, None, None] | None = None
+        self._null_start: Any = None             # the shadow's parameters at the job's start (the null draws' A)
+        self._served: Any = None                 # what the trainer's served copy holds: "shadow" or ("null", d)
         self.drift: Drift | None = None          # the final measurement (the promotion reads it)
         self.failure: str | None = None          # why the measurement failed, if it did
         self.during_ms = 0.0                     # time spent on measurements during training
@@ -105,26 +113,54 @@ class DriftGuard:
 
     @property
     def _rehearsed(self) -> list[Any]:
-        return self.rehearsal.bases if self.rehearsal is not None else []
+        return [self._rehearsed_bases[i] for i in sorted(self._rehearsed_bases)]
 
     def record(self) -> Generator[None, None, None]:
-        yield from self.probe.record(self.cache)
-        self._anchor_pos = {}
-        if self.rehearsal is not None:
-            yield from self.rehearsal.record(self.cache)
-            for i, base in enumerate(self._rehearsed):
-                self._add_windows(i, rehearsal_windows(base, i, self.spec.window, self.spec.rehearsal))
-        self.n_rehearsed = len(self._rehearsed)
-        if self.questions:
-            shipped_windows = len(self.windows)
-            try:
-                yield from self._record_neighbours()
-            except Exception:
-                # an extra: the shipped rehearsal and the measurement stand without it
-                log.exception("writing the neighbours of the job's prompts failed; it rehearses none")
-                self._anchor_pos = {i: v for i, v in self._anchor_pos.items() if i < self.n_rehearsed}
-                del self.windows[shipped_windows:]
-                self.near, self.neighbour_prompts = None, []
+        """Every record at once: the measured anchors, the rehearsal anchors in
+        order, the neighbours (the warm-up's and the tests' way; a job's is start())."""
+        yield from self._record_measured()
+        try:
+            for i in range(self.n_rehearsed):
+                yield from self._record_rehearsal(i)
+        finally:
+            if self.rehearsal is not None:
+                self.rehearsal.release()
+        yield from self._neighbours_or_none()
+
+    def _record_measured(self) -> Generator[None, None, None]:
+        """The measured anchors' records, in order; `probe.bases` grows with each."""
+        self.probe.bases = []
+        try:
+            for prompt in self.probe.prompts:
+                self.probe.bases.append((yield from self.probe.record_prompt(prompt, self.cache)))
+        finally:
+            self.probe.release()
+
+    def _record_rehearsal(self, i: int) -> Generator[None, None, None]:
+        """Rehearsal anchor i's record and windows (none when recorded already)."""
+        if i in self._rehearsed_bases or self.rehearsal is None:
+            return
+        base = yield from self.rehearsal.record_prompt(self.rehearsal.prompts[i], self.cache)
+        self._rehearsed_bases[i] = base
+        self._add_windows(i, rehearsal_windows(base, i, self.spec.window, self.spec.rehearsal))
+
+    def _neighbours_or_none(self) -> Generator[None, None, None]:
+        if self._neighbours_done:
+            return
+        shipped_windows = len(self.windows)
+        try:
+            yield from self._record_neighbours()
+        except Exception:
+            # an extra: the shipped rehearsal and the measurement stand without it
+            log.exception("writing the neighbours of the job's prompts failed; it rehearses none")
+            self._anchor_pos = {i: v for i, v in self._anchor_pos.items() if i < self.n_rehearsed}
+            del self.windows[shipped_windows:]
+            self.near, self.neighbour_prompts = None, []
+        finally:
+            self.probe.release()
+            if self.near is not None:
+                self.near.release()
+        self._neighbours_done = True
 
     def _add_windows(self, index: int, fitting: Sequence[Any]) -> None:
         if fitting:
@@ -142,8 +178,8 @@ class DriftGuard:
                  len(prompt_tokens(self._resident, p)) + MIN_REHEARSED_REPLY <= self.spec.window]
         if not roomy:
             return
-        self.near = DriftProbe(self._resident, roomy, seq_id=self._seq_id, restore=self._restore,
-                               enter=self._enter, step_ms=self._step_ms, samples=rehearsal_samples(self.spec.rehearsal))
+        self.near = DriftProbe(self._resident, roomy, seq_id=self._seq_id, restore=self._restore, enter=self._enter,
+                               step_ms=self._step_ms, samples=rehearsal_samples(self.spec.rehearsal), turn=self._turn)
         yield from self.near.record(self.cache)
         for j, base in enumerate(self.near.bases):
             i = self.n_rehearsed + j
@@ -162,7 +198,7 @@ class DriftGuard:
         """Window indices (into `windows`) visited in `epoch`, in order: an
         anchor's visit trains the window rehearsal.visit_choice picks."""
         picked = [visit_choice(self._anchor_pos[a], v)
-                  for a, v in anchor_visits(len(self._rehearsed), self.n_train, self.ratio, epoch, self.spec.seed)
+                  for a, v in anchor_visits(self.n_rehearsed, self.n_train, self.ratio, epoch, self.spec.seed)
                   if a in self._anchor_pos]
         picked += [visit_choice(self._anchor_pos[a], epoch) for a in self._neighbour_indices()]
         visit = list(range(self.n_train)) + picked
@@ -200,39 +236,142 @@ class DriftGuard:
                     "so the regularizer did not run; a longer window turns it on")
         return f"rehearsal on {used} of {total} anchors (the others are longer than window {self.spec.window})"
 
-    def record_or_fail(self, trainer=None) -> Iterator[None]:
-        """record(), then (given the job's trainer, before its first step) the
-        noise margin; a failure to record is kept (`failure`) and the job trains on
-        without anchor windows: auto promotion then refuses, naming it. A failure
-        of the noise margin is logged and leaves it unmeasured: anchors_changed
-        then counts every change, near ties included (as anchors_changed_raw)."""
+    # -- a job's records, made while it trains ------------------------------------------
+    def start(self, trainer=None) -> None:
+        """Plan the job's records (`step_recording` makes them, one probe step a call)
+        in the order the job needs them: the rehearsal anchors its first epoch
+        visits, the neighbours, the second epoch's anchors, the measured anchors,
+        the other epochs' anchors and the rest, then (given the trainer, whose
+        parameters now are the null draws' A) the noise margin. The walk waits
+        only for what an epoch visits (`ready`); a measurement during training
+        reads the measured records made so far; the final one, which the
+        promotion reads, waits for all (`finish_recording`). A failure to record
+        is kept (`failure`): the job trains on with the windows it has and auto
+        promotion refuses, naming it. A failure of the noise margin is logged and
+        leaves it unmeasured (anchors_changed then counts every change)."""
+        if trainer is not None and hasattr(trainer, "lora_parameters"):
+            self._null_start = trainer.lora_parameters()
+        self._backlog = self._backlog_steps(trainer)
+
+    @property
+    def recording(self) -> bool:
+        """Whether some of the job's records are still to be made (start)."""
+        return self._backlog is not None
+
+    def step_recording(self) -> None:
+        """One probe step of the job's records (nothing when all are made)."""
+        if self._backlog is None:
+            return
         try:
-            yield from self.record()
+            next(self._backlog)
+        except StopIteration:
+            self._backlog = None
+
+    def finish_recording(self) -> Generator[None, None, None]:
+        """The rest of the job's records, one probe step a yield."""
+        while self._backlog is not None:
+            self.step_recording()
+            yield
+
+    def ready(self, epoch: int, consolidating: bool = False) -> bool:
+        """Whether every record epoch `epoch` visits is made (a rehearsal-only epoch:
+        every rehearsal anchor's), or recording failed (the walk goes on without)."""
+        if self._backlog is None or self.failure is not None:
+            return True
+        if consolidating:
+            return len(self._rehearsed_bases) == self.n_rehearsed
+        return self._neighbours_done and all(a in self._rehearsed_bases for a in self._visited(epoch))
+
+    def until_rehearsed(self) -> Generator[None, None, None]:
+        """Until every rehearsal anchor's record is made (before the rehearsal-only epochs)."""
+        while not self.ready(0, consolidating=True):
+            self.step_recording()
+            yield
+
+    def recorded(self) -> tuple[int, int]:
+        """(measured anchors recorded, measured anchors in all)."""
+        return len(self.probe.bases), len(self.probe.prompts)
+
+    def close(self) -> None:
+        """Stop recording (the job ended first): the lent sequence goes back."""
+        if self._backlog is not None:
+            self._backlog.close()
+            self._backlog = None
+
+    def _visited(self, epoch: int) -> list[int]:
+        return [a for a, _ in anchor_visits(self.n_rehearsed, self.n_train, self.ratio, epoch, self.spec.seed)]
+
+    def _backlog_steps(self, trainer) -> Generator[None, None, None]:
+        epochs = getattr(self.spec, "epochs", 1)
+        try:
+            try:
+                for i in self._visited(0):
+                    yield from self._record_rehearsal(i)
+                yield from self._neighbours_or_none()
+                for i in self._visited(1) if epochs > 1 else []:
+                    yield from self._record_rehearsal(i)
+                yield from self._record_measured()
+                for i in [a for e in range(2, epochs) for a in self._visited(e)] + list(range(self.n_rehearsed)):
+                    yield from self._record_rehearsal(i)
+            finally:
+                if self.rehearsal is not None:
+                    self.rehearsal.release()
         except Exception as e:
             log.exception("recording the anchors failed")
             self.failure = f"recording the anchors failed: {type(e).__name__}: {e}"
             return
-        if trainer is None or not hasattr(trainer, "lora_parameters"):
+        if self._null_start is None:
             return
         try:
-            yield from self.noise_margin(trainer)
+            yield from self._noise_margin(trainer)
         except Exception:
             log.exception("measuring the drift noise margin failed; anchors_changed counts every change")
             self.probe.noise_margin = None
 
-    def noise_margin(self, trainer) -> Generator[None, None, float]:
+    def _noise_margin(self, trainer) -> Generator[None, None, None]:
         """The probe's noise margin (DriftProbe.null_margin), measured once per
-        process for these anchors and this adapter shape."""
+        process for these anchors and this adapter shape, while the job trains:
+        each null adapter goes to the trainer's served copy and the shadow is put
+        back at once, so the micro-steps between its decodes train as if it
+        were not there."""
         lora: dict[str, Any] = self.spec.lora_fields()
         key = (tuple(self.probe.prompts), lora["rank"], lora["alpha"], lora["targets"], lora["top_layers"])
         if self.noise_cache is not None and key in self.noise_cache:
-            margin, self.probe.noise_draws = self.noise_cache[key]
-            self.probe.noise_margin = margin
-        else:
-            margin = yield from self.probe.null_margin(trainer)
-            if self.noise_cache is not None:
-                self.noise_cache[key] = (margin, self.probe.noise_draws)
-        return margin
+            self.probe.noise_margin, self.probe.noise_draws = self.noise_cache[key]
+            return
+        nulls = []
+        try:
+            for d, vec in enumerate(null_vectors(trainer, self._null_start, drift_measure.NULL_DRAWS)):
+                nulls.append((yield from self._measure_served(trainer, vec, ("null", d))))
+        finally:
+            self.probe.release()
+        margin = self.probe.adopt_nulls(nulls)
+        if self.noise_cache is not None:
+            self.noise_cache[key] = (margin, self.probe.noise_draws)
+
+    def _measure_served(self, trainer, vec, tag) -> Generator[None, None, Drift]:
+        """probe.measure of parameters `vec` on the trainer's served copy, written
+        there again whenever something else (a measurement of the shadow) took it."""
+        steps = self.probe.measure(trainer.served_adapter)
+        try:
+            while True:
+                if self._served != tag:
+                    now = trainer.lora_parameters()
+                    trainer.set_lora_parameters(vec)
+                    trainer.promote()
+                    trainer.set_lora_parameters(now)
+                    self._served = tag
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    return stop.value
+                yield
+        finally:
+            steps.close()
+
+    def _promote_shadow(self, trainer) -> None:
+        trainer.promote()                     # shadow -> the stage's own served copy, a llama_adapter_lora
+        self._served = "shadow"
 
     def measure_or_fail(self, trainer) -> Generator[None, None, Drift | None]:
         """measure() (a Drift), or None after a failure (kept in `failure`):
@@ -249,7 +388,7 @@ class DriftGuard:
     # -- measurement ---------------------------------------------------------------
     def measure(self, trainer) -> Generator[None, None, Drift]:
         """The shadow adapter's drift now on every measured anchor (a Drift), in short steps."""
-        trainer.promote()                     # shadow -> the stage's own served copy, a llama_adapter_lora
+        self._promote_shadow(trainer)
         self.drift = yield from self.probe.measure(trainer.served_adapter)
         return self.drift
 
@@ -259,7 +398,7 @@ class DriftGuard:
         the greedy choice), through serving's decode like a measurement; None
         after a failure (logged), which leaves the caller to its loss rule."""
         try:
-            trainer.promote()
+            self._promote_shadow(trainer)
             return (yield from self.probe.reply_leads(trainer.served_adapter, windows))
         except Exception:
             log.exception("reading the examples' greedy replies failed")
@@ -288,7 +427,7 @@ class DriftGuard:
         picked = [(self._during_next + i) % total for i in range(n)]
         self._during_next = (self._during_next + n) % total
         try:
-            trainer.promote()
+            self._promote_shadow(trainer)
             drift = yield from self.probe.measure(trainer.served_adapter, picked)
         except Exception:
             log.exception("a drift measurement during training failed")
@@ -298,13 +437,16 @@ class DriftGuard:
 
 
 def drift_figures(drift: Drift | None, max_drift: float, max_drift_kl: float | None, epoch: int | None = None,
-                  final: bool = True) -> dict[str, Any] | None:
+                  final: bool = True, recorded: tuple[int, int] | None = None) -> dict[str, Any] | None:
     """The figures a job, its receipt and its adapter report. `final`: the
     measurement on every measured anchor after training (the promotion's); a
-    measurement during training covers a slice of them (`anchors` says how many)."""
+    measurement during training covers a slice of them (`anchors` says how many)
+    of those recorded by then (`recorded`: made, in all; `anchors_recorded`)."""
     if drift is None:
         return None
     out = {**drift.as_dict(), "max_drift": max_drift, "max_drift_kl": max_drift_kl, "final": final}
+    if recorded is not None and recorded[0] < recorded[1]:
+        out["anchors_recorded"] = list(recorded)
     if epoch is not None:
         out["epoch"] = epoch
     return out

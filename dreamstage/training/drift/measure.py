@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,8 +121,11 @@ def summary_of(figures: dict[str, Any]) -> str:
     if figures.get("noise_margin") is not None:
         beyond = (f" beyond the noise margin {figures['noise_margin']:.3f} (at all: "
                   f"{figures['anchors_changed_raw_count']}/{figures['anchors']})")
+    partial = ""
+    if figures.get("anchors_recorded") is not None:
+        partial = " (of the {} of {} anchors recorded so far)".format(*figures["anchors_recorded"])
     return (f"anchors_changed {figures['anchors_changed']:.3f} ({figures['anchors_changed_count']}/"
-            f"{figures['anchors']}){beyond}, drift_kl {figures['drift_kl']:.4f}")
+            f"{figures['anchors']}){beyond}, drift_kl {figures['drift_kl']:.4f}{partial}")
 
 
 def summary(drift: Drift) -> str:
@@ -219,10 +222,14 @@ class DriftProbe:
     needs the slot; the anchor then starts again on the next lease
     (`restarts` counts those). `samples`: continuations sampled per anchor at
     recording (the regularizer's rehearsal anchors; none for measured ones).
+    `turn`: a one-item list shared by the probes that lend the same sequence
+    (a guard's): it names the anchor that decoded on it last, and an anchor
+    whose decodes another one's came between starts again, as after a loan ended.
     """
 
     def __init__(self, resident, prompts: Sequence[str], *, seq_id, restore=lambda: None, enter=lambda: None,
-                 renderer: ChatRenderer | None = None, step_ms: float | None = DEFAULT_STEP_MS, samples: int = 0):
+                 renderer: ChatRenderer | None = None, step_ms: float | None = DEFAULT_STEP_MS, samples: int = 0,
+                 turn: list | None = None):
         if not prompts:
             raise ValueError("a drift probe needs at least one anchor prompt")
         if step_ms is not None and not step_ms > 0:
@@ -241,6 +248,7 @@ class DriftProbe:
         self.anchor_ms: float | None = None     # the recent cost of measuring one anchor (a running mean)
         self.restarts = 0                       # anchors started again after serving took the sequence back
         self._lease: Any = None
+        self._turn = turn if turn is not None else [None]
 
     def _held(self, cells: int) -> Generator[None, None, Any]:
         # a lease, with room reserved for `cells` positions (a unified K/V pool may have none yet)
@@ -261,10 +269,11 @@ class DriftProbe:
         """One anchor's units (`units_on(seq_id)`), as many per step as fit
         step_s, on the held sequence, which they fill to at most `cells`
         positions; (its result, its decode ms)."""
-        ms = 0.0
+        ms, mine = 0.0, object()
         while True:
             lease = yield from self._held(cells)
             units = units_on(lease.seq_id)
+            self._turn[0] = mine
             try:
                 while True:
                     t0 = time.perf_counter()
@@ -284,7 +293,7 @@ class DriftProbe:
                         self.restore()
                     ms += (time.perf_counter() - t0) * 1000.0
                     yield
-                    if not lease.valid:             # serving took the slot back: start the anchor again
+                    if not lease.valid or self._turn[0] is not mine:   # serving or another anchor took it
                         self.restarts += 1
                         break
             finally:
@@ -297,20 +306,29 @@ class DriftProbe:
         out = []
         try:
             for prompt in self.prompts:
-                if cache is not None and prompt in cache and len(cache[prompt].samples) >= self.samples:
-                    out.append(cache[prompt])
-                    continue
-                toks = prompt_tokens(self.resident, prompt, self.renderer)
-                base, _ = yield from self._anchor(
-                    lambda s, p=prompt, t=toks: record_units(self.resident, s, p, t, samples=self.samples), None,
-                    len(toks) + ANCHOR_TOKENS)
-                if cache is not None:
-                    cache[prompt] = base
-                out.append(base)
-                yield
+                out.append((yield from self.record_prompt(prompt, cache)))
         finally:
             self._give_back()
         self.bases = out
+
+    def record_prompt(self, prompt: str, cache: dict | None = None) -> Generator[None, None, AnchorBase]:
+        """One anchor's record (from `cache` when it holds one with enough samples,
+        without a step), cached; the lease stays held for the next (give it back
+        with `release`)."""
+        if cache is not None and prompt in cache and len(cache[prompt].samples) >= self.samples:
+            return cache[prompt]
+        toks = prompt_tokens(self.resident, prompt, self.renderer)
+        base, _ = yield from self._anchor(
+            lambda s: record_units(self.resident, s, prompt, toks, samples=self.samples), None,
+            len(toks) + ANCHOR_TOKENS)
+        if cache is not None:
+            cache[prompt] = base
+        yield
+        return base
+
+    def release(self) -> None:
+        """Give the lent sequence back (record_prompt keeps it between anchors)."""
+        self._give_back()
 
     def neighbours_of(self, questions: Sequence[str], n: int, cache: dict | None = None,
                       exclude: Iterable[str] = ()) -> Generator[None, None, list[str]]:
@@ -401,7 +419,10 @@ class DriftProbe:
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring the noise margin")
         self.noise_margin, self.noise_draws = None, ()
-        nulls = yield from self.null_drifts(trainer, draws, sigma, seed)
+        return self.adopt_nulls((yield from self.null_drifts(trainer, draws, sigma, seed)))
+
+    def adopt_nulls(self, nulls: Sequence[Drift]) -> float:
+        """Sets (and returns) the noise margin the null adapters' figures give (noise_margin_of)."""
         self.noise_draws = tuple(n.widest_drop for n in nulls)
         self.noise_margin = noise_margin_of(nulls)
         return self.noise_margin
@@ -415,13 +436,9 @@ class DriftProbe:
         added to the B it has instead (the rounding's reach around a trained
         adapter, as the null draws are around the base; bench_drift --jitters)."""
         before = trainer.lora_parameters()
-        is_b = lora_b_mask(trainer)
         out = []
         try:
-            for d in range(draws):
-                vec = before.copy()
-                noise = sigma * np.random.default_rng((seed, d)).standard_normal(int(is_b.sum()))
-                vec[is_b] = vec[is_b] + noise if around else noise
+            for vec in null_vectors(trainer, before, draws, sigma, seed, around):
                 trainer.set_lora_parameters(vec)
                 trainer.promote()
                 out.append((yield from self.measure(trainer.served_adapter)))
@@ -429,6 +446,19 @@ class DriftProbe:
             trainer.set_lora_parameters(before)
             trainer.promote()
         return out
+
+
+def null_vectors(trainer, start: np.ndarray, draws: int = NULL_DRAWS, sigma: float = NULL_SIGMA,
+                 seed: int = NULL_SEED, around: bool = False) -> Iterator[np.ndarray]:
+    """The parameters of `draws` adapters that learned nothing: `start` (trainer's
+    flat order) with every B drawn from N(0, sigma^2), draw d seeded by (seed, d);
+    `around`: the noise added to start's B instead."""
+    is_b = lora_b_mask(trainer)
+    for d in range(draws):
+        vec = start.copy()
+        noise = sigma * np.random.default_rng((seed, d)).standard_normal(int(is_b.sum()))
+        vec[is_b] = vec[is_b] + noise if around else noise
+        yield vec
 
 
 def noise_margin_of(nulls: Sequence[Drift], rank: int = NULL_RANK) -> float:

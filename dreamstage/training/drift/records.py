@@ -75,15 +75,41 @@ def record_units(resident, seq_id: int, prompt: str, prompt_toks: Sequence[int],
     try:
         cont = yield from dec.greedy_units(prompt_toks, max_tokens)
         yield
-        forced = (*prompt_toks, *cont[:-1])
-        logp = log_softmax((yield from dec.forced_units(forced, len(prompt_toks) - 1)))
-        drawn: list[list[int]] = []
-        tops: list[tuple[np.ndarray, np.ndarray]] = []
-        if samples > 0:
-            yield
-            drawn = yield from dec.sample_units(prompt_toks, max_tokens, sample_keys(prompt, samples), tops)
+        return (yield from _finish_units(dec, prompt, prompt_toks, cont, max_tokens, samples))
     finally:
         dec.close()
+
+
+def record_many_units(resident, seq_ids: Sequence[int], prompts: Sequence[str],
+                      prompt_toks: Sequence[Sequence[int]], max_tokens: int = ANCHOR_TOKENS,
+                      samples: int = 0) -> Generator[None, None, list[AnchorBase]]:
+    """record_units of several anchors, anchor i on seq_ids[i]: their greedy
+    answers decoded together (Decoder.greedy_many_units: one batch per answer
+    token), the rest of each record on seq_ids[0] alone, in the fixed pieces
+    the measurement repeats."""
+    dec = Decoder(resident, seq_ids[0])
+    try:
+        conts = yield from dec.greedy_many_units(prompt_toks, seq_ids, max_tokens)
+        out = []
+        for prompt, toks, cont in zip(prompts, prompt_toks, conts, strict=True):
+            yield
+            out.append((yield from _finish_units(dec, prompt, toks, cont, max_tokens, samples)))
+        return out
+    finally:
+        dec.close()
+
+
+def _finish_units(dec: Decoder, prompt: str, prompt_toks: Sequence[int], cont: list[int], max_tokens: int,
+                  samples: int) -> Generator[None, None, AnchorBase]:
+    """An anchor's record from its greedy answer `cont`: the teacher-forced
+    distributions and the samples, on dec's sequence."""
+    forced = (*prompt_toks, *cont[:-1])
+    logp = log_softmax((yield from dec.forced_units(forced, len(prompt_toks) - 1)))
+    drawn: list[list[int]] = []
+    tops: list[tuple[np.ndarray, np.ndarray]] = []
+    if samples > 0:
+        yield
+        drawn = yield from dec.sample_units(prompt_toks, max_tokens, sample_keys(prompt, samples), tops)
     # The records are the teacher-forced decode of exactly `forced`, which the
     # measurement repeats piece for piece (the CPU kernels depend on the batch
     # size; so the logits are bit-identical with the adapter off); where its argmax

@@ -89,6 +89,7 @@ class JobLoop:
     waited: int = 0                                 # epochs the early stop waited for the greedy replies
     decay: tuple[int, int] | None = None            # (windows begun, windows in all) of a decaying consolidation
     resume_threads: int | None = None               # set while a step stopped at its deadline waits to go on
+    record_turn: bool = False                       # the guard's next recording step comes before the next micro-step
 
 
 class JobProgram:
@@ -117,6 +118,8 @@ class JobProgram:
 
     if TYPE_CHECKING:
         def _flush_figures(self, final: bool) -> None: ...
+
+        def _save_records(self) -> None: ...
 
     def _end(self, jid: int, target: str, message: str) -> Generator[None, None, None]:
         """Move the job to a final state; a pause that raced in waits for resume.
@@ -214,30 +217,67 @@ class JobProgram:
         self.stats.job_started()
         yield                                           # from here on the pacer decides each step
         guard = self._drift_guard(spec, rendered, engine)
-        if guard is not None:
-            yield from guard.record_or_fail(trainer)    # the base's anchor answers and their noise, in short steps
-            if (note := guard.rehearsal_note()) is not None:
-                log.info("dream job %s: %s", jid, note)
-        run = JobRun(self.store, jid, spec, guard.windows if guard else rendered.train,
-                     guard.order if guard else None)
-        lp = JobLoop(jid, spec, rendered, trainer, guard, run, OwnLoss(len(rendered.train), spec.stop_loss),
-                     memory_cap=spec.chunk,
-                     checkable=[i for i, w in enumerate(rendered.train) if not isinstance(w, TrainGroup)])
-        if guard is not None:
-            # the guard's set-up (its windows, the rehearsal note) took a step of its
-            # own: the first micro-step's pause, which the shaper fits, is its own
-            yield
-        if rendered.held_out and spec.promote == "auto":
-            lp.eval_before = yield from self._evaluate(spec, trainer, rendered.held_out, spec.chunk, lp.notes)
-        while run.current() is not None:
-            event = yield from self._micro_step(lp)
-            if event is None:
-                return                                  # the job ended (JobRun or _end moved it)
-            if event in ("epoch", "done") and (yield from self._epoch_end(lp, event)):
+        try:
+            if guard is not None:
+                # the base's records the first epoch visits, in short steps; the rest
+                # are made between the micro-steps (_record_turn)
+                guard.start(trainer)
+                while not guard.ready(0):
+                    guard.step_recording()
+                    yield
+                self._note_records(jid, guard)
+            run = JobRun(self.store, jid, spec, guard.windows if guard else rendered.train,
+                         guard.order if guard else None)
+            lp = JobLoop(jid, spec, rendered, trainer, guard, run, OwnLoss(len(rendered.train), spec.stop_loss),
+                         memory_cap=spec.chunk,
+                         checkable=[i for i, w in enumerate(rendered.train) if not isinstance(w, TrainGroup)])
+            if guard is not None:
+                # the guard's set-up (its windows) took a step of its own: the
+                # first micro-step's pause, which the shaper fits, is its own
                 yield
-                break
-            yield
-        yield from self._conclude(lp)
+            if rendered.held_out and spec.promote == "auto":
+                lp.eval_before = yield from self._evaluate(spec, trainer, rendered.held_out, spec.chunk, lp.notes)
+            while True:
+                if (yield from self._record_turn(lp)):
+                    continue
+                if run.current() is None:
+                    break
+                event = yield from self._micro_step(lp)
+                if event is None:
+                    return                              # the job ended (JobRun or _end moved it)
+                if event in ("epoch", "done") and (yield from self._epoch_end(lp, event)):
+                    yield
+                    break
+                yield
+            yield from self._conclude(lp)
+        finally:
+            if guard is not None:
+                guard.close()
+
+    def _record_turn(self, lp: JobLoop) -> Generator[None, None, bool]:
+        """While the guard still makes the job's records: one probe step in turn with
+        each micro-step (so the pacer paces both alike), and before an epoch whose
+        records are not all made yet, as many as it waits for. Never while a
+        micro-step stopped at its deadline waits to go on. True: a step ran."""
+        guard, walk = lp.guard, lp.run.walk
+        if guard is None or not guard.recording or lp.resume_threads is not None:
+            return False
+        waits = not walk.finished and not walk.order_known and not guard.ready(walk.epoch, lp.consolidating)
+        if not (waits or lp.record_turn):
+            lp.record_turn = True
+            return False
+        lp.record_turn = False
+        guard.step_recording()
+        if not guard.recording:
+            self._note_records(lp.jid, guard)
+            self._save_records()                        # a restart before the job ends keeps them
+        yield
+        return True
+
+    def _note_records(self, jid: int, guard: DriftGuard) -> None:
+        """The job's progress says how many measured anchors are recorded so far."""
+        made, total = guard.recorded()
+        self.store.update_progress(jid, drift_records={"measured": made, "of": total, "pending": guard.recording})
 
     def _start_pacing(self, spec: JobSpec, trainer) -> None:
         """The job's pacer, thread counts and, with a pause bound, its step shaper."""
@@ -341,6 +381,8 @@ class JobProgram:
             elif leads is not None:
                 lp.stop_leads = (idx, leads)
         run.end_epoch(ev, own.mean)
+        if (stop or event == "done") and guard is not None and not lp.consolidating:
+            yield from guard.until_rehearsed()          # which rehearsal anchors fit is known once all are made
         if (stop or event == "done") and guard is not None and not lp.consolidating and guard.consolidates():
             # the job's own training is over: rehearsal-only epochs follow (spec.consolidate)
             yield from self._begin_consolidation(lp, guard, stop)
@@ -352,7 +394,7 @@ class JobProgram:
         if guard is not None and event == "epoch":
             p = self.store.get(lp.jid)["progress"]
             drift = yield from guard.measure_during(trainer, p["train_ms"], p["step"])
-            self._store_drift(lp.jid, spec, drift, run.walk.epoch, final=False)
+            self._store_drift(lp.jid, spec, drift, run.walk.epoch, final=False, recorded=guard.recorded())
         return False
 
     def _begin_consolidation(self, lp: JobLoop, guard: DriftGuard, stopped: bool) -> Generator[None, None, None]:
@@ -402,6 +444,8 @@ class JobProgram:
         """The walk is over: the final drift, the save and promotion, the job's message."""
         guard, jid, spec = lp.guard, lp.jid, lp.spec
         if guard is not None:
+            yield from guard.finish_recording()         # the promotion reads every measured anchor and the margin
+            self._note_records(jid, guard)
             drift = yield from guard.measure_or_fail(lp.trainer)
             self._store_drift(jid, spec, drift, lp.run.walk.epoch, final=True)
         progress = self.store.get(jid)["progress"]
@@ -468,9 +512,10 @@ class JobProgram:
             evaluator.close()
             self._closing.remove(evaluator)
 
-    def _store_drift(self, jid: int, spec: JobSpec, drift, epoch: int, final: bool) -> None:
+    def _store_drift(self, jid: int, spec: JobSpec, drift, epoch: int, final: bool,
+                     recorded: tuple[int, int] | None = None) -> None:
         """A drift measurement (None: none ran) as the job's receipt, and into /metrics."""
-        figures = drift_figures(drift, spec.max_drift, spec.max_drift_kl, epoch, final)
+        figures = drift_figures(drift, spec.max_drift, spec.max_drift_kl, epoch, final, recorded)
         if drift is None or figures is None:
             return
         job = self.store.get(jid)

@@ -26,6 +26,8 @@ LOSS_EMA_BETA = 0.9  # moving average over finished windows, bias-corrected
 
 def new_progress(spec: JobSpec) -> dict[str, Any]:
     return {
+        # the drift guard's records of the measured anchors: {"measured", "of", "pending"} (None: no guard yet)
+        "drift_records": None,
         "step": 0, "window_in_epoch": 0, "windows": None, "windows_done": 0, "epoch": 0, "epochs": spec.epochs,
         # tokens: loss tokens trained; walked: tokens run forward+backward
         # (chunk_tokens); train_tok_s = walked per second of micro-step time.

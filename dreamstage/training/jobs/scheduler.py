@@ -196,6 +196,7 @@ class DreamScheduler(JobProgram):
         if self._warmup is not None:
             self._warmup.stop()
         if self._record_file is not None:
+            self._save_records()        # what the warm-up or a job's guard recorded so far
             self._record_file.wait()
         job, jid = self._job, self._job_id
         self._job = self._job_id = None

@@ -94,17 +94,30 @@ class Walk:
     # windows and a rotating slice of anchor windows); None: every window, shuffled
     orders: Callable[[int], list[int]] | None = field(default=None, repr=False)
     native_windows: frozenset[int] = frozenset()   # windows whose micro-steps the native core chooses (groups)
-    _order: list[int] = field(default_factory=list, repr=False)
+    # the epoch's order, asked for when its first window is (None until then): the
+    # drift guard's windows of an epoch may be made while the epoch before trains
+    _order: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.window_lengths:
             raise ValueError("a walk needs at least one window")
-        self._order = self._epoch_order()
 
     def _epoch_order(self) -> list[int]:
         if self.orders is not None:
             return self.orders(self.epoch)
         return epoch_order(len(self.window_lengths), self.epoch, self.seed)
+
+    @property
+    def order(self) -> list[int]:
+        """The windows the current epoch visits, in order."""
+        if self._order is None:
+            self._order = self._epoch_order()
+        return self._order
+
+    @property
+    def order_known(self) -> bool:
+        """Whether the current epoch's order was asked for already."""
+        return self._order is not None
 
     @property
     def finished(self) -> bool:
@@ -113,7 +126,7 @@ class Walk:
     def current(self) -> MicroStep | None:
         if self.finished:
             return None
-        w = self._order[self.order_pos]
+        w = self.order[self.order_pos]
         if self.exact or w in self.native_windows:
             return MicroStep(self.epoch, w, self.order_pos, 0, 0, self.chunk, False)
         n = self.window_lengths[w]
@@ -162,7 +175,7 @@ class Walk:
         self.epochs = start + epochs
         self.orders = lambda e: orders(e - start)
         self.order_pos = self.chunk_pos = 0
-        self._order = self._epoch_order()
+        self._order = None
 
     def end_here(self) -> None:
         """No more epochs after the one that just ended (a rehearsal-only epoch
@@ -172,14 +185,12 @@ class Walk:
     def _next_window(self) -> str:
         self.chunk_pos = 0
         self.order_pos += 1
-        if self.order_pos < len(self._order):
+        if self.order_pos < len(self.order):
             return "window"
         self.order_pos = 0
         self.epoch += 1
-        if self.finished:
-            return "done"
-        self._order = self._epoch_order()
-        return "epoch"
+        self._order = None
+        return "done" if self.finished else "epoch"
 
 
 
@@ -203,13 +214,16 @@ class JobRun:
                          exact=spec.exact, horizon=spec.horizon or 0,
                          native_windows=frozenset(i for i, w in enumerate(windows) if isinstance(w, TrainGroup)),
                          orders=orders)
-        store.update_progress(job_id, windows=len(self.walk._order), window_in_epoch=0, epoch=0)
+        store.update_progress(job_id, windows=len(self.walk.order), window_in_epoch=0, epoch=0)
 
     @property
     def chunk(self) -> int:
         return self.walk.chunk
 
     def current(self) -> tuple[Any, MicroStep] | None:
+        lengths = self.walk.window_lengths
+        if len(lengths) < len(self.windows):            # the drift guard made more windows (rehearsal)
+            lengths.extend(len(w) for w in self.windows[len(lengths):])
         step = self.walk.current()
         return None if step is None else (self.windows[step.window_index], step)
 
@@ -247,5 +261,5 @@ class JobRun:
     def consolidate(self, epochs: int, orders: Callable[[int], list[int]]) -> None:
         """Walk.consolidate, with the job's progress (epochs, windows per epoch) to match."""
         self.walk.consolidate(epochs, orders)
-        self.store.update_progress(self.job_id, epochs=self.walk.epochs, windows=len(self.walk._order),
+        self.store.update_progress(self.job_id, epochs=self.walk.epochs, windows=len(self.walk.order),
                                    window_in_epoch=0)
