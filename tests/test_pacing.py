@@ -410,6 +410,16 @@ def test_an_abort_at_the_time_limit_moves_down_or_keeps_the_chunk_once():
     assert kept.keep_chunk
     kept.record_aborted(64)
     assert not kept.keep_chunk and kept.choose(64)[0] <= StepShaper.FIRST_CHUNK
+    # ... for REARM_AFTER steps: then the kept chunk is tried again; the next such cut lasts twice as long
+    for gap in (StepShaper.REARM_AFTER, 2 * StepShaper.REARM_AFTER):
+        for i in range(gap):
+            assert not kept.keep_chunk, i
+            chunk, threads = kept.choose(64)
+            kept.record(0.2 * chunk / 64, chunk, threads)
+        assert kept.keep_chunk and kept.choose(64) == (64, 1)
+        kept.record_aborted(64)
+        kept.record_aborted(64)
+    assert not kept.keep_chunk
     # the limit follows the deadline: none while there is none
     slow = StepShaper(250, ladder(64, 1), [1])
     run_shaper(slow, {1: lambda n: 0.30 + 0.01 * n}, 40)
@@ -792,6 +802,10 @@ def test_the_kept_chunk_fits_whole_steps_probes_threads_and_can_be_cut():
     # a step that could not stop: the shaper cuts from then on, starting small
     sh.cut()
     assert not sh.keep_chunk and sh.choose()[0] == 8 and sh.figures()["chunk_kept"] is False
+    for _ in range(4 * StepShaper.REARM_AFTER):          # a step that cannot stop: cut for good
+        chunk, threads = sh.choose()
+        sh.record(0.1, chunk, threads)
+    assert not sh.keep_chunk
     sh.record(0.05, 8, 2)
     sh.record_rest(9.0, 8, 2)                    # not fitted once cut
     assert sh.predict(8) == pytest.approx(0.05)

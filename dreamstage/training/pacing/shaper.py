@@ -74,7 +74,9 @@ class StepShaper:
     step runs, never what it computes, depends on the load. That needs graphs
     that can stop (wholly on the CPU); the scheduler calls `cut()` when a step
     that could not stop (a graph on a GPU) passed the bound, and the shaper
-    cuts chunks from then on.
+    cuts chunks from then on. Aborts in a row cut chunks for `REARM_AFTER` steps
+    (twice as many after each such cut), then the kept chunk is tried again: an
+    aborted step is undone, so trying costs work, never the bound.
 
     Threads: it starts on the fewest (one thread has no barrier to spin at,
     the safe choice on a machine shared with other programs; measured on the
@@ -104,7 +106,8 @@ class StepShaper:
     DEADLINE = 0.9        # a step still computing at this fraction of the bound stops, goes on later (deadline_ms)...
     MIN_DEADLINE = 0.5    # ...less the pause's own overhead, but never below this fraction
     ABORT = 1.0           # a step still computing at this fraction of the bound (less overhead) is aborted, undone
-    ABORTS_TO_CUT = 2     # keep_chunk: aborts in a row before the shaper cuts chunks after all
+    ABORTS_TO_CUT = 2     # keep_chunk: aborts in a row before the shaper cuts chunks after all...
+    REARM_AFTER = 64      # ...for this many steps, then keeps the chunk again (doubled after each such cut)
 
     def __init__(self, max_pause_ms: float, rungs: Sequence[int], threads: Sequence[int] = (1,),
                  other_load: Callable[[], float] | None = None, cores: int | None = None,
@@ -149,16 +152,22 @@ class StepShaper:
         self._last_seen: dict[int, tuple[int, float]] = {}   # per count: its latest (chunk, seconds)
         self.keep_chunk = bool(keep_chunk)
         self._stopped_s = 0.0                 # keep_chunk: the parts of a stopped step so far
+        self._rearm_at: int | None = None     # step number at which aborts' cut ends
+        self._rearm_gap = self.REARM_AFTER
         self._overhead: deque[float] = deque(maxlen=2 * self.SAMPLES)   # a pause less its native step, seconds
         if self.keep_chunk:
             self.chunk = self.rungs[0]
 
-    def cut(self) -> None:
+    def cut(self, retry: bool = False) -> None:
         """From now on cut chunks to keep the bound (a step that could not stop at
-        its deadline, a graph on a GPU, passed it); the fit starts over."""
+        its deadline, a graph on a GPU, passed it); the fit starts over. `retry`
+        (aborts made the cut): the kept chunk comes back after `REARM_AFTER` steps."""
         if not self.keep_chunk:
             return
         self.keep_chunk = False
+        self._rearm_at = self._step_no + self._rearm_gap if retry else None
+        if retry:
+            self._rearm_gap *= 2
         self._stopped_s = 0.0
         self._hold = None
         for times in self._times.values():
@@ -364,7 +373,7 @@ class StepShaper:
         self._probe = None
         if self.keep_chunk:
             if self._aborts_in_row >= self.ABORTS_TO_CUT:
-                self.cut()
+                self.cut(retry=True)
             return
         self._exploring = None
         if chunk_tokens > self.rungs[-1]:
@@ -477,6 +486,10 @@ class StepShaper:
                     if t < self.threads:
                         self._probe_due[t] = self._step_no
         self._last_slow = slow or seconds > max(self.max_pause_s, self._limit)
+        if self._rearm_at is not None and self._step_no >= self._rearm_at:
+            self._rearm_at, self._aborts_in_row = None, 0
+            self.keep_chunk, self._hold = True, None
+            self.chunk = self.rungs[0]
 
     def figures(self) -> dict[str, Any]:
         p = self.predict(self.chunk)
