@@ -357,6 +357,25 @@ def _client_flags(p) -> None:
     p.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
 
 
+def _add_record_flags(p, default) -> None:
+    """`serve`'s records of served answers and learning from feedback (docs/architecture/feedback.md)."""
+    p.add_argument("--record", action="store_true",
+                   help="keep each served exchange (conversation, exact prompt tokens, answer, adapter, sampling) "
+                        "for feedback: POST /v1/feedback, GET|DELETE /v1/records (default: off; a request with "
+                        '"store": false is never kept)')
+    p.add_argument("--record-days", dest="record_days", type=float, default=None, metavar="DAYS",
+                   help=f"records older than this are deleted (default {default['record_days']:g})")
+    p.add_argument("--record-mib", dest="record_mib", type=float, default=None, metavar="MIB",
+                   help=f"past this the oldest records are deleted (default {default['record_mib']:g})")
+    from dreamstage.records.store import LEARN_MODES
+    p.add_argument("--learn", choices=LEARN_MODES, default=None,
+                   help="the default adapter's learning from feedback: manual (POST /adapters/NAME/learn starts a "
+                        "job) or auto (a job starts by itself); needs --record (default: as stored, manual)")
+    p.add_argument("--learn-adapter", dest="learn_adapter", default=None, metavar="NAME",
+                   help="the adapter feedback on the base model's answers trains "
+                        f"(default {default['learn_adapter']})")
+
+
 def _add_serve(sub) -> None:
     """`dreamstage serve`: a flag per ServerSettings field it sets (SERVE_FIELDS)."""
     p = sub.add_parser("serve", help="serve the resident model",
@@ -403,21 +422,7 @@ def _add_serve(sub) -> None:
                         "checks the held-out loss only (docs/architecture/drift.md)")
     p.add_argument("--embeddings", action="store_true",
                    help="serve POST /v1/embeddings: mean-pooled last hidden states of the resident model")
-    p.add_argument("--record", action="store_true",
-                   help="keep each served exchange (conversation, exact prompt tokens, answer, adapter, sampling) "
-                        "for feedback: POST /v1/feedback, GET|DELETE /v1/records (default: off; a request with "
-                        '"store": false is never kept)')
-    p.add_argument("--record-days", dest="record_days", type=float, default=None, metavar="DAYS",
-                   help=f"records older than this are deleted (default {default['record_days']:g})")
-    p.add_argument("--record-mib", dest="record_mib", type=float, default=None, metavar="MIB",
-                   help=f"past this the oldest records are deleted (default {default['record_mib']:g})")
-    from dreamstage.records.store import LEARN_MODES
-    p.add_argument("--learn", choices=LEARN_MODES, default=None,
-                   help="the default adapter's learning from feedback: manual (POST /adapters/NAME/learn starts a "
-                        "job) or auto (a job starts by itself); needs --record (default: as stored, manual)")
-    p.add_argument("--learn-adapter", dest="learn_adapter", default=None, metavar="NAME",
-                   help="the adapter feedback on the base model's answers trains "
-                        f"(default {default['learn_adapter']})")
+    _add_record_flags(p, default)
     p.add_argument("--strict-api", action="store_true",
                    help="refuse unknown fields on the OpenAI routes with a 400 (default: ignore them and name them "
                         "in the X-Dreamstage-Ignored-Fields header)")
