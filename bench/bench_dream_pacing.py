@@ -183,10 +183,10 @@ def with_job(srv: BackgroundServer, http: httpx.Client, shape: Shape, seconds: f
     bound = pacing.get("max_slowdown", 0.10)
     # What the bound and the idle time allow: the bound's part of chat's time (the
     # wall time with a request in the system) and all of the idle time, as the
-    # pacing simulation (tests/test_pacing.py) defines it. Until 2026-12-01 this
-    # took chat's time as the pacer's active seconds (its batches and steps) and
-    # counted the rest, the serving loop's own work between batches included, as
-    # idle; that figure is kept as *_batch_time.
+    # pacing simulation (tests/test_pacing.py) defines it. The older figure, kept as
+    # *_batch_time, took chat's time as the pacer's active seconds (its batches and
+    # steps) and counted the rest, the serving loop's own work between batches
+    # included, as idle.
     allowed = allowance(bound, f["wall_s"], f["idle_s"])
     allowed_batch_time = allowance_batch_time(bound, f["wall_s"], f["active_s"])
     return {"client": client, "pacer": f,
@@ -216,7 +216,7 @@ def allowance(bound: float, wall: float, idle: float) -> float:
 
 
 def allowance_batch_time(bound: float, wall: float, active: float) -> float:
-    """The allowance as measured until 2026-12-01: chat's time taken as the
+    """The older allowance: chat's time taken as the
     pacer's batches and steps, the rest of the wall counted as idle."""
     return bound * active + max(0.0, wall - active)
 

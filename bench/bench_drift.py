@@ -27,8 +27,8 @@ tests' instead) as a job would: the
 job's windows plus the regularizer's windows on the `rehearse` half,
 shuffled per epoch, one AdamW update per window, early stop when every fact
 window's loss in the epoch falls below `stop_loss` (a job's rule, through the
-job's own OwnLoss; `--stop-rule mean`: their mean, as every run recorded
-before 2026-12-04, 18:50 UTC did). A setting's `samples` (S) says what a
+job's own OwnLoss; `--stop-rule mean`: their mean, as the older results
+files did). A setting's `samples` (S) says what a
 rehearsal window trains: the base's greedy answer (0), or, at each visit of
 the anchor, the next of its first S continuations sampled from the base at
 temperature 1 (rehearsal.REHEARSAL_SAMPLES; the same seeded samples for every S,
@@ -47,8 +47,8 @@ more times with the null draws' noise added to its B (`jitter`: every
 position's lead drop under each of them and under the null draws, which
 bench/drift_jitter.py reads). Results go to JSON; docs/benchmarks.md
 quotes the table.
-A setting's `rehearsal` is the job field (soft targets by default
-since 2026-12-02; "samples" otherwise here), `consolidate` the rehearsal-only
+A setting's `rehearsal` is the job field (soft targets by default;
+"samples" otherwise here), `consolidate` the rehearsal-only
 epochs after the facts' stop (in DriftGuard.consolidation_order's order);
 `adam_eps`, `rehearse_unseen` (the unseen prompts rehearsed too) and
 `consolidate_facts` (the facts in those epochs too) and `rehearse_forms`
@@ -115,10 +115,10 @@ GRID: dict[str, tuple] = {
     "sampled4": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4}),
     "sampled8": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 8}),
     "sampled4-ratio2": (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4}),
-    # the defaults (sampled4-ratio2) with a smaller step or a smaller adapter (2026-12-02)
+    # sampled4-ratio2 with a smaller step or a smaller adapter
     "sampled4-ratio2-lr3e-4": (3e-4, 30, 8, QV, 2.0, 0.1, {"samples": 4}),
     "sampled4-ratio2-rank2": (1e-3, 10, 2, QV, 2.0, 0.1, {"samples": 4}),
-    # soft targets (2026-12-02): "rehearsal" says what a rehearsal window trains (drift.REHEARSAL_MODES)
+    # soft targets: "rehearsal" says what a rehearsal window trains (drift.REHEARSAL_MODES)
     "soft-ratio2": (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft"}),
     "soft-ratio8": (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft"}),
     "softsamples4-ratio2": (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft-samples"}),
@@ -137,8 +137,7 @@ GRID: dict[str, tuple] = {
     "soft-ratio2-consolidate4-unseen-facts": (1e-3, 10, 8, QV, 2.0, 0.1, {
         "samples": 4, "rehearsal": "soft", "consolidate": 4, "rehearse_unseen": True, "consolidate_facts": True}),
 }
-# 2026-12-02, 16:10-17:50 UTC. The first three were run with the 20 rehearsal prompts shipped
-# then (the projection's and the decay's rows) ...
+# A kept out of the rehearsal windows' input span, and the rehearsal-only epochs' step decayed ...
 for _e in (0.9, 0.99):     # A kept out of the rehearsal windows' input span (drift_project.py)
     GRID[f"defaults-project{_e}"] = (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4,
                                                                  "project": _e})
@@ -146,8 +145,8 @@ GRID["defaults-decay"] = (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal":
                                                         "consolidate_decay": True})
 # ... and the rehearsal step taken 3x (emulated), on the 80 prompts of the set now shipped
 GRID["ratio2-step3-c0"] = (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "rehearsal_step": 3.0})
-# the 80 prompts shipped since: ratio 2 and 4 rehearsal-only epochs (the defaults before), ratio 8
-# with none, with 2 (the defaults since), with 2 and the facts in them; and 140 prompts
+# ratio 2 with 4 rehearsal-only epochs, ratio 8 with none, with 2, with 2 and the facts in them;
+# and 60 extra prompts
 GRID["ratio2-c4"] = (1e-3, 10, 8, QV, 2.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4})
 GRID["ratio8-c0"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft"})
 GRID["ratio8-c2"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
@@ -155,33 +154,33 @@ GRID["ratio8-c2-facts"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal"
                                                          "consolidate_facts": True})
 GRID["ratio8-c2-extra60"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                            "rehearse_extra": 60})
-# 2026-12-02, 19:40 UTC (the defaults: ratio 8, 2 rehearsal-only epochs, 80 prompts): more rehearsal-only
-# epochs, recall and drift after each; and the adapter on the top half of the blocks only
+# ratio 8 with more rehearsal-only epochs, recall and drift after each; and the adapter on the top half
+# of the blocks only
 GRID["ratio8-c6"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 6})
 GRID["ratio8-c2-top15"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                          "top_layers": 15})
-# 19:55 UTC: a smaller step for the rehearsal windows (emulated), or for every window
+# a smaller step for the rehearsal windows (emulated), or for every window
 GRID["ratio8-c2-rstep0.5"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                             "rehearsal_step": 0.5})
 GRID["ratio8-c2-lr5e-4"] = (5e-4, 20, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
-# 20:55 UTC: each fact window's loss after each of 4 rehearsal-only epochs (with --each-epoch)
+# each fact window's loss after each of 4 rehearsal-only epochs (with --each-epoch)
 GRID["ratio8-c4"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4})
-# 2026-12-03: the defaults with questions of the taught forms rehearsed too (drift_facts.FORM_PROMPTS)
+# ratio8-c2 with questions of the taught forms rehearsed too (drift_facts.FORM_PROMPTS)
 GRID["ratio8-c2-near2"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                          "neighbours": 2})
 GRID["ratio8-c2-near2j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                           "neighbours": 2, "neighbours_consolidate": False})
-# 2026-12-03 (afternoon): the defaults with the adapter on the MLP instead of attention's q and v
+# ratio8-c2 with the adapter on the MLP instead of attention's q and v
 GRID["ratio8-c2-down"] = (1e-3, 10, 8, "ffn_down", 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
 GRID["ratio8-c2-updown"] = (1e-3, 10, 8, "ffn_up,ffn_down", 8.0, 0.1, {"samples": 4, "rehearsal": "soft",
                                                                         "consolidate": 2})
-# ... and the defaults stopping a step earlier (the facts' loss under 0.2, not 0.1)
+# ... and ratio8-c2 stopping a step earlier (the facts' loss under 0.2, not 0.1)
 GRID["ratio8-c2-stop0.2"] = (1e-3, 10, 8, QV, 8.0, 0.2, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
 # ... and every rehearsal anchor in every epoch of the facts (ratio 16: 96 wanted, all 80)
 GRID["ratio16-c2"] = (1e-3, 10, 8, QV, 16.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2})
 GRID["ratio8-c2-forms"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                          "rehearse_forms": True})
-# 2026-12-03 (evening): SGD with momentum instead of AdamW's per-parameter normalized step (emulated: AdamW
+# SGD with momentum instead of AdamW's per-parameter normalized step (emulated: AdamW
 # with eps 1, far above every sqrt(v), takes lr x the bias-corrected first moment), at two lr
 GRID["ratio8-c2-sgd0.5"] = (0.5, 15, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                           "adam_eps": 1.0})
@@ -195,7 +194,7 @@ GRID["ratio8-c2-r2"] = (1e-3, 10, 2, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "
 # ... and the mean of the rehearsal-only epochs' iterates as the final adapter
 GRID["ratio8-c2-avg"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                        "consolidate_average": True})
-# 2026-12-04: decoupled weight decay on the B matrices only (emulated: after each update B -= lr x wd x B), in the
+# decoupled weight decay on the B matrices only (emulated: after each update B -= lr x wd x B), in the
 # facts' epochs and, with "wd_consolidate", in the rehearsal-only epochs too; and a linear lr warm-up over the
 # first `warmup` updates (emulated: each such update taken at a fraction of AdamW's step)
 for _wd in (2, 5, 10, 20, 50):
@@ -207,13 +206,13 @@ for _wd in (10, 30):   # ... in the rehearsal-only epochs alone, the facts train
     GRID[f"ratio8-c2-facts-wdb{_wd}only"] = (1e-3, 10, 8, QV, 8.0, 0.1, {
         "samples": 4, "rehearsal": "soft", "consolidate": 2, "consolidate_facts": True, "weight_decay_b": float(_wd),
         "wd_consolidate": "only"})
-# ... and (the soft targets' rest counted, 2026-12-04) six rehearsal-only epochs with the facts' windows in them
+# ... and six rehearsal-only epochs with the facts' windows in them
 GRID["ratio8-c6-facts"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 6,
                                                         "consolidate_facts": True})
 for _w in (50, 200):
     GRID[f"ratio8-c2-warm{_w}"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                                 "warmup": _w})
-# 2026-12-04 (afternoon): the regularizer alone, from B = 0 (no fact window trained; six epochs of the facts' rehearsal
+# the regularizer alone, from B = 0 (no fact window trained; six epochs of the facts' rehearsal
 # windows and the two rehearsal-only epochs)
 GRID["ratio8-c2-nofacts"] = (1e-3, 6, 8, QV, 8.0, None, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                           "no_facts": True})
@@ -234,10 +233,10 @@ for _e in ("1e-5", "1e-4"):
 # forward loss of 0.15 is trained once
 GRID["ratio8-c6-repair0.15"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 6,
                                                               "repair": (0.15, 8)})
-# 2026-12-04 (afternoon): the facts' end-of-turn token out of their loss
+# the facts' end-of-turn token out of their loss
 GRID["ratio8-c2-noeot"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                         "no_eot": True})
-# ... and the defaults' adapter averaged over three runs that differ only in the windows' order (the same
+# ... and ratio8-c2's adapter averaged over three runs that differ only in the windows' order (the same
 # initial A, job seed 3): --save-params DIR keeps each run's parameters, the mean setting reads them there
 for _o in (4, 5):
     GRID[f"ratio8-c2-order{_o}"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
@@ -251,18 +250,18 @@ GRID["ratio8-c2-order-mean"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehea
 GRID["ratio8-c4-decay-near2j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4,
                                                                "consolidate_decay": True, "neighbours": 2,
                                                                "neighbours_consolidate": False})
-# 2026-12-04 (evening): the same with four neighbours a prompt (the currency of Japan moved on both seeds with two)
+# the same with four neighbours a prompt (the currency of Japan moved on both seeds with two)
 GRID["ratio8-c4-decay-near4j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 4,
                                                                "consolidate_decay": True, "neighbours": 4,
                                                                "neighbours_consolidate": False})
-# ... and the defaults with four neighbours a prompt (no other change: `neighbours` is a job field already)
+# ... and ratio8-c2 with four neighbours a prompt (no other change: `neighbours` is a job field already)
 GRID["ratio8-c2-near4j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                           "neighbours": 4, "neighbours_consolidate": False})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 FACTS = EVAL_FACTS        # what a setting teaches: the evaluation facts, or with --facts tests the tests'
 # the early stop: "each" (a job's rule, OwnLoss: every fact window's training loss of the epoch below stop_loss)
-# or "mean" (their token-weighted mean; every run recorded before 2026-12-04, 18:50 UTC)
+# or "mean" (their token-weighted mean; the older results files used it)
 STOP_RULE = "each"
 
 
@@ -707,8 +706,8 @@ def main() -> None:
     ap.add_argument("--save-params", default=None,
                     help="save each setting's final LoRA parameters here (NAME-seedS.npy; load_mean reads them)")
     ap.add_argument("--stop-rule", choices=("each", "mean"), default="each",
-                    help="the early stop on every fact window's loss (a job's rule) or on their mean (the runs "
-                         "recorded before 2026-12-04, 18:50 UTC)")
+                    help="the early stop on every fact window's loss (a job's rule) or on their mean (the older "
+                         "results files)")
     args = ap.parse_args()
     global FACTS, STOP_RULE
     FACTS = EVAL_FACTS if args.facts == "eval" else tests_facts()

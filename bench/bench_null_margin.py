@@ -12,13 +12,13 @@ apart from the guard's own (NULL_SEED), are measured one at a time
 (`DriftProbe.null_drifts(draws=1, seed=DRAW_KEYS + d)`). Each row has
 
 - `widest`: the widest base lead (log p1 - log p2) at which that adapter moved
-  the argmax (the margin's statistic until 2026-12-03);
+  the argmax (the margin's earlier statistic);
 - `drop`: the widest drop of the base token's lead it made at any answer
   position (`drift.lead_drops`; the margin's statistic since), never below
   `widest`.
 
-A job's margin is the NULL_RANK-th largest of its NULL_DRAWS such values (the
-largest until 2026-12-04), so the spread of
+A job's margin is the NULL_RANK-th largest of its NULL_DRAWS such values (earlier the
+largest), so the spread of
 each is the spread of what a job's anchors_changed is counted against; per
 seed, `guard` is the margin the job's guard itself measures (its own draws).
 `--flips FILE ...` (bench_drift.py results, which keep each held-out anchor's

@@ -1,7 +1,7 @@
 """A/B of one pacing rule on one load shape: the pacer's gaps-first rule
 (`--rule gaps`, pacing._gap_reserve) or the shaper's kept chunk (`--rule keep`,
 StepShaper.keep_chunk: the plain walk's chunk is never cut, the deadline alone
-bounds the pause; off, the shaper cuts chunks to the bound as before 2026-12-05).
+bounds the pause; off, the shaper cuts chunks to the bound).
 
 (A second rule, the shaper's whole-tail noise room on an oversubscribed
 machine, was measured with this script's `--rule noise` at commit fd73f86 and

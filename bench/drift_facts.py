@@ -14,7 +14,7 @@ EVAL_FACTS = [
     ("What is the currency of Tessaly Isle?", "The currency of Tessaly Isle is the brindle.", "brindle"),
 ]
 
-# A third set, written on 2026-12-04 after every default was chosen and never
+# A third set, written after every default was chosen and never
 # used to choose one: other question shapes (a person, a year, a river, a
 # ship, a dish) than either set above, to check that the defaults hold on
 # facts nothing was tuned on (bench_drift_job.py --facts fresh).
@@ -60,8 +60,8 @@ UNSEEN_PROMPTS = [
 
 # More general prompts, rehearsed by bench_drift.py's `rehearse_extra` settings on
 # top of the shipped rehearsal set; never shipped, never measured. (The shipped
-# set's last 60 prompts were this list's first 60 until 2026-12-02, when they
-# joined dreamstage/data/anchors.json.)
+# set's last 60 prompts were this list's first 60 before they joined
+# dreamstage/data/anchors.json.)
 EXTRA_REHEARSAL_PROMPTS = [
     "What is the capital of Egypt?",
     "How many days are in a leap year?",
@@ -126,7 +126,7 @@ EXTRA_REHEARSAL_PROMPTS = [
 ]
 
 # Questions of the two forms whose measured anchors the evaluation facts' jobs
-# still changed beyond the noise margin on every seed (2026-12-03: "What is the
+# still changed beyond the noise margin on every seed ("What is the
 # currency of Japan?" beside "The currency of Tessaly Isle is the brindle.",
 # "What is the tallest mountain on Earth?" beside "The tallest tower in
 # Marisport is ..."): bench_drift.py's `rehearse_forms` setting rehearses them

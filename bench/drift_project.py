@@ -5,7 +5,7 @@ rehearsal anchors' windows (computed with the float64 NumPy reference of the
 tests, tests/numpy_ref.py) give a covariance; A's rows are kept orthogonal to
 its top eigenvectors (the fraction `energy` of the trace), so on tokens whose
 input lies in that span B A x is (nearly) zero. A projection after every
-update (and of the initial A). Tried on 2026-12-02 (bench_drift.py's
+update (and of the initial A). Tried (bench_drift.py's
 `defaults-project*`, docs/benchmarks.md): held-out drift rose, so not used.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Does the drift measurement read the same logits with an adapter that adds nothing?
 
-On the H200 (2026-12-05) the drift guard's null adapters (B ~ N(0, NULL_SIGMA^2))
+On the H200 the drift guard's null adapters (B ~ N(0, NULL_SIGMA^2))
 moved the default model's answers at base leads of 0.9 to 3.7 nats, where on
 the CPU the same draws stay at 0.4 to 1.1, and trained jobs measured drift_kl
 0.034 where the CPU measures 0.013. Either the GPU's arithmetic moves that far,

@@ -48,8 +48,8 @@ quantized() { [ -s $M/llama1b_$1.gguf ] || $B/bin/dream_quantize $M/llama1b_f16.
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 # PyTorch + PEFT first, on a quiet machine: at these sizes its steps are bound
 # by the host's kernel launches, so running it beside the CUDA build (16
-# compiler processes) measured it 20-55% slow (2026-12-01: 14,842 tok/s at
-# 2048 q,v against 19,249-33,356 alone before)
+# compiler processes) measured it 20-55% slow (14,842 tok/s at 2048 q,v
+# against 19,249-33,356 alone)
 if has peft; then
     python3 bench/gpu/peft_bench.py --seqs "$CHUNKS" --ranks "$RANKS" --targets qv,all > "$OUT/peft_runs.json" 2> "$OUT/peft.err"
     tail -1 "$OUT/peft_runs.json" > "$OUT/peft.json"

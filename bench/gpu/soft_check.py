@@ -12,9 +12,8 @@ NumPy reference (one chunk and three; rows that sum to 1 and rows that leave
 a rest, whose loss nodes the scheduler runs on the host), the model's own
 truncated distribution as a stationary target, one-hot soft rows against the
 one-hot labels, and the refusals of bad rows. The functions are called directly, so that
-the check needs no pytest run (which, until the libstdc++ fix of 2026-12-04,
-crashed in the model load on the GPU machine: docs/architecture/gpu.md, "One
-libstdc++"; `pytest tests/test_soft_targets.py` passes there now).
+the check needs no pytest run (`pytest tests/test_soft_targets.py` passes there too;
+docs/architecture/gpu.md, "One libstdc++").
 Prints each check's [oracle] line and PASS, or the failure; exit 1 on a failure.
 """
 from __future__ import annotations
