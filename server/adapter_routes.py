@@ -45,8 +45,8 @@ from dreamstage.adapters.served import AdapterRefused
 from dreamstage.server.errors import APIError, strict_int
 from dreamstage.server.tenants import scope_of
 from dreamstage.server.train_routes import _invalid, _json_object, _storage_error, _training_service
+from dreamstage.server.train_routes import adapter_name_in_scope as _name
 from dreamstage.server.views import adapters_view, name_view, public
-from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.scheduler import AdapterInUse
 from dreamstage.training.jobs.store import AdapterNotFound
 from dreamstage.validation import field_errors
@@ -76,17 +76,6 @@ class ImportBody(BaseModel):
     peft: PeftBody | None = None
     path: str | None = Field(default=None, min_length=1)
     promote: bool = True
-
-
-def _name(request: Request, raw: str, param: str = "name") -> str:
-    """A valid name the key may touch; 404 (as unknown) outside its scope."""
-    try:
-        check_adapter_name(raw, param)
-    except ValueError as e:
-        raise _invalid([(param, str(e))]) from None
-    if not scope_of(request).allows(raw):
-        raise APIError(404, f"no adapter {raw!r}", param, "not_found")
-    return raw
 
 
 def _known(request: Request, raw: str):

@@ -28,7 +28,7 @@ from dreamstage.records.store import LEARN_MODES, LearnMode, LearnSettings, Serv
 from dreamstage.server.errors import APIError, strict_int
 from dreamstage.server.tenants import AdapterScope, scope_of
 from dreamstage.server.train_routes import _invalid, _json_object, _refused, _storage_error, service_with
-from dreamstage.training.jobs.request import check_adapter_name
+from dreamstage.server.train_routes import adapter_name_in_scope as _name
 from dreamstage.training.jobs.submit import SubmitRefused
 from dreamstage.validation import field_errors
 
@@ -106,16 +106,6 @@ def _adapter_query(request: Request, adapter: str | None) -> None:
             raise APIError(404, "no adapter 'base' for this key", "adapter", "not_found")
     elif adapter is not None:
         _name(request, adapter, "adapter")
-
-
-def _name(request: Request, raw: str, param: str = "name") -> str:
-    try:
-        check_adapter_name(raw, param)
-    except ValueError as e:
-        raise _invalid([(param, str(e))]) from None
-    if not scope_of(request).allows(raw):
-        raise APIError(404, f"no adapter {raw!r}", param, "not_found")
-    return raw
 
 
 async def _store_call(fn, *args, what: str):

@@ -21,6 +21,7 @@ from dreamstage.server.errors import APIError, strict_int
 from dreamstage.server.middleware import json_body
 from dreamstage.server.tenants import scope_of
 from dreamstage.server.views import public, with_unrecorded
+from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.store import InvalidTransition, JobNotFound
 from dreamstage.training.jobs.submit import SubmitRefused, invalid
 
@@ -43,6 +44,17 @@ def _training_service(request: Request):
 def _invalid(errors: list[tuple[str, str]]) -> APIError:
     """422 naming the first field; the message lists up to five."""
     return _refused(invalid(errors))
+
+
+def adapter_name_in_scope(request: Request, raw: str, param: str = "name") -> str:
+    """A valid name the key may touch; 404 (as unknown) outside its scope."""
+    try:
+        check_adapter_name(raw, param)
+    except ValueError as e:
+        raise _invalid([(param, str(e))]) from None
+    if not scope_of(request).allows(raw):
+        raise APIError(404, f"no adapter {raw!r}", param, "not_found")
+    return raw
 
 
 async def _json_object(request: Request, required: bool) -> dict[str, Any] | None:
