@@ -132,7 +132,7 @@ async def _events(job: EngineRequest, shape, version: int | None, include_usage:
     texts: list[list[str]] = [[] for _ in range(job.n)]     # each choice's answer, for its record
     while True:
         i, ev = await job.next()
-        if isinstance(ev, Delta):
+        if exchange is not None and isinstance(ev, Delta):
             texts[i].append(ev.text)
         if isinstance(ev, (Delta, PromptScored)):
             piece = shape.delta(ev, version, i) if isinstance(ev, Delta) else shape.prompt(ev, version, i)

@@ -65,8 +65,7 @@ class Exchange:
         try:
             await asyncio.to_thread(self.records.add, self.answers(record_id, ends))
         except Exception:
-            import logging
-            logging.getLogger("dreamstage.records").exception("record %s not kept", record_id)
+            log.exception("record %s not kept", record_id)
 
 
 def _sampling(gen) -> dict[str, Any]:
