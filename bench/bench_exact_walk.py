@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=2, help="passes over the walks, alternating direction (A B C C B A)")
     ap.add_argument("--memory-only", action="store_true", help="the largest graph only (see above)")
+    ap.add_argument("--model", default=None, help="a GGUF (default: the embedded default model)")
+    ap.add_argument("--ngl", type=int, default=-1, help="layers on the GPU in a GPU build (-1: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from dreamstage.serving.resident import ResidentConfig, ResidentModel
@@ -78,7 +80,8 @@ def main() -> None:
     windows = [int(x) for x in args.windows.split(",")]
     chunks = [int(x) for x in args.chunks.split(",")]
     walks = args.walks.split(",")
-    rm = ResidentModel(ResidentConfig(n_ctx=max(windows), n_seq=1, n_threads=args.threads))
+    rm = ResidentModel(ResidentConfig(model_path=args.model, n_ctx=max(windows), n_seq=1, n_threads=args.threads,
+                                      n_gpu_layers=args.ngl))
     text_tokens = rm.tokenize(TEXT * (max(windows) // 20 + 1))
     runs = []
     try:
@@ -95,7 +98,8 @@ def main() -> None:
         rm.close()
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
            "cpus": os.cpu_count(), "threads": args.threads, "load_avg": os.getloadavg(),
-           "model": "SmolLM2-135M-Instruct Q4_1 (default)", "lora": "rank 8, attn_q, attn_v",
+           "model": args.model or "SmolLM2-135M-Instruct Q4_1 (default)", "ngl": args.ngl,
+           "lora": "rank 8, attn_q, attn_v",
            "context_cache_type": args.cache_type, "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--one-chunk", default="512:16:8",
                     help="P:D:G points also timed against one-chunk separate windows")
     ap.add_argument("--skip", default="", help="P:D:G points to leave out, comma separated")
+    ap.add_argument("--model", default=None, help="a GGUF (default: the embedded default model)")
+    ap.add_argument("--ngl", type=int, default=-1, help="layers on the GPU in a GPU build (-1: all)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", default=None, help="print the markdown table of a result file and exit")
     args = ap.parse_args()
@@ -138,7 +140,8 @@ def main() -> None:
     one_chunk = {tuple(map(int, x.split(":"))) for x in args.one_chunk.split(",") if x}
     points = [pt for pt in points if pt not in skip]
     longest = max(p + d for p, d, _ in points)
-    rm = ResidentModel(ResidentConfig(n_ctx=longest, n_seq=1, n_threads=args.threads))
+    rm = ResidentModel(ResidentConfig(model_path=args.model, n_ctx=longest, n_seq=1, n_threads=args.threads,
+                                      n_gpu_layers=args.ngl))
     prompt_all = np.asarray(rm.tokenize(PROMPT * (longest // 20 + 1)), np.int32)
     reply_all = np.asarray(rm.tokenize(REPLY * 40, add_special=False), np.int32)
     weights = [1.0, -0.5, 0.75, 1.5, -1.0, 0.25, 2.0, -0.25]
@@ -157,7 +160,8 @@ def main() -> None:
         rm.close()
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
            "cpus": os.cpu_count(), "threads": args.threads, "load_avg": os.getloadavg(),
-           "wall_s": time.time() - t_start, "model": "SmolLM2-135M-Instruct Q4_1 (default)",
+           "wall_s": time.time() - t_start, "ngl": args.ngl,
+           "model": args.model or "SmolLM2-135M-Instruct Q4_1 (default)",
            "lora": "rank 8, attn_q, attn_v", "context_cache_type": args.cache_type, "chunk": args.chunk,
            "skipped": sorted(skip), "cost_model": vars(DEFAULT_COST),
            "cost_fitted": vars(fit_cost([s for r in runs for s in r["group_step_log"] + r["separate_step_log"]])),

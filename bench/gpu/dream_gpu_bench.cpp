@@ -97,6 +97,22 @@ static double serve(llama_context * ctx, const llama_vocab * vocab, std::vector<
 }
 
 // "a,b,c" -> {"a", "b", "c"}
+// The model FLOPs of one LoRA training step on `n` tokens (the count peft_bench.step_flops uses):
+// 2 x multiply-adds of every frozen product forward and of its input's gradient (the LoRA's own left
+// out), plus causal attention's QK^T and PV over half the square, forward and four backward products.
+static double step_flops(const llama_model * model, int n) {
+    const double E = llama_model_n_embd(model), L = llama_model_n_layer(model), H = llama_model_n_head(model),
+                 Hkv = llama_model_n_head_kv(model), V = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    char arch[64] = "llama", key[128], val[32];
+    llama_model_meta_val_str(model, "general.architecture", arch, sizeof arch);
+    std::snprintf(key, sizeof key, "%s.feed_forward_length", arch);
+    const double F = llama_model_meta_val_str(model, key, val, sizeof val) > 0 ? std::atof(val) : 4 * E;
+    const double head = E / H;
+    const double products = (double) n * (L * (2 * E * E + 2 * E * head * Hkv + 3 * E * F) + E * V);
+    const double attention = L * H * head * (double) n * n;
+    return 2.0 * (2.0 * products + 3.0 * attention);
+}
+
 static std::vector<std::string> split(const std::string & s, char sep) {
     std::vector<std::string> out;
     for (size_t p = 0; p < s.size();) {
@@ -279,6 +295,10 @@ int main(int argc, char ** argv) {
         const long long reuses = (long long) dream_graph_reuses(ds);
         // same window every step at lr 1e-3: the loss must fall
         const bool loss_fell = loss.back() < loss.front();
+        // model FLOP/s at the median step, and its share of the card's dense bf16 rate (DREAM_PEAK_TFLOPS, an H100 SXM's by default)
+        const double tflop_s = step_flops(model, C) / (summarize(step_ms).median / 1000.0) / 1e12;
+        const char * peak_env = std::getenv("DREAM_PEAK_TFLOPS");
+        const double peak = peak_env ? std::atof(peak_env) : 989.0;
         std::snprintf(buf, sizeof buf,
                       "    {\"chunk\": %d, \"window\": %d, \"rank\": %d, \"targets\": \"%s\", \"context_cache_type\": \"q8_0\",\n"
                       "     \"n_splits\": %d, \"gpu_free_mib_before\": %.0f, \"gpu_free_mib_during\": %.0f,\n"
@@ -287,11 +307,12 @@ int main(int argc, char ** argv) {
                       "     \"train_tok_s_without_graph_reuse\": %s,\n     \"graph_reuses\": %lld,\n"
                       "     \"optimizer_on_device\": %s, \"fused_attention\": %s, \"train_tok_s_explicit_attention\": %s, \"graph_mib_explicit_attention\": %.1f,\n"
                       "     \"graph_mib\": %.1f, \"context_mib\": %.2f, \"adapter_mib\": %.2f, \"optimizer_mib\": %.2f,\n"
+                      "     \"model_tflop_s\": %.1f, \"mfu\": %.4f,\n"
                       "     \"loss_first\": %.4f, \"loss_last\": %.4f, \"loss_fell\": %s}%s\n",
                       C, C, configs[ci].rank, configs[ci].targets.c_str(), n_splits, free_before, free_during, js(summarize(pre)).c_str(), js(summarize(step_ms)).c_str(), js(summarize(wall_ms)).c_str(),
                       js(summarize(tps)).c_str(), js(summarize(tps_wall)).c_str(), js(summarize(tps_fresh)).c_str(), reuses,
                       dream_optimizer_on_device(ds) ? "true" : "false", dream_fused_attention(ds) ? "true" : "false", js(summarize(tps_explicit)).c_str(), explicit_graph_mib, graph_mib, context_mib, adapter_mib, optimizer_mib,
-                      loss.front(), loss.back(), loss_fell ? "true" : "false", ci + 1 < configs.size() ? "," : "");
+                      tflop_s, tflop_s / peak, loss.front(), loss.back(), loss_fell ? "true" : "false", ci + 1 < configs.size() ? "," : "");
         out += buf;
         all_loss_fell = all_loss_fell && loss_fell;
         last = ds;

@@ -8,7 +8,11 @@ given rank (alpha = 2 x rank) on q,v or all seven linear targets, AdamW, batch
 1, one sequence of L random tokens per step, SDPA attention. Prints one JSON
 object: median / min / max train tok/s and peak memory per configuration.
 
-  peft_bench.py [--seqs 512,2048] [--ranks 8,16] [--targets qv,all] [--steps 10]
+  peft_bench.py [--seqs 512,2048] [--ranks 8,16] [--targets qv,all] [--steps 10] [--liger]
+
+--liger applies liger-kernel's Llama kernels first (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy):
+the stronger anchor. Each row also gives its model FLOP/s utilisation against --peak-tflops (the
+card's dense bf16 rate; 989 for an H100 SXM) with step_flops, the count dream_gpu_bench uses.
 """
 from __future__ import annotations
 
@@ -25,9 +29,24 @@ TARGETS = {"qv": ["q_proj", "v_proj"],
            "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 
 
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 2048, 16, 32, 8, 8192, 49152
+
+
+def step_flops(seq: int) -> float:
+    """The model FLOPs of one LoRA training step on `seq` tokens, in multiply-adds x 2: each frozen
+    product forward and its input's gradient (2 x), the LoRA's own left out; causal attention's QK^T
+    and PV over half the square, forward and its four backward products (3 x)."""
+    head = HIDDEN // HEADS
+    per_layer = HIDDEN * HIDDEN * 2 + HIDDEN * head * KV_HEADS * 2 + 3 * HIDDEN * FFN   # q,o + k,v + gate,up,down
+    products = seq * (LAYERS * per_layer + HIDDEN * VOCAB)
+    attention = LAYERS * HEADS * head * seq * seq        # QK^T and PV, causal half: 2 x 0.5 x seq^2 x head
+    return 2.0 * (2.0 * products + 3.0 * attention)
+
+
 def run(seq: int, rank: int, targets: str, steps: int) -> dict:
-    cfg = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                      intermediate_size=8192, vocab_size=49152, tie_word_embeddings=True, rope_theta=500000.0,
+    cfg = LlamaConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, intermediate_size=FFN, vocab_size=VOCAB, tie_word_embeddings=True,
+                      rope_theta=500000.0,
                       max_position_embeddings=8192, torch_dtype=torch.bfloat16)
     torch.manual_seed(0)
     with torch.device("cuda"):   # random init on the GPU: on the host it took most of the bench's minutes
@@ -52,6 +71,7 @@ def run(seq: int, rank: int, targets: str, steps: int) -> dict:
     tps = sorted(seq / t for t in times)
     out = {"seq": seq, "rank": rank, "targets": targets, "steps": steps,
            "train_tok_s": {"median": statistics.median(tps), "min": tps[0], "max": tps[-1]},
+           "model_tflop_s": statistics.median(tps) / seq * step_flops(seq) / 1e12,
            "peak_mib": torch.cuda.max_memory_allocated() / 2**20, "loss_last": float(loss)}
     del model, opt
     torch.cuda.empty_cache()
@@ -64,14 +84,22 @@ def main() -> None:
     ap.add_argument("--ranks", default="8,16")
     ap.add_argument("--targets", default="qv,all")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--liger", action="store_true", help="liger-kernel's Llama kernels applied first")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="the card's dense bf16 TFLOP/s")
     a = ap.parse_args()
+    if a.liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
     runs = []
     for targets in a.targets.split(","):
         for rank in (int(r) for r in a.ranks.split(",")):
             for seq in (int(s) for s in a.seqs.split(",")):
                 runs.append(run(seq, rank, targets, a.steps))
+                runs[-1]["mfu"] = runs[-1]["model_tflop_s"] / a.peak_tflops
                 print(json.dumps(runs[-1]), flush=True)
-    print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "runs": runs}))
+    print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "liger": a.liger,
+                      "peak_tflops": a.peak_tflops, "runs": runs}))
 
 
 if __name__ == "__main__":

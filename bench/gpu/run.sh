@@ -22,17 +22,15 @@
 #   8. (soft) bench/gpu/soft_check.py: tests/test_soft_targets.py's checks on the GPU (the
 #      regularizer's default rehearsal: soft-target loss and gradient against the NumPy
 #      reference), FP32 math, the tiny model carried in .gpu; needs pytest importable;
+#   9. (walk) bench/bench_groups.py (P = 512 and 2048, D = 16, G = 8) and bench/bench_exact_walk.py (window
+#      2048, chunks of 512: plain, exact, exact + recompute) through the Python trainer on the first base;
 #   7. (ab) AB_VARIANTS: the same quick bench under each set of environment variables, alternating;
 #   4. (decode) dream_lora_check: the fused LoRA decode kernel (patch 0104) against exact
 #      arithmetic and against upstream's nodes; dream_decode_bench: decode with a served
 #      adapter against the bare model, with the fusion and without (DECODE_RANKS and
 #      DECODE_TARGETS narrow it).
-# Prepared on the dev machine (the tree travels, models do not, except the tiny ones):
-#   python3 bench/gpu/trim_tree.py                    # .gpu/llama.cpp (~18 MiB)
-#   python3 bench/gpu/make_model.py --dump-tokenizer .gpu/tokenizer_kv.json
-#   tiny models: tests/tiny_model.write_tiny_model(Path('.gpu'), quant='f32'|'q8_0')
-#   cp -r <venv>/site-packages/gguf .gpu/site/        # pure Python, for make_model.py
-# then, on the device machine, from the repository root with .gpu carried:
+# Prepared on the dev machine by `bash bench/gpu/prepare.sh` (the tree travels, models do not,
+# except the tiny ones); then, on the device machine, from the repository root with .gpu and .whl carried:
 #   bash bench/gpu/run.sh OUTDIR [phases=check,bench,peft(,decode)] [chunks=512,2048] [reps=5] [ranks=8,16] [targets="attn_q,attn_v;all"] [bases=q8_0,q4_k_m,q4_0]
 # Writes OUTDIR/check_*.txt, OUTDIR/bench_<base>.json, OUTDIR/peft.json. Exit 1 when a check fails.
 set -uo pipefail
@@ -53,10 +51,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 if has peft; then
     python3 bench/gpu/peft_bench.py --seqs "$CHUNKS" --ranks "$RANKS" --targets qv,all > "$OUT/peft_runs.json" 2> "$OUT/peft.err"
     tail -1 "$OUT/peft_runs.json" > "$OUT/peft.json"
+    # the stronger anchor: PEFT with liger-kernel's Llama kernels (the wheel carried in .whl/liger)
+    if ls .whl/liger/*.whl > /dev/null 2>&1; then
+        L=/tmp/dream_liger_site; rm -rf $L
+        python3 -m pip install -q --no-index --no-deps --target $L .whl/liger/*.whl > "$OUT/liger_site.log" 2>&1 &&
+        PYTHONPATH=$L:$PYTHONPATH python3 bench/gpu/peft_bench.py --liger --seqs "$CHUNKS" --ranks "$RANKS" --targets qv,all \
+            > "$OUT/peft_liger_runs.json" 2> "$OUT/peft_liger.err"
+        tail -1 "$OUT/peft_liger_runs.json" > "$OUT/peft_liger.json"
+    fi
 fi
 # models are written by the CPU while the CUDA build runs
 ( python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/small_f32.gguf --quant f32 --shape small
-  if has bench || has decode || has profile || has serve || has ab; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
+  if has bench || has walk || has decode || has profile || has serve || has ab; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
 ) > "$OUT/make_model.log" 2>&1 &
 GEN=$!
 t0=$(date +%s)
@@ -212,7 +218,25 @@ if has soft; then
         python3 -P bench/gpu/soft_check.py .gpu/tiny-llama-f32-s1234.gguf > "$OUT/soft_check.txt" 2>&1 || rc=1
     echo "== soft_check"; grep -E "offloaded|using device|\[oracle\]|PASS|FAIL|Error" "$OUT/soft_check.txt" | head -30
 fi
+if has walk; then
+    # prefix groups and the exact walk through the Python trainer, every layer on the GPU, the first base
+    S=/tmp/dream_walk_site
+    base=${BASES%%,*}
+    quantized $base
+    if make_site $S walk_site.log; then
+        export PYTHONPATH=$S LLAMA_CPP_LIB_PATH=$B/bin
+        python3 -P bench/bench_groups.py --model $M/llama1b_$base.gguf --prompts 512,2048 --replies 16 --groups 8 \
+            --extra "" --one-chunk "" --chunk 512 --threads 4 --separate-windows 0 --out "$OUT/groups_$base.json" \
+            > "$OUT/groups.log" 2>&1 || rc=1
+        python3 -P bench/bench_exact_walk.py --model $M/llama1b_$base.gguf --windows 2048 --chunks 512 \
+            --walks plain,exact,exact+recompute --threads 4 --out "$OUT/exact_walk_$base.json" > "$OUT/exact_walk.log" 2>&1 || rc=1
+        export PYTHONPATH=$PWD/.gpu/site; unset LLAMA_CPP_LIB_PATH
+        echo "== walk $base"; tail -4 "$OUT/groups.log" "$OUT/exact_walk.log"
+    else
+        rc=1; tail -5 "$OUT/walk_site.log"
+    fi
+fi
 if has peft; then
-    cat "$OUT/peft.json"
+    cat "$OUT/peft.json"; cat "$OUT/peft_liger.json" 2>/dev/null || tail -5 "$OUT/peft_liger.err"
 fi
 exit $rc
