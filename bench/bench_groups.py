@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--one-chunk", default="512:16:8",
                     help="P:D:G points also timed against one-chunk separate windows")
     ap.add_argument("--skip", default="", help="P:D:G points to leave out, comma separated")
+    ap.add_argument("--warmup", action="store_true",
+                    help="run the first point once untimed first (a GPU's first graphs and kernels load slowly)")
     ap.add_argument("--model", default=None, help="a GGUF (default: the embedded default model)")
     ap.add_argument("--ngl", type=int, default=-1, help="layers on the GPU in a GPU build (-1: all)")
     ap.add_argument("--out", default=None)
@@ -149,11 +151,13 @@ def main() -> None:
     t_start = time.time()
     from dreamstage.training.walk.groups import DEFAULT_COST, fit_cost
     try:
-        for P, D, G in points:
+        for i, (P, D, G) in enumerate(points[:1] * args.warmup + points):
             prompt = prompt_all[:P]
             replies = [(reply_all[7 * g:7 * g + D], np.ones(D, np.uint8), weights[g % len(weights)]) for g in range(G)]
             r = run_point(rm, prompt, replies, args.chunk, args.cache_type, args.separate_windows,
                           (P, D, G) in one_chunk)
+            if args.warmup and i == 0:
+                continue
             runs.append(r)
             print(json.dumps({k: v for k, v in r.items() if not k.endswith("step_log")}), flush=True)
     finally:

@@ -226,10 +226,10 @@ if has walk; then
     if make_site $S walk_site.log; then
         export PYTHONPATH=$S LLAMA_CPP_LIB_PATH=$B/bin
         python3 -P bench/bench_groups.py --model $M/llama1b_$base.gguf --prompts 512,2048 --replies 16 --groups 8 \
-            --extra "" --one-chunk "" --chunk 512 --threads 4 --separate-windows 0 --out "$OUT/groups_$base.json" \
+            --extra "" --one-chunk "" --chunk 512 --threads 4 --warmup --separate-windows 0 --out "$OUT/groups_$base.json" \
             > "$OUT/groups.log" 2>&1 || rc=1
         python3 -P bench/bench_exact_walk.py --model $M/llama1b_$base.gguf --windows 2048 --chunks 512 \
-            --walks plain,exact,exact+recompute --threads 4 --out "$OUT/exact_walk_$base.json" > "$OUT/exact_walk.log" 2>&1 || rc=1
+            --walks plain,exact,exact+recompute --reps 4 --threads 4 --out "$OUT/exact_walk_$base.json" > "$OUT/exact_walk.log" 2>&1 || rc=1
         export PYTHONPATH=$PWD/.gpu/site; unset LLAMA_CPP_LIB_PATH
         echo "== walk $base"; tail -4 "$OUT/groups.log" "$OUT/exact_walk.log"
     else
