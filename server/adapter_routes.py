@@ -106,12 +106,16 @@ def _scoped_view(request: Request, service) -> dict:
 
 
 @router.get("/adapters")
-async def adapters(request: Request, since: str | None = None, wait: str | None = None):
-    """With `since=G`, answer once the promotions' generation differs from G, or after `wait` seconds (a
-    follower's long poll, server/follow.py). `generation` (also the ETag) grows with every promotion and rollback."""
+async def adapters(request: Request):
+    """With `?since=G[&wait=S]`, answer once the promotions' generation is not G, or after S seconds
+    (default 30, at most 120): a follower's long poll (server/follow.py). `generation` (also the ETag) grows
+    with every promotion and rollback. The two are read from the query string rather than declared: a
+    fuzzer filling declared parameters would hold each call open, as on /events."""
     service = _training_service(request)
+    since = request.query_params.get("since")
     if since is not None:
-        await _generation_change(request, service, strict_int(since, "since", 0), _wait_s(wait))
+        wait = _wait_s(request.query_params.get("wait"))
+        await _generation_change(request, service, strict_int(since, "since", 0), wait)
     with service.store.reading():
         generation = service.store.generation()
         view = {**_scoped_view(request, service), "generation": generation}

@@ -56,6 +56,8 @@ LEADER_HEADER = "X-Dreamstage-Leader"
 # What a follower refuses (any method but GET/HEAD/OPTIONS): training, feedback and adapter changes.
 REFUSED_PREFIXES = ("/train", "/adapters", "/v1/feedback")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# In a follower's state directory: it holds only adapters fetched from a leader.
+MARKER = "follower.json"
 
 
 class FollowError(RuntimeError):
@@ -124,8 +126,10 @@ class Follower:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def probe(self) -> None:
-        """Check the URL and key once, at startup: ValueError when the leader answers but refuses, or is no
-        dreamstage leader; an unreachable leader only warns (the follower serves its last set meanwhile)."""
+        """Check the state directory, the URL and the key once, at startup: ValueError for a state directory
+        that holds adapters or jobs of its own, a leader that refuses the key, or a URL that is no dreamstage
+        leader; an unreachable leader only warns (the follower serves its last set meanwhile)."""
+        self._claim_state_dir()
         try:
             r = self._http.get("/adapters", timeout=httpx.Timeout(CONNECT_TIMEOUT_S + READ_MARGIN_S))
         except httpx.HTTPError as e:
@@ -137,6 +141,17 @@ class Follower:
         if r.status_code != 200 or not isinstance(_json(r), dict) or "generation" not in _json(r):
             raise ValueError(f"follow: {self.leader} is not a dreamstage leader with training on "
                              f"(GET /adapters answered {r.status_code}: {r.text[:200]!r})")
+
+    def _claim_state_dir(self) -> None:
+        """Every adapter a follower holds came from a leader, so that it never serves one the leader did not
+        promote: a state directory is a follower's (MARKER) or empty, and becomes a follower's."""
+        marker = self.store.state_dir / MARKER
+        if not marker.exists():
+            if self.store.names() or self.store.job_ids(1):
+                raise ValueError(f"follow: the state directory {self.store.state_dir} holds adapters or jobs of its "
+                                 "own; a follower needs a state directory of its own (a new one, or a follower's)")
+            with atomic_file(marker) as tmp:
+                tmp.write_text(json.dumps({"follows": self.leader}) + "\n")
 
     def start(self) -> Follower:
         self._thread = threading.Thread(target=self._run, name="dreamstage-follow", daemon=True)
@@ -167,16 +182,16 @@ class Follower:
         while not self._stop.is_set():
             try:
                 since = self.sync(since)
-            except FollowError as e:
+            except Exception as e:  # the channel outlives any one bad round
                 if self._stop.is_set():
-                    return
-                self._failed("unreachable" if isinstance(e.__cause__, httpx.TransportError) else "failing", str(e))
+                    return                  # closed under a request in flight
+                if isinstance(e, FollowError):
+                    unreachable = isinstance(e.__cause__, httpx.TransportError)
+                    self._failed("unreachable" if unreachable else "failing", str(e))
+                else:
+                    log.exception("follow: unexpected failure")
+                    self._failed("failing", f"{type(e).__name__}: {e}")
                 since = None                # a fresh snapshot next time
-                self._stop.wait(self.interval_s)
-            except Exception as e:
-                log.exception("follow: unexpected failure")
-                self._failed("failing", f"{type(e).__name__}: {e}")
-                since = None
                 self._stop.wait(self.interval_s)
 
     def sync(self, since: int | None) -> int:

@@ -99,7 +99,7 @@ _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/train/{job_id}/cancel"): (404, 409, 422, 503, 507),
     ("post", "/train/{job_id}/pause"): (404, 409, 422, 503, 507),
     ("post", "/train/{job_id}/resume"): (404, 409, 422, 503, 507),
-    ("get", "/adapters"): (422, 503),
+    ("get", "/adapters"): (503,),
     ("post", "/adapters/{name}/promote"): (404, 409, 422, 503, 507),
     ("post", "/adapters/rollback"): (404, 409, 503, 507),
     ("post", "/adapters/{name}/rollback"): (404, 409, 422, 503, 507),

@@ -112,13 +112,15 @@ class Service:
         self.prompts = PromptTokenizer(self.model, self.engine.slot_ctx)
         if self.scheduler is not None:
             try:
-                self.scheduler.startup(self.engine, settings.adapter)   # before the engine thread: reload the served
-                self._start_records(settings)
                 if settings.follow is not None:
                     from dreamstage.server.follow import Follower
                     self.follower = Follower(self, settings.follow, settings.follow_key, settings.follow_interval)
                     self.follower.probe()
+                self.scheduler.startup(self.engine, settings.adapter)   # before the engine thread: reload the served
+                self._start_records(settings)
             except BaseException:
+                if self.follower is not None:
+                    self.follower.close()
                 if self.store is not None:
                     self.store.close()
                 self.model.close()

@@ -188,16 +188,21 @@ def test_a_follower_restarted_during_a_promotion_converges(cluster, loras, tiny_
 
 class TamperingProxy:
     """A loopback HTTP proxy to the leader that, while `tamper` is set, flips the last bytes of every adapter
-    download (and passes the leader's headers, its published sha256 among them, unchanged)."""
+    download (and passes the leader's headers, its published sha256 among them, unchanged); while
+    `partitioned` is set, it closes every connection unanswered."""
 
     def __init__(self, upstream: str):
         proxy = self
-        self.tamper, self.upstream = True, upstream
+        self.tamper, self.partitioned, self.upstream = True, False, upstream
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization",)}
-                r = httpx.get(proxy.upstream + self.path, headers=headers, timeout=120)
+                r = None if proxy.partitioned else httpx.get(proxy.upstream + self.path, headers=headers,
+                                                               timeout=120)
+                if r is None or proxy.partitioned:       # the link is down: the connection closes unanswered
+                    self.close_connection = True
+                    return
                 body = r.content
                 if proxy.tamper and "/versions/" in self.path:
                     body = body[:-16] + bytes(b ^ 0xFF for b in body[-16:])
@@ -242,6 +247,17 @@ def test_a_tampered_download_is_refused_logged_never_served_and_retried(cluster,
             wait_for([tampered], served(leader), INTERVAL_S + BOUND_S)
             assert answers(tampered) == answers(leader)
             assert httpx.get(tampered.url + "/health").json()["follow"]["state"] == "in_sync"
+            # a partition: the leader promotes meanwhile; the follower serves its last set, then catches up
+            proxy.partitioned = True
+            before = served(tampered)
+            promote_new(http, "bob", loras["bob1"])
+            follow = wait_health(tampered, lambda f: f["state"] == "unreachable", INTERVAL_S + BOUND_S)
+            assert "unreachable" in follow["error"] and served(tampered) == before
+            time.sleep(INTERVAL_S)
+            assert httpx.get(tampered.url + "/health").json()["follow"]["lag_s"] > INTERVAL_S
+            proxy.partitioned = False
+            wait_for([tampered], served(leader), INTERVAL_S + BOUND_S)
+            assert answers(tampered) == answers(leader)
     finally:
         proxy.close()
 
@@ -280,8 +296,9 @@ def test_a_follower_refuses_training_and_adapter_changes_with_409_naming_the_lea
     assert httpx.get(f.url + "/adapters").status_code == 200          # reading stays open
 
 
-def test_a_bad_follow_url_or_key_is_a_clear_error(tiny_model_path, tmp_path, cluster, capsys):
-    leader = cluster[0]
+def test_a_bad_follow_url_key_or_state_dir_is_a_clear_error(tiny_model_path, tmp_path, cluster, loras, capsys):
+    leader, followers, http = cluster
+    promote_new(http, "alice", loras["alice1"])
     for url, says in (("ftp://leader:8080", "expected http://HOST[:PORT]"), ("leader:8080", "expected http://"),
                       ("http://u:secret@leader", "--follow-key"), ("http://leader:99999", "not a URL"),
                       ("http://leader/?x=1", "no query")):
@@ -292,6 +309,8 @@ def test_a_bad_follow_url_or_key_is_a_clear_error(tiny_model_path, tmp_path, clu
         assert "follow" in capsys.readouterr().err
     assert cli.main(["serve", "--follow", leader.url, "--no-train"]) == 2
     assert "state directory" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="a state directory of its own"):     # the leader's, say
+        BackgroundServer(follower_settings(tiny_model_path, tmp_path / "leader", leader.url, KEY))
     with pytest.raises(ValueError, match="refused the key"):
         BackgroundServer(follower_settings(tiny_model_path, tmp_path / "k", leader.url, "wrong-key"))
     with BackgroundServer(ServerSettings(model=str(tiny_model_path), ctx=1024, threads=1)) as no_train:
