@@ -119,6 +119,8 @@ async def adapters(request: Request):
     with service.store.reading():
         generation = service.store.generation()
         view = {**_scoped_view(request, service), "generation": generation}
+    if service.follower is not None:           # a replica: whom it follows, and how it goes (server/follow.py)
+        view["follow"] = service.follower.status(detail=not scope_of(request).scoped)
     return JSONResponse(view, headers={"ETag": f'"{generation}"'})
 
 

@@ -164,16 +164,21 @@ class Follower:
         if self._thread is not None:
             self._thread.join(APPLY_WAIT_S)
 
-    def status(self) -> dict:
-        """What /health shows: the leader, the channel's state, its lag and what this server serves."""
+    def status(self, detail: bool) -> dict:
+        """The leader, the channel's state, its lag and the served versions (the leader's numbers). With
+        `detail` (GET /adapters, an unscoped key) also the last error and each served adapter by name; /health,
+        open to all, names no adapter."""
         with self._lock:
             last = self.last_sync
             out = {"leader": self.leader, "state": self.state, "generation": self.generation,
                    "last_sync": last, "lag_s": None if last is None else round(time.time() - last, 3),
-                   "error": self.error, "refused_downloads": self.refused_downloads}
-        out["served"] = [{"name": v["name"], "version": v["version"], "served_version": v["served_version"],
-                          "sha256": v["sha256"]} for n in self.store.resident_names()
-                         for v in [self.store.served(n)] if v is not None]
+                   "refused_downloads": self.refused_downloads}
+            error = self.error
+        served = [v for n in self.store.resident_names() for v in [self.store.served(n)] if v is not None]
+        out["served_versions"] = sorted(v["served_version"] for v in served)
+        if detail:
+            out["error"] = error
+            out["served"] = [{k: v[k] for k in ("name", "version", "served_version", "sha256")} for v in served]
         return out
 
     # -- the loop -------------------------------------------------------------------------------

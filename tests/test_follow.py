@@ -43,8 +43,10 @@ def cluster(tiny_model_path, tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({READER_KEY: {"adapters": list(NAMES), "train": False}}))
     leader = BackgroundServer(settings(tiny_model_path, tmp_path / "leader", api_key=KEY, api_keys=str(keys)))
-    followers = [BackgroundServer(follower_settings(tiny_model_path, tmp_path / f"f{i}", leader.url, key))
-                 for i, key in enumerate((KEY, READER_KEY))]
+    # the first follower has keys of its own too (clients use them as on the leader)
+    followers = [BackgroundServer(follower_settings(tiny_model_path, tmp_path / "f0", leader.url, KEY, api_key=KEY,
+                                                    api_keys=str(keys))),
+                 BackgroundServer(follower_settings(tiny_model_path, tmp_path / "f1", leader.url, READER_KEY))]
     http = httpx.Client(base_url=leader.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
     try:
         yield leader, followers, http
@@ -59,7 +61,7 @@ def follower_settings(tiny_model_path, state_dir, leader_url: str, key: str | No
 
 
 def served(server) -> dict[str, tuple[int, int]]:
-    """What a server serves: {name: (version, served_version)} (a follower's /health, a leader's store)."""
+    """What a server serves: {name: (version, served_version)}, from its store."""
     store = server.service.store
     return {n: (v["version"], v["served_version"]) for n in store.resident_names() for v in [store.served(n)]}
 
@@ -71,7 +73,7 @@ def wait_for(followers, want: dict, timeout_s: float) -> float:
         if all(served(f) == want for f in followers):
             return time.monotonic() - t0
         time.sleep(0.02)
-    states = [httpx.get(f.url + "/health").json()["follow"] for f in followers]
+    states = [follow_status(f) for f in followers]
     raise AssertionError(f"followers serve {[served(f) for f in followers]}, not {want}, after {timeout_s} s: "
                          f"{states}")
 
@@ -107,10 +109,15 @@ def test_a_promotion_reaches_both_followers_within_the_bound_and_they_answer_as_
         health = httpx.get(f.url + "/health").json()
         assert health["status"] == "ok" and health["adapter_version"] == want["bob"][1]
         follow = health["follow"]
-        assert follow["leader"] == leader.url and follow["state"] == "in_sync" and follow["error"] is None
+        assert follow["leader"] == leader.url and follow["state"] == "in_sync"
         assert follow["lag_s"] <= INTERVAL_S + 1.0 and follow["last_sync"] <= time.time()
-        assert {(s["name"], s["version"], s["served_version"]) for s in follow["served"]} == \
-            {(n, v, sv) for n, (v, sv) in served(leader).items()}
+        assert follow["served_versions"] == sorted(sv for _, sv in served(leader).values())
+        assert "served" not in follow and "error" not in follow       # /health is open: it names no adapter
+        detail = follow_status(f)                                     # GET /adapters, the server's key
+        assert detail["error"] is None and {(s["name"], s["version"], s["served_version"]) for s in
+                                            detail["served"]} == {(n, v, sv) for n, (v, sv) in served(leader).items()}
+    scoped = httpx.get(followers[0].url + "/adapters", headers={"Authorization": f"Bearer {READER_KEY}"}).json()
+    assert "served" not in scoped["follow"] and scoped["follow"]["state"] == "in_sync"
     record_result("follow_delay", {"followers": 2, "follow_interval_s": INTERVAL_S, "change_poll_s": CHANGE_POLL_S,
                                    "bound_s": BOUND_S, "delays_s": [round(d, 3) for d in delays]})
 
@@ -234,7 +241,7 @@ def test_a_tampered_download_is_refused_logged_never_served_and_retried(cluster,
     state = tmp_path / "behind-proxy"
     try:
         with BackgroundServer(follower_settings(tiny_model_path, state, proxy.url, KEY)) as tampered:
-            health = wait_health(tampered, lambda f: f["refused_downloads"] >= 1, BOUND_S)
+            health = wait_follow(tampered, lambda f: f["refused_downloads"] >= 1, BOUND_S)
             assert health["state"] == "failing" and "sha256" in health["error"] and "refused" in health["error"]
             assert any("refused, not served" in r.getMessage() for r in caplog.records
                        if r.name == "dreamstage.follow")
@@ -242,19 +249,19 @@ def test_a_tampered_download_is_refused_logged_never_served_and_retried(cluster,
             assert served(tampered) == {} and not (state / "adapters" / "alice" / "v1.gguf").exists()
             assert answers(tampered, ("alice",))["alice"] == 404
             assert answers(tampered, ("base",)) == answers(leader, ("base",))
-            wait_health(tampered, lambda f: f["refused_downloads"] >= 2, INTERVAL_S + BOUND_S)   # retried
+            wait_follow(tampered, lambda f: f["refused_downloads"] >= 2, INTERVAL_S + BOUND_S)   # retried
             proxy.tamper = False
             wait_for([tampered], served(leader), INTERVAL_S + BOUND_S)
             assert answers(tampered) == answers(leader)
-            assert httpx.get(tampered.url + "/health").json()["follow"]["state"] == "in_sync"
+            assert follow_status(tampered)["state"] == "in_sync"
             # a partition: the leader promotes meanwhile; the follower serves its last set, then catches up
             proxy.partitioned = True
             before = served(tampered)
             promote_new(http, "bob", loras["bob1"])
-            follow = wait_health(tampered, lambda f: f["state"] == "unreachable", INTERVAL_S + BOUND_S)
+            follow = wait_follow(tampered, lambda f: f["state"] == "unreachable", INTERVAL_S + BOUND_S)
             assert "unreachable" in follow["error"] and served(tampered) == before
             time.sleep(INTERVAL_S)
-            assert httpx.get(tampered.url + "/health").json()["follow"]["lag_s"] > INTERVAL_S
+            assert follow_status(tampered)["lag_s"] > INTERVAL_S
             proxy.partitioned = False
             wait_for([tampered], served(leader), INTERVAL_S + BOUND_S)
             assert answers(tampered) == answers(leader)
@@ -262,10 +269,17 @@ def test_a_tampered_download_is_refused_logged_never_served_and_retried(cluster,
         proxy.close()
 
 
-def wait_health(server, ok, timeout_s: float) -> dict:
+def follow_status(server) -> dict:
+    """A follower's detailed follow status (GET /adapters with the server's key, if it has one)."""
+    r = httpx.get(server.url + "/adapters", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    return r.json()["follow"]
+
+
+def wait_follow(server, ok, timeout_s: float) -> dict:
     t0 = time.monotonic()
     while True:
-        follow = httpx.get(server.url + "/health").json()["follow"]
+        follow = follow_status(server)
         if ok(follow):
             return follow
         assert time.monotonic() - t0 < timeout_s, follow
@@ -276,7 +290,7 @@ def test_a_follower_refuses_training_and_adapter_changes_with_409_naming_the_lea
     leader, followers, http = cluster
     promote_new(http, "alice", loras["alice1"])
     wait_for(followers, served(leader), BOUND_S)
-    f = followers[0]
+    f = followers[1]
     calls = [("POST", "/train", {"examples": [{"text": "hi"}]}), ("POST", "/v1/feedback", {"id": "x", "rating": 1}),
              ("POST", "/adapters", {"name": "dave", "gguf": b64(loras["bob1"])}),
              ("POST", "/adapters/alice/promote", {}), ("POST", "/adapters/alice/rollback", None),
@@ -318,6 +332,7 @@ def test_a_bad_follow_url_key_or_state_dir_is_a_clear_error(tiny_model_path, tmp
             BackgroundServer(follower_settings(tiny_model_path, tmp_path / "n", no_train.url, None))
     # an unreachable leader is a partition, not a bad flag: the follower starts, says so, and serves the base
     with BackgroundServer(follower_settings(tiny_model_path, tmp_path / "u", "http://127.0.0.1:9", None)) as lone:
-        follow = httpx.get(lone.url + "/health").json()["follow"]
+        follow = follow_status(lone)
         assert follow["state"] == "unreachable" and "unreachable" in follow["error"] and follow["served"] == []
+        assert httpx.get(lone.url + "/health").json()["follow"]["served_versions"] == []
         assert answers(lone, ("base",)) == answers(leader, ("base",))
