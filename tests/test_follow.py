@@ -116,6 +116,9 @@ def test_a_promotion_reaches_both_followers_within_the_bound_and_they_answer_as_
         detail = follow_status(f)                                     # GET /adapters, the server's key
         assert detail["error"] is None and {(s["name"], s["version"], s["served_version"]) for s in
                                             detail["served"]} == {(n, v, sv) for n, (v, sv) in served(leader).items()}
+    metrics = httpx.get(followers[1].url + "/metrics").text
+    assert "dreamstage_follow_in_sync 1.0" in metrics and "dreamstage_follow_refused_downloads_total 0.0" in metrics
+    assert "dreamstage_follow_lag_seconds " in metrics
     scoped = httpx.get(followers[0].url + "/adapters", headers={"Authorization": f"Bearer {READER_KEY}"}).json()
     assert "served" not in scoped["follow"] and scoped["follow"]["state"] == "in_sync"
     record_result("follow_delay", {"followers": 2, "follow_interval_s": INTERVAL_S, "change_poll_s": CHANGE_POLL_S,
@@ -243,6 +246,7 @@ def test_a_tampered_download_is_refused_logged_never_served_and_retried(cluster,
         with BackgroundServer(follower_settings(tiny_model_path, state, proxy.url, KEY)) as tampered:
             health = wait_follow(tampered, lambda f: f["refused_downloads"] >= 1, BOUND_S)
             assert health["state"] == "failing" and "sha256" in health["error"] and "refused" in health["error"]
+            assert "dreamstage_follow_in_sync 0.0" in httpx.get(tampered.url + "/metrics").text
             assert any("refused, not served" in r.getMessage() for r in caplog.records
                        if r.name == "dreamstage.follow")
             # nothing of the refused set serves: not alice, whose file never landed, and no file is kept
