@@ -101,7 +101,7 @@ def _scoped_view(request: Request, service) -> dict:
         return adapters_view(service)
     store = service.store
     names = [n for n in store.names() if scope.allows(n)]
-    return public({"names": [name_view(service, n) for n in names],
+    return public({"names": [name_view(service, n) for n in names], "generation": store.generation(),
                    "adapters": [v for n in names for v in store.adapters(n)]})
 
 
@@ -116,12 +116,11 @@ async def adapters(request: Request):
     if since is not None:
         wait = _wait_s(request.query_params.get("wait"))
         await _generation_change(request, service, strict_int(since, "since", 0), wait)
-    with service.store.reading():
-        generation = service.store.generation()
-        view = {**_scoped_view(request, service), "generation": generation}
+    with service.store.reading():                  # one snapshot: the generation is the listing's
+        view = _scoped_view(request, service)
     if service.follower is not None:           # a replica: whom it follows, and how it goes (server/follow.py)
         view["follow"] = service.follower.status(detail=not scope_of(request).scoped)
-    return JSONResponse(view, headers={"ETag": f'"{generation}"'})
+    return JSONResponse(view, headers={"ETag": f'"{view["generation"]}"'})
 
 
 def _wait_s(raw: str | None) -> float:
