@@ -128,7 +128,7 @@ class Follower:
     def probe(self) -> None:
         """Check the state directory, the URL and the key once, at startup: ValueError for a state directory
         that holds adapters or jobs of its own, a leader that refuses the key, or a URL that is no dreamstage
-        leader; an unreachable leader only warns (the follower serves its last set meanwhile)."""
+        leader (or is a follower); an unreachable leader only warns (the follower serves its last set meanwhile)."""
         self._claim_state_dir()
         try:
             r = self._http.get("/adapters", timeout=httpx.Timeout(CONNECT_TIMEOUT_S + READ_MARGIN_S))
@@ -138,9 +138,13 @@ class Follower:
         if r.status_code in (401, 403):
             raise ValueError(f"follow: the leader {self.leader} refused the key ({r.status_code}): set --follow-key "
                              "(or DREAMSTAGE_FOLLOW_KEY) to its API key, or a key that reads its adapters")
-        if r.status_code != 200 or not isinstance(_json(r), dict) or "generation" not in _json(r):
+        view = _json(r) if r.status_code == 200 else None
+        if not isinstance(view, dict) or "generation" not in view:
             raise ValueError(f"follow: {self.leader} is not a dreamstage leader with training on "
                              f"(GET /adapters answered {r.status_code}: {r.text[:200]!r})")
+        if isinstance(view.get("follow"), dict):    # its generation is its own, not its leader's
+            raise ValueError(f"follow: {self.leader} is itself a follower (of {view['follow'].get('leader')}); "
+                             "follow its leader")
 
     def _claim_state_dir(self) -> None:
         """Every adapter a follower holds came from a leader, so that it never serves one the leader did not

@@ -329,6 +329,8 @@ def test_a_bad_follow_url_key_or_state_dir_is_a_clear_error(tiny_model_path, tmp
     assert "state directory" in capsys.readouterr().err
     with pytest.raises(ValueError, match="a state directory of its own"):     # the leader's, say
         BackgroundServer(follower_settings(tiny_model_path, tmp_path / "leader", leader.url, KEY))
+    with pytest.raises(ValueError, match="itself a follower"):
+        BackgroundServer(follower_settings(tiny_model_path, tmp_path / "chain", followers[0].url, KEY))
     with pytest.raises(ValueError, match="refused the key"):
         BackgroundServer(follower_settings(tiny_model_path, tmp_path / "k", leader.url, "wrong-key"))
     with BackgroundServer(ServerSettings(model=str(tiny_model_path), ctx=1024, threads=1)) as no_train:
