@@ -196,7 +196,8 @@ class Follower:
                     return                  # closed under a request in flight
                 if isinstance(e, FollowError):
                     unreachable = isinstance(e.__cause__, httpx.TransportError)
-                    self._failed("unreachable" if unreachable else "failing", str(e))
+                    self._failed("unreachable" if unreachable else "failing", str(e),
+                                 refused=isinstance(e, TamperedDownload))
                 else:
                     log.exception("follow: unexpected failure")
                     self._failed("failing", f"{type(e).__name__}: {e}")
@@ -268,8 +269,6 @@ class Follower:
                         out.write(chunk)
                 out.flush()
                 if digest.hexdigest() != sha256:
-                    with self._lock:
-                        self.refused_downloads += 1
                     raise TamperedDownload(f"{name} v{version} from {self.leader} has sha256 {digest.hexdigest()}, "
                                            f"not the {sha256} the leader published: refused, not served")
         except httpx.HTTPError as e:
@@ -291,10 +290,11 @@ class Follower:
         except (ValueError, RuntimeError, OSError, sqlite3.Error) as e:   # refused, unloadable, not stored
             raise FollowError(f"the leader's set could not be served here: {e}") from e
 
-    def _failed(self, state: str, message: str) -> None:
-        with self._lock:
+    def _failed(self, state: str, message: str, refused: bool = False) -> None:
+        with self._lock:                    # the state, error and count change together (status reads them)
             repeated = self.error == message
             self.state, self.error = state, message
+            self.refused_downloads += refused
         if not repeated:
             log.error("follow: %s; serving what was served before, retrying every %g s", message, self.interval_s)
 

@@ -67,10 +67,11 @@ def served(server) -> dict[str, tuple[int, int]]:
 
 
 def wait_for(followers, want: dict, timeout_s: float) -> float:
-    """Seconds until every follower serves `want`; fails naming what they serve past `timeout_s`."""
+    """Seconds until every follower serves `want` and has ended that round (applied, in sync); fails naming
+    what they serve past `timeout_s`."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        if all(served(f) == want for f in followers):
+        if all(served(f) == want and f.service.follower.state == "in_sync" for f in followers):
             return time.monotonic() - t0
         time.sleep(0.02)
     states = [follow_status(f) for f in followers]
@@ -192,7 +193,7 @@ def test_a_follower_restarted_during_a_promotion_converges(cluster, loras, tiny_
     # from the moment it starts it serves a set the leader promoted: what its state directory kept (before, or
     # with bob), or already the leader's set now
     assert served(restarted) in (before, {**before, "bob": after["bob"]}, after)
-    wait_for(followers, served(leader), BOUND_S)
+    wait_for(followers, served(leader), INTERVAL_S + BOUND_S)
     assert answers(restarted, ("alice", "bob", "carol", None)) == answers(leader, ("alice", "bob", "carol", None))
 
 
