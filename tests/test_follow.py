@@ -307,6 +307,10 @@ def test_a_follower_refuses_training_and_adapter_changes_with_409_naming_the_lea
         err = r.json()["error"]
         assert err["code"] == "follower" and err["leader"] == leader.url and leader.url in err["message"]
         assert r.headers["x-dreamstage-leader"] == leader.url
+    keyed = followers[0]                                  # the guard sits inside the key check
+    assert httpx.post(keyed.url + "/train", json={"text": "hi"}).status_code == 401
+    r = httpx.post(keyed.url + "/train", json={"text": "hi"}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 409 and r.json()["error"]["leader"] == leader.url
     assert served(f) == served(leader)                   # nothing changed
     assert answers(f, ("alice",)) == answers(leader, ("alice",))     # serving works as usual
     r = httpx.post(f.url + "/v1/chat/completions", json={"model": "alice", "max_tokens": 4, "temperature": 0,
