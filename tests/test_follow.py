@@ -170,6 +170,13 @@ def test_rollbacks_and_unloads_on_the_leader_are_followed(cluster, loras):
     assert one["alice"] != two["alice"] and one["bob"] == two["bob"]
     for f in followers:
         assert answers(f) == one
+    # a version stored on the leader but never promoted is not the followers' to serve, pinned or not
+    r = http.post("/adapters", json={"name": "bob", "gguf": b64(loras["bob2"]), "promote": False})
+    assert r.status_code == 201 and r.json()["imported"]["version"] == 2
+    assert answers(leader, ("bob@2",))["bob@2"][0] != one["bob"][0]
+    time.sleep(INTERVAL_S)
+    for f in followers:
+        assert answers(f, ("bob@2",))["bob@2"] == 404 and not f.service.store.adapter_path("bob", 2).exists()
     assert http.delete("/adapters/bob").status_code == 200          # every promotion of bob rolled back
     wait_for(followers, served(leader), BOUND_S)
     assert set(served(leader)) == {"alice"}
