@@ -43,7 +43,7 @@ SERVE_FIELDS = ("model", "host", "port", "parallel", "ctx", "kv_unified", "batch
                 "max_queue",
                 "max_body_bytes", "n_gpu_layers", "api_key", "max_adapters", "adapter_max_rank",
                 "adapter_budget_mib", "api_keys", "record_days", "record_mib", "learn",
-                "learn_adapter") + tuple(CONNECTION_FLAGS)
+                "learn_adapter", "follow", "follow_key", "follow_interval") + tuple(CONNECTION_FLAGS)
 
 
 def serve_settings(args: argparse.Namespace):
@@ -100,6 +100,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = service.model.config
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     training = f"jobs and adapters in {state_dir}" if state_dir else "training off"
+    if settings.follow is not None:
+        training = f"following {settings.follow} (adapters in {state_dir})"
     print(f"dreamstage: serving {service.model_id} ({service.model.model_path}) at http://{host}:{settings.port}/v1 "
           f"- {cfg.n_seq} slots {'sharing' if cfg.kv_unified else 'x'} {service.engine.slot_ctx} tokens, "
           f"kv {cfg.kv_type}, "
@@ -423,6 +425,15 @@ def _add_serve(sub) -> None:
     p.add_argument("--embeddings", action="store_true",
                    help="serve POST /v1/embeddings: mean-pooled last hidden states of the resident model")
     _add_record_flags(p, default)
+    p.add_argument("--follow", default=None, metavar="URL",
+                   help="a replica: serve the adapter versions promoted on the leader at URL (http://HOST:PORT), "
+                        "and only those; training routes answer 409 naming it (docs/architecture/replicas.md)")
+    p.add_argument("--follow-key", dest="follow_key", default=None, metavar="KEY",
+                   help="the leader's API key, or a scoped key that reads its adapters (default: "
+                        "$DREAMSTAGE_FOLLOW_KEY; prefer the variable)")
+    p.add_argument("--follow-interval", dest="follow_interval", type=float, default=None, metavar="S",
+                   help="seconds one wait on the leader lasts, and the pause before a retry "
+                        f"(default {default['follow_interval']:g})")
     p.add_argument("--strict-api", action="store_true",
                    help="refuse unknown fields on the OpenAI routes with a 400 (default: ignore them and name them "
                         "in the X-Dreamstage-Ignored-Fields header)")

@@ -1,7 +1,8 @@
 """Routes for adapters: list, import, promote, roll back, unload, download.
 
-- `GET /adapters`: every name's served version, promotions and stored versions;
-  `GET /adapters/{name}`: one name's.
+- `GET /adapters`: every name's served version, promotions and stored versions (each
+  with its sha256), and the promotions' `generation`; `?since=G[&wait=S]` answers
+  once the generation is not G (a follower's long poll); `GET /adapters/{name}`: one name's.
 - `POST /adapters`: import a LoRA as a new version of a name. The body is JSON
   (the server takes no multipart): `{"name": n, "gguf": "<base64 of a GGUF LoRA>"}`,
   or `{"name": n, "peft": {"config": {adapter_config.json}, "safetensors":
@@ -15,7 +16,8 @@
   `POST /adapters/rollback` (the latest promotion of any name).
 - `DELETE /adapters/{name}`: unload: its promotions rolled back, its loaded
   files freed; 409 while it trains or answers requests. Its versions stay stored.
-- `GET /adapters/{name}/versions/{v}`: the GGUF; `?format=peft`: a zip of
+- `GET /adapters/{name}/versions/{v}`: the GGUF (its recorded sha256 in
+  X-Dreamstage-Sha256); `?format=peft`: a zip of
   adapter_model.safetensors and adapter_config.json.
 
 A key scoped to adapters (tenants.py) sees and touches only its own names:
@@ -52,10 +54,16 @@ from dreamstage.training.jobs.store import AdapterNotFound
 from dreamstage.validation import field_errors
 
 router = APIRouter()
+SHA256_HEADER = "X-Dreamstage-Sha256"
 
 # How long a promote/rollback/import/unload call waits for the engine thread
 # to take it (between two batches); past this the answer is 503, retry.
 SWAP_WAIT_S = 30.0
+# GET /adapters?since=G: how long it waits for a change unless `wait` says, the most `wait` may say,
+# and how often it looks at the store meanwhile (a change is seen within this).
+DEFAULT_CHANGE_WAIT_S = 30.0
+MAX_CHANGE_WAIT_S = 120.0
+CHANGE_POLL_S = 0.05
 
 
 class PromoteBody(BaseModel):
@@ -93,14 +101,48 @@ def _scoped_view(request: Request, service) -> dict:
         return adapters_view(service)
     store = service.store
     names = [n for n in store.names() if scope.allows(n)]
-    return public({"names": [name_view(service, n) for n in names],
+    return public({"names": [name_view(service, n) for n in names], "generation": store.generation(),
                    "adapters": [v for n in names for v in store.adapters(n)]})
 
 
 @router.get("/adapters")
 async def adapters(request: Request):
+    """With `?since=G[&wait=S]`, answer once the promotions' generation is not G, or after S seconds
+    (default 30, at most 120): a follower's long poll (server/follow.py). `generation` (also the ETag) grows
+    with every promotion and rollback. The two are read from the query string rather than declared: a
+    fuzzer filling declared parameters would hold each call open, as on /events."""
     service = _training_service(request)
-    return _scoped_view(request, service)
+    since = request.query_params.get("since")
+    if since is not None:
+        wait = _wait_s(request.query_params.get("wait"))
+        await _generation_change(request, service, strict_int(since, "since", 0), wait)
+    with service.store.reading():                  # one snapshot: the generation is the listing's
+        view = _scoped_view(request, service)
+    if service.follower is not None:           # a replica: whom it follows, and how it goes (server/follow.py)
+        view["follow"] = service.follower.status(detail=not scope_of(request).scoped)
+    return JSONResponse(view, headers={"ETag": f'"{view["generation"]}"'})
+
+
+def _wait_s(raw: str | None) -> float:
+    if raw is None:
+        return DEFAULT_CHANGE_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_CHANGE_WAIT_S:
+        raise APIError(422, f"wait: expected seconds 0..{MAX_CHANGE_WAIT_S:g}, got {raw[:40]!r}", "wait",
+                       "invalid_value")
+    return value
+
+
+async def _generation_change(request: Request, service, since: int, wait_s: float) -> None:
+    """Return when the store's generation is not `since`, `wait_s` passed, the client left or the server stops."""
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while service.store.generation() == since and service.engine.running:
+        if asyncio.get_running_loop().time() >= deadline or await request.is_disconnected():
+            return
+        await asyncio.sleep(CHANGE_POLL_S)
 
 
 @router.get("/adapters/{name}")
@@ -197,7 +239,10 @@ async def download(name: str, version: str, request: Request, format: str = "ggu
     if view is None or not Path(view["path"]).is_file():
         raise APIError(404, f"no adapter {name!r} version {v}", "version", "not_found")
     if format == "gguf":
-        return FileResponse(view["path"], media_type="application/octet-stream", filename=f"{name}-v{v}.gguf")
+        # The sha256 recorded when the file was saved: a follower checks the bytes it got against it.
+        headers = {SHA256_HEADER: view["sha256"]} if view["sha256"] else None
+        return FileResponse(view["path"], media_type="application/octet-stream", filename=f"{name}-v{v}.gguf",
+                            headers=headers)
     if format != "peft":
         raise APIError(422, f"format: {format!r} is not gguf or peft", "format", "invalid_value")
     shape = service.adapter_shape

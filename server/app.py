@@ -6,7 +6,8 @@
 - status_routes.py: /health, /slots, /props, /metrics;
 - token_routes.py: /tokenize, /detokenize (llama-server's shapes);
 - embedding_routes.py: /v1/embeddings (with --embeddings);
-- record_routes.py: /v1/records, /v1/feedback, /adapters/{name}/records and /learn (with --record).
+- record_routes.py: /v1/records, /v1/feedback, /adapters/{name}/records and /learn (with --record);
+- follow.py: with --follow, the follow channel and the guard that sends training to the leader.
 Lifecycle lives in service.py, request models in schemas.py, errors in errors.py.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dreamstage.server.adapter_routes import router as adapter_router
 from dreamstage.server.dashboard import router as dashboard_router
 from dreamstage.server.embedding_routes import router as embedding_router
 from dreamstage.server.events import router as events_router
+from dreamstage.server.follow import FollowerGuard
 from dreamstage.server.middleware import BodyGuard
 from dreamstage.server.openai_routes import router as openai_router
 from dreamstage.server.record_routes import router as record_router
@@ -34,6 +36,8 @@ def create_app(service: Service) -> FastAPI:
     errors.install(app)
     # Outermost first when a request arrives: CORS (if allow-listed), the
     # security guard (Host, key, content type), then the body checks.
+    if service.follower is not None:            # innermost: after the key is checked
+        app.add_middleware(FollowerGuard, leader=service.follower.leader)
     app.add_middleware(BodyGuard, max_bytes=service.settings.max_body_bytes)
     security.install(app, service.settings.security(), service.settings.cors_origins)
     for router in (openai_router, record_router, embedding_router, token_router, train_router, adapter_router,

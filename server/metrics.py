@@ -72,11 +72,25 @@ class ServiceCollector:
         records = getattr(self.service, "records", None)
         if records is not None:
             yield from self._feedback(records)
+        follower = getattr(self.service, "follower", None)
+        if follower is not None:
+            yield from self._follow(follower.status(detail=False))
         submitter = getattr(self.service, "submitter", None)
         if submitter is not None:
             yield _by(CounterMetricFamily("dreamstage_train_submissions_refused",
                                           "POST /train bodies refused, by error code.", labels=["code"]),
                       dict(submitter.refused), ("invalid_value", "limit_exceeded"))
+
+    @staticmethod
+    def _follow(status: dict) -> Iterator[Metric]:
+        """A follower's channel (server/follow.py)."""
+        yield _gauge("dreamstage_follow_in_sync", "1 while the follower serves the leader's promotions as of its "
+                                                   "last answer, else 0.", 1 if status["state"] == "in_sync" else 0)
+        if status["lag_s"] is not None:
+            yield _gauge("dreamstage_follow_lag_seconds", "Seconds since the follower last confirmed it serves the "
+                                                          "leader's promotions.", status["lag_s"])
+        yield _counter("dreamstage_follow_refused_downloads", "Adapter downloads refused: their sha256 was not the "
+                                                              "one the leader published.", status["refused_downloads"])
 
     @staticmethod
     def _feedback(records) -> Iterator[Metric]:

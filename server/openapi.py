@@ -38,7 +38,7 @@ _ADAPTER = {"type": "object", "required": ["name", "version", "path"], "properti
     "name": _STR, "version": _INT, "path": _STR, "sha256": _OPT_STR, "promoted": {"type": "boolean"}}}
 _ADAPTERS = {"type": "object", "required": ["served_version", "served", "adapters", "promotions"], "properties": {
     "served_version": _INT, "served": {"anyOf": [_ADAPTER, {"type": "null"}]}, "served_error": _OPT_STR,
-    "adapters": {"type": "array", "items": _ADAPTER}, "promotions": {"type": "array"}}}
+    "adapters": {"type": "array", "items": _ADAPTER}, "promotions": {"type": "array"}, "generation": _INT}}
 _CHOICES = {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"]}}
 _COMPLETION = {"type": "object", "required": ["id", "object", "choices", "adapter_version"], "properties": {
     "id": _STR, "object": {"enum": ["chat.completion", "text_completion"]}, "choices": _CHOICES,
@@ -72,7 +72,8 @@ _WHY = {
     403: "Host header not allowed (loopback binds check it against DNS rebinding), or a write from another "
          "origin's page",
     404: "no such job or adapter",
-    409: "the job or adapter state does not allow this",
+    409: "the job or adapter state does not allow this, or this server follows a leader (--follow): "
+         "train and change adapters there",
     413: "body or job over a limit: the message names the limit and its value",
     415: "content type is not application/json",
     422: "invalid training request or parameter: the message and `param` name the field, parameter or limit",

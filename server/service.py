@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from dreamstage.records.feedback import ReplyRenderer
     from dreamstage.records.learner import Learner
     from dreamstage.records.store import RecordStore
+    from dreamstage.server.follow import Follower
 
 log = logging.getLogger("dreamstage.server")
 
@@ -86,6 +87,7 @@ class Service:
                                           lc.llama_model_n_head_kv(m))
         # The dream stage (POST /train) needs a state directory for its jobs and adapters.
         self.store = self.scheduler = self.submitter = None
+        self.follower: Follower | None = None        # --follow (server/follow.py)
         self.records: RecordStore | None = None       # --record (_start_records)
         self.learner: Learner | None = None
         self.reply_renderer: ReplyRenderer | None = None
@@ -95,7 +97,9 @@ class Service:
             from dreamstage.training.jobs.store import JobStore
             from dreamstage.training.jobs.submit import JobSubmitter
             self.store = JobStore(settings.state_dir)
-            self.scheduler = hook = DreamScheduler(self.store, self.model, drift_guard=settings.drift_guard,
+            # A follower trains nothing: no drift anchors to record while idle.
+            drift_guard = settings.drift_guard and settings.follow is None
+            self.scheduler = hook = DreamScheduler(self.store, self.model, drift_guard=drift_guard,
                                                    record_file=DriftRecordFile(settings.state_dir, self.model),
                                                    max_adapters=settings.max_adapters,
                                                    adapter_budget_mib=settings.adapter_budget_mib,
@@ -108,9 +112,15 @@ class Service:
         self.prompts = PromptTokenizer(self.model, self.engine.slot_ctx)
         if self.scheduler is not None:
             try:
+                if settings.follow is not None:
+                    from dreamstage.server.follow import Follower
+                    self.follower = Follower(self, settings.follow, settings.follow_key, settings.follow_interval)
+                    self.follower.probe()
                 self.scheduler.startup(self.engine, settings.adapter)   # before the engine thread: reload the served
                 self._start_records(settings)
             except BaseException:
+                if self.follower is not None:
+                    self.follower.close()
                 if self.store is not None:
                     self.store.close()
                 self.model.close()
@@ -137,6 +147,8 @@ class Service:
 
     def start(self) -> Service:
         self.engine.start()
+        if self.follower is not None:
+            self.follower.start()
         if self.learner is not None:
             self.learner.start()
         return self
@@ -152,6 +164,8 @@ class Service:
                          daemon=True).start()
 
     def close(self, step_wait_s: float = 300.0) -> None:
+        if self.follower is not None:
+            self.follower.close()          # nothing is booked while the engine stops
         if self.learner is not None:
             self.learner.close()           # no job starts while the engine stops
         # Native memory (trainers, the context) is freed only once the engine

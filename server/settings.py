@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK
 from dreamstage.records.store import DEFAULT_LEARN_ADAPTER, DEFAULT_RECORD_DAYS, DEFAULT_RECORD_MIB, LearnMode
 from dreamstage.server.connections import ConnectionLimits
+from dreamstage.server.follow import check_leader_url
 from dreamstage.server.security import SecurityPolicy, is_loopback
 from dreamstage.server.tenants import load_key_file
 from dreamstage.serving.resident import KV_TYPES, ResidentConfig
@@ -95,6 +96,13 @@ class ServerSettings(BaseSettings):
     # What feedback on the base model's answers (no adapter answered) trains.
     learn_adapter: str = DEFAULT_LEARN_ADAPTER
 
+    # A follower (server/follow.py): serve the adapter versions promoted on the leader at this URL
+    # (http[s]://host[:port]), and only those. follow_key: the leader's API key, or a scoped key that reads
+    # the adapters. follow_interval: how long one wait on the leader lasts, and the pause before a retry.
+    follow: str | None = None
+    follow_key: str | None = None
+    follow_interval: float = Field(default=5.0, gt=0, le=60)
+
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:
         if self.ctx is not None and self.ctx < (1 if self.kv_unified else self.parallel) * 16:
@@ -116,6 +124,14 @@ class ServerSettings(BaseSettings):
         if self.learn is not None and not self.record:
             raise ValueError("learn needs --record: feedback is given on recorded answers")
         check_adapter_name(self.learn_adapter, "learn_adapter")
+        if self.follow is not None:
+            check_leader_url(self.follow)
+            if self.state_dir is None:
+                raise ValueError("follow needs a state directory (--state-dir): the follower keeps the leader's "
+                                 "adapters and which of them it serves there")
+            if self.record or self.adapter is not None:
+                raise ValueError("follow: --record and --adapter belong on the leader; a follower serves what the "
+                                 "leader promoted")
         self.limits.validate()
         return self
 

@@ -21,6 +21,9 @@ async def health(request: Request):
             "adapter_version": engine.adapter_version}
     if status == "failing":
         body["error"] = engine.failing
+    follower = request.app.state.service.follower
+    if follower is not None:                 # a replica: its leader, lag and served versions (server/follow.py)
+        body["follow"] = follower.status(detail=False)
     return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
 

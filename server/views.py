@@ -15,10 +15,11 @@ def with_unrecorded(service, view: dict) -> dict:
 
 
 def adapters_view(service) -> dict:
-    """What GET /adapters returns: the default's served adapter, the promotions, every
-    name (`name_view`) and every stored adapter version."""
+    """What GET /adapters returns: the default's served adapter, the promotions and their
+    generation, every name (`name_view`) and every stored adapter version."""
     jobs = service.store
     return public({"served_version": service.engine.adapter_version, "served": jobs.served(),
+                   "generation": jobs.generation(),
                    "served_error": service.scheduler.served_error, "promotions": jobs.promotions(),
                    "names": [name_view(service, n) for n in jobs.names()], "adapters": jobs.adapters()})
 

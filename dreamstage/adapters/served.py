@@ -119,15 +119,19 @@ class AdapterSwitch:
         engine.adapter_version = self.default.served_version or 0
         engine.default_adapter = self.default_choice
 
-    def check_room(self, name: str, path: str) -> None:
-        """Raise AdapterRefused when serving `path` as `name` would pass --max-adapters or the memory allowance."""
-        resident = self.store.resident_names()
-        if name not in resident and len(resident) >= self.max_adapters:
-            raise AdapterRefused(f"adapter {name!r} would be adapter {len(resident) + 1} resident beside the base, "
-                                 f"more than --max-adapters {self.max_adapters} (resident: {', '.join(resident)}); "
+    def check_room(self, name: str, path: str, others: dict[str, str] | None = None) -> None:
+        """Raise AdapterRefused when serving `path` as `name` would pass --max-adapters or the memory allowance.
+        `others`: the other resident names' files (default: what the store serves now)."""
+        adds = others is not None or name not in self.store.resident_names()
+        if others is None:
+            others = {n: v["path"] for n in self.store.resident_names() if n != name
+                      for v in [self.store.served(n)] if v is not None}
+        if adds and len(others) >= self.max_adapters:
+            resident = ", ".join(sorted(others))
+            raise AdapterRefused(f"adapter {name!r} would be adapter {len(others) + 1} resident beside the base, "
+                                 f"more than --max-adapters {self.max_adapters} (resident: {resident}); "
                                  "retire one with DELETE /adapters/{name}", "max_adapters")
-        held = sum(self._resident_mib(v["path"]) for n in resident if n != name
-                   for v in [self.store.served(n)] if v is not None)
+        held = sum(self._resident_mib(p) for p in others.values())
         need = self._resident_mib(path)
         if self.budget_mib is not None:
             allowance, source = self.budget_mib - held, f"--adapter-budget-mib {self.budget_mib:g} MiB"
@@ -202,6 +206,26 @@ class AdapterSwitch:
             raise
         self._queue_swap(_Swap(handle, path, store.served_version(), view, applied))
         return view
+
+    def book_mirror(self, live: list[tuple[int, str, int]], applied) -> dict | None:
+        """A follower's: serve exactly the leader's live promotions `live` [(served_version, name, version)],
+        every file stored already. Each name whose served file changes is checked as a promotion is (room,
+        llama.cpp's loader) against the set after the change; a refusal books nothing."""
+        store = self.store
+        tops: dict[str, tuple[int, int]] = {}
+        for sv, name, version in sorted(live):
+            tops[name] = (sv, version)
+        after = {name: str(store.adapter_path(name, version)) for name, (_, version) in tops.items()}
+        for name, path in after.items():
+            served = store.served(name)
+            if served is None or served["served_version"] != tops[name][0]:
+                self.check_room(name, path, {n: p for n, p in after.items() if n != name})
+                self.served.discard(self.served.load(path))
+        store.mirror_promotions(live)
+        default = store.served()
+        self._queue_swap(_Swap(None, default["path"] if default else None, store.served_version(), default,
+                               applied))
+        return default
 
     def book_rollback(self, applied, name: str | None = None) -> dict | None:
         """Undo the latest promotion of `name` (None: of any name, the default's)."""

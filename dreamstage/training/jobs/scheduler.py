@@ -139,6 +139,11 @@ class DreamScheduler(JobProgram):
         """Undo the latest promotion of `name` (None: of any name). The future's result is (view, applied_future)."""
         return self._command("rollback", (name,))
 
+    def mirror(self, live: list[tuple[int, str, int]]) -> concurrent.futures.Future:
+        """A follower's: serve exactly the leader's live promotions [(served_version, name, version)].
+        The future's result is (the default's view, applied_future)."""
+        return self._command("mirror", (live,))
+
     def retire(self, name: str) -> concurrent.futures.Future:
         """Unload `name` (DELETE /adapters/{name}): its promotions rolled back, its
         handles freed. The future raises AdapterInUse while a request or the job uses it."""
@@ -446,6 +451,8 @@ class DreamScheduler(JobProgram):
                     view = self.switch.book_promotion(name, version, applied)
                 elif kind == "rollback":
                     view = self.switch.book_rollback(applied, *args)
+                elif kind == "mirror":
+                    view = self.switch.book_mirror(*args, applied)
                 elif kind == "retire":
                     fut.set_result(self._retire(engine, *args))
                     continue

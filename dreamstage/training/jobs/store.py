@@ -30,7 +30,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -574,6 +574,31 @@ class JobStore:
             c.execute("UPDATE promotions SET rolled_back_at=? WHERE served_version=?",
                       (self.clock(), row["served_version"]))
         return self.served(name)
+
+    def generation(self) -> int:
+        """A counter that grows with every change of the live promotions: each promotion adds a
+        row (a higher served version), each rollback marks one. Followers wait on it (GET /adapters?since=)."""
+        row = self._conn().execute("SELECT COALESCE(MAX(served_version), 0), COUNT(rolled_back_at) "
+                                   "FROM promotions").fetchone()
+        return row[0] + row[1]
+
+    def mirror_promotions(self, live: Sequence[tuple[int, str, int]]) -> None:
+        """A follower's booking: make the live promotions exactly `live`, (served_version, name,
+        version) as the leader numbers them, in one transaction; every other row is rolled back.
+        Each (name, version) must be stored already."""
+        want = {sv: (name, version) for sv, name, version in live}
+        now = self.clock()
+        with self._write() as c:
+            for sv, name, version in c.execute("SELECT served_version, name, version FROM promotions "
+                                               "WHERE rolled_back_at IS NULL").fetchall():
+                if want.get(sv) != (name, version):
+                    c.execute("UPDATE promotions SET rolled_back_at=? WHERE served_version=?", (now, sv))
+            for sv, (name, version) in want.items():
+                c.execute("INSERT INTO promotions (served_version, name, version, at) VALUES (?, ?, ?, ?) "
+                          "ON CONFLICT(served_version) DO UPDATE SET name=excluded.name, version=excluded.version, "
+                          "at=excluded.at, rolled_back_at=NULL "
+                          "WHERE rolled_back_at IS NOT NULL OR name IS NOT excluded.name "
+                          "OR version IS NOT excluded.version", (sv, name, version, now))
 
     def retire(self, name: str) -> int:
         """Roll back every live promotion of `name`: it serves nothing and is no
