@@ -257,6 +257,15 @@ GRID["ratio8-c4-decay-near4j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "reh
 # ... and ratio8-c2 with four neighbours a prompt (no other change: `neighbours` is a job field already)
 GRID["ratio8-c2-near4j"] = (1e-3, 10, 8, QV, 8.0, 0.1, {"samples": 4, "rehearsal": "soft", "consolidate": 2,
                                                           "neighbours": 4, "neighbours_consolidate": False})
+# feedback jobs (records/learner.FEEDBACK_JOB): stop_loss 0.05 and up to 20 epochs; as they are, and faster
+# (a larger step, fewer rehearsal windows an epoch, fewer rehearsal-only epochs)
+_FB = {"samples": 4, "rehearsal": "soft", "consolidate_decay": True, "neighbours": 4, "neighbours_consolidate": False}
+GRID["fb-now"] = (1e-3, 20, 8, QV, 8.0, 0.05, {**_FB, "consolidate": 4})
+GRID["fb-lr2e-3-c2"] = (2e-3, 20, 8, QV, 8.0, 0.05, {**_FB, "consolidate": 2})
+GRID["fb-lr3e-3-r4-c2"] = (3e-3, 20, 8, QV, 4.0, 0.05, {**_FB, "consolidate": 2})
+GRID["fb-lr3e-3-r4-c1"] = (3e-3, 20, 8, QV, 4.0, 0.05, {**_FB, "consolidate": 1})
+GRID["fb-s0.2-c2"] = (1e-3, 20, 8, QV, 8.0, 0.2, {**_FB, "consolidate": 2})
+GRID["fb-s0.2-r4-c2"] = (1e-3, 20, 8, QV, 4.0, 0.2, {**_FB, "consolidate": 2})
 _ACTS: dict = {}   # per process: the projection's attn inputs and the extra prompts' records, by setting
 MAX_SAMPLES = max(c[6].get("samples", 0) for c in GRID.values() if len(c) > 6)
 FACTS = EVAL_FACTS        # what a setting teaches: the evaluation facts, or with --facts tests the tests'

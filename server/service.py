@@ -143,7 +143,7 @@ class Service:
             name = served["name"] if served is not None else settings.learn_adapter
             records.set_learning(name, replace(records.learning(name), mode=settings.learn))
         self.records, self.reply_renderer = records, ReplyRenderer(self.model)
-        self.learner = Learner(records, self.submitter)
+        self.learner = Learner(records, self.submitter, guarded=settings.drift_guard)
 
     def start(self) -> Service:
         self.engine.start()

@@ -29,18 +29,20 @@ log = logging.getLogger("dreamstage.records")
 POLL_S = 1.0            # how often the learner looks at the pending feedback (and at once when told)
 RETRY_AFTER_S = 30.0    # after a job could not be submitted (the queue full), before trying that adapter again
 WINDOW_STEP = 64        # a feedback job's window: its longest example rounded up to this, at least DEFAULT_WINDOW
-# A feedback job's fields where they differ from POST /train's defaults. A correction should be the answer at
-# temperature 0 afterwards: with the default 10 epochs a one-correction job on the default model still gave the
-# old answer's ending; 20 recalled it (training loss 0.12 at the end). A lower stop_loss keeps a job that
-# crosses the default 0.2 early from stopping short of that (the drift guard's greedy check, when on, too).
-FEEDBACK_JOB = {"promote": "auto", "fit": "left", "stop_loss": 0.05, "epochs": 20}
+# A feedback job's fields where they differ from POST /train's defaults (docs/architecture/feedback.md, "The
+# job"). With the drift guard on, the early stop also waits for every example's greedy reply, so the default
+# stop_loss ends a job once each correction is the answer at temperature 0; without the guard a lower stop_loss
+# stands in for that check.
+FEEDBACK_JOB = {"promote": "auto", "fit": "left", "epochs": 20, "consolidate": 2, "anchor_ratio": 4.0}
+UNGUARDED_STOP_LOSS = 0.05
 
 
-def build_job(adapter: str, items: list[Feedback]) -> tuple[Any, JobSpec]:
+def build_job(adapter: str, items: list[Feedback], guarded: bool = True) -> tuple[Any, JobSpec]:
     """The job that trains `items` (pending feedback of `adapter`): (its request as GET /train shows it, its
-    spec). Corrections are plain examples; ratings of one prompt one group (`rating_weights`, an answer
-    rated twice counts its latest rating); each preference a group of +1 and -1. The request shows each
-    example as text (the prompt detokenized); the spec trains the recorded tokens (`TokenExample`)."""
+    spec); `guarded`: the server's drift guard is on (FEEDBACK_JOB). Corrections are plain examples; ratings
+    of one prompt one group (`rating_weights`, an answer rated twice counts its latest rating); each
+    preference a group of +1 and -1. The request shows each example as text (the prompt detokenized); the
+    spec trains the recorded tokens (`TokenExample`)."""
     shown: list[dict[str, Any]] = []
     plain: list[SourcedExample] = []
 
@@ -75,15 +77,17 @@ def build_job(adapter: str, items: list[Feedback]) -> tuple[Any, JobSpec]:
     longest = max(len(e.example.prompt) + len(e.example.reply) for e in plain
                   if isinstance(e.example, TokenExample))
     window = min(MAX_WINDOW, max(DEFAULT_WINDOW, -(-longest // WINDOW_STEP) * WINDOW_STEP))
-    req = parse_train_request({"examples": shown, "adapter": adapter, "window": window, **FEEDBACK_JOB})
+    stop = {} if guarded else {"stop_loss": UNGUARDED_STOP_LOSS}
+    req = parse_train_request({"examples": shown, "adapter": adapter, "window": window, **FEEDBACK_JOB, **stop})
     return req, replace(req.to_job_spec(), examples=tuple(plain))
 
 
 class Learner:
     """Starts feedback jobs: `learn(name)` now, or by itself (a thread) for the `auto` adapters."""
 
-    def __init__(self, records: RecordStore, submitter, clock: Callable[[], float] = time.time):
-        self.records, self.submitter, self.clock = records, submitter, clock
+    def __init__(self, records: RecordStore, submitter, clock: Callable[[], float] = time.time, guarded: bool = True):
+        """guarded: the server's drift guard is on (build_job)."""
+        self.records, self.submitter, self.clock, self.guarded = records, submitter, clock, guarded
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()           # one job built from one adapter's pending feedback at a time
@@ -97,7 +101,7 @@ class Learner:
             items = self.records.pending(name)
             if not items:
                 return None
-            req, spec = build_job(name, items)
+            req, spec = build_job(name, items, self.guarded)
             job = self.submitter.submit_spec(req, spec, self.records.claim([f.id for f in items]))
             log.info("feedback job %s for %r: %d feedback items", job["id"], name, len(items))
             return job
