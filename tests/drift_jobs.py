@@ -49,6 +49,16 @@ class OneSlotEngine:
         return FixedSequence(0)
 
 
+def cut_anchors(mp, measured: list[str], rehearsed: list[str], nulls: int) -> None:
+    """Through the monkeypatch `mp`: the guard measures `measured` (and a job's extra anchors),
+    rehearses `rehearsed`, and draws `nulls` null adapters for the noise margin."""
+    from dreamstage.training.drift import guard as guard_module
+    from dreamstage.training.drift import measure as measure_module
+    mp.setattr(guard_module, "load_anchors", lambda extra=(): [*measured, *extra])
+    mp.setattr(guard_module, "rehearsal_anchors", lambda: list(rehearsed))
+    mp.setattr(measure_module, "NULL_DRAWS", nulls)
+
+
 def run_job(sched, store, engine, body, max_calls=200_000):
     t0 = time.perf_counter()
     job = store.submit(parse_train_request(body))

@@ -406,14 +406,21 @@ def test_auto_learning_starts_a_job_at_n_items_or_t_minutes_after_the_last(tmp_p
     jobs.close()
 
 
-def test_a_job_of_only_negative_feedback_stays_finite_and_the_guard_decides(tiny_model_path, tmp_path):
+def test_a_job_of_only_negative_feedback_stays_finite_and_the_guard_decides(tiny_model_path, tmp_path,
+                                                                           monkeypatch):
     """Ratings of -1 only (each answer read against zero: weight -1) on the tiny model with the drift guard
     on: the job ends, every figure and every adapter weight finite, its reply losses held at the cap (measured:
     6.14 and 6.01 after 24 epochs, cap 6), and
-    the version either promoted by the guard or kept back with its figures."""
+    the version either promoted by the guard or kept back with its figures. The guard measures 4 anchors
+    with 3 null draws (its rehearsal, which holds the losses, is the default's): any guard's decision is
+    what this test reads."""
     import numpy as np
+    from drift_jobs import cut_anchors
 
     from dreamstage.adapters.files import load_lora
+    from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
+
+    cut_anchors(monkeypatch, load_anchors()[:4], rehearsal_anchors(), 3)
 
     settings = ServerSettings(model=str(tiny_model_path), ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path),
                               record=True, drift_guard=True)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from drift_jobs import OneSlotEngine
+from drift_jobs import OneSlotEngine, cut_anchors
 from drift_steps import run_steps
 
 from dreamstage.adapters.served import ServedAdapters
-from dreamstage.training.drift import guard as guard_module
-from dreamstage.training.drift import measure as measure_module
 from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
 from dreamstage.training.drift.guard import DriftGuard
 from dreamstage.training.drift.measure import DriftProbe
@@ -35,18 +33,14 @@ JOB = {"examples": [{"prompt": "The secret password of the moon base is", "compl
 
 @pytest.fixture
 def short_anchors(monkeypatch):
-    monkeypatch.setattr(guard_module, "load_anchors", lambda extra=(): [*MEASURED, *extra])
-    monkeypatch.setattr(guard_module, "rehearsal_anchors", lambda: list(REHEARSED))
-    monkeypatch.setattr(measure_module, "NULL_DRAWS", NULLS)
+    cut_anchors(monkeypatch, MEASURED, REHEARSED, NULLS)
 
 
 @pytest.fixture(scope="module")
 def first_job(dream_resident, tmp_path_factory):
     """The job run by a scheduler whose records are empty; what it looked like at its first step."""
     mp = pytest.MonkeyPatch()
-    mp.setattr(guard_module, "load_anchors", lambda extra=(): [*MEASURED, *extra])
-    mp.setattr(guard_module, "rehearsal_anchors", lambda: list(REHEARSED))
-    mp.setattr(measure_module, "NULL_DRAWS", NULLS)
+    cut_anchors(mp, MEASURED, REHEARSED, NULLS)
     try:
         store = JobStore(tmp_path_factory.mktemp("first-job"))
         sched = DreamScheduler(store, dream_resident, served=ServedAdapters(dream_resident), drift_guard=True,
