@@ -19,9 +19,10 @@ REL_L2 = 1e-4     # CPU, F32 factors: only the scale's place (folded into B) and
 # BOS (random tokens) turns rounding-sized differences into 1e-2 in its logits, so
 # random prompts are checked on the tiny F32 model, where rounding stays rounding.
 REL_L2_F32 = 1e-5
-# The bgmv gather sums in its own order (not ggml's MUL_MAT's, which id and dense
-# reuse, bit for bit): on the Q4_1 model that rounding is amplified as above, so
-# there it is held to the greedy tokens and this; the F32 model holds it to REL_L2_F32.
+# The bgmv gather sums in its own order, and the dense gather's product over every
+# slot is another MUL_MAT shape, which a CPU may tile differently (an AVX-512 machine
+# does): on the Q4_1 model that rounding is amplified as above, so there both are held
+# to the greedy tokens and this; the F32 model holds every gather to REL_L2_F32.
 REL_L2_Q8 = 1e-1
 
 
@@ -164,7 +165,7 @@ def test_mixed_batch_equals_each_adapter_alone(rm, lora_a, lora_b, refs, gather,
     assert _rel_l2(refs["a"][0], refs["base"][0]) > 100 * REL_L2
     assert _rel_l2(refs["b"][0], refs["base"][0]) > 100 * REL_L2
     assert _rel_l2(refs["a"][0], refs["b"][0]) > 100 * REL_L2
-    tol = REL_L2_Q8 if gather == "bgmv" else REL_L2
+    tol = REL_L2 if gather == "id" else REL_L2_Q8
     _assert_same(out[0], refs["a"], "seq 0 on adapter A", tol)
     _assert_same(out[1], refs["b"], "seq 1 on adapter B", tol)
     _assert_same(out[2], refs["base"], "seq 2 on the base", tol)
