@@ -11,7 +11,7 @@ and written before its first run; the model cannot know them.
 
 - corrections: the user asks each of the K questions (temperature 0) and corrects each answer once.
 - ratings: each question names two options; the user samples two answers (n = 2, temperature 1.0) and rates
-  +1 the answers that name the right option, -1 the others (a fact the model never says cannot be learned
+  +1 the answers that name the right option and not the wrong one, -1 the others (a fact the model never says cannot be learned
   from ratings; these it says about half the time). A question whose two answers rate alike still trains (each
   rating read against zero).
 
@@ -60,6 +60,13 @@ CHOICES = [
 ]
 CHAT = ["Name a primary colour.", "What is two plus two?", "Say hello in French.", "Name a planet.",
         "What do bees make?", "Name a fruit that is yellow."]
+
+
+def answers_only(text: str, right: str, wrong: str | None) -> bool:
+    """The answer names `right` and not `wrong` (a two-option question names both, so an answer that repeats
+    it is not a choice): the user's rating (+1, else -1) and the recall check."""
+    low = text.lower()
+    return right.lower() in low and (wrong is None or wrong.lower() not in low)
 
 
 def ask(http: httpx.Client, question: str, **kw) -> dict:
@@ -116,10 +123,10 @@ def give_feedback(http: httpx.Client, mode: str) -> int:
             r.raise_for_status()
             n += 1
         return n
-    for i, (question, right, _) in enumerate(CHOICES):
+    for i, (question, right, wrong) in enumerate(CHOICES):
         got = ask(http, question, n=2, temperature=1.0, seed=100 + i)
         for c in got["choices"]:
-            rating = 1 if right.lower() in (c["message"]["content"] or "").lower() else -1
+            rating = 1 if answers_only(c["message"]["content"] or "", right, wrong) else -1
             r = http.post("/v1/feedback", json={"id": got["id"], "index": c["index"], "rating": rating})
             r.raise_for_status()
             n += 1
@@ -128,10 +135,10 @@ def give_feedback(http: httpx.Client, mode: str) -> int:
 
 def recall(http: httpx.Client, mode: str) -> tuple[float, list[dict]]:
     rows = []
-    items = [(q, w) for q, _, w in FACTS] if mode == "corrections" else [(q, right) for q, right, _ in CHOICES]
-    for question, word in items:
+    items = [(q, w, None) for q, _, w in FACTS] if mode == "corrections" else CHOICES
+    for question, word, wrong in items:
         text = ask(http, question)["choices"][0]["message"]["content"] or ""
-        rows.append({"question": question, "answer": text, "recalled": word.lower() in text.lower()})
+        rows.append({"question": question, "answer": text, "recalled": answers_only(text, word, wrong)})
     return sum(r["recalled"] for r in rows) / len(rows), rows
 
 
@@ -191,13 +198,16 @@ def run(mode: str, threads: int, baseline_s: float, timeout_s: float, primed: bo
                 "chat_slowdown": None if not (base_rate and during) else round(1 - during / base_rate, 3),
                 "pacing_realized_slowdown": job and (job.get("pacing") or {}).get("realized_slowdown"),
                 "epochs": job and job["progress"].get("epoch"),
+                "steps": job and {k: job["progress"].get(k) for k in (
+                    "step", "windows_done", "tokens", "walked", "train_ms", "stopped", "aborted", "current_chunk")},
+                "threads": threads, "load_avg_end": os.getloadavg(),
             }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["corrections", "ratings"], default="corrections")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="the server's threads (0: all cores, its default)")
     ap.add_argument("--baseline-s", type=float, default=30.0, help="chat alone before the feedback")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
     ap.add_argument("--think-s", type=float, default=3.0, help="the user's pause between an answer and the next "
