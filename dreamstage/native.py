@@ -177,6 +177,8 @@ class DreamReceiptC(ctypes.Structure):
         ("group_reply", ctypes.c_int32),
         ("aborted_had_ms", ctypes.c_double),
         ("aborted_need_ms", ctypes.c_double),
+        ("refused_device", ctypes.c_char * 48),
+        ("rpc_bytes", ctypes.c_int64),
     ]
 
 

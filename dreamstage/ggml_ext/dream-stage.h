@@ -357,7 +357,11 @@ bool dream_is_soft_rest_ce(const ggml_tensor * t);
 // dream-receipt.cpp
 void dream_receipt_start(const dream_stage & ds, dream_receipt & r);
 void dream_receipt_message(dream_receipt & r, const char * fmt, ...);
-void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, double need_mib, double allowance_mib);
+void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, const dream_gate_verdict & v);
+// RPC workers (dream-rpc.cpp): bytes sent and received so far by this process, and
+// connections that failed so far (endpoint of the last one in *last); 0 without the RPC backend.
+uint64_t dream_rpc_bytes();
+uint64_t dream_rpc_failures(std::string * last = nullptr);
 
 // dream-recompute.cpp: the combined graph with layer activations rematerialized
 // in the backward from the layers' outputs; null with err when it cannot apply.

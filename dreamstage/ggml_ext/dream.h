@@ -63,6 +63,8 @@ struct dream_receipt {
     int32_t group_reply;            // shared-prefix group: the reply this chunk walked, G for the shared prefix; -1: no group
     double  aborted_had_ms;         // aborted: the time limit the step had (dream_set_step_abort); 0 unless aborted
     double  aborted_need_ms;        // aborted: the time it needed, estimated (computed so far + the rest as last measured)
+    char    refused_device[48];     // the ggml device whose need exceeded its allowance ("" unless refused)
+    int64_t rpc_bytes;              // bytes sent to and received from RPC workers during this call (0 without workers)
 };
 
 // One member of a struct as this library was compiled: a binding compares
