@@ -224,3 +224,55 @@ def test_a_refused_step_names_the_workers_device_and_allocates_nothing(split):
         assert r.refused_device in r.message
         assert t.held_mib() == pytest.approx(held)
 
+
+
+# -- a worker that dies -----------------------------------------------------------------------
+
+
+def test_a_killed_worker_fails_the_step_names_the_worker_and_a_restart_recovers(tiny4, single, split):
+    ports = [_free_port(), _free_port()]
+    procs = [start_worker(p) for p in ports]
+    endpoints = tuple(f"127.0.0.1:{p}" for p in ports)
+    rm = ResidentModel(_config(tiny4, rpc=endpoints, n_gpu_layers=SHAPE.n_layer, tensor_split=(1.0, 1.0)))
+    try:
+        t = ProbedTrainer(rm, LORA, cache_type="f32", window=32, chunk=12)
+        t.begin_window(*_window(rm))
+        assert t.micro_step().status == "ok"
+        stop_worker(procs[1])                       # between two chunks of the window
+        r = t.micro_step()
+        assert r.status == "error" and endpoints[1] in r.message, r
+        assert rpc.failed_worker() == endpoints[1]
+        t.close()
+        rm.close()                                  # its buffers on the dead worker are dropped, not awaited
+        # this process and its other models are untouched
+        tokens = single.tokenize(TEXT)[:16]
+        assert np.array_equal(_logits(single, tokens), _logits(single, tokens))
+        assert np.abs(_logits(split, tokens) - _logits(single, tokens)).max() <= LOGITS_ATOL
+        with pytest.raises(ValueError, match=f"rpc worker {endpoints[1]} is not reachable"):
+            ResidentModel(_config(tiny4, rpc=endpoints, n_gpu_layers=SHAPE.n_layer, tensor_split=(1.0, 1.0)))
+        procs[1] = start_worker(ports[1])           # restarted: the model loads and trains again
+        rm = ResidentModel(_config(tiny4, rpc=endpoints, n_gpu_layers=SHAPE.n_layer, tensor_split=(1.0, 1.0)))
+        with ProbedTrainer(rm, LORA, cache_type="f32", window=32, chunk=12) as t:
+            assert [r.status for r in t.train_window(*_window(rm))] == ["ok"] * 3
+    finally:
+        rm.close()
+        for p in procs:
+            stop_worker(p)
+
+
+def test_health_is_failing_and_names_a_failed_worker(monkeypatch):
+    import asyncio
+    from types import SimpleNamespace
+
+    from dreamstage.server import status_routes
+
+    engine = SimpleNamespace(running=True, failing=None, n_seq=1, busy_slots=lambda: 0, queue_depth=0,
+                             adapter_version=0)
+    model = SimpleNamespace(config=SimpleNamespace(rpc=("127.0.0.1:7001",)))
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(service=SimpleNamespace(engine=engine,
+                                                                                                model=model))))
+    monkeypatch.setattr(rpc, "traffic", lambda: rpc.Traffic(10, 10, 0, ""))
+    assert asyncio.run(status_routes.health(request)).status_code == 200
+    monkeypatch.setattr(rpc, "traffic", lambda: rpc.Traffic(10, 10, 1, "127.0.0.1:7001"))
+    resp = asyncio.run(status_routes.health(request))
+    assert resp.status_code == 503 and b"RPC worker at 127.0.0.1:7001 failed" in resp.body

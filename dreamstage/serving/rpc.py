@@ -137,8 +137,8 @@ def connect(endpoints: tuple[Endpoint, ...]) -> list[int]:
     """Register each worker's devices with ggml (once per endpoint and process) and
     return their ggml device indices, in endpoint order. ValueError naming a worker
     that is not reachable."""
-    for e in endpoints:
-        if str(e) not in _registered and (why := probe(e)):
+    for e in endpoints:     # (a registered worker too: a restarted one is connected again)
+        if why := probe(e):
             raise ValueError(why)
     G = _ggml()
     add_server = _proc("ggml_backend_rpc_add_server", ctypes.c_void_p, ctypes.c_char_p)
