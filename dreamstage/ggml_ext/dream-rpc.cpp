@@ -7,6 +7,7 @@
 #include "ggml-backend.h"
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 namespace {
@@ -40,4 +41,15 @@ uint64_t dream_rpc_failures(std::string * last) {
         *last = name;
     }
     return failures;
+}
+
+bool dream_sched_has_rpc(ggml_backend_sched_t sched) {
+    for (int b = 0; sched && b < ggml_backend_sched_get_n_backends(sched); ++b) {
+        ggml_backend_dev_t dev = ggml_backend_get_device(ggml_backend_sched_get_backend(sched, b));
+        ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+        if (reg && std::strcmp(ggml_backend_reg_name(reg), "RPC") == 0) {
+            return true;
+        }
+    }
+    return false;
 }

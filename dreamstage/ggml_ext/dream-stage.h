@@ -362,6 +362,12 @@ void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, const
 // connections that failed so far (endpoint of the last one in *last); 0 without the RPC backend.
 uint64_t dream_rpc_bytes();
 uint64_t dream_rpc_failures(std::string * last = nullptr);
+// Whether a backend of the scheduler is an RPC worker's device.
+bool dream_sched_has_rpc(ggml_backend_sched_t sched);
+// The SwiGLU backward of the graphs built next on this thread: fused (one custom
+// op, dream-glu.cpp; the default) or ggml's own ops. A graph with an RPC worker
+// keeps ggml's: a custom op runs locally, and its inputs would cross the wire.
+void dream_fused_glu_set(bool on);
 
 // dream-recompute.cpp: the combined graph with layer activations rematerialized
 // in the backward from the layers' outputs; null with err when it cannot apply.

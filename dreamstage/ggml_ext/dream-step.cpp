@@ -463,7 +463,9 @@ static bool dream_step_build_backward(dream_stage & ds, dream_receipt & r, ggml_
         return false;
     }
     const int n_forward = ggml_graph_n_nodes(sgraph.gb);
+    dream_fused_glu_set(!dream_sched_has_rpc(ds.exec.sched_exec.get()));
     ggml_build_backward_expand(cbw, sgraph.gb, nullptr);
+    dream_fused_glu_set(true);
     sgraph.loss_grad = ggml_graph_get_grad(sgraph.gb, loss);
     for (auto & pr : ds.lora.pairs) {
         for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
