@@ -17,7 +17,7 @@ async def health(request: Request):
     engine = request.app.state.service.engine
     # "ok" only when the engine thread runs and its last iteration did not fail.
     # A failed RPC worker holds layers this process can no longer compute: failing, naming it.
-    worker = rpc.failed_worker() if request.app.state.service.model.config.rpc else None
+    worker = rpc.failed_worker(request.app.state.service.model.config.rpc)
     failing = engine.failing or (f"the RPC worker at {worker} failed; restart it and then this server" if worker
                                  else None)
     status = "stopped" if not engine.running else ("failing" if failing else "ok")

@@ -149,16 +149,17 @@ def test_an_unreachable_worker_is_named_not_fatal(tiny4):
 
 
 def test_the_layers_are_on_the_workers(split, workers):
-    names = [d["name"] for d in rpc_devices()]
+    names = [d["name"] for d in rpc_devices(workers)]
     assert len(names) == 2 and all(n.startswith("RPC") for n in names)
     before = rpc.traffic()
     _logits(split, split.tokenize(TEXT)[:8])
     assert rpc.traffic().bytes > before.bytes      # the decode crossed the wire
 
 
-def rpc_devices() -> list[dict]:
+def rpc_devices(endpoints) -> list[dict]:
     from dreamstage import native
-    return [d for d in native.devices() if d["name"].startswith("RPC")]
+    assert not any(d["name"].startswith("RPC") for d in native.devices())   # unless asked for
+    return [d for d in native.devices(endpoints) if d["name"].startswith("RPC")]
 
 
 def test_split_logits_equal_the_single_process_logits(single, split):
@@ -241,7 +242,7 @@ def test_a_killed_worker_fails_the_step_names_the_worker_and_a_restart_recovers(
         stop_worker(procs[1])                       # between two chunks of the window
         r = t.micro_step()
         assert r.status == "error" and endpoints[1] in r.message, r
-        assert rpc.failed_worker() == endpoints[1]
+        assert rpc.failed_worker(endpoints) == endpoints[1] and rpc.failed_worker(endpoints[:1]) is None
         t.close()
         rm.close()                                  # its buffers on the dead worker are dropped, not awaited
         # this process and its other models are untouched
@@ -276,3 +277,36 @@ def test_health_is_failing_and_names_a_failed_worker(monkeypatch):
     monkeypatch.setattr(rpc, "traffic", lambda: rpc.Traffic(10, 10, 1, "127.0.0.1:7001"))
     resp = asyncio.run(status_routes.health(request))
     assert resp.status_code == 503 and b"RPC worker at 127.0.0.1:7001 failed" in resp.body
+
+
+def test_a_server_whose_worker_dies_fails_the_job_and_reports_503(tmp_path, tiny4):
+    import httpx
+    from background_server import BackgroundServer
+
+    from dreamstage.server.settings import ServerSettings
+
+    ports = [_free_port(), _free_port()]
+    procs = [start_worker(p) for p in ports]
+    endpoints = tuple(f"127.0.0.1:{p}" for p in ports)
+    settings = ServerSettings(model=str(tiny4), ctx=256, parallel=1, threads=1, state_dir=str(tmp_path),
+                              drift_guard=False, rpc=endpoints, n_gpu_layers=SHAPE.n_layer, tensor_split=(1.0, 1.0))
+    try:
+        with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=120,
+                                                             headers={"Content-Type": "application/json"}) as http:
+            assert http.get("/health").status_code == 200
+            jid = http.post("/train", json={"text": TEXT * 3, "window": 32, "chunk": 16, "epochs": 1000}).json()["id"]
+            deadline = time.monotonic() + 120
+            while http.get(f"/train/{jid}").json()["progress"]["step"] < 2:
+                assert time.monotonic() < deadline, "the job never took two steps"
+                time.sleep(0.05)
+            assert http.get(f"/train/{jid}").json()["progress"]["rpc_bytes"] > 0
+            stop_worker(procs[0])
+            while (job := http.get(f"/train/{jid}").json())["state"] == "running":
+                assert time.monotonic() < deadline, "the job did not fail"
+                time.sleep(0.05)
+            assert job["state"] == "error" and endpoints[0] in job["message"], job
+            health = http.get("/health")
+            assert health.status_code == 503 and endpoints[0] in health.json()["error"]
+    finally:
+        for p in procs:
+            stop_worker(p)

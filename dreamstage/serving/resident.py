@@ -171,7 +171,8 @@ def plan_context(lc, model, cfg: ResidentConfig) -> ContextPlan:
     still grow to."""
     n_train = lc.llama_model_n_ctx_train(model)
     cell = kv_cell_bytes(lc, model, cfg.kv_type)
-    devices = native.devices()
+    devices = native.devices(tuple(str(e) for e in rpc.parse_endpoints(",".join(cfg.rpc)))) if cfg.rpc \
+        else native.devices()
     gpus = [d for d in devices if d["name"] != "CPU"]
     holder = gpus if gpus and cfg.n_gpu_layers != 0 else [d for d in devices if d["name"] == "CPU"]
     free = min((available_bytes(d) for d in holder), default=0)

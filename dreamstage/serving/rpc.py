@@ -204,7 +204,8 @@ def traffic() -> Traffic:
     return Traffic(s.value, r.value, f.value, name.value.decode(errors="replace"))
 
 
-def failed_worker() -> str | None:
-    """The endpoint of the last worker whose connection failed in this process, or None."""
+def failed_worker(endpoints: tuple[str, ...]) -> str | None:
+    """The worker among `endpoints` whose connection failed last in this process, or None
+    (the process remembers the last failed endpoint only)."""
     t = traffic()
-    return (t.last_failed or "?") if t.failures else None
+    return t.last_failed if t.failures and t.last_failed in endpoints else None
