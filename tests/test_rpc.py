@@ -307,6 +307,8 @@ def test_a_server_whose_worker_dies_fails_the_job_and_reports_503(tmp_path, tiny
             assert job["state"] == "error" and endpoints[0] in job["message"], job
             health = http.get("/health")
             assert health.status_code == 503 and endpoints[0] in health.json()["error"]
+            r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+            assert r.status_code == 503 and endpoints[0] in r.text, r.text
     finally:
         for p in procs:
             stop_worker(p)

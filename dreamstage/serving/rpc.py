@@ -30,6 +30,9 @@ SPLIT_MODES = {"none": 0, "layer": 1}   # llama_split_mode; "row" needs a GPU ba
 # Endpoints registered with ggml in this process: ggml_backend_register appends a
 # worker's devices again each time, so each endpoint is registered once.
 _registered: dict[str, list[int]] = {}
+# Per endpoint, the process's failure count when a model last connected to it: a
+# failure before that was an earlier connection's (the worker has been restarted).
+_connected_after: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,9 @@ def connect(endpoints: tuple[Endpoint, ...]) -> list[int]:
     G = _ggml()
     add_server = _proc("ggml_backend_rpc_add_server", ctypes.c_void_p, ctypes.c_char_p)
     out: list[int] = []
+    failures = traffic().failures
     for e in endpoints:
+        _connected_after[str(e)] = failures
         if str(e) not in _registered:
             reg = add_server(str(e).encode())
             if not reg:
@@ -208,4 +213,5 @@ def failed_worker(endpoints: tuple[str, ...]) -> str | None:
     """The worker among `endpoints` whose connection failed last in this process, or None
     (the process remembers the last failed endpoint only)."""
     t = traffic()
-    return t.last_failed if t.failures and t.last_failed in endpoints else None
+    failed = t.last_failed in endpoints and t.failures > _connected_after.get(t.last_failed, 0)
+    return t.last_failed if failed else None
