@@ -20,7 +20,7 @@ from trainer_testing import ProbedTrainer
 
 from dreamstage.serving import rpc
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
-from dreamstage.training.walk.trainer import LoraConfig
+from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig
 
 SHAPE = TinyShape(n_layer=4)
 TEXT = "The dream stage trains a small adapter between decode batches, on the same context. "
@@ -205,13 +205,31 @@ def test_a_window_gradient_equals_the_single_process_gradient(monkeypatch, singl
     assert all(r.rpc_bytes > 0 for r in r_split)
 
 
-def test_the_split_step_updates_the_adapter(split):
-    with ProbedTrainer(split, LORA, cache_type="f32", window=32, chunk=32) as t:
-        before = t.lora_parameters()
-        rs = t.train_window(*_window(split))
-        assert [r.status for r in rs] == ["ok"]
-        after = t.lora_parameters()
-    assert np.abs(after - before).max() > 0
+def test_the_split_optimizer_steps_on_each_device_as_the_host_optimizer(monkeypatch, single, split):
+    # two windows a step, clipped: each device accumulates, measures its part of
+    # the norm and steps its own A and B (dream-optim.cpp); one process with
+    # ggml's ops and the host optimizer is the reference
+    opt = OptimizerConfig(lr=3e-3, weight_decay=0.05, grad_clip=0.5, accumulate_windows=2)
+
+    def train(rm):
+        with ProbedTrainer(rm, LORA, cache_type="f32", window=32, chunk=16, optimizer=opt) as t:
+            start = t.lora_parameters()
+            for _ in range(4):
+                assert [r.status for r in t.train_window(*_window(rm))] == ["ok", "ok"]
+            m, v, steps = t.optimizer_state()
+            return t.optimizer_on_device, start, t.lora_parameters(), m, v, steps
+
+    on_dev, start, theta_s, m_s, v_s, t_s = train(split)
+    monkeypatch.setenv("DREAMSTAGE_CPU_GRAPH", "ggml")
+    on_host, _, theta_r, m_r, v_r, t_r = train(single)
+    assert on_dev and not on_host and t_s == t_r == 2
+    assert np.linalg.norm(theta_r - start) > 1e-3 * np.linalg.norm(start)
+    assert _rel(m_s, m_r) < 1e-4 and _rel(v_s, v_r) < 1e-4
+    assert _rel(theta_s - start, theta_r - start) < 1e-4
+
+
+def _rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_a_refused_step_names_the_workers_device_and_allocates_nothing(split):

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace {
 using dream_rpc_traffic_fn = void (*)(uint64_t * sent, uint64_t * received, uint64_t * failures, char * last_failed,
@@ -43,11 +44,23 @@ uint64_t dream_rpc_failures(std::string * last) {
     return failures;
 }
 
+static bool dream_dev_is_rpc(ggml_backend_dev_t dev) {
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    return reg && std::strcmp(ggml_backend_reg_name(reg), "RPC") == 0;
+}
+
 bool dream_sched_has_rpc(ggml_backend_sched_t sched) {
     for (int b = 0; sched && b < ggml_backend_sched_get_n_backends(sched); ++b) {
-        ggml_backend_dev_t dev = ggml_backend_get_device(ggml_backend_sched_get_backend(sched, b));
-        ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-        if (reg && std::strcmp(ggml_backend_reg_name(reg), "RPC") == 0) {
+        if (dream_dev_is_rpc(ggml_backend_get_device(ggml_backend_sched_get_backend(sched, b)))) {
+            return true;
+        }
+    }
+    return false;
+}
+
+bool dream_devices_have_rpc(const std::vector<ggml_backend_dev_t> & devs) {
+    for (ggml_backend_dev_t d : devs) {
+        if (dream_dev_is_rpc(d)) {
             return true;
         }
     }

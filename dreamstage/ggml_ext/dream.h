@@ -270,8 +270,9 @@ LLAMA_API int64_t dream_graph_reuses(const struct dream_stage * ds);
 LLAMA_API bool dream_fused_attention(const struct dream_stage * ds);
 
 // Whether the gradient accumulator and AdamW's state live on the adapter's
-// device (decided at dream_init: true when every A and B lies on one GPU)
-// instead of the host. DREAMSTAGE_OPTIMIZER=host keeps them on the host;
+// device (decided at dream_init: true when every A and B lies on one GPU, or
+// when they lie on several devices with an RPC worker among them: then each
+// device keeps its own tensors' state) instead of the host. DREAMSTAGE_OPTIMIZER=host keeps them on the host;
 // =device puts them on the adapter's backend even when that is the CPU.
 LLAMA_API bool dream_optimizer_on_device(const struct dream_stage * ds);
 
