@@ -36,10 +36,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    # Linux: the worker gets SIGKILL when this process ends, even by an abort (no teardown runs then)
+    import ctypes
+    import signal
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+
+
 def start_worker(port: int) -> subprocess.Popen:
     """`dreamstage rpc-worker` on loopback, one thread; returns once it accepts."""
     proc = subprocess.Popen([sys.executable, "-m", "dreamstage", "rpc-worker", "--port", str(port), "--threads", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + 30
     while rpc.probe(rpc.Endpoint("127.0.0.1", port), timeout_s=0.5) is not None:
         if proc.poll() is not None or time.monotonic() > deadline:
