@@ -11,9 +11,9 @@ and written before its first run; the model cannot know them.
 
 - corrections: the user asks each of the K questions (temperature 0) and corrects each answer once.
 - ratings: each question names two options; the user samples two answers (n = 2, temperature 1.0) and rates
-  +1 the answers that name the right option and not the wrong one, -1 the others (a fact the model never says cannot be learned
-  from ratings; these it says about half the time). A question whose two answers rate alike still trains (each
-  rating read against zero).
+  +1 the answers that name the right option and not the wrong one, -1 the others (a fact the model never says
+  cannot be learned from ratings; these it says about half the time). A question whose two answers rate alike
+  still trains (each rating read against zero).
 
 The adapter's learning is `auto` with `examples` = the feedback items given, so one job starts at the last
 item. Reported: recall at temperature 0 after the promoted version (the right name in the answer), the guard's

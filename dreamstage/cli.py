@@ -67,6 +67,7 @@ def serve_settings(args: argparse.Namespace):
         given["embeddings"] = True
     if args.record:
         given["record"] = True
+    given.update(_placement_flags(args))
     if args.no_train:
         given["state_dir"] = None
     elif args.state_dir:
@@ -75,6 +76,22 @@ def serve_settings(args: argparse.Namespace):
     if settings.state_dir is None and not args.no_train:      # neither a flag nor DREAMSTAGE_STATE_DIR
         settings = ServerSettings(**given, state_dir=str(default_state_dir()))
     return settings
+
+
+def _placement_flags(args: argparse.Namespace) -> dict:
+    """serve's --rpc, --tensor-split, --split-mode and --rpc-allow-remote as ServerSettings fields."""
+    from dreamstage.serving import rpc
+
+    given: dict = {}
+    if args.rpc:
+        given["rpc"] = tuple(str(e) for e in rpc.parse_endpoints(args.rpc))
+    if args.tensor_split:
+        given["tensor_split"] = rpc.parse_tensor_split(args.tensor_split)
+    if args.split_mode:
+        given["split_mode"] = args.split_mode
+    if args.rpc_allow_remote:
+        given["rpc_allow_remote"] = True
+    return given
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -110,6 +127,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"(adapter version {service.engine.adapter_version})", flush=True)
     run_uvicorn(service, create_app(service), host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
+
+
+def cmd_rpc_worker(args: argparse.Namespace) -> int:
+    """Replace this process with dreamstage-rpc-server (so a signal reaches the worker itself)."""
+    from dreamstage.server.security import is_loopback
+    from dreamstage.serving import rpc
+
+    if not is_loopback(args.host):
+        if not args.rpc_allow_remote:
+            print(f"dreamstage rpc-worker: refusing to bind {args.host}, which is not a loopback address: RPC has "
+                  "no authentication or encryption; pass --rpc-allow-remote only on a network you trust",
+                  file=sys.stderr)
+            return 2
+        print(f"dreamstage rpc-worker: WARNING: anyone who reaches {args.host}:{args.port} can read and write this "
+              "worker's memory and run graphs on it; keep the port on a trusted network (docs/architecture/rpc.md)",
+              file=sys.stderr)
+    prog = str(rpc.worker_program())
+    argv = [prog, "--host", args.host, "--port", str(args.port)]
+    if args.device:
+        argv += ["--device", args.device]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    sys.stdout.flush()
+    os.execv(prog, argv)
+    return 0    # not reached
+
+
+def _add_rpc_worker(sub) -> None:
+    from dreamstage.serving import rpc
+
+    p = sub.add_parser("rpc-worker", help="run an RPC worker that holds layers for `serve --rpc` (loopback by "
+                                          "default)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=rpc.DEFAULT_WORKER_PORT,
+                   help=f"(default {rpc.DEFAULT_WORKER_PORT})")
+    p.add_argument("--device", default=None, metavar="D[,D...]",
+                   help="ggml devices to serve (default: every GPU, else the CPU)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: half the cores)")
+    p.add_argument("--rpc-allow-remote", action="store_true",
+                   help="bind a non-loopback address (no authentication: a trusted network only)")
+    p.set_defaults(fn=cmd_rpc_worker)
 
 
 def _api_key(args) -> str | None:
@@ -401,6 +459,17 @@ def _add_serve(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=None, metavar="N",
                    help=f"layers stored on the GPU in a GPU build (default {default['n_gpu_layers']}: all; 0: none)")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
+                   help="RPC workers (dreamstage rpc-worker) that hold layers, before any local GPU; loopback only "
+                        "unless --rpc-allow-remote")
+    p.add_argument("--tensor-split", dest="tensor_split", default=None, metavar="A,B,...",
+                   help="each device's share of the offloaded layers, RPC workers first (llama.cpp's meaning; "
+                        "default: by free memory); -ngl sets how many layers leave this process's CPU")
+    p.add_argument("--split-mode", dest="split_mode", default=None, choices=["layer", "none"],
+                   help=f"how layers spread over the devices (default {default['split_mode']})")
+    p.add_argument("--rpc-allow-remote", action="store_true",
+                   help="accept non-loopback RPC workers: RPC has no authentication or encryption, so only on a "
+                        "network you trust (docs/architecture/rpc.md)")
     p.add_argument("--kv-type", default=None, help=f"serving K/V cache type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, "
                                                    f"q4_0 (default {default['kv_type']})")
     p.add_argument("--state-dir", default=None,
@@ -523,6 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_adapters(sub)
     _add_feedback(sub)
+    _add_rpc_worker(sub)
     return ap
 
 

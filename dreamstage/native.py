@@ -177,6 +177,8 @@ class DreamReceiptC(ctypes.Structure):
         ("group_reply", ctypes.c_int32),
         ("aborted_had_ms", ctypes.c_double),
         ("aborted_need_ms", ctypes.c_double),
+        ("refused_device", ctypes.c_char * 48),
+        ("rpc_bytes", ctypes.c_int64),
     ]
 
 
@@ -467,6 +469,9 @@ def ggml() -> ctypes.CDLL:
     G.ggml_backend_dev_name.restype = ctypes.c_char_p
     G.ggml_backend_dev_description.argtypes = [p]
     G.ggml_backend_dev_description.restype = ctypes.c_char_p
+    # ggml_backend_reg_t ggml_backend_dev_backend_reg(dev);
+    G.ggml_backend_dev_backend_reg.argtypes = [p]
+    G.ggml_backend_dev_backend_reg.restype = p
     # void ggml_backend_dev_memory(dev, size_t * free, size_t * total);
     G.ggml_backend_dev_memory.argtypes = [p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
     G.ggml_backend_dev_memory.restype = None
@@ -478,12 +483,18 @@ def backends() -> list[str]:
     return [G.ggml_backend_reg_name(G.ggml_backend_reg_get(i)).decode() for i in range(G.ggml_backend_reg_count())]
 
 
-def devices() -> list[dict]:
-    """Each ggml device with its free and total memory in bytes (the CPU's is host memory)."""
+def devices(rpc: tuple[str, ...] = ()) -> list[dict]:
+    """Each local ggml device with its free and total memory in bytes (the CPU's is host
+    memory), and the devices of the RPC workers whose endpoints `rpc` names. Only those:
+    asking the memory of a worker that is gone, with no model of this process connected
+    to it, aborts the process (ggml's RPC client connects anew and aborts on failure)."""
     G = ggml()
     out = []
     for i in range(G.ggml_backend_dev_count()):
         d = G.ggml_backend_dev_get(i)
+        if G.ggml_backend_reg_name(G.ggml_backend_dev_backend_reg(d)) == b"RPC" and \
+                G.ggml_backend_dev_description(d).decode() not in rpc:
+            continue
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         G.ggml_backend_dev_memory(d, ctypes.byref(free), ctypes.byref(total))
         out.append({"name": G.ggml_backend_dev_name(d).decode(),

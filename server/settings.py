@@ -18,6 +18,7 @@ from dreamstage.server.connections import ConnectionLimits
 from dreamstage.server.follow import check_leader_url
 from dreamstage.server.security import SecurityPolicy, is_loopback
 from dreamstage.server.tenants import load_key_file
+from dreamstage.serving import rpc
 from dreamstage.serving.resident import KV_TYPES, ResidentConfig
 from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.submit import JobLimits
@@ -71,6 +72,12 @@ class ServerSettings(BaseSettings):
     retry_after_s: int = 1            # Retry-After on 503
     model_alias: str | None = None    # the id /v1/models reports; default: the file's stem
     n_gpu_layers: int = -1            # layers on the GPU (-ngl); negative: all; 0: none
+    # RPC workers holding layers (dreamstage.serving.rpc): "HOST:PORT" each; a
+    # non-loopback one needs rpc_allow_remote (RPC has no authentication).
+    rpc: tuple[str, ...] = ()
+    rpc_allow_remote: bool = False
+    tensor_split: tuple[float, ...] = ()   # each device's share of the offloaded layers; empty: by free memory
+    split_mode: str = "layer"
     api_key: str | None = None        # required as "Authorization: Bearer" on every route but /health
     allowed_hosts: tuple[str, ...] = ()   # Host names accepted besides the loopback names (loopback binds)
     cors_origins: tuple[str, ...] = ()    # origins that get CORS headers; none by default
@@ -132,6 +139,12 @@ class ServerSettings(BaseSettings):
             if self.record or self.adapter is not None:
                 raise ValueError("follow: --record and --adapter belong on the leader; a follower serves what the "
                                  "leader promoted")
+        if self.rpc:
+            rpc.check_remote(rpc.parse_endpoints(",".join(self.rpc)), self.rpc_allow_remote)
+        if self.tensor_split:
+            rpc.parse_tensor_split(",".join(map(str, self.tensor_split)))
+        if self.split_mode not in rpc.SPLIT_MODES:
+            raise ValueError(f"split_mode {self.split_mode!r} is not one of {', '.join(rpc.SPLIT_MODES)}")
         self.limits.validate()
         return self
 
@@ -148,4 +161,5 @@ class ServerSettings(BaseSettings):
         return ResidentConfig(model_path=self.model, n_ctx=self.ctx or 0, n_seq=self.parallel,
                               auto_ctx_memory_share=self.ctx_memory_share,
                               n_batch=self.batch, n_threads=self.threads, kv_type=self.kv_type,
-                              kv_unified=self.kv_unified, n_gpu_layers=self.n_gpu_layers)
+                              kv_unified=self.kv_unified, n_gpu_layers=self.n_gpu_layers, rpc=self.rpc,
+                              tensor_split=self.tensor_split, split_mode=self.split_mode)

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from dreamstage.server import metrics
+from dreamstage.serving import rpc
 
 router = APIRouter()
 
@@ -15,12 +16,16 @@ router = APIRouter()
 async def health(request: Request):
     engine = request.app.state.service.engine
     # "ok" only when the engine thread runs and its last iteration did not fail.
-    status = "stopped" if not engine.running else ("failing" if engine.failing else "ok")
+    # A failed RPC worker holds layers this process can no longer compute: failing, naming it.
+    worker = rpc.failed_worker(request.app.state.service.model.config.rpc)
+    failing = engine.failing or (f"the RPC worker at {worker} failed; restart it and then this server" if worker
+                                 else None)
+    status = "stopped" if not engine.running else ("failing" if failing else "ok")
     body = {"status": status, "slots": engine.n_seq,
             "slots_busy": engine.busy_slots(), "queue_depth": engine.queue_depth,
             "adapter_version": engine.adapter_version}
     if status == "failing":
-        body["error"] = engine.failing
+        body["error"] = failing
     follower = request.app.state.service.follower
     if follower is not None:                 # a replica: its leader, lag and served versions (server/follow.py)
         body["follow"] = follower.status(detail=False)

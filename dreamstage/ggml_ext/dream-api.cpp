@@ -115,9 +115,7 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
     r.adapter_mib = (double) adapter_bytes / DREAM_MIB;
     if (!v.fits) {
         r.status = DREAM_STATUS_REFUSED;
-        r.refused_chunk_pos = -1;
-        r.refused_need_mib = v.need_mib;
-        r.refused_allowance_mib = v.allowance_mib;
+        dream_receipt_refused(r, -1, 0, v);
         dream_receipt_message(r, "the job's training cache (%.2f MiB, %s, %d tokens) and adapters (%.2f MiB) need %.2f MiB on %s; "
                               "allowance %.2f MiB%s", r.context_mib, ds->cache_type_str.c_str(), ds->params.window,
                               r.adapter_mib, v.need_mib, v.device.c_str(), v.allowance_mib, v.why.c_str());
@@ -197,7 +195,18 @@ int32_t dream_window_begin(struct dream_stage * ds, const llama_token * tokens, 
 
 int32_t dream_micro_step(struct dream_stage * ds, struct dream_receipt * receipt) {
     dream_receipt tmp;
-    return dream_walk_micro_step(*ds, receipt ? *receipt : tmp);
+    dream_receipt & r = receipt ? *receipt : tmp;
+    const uint64_t bytes0 = dream_rpc_bytes(), failures0 = dream_rpc_failures();
+    int32_t status = dream_walk_micro_step(*ds, r);
+    r.rpc_bytes = (int64_t) (dream_rpc_bytes() - bytes0);
+    std::string worker;
+    if (dream_rpc_failures(&worker) != failures0) {
+        // a worker died during the step: whatever it computed is lost, the step failed
+        r.status = status = DREAM_STATUS_ERROR;
+        dream_receipt_message(r, "the RPC worker at %s failed during the micro-step; its layers, adapters and "
+                              "cache are gone until it is restarted and the model reloaded", worker.c_str());
+    }
+    return status;
 }
 
 int32_t dream_chunks_left(const struct dream_stage * ds) {

@@ -218,7 +218,7 @@ ggml_cgraph * dream_fit_backward(dream_stage & ds, ggml_context * ctx, ggml_cgra
     bool any = false;
     // F32 OUT_PRODs become the CPU kernel only when every node runs on the CPU
     // (a GPU backend's OUT_PROD is cuBLAS already)
-    bool cpu_only = true;
+    bool cpu_only = ds.switches.cpu_graph_kernels;
     for (int b = 0; b < ggml_backend_sched_get_n_backends(ds.exec.sched_exec.get()); ++b) {
         ggml_backend_dev_t dev = ggml_backend_get_device(ggml_backend_sched_get_backend(ds.exec.sched_exec.get(), b));
         cpu_only = cpu_only && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;

@@ -120,6 +120,10 @@ const bool hooks_installed = [] {
 
 }  // namespace
 
+void dream_fused_glu_set(bool on) {
+    fused_glu_on = on;
+}
+
 ggml_tensor * dream_custom_tagged(ggml_tensor * node, int32_t kind) {
     ggml_set_op_params_i32(node, DREAM_CUSTOM_TAG_PARAM, DREAM_CUSTOM_TAG);
     ggml_set_op_params_i32(node, DREAM_CUSTOM_TAG_PARAM + 1, kind);

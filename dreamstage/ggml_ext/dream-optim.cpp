@@ -16,6 +16,11 @@
 // AdamW with decoupled weight decay, bias corrections 1 / (1 - beta^t), the
 // gradient the mean over the pending windows, clipped by its global L2 norm.
 //
+// An adapter spread over several devices, an RPC worker among them (the model
+// split across workers), keeps that state per device: each device accumulates,
+// measures its part of the norm (4 bytes back) and steps its own tensors, so
+// no A, B or moment crosses the wire. Other splits use the host optimizer.
+//
 // DREAMSTAGE_OPTIMIZER=host keeps the host optimizer on a GPU; =device puts it
 // on the adapter's backend even when that is the CPU (the tests compare both).
 #include "dream-stage.h"
@@ -98,45 +103,63 @@ struct dream_opt_graph {
 }
 
 void dream_opt_choose(dream_stage & ds) {
-    ds.opt.device.backend = nullptr;
+    ds.opt.devices.clear();
     const dream_opt_where where = ds.switches.optimizer;
     if (where == DREAM_OPT_HOST || ds.lora.pairs.empty()) {
         return;
     }
-    ggml_backend_dev_t dev = nullptr;
+    // the devices holding A and B tensors, in first-use order
+    std::vector<ggml_backend_dev_t> devs;
+    bool host = false;
     for (ggml_tensor * t : dream_opt_params(ds)) {
         ggml_backend_dev_t d = dream_buffer_device(t->buffer);
-        if (!d || (dev && d != dev)) {
-            return;   // split across devices: the host optimizer
-        }
-        dev = d;
-        if (ggml_backend_buffer_is_host(t->buffer) && where != DREAM_OPT_DEVICE) {
+        if (!d) {
             return;
+        }
+        host = host || ggml_backend_buffer_is_host(t->buffer);
+        if (std::find(devs.begin(), devs.end(), d) == devs.end()) {
+            devs.push_back(d);
         }
     }
+    // one device: there (unless it is the host's, =device aside). Several: each steps
+    // its own only when an RPC worker is among them (so its tensors never cross the
+    // wire for an update); other splits keep the host optimizer.
+    const bool several = devs.size() > 1;
+    if ((several && !dream_devices_have_rpc(devs)) || (!several && host && where != DREAM_OPT_DEVICE)) {
+        return;
+    }
     ggml_backend_sched_t serving = ds.lctx->get_sched();
-    for (int i = 0; i < ggml_backend_sched_get_n_backends(serving); ++i) {
-        ggml_backend_t be = ggml_backend_sched_get_backend(serving, i);
-        if (ggml_backend_get_device(be) == dev) {
-            ds.opt.device.backend = be;
+    for (ggml_backend_dev_t dev : devs) {
+        ggml_backend_t found = nullptr;
+        for (int i = 0; i < ggml_backend_sched_get_n_backends(serving) && !found; ++i) {
+            ggml_backend_t be = ggml_backend_sched_get_backend(serving, i);
+            found = ggml_backend_get_device(be) == dev ? be : nullptr;
+        }
+        if (!found) {
+            ds.opt.devices.clear();   // a device without a serving backend: the host optimizer
             return;
         }
+        ds.opt.devices.emplace_back();
+        ds.opt.devices.back().backend = found;
     }
 }
 
 bool dream_opt_on_device(const dream_stage & ds) {
-    return ds.opt.device.backend != nullptr;
+    return !ds.opt.devices.empty();
 }
 
 bool dream_opt_ready(const dream_stage & ds) {
-    return dream_opt_on_device(ds) ? ds.opt.device.buf != nullptr : !ds.opt.grad_acc.empty();
+    return dream_opt_on_device(ds) ? ds.opt.devices[0].buf != nullptr : !ds.opt.grad_acc.empty();
 }
 
 size_t dream_opt_bytes(const dream_stage & ds) {
     if (dream_opt_on_device(ds)) {
-        const auto & o = ds.opt.device;
-        return (o.buf ? ggml_backend_buffer_get_size(o.buf.get()) : 0) +
-               (o.galloc ? ggml_gallocr_get_buffer_size(o.galloc.get(), 0) : 0);
+        size_t total = 0;
+        for (const auto & o : ds.opt.devices) {
+            total += (o.buf ? ggml_backend_buffer_get_size(o.buf.get()) : 0) +
+                     (o.galloc ? ggml_gallocr_get_buffer_size(o.galloc.get(), 0) : 0);
+        }
+        return total;
     }
     return (ds.opt.grad_acc.size() + ds.opt.adam_m.size() + ds.opt.adam_v.size()) * sizeof(float);
 }
@@ -147,9 +170,21 @@ std::vector<std::pair<ggml_backend_dev_t, size_t>> dream_opt_step_needs(const dr
     }
     const size_t state = dream_opt_ready(ds) ? 0 : (size_t) 3 * ds.lora.n_params * sizeof(float);
     if (dream_opt_on_device(ds)) {
-        // the moments and the accumulator, on the adapter's device (the small
+        // the moments and the accumulator, on each tensor's device (the small
         // graphs' intermediates, one tensor's worth, are below the slack)
-        return { { ggml_backend_get_device(ds.opt.device.backend), state } };
+        std::vector<std::pair<ggml_backend_dev_t, size_t>> out;
+        for (const auto & o : ds.opt.devices) {
+            out.push_back({ ggml_backend_get_device(o.backend), 0 });
+        }
+        if (state > 0) {
+            for (ggml_tensor * t : dream_opt_params(ds)) {
+                ggml_backend_dev_t d = dream_buffer_device(t->buffer);
+                for (auto & [dev, bytes] : out) {
+                    bytes += dev == d ? 3 * ggml_nbytes(t) : 0;
+                }
+            }
+        }
+        return out;
     }
     // ... and the host copy of one step's gradients
     return { { dream_host_device(), state + (size_t) ds.lora.n_params * sizeof(float) } };
@@ -162,56 +197,43 @@ bool dream_opt_create(dream_stage & ds) {
         ds.opt.adam_v.assign(ds.lora.n_params, 0.0f);
         return true;
     }
-    auto & o = ds.opt.device;
     const auto params = dream_opt_params(ds);
-    ggml_init_params ip = { (3 * params.size() + 2) * ggml_tensor_overhead(), nullptr, true };
-    o.ctx.reset(ggml_init(ip));
-    o.acc.clear();
-    o.m.clear();
-    o.v.clear();
-    for (ggml_tensor * t : params) {
-        o.acc.push_back(ggml_dup_tensor(o.ctx.get(), t));
-        o.m.push_back(ggml_dup_tensor(o.ctx.get(), t));
-        o.v.push_back(ggml_dup_tensor(o.ctx.get(), t));
+    for (auto & o : ds.opt.devices) {
+        ggml_backend_dev_t dev = ggml_backend_get_device(o.backend);
+        ggml_init_params ip = { (3 * params.size() + 2) * ggml_tensor_overhead(), nullptr, true };
+        o.ctx.reset(ggml_init(ip));
+        o.acc.assign(params.size(), nullptr);
+        o.m.assign(params.size(), nullptr);
+        o.v.assign(params.size(), nullptr);
+        for (size_t i = 0; i < params.size(); ++i) {
+            if (dream_buffer_device(params[i]->buffer) == dev) {
+                o.acc[i] = ggml_dup_tensor(o.ctx.get(), params[i]);
+                o.m[i] = ggml_dup_tensor(o.ctx.get(), params[i]);
+                o.v[i] = ggml_dup_tensor(o.ctx.get(), params[i]);
+            }
+        }
+        o.grad_scale = ggml_new_tensor_1d(o.ctx.get(), GGML_TYPE_F32, 1);
+        o.adamw_params = ggml_new_tensor_1d(o.ctx.get(), GGML_TYPE_F32, 7);
+        ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(o.backend);
+        o.buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(o.ctx.get(), buft));
+        if (!o.buf) {
+            o.ctx.reset();
+            return false;
+        }
+        ggml_backend_buffer_clear(o.buf.get(), 0);
+        o.galloc.reset(ggml_gallocr_new(buft));
     }
-    o.grad_scale = ggml_new_tensor_1d(o.ctx.get(), GGML_TYPE_F32, 1);
-    o.adamw_params = ggml_new_tensor_1d(o.ctx.get(), GGML_TYPE_F32, 7);
-    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(o.backend);
-    o.buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(o.ctx.get(), buft));
-    if (!o.buf) {
-        o.ctx.reset();
-        return false;
-    }
-    ggml_backend_buffer_clear(o.buf.get(), 0);
-    o.galloc.reset(ggml_gallocr_new(buft));
     return true;
 }
 
-bool dream_opt_accumulate(dream_stage & ds, const std::vector<ggml_tensor *> & grads) {
-    if (!dream_opt_on_device(ds)) {
-        float * acc = ds.opt.grad_acc.data();
-        std::vector<float> host;
-        size_t ig = 0;
-        for (ggml_tensor * t : dream_opt_params(ds)) {
-            const int64_t ne = ggml_nelements(t);
-            if (ggml_tensor * g = grads[ig++]) {
-                host.resize(ne);
-                ggml_backend_tensor_get(g, host.data(), 0, ne * sizeof(float));
-                for (int64_t i = 0; i < ne; ++i) {
-                    acc[i] += host[i];
-                }
-            }
-            acc += ne;
-        }
-        return true;
-    }
-    auto & o = ds.opt.device;
+// Adds a step's gradients into one device's accumulators (its own tensors only).
+static bool dream_opt_accumulate_on(dream_device_opt & o, const std::vector<ggml_tensor *> & grads) {
     ggml_backend_dev_t dev = ggml_backend_get_device(o.backend);
     dream_opt_graph og(o, grads.size());
     std::vector<float> a, b;
     for (size_t i = 0; i < grads.size(); ++i) {
         ggml_tensor * g = grads[i];
-        if (!g) {
+        if (!g || !o.acc[i]) {
             continue;
         }
         if (dream_buffer_device(g->buffer) == dev) {
@@ -238,13 +260,43 @@ bool dream_opt_accumulate(dream_stage & ds, const std::vector<ggml_tensor *> & g
     return ggml_graph_n_nodes(og.g) == 0 || og.run(o);
 }
 
+bool dream_opt_accumulate(dream_stage & ds, const std::vector<ggml_tensor *> & grads) {
+    if (!dream_opt_on_device(ds)) {
+        float * acc = ds.opt.grad_acc.data();
+        std::vector<float> host;
+        size_t ig = 0;
+        for (ggml_tensor * t : dream_opt_params(ds)) {
+            const int64_t ne = ggml_nelements(t);
+            if (ggml_tensor * g = grads[ig++]) {
+                host.resize(ne);
+                ggml_backend_tensor_get(g, host.data(), 0, ne * sizeof(float));
+                for (int64_t i = 0; i < ne; ++i) {
+                    acc[i] += host[i];
+                }
+            }
+            acc += ne;
+        }
+        return true;
+    }
+    for (auto & o : ds.opt.devices) {
+        if (!dream_opt_accumulate_on(o, grads)) {
+            return false;
+        }
+    }
+    return true;
+}
+
 void dream_opt_zero_acc(dream_stage & ds) {
     if (!dream_opt_on_device(ds)) {
         std::fill(ds.opt.grad_acc.begin(), ds.opt.grad_acc.end(), 0.0f);
         return;
     }
-    for (ggml_tensor * t : ds.opt.device.acc) {
-        ggml_backend_tensor_memset(t, 0, 0, ggml_nbytes(t));
+    for (auto & o : ds.opt.devices) {
+        for (ggml_tensor * t : o.acc) {
+            if (t) {
+                ggml_backend_tensor_memset(t, 0, 0, ggml_nbytes(t));
+            }
+        }
     }
 }
 
@@ -255,15 +307,18 @@ void dream_opt_scale_acc(dream_stage & ds, float mul, float div) {
         }
         return;
     }
-    auto & o = ds.opt.device;
-    if (o.acc.empty()) {
-        return;
+    for (auto & o : ds.opt.devices) {
+        if (o.acc.empty()) {
+            continue;
+        }
+        dream_opt_graph og(o, o.acc.size());
+        for (ggml_tensor * t : o.acc) {
+            if (t) {
+                ggml_build_forward_expand(og.g, ggml_scale_inplace(og.ctx, t, mul / div));
+            }
+        }
+        og.run(o);
     }
-    dream_opt_graph og(o, o.acc.size());
-    for (ggml_tensor * t : o.acc) {
-        ggml_build_forward_expand(og.g, ggml_scale_inplace(og.ctx, t, mul / div));
-    }
-    og.run(o);
 }
 
 // The host update (the arithmetic both paths share, in float per parameter).
@@ -310,40 +365,55 @@ static double dream_opt_norm2_host(const dream_stage & ds) {
     return norm2;
 }
 
+// The accumulator's squared norm: each device's part there (4 bytes come back from each), summed in device order.
 static bool dream_opt_norm2_device(dream_stage & ds, double & norm2) {
-    auto & o = ds.opt.device;
-    dream_opt_graph og(o, 3 * o.acc.size());
-    ggml_tensor * total = nullptr;
-    for (ggml_tensor * t : o.acc) {
-        ggml_tensor * s = ggml_sum(og.ctx, ggml_sqr(og.ctx, t));
-        total = total ? ggml_add(og.ctx, total, s) : s;
+    norm2 = 0.0;
+    for (auto & o : ds.opt.devices) {
+        dream_opt_graph og(o, 3 * o.acc.size());
+        ggml_tensor * total = nullptr;
+        for (ggml_tensor * t : o.acc) {
+            if (t) {
+                ggml_tensor * s = ggml_sum(og.ctx, ggml_sqr(og.ctx, t));
+                total = total ? ggml_add(og.ctx, total, s) : s;
+            }
+        }
+        if (!total) {
+            continue;
+        }
+        ggml_set_output(total);
+        ggml_build_forward_expand(og.g, total);
+        if (!og.run(o)) {
+            return false;
+        }
+        float v = 0.0f;
+        ggml_backend_tensor_get(total, &v, 0, sizeof(v));
+        norm2 += (double) v;
     }
-    ggml_set_output(total);
-    ggml_build_forward_expand(og.g, total);
-    if (!og.run(o)) {
-        return false;
-    }
-    float v = 0.0f;
-    ggml_backend_tensor_get(total, &v, 0, sizeof(v));
-    norm2 = (double) v;
     return true;
 }
 
 static bool dream_opt_update_device(dream_stage & ds, float scale, float ib1, float ib2) {
-    auto & o = ds.opt.device;
     const auto & p = ds.params;
     // OPT_STEP_ADAMW's parameters: alpha, beta1, beta2, eps, wd, 1/(1-beta1^t), 1/(1-beta2^t)
     const float hp[7] = { p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, ib1, ib2 };
-    ggml_backend_tensor_set(o.adamw_params, hp, 0, sizeof(hp));
-    ggml_backend_tensor_set(o.grad_scale, &scale, 0, sizeof(scale));
     const auto params = dream_opt_params(ds);
-    dream_opt_graph og(o, 2 * params.size());
-    for (size_t i = 0; i < params.size(); ++i) {
-        // the scaled gradient is a temporary: the accumulator keeps the sum (dream_gradients reads it)
-        ggml_tensor * g = ggml_mul(og.ctx, o.acc[i], o.grad_scale);
-        ggml_build_forward_expand(og.g, ggml_opt_step_adamw(og.ctx, params[i], g, o.m[i], o.v[i], o.adamw_params));
+    for (auto & o : ds.opt.devices) {
+        ggml_backend_tensor_set(o.adamw_params, hp, 0, sizeof(hp));
+        ggml_backend_tensor_set(o.grad_scale, &scale, 0, sizeof(scale));
+        dream_opt_graph og(o, 2 * params.size());
+        for (size_t i = 0; i < params.size(); ++i) {
+            if (!o.acc[i]) {
+                continue;
+            }
+            // the scaled gradient is a temporary: the accumulator keeps the sum (dream_gradients reads it)
+            ggml_tensor * g = ggml_mul(og.ctx, o.acc[i], o.grad_scale);
+            ggml_build_forward_expand(og.g, ggml_opt_step_adamw(og.ctx, params[i], g, o.m[i], o.v[i], o.adamw_params));
+        }
+        if (!og.run(o)) {
+            return false;
+        }
     }
-    return og.run(o);
+    return true;
 }
 
 bool dream_opt_update(dream_stage & ds) {
@@ -382,14 +452,18 @@ void dream_opt_read(const dream_stage & ds, int which, float * out) {
         }
         return;
     }
-    const auto & o = ds.opt.device;
-    if (!o.buf) {
+    if (!ds.opt.devices[0].buf) {
         std::fill(out, out + ds.lora.n_params, 0.0f);
         return;
     }
-    const std::vector<ggml_tensor *> & src = which == 0 ? o.acc : which == 1 ? o.m : o.v;
-    for (ggml_tensor * t : src) {
-        ggml_backend_tensor_get(t, out, 0, ggml_nbytes(t));
-        out += ggml_nelements(t);
+    // canonical order: each tensor from the device that holds it
+    const auto params = dream_opt_params(ds);
+    for (size_t i = 0; i < params.size(); ++i) {
+        for (const auto & o : ds.opt.devices) {
+            if (ggml_tensor * t = (which == 0 ? o.acc : which == 1 ? o.m : o.v)[i]) {
+                ggml_backend_tensor_get(t, out, 0, ggml_nbytes(t));
+            }
+        }
+        out += ggml_nelements(params[i]);
     }
 }

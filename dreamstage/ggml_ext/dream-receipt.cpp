@@ -35,11 +35,12 @@ void dream_receipt_message(dream_receipt & r, const char * fmt, ...) {
     va_end(ap);
 }
 
-void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, double need_mib, double allowance_mib) {
+void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, const dream_gate_verdict & v) {
     r.refused_chunk_pos = pos;
     r.refused_chunk_tokens = tokens;
-    r.refused_need_mib = need_mib;
-    r.refused_allowance_mib = allowance_mib;
+    r.refused_need_mib = v.need_mib;
+    r.refused_allowance_mib = v.allowance_mib;
+    std::snprintf(r.refused_device, sizeof(r.refused_device), "%s", v.device.c_str());
 }
 
 // Every member of struct dream_receipt, in declaration order, for
@@ -57,12 +58,13 @@ static const dream_field_layout k_receipt_layout[] = {
     DREAM_RECEIPT_MEMBER(walk_mib), DREAM_RECEIPT_MEMBER(refused_chunk_pos), DREAM_RECEIPT_MEMBER(refused_chunk_tokens),
     DREAM_RECEIPT_MEMBER(refused_need_mib), DREAM_RECEIPT_MEMBER(refused_allowance_mib), DREAM_RECEIPT_MEMBER(message),
     DREAM_RECEIPT_MEMBER(group_reply), DREAM_RECEIPT_MEMBER(aborted_had_ms), DREAM_RECEIPT_MEMBER(aborted_need_ms),
+    DREAM_RECEIPT_MEMBER(refused_device), DREAM_RECEIPT_MEMBER(rpc_bytes),
 };
 #undef DREAM_RECEIPT_MEMBER
 
 // The last member ends the struct (up to its alignment): a member appended
 // to the struct but not to the table fails the build here.
-static_assert(offsetof(dream_receipt, aborted_need_ms) + sizeof(((dream_receipt *) nullptr)->aborted_need_ms) + alignof(dream_receipt) >
+static_assert(offsetof(dream_receipt, rpc_bytes) + sizeof(((dream_receipt *) nullptr)->rpc_bytes) + alignof(dream_receipt) >
               sizeof(dream_receipt), "k_receipt_layout must end with the last member of struct dream_receipt");
 
 extern "C" int32_t dream_receipt_layout(const dream_field_layout ** fields, size_t * struct_size) {

@@ -155,10 +155,10 @@ struct dream_step_graph {
 // The optimizer's state on the adapter's device (dream-optim.cpp): per A and
 // B tensor its accumulator and moments, and the update's scalar inputs.
 struct dream_device_opt {
-    ggml_backend_t backend = nullptr;     // serving's backend of that device; null: the host optimizer
+    ggml_backend_t backend = nullptr;     // serving's backend of that device
     ggml_context_ptr ctx;
     ggml_backend_buffer_ptr buf;          // null until the first training step
-    std::vector<ggml_tensor *> acc, m, v;
+    std::vector<ggml_tensor *> acc, m, v; // per A and B tensor of the stage; null for those on other devices
     ggml_tensor * grad_scale = nullptr, * adamw_params = nullptr;
     ggml_gallocr_ptr galloc;              // intermediates of the optimizer's small graphs
     std::vector<uint8_t> arena;           // their metadata
@@ -178,7 +178,8 @@ struct dream_lora_state {
 // moments as host F32 vectors, or on the adapter's GPU (device.backend set).
 struct dream_opt_state {
     std::vector<float> grad_acc, adam_m, adam_v;
-    dream_device_opt device;
+    // one per device holding A and B tensors (each steps its own); empty: the host optimizer
+    std::vector<dream_device_opt> devices;
     int64_t adam_t = 0;
     int32_t windows_pending = 0;   // finished windows whose gradient awaits an update
 };
@@ -357,7 +358,18 @@ bool dream_is_soft_rest_ce(const ggml_tensor * t);
 // dream-receipt.cpp
 void dream_receipt_start(const dream_stage & ds, dream_receipt & r);
 void dream_receipt_message(dream_receipt & r, const char * fmt, ...);
-void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, double need_mib, double allowance_mib);
+void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, const dream_gate_verdict & v);
+// RPC workers (dream-rpc.cpp): bytes sent and received so far by this process, and
+// connections that failed so far (endpoint of the last one in *last); 0 without the RPC backend.
+uint64_t dream_rpc_bytes();
+uint64_t dream_rpc_failures(std::string * last = nullptr);
+// Whether a backend of the scheduler, or one of the devices, is an RPC worker's device.
+bool dream_sched_has_rpc(ggml_backend_sched_t sched);
+bool dream_devices_have_rpc(const std::vector<ggml_backend_dev_t> & devs);
+// The SwiGLU backward of the graphs built next on this thread: fused (one custom
+// op, dream-glu.cpp; the default) or ggml's own ops. A graph with an RPC worker
+// keeps ggml's: a custom op runs locally, and its inputs would cross the wire.
+void dream_fused_glu_set(bool on);
 
 // dream-recompute.cpp: the combined graph with layer activations rematerialized
 // in the backward from the layers' outputs; null with err when it cannot apply.

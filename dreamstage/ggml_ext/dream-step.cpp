@@ -261,7 +261,7 @@ static int32_t dream_step_walk_buffers(dream_stage & ds, dream_receipt & r, drea
     }
     const dream_gate_verdict v = dream_gate_check(ds, needs);
     if (!v.fits) {
-        dream_receipt_refused(r, run.chunk.p, run.chunk.n, v.need_mib, v.allowance_mib);
+        dream_receipt_refused(r, run.chunk.p, run.chunk.n, v);
         dream_receipt_message(r, "the exact walk's adjoint buffers (%d positions, walk_mib %.2f) and the step's host "
                               "memory need %.2f MiB on %s, allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, "
                               "slack %.2f MiB)%s", rows, total, v.need_mib, v.device.c_str(), v.allowance_mib,
@@ -463,7 +463,9 @@ static bool dream_step_build_backward(dream_stage & ds, dream_receipt & r, ggml_
         return false;
     }
     const int n_forward = ggml_graph_n_nodes(sgraph.gb);
+    dream_fused_glu_set(!dream_sched_has_rpc(ds.exec.sched_exec.get()));
     ggml_build_backward_expand(cbw, sgraph.gb, nullptr);
+    dream_fused_glu_set(true);
     sgraph.loss_grad = ggml_graph_get_grad(sgraph.gb, loss);
     for (auto & pr : ds.lora.pairs) {
         for (ggml_tensor * t : { pr.a_shadow, pr.b_shadow }) {
@@ -552,10 +554,7 @@ static bool dream_step_gate(dream_stage & ds, dream_receipt & r, const dream_chu
     if (verdict.fits) {
         return true;
     }
-    r.refused_chunk_pos = c.p;
-    r.refused_chunk_tokens = c.n;
-    r.refused_need_mib = verdict.need_mib;
-    r.refused_allowance_mib = verdict.allowance_mib;
+    dream_receipt_refused(r, c.p, c.n, verdict);
     dream_receipt_message(r, "chunk at %d (%d tokens) needs %.2f MiB more on %s (training graph %.2f MiB planned%s), "
                           "allowance %.2f MiB (budget %.2f MiB, job holds %.2f MiB, slack %.2f MiB)%s",
                           c.p, c.n, verdict.need_mib, verdict.device.c_str(), r.graph_mib,

@@ -30,6 +30,9 @@ struct dream_switches {
     bool cpu_backward_fused = true;
     // DREAMSTAGE_CPU_MUL_MAT=ggml: Q4_1 products keep ggml's vec_dot, not the batched kernel
     bool cpu_mul_mat = true;
+    // DREAMSTAGE_CPU_GRAPH=ggml: a training graph wholly on the CPU keeps ggml's ops (F32 OUT_PROD,
+    // cross-entropy, SILU_BACK, strided products), as one with an RPC worker or a GPU in it does
+    bool cpu_graph_kernels = true;
     // DREAMSTAGE_CUDA_TRAIN_MMQ=1: training graphs keep serving's quantized CUDA kernels (8-bit activations)
     bool cuda_train_mmq = false;
     // DREAMSTAGE_CE_KERNEL=0: cross-entropy and its backward on CUDA stay ggml's
@@ -65,6 +68,7 @@ inline dream_switches dream_switches_read() {
     s.fused_attn = !is("DREAMSTAGE_FUSED_ATTN", "0");
     s.cpu_backward_fused = !is("DREAMSTAGE_CPU_BACKWARD", "panel");
     s.cpu_mul_mat = !is("DREAMSTAGE_CPU_MUL_MAT", "ggml");
+    s.cpu_graph_kernels = !is("DREAMSTAGE_CPU_GRAPH", "ggml");
     s.cuda_train_mmq = is("DREAMSTAGE_CUDA_TRAIN_MMQ", "1");
     s.ce_kernel = !is("DREAMSTAGE_CE_KERNEL", "0");
     const char * lf = std::getenv("DREAMSTAGE_LORA_FUSION");
@@ -93,10 +97,10 @@ inline std::string dream_switches_describe(const dream_switches & s) {
                   "NVIDIA_TF32_OVERRIDE=%s,DREAMSTAGE_PROFILE=%d,DREAMSTAGE_OPTIMIZER=%s,DREAMSTAGE_FUSED_ATTN=%d,"
                   "DREAMSTAGE_CPU_BACKWARD=%s,DREAMSTAGE_CPU_MUL_MAT=%s,DREAMSTAGE_CUDA_TRAIN_MMQ=%d,"
                   "DREAMSTAGE_CE_KERNEL=%d,DREAMSTAGE_LORA_FUSION=%d,DREAMSTAGE_F16_PRODUCTS=%d,"
-                  "DREAMSTAGE_CUDA_OUT_PROD_MATH=%s,DREAMSTAGE_BANK_GATHER=%s",
+                  "DREAMSTAGE_CUDA_OUT_PROD_MATH=%s,DREAMSTAGE_BANK_GATHER=%s,DREAMSTAGE_CPU_GRAPH=%s",
                   s.fp32_mode ? "0" : "default", s.profile, where[s.optimizer], s.fused_attn ? 1 : 0,
                   s.cpu_backward_fused ? "fused" : "panel", s.cpu_mul_mat ? "batched" : "ggml", s.cuda_train_mmq ? 1 : 0,
                   s.ce_kernel ? 1 : 0, s.lora_fusion ? 1 : 0, s.f16_products ? 1 : 0, s.out_prod_fp32 ? "fp32" : "tf32",
-                  gather[s.bank_gather]);
+                  gather[s.bank_gather], s.cpu_graph_kernels ? "dream" : "ggml");
     return buf;
 }

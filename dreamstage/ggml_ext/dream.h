@@ -63,6 +63,8 @@ struct dream_receipt {
     int32_t group_reply;            // shared-prefix group: the reply this chunk walked, G for the shared prefix; -1: no group
     double  aborted_had_ms;         // aborted: the time limit the step had (dream_set_step_abort); 0 unless aborted
     double  aborted_need_ms;        // aborted: the time it needed, estimated (computed so far + the rest as last measured)
+    char    refused_device[48];     // the ggml device whose need exceeded its allowance ("" unless refused)
+    int64_t rpc_bytes;              // bytes sent to and received from RPC workers during this call (0 without workers)
 };
 
 // One member of a struct as this library was compiled: a binding compares
@@ -268,8 +270,9 @@ LLAMA_API int64_t dream_graph_reuses(const struct dream_stage * ds);
 LLAMA_API bool dream_fused_attention(const struct dream_stage * ds);
 
 // Whether the gradient accumulator and AdamW's state live on the adapter's
-// device (decided at dream_init: true when every A and B lies on one GPU)
-// instead of the host. DREAMSTAGE_OPTIMIZER=host keeps them on the host;
+// device (decided at dream_init: true when every A and B lies on one GPU, or
+// when they lie on several devices with an RPC worker among them: then each
+// device keeps its own tensors' state) instead of the host. DREAMSTAGE_OPTIMIZER=host keeps them on the host;
 // =device puts them on the adapter's backend even when that is the CPU.
 LLAMA_API bool dream_optimizer_on_device(const struct dream_stage * ds);
 

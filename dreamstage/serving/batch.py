@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from dreamstage.adapters.choice import AdapterChoice
+from dreamstage.serving import rpc
 from dreamstage.serving.core import EngineCore
 from dreamstage.serving.generation import Delta, Failed, PromptScored
 from dreamstage.serving.sampling import log_softmax, scored
@@ -46,7 +47,10 @@ class BatchMixin(EngineCore):
         batch.n_tokens = rows.n
         self.last_batch_tokens = rows.n
         self.last_batch_decode_tokens = rows.n_decode
-        rc = self.lc.llama_decode(self.model.ctx, batch)
+        # past a failed RPC worker nothing is computed: ggml's client drops the worker's
+        # commands, and a graph that still reached it could read an address it never got
+        gone = self.model.config.rpc and rpc.failed_worker(self.model.config.rpc)
+        rc = -3 if gone else self.lc.llama_decode(self.model.ctx, batch)
         self.stats.decode_batches += 1
         self.stats.mixed_batches += len({r.key for r in rows.adapters}) > 1
         if rc != 0:
@@ -166,12 +170,16 @@ class BatchMixin(EngineCore):
         # Status 1 means no free K/V cells; others are hard errors. Either way the
         # batch's slots are failed and their sequences cleared, and serving goes on.
         self.stats.decode_failures += 1
-        msg = ("the K/V cache has no room for this batch" if rc == 1 else f"llama_decode failed with status {rc}")
+        # a gone RPC worker holding layers: 503 naming it, as /health does
+        worker = rpc.failed_worker(self.model.config.rpc) if rc != 1 else None
+        msg = ("the K/V cache has no room for this batch" if rc == 1 else
+               f"the RPC worker at {worker} failed (llama_decode status {rc})" if worker else
+               f"llama_decode failed with status {rc}")
         for s in self.slots:
             if s.busy and (s in (o[0] for o in outputs) or s.pending):
                 self._clear_slot(s)
                 job = s.job
                 assert job is not None  # busy
                 self._free_slot(s)
-                self._finish_job(job, Failed(500 if rc != 1 else 503, msg), "error")
+                self._finish_job(job, Failed(503 if rc == 1 or worker else 500, msg), "error")
 

@@ -16,6 +16,7 @@ from typing import Any
 from dreamstage import environment, native
 from dreamstage.default_model import check_model_file, default_model
 from dreamstage.owner import NativeOwner
+from dreamstage.serving import rpc
 
 # Serving K/V cache types accepted by --kv-type, mapped to ggml_type ids.
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
@@ -75,6 +76,12 @@ class ResidentConfig:
     # -ngl: negative means every layer, 0 keeps the model on the CPU. Ignored
     # by CPU-only builds.
     n_gpu_layers: int = -1
+    # RPC workers ("HOST:PORT", dreamstage.serving.rpc) whose devices hold layers,
+    # before any local GPU; tensor_split: each device's share of the offloaded
+    # layers (llama.cpp's --tensor-split; empty: by free memory); split_mode as llama.cpp's.
+    rpc: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] = ()
+    split_mode: str = "layer"
 
     def validate(self) -> None:
         for name in ("n_ctx", "n_seq", "n_batch"):
@@ -91,6 +98,12 @@ class ResidentConfig:
             raise ValueError(f"kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         if self.flash_attn not in ("auto", "on", "off"):
             raise ValueError(f"flash_attn {self.flash_attn!r} is not one of auto, on, off")
+        if self.split_mode not in rpc.SPLIT_MODES:
+            raise ValueError(f"split_mode {self.split_mode!r} is not one of {', '.join(rpc.SPLIT_MODES)}")
+        if self.rpc:
+            rpc.parse_endpoints(",".join(self.rpc))
+        if self.tensor_split:
+            rpc.parse_tensor_split(",".join(map(str, self.tensor_split)))
 
 
 def model_meta(lc, model, key: str) -> str | None:
@@ -158,7 +171,8 @@ def plan_context(lc, model, cfg: ResidentConfig) -> ContextPlan:
     still grow to."""
     n_train = lc.llama_model_n_ctx_train(model)
     cell = kv_cell_bytes(lc, model, cfg.kv_type)
-    devices = native.devices()
+    devices = native.devices(tuple(str(e) for e in rpc.parse_endpoints(",".join(cfg.rpc)))) if cfg.rpc \
+        else native.devices()
     gpus = [d for d in devices if d["name"] != "CPU"]
     holder = gpus if gpus and cfg.n_gpu_layers != 0 else [d for d in devices if d["name"] == "CPU"]
     free = min((available_bytes(d) for d in holder), default=0)
@@ -177,6 +191,23 @@ def plan_context(lc, model, cfg: ResidentConfig) -> ContextPlan:
                        chosen_by=chosen, kv_mib=total * cell / mib,
                        kv_device=",".join(d["name"] for d in holder) or "CPU", available_mib=free / mib,
                        output_reserve_mib=reserve / mib, memory_share=cfg.auto_ctx_memory_share)
+
+
+def _placement(mparams, cfg: ResidentConfig) -> tuple:
+    """Set the model's devices, split mode and tensor split: cfg's RPC workers (connected
+    now), then the local GPUs. Returns the ctypes arrays mparams points at."""
+    devices = rpc.model_devices(rpc.connect(rpc.parse_endpoints(",".join(cfg.rpc))) if cfg.rpc else [])
+    if devices is not None:
+        mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
+    mparams.split_mode = rpc.SPLIT_MODES[cfg.split_mode]
+    split = None
+    if cfg.tensor_split:
+        n = native.llama_cpp().llama_max_devices()
+        if len(cfg.tensor_split) > n:
+            raise ValueError(f"tensor_split has {len(cfg.tensor_split)} entries; this build takes at most {n}")
+        split = (ctypes.c_float * n)(*cfg.tensor_split)
+        mparams.tensor_split = split
+    return devices, split
 
 
 class ResidentModel(NativeOwner):
@@ -198,7 +229,9 @@ class ResidentModel(NativeOwner):
         # extra buffer types. See docs/architecture/dream-stage.md.
         mparams.use_extra_bufts = cfg.use_extra_bufts
         mparams.n_gpu_layers = cfg.n_gpu_layers
+        placement = _placement(mparams, cfg)     # kept alive until the model is loaded
         self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+        del placement
         if not self.model:
             raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")
         self.vocab = lc.llama_model_get_vocab(self.model)

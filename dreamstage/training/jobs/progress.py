@@ -39,6 +39,8 @@ def new_progress(spec: JobSpec) -> dict[str, Any]:
         # micro-steps aborted at the step's time limit and undone (the chunk ran
         # again later) and the time they took (not in train_ms: nothing came of it)
         "aborted": 0, "aborted_ms": 0.0,
+        # bytes to and from RPC workers: every micro-step's, and the last one's (0 without workers)
+        "rpc_bytes": 0, "rpc_bytes_per_step": 0,
         # the exact walk: the horizon in use (0: whole window; None: plain walk)
         # and the last micro-step's pass (forward | backward)
         "horizon": (spec.horizon or 0) if spec.exact else None, "walk_pass": None,
@@ -98,6 +100,9 @@ def fold_receipt(p: dict[str, Any], d: Mapping[str, Any]) -> None:
     elif d["status"] == "aborted":
         p["aborted"] = p.get("aborted", 0) + 1          # (a job stored before aborts had neither)
         p["aborted_ms"] = p.get("aborted_ms", 0.0) + float(d.get("ms") or 0.0)
+    if d.get("rpc_bytes") is not None:
+        p["rpc_bytes"] = p.get("rpc_bytes", 0) + int(d["rpc_bytes"])   # (a job stored before workers had none)
+        p["rpc_bytes_per_step"] = int(d["rpc_bytes"])
     if d.get("group"):
         g = dict(d["group"])
         p.setdefault("groups", {})[g.pop("label")] = g

@@ -50,6 +50,8 @@ class Receipt:
     group_reply: int = -1       # shared-prefix group: the reply this chunk walked, G for the shared prefix; -1: none
     aborted_had_ms: float = 0.0   # aborted: the time limit the step had; 0 unless aborted
     aborted_need_ms: float = 0.0  # aborted: the time it needed, estimated
+    refused_device: str = ""    # the device (CPU, CUDA0, RPC0, ...) whose need passed its allowance; "" unless refused
+    rpc_bytes: int = 0          # bytes sent to and received from RPC workers during the step
 
     @classmethod
     def from_c(cls, c: DreamReceiptC) -> Receipt:
@@ -128,7 +130,7 @@ _NOTHING_WALKED = asdict(Receipt(
     exact=False, horizon=-1, walk_pass="", loss=0.0, tokens=0, ms=0.0, graph_mib=0.0, context_mib=0.0,
     adapter_mib=0.0, optimizer_mib=0.0, walk_mib=0.0, refused_chunk_pos=-1, refused_chunk_tokens=0,
     refused_need_mib=0.0, refused_allowance_mib=0.0, message="", group_reply=-1, aborted_had_ms=0.0,
-    aborted_need_ms=0.0))
+    aborted_need_ms=0.0, refused_device="", rpc_bytes=0))
 
 
 def kind_receipt(kind: str, *, step: int, ms: float, memory: dict[str, Any] | None = None, message: str = "",

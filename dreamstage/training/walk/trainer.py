@@ -53,6 +53,7 @@ import numpy as np
 
 from dreamstage import native
 from dreamstage.owner import NativeOwner
+from dreamstage.serving import rpc
 from dreamstage.training.jobs.spec import DEFAULT_CONTEXT_CACHE_TYPE, GATE_SLACK_MIB, JobSpec
 from dreamstage.training.walk.groups import bounded_weights
 from dreamstage.training.walk.receipts import DreamError, Receipt
@@ -135,6 +136,9 @@ class Trainer(NativeOwner):
         self.exact = bool(exact)        # the exact walk: the gradient does not depend on the chunk
         self.lr = float(opt.lr)
         self.slack_mib = float(slack_mib)
+        workers = getattr(getattr(resident, "config", None), "rpc", ())
+        if workers and (gone := rpc.failed_worker(workers)):
+            raise ValueError(f"the RPC worker at {gone} failed: restart it, then load the model again")
         r = native.DreamReceiptC()
         self._ds = L.dream_init(resident.ctx, p, ctypes.byref(r))
         self.init_receipt = Receipt.from_c(r)
