@@ -37,6 +37,7 @@ import re
 import sqlite3
 import threading
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -174,7 +175,7 @@ class Follower:
         open to all, names no adapter."""
         with self._lock:
             last = self.last_sync
-            out = {"leader": self.leader, "state": self.state, "generation": self.generation,
+            out: dict[str, Any] = {"leader": self.leader, "state": self.state, "generation": self.generation,
                    "last_sync": last, "lag_s": None if last is None else round(time.time() - last, 3),
                    "refused_downloads": self.refused_downloads}
             error = self.error

@@ -452,7 +452,7 @@ class DreamScheduler(JobProgram):
                 elif kind == "rollback":
                     view = self.switch.book_rollback(applied, *args)
                 elif kind == "mirror":
-                    view = self.switch.book_mirror(*args, applied)
+                    view = self.switch.book_mirror(args[0], applied)
                 elif kind == "retire":
                     fut.set_result(self._retire(engine, *args))
                     continue
