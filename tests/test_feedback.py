@@ -12,12 +12,12 @@ import pytest
 from background_server import BackgroundServer
 
 from dreamstage.records.feedback import FeedbackRequest, rating_weights
-from dreamstage.records.learner import FEEDBACK_JOB, UNGUARDED_STOP_LOSS, build_job
+from dreamstage.records.learner import CORRECTIONS_ANCHOR_RATIO, FEEDBACK_JOB, UNGUARDED_STOP_LOSS, build_job
 from dreamstage.records.store import Feedback
 from dreamstage.server.settings import ServerSettings
 from dreamstage.training.jobs.example_forms import TokenExample
 from dreamstage.training.jobs.request import parse_train_request
-from dreamstage.training.jobs.spec import DEFAULT_EPOCHS, DEFAULT_STOP_LOSS
+from dreamstage.training.jobs.spec import DEFAULT_ANCHOR_RATIO, DEFAULT_EPOCHS, DEFAULT_STOP_LOSS
 from dreamstage.training.jobs.stored import SPEC_VERSION, from_stored, to_stored
 from dreamstage.training.walk.groups import NEGATIVE_NLL_CAP, bounded_weights
 
@@ -118,9 +118,12 @@ def test_a_feedback_job_stops_on_the_guards_greedy_check_or_a_lower_loss_without
     _, bare = build_job("alice", items, guarded=False)
     assert guarded.stop_loss == DEFAULT_STOP_LOSS and bare.stop_loss == UNGUARDED_STOP_LOSS < DEFAULT_STOP_LOSS
     assert guarded.epochs == bare.epochs == FEEDBACK_JOB["epochs"] > DEFAULT_EPOCHS
-    assert guarded.consolidate == FEEDBACK_JOB["consolidate"] and guarded.anchor_ratio == FEEDBACK_JOB["anchor_ratio"]
-    assert replace(guarded, stop_loss=0.0) == replace(
+    assert guarded.consolidate == FEEDBACK_JOB["consolidate"] and replace(guarded, stop_loss=0.0) == replace(
         bare, stop_loss=0.0)
+    # corrections alone rehearse fewer anchors; a rating keeps the default rehearsal
+    assert guarded.anchor_ratio == CORRECTIONS_ANCHOR_RATIO < DEFAULT_ANCHOR_RATIO
+    _, rated = build_job("alice", [*items, item(2, "rating", [reply("a", [9, 2], rating=-1)], key="r")])
+    assert rated.anchor_ratio == DEFAULT_ANCHOR_RATIO
 
 
 def test_ratings_of_one_prompt_weigh_by_advantage():

@@ -295,8 +295,8 @@ def test_health_is_failing_and_names_a_failed_worker(monkeypatch):
     engine = SimpleNamespace(running=True, failing=None, n_seq=1, busy_slots=lambda: 0, queue_depth=0,
                              adapter_version=0)
     model = SimpleNamespace(config=SimpleNamespace(rpc=("127.0.0.1:7001",)))
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(service=SimpleNamespace(engine=engine,
-                                                                                                model=model))))
+    service = SimpleNamespace(engine=engine, model=model, follower=None)
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(service=service)))
     monkeypatch.setattr(rpc, "traffic", lambda: rpc.Traffic(10, 10, 0, ""))
     assert asyncio.run(status_routes.health(request)).status_code == 200
     monkeypatch.setattr(rpc, "traffic", lambda: rpc.Traffic(10, 10, 1, "127.0.0.1:7001"))
