@@ -13,6 +13,7 @@ import ctypes
 import importlib.util
 import json
 import sys
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,9 @@ from typing import Any
 from dreamstage import environment
 
 _PKG = Path(__file__).resolve().parent
+# Held around llama.cpp's model and adapter loaders: both read the process-wide backend and device registry,
+# and servers in one process (the tests' leader and followers) load at the same time.
+LOAD_LOCK = threading.Lock()
 
 
 class NativeLibraryError(RuntimeError):

@@ -11,6 +11,8 @@ import os
 from collections import OrderedDict
 from typing import Any
 
+from dreamstage import native
+
 
 class AdapterLoadError(ValueError):
     """llama.cpp could not load an adapter file for serving."""
@@ -26,7 +28,8 @@ def load_adapter_file(resident, path) -> Any:
     path = str(path)
     if not os.path.isfile(path):
         raise AdapterLoadError(f"adapter file {path!r} does not exist")
-    handle = resident.lc.llama_adapter_lora_init(resident.model, path.encode())
+    with native.LOAD_LOCK:
+        handle = resident.lc.llama_adapter_lora_init(resident.model, path.encode())
     if not handle:
         raise AdapterLoadError(f"llama.cpp could not load {path!r} as a LoRA adapter for this model")
     return handle

@@ -230,7 +230,8 @@ class ResidentModel(NativeOwner):
         mparams.use_extra_bufts = cfg.use_extra_bufts
         mparams.n_gpu_layers = cfg.n_gpu_layers
         placement = _placement(mparams, cfg)     # kept alive until the model is loaded
-        self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+        with native.LOAD_LOCK:
+            self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
         del placement
         if not self.model:
             raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")
