@@ -417,6 +417,34 @@ def _client_flags(p) -> None:
     p.add_argument("--api-key", default=None, help="the server's API key (default: $DREAMSTAGE_API_KEY)")
 
 
+def _add_rpc_flags(p, default: dict) -> None:
+    """serve's placement over RPC workers (docs/architecture/rpc.md)."""
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
+                   help="RPC workers (dreamstage rpc-worker) that hold layers, before any local GPU; loopback only "
+                        "unless --rpc-allow-remote")
+    p.add_argument("--tensor-split", dest="tensor_split", default=None, metavar="A,B,...",
+                   help="each device's share of the offloaded layers, RPC workers first (llama.cpp's meaning; "
+                        "default: by free memory); -ngl sets how many layers leave this process's CPU")
+    p.add_argument("--split-mode", dest="split_mode", default=None, choices=["layer", "none"],
+                   help=f"how layers spread over the devices (default {default['split_mode']})")
+    p.add_argument("--rpc-allow-remote", action="store_true",
+                   help="accept non-loopback RPC workers: RPC has no authentication or encryption, so only on a "
+                        "network you trust (docs/architecture/rpc.md)")
+
+
+def _add_follow_flags(p, default: dict) -> None:
+    """serve's replica flags (docs/architecture/replicas.md)."""
+    p.add_argument("--follow", default=None, metavar="URL",
+                   help="a replica: serve the adapter versions promoted on the leader at URL (http://HOST:PORT), "
+                        "and only those; training routes answer 409 naming it (docs/architecture/replicas.md)")
+    p.add_argument("--follow-key", dest="follow_key", default=None, metavar="KEY",
+                   help="the leader's API key, or a scoped key that reads its adapters (default: "
+                        "$DREAMSTAGE_FOLLOW_KEY; prefer the variable)")
+    p.add_argument("--follow-interval", dest="follow_interval", type=float, default=None, metavar="S",
+                   help="seconds one wait on the leader lasts, and the pause before a retry "
+                        f"(default {default['follow_interval']:g})")
+
+
 def _add_record_flags(p, default) -> None:
     """`serve`'s records of served answers and learning from feedback (docs/architecture/feedback.md)."""
     p.add_argument("--record", action="store_true",
@@ -459,17 +487,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--n-gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=None, metavar="N",
                    help=f"layers stored on the GPU in a GPU build (default {default['n_gpu_layers']}: all; 0: none)")
-    p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
-                   help="RPC workers (dreamstage rpc-worker) that hold layers, before any local GPU; loopback only "
-                        "unless --rpc-allow-remote")
-    p.add_argument("--tensor-split", dest="tensor_split", default=None, metavar="A,B,...",
-                   help="each device's share of the offloaded layers, RPC workers first (llama.cpp's meaning; "
-                        "default: by free memory); -ngl sets how many layers leave this process's CPU")
-    p.add_argument("--split-mode", dest="split_mode", default=None, choices=["layer", "none"],
-                   help=f"how layers spread over the devices (default {default['split_mode']})")
-    p.add_argument("--rpc-allow-remote", action="store_true",
-                   help="accept non-loopback RPC workers: RPC has no authentication or encryption, so only on a "
-                        "network you trust (docs/architecture/rpc.md)")
+    _add_rpc_flags(p, default)
     p.add_argument("--kv-type", default=None, help=f"serving K/V cache type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, "
                                                    f"q4_0 (default {default['kv_type']})")
     p.add_argument("--state-dir", default=None,
@@ -494,15 +512,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--embeddings", action="store_true",
                    help="serve POST /v1/embeddings: mean-pooled last hidden states of the resident model")
     _add_record_flags(p, default)
-    p.add_argument("--follow", default=None, metavar="URL",
-                   help="a replica: serve the adapter versions promoted on the leader at URL (http://HOST:PORT), "
-                        "and only those; training routes answer 409 naming it (docs/architecture/replicas.md)")
-    p.add_argument("--follow-key", dest="follow_key", default=None, metavar="KEY",
-                   help="the leader's API key, or a scoped key that reads its adapters (default: "
-                        "$DREAMSTAGE_FOLLOW_KEY; prefer the variable)")
-    p.add_argument("--follow-interval", dest="follow_interval", type=float, default=None, metavar="S",
-                   help="seconds one wait on the leader lasts, and the pause before a retry "
-                        f"(default {default['follow_interval']:g})")
+    _add_follow_flags(p, default)
     p.add_argument("--strict-api", action="store_true",
                    help="refuse unknown fields on the OpenAI routes with a 400 (default: ignore them and name them "
                         "in the X-Dreamstage-Ignored-Fields header)")
