@@ -231,7 +231,7 @@ if has walk; then
         python3 -P bench/bench_exact_walk.py --model $M/llama1b_$base.gguf --windows 2048 --chunks 512 \
             --walks plain,exact,exact+recompute --reps 4 --threads 4 --out "$OUT/exact_walk_$base.json" > "$OUT/exact_walk.log" 2>&1 || rc=1
         export PYTHONPATH=$PWD/.gpu/site; unset LLAMA_CPP_LIB_PATH
-        echo "== walk $base"; tail -4 "$OUT/groups.log" "$OUT/exact_walk.log"
+        echo "== walk $base"; tail -n 4 "$OUT/groups.log" "$OUT/exact_walk.log"
     else
         rc=1; tail -5 "$OUT/walk_site.log"
     fi

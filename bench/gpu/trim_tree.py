@@ -6,9 +6,10 @@ the CUDA build there uses a trimmed copy of vendor/llama.cpp passed in with
 DREAMSTAGE_LLAMA_TREE. Kept: the top-level CMakeLists.txt, LICENSE, licenses/,
 cmake/, include/, src/, vendor/ (the top-level CMakeLists adds it
 unconditionally) and ggml/ (CMakeLists.txt, cmake/, include/, and src/ without
-the other backends' directories: ggml-cpu and ggml-cuda stay, with every file at
+the other backends' directories: ggml-cpu, ggml-cuda and ggml-rpc stay, with every file at
 the top of ggml/src), plus the stamp, which the top-level CMakeLists checks
-against vendor/pin.json and vendor/patches. No .git, docs, tools or tests.
+against vendor/pin.json and vendor/patches, and tools/rpc (dreamstage-rpc-server's source).
+No .git, docs, tests or other tools.
 --server adds what llama-server needs (common/, tools/server, tools/mtmd, the UI's
 build files without its web sources, scripts/ui-assets.cmake) and a tools/CMakeLists.txt
 that adds only those, for bench/gpu/llama_server.sh.
@@ -31,7 +32,7 @@ import materialize  # noqa: E402
 TOP_FILES = ["CMakeLists.txt", "LICENSE", materialize.STAMP_NAME]
 TOP_DIRS = ["cmake", "include", "src", "vendor", "licenses"]
 GGML_DIRS = ["cmake", "include"]
-GGML_BACKENDS = {"ggml-cpu", "ggml-cuda"}
+GGML_BACKENDS = {"ggml-cpu", "ggml-cuda", "ggml-rpc"}
 
 
 SERVER_TOOLS = """llama_add_compile_flags()
@@ -77,6 +78,8 @@ def trim(src: Path, dest: Path, server: bool = False) -> int:
             shutil.copy2(entry, dest / "ggml" / "src" / entry.name)
         elif entry.name in GGML_BACKENDS:
             shutil.copytree(entry, dest / "ggml" / "src" / entry.name, ignore=ignore)
+    # dreamstage-rpc-server's source (CMakeLists.txt names the file; tools/ is not added)
+    shutil.copytree(src / "tools" / "rpc", dest / "tools" / "rpc", ignore=ignore)
     if server:
         add_server(src, dest)
     if materialize.read_stamp(dest) != materialize.read_stamp(src):
