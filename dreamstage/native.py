@@ -186,6 +186,15 @@ class DreamReceiptC(ctypes.Structure):
     ]
 
 
+class DreamGateDeviceC(ctypes.Structure):
+    """struct dream_gate_device (dream.h): one device's figures in the last gate check."""
+    _fields_ = [
+        ("device", ctypes.c_char * 48),
+        ("need_mib", ctypes.c_double),
+        ("allowance_mib", ctypes.c_double),
+    ]
+
+
 class DreamFieldLayoutC(ctypes.Structure):
     """struct dream_field_layout (dream.h): one member of a struct as the library was compiled."""
     _fields_ = [
@@ -381,6 +390,9 @@ def _declare_state(L: ctypes.CDLL) -> None:
     # bool dream_fused_attention(const struct dream_stage * ds);
     L.dream_fused_attention.argtypes = [p]
     L.dream_fused_attention.restype = ctypes.c_bool
+    # int32_t dream_gate_devices(const struct dream_stage * ds, struct dream_gate_device * out, int32_t n);
+    L.dream_gate_devices.argtypes = [p, ctypes.POINTER(DreamGateDeviceC), ctypes.c_int32]
+    L.dream_gate_devices.restype = ctypes.c_int32
     # bool dream_optimizer_on_device(const struct dream_stage * ds);
     L.dream_optimizer_on_device.argtypes = [p]
     L.dream_optimizer_on_device.restype = ctypes.c_bool

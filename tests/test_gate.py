@@ -91,6 +91,10 @@ def test_over_budget_chunk_is_refused_and_changes_nothing(rm):
         assert f"the budget ({held + 0.5:.2f} MiB) is below what the job already holds ({tr.held_mib():.2f} MiB)" \
             in rec.message, rec.message
         assert rec.graph_mib > 0
+        # the gate's figures per device: here the CPU alone, the refusing one
+        (cpu,) = tr.gate_devices()
+        assert cpu["device"] == rec.refused_device == "CPU"
+        assert cpu["need_mib"] == pytest.approx(rec.refused_need_mib) and cpu["allowance_mib"] == 0.0
         np.testing.assert_array_equal(tr.lora_parameters(), theta)
         m2, v2, t2 = tr.optimizer_state()
         assert t2 == t
@@ -105,6 +109,8 @@ def test_over_budget_chunk_is_refused_and_changes_nothing(rm):
         tr.set_budget(0)
         again = tr.micro_step()
         assert again.status == "ok" and again.chunk_pos == 0
+        (cpu,) = tr.gate_devices()
+        assert cpu["allowance_mib"] > cpu["need_mib"] >= 0
 
 
 def test_training_never_touches_serving_compute_buffer():

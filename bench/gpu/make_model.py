@@ -10,7 +10,8 @@ ids directly. Weights follow tests/tiny_model.py's scaling (std 1/sqrt(n_in),
 Q/K gain 2; norms near 1; the head tied to the embeddings).
 
 quant: q8_0 (default; every 2-D matrix, the embeddings included, as a Q8_0
-conversion would store them), q4_0, f16 or f32. --shape small writes a
+conversion would store them), q4_0, f16 or f32. --shape llama-8b writes Llama-3.1-8B's blocks
+(4096 wide, 32 blocks, 32/8 heads, FFN 14336; the same vocabulary, tied). --shape small writes a
 256-wide, 2-block model (rows a multiple of 256, so K-quants apply) for the
 GPU check's Q4_K case. The `gguf` package quantizes only
 the legacy block types (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0) in NumPy; there is no K-quant
@@ -34,6 +35,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tiny_model import ARCH, TinyShape, _layer_matrices  # noqa: E402
 
 LLAMA_1B = TinyShape(n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_ff=8192, n_ctx=8192,
+                     rope_freq_base=500000.0)
+LLAMA_8B = TinyShape(n_embd=4096, n_layer=32, n_head=32, n_head_kv=8, n_ff=14336, n_ctx=8192,
                      rope_freq_base=500000.0)
 SMALL = TinyShape(n_embd=256, n_layer=2, n_head=4, n_head_kv=2, n_ff=512, n_ctx=512)
 
@@ -116,14 +119,14 @@ def main() -> int:
     ap.add_argument("--quant", default="q8_0")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--layers", type=int, default=None, help="fewer blocks for a quick try")
-    ap.add_argument("--shape", choices=("llama-1b", "small"), default="llama-1b")
+    ap.add_argument("--shape", choices=("llama-1b", "llama-8b", "small"), default="llama-1b")
     a = ap.parse_args()
     if a.dump_tokenizer:
         dump_tokenizer(a.dump_tokenizer)
         return 0
     if not (a.tokenizer and a.out):
         ap.error("--tokenizer and --out are required")
-    base = SMALL if a.shape == "small" else LLAMA_1B
+    base = {"small": SMALL, "llama-8b": LLAMA_8B}.get(a.shape, LLAMA_1B)
     shape = TinyShape(**{**base.__dict__, "n_layer": a.layers or base.n_layer})
     t0 = time.time()
     write_model(a.out, a.tokenizer, a.quant, a.seed, shape)

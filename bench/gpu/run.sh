@@ -22,6 +22,10 @@
 #   8. (soft) bench/gpu/soft_check.py: tests/test_soft_targets.py's checks on the GPU (the
 #      regularizer's default rehearsal: soft-target loss and gradient against the NumPy
 #      reference), FP32 math, the tiny model carried in .gpu; needs pytest importable;
+#  11. (multi, 2+ GPUs) issue 51's table: dream_gpu_bench on one GPU and on two (1B and 8B shapes, Q8_0 and
+#      Q4_K_M), peft_bench.py --shape 8b on one GPU and two, serve_train.py with --split-mode layer;
+#  10. (split) dream_split_check: the tiny F32 model split over two GPUs (one GPU: the CPU and the GPU)
+#      against one GPU: loss, gradient, the per-device optimizer, the gate per device;
 #   9. (walk) bench/bench_groups.py (P = 512 and 2048, D = 16, G = 8) and bench/bench_exact_walk.py (window
 #      2048, chunks of 512: plain, exact, exact + recompute) through the Python trainer on the first base;
 #   7. (ab) AB_VARIANTS: the same quick bench under each set of environment variables, alternating;
@@ -62,7 +66,7 @@ if has peft; then
 fi
 # models are written by the CPU while the CUDA build runs
 ( python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/small_f32.gguf --quant f32 --shape small
-  if has bench || has walk || has decode || has profile || has serve || has ab; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
+  if has bench || has walk || has decode || has profile || has serve || has ab || has multi; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
 ) > "$OUT/make_model.log" 2>&1 &
 GEN=$!
 t0=$(date +%s)
@@ -93,6 +97,15 @@ if has check; then
             ( [ $math = fp32 ] && export NVIDIA_TF32_OVERRIDE=0; $B/bin/dream_gpu_check "$@" ) > "$OUT/$name.txt" 2> "$OUT/$name.err" || rc=1
             echo "== $name"; grep -v "^  gpu_layers" "$OUT/$name.txt"
         done
+    done
+fi
+if has split; then
+    # the model split over two GPUs (or the CPU and the one GPU) against one GPU (dream_split_check.cpp)
+    for math in tf32 fp32; do
+        name=split_f32_$math
+        ( [ $math = fp32 ] && export NVIDIA_TF32_OVERRIDE=0; $B/bin/dream_split_check .gpu/tiny-llama-f32-s1234.gguf ) \
+            > "$OUT/$name.txt" 2> "$OUT/$name.err" || rc=1
+        echo "== $name"; tail -n 3 "$OUT/$name.txt"
     done
 fi
 if has bench; then
@@ -191,6 +204,41 @@ make_site() {
     cp -r dreamstage "$1"/ && cp -r server "$1"/dreamstage/server && cp vendor/pin.json "$1"/dreamstage/ &&
     cp -r .gpu/site/llama_cpp .gpu/site/gguf "$1"/
 }
+if has multi; then
+    # issue 51: one GPU against two (llama.cpp's default layer split over the visible GPUs), the 1B and
+    # 8B shapes in Q8_0 and Q4_K_M; PyTorch + PEFT on the 8B shape on one GPU and its blocks over two;
+    # then POST /train through `dreamstage serve --split-mode layer --tensor-split 1,1` on the 8B Q4_K_M
+    [ -s $M/llama8b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama8b_f16.gguf \
+        --quant f16 --shape llama-8b > "$OUT/make_model_8b.log" 2>&1 || { tail "$OUT/make_model_8b.log"; exit 1; }
+    for shape in llama1b llama8b; do
+        for base in q8_0 q4_k_m; do
+            [ -s $M/${shape}_$base.gguf ] || $B/bin/dream_quantize $M/${shape}_f16.gguf $M/${shape}_$base.gguf $base > "$OUT/quantize_${shape}_$base.log" 2>&1
+            for gpus in 1 2; do
+                name=multi_${shape}_${base}_${gpus}gpu
+                CUDA_VISIBLE_DEVICES=$( [ $gpus = 1 ] && echo 0 || echo 0,1 ) $B/bin/dream_gpu_bench $M/${shape}_$base.gguf 99 \
+                    "$CHUNKS" "$REPS" "$RANKS" "$TARGETS" > "$OUT/$name.json" 2> "$OUT/$name.err" || rc=1
+                echo "== $name"; python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d['runs']:
+    print(f'  r{r[\"rank\"]} {r[\"targets\"][:14]:14s} {r[\"chunk\"]:5d}: train {r[\"train_tok_s\"][\"median\"]:8.0f} tok/s, splits {r[\"n_splits\"]}')
+print(f'  decode {d[\"decode_tok_s_before_training\"]:.0f} tok/s')" "$OUT/$name.json" || tail -5 "$OUT/$name.err"
+            done
+        done
+    done
+    for gpus in 1 2; do
+        python3 bench/gpu/peft_bench.py --shape 8b --gpus $gpus --seqs "$CHUNKS" --ranks "$RANKS" --targets qv,all \
+            > "$OUT/multi_peft_8b_${gpus}gpu_runs.json" 2> "$OUT/multi_peft_8b_${gpus}gpu.err" || rc=1
+        tail -n 1 "$OUT/multi_peft_8b_${gpus}gpu_runs.json"
+    done
+    if make_site /tmp/dream_multi_site multi_site.log; then
+        PYTHONPATH=/tmp/dream_multi_site LLAMA_CPP_LIB_PATH=$B/bin python3 bench/gpu/serve_train.py $M/llama8b_q4_k_m.gguf \
+            --serve-args "--split-mode layer --tensor-split 1,1" > "$OUT/multi_serve_train.json" 2> "$OUT/multi_serve_train.err" || rc=1
+        echo "== multi serve_train"; head -c 600 "$OUT/multi_serve_train.json"; echo
+    else
+        rc=1
+    fi
+fi
 if has serve; then
     S=/tmp/dream_serve_site
     base=${BASES%%,*}

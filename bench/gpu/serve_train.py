@@ -60,17 +60,19 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--lr", type=float, default=None, help="the job's lr; the server's default (1e-3) when left out")
     ap.add_argument("--ngl", type=int, default=99)
+    ap.add_argument("--serve-args", default="",
+                    help="more `dreamstage serve` options, e.g. '--split-mode layer --tensor-split 1,1'")
     a = ap.parse_args()
     state = tempfile.mkdtemp(prefix="ds-state-")
     log = open(os.path.join(state, "server.log"), "w")
     idle_mib = gpu_used_mib()
     srv = subprocess.Popen([sys.executable, "-m", "dreamstage", "serve", "--model", a.model, "--port", str(a.port),
                             "-ngl", str(a.ngl), "--state-dir", state, "--parallel", "2", "--ctx", "2048",
-                            "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT,
+                            "--log-level", "info", *a.serve_args.split()], stdout=log, stderr=subprocess.STDOUT,
                            # not the checkout: there `-m dreamstage` would import ./dreamstage, which
                            # lacks dreamstage.server unless installed (PYTHONPATH's assembled site has it)
                            cwd=state)
-    out: dict = {"model": a.model, "n_gpu_layers": a.ngl, "gpu_mib_idle": idle_mib}
+    out: dict = {"model": a.model, "n_gpu_layers": a.ngl, "serve_args": a.serve_args, "gpu_mib_idle": idle_mib}
     try:
         c = Client(f"http://127.0.0.1:{a.port}", timeout=300)
         t0 = time.time()

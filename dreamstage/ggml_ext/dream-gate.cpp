@@ -11,7 +11,6 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
-#include <map>
 
 // A CPU device's free memory: Linux's MemAvailable (ggml's CPU device reports the
 // host's total as free, which would never see what serving holds); ggml's figure
@@ -51,13 +50,33 @@ double dream_held_mib(const dream_stage & ds) {
            DREAM_MIB;
 }
 
-dream_gate_verdict dream_gate_check(const dream_stage & ds, const std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs) {
-    std::map<ggml_backend_dev_t, size_t> per_dev;
+dream_gate_verdict dream_gate_check(dream_stage & ds, const std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs) {
+    // each device's total, in ggml's device order (a null device: no CPU device registered)
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> per_dev;
+    auto add = [&](ggml_backend_dev_t dev, size_t bytes) {
+        for (auto & [d, b] : per_dev) {
+            if (d == dev) {
+                b += bytes;
+                return;
+            }
+        }
+        per_dev.push_back({ dev, bytes });
+    };
     for (const auto & [dev, bytes] : needs) {
-        per_dev[dev ? dev : dream_host_device()] += bytes;
+        add(dev ? dev : dream_host_device(), bytes);
     }
+    auto order = [](ggml_backend_dev_t d) {
+        for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+            if (ggml_backend_dev_get(i) == d) {
+                return i;
+            }
+        }
+        return ggml_backend_dev_count();
+    };
+    std::stable_sort(per_dev.begin(), per_dev.end(), [&](const auto & a, const auto & b) { return order(a.first) < order(b.first); });
     dream_gate_verdict v;
     bool first = true;
+    ds.exec.last_gate.clear();
     for (const auto & [dev, bytes] : per_dev) {
         const size_t free = dev ? dream_device_free(dev) : 0;
         const double free_mib = (double) free / DREAM_MIB, slack = ds.params.slack_mib;
@@ -78,6 +97,11 @@ dream_gate_verdict dream_gate_check(const dream_stage & ds, const std::vector<st
         // a negative allowance would read as a debt: it is 0, and `why` says what is short
         allowance = std::max(allowance, 0.0);
         const double need = (double) bytes / DREAM_MIB;
+        dream_gate_device row{};
+        std::snprintf(row.device, sizeof row.device, "%s", dev ? ggml_backend_dev_name(dev) : "CPU");
+        row.need_mib = need;
+        row.allowance_mib = allowance;
+        ds.exec.last_gate.push_back(row);
         // report the device with the least headroom (the refusing one, if any)
         if (first || need - allowance > v.need_mib - v.allowance_mib) {
             v.need_mib = need;
@@ -91,4 +115,15 @@ dream_gate_verdict dream_gate_check(const dream_stage & ds, const std::vector<st
         }
     }
     return v;
+}
+
+int32_t dream_gate_devices(const struct dream_stage * ds, struct dream_gate_device * out, int32_t n) {
+    if (!ds) {
+        return 0;
+    }
+    const auto & rows = ds->exec.last_gate;
+    for (int32_t i = 0; out && i < n && i < (int32_t) rows.size(); ++i) {
+        out[i] = rows[i];
+    }
+    return (int32_t) rows.size();
 }

@@ -1,7 +1,6 @@
 // The optimizer: the gradient accumulator over a window (or several) and AdamW.
 //
-// On the host (the CPU path, and any stage whose A and B are not all on one
-// GPU), the accumulator and the moments are F32 vectors: each micro-step reads
+// On the host (the CPU path), the accumulator and the moments are F32 vectors: each micro-step reads
 // its gradients back and adds them, and the window's end reads the adapter,
 // updates it and writes it back.
 //
@@ -16,10 +15,10 @@
 // AdamW with decoupled weight decay, bias corrections 1 / (1 - beta^t), the
 // gradient the mean over the pending windows, clipped by its global L2 norm.
 //
-// An adapter spread over several devices, an RPC worker among them (the model
-// split across workers), keeps that state per device: each device accumulates,
+// An adapter spread over several devices (a model split over GPUs, RPC workers,
+// or the CPU and a GPU) keeps that state per device: each device accumulates,
 // measures its part of the norm (4 bytes back) and steps its own tensors, so
-// no A, B or moment crosses the wire. Other splits use the host optimizer.
+// no A, B or moment crosses a bus or the wire.
 //
 // DREAMSTAGE_OPTIMIZER=host keeps the host optimizer on a GPU; =device puts it
 // on the adapter's backend even when that is the CPU (the tests compare both).
@@ -121,11 +120,8 @@ void dream_opt_choose(dream_stage & ds) {
             devs.push_back(d);
         }
     }
-    // one device: there (unless it is the host's, =device aside). Several: each steps
-    // its own only when an RPC worker is among them (so its tensors never cross the
-    // wire for an update); other splits keep the host optimizer.
-    const bool several = devs.size() > 1;
-    if ((several && !dream_devices_have_rpc(devs)) || (!several && host && where != DREAM_OPT_DEVICE)) {
+    // one device: there (unless it is the host's, =device aside). Several: each steps its own.
+    if (devs.size() == 1 && host && where != DREAM_OPT_DEVICE) {
         return;
     }
     ggml_backend_sched_t serving = ds.lctx->get_sched();

@@ -57,12 +57,3 @@ bool dream_sched_has_rpc(ggml_backend_sched_t sched) {
     }
     return false;
 }
-
-bool dream_devices_have_rpc(const std::vector<ggml_backend_dev_t> & devs) {
-    for (ggml_backend_dev_t d : devs) {
-        if (dream_dev_is_rpc(d)) {
-            return true;
-        }
-    }
-    return false;
-}

@@ -239,6 +239,7 @@ struct dream_exec_state {
     std::vector<std::pair<ggml_backend_dev_t, size_t>> pool_held;
     std::unique_ptr<llm_graph_result> res;  // training graph storage, rebuilt unless the step graph is reused
     dream_step_graph step_graph;
+    std::vector<dream_gate_device> last_gate;   // the last gate check, per device (dream_gate_devices)
     bool    graph_reuse  = true;    // dream_set_graph_reuse
     int64_t graph_reuses = 0;       // micro-steps that reused the step graph
     double  step_deadline_ms = 0;   // dream_set_step_deadline; <= 0: none
@@ -333,7 +334,8 @@ struct dream_gate_verdict {
     std::string device;
     std::string why;   // set when the allowance is 0 because the budget or the device has nothing left: "; ..." for a message
 };
-dream_gate_verdict dream_gate_check(const dream_stage & ds,
+// Records each device's figures in ds.exec.last_gate.
+dream_gate_verdict dream_gate_check(dream_stage & ds,
                                     const std::vector<std::pair<ggml_backend_dev_t, size_t>> & needs);
 double dream_held_mib(const dream_stage & ds);   // what the job holds now (the optimizer's state included)
 
@@ -363,9 +365,8 @@ void dream_receipt_refused(dream_receipt & r, int32_t pos, int32_t tokens, const
 // connections that failed so far (endpoint of the last one in *last); 0 without the RPC backend.
 uint64_t dream_rpc_bytes();
 uint64_t dream_rpc_failures(std::string * last = nullptr);
-// Whether a backend of the scheduler, or one of the devices, is an RPC worker's device.
+// Whether a backend of the scheduler is an RPC worker's device.
 bool dream_sched_has_rpc(ggml_backend_sched_t sched);
-bool dream_devices_have_rpc(const std::vector<ggml_backend_dev_t> & devs);
 // The SwiGLU backward of the graphs built next on this thread: fused (one custom
 // op, dream-glu.cpp; the default) or ggml's own ops. A graph with an RPC worker
 // keeps ggml's: a custom op runs locally, and its inputs would cross the wire.

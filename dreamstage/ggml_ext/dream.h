@@ -225,6 +225,17 @@ LLAMA_API void dream_set_budget(struct dream_stage * ds, double memory_budget_mi
 // device pools' kept expansion. The gate's allowance is budget - this - slack.
 LLAMA_API double dream_held_mib(const struct dream_stage * ds);
 
+// One device's figures in the last gate check (dream_init's or a micro-step's), MiB.
+struct dream_gate_device {
+    char   device[48];      // the ggml device name ("CPU", "CUDA0", "RPC0", ...)
+    double need_mib;        // what that check would have added there
+    double allowance_mib;   // min(budget left, device free) - slack, never negative
+};
+
+// Writes up to n of the last gate check's devices (ggml's device order) to out
+// and returns how many it checked; 0 before the first check.
+LLAMA_API int32_t dream_gate_devices(const struct dream_stage * ds, struct dream_gate_device * out, int32_t n);
+
 // Sets the exact walk's horizon (positions before a chunk that receive gradient;
 // <= 0: the whole window) from the next micro-step on. Returns the horizon now
 // in use, or -1 (nothing changed) for a plain-walk stage.
@@ -271,8 +282,8 @@ LLAMA_API bool dream_fused_attention(const struct dream_stage * ds);
 
 // Whether the gradient accumulator and AdamW's state live on the adapter's
 // device (decided at dream_init: true when every A and B lies on one GPU, or
-// when they lie on several devices with an RPC worker among them: then each
-// device keeps its own tensors' state) instead of the host. DREAMSTAGE_OPTIMIZER=host keeps them on the host;
+// on several devices: then each device keeps its own tensors' state) instead
+// of the host. DREAMSTAGE_OPTIMIZER=host keeps them on the host;
 // =device puts them on the adapter's backend even when that is the CPU.
 LLAMA_API bool dream_optimizer_on_device(const struct dream_stage * ds);
 

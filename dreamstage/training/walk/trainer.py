@@ -232,6 +232,15 @@ class Trainer(NativeOwner):
         self.L.dream_micro_step(self._handle(), ctypes.byref(r))
         return Receipt.from_c(r)
 
+    def gate_devices(self) -> list[dict[str, float | str]]:
+        """The last gate check's figures per device (ggml's device order): what the step (or the
+        job's start) would have added there and that device's allowance, MiB."""
+        n = int(self.L.dream_gate_devices(self._handle(), None, 0))
+        rows = (native.DreamGateDeviceC * max(n, 1))()
+        n = min(n, int(self.L.dream_gate_devices(self._handle(), rows, n)))
+        return [{"device": r.device.decode("utf-8", "replace"), "need_mib": r.need_mib,
+                 "allowance_mib": r.allowance_mib} for r in rows[:n]]
+
     @property
     def chunks_left(self) -> int:
         return int(self.L.dream_chunks_left(self._handle()))
