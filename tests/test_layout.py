@@ -59,7 +59,8 @@ def native_functions(code: str) -> list[tuple[str, bool, int, int]]:
 
 
 def native_calls() -> dict[str, dict[str, set[str]]]:
-    """file -> {other file: the functions it defines that this file calls}, over ggml_ext/*.cpp."""
+    """file -> {other file: the functions it defines that this file calls}, over ggml_ext/*.cpp
+    (the dream stage's library; cpu/, cuda/ and rpc/ build into ggml's backends)."""
     codes = {p.name: _code(p.read_text()) for p in sorted(NATIVE.glob("*.cpp"))}
     owner: dict[str, set[str]] = defaultdict(set)
     for name, code in codes.items():
@@ -178,6 +179,16 @@ def test_native_files_call_each_other_one_way():
     found = cycles({f: set(to) for f, to in calls.items()})
     detail = {f: {o: sorted(calls[f][o]) for o in calls[f] if o in comp} for comp in found for f in comp}
     assert found == [], f"native files that call each other: {detail}"
+
+
+def test_no_native_function_is_longer_than_a_screen():
+    sources = sorted(p for p in NATIVE.rglob("*") if p.suffix in (".cpp", ".cu"))
+    assert len(sources) > 30
+    long = [(p.name, fn, last - first + 1)
+            for p in sources
+            for fn, _, first, last in native_functions(_code(p.read_text()))
+            if last - first + 1 > NATIVE_MAX_LINES]
+    assert long == []
 
 
 def test_python_modules_import_each_other_one_way():
