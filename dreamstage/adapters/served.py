@@ -31,8 +31,10 @@ from dreamstage import native
 from dreamstage.adapters.choice import BASE, DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK, AdapterChoice
 from dreamstage.adapters.files import atomic_file, file_sha256, lora_rank_of
 from dreamstage.adapters.loaded import AdapterLoadError, load_adapter_file
+from dreamstage.adapters.replicas import mirror_promotions
+from dreamstage.training.jobs.errors import AdapterNotFound
 from dreamstage.training.jobs.request import check_adapter_name
-from dreamstage.training.jobs.store import AdapterNotFound, JobStore
+from dreamstage.training.jobs.store import JobStore
 
 log = logging.getLogger("dreamstage.served")
 
@@ -221,7 +223,7 @@ class AdapterSwitch:
             if served is None or served["served_version"] != tops[name][0]:
                 self.check_room(name, path, {n: p for n, p in after.items() if n != name})
                 self.served.discard(self.served.load(path))
-        store.mirror_promotions(live)
+        mirror_promotions(store, live)
         default = store.served()
         self._queue_swap(_Swap(None, default["path"] if default else None, store.served_version(), default,
                                applied))

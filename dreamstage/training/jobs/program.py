@@ -23,9 +23,10 @@ from dreamstage.training.drift.guard import DriftGuard, drift_figures, drift_rec
 from dreamstage.training.drift.measure import summary
 from dreamstage.training.drift.rehearsal import consolidation_lr, rehearsal_window
 from dreamstage.training.drift.stopping import ExampleHold, OwnLoss, held_windows, reply_lost
+from dreamstage.training.jobs.errors import AdapterNotFound
 from dreamstage.training.jobs.promotion import promotion_decision
 from dreamstage.training.jobs.spec import DEFAULT_CHUNK, GATE_SLACK_MIB, JobSpec
-from dreamstage.training.jobs.store import AdapterNotFound, InvalidTransition, JobStore
+from dreamstage.training.jobs.store import InvalidTransition, JobStore
 from dreamstage.training.pacing.pacer import Pacer
 from dreamstage.training.pacing.shaper import DreamThreads, StepShaper, load_average, trains_from
 from dreamstage.training.walk.examples import RenderedJob, render_job
