@@ -45,12 +45,12 @@ from dreamstage.adapters.files import atomic_file, load_lora, save_lora
 from dreamstage.adapters.peft import PeftError, factors_to_peft, peft_to_factors, read_safetensors
 from dreamstage.adapters.replicas import generation
 from dreamstage.adapters.served import AdapterRefused
+from dreamstage.adapters.versions import AdapterNotFound
 from dreamstage.server.errors import APIError, strict_int
 from dreamstage.server.tenants import scope_of
 from dreamstage.server.train_routes import _invalid, _json_object, _storage_error, _training_service
 from dreamstage.server.train_routes import adapter_name_in_scope as _name
 from dreamstage.server.views import adapters_view, name_view, public
-from dreamstage.training.jobs.errors import AdapterNotFound
 from dreamstage.training.jobs.scheduler import AdapterInUse
 from dreamstage.validation import field_errors
 

@@ -198,6 +198,19 @@ def test_python_modules_import_each_other_one_way():
     assert cycles(edges) == []
 
 
+def test_the_packages_floors_import_downwards_only():
+    """dreamstage's sub-packages and top modules (adapters, serving, training, records, server, ...) as one node
+    each: no cycle between them either (training may use adapters, adapters never training)."""
+    floor: dict[str, set[str]] = defaultdict(set)
+    for module, targets in python_imports(python_modules()).items():
+        for target in targets:
+            a, b = ".".join(module.split(".")[:2]), ".".join(target.split(".")[:2])
+            if a != b:
+                floor[a].add(b)
+    assert "dreamstage.adapters" in floor["dreamstage.training"]
+    assert cycles(floor) == []
+
+
 def test_no_python_function_is_longer_than_a_screen():
     mods = python_modules()
     long = [(name, node.name, node.end_lineno - node.lineno + 1)

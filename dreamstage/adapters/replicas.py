@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dreamstage.training.jobs.store import JobStore
+    from dreamstage.adapters.versions import AdapterVersions
 
 
-def generation(store: JobStore) -> int:
+def generation(store: AdapterVersions) -> int:
     """A counter that grows with every change of the live promotions: each promotion adds a
     row (a higher served version), each rollback marks one."""
     with store.reading() as conn:
@@ -23,7 +23,7 @@ def generation(store: JobStore) -> int:
     return row[0] + row[1]
 
 
-def mirror_promotions(store: JobStore, live: Sequence[tuple[int, str, int]]) -> None:
+def mirror_promotions(store: AdapterVersions, live: Sequence[tuple[int, str, int]]) -> None:
     """A follower's booking: make the live promotions exactly `live`, (served_version, name,
     version) as the leader numbers them, in one transaction; every other row is rolled back.
     Each (name, version) must be stored already."""

@@ -31,10 +31,9 @@ from dreamstage import native
 from dreamstage.adapters.choice import BASE, DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK, AdapterChoice
 from dreamstage.adapters.files import atomic_file, file_sha256, lora_rank_of
 from dreamstage.adapters.loaded import AdapterLoadError, load_adapter_file
+from dreamstage.adapters.names import check_adapter_name
 from dreamstage.adapters.replicas import mirror_promotions
-from dreamstage.training.jobs.errors import AdapterNotFound
-from dreamstage.training.jobs.request import check_adapter_name
-from dreamstage.training.jobs.store import JobStore
+from dreamstage.adapters.versions import AdapterNotFound, AdapterVersions
 
 log = logging.getLogger("dreamstage.served")
 
@@ -97,7 +96,7 @@ class AdapterSwitch:
     """What serves (reloaded at startup), and the one booked change to apply
     at the next batch boundary. `served` checks files (a fake in tests)."""
 
-    def __init__(self, store: JobStore, served: ServedAdapters, max_adapters: int = DEFAULT_MAX_ADAPTERS,
+    def __init__(self, store: AdapterVersions, served: ServedAdapters, max_adapters: int = DEFAULT_MAX_ADAPTERS,
                  budget_mib: float | None = None, mixed_max_rank: int = DEFAULT_MIXED_MAX_RANK):
         self.store = store
         self.served = served

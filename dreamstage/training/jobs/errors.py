@@ -1,4 +1,5 @@
-"""The job store's errors (InvalidTransition, which names the state machine's moves, is store.py's)."""
+"""The job store's errors (InvalidTransition, which names the state machine's moves, is store.py's;
+AdapterNotFound is adapters/versions.py's)."""
 from __future__ import annotations
 
 
@@ -11,10 +12,5 @@ class JobNotFound(JobError, KeyError):
         self.job_id = job_id
         super().__init__(f"no job {job_id}")
 
-    def __str__(self) -> str:
-        return self.args[0]
-
-
-class AdapterNotFound(JobError, KeyError):
     def __str__(self) -> str:
         return self.args[0]

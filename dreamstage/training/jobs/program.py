@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dreamstage.adapters.served import AdapterLoadError, AdapterSwitch
+from dreamstage.adapters.versions import AdapterNotFound
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift.decoding import set_context_adapter
 from dreamstage.training.drift.guard import DriftGuard, drift_figures, drift_receipt
 from dreamstage.training.drift.measure import summary
 from dreamstage.training.drift.rehearsal import consolidation_lr, rehearsal_window
 from dreamstage.training.drift.stopping import ExampleHold, OwnLoss, held_windows, reply_lost
-from dreamstage.training.jobs.errors import AdapterNotFound
 from dreamstage.training.jobs.promotion import promotion_decision
 from dreamstage.training.jobs.spec import DEFAULT_CHUNK, GATE_SLACK_MIB, JobSpec
 from dreamstage.training.jobs.store import InvalidTransition, JobStore

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamstage import environment
-from dreamstage.training.jobs.adapter_versions import AdapterVersions
+from dreamstage.adapters.versions import AdapterVersions
 from dreamstage.training.jobs.errors import JobError, JobNotFound
 from dreamstage.training.jobs.progress import close_epoch, close_window, fold_receipt, new_progress, public_progress
 from dreamstage.training.jobs.request import TrainRequest

@@ -1,7 +1,9 @@
 """Adapter versions and their promotions: the store's `adapters` and `promotions` tables.
 
-`JobStore` inherits these methods; they use its connections and transactions
-(`_conn`, `_read`, `_write`), its `adapters_dir` and its `clock`. A version's
+`JobStore` (training/jobs/store.py) inherits these methods; they use its
+connections and transactions (`_conn`, `_read`, `_write`, and the public
+`reading` and `transaction` that replicas.py uses), its `adapters_dir` and its
+`clock`. What serves adapters (served.py, replicas.py) needs only this class. A version's
 file lives at `adapter_path(name, version)`; a promotion books a version
 under a new served version number, and a rollback marks the latest one.
 """
@@ -15,8 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from dreamstage.adapters.files import file_sha256
-from dreamstage.training.jobs.errors import AdapterNotFound
-from dreamstage.training.jobs.request import check_adapter_name
+from dreamstage.adapters.names import check_adapter_name
+
+
+class AdapterNotFound(KeyError):
+    """No such adapter name or version (or nothing to roll back)."""
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class AdapterVersions:
@@ -28,6 +36,8 @@ class AdapterVersions:
     _read: Callable[[], contextlib.AbstractContextManager[sqlite3.Connection]]
     _write: Callable[..., contextlib.AbstractContextManager[sqlite3.Connection]]
     _row: Callable[..., sqlite3.Row]
+    reading: Callable[[], contextlib.AbstractContextManager[sqlite3.Connection]]
+    transaction: Callable[..., contextlib.AbstractContextManager[sqlite3.Connection]]
 
     def adapter_path(self, name: str, version: int) -> Path:
         """Where version `version` of adapter `name` lives: always inside
