@@ -69,7 +69,7 @@ import platform
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -442,89 +442,274 @@ def unmask_end(rm, tokens, mask) -> tuple[int, ...]:
     return tuple(0 if rm.is_eog(int(t)) else m for t, m in zip(tokens, mask, strict=True))
 
 
-def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, ratio, stop_loss, more=None,
-                seed=0, on_adapter=None, each_epoch=False, noise=False, scales=(), jitters=0,
-                save_params=None) -> dict:
-    more = dict(more or {})
-    samples = more.pop("samples", 0)
-    mode = more.pop("rehearsal", "samples")
-    eps = more.pop("adam_eps", None)       # AdamW's eps (not a job field; the trainer's 1e-8 when None)
-    accumulate = more.pop("accumulate", 1)   # windows per AdamW update, their gradients averaged (not a job field)
+@dataclass
+class Knobs:
+    """A setting's benchmark-only options, popped from its `more` (the rest are job fields)."""
+    samples: int = 0                 # the rehearsal data: the first `samples` samples, or the greedy answers (0)
+    rehearsal: str = "samples"       # the job field's rehearsal mode (soft targets are "soft")
+    adam_eps: float | None = None    # AdamW's eps (not a job field; the trainer's 1e-8 when None)
+    accumulate: int = 1              # windows per AdamW update, their gradients averaged (not a job field)
     # rehearse the unseen prompts too (40 rehearsal anchors): does more rehearsal data hold the held-out half?
-    plus_unseen = more.pop("rehearse_unseen", False)
-    consolidate = more.pop("consolidate", 0)   # rehearsal-only epochs (every anchor) after the facts' last epoch
+    rehearse_unseen: bool = False
+    consolidate: int = 0             # rehearsal-only epochs (every anchor) after the facts' last epoch
     # the facts' windows once in each of those epochs too (not what a job does: a question for more prompts)
-    consolidate_facts = more.pop("consolidate_facts", False)
-    project = more.pop("project", None)      # A kept out of the rehearsal windows' input span (drift_project.py)
+    consolidate_facts: bool = False
+    project: float | None = None     # A kept out of the rehearsal windows' input span (drift_project.py)
     # the consolidation's step size falling linearly to 0 over its updates (emulated: each update
     # taken as a fraction of AdamW's step, since lr does not enter the moments)
-    decay = more.pop("consolidate_decay", False)
+    consolidate_decay: bool = False
     # the adapter at the end: the mean of its iterates over the rehearsal-only epochs' updates (the step's
     # jitter about where the rehearsal pulls averaged out), not the last one
-    average = more.pop("consolidate_average", False)
-    extra = more.pop("rehearse_extra", 0)      # the first this many EXTRA_REHEARSAL_PROMPTS rehearsed too
-    forms = more.pop("rehearse_forms", False)  # FORM_PROMPTS rehearsed too (the taught forms' questions)
-    rstep = more.pop("rehearsal_step", 1.0)   # a rehearsal window's update taken at this multiple (emulated)
+    consolidate_average: bool = False
+    rehearse_extra: int = 0          # the first this many EXTRA_REHEARSAL_PROMPTS rehearsed too
+    rehearse_forms: bool = False     # FORM_PROMPTS rehearsed too (the taught forms' questions)
+    rehearsal_step: float = 1.0      # a rehearsal window's update taken at this multiple (emulated)
     # the base's own neighbours of each fact's question (DriftProbe.neighbours_of), every one rehearsed each epoch
-    neighbours = more.pop("neighbours", 0)
-    near_cons = more.pop("neighbours_consolidate", True)   # ... and in the rehearsal-only epochs too
-    wd_b = more.pop("weight_decay_b", 0.0)      # decoupled weight decay on B only (emulated), the facts' epochs
-    wd_cons = more.pop("wd_consolidate", False)  # ... and the rehearsal-only epochs ("only": there alone)
-    warmup = more.pop("warmup", 0)                # linear lr warm-up over this many updates (emulated)
+    neighbours: int = 0
+    neighbours_consolidate: bool = True   # ... and in the rehearsal-only epochs too
+    weight_decay_b: float = 0.0      # decoupled weight decay on B only (emulated), the facts' epochs
+    wd_consolidate: bool | str = False    # ... and the rehearsal-only epochs ("only": there alone)
+    warmup: int = 0                  # linear lr warm-up over this many updates (emulated)
     # the facts' windows left out of every epoch (the rehearsal windows as the facts' count would visit them):
     # the drift the regularizer makes by itself, from B = 0
-    no_facts = more.pop("no_facts", False)
+    no_facts: bool = False
     # in the rehearsal-only epochs, after every `every` rehearsal windows, each fact window whose forward loss is
     # above `threshold` is trained once (a repair step): the facts as a constraint, not a pull
-    repair = more.pop("repair", None)
+    repair: tuple | None = None
     # the facts' windows without their end-of-turn token in the loss: the style the one-sentence answers teach
     # (stop after one sentence) kept out of the gradient; at B = 0 the end-of-turn token's gradient alone has
     # cosine 0.16 to 0.91 with its window's
-    no_eot = more.pop("no_eot", False)
+    no_eot: bool = False
     # the windows' order (epoch_order, anchor_visits, consolidation_visits) from this seed, the adapter's
     # initial A still from the job's `seed`: runs that differ in their order only
-    order_seed = more.pop("order_seed", None)
+    order_seed: int | None = None
     # no training: the adapter is the mean of these saved parameter vectors (--save-params), then measured
-    load_mean = more.pop("load_mean", None)
-    # the setting's rehearsal data: its first `samples` samples, or the greedy answers
-    bases = [replace(b, samples=b.samples[:samples], sample_top=b.sample_top[:samples]) for b in rehearsal.bases]
-    if plus_unseen:
+    load_mean: list | None = None
+
+    @classmethod
+    def pop_from(cls, more: dict) -> Knobs:
+        return cls(**{f.name: more.pop(f.name) for f in fields(cls) if f.name in more})
+
+    def record(self) -> dict:
+        """The knobs as the results file names them."""
+        out = asdict(self)
+        out["rehearsal_samples"] = out.pop("samples")
+        out["repair"] = list(self.repair) if self.repair else None
+        return out
+
+
+def setting_bases(rm, probe, rehearsal, unseen, k: Knobs) -> tuple[list, list]:
+    """The setting's rehearsal anchors, and the neighbours of the facts' questions it rehearses."""
+    bases = [replace(b, samples=b.samples[:k.samples], sample_top=b.sample_top[:k.samples]) for b in rehearsal.bases]
+    if k.rehearse_unseen:
         bases += list(unseen.bases)
-    if extra:
-        bases += recorded(rm, ("extra", extra), EXTRA_REHEARSAL_PROMPTS[:extra])
-    if forms:
+    if k.rehearse_extra:
+        bases += recorded(rm, ("extra", k.rehearse_extra), EXTRA_REHEARSAL_PROMPTS[:k.rehearse_extra])
+    if k.rehearse_forms:
         bases += recorded(rm, ("forms",), FORM_PROMPTS)
     near: list = []
-    if neighbours:
+    if k.neighbours:
         questions = [q for q, _, _ in FACTS]
-        key = ("neighbours", neighbours, tuple(questions))
+        key = ("neighbours", k.neighbours, tuple(questions))
         if key not in _ACTS:
-            _ACTS[key + ("prompts",)] = run_steps(probe.neighbours_of(questions, neighbours, exclude=probe.prompts))
+            _ACTS[key + ("prompts",)] = run_steps(probe.neighbours_of(questions, k.neighbours, exclude=probe.prompts))
         near = recorded(rm, key, _ACTS[key + ("prompts",)])
-    body = {"examples": chat_examples(FACTS), "lr": lr, "epochs": epochs, "rank": rank, "targets": targets,
-            "seed": seed, **more}
-    spec = parse_train_request(body).to_job_spec()
-    facts = list(render_job(spec, rm).train)
-    if no_eot:
-        facts = [replace(w, mask=unmask_end(rm, w.tokens, w.mask)) for w in facts]
-    anchored = 0
-    oseed = seed if order_seed is None else order_seed
+    return bases, near
+
+
+def setting_trainer(rm, spec, lr, k: Knobs, bases):
+    """The job's trainer (with the knobs' optimizer when they change it) and the projection, if any."""
     trainer = native_trainer(rm, spec, spec.chunk)
-    if eps is not None or accumulate != 1:
+    if k.adam_eps is not None or k.accumulate != 1:
         from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig, Trainer
         trainer.close()
-        opt = OptimizerConfig(lr=lr, eps=1e-8 if eps is None else eps, accumulate_windows=accumulate)
+        opt = OptimizerConfig(lr=lr, eps=1e-8 if k.adam_eps is None else k.adam_eps, accumulate_windows=k.accumulate)
         trainer = Trainer(rm, LoraConfig(**spec.lora_fields()), cache_type=spec.context_cache_type,
                           window=spec.window, chunk=spec.chunk, optimizer=opt)
     proj = None
-    if project is not None:
+    if k.project is not None:
         from drift_project import Projection, attn_inputs, projectors
         key = ("acts", len(bases))
         if key not in _ACTS:
             _ACTS[key] = attn_inputs(rm.model_path, [b.prompt_tokens + tuple(b.answer) for b in bases])
-        projs, ks = projectors(_ACTS[key], project)
-        print(f"projection energy {project}: k per layer {ks}", flush=True)
+        projs, ks = projectors(_ACTS[key], k.project)
+        print(f"projection energy {k.project}: k per layer {ks}", flush=True)
         proj = Projection(trainer, projs)
+    return trainer, proj
+
+
+class SettingRun:
+    """One setting's training: the facts' epochs with their rehearsal windows (a job's early stop),
+    then the rehearsal-only epochs; the figures after each epoch, and what the measuring took."""
+
+    def __init__(self, rm, probe, trainer, proj, facts, bases, near, spec, k: Knobs, seed: int, lr: float,
+                 ratio: float, each_epoch: bool):
+        self.rm, self.probe, self.trainer, self.proj, self.k, self.lr = rm, probe, trainer, proj, k, lr
+        self.ratio = ratio
+        self.facts, self.bases, self.near, self.window, self.each_epoch = facts, bases, near, spec.window, each_epoch
+        self.oseed = seed if k.order_seed is None else k.order_seed
+        self.evaluator = native_trainer(rm, spec, spec.chunk, 0.0) if (each_epoch or k.repair) else None  # lr 0
+        self.b_mask = lora_b_mask(trainer) if k.weight_decay_b else None
+        self.updates = self.anchored = 0
+        self.measured_s = 0.0          # seconds the per-epoch figures took (not training)
+        self.epoch_losses: list[float] = []
+        self.recall_per_epoch: list[float] = []
+        self.drift_per_epoch: list[dict] = []
+        self.fact_window_losses: list[list[float]] = []
+        self.repairs: list[int] = []   # repair steps per rehearsal-only epoch
+
+    def emulate_step(self, before: np.ndarray, frac: float, wd: float) -> None:
+        """The update just taken, at `frac` of AdamW's step (lr does not enter the moments), then
+        decoupled weight decay on B: B -= lr x wd x B (from before the update, as AdamW decays)."""
+        theta = before + frac * (self.trainer.lora_parameters() - before)
+        if wd:
+            theta[self.b_mask] -= self.lr * wd * before[self.b_mask]
+        self.trainer.set_lora_parameters(theta)
+
+    def after_epoch(self, number: int) -> None:
+        """Recall, and with each_epoch the held-out figures and each fact window's forward loss."""
+        self.trainer.promote()
+        self.recall_per_epoch.append(recall(self.rm, self.trainer.served_adapter, FACTS)[0])
+        if not self.each_epoch:
+            return
+        t_e = time.perf_counter()
+        self.fact_window_losses.append(window_losses(self.evaluator, self.trainer.lora_parameters(), self.facts))
+        d_e = run_steps(self.probe.measure(self.trainer.served_adapter))
+        self.drift_per_epoch.append({
+            "epoch": number, "drift_kl": d_e.drift_kl, "changed": d_e.changed_raw, "changed_beyond_margin": d_e.changed,
+            "changed_at_lead": {str(m): sum(any(x >= m for x in lead) for lead in d_e.flip_leads)
+                                for m in DETERMINED_MARGINS}})
+        self.measured_s += time.perf_counter() - t_e
+
+    def fact_epochs(self, epochs: int, stop_loss: float | None) -> None:
+        k, facts, trainer = self.k, self.facts, self.trainer
+        for epoch in range(epochs):
+            own = OwnLoss(len(facts), stop_loss)     # the job's own early-stop bookkeeping
+            windows = facts + anchor_windows(self.bases, anchor_visits(len(self.bases), len(facts), self.ratio,
+                                                                       epoch, self.oseed), self.window, k.rehearsal)
+            windows += anchor_windows(self.near, [(i, epoch) for i in range(len(self.near))], self.window,
+                                      k.rehearsal)
+            self.anchored += len(windows) - len(facts)
+            for w in epoch_order(len(windows), epoch, self.oseed):
+                if k.no_facts and w < len(facts):
+                    continue
+                frac = k.rehearsal_step if w >= len(facts) else 1.0
+                if k.warmup:
+                    frac *= min(1.0, (self.updates + 1) / k.warmup)
+                decays = k.weight_decay_b and k.wd_consolidate != "only"
+                before_step = trainer.lora_parameters() if (frac != 1.0 or decays) else None
+                rec = trainer.train_window(windows[w].tokens, windows[w].mask, windows[w].soft)
+                if before_step is not None:
+                    self.emulate_step(before_step, frac, 0.0 if k.wd_consolidate == "only" else k.weight_decay_b)
+                if self.proj is not None:
+                    self.proj.apply()
+                self.updates += 1
+                for r in rec:
+                    own.note(w, r)
+            each_below = own.converged()
+            self.epoch_losses.append(own.mean if own.mean is not None else float("nan"))
+            self.after_epoch(epoch + 1)
+            if each_below if STOP_RULE == "each" else (stop_loss is not None and self.epoch_losses[-1] < stop_loss):
+                break
+
+    def repair_facts(self) -> int:
+        """Each fact window whose forward loss is above the repair threshold, trained once; how many."""
+        losses = window_losses(self.evaluator, self.trainer.lora_parameters(), self.facts)
+        high = [i for i, loss in enumerate(losses) if loss > self.k.repair[0]]
+        for i in high:
+            self.trainer.train_window(self.facts[i].tokens, self.facts[i].mask, self.facts[i].soft)
+        return len(high)
+
+    def consolidation(self) -> None:
+        """The rehearsal-only epochs, as DriftGuard.consolidation_order visits them."""
+        k, facts, trainer = self.k, self.facts, self.trainer
+        plan = []
+        for c in range(k.consolidate):
+            pool = self.bases + self.near if k.neighbours_consolidate else self.bases
+            windows = anchor_windows(pool, consolidation_visits(len(pool), c, self.oseed), self.window, k.rehearsal)
+            if k.consolidate_facts:
+                windows = [(facts + windows)[i] for i in epoch_order(len(facts) + len(windows), 1000 + c, self.oseed)]
+            plan.append(windows)
+        n_cons, done_cons = sum(len(x) for x in plan), 0
+        iterate_sum = None
+        cons_wd = k.weight_decay_b if k.wd_consolidate else 0.0
+        for c, windows in enumerate(plan):
+            self.anchored += len(windows)
+            self.repairs.append(0)
+            for i, w in enumerate(windows):
+                before_step = trainer.lora_parameters() if (k.consolidate_decay or cons_wd) else None
+                trainer.train_window(w.tokens, w.mask, w.soft)
+                if before_step is not None:
+                    self.emulate_step(before_step, 1.0 - (done_cons + 0.5) / n_cons if k.consolidate_decay else 1.0,
+                                      cons_wd)
+                done_cons += 1
+                if self.proj is not None:
+                    self.proj.apply()
+                if k.repair and ((i + 1) % k.repair[1] == 0 or i + 1 == len(windows)):
+                    n = self.repair_facts()
+                    self.repairs[-1] += n
+                    self.updates += n
+                if k.consolidate_average:
+                    theta = trainer.lora_parameters().astype(np.float64)
+                    iterate_sum = theta if iterate_sum is None else iterate_sum + theta
+                self.updates += 1
+            self.after_epoch(len(self.epoch_losses) + c + 1)
+        if iterate_sum is not None:
+            trainer.set_lora_parameters((iterate_sum / done_cons).astype(np.float32))
+            trainer.promote()
+            self.recall_per_epoch.append(recall(self.rm, trainer.served_adapter, FACTS)[0])
+
+    def close(self) -> None:
+        self.trainer.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
+
+
+def final_figures(rm, probe, rehearsal, unseen, run: SettingRun, spec, name: str, seed: int, on_adapter,
+                  scales, jitters, save_params) -> dict:
+    """The trained adapter's figures: recall, drift on the held-out, rehearsed and unseen anchors,
+    where answers first change, and the optional scaled and jittered adapters."""
+    trainer = run.trainer
+    trainer.promote()
+    if save_params:
+        Path(save_params).mkdir(parents=True, exist_ok=True)
+        np.save(Path(save_params) / f"{name}-seed{seed}.npy", trainer.lora_parameters().astype(np.float32))
+    t1 = time.perf_counter()
+    drift = run_steps(probe.measure(trainer.served_adapter))
+    measure_s = time.perf_counter() - t1
+    drift_rehearsed = run_steps(rehearsal.measure(trainer.served_adapter))
+    drift_unseen = run_steps(unseen.measure(trainer.served_adapter))
+    rec_frac, answers = recall(rm, trainer.served_adapter, FACTS)
+    lqs = answer_logprobs(rm, probe, trainer.served_adapter)
+    changes = first_changes(rm, probe, trainer.served_adapter, lqs)
+    determined = changed_determined(probe, lqs)
+    if on_adapter is not None:           # a caller's own look at the final adapter (bench_drift_floor)
+        on_adapter(trainer.served_adapter)
+    return {"drift": drift, "recall": rec_frac, **drift.as_dict(),
+            "anchors_changed_12": changed_within(drift, 12), "anchors_changed_6": changed_within(drift, 6),
+            "anchors_changed_sure": changed_where_sure(drift, probe.bases), "changed_determined": determined,
+            "rehearsed_drift_kl": drift_rehearsed.drift_kl, "rehearsed_changed": drift_rehearsed.anchors_changed,
+            "unseen_drift_kl": drift_unseen.drift_kl, "unseen_changed": drift_unseen.anchors_changed,
+            "unseen_changed_12": changed_within(drift_unseen, 12),
+            "measure_s": measure_s, "answers": answers, "first_changes": changes,
+            "flip_leads": drift.flip_leads,
+            "at_scales": at_scales(rm, probe, unseen, spec, trainer, run.facts, scales) if scales else [],
+            "jittered": at_jitters(probe, trainer, jitters) if jitters else []}
+
+
+def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, ratio, stop_loss, more=None,
+                seed=0, on_adapter=None, each_epoch=False, noise=False, scales=(), jitters=0,
+                save_params=None) -> dict:
+    more = dict(more or {})
+    k = Knobs.pop_from(more)
+    bases, near = setting_bases(rm, probe, rehearsal, unseen, k)
+    body = {"examples": chat_examples(FACTS), "lr": lr, "epochs": epochs, "rank": rank, "targets": targets,
+            "seed": seed, **more}
+    spec = parse_train_request(body).to_job_spec()
+    facts = list(render_job(spec, rm).train)
+    if k.no_eot:
+        facts = [replace(w, mask=unmask_end(rm, w.tokens, w.mask)) for w in facts]
+    trainer, proj = setting_trainer(rm, spec, lr, k, bases)
     # the job's noise margin, as its guard measures it before training (anchors_changed beyond it)
     probe.noise_margin = None
     margin_s = time.perf_counter()
@@ -533,156 +718,28 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     probe.noise_margin = noise_margin
     margin_s = time.perf_counter() - margin_s
     t0 = time.perf_counter()
-    epoch_losses, updates, recall_per_epoch, drift_per_epoch = [], 0, [], []
-
-    evaluator = native_trainer(rm, spec, spec.chunk, 0.0) if (each_epoch or repair) else None   # lr 0: losses
-    repairs: list[int] = []     # repair steps per rehearsal-only epoch
-    b_mask = lora_b_mask(trainer) if wd_b else None
-
-    def emulate_step(before: np.ndarray, frac: float, wd: float) -> None:
-        """The update just taken, at `frac` of AdamW's step (lr does not enter the moments), then
-        decoupled weight decay on B: B -= lr x wd x B (from before the update, as AdamW decays)."""
-        theta = before + frac * (trainer.lora_parameters() - before)
-        if wd:
-            theta[b_mask] -= lr * wd * before[b_mask]
-        trainer.set_lora_parameters(theta)
-    fact_window_losses: list[list[float]] = []
-
-    def after_epoch(number: int) -> float:
-        """Recall, and with each_epoch the held-out figures and each fact window's
-        forward loss; the seconds the measurement took."""
-        trainer.promote()
-        recall_per_epoch.append(recall(rm, trainer.served_adapter, FACTS)[0])
-        if not each_epoch:
-            return 0.0
-        t_e = time.perf_counter()
-        fact_window_losses.append(window_losses(evaluator, trainer.lora_parameters(), facts))
-        d_e = run_steps(probe.measure(trainer.served_adapter))
-        drift_per_epoch.append({"epoch": number, "drift_kl": d_e.drift_kl, "changed": d_e.changed_raw,
-                                "changed_beyond_margin": d_e.changed,
-                                "changed_at_lead": {str(m): sum(any(x >= m for x in lead) for lead in d_e.flip_leads)
-                                                    for m in DETERMINED_MARGINS}})
-        return time.perf_counter() - t_e
-    if load_mean:
-        epochs, consolidate = 0, 0
+    run = SettingRun(rm, probe, trainer, proj, facts, bases, near, spec, k, seed, lr, ratio, each_epoch)
+    if k.load_mean:
+        epochs, k.consolidate = 0, 0
         if not save_params:
             raise SystemExit(f"{name}: load_mean reads its files from --save-params")
-        vecs = [np.load(Path(save_params) / f) for f in load_mean]
+        vecs = [np.load(Path(save_params) / f) for f in k.load_mean]
         trainer.set_lora_parameters(np.mean(vecs, axis=0).astype(np.float32))
     try:
-        for epoch in range(epochs):
-            own = OwnLoss(len(facts), stop_loss)     # the job's own early-stop bookkeeping
-            windows = facts + anchor_windows(bases, anchor_visits(len(bases), len(facts), ratio, epoch, oseed),
-                                             spec.window, mode)
-            windows += anchor_windows(near, [(i, epoch) for i in range(len(near))], spec.window, mode)
-            anchored += len(windows) - len(facts)
-            for w in epoch_order(len(windows), epoch, oseed):
-                if no_facts and w < len(facts):
-                    continue
-                frac = rstep if w >= len(facts) else 1.0
-                if warmup:
-                    frac *= min(1.0, (updates + 1) / warmup)
-                before_step = trainer.lora_parameters() if (frac != 1.0 or (wd_b and wd_cons != "only")) else None
-                rec = trainer.train_window(windows[w].tokens, windows[w].mask, windows[w].soft)
-                if before_step is not None:
-                    emulate_step(before_step, frac, 0.0 if wd_cons == "only" else wd_b)
-                if proj is not None:
-                    proj.apply()
-                updates += 1
-                for r in rec:
-                    own.note(w, r)
-            each_below = own.converged()
-            epoch_losses.append(own.mean if own.mean is not None else float("nan"))
-            t0 += after_epoch(epoch + 1)
-            if each_below if STOP_RULE == "each" else (stop_loss is not None and epoch_losses[-1] < stop_loss):
-                break
-        plan = []
-        for c in range(consolidate):         # as DriftGuard.consolidation_order visits them
-            pool = bases + near if near_cons else bases
-            windows = anchor_windows(pool, consolidation_visits(len(pool), c, oseed), spec.window, mode)
-            if consolidate_facts:
-                windows = [(facts + windows)[i] for i in epoch_order(len(facts) + len(windows), 1000 + c, oseed)]
-            plan.append(windows)
-        n_cons, done_cons = sum(len(x) for x in plan), 0
-        iterate_sum = None
-
-        def repair_facts() -> int:
-            threshold = repair[0]
-            losses = window_losses(evaluator, trainer.lora_parameters(), facts)
-            high = [i for i, loss in enumerate(losses) if loss > threshold]
-            for i in high:
-                trainer.train_window(facts[i].tokens, facts[i].mask, facts[i].soft)
-            return len(high)
-        for c, windows in enumerate(plan):
-            anchored += len(windows)
-            repairs.append(0)
-            for k, w in enumerate(windows):
-                cons_wd = wd_b if wd_cons else 0.0
-                before_step = trainer.lora_parameters() if (decay or cons_wd) else None
-                trainer.train_window(w.tokens, w.mask, w.soft)
-                if before_step is not None:
-                    emulate_step(before_step, 1.0 - (done_cons + 0.5) / n_cons if decay else 1.0, cons_wd)
-                done_cons += 1
-                if proj is not None:
-                    proj.apply()
-                if repair and ((k + 1) % repair[1] == 0 or k + 1 == len(windows)):
-                    n = repair_facts()
-                    repairs[-1] += n
-                    updates += n
-                if average:
-                    theta = trainer.lora_parameters().astype(np.float64)
-                    iterate_sum = theta if iterate_sum is None else iterate_sum + theta
-                updates += 1
-            t0 += after_epoch(len(epoch_losses) + c + 1)
-        if iterate_sum is not None:
-            trainer.set_lora_parameters((iterate_sum / done_cons).astype(np.float32))
-            trainer.promote()
-            recall_per_epoch.append(recall(rm, trainer.served_adapter, FACTS)[0])
-        train_s = time.perf_counter() - t0
-        trainer.promote()
-        if save_params:
-            Path(save_params).mkdir(parents=True, exist_ok=True)
-            np.save(Path(save_params) / f"{name}-seed{seed}.npy", trainer.lora_parameters().astype(np.float32))
-        t1 = time.perf_counter()
-        drift = run_steps(probe.measure(trainer.served_adapter))
-        measure_s = time.perf_counter() - t1
-        drift_rehearsed = run_steps(rehearsal.measure(trainer.served_adapter))
-        drift_unseen = run_steps(unseen.measure(trainer.served_adapter))
-        rec_frac, answers = recall(rm, trainer.served_adapter, FACTS)
-        lqs = answer_logprobs(rm, probe, trainer.served_adapter)
-        changes = first_changes(rm, probe, trainer.served_adapter, lqs)
-        determined = changed_determined(probe, lqs)
-        if on_adapter is not None:           # a caller's own look at the final adapter (bench_drift_floor)
-            on_adapter(trainer.served_adapter)
-        scaled = at_scales(rm, probe, unseen, spec, trainer, facts, scales) if scales else []
-        jittered = at_jitters(probe, trainer, jitters) if jitters else []
+        run.fact_epochs(epochs, stop_loss)
+        run.consolidation()
+        train_s = time.perf_counter() - t0 - run.measured_s
+        fig = final_figures(rm, probe, rehearsal, unseen, run, spec, name, seed, on_adapter, scales, jitters,
+                            save_params)
     finally:
-        trainer.close()
-        if evaluator is not None:
-            evaluator.close()
-    out = {"name": name, **more, "project": project, "rehearsal_samples": samples, "rehearsal": mode, "adam_eps": eps,
-           "accumulate": accumulate, "consolidate_average": average,
-           "rehearse_unseen": plus_unseen, "consolidate": consolidate,
-           "consolidate_facts": consolidate_facts, "consolidate_decay": decay, "rehearse_extra": extra,
-           "rehearse_forms": forms, "neighbours": neighbours,
-           "neighbours_consolidate": near_cons, "neighbour_prompts": [b.prompt for b in near],
-           "no_facts": no_facts, "no_eot": no_eot, "order_seed": order_seed, "load_mean": load_mean,
-           "repair": list(repair) if repair else None, "repairs_per_epoch": repairs,
-           "rehearsal_step": rstep, "weight_decay_b": wd_b, "wd_consolidate": wd_cons, "warmup": warmup,
-           "lr": lr, "epochs": epochs,
-           "epochs_run": len(epoch_losses), "rank": rank,
-           "targets": targets, "anchor_ratio": ratio, "anchor_windows_trained": anchored, "stop_loss": stop_loss,
-           "updates": updates, "fact_loss_per_epoch": epoch_losses, "recall_per_epoch": recall_per_epoch,
-           "fact_window_losses_per_epoch": fact_window_losses,
-           "recall": rec_frac, **drift.as_dict(),
-           "anchors_changed_12": changed_within(drift, 12), "anchors_changed_6": changed_within(drift, 6),
-           "anchors_changed_sure": changed_where_sure(drift, probe.bases), "changed_determined": determined,
-           "rehearsed_drift_kl": drift_rehearsed.drift_kl, "rehearsed_changed": drift_rehearsed.anchors_changed,
-           "unseen_drift_kl": drift_unseen.drift_kl, "unseen_changed": drift_unseen.anchors_changed,
-           "unseen_changed_12": changed_within(drift_unseen, 12),
-           "train_s": train_s, "measure_s": measure_s, "answers": answers, "first_changes": changes,
-           "drift_per_epoch": drift_per_epoch, "noise_margin_s": margin_s, "flip_leads": drift.flip_leads,
-           "at_scales": scaled}
+        run.close()
+    drift, jittered = fig.pop("drift"), fig.pop("jittered")
+    out = {"name": name, **more, **k.record(), "neighbour_prompts": [b.prompt for b in near],
+           "repairs_per_epoch": run.repairs, "lr": lr, "epochs": epochs, "epochs_run": len(run.epoch_losses),
+           "rank": rank, "targets": targets, "anchor_ratio": ratio, "anchor_windows_trained": run.anchored,
+           "stop_loss": stop_loss, "updates": run.updates, "fact_loss_per_epoch": run.epoch_losses,
+           "recall_per_epoch": run.recall_per_epoch, "fact_window_losses_per_epoch": run.fact_window_losses,
+           **fig, "train_s": train_s, "drift_per_epoch": run.drift_per_epoch, "noise_margin_s": margin_s}
     if jitters:
         out["jitter"] = {"sigma": NULL_SIGMA, "base_leads": [b.leads().round(4).tolist() for b in probe.bases],
                          "adapter_drops": [[round(x, 4) for x in d] for d in drift.drops],
@@ -692,7 +749,7 @@ def run_setting(rm, probe, rehearsal, unseen, name, lr, epochs, rank, targets, r
     if noise_margin is not None:
         out["noise_margin"] = noise_margin
     quiet = ("answers", "first_changes", "drift_per_epoch", "flip_leads", "at_scales", "jitter")
-    print(json.dumps({k: v for k, v in out.items() if k not in quiet}), flush=True)
+    print(json.dumps({key: v for key, v in out.items() if key not in quiet}), flush=True)
     return out
 
 

@@ -84,69 +84,42 @@ def flip_margins(probe, margins, rows) -> list[float]:
             for j in np.flatnonzero(rows[i] != np.asarray(b.answer))]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/drift-floor-2026-12-01.json")
-    ap.add_argument("--model", default=None, help="a GGUF to measure instead of the default model")
-    ap.add_argument("--no-trained-job", action="store_true", help="the null adapters only")
-    args = ap.parse_args()
-    load_start = os.getloadavg()
-    rm = ResidentModel(ResidentConfig(model_path=args.model, n_ctx=512, n_seq=1, n_threads=1))
-    probe = DriftProbe(rm, load_anchors(), seq_id=0)
-    t = time.perf_counter()
-    run_steps(probe.record())
-    record_s = time.perf_counter() - t
-    margins = base_margins(probe)
-    spec = parse_train_request({"examples": chat_examples(EVAL_FACTS)}).to_job_spec()   # the defaults
-    trainer = native_trainer(rm, spec, spec.chunk)
+def null_adapters(rm, probe, trainer, margins) -> tuple[list[dict], list]:
+    """Each null adapter's drift (B drawn at each SIGMA and seed), then the noise set: the
+    choices along each base answer of the NOISE_SIGMA draws."""
     rows = []
-    try:
-        base = trainer.lora_parameters()
-        is_b = lora_b_mask(trainer)
-        for seed in SEEDS:
-            draw = np.random.default_rng(seed).standard_normal(int(is_b.sum()))
-            for sigma in SIGMAS:
-                vec = base.copy()
-                vec[is_b] = sigma * draw
-                trainer.set_lora_parameters(vec)
-                trainer.promote()
-                d = run_steps(probe.measure(trainer.served_adapter))
-                flips = flip_margins(probe, margins, argmax_rows(rm, probe, trainer.served_adapter))
-                row = {"seed": seed, "sigma": sigma, "drift_kl": d.drift_kl, "anchors_changed": d.anchors_changed,
-                       "anchors_changed_count": d.changed, "anchors": d.anchors,
-                       "changed_within_6": changed_within(d, 6),
-                       "changed_where_base_sure": changed_where_sure(d, probe.bases),
-                       "first_change": list(d.first_change), "flips": len(flips),
-                       "max_flip_margin": max(flips, default=None), "flip_margins": sorted(flips)}
-                rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k not in ("first_change", "flip_margins")}),
-                      flush=True)
-        # the null adapters' choices along each base answer (the noise set), then the
-        # default job of bench_drift.py (sampled4-ratio2, seed 3) against them
-        noise = []
-        for seed in SEEDS:
+    base = trainer.lora_parameters()
+    is_b = lora_b_mask(trainer)
+    for seed in SEEDS:
+        draw = np.random.default_rng(seed).standard_normal(int(is_b.sum()))
+        for sigma in SIGMAS:
             vec = base.copy()
-            vec[is_b] = NOISE_SIGMA * np.random.default_rng(seed).standard_normal(int(is_b.sum()))
+            vec[is_b] = sigma * draw
             trainer.set_lora_parameters(vec)
             trainer.promote()
-            noise.append(argmax_rows(rm, probe, trainer.served_adapter))
-    finally:
-        trainer.close()
-    null_flips = [m for r in rows if r["sigma"] == NOISE_SIGMA for m in r["flip_margins"]]
-    every = np.concatenate(margins)
-    head = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
-            "model": rm.model_path.name, "threads": 1, "rank": spec.rank, "targets": spec.targets,
-            "anchors": len(probe.bases), "record_s": record_s, "load_avg_start": load_start, "sure_p": 0.5,
-            "log10_sigmas": [math.log10(s) for s in SIGMAS], "noise_sigma": NOISE_SIGMA,
-            "noise_margin": max(null_flips, default=None),
-            "answer_positions": int(every.size),
-            "base_margin_quantiles": {str(q): float(np.quantile(every, q)) for q in (0.05, 0.1, 0.25, 0.5)},
-            "base_margins": [m.tolist() for m in margins]}
-    if args.no_trained_job:
-        Path(args.out).write_text(json.dumps({**head, "load_avg_end": os.getloadavg(), "results": rows}, indent=1)
-                                  + "\n")
-        rm.close()
-        return
+            d = run_steps(probe.measure(trainer.served_adapter))
+            flips = flip_margins(probe, margins, argmax_rows(rm, probe, trainer.served_adapter))
+            row = {"seed": seed, "sigma": sigma, "drift_kl": d.drift_kl, "anchors_changed": d.anchors_changed,
+                   "anchors_changed_count": d.changed, "anchors": d.anchors,
+                   "changed_within_6": changed_within(d, 6),
+                   "changed_where_base_sure": changed_where_sure(d, probe.bases),
+                   "first_change": list(d.first_change), "flips": len(flips),
+                   "max_flip_margin": max(flips, default=None), "flip_margins": sorted(flips)}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("first_change", "flip_margins")}),
+                  flush=True)
+    noise = []
+    for seed in SEEDS:
+        vec = base.copy()
+        vec[is_b] = NOISE_SIGMA * np.random.default_rng(seed).standard_normal(int(is_b.sum()))
+        trainer.set_lora_parameters(vec)
+        trainer.promote()
+        noise.append(argmax_rows(rm, probe, trainer.served_adapter))
+    return rows, noise
+
+
+def trained_job(rm, probe, margins, noise) -> dict:
+    """The default job of bench_drift.py (sampled4-ratio2, seed 3) against the null adapters' noise set."""
     rehearsal = DriftProbe(rm, rehearsal_anchors(), seq_id=0, samples=4)
     run_steps(rehearsal.record())
     unseen = DriftProbe(rm, UNSEEN_PROMPTS, seq_id=0)
@@ -163,8 +136,43 @@ def main() -> None:
                    first_changes=job["first_changes"])
     print(json.dumps({k: v for k, v in trained.items() if k != "first_changes"}), flush=True)
     trained["flip_margins"] = sorted(flip_margins(probe, margins, trained_rows))
-    Path(args.out).write_text(json.dumps({**head, "load_avg_end": os.getloadavg(), "results": rows,
-                                          "trained_job": trained}, indent=1) + "\n")
+    return trained
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/drift-floor-2026-12-01.json")
+    ap.add_argument("--model", default=None, help="a GGUF to measure instead of the default model")
+    ap.add_argument("--no-trained-job", action="store_true", help="the null adapters only")
+    args = ap.parse_args()
+    load_start = os.getloadavg()
+    rm = ResidentModel(ResidentConfig(model_path=args.model, n_ctx=512, n_seq=1, n_threads=1))
+    probe = DriftProbe(rm, load_anchors(), seq_id=0)
+    t = time.perf_counter()
+    run_steps(probe.record())
+    record_s = time.perf_counter() - t
+    margins = base_margins(probe)
+    spec = parse_train_request({"examples": chat_examples(EVAL_FACTS)}).to_job_spec()   # the defaults
+    trainer = native_trainer(rm, spec, spec.chunk)
+    try:
+        rows, noise = null_adapters(rm, probe, trainer, margins)
+    finally:
+        trainer.close()
+    null_flips = [m for r in rows if r["sigma"] == NOISE_SIGMA for m in r["flip_margins"]]
+    every = np.concatenate(margins)
+    out = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
+           "model": rm.model_path.name, "threads": 1, "rank": spec.rank, "targets": spec.targets,
+           "anchors": len(probe.bases), "record_s": record_s, "load_avg_start": load_start, "sure_p": 0.5,
+           "log10_sigmas": [math.log10(s) for s in SIGMAS], "noise_sigma": NOISE_SIGMA,
+           "noise_margin": max(null_flips, default=None),
+           "answer_positions": int(every.size),
+           "base_margin_quantiles": {str(q): float(np.quantile(every, q)) for q in (0.05, 0.1, 0.25, 0.5)},
+           "base_margins": [m.tolist() for m in margins]}
+    trained = None if args.no_trained_job else trained_job(rm, probe, margins, noise)
+    out.update(load_avg_end=os.getloadavg(), results=rows)
+    if trained is not None:
+        out["trained_job"] = trained
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     rm.close()
 
 

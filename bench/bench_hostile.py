@@ -161,42 +161,75 @@ def _busy(stop_at: float) -> None:
         x += 1
 
 
+def _attack(name: str, url: str, port: int, args, stop: threading.Event, note: dict) -> threading.Thread | None:
+    """The case's attacker thread (not started), or None for the cases without one."""
+    if name == "half_open":
+        return threading.Thread(target=half_open, args=(port, args.half_open, stop, note), daemon=True)
+    if name == "slowloris":
+        return threading.Thread(target=slowloris, args=(port, args.slowloris, stop, note), daemon=True)
+    if name == "keys":
+        raw = json.dumps({f"k{i}": 0 for i in range(300_000)}, separators=(",", ":")).encode()
+        return threading.Thread(target=bodies, args=(url, raw, 20, note), daemon=True)
+    if name == "deep":
+        return threading.Thread(target=bodies, args=(url, b"[" * 100_000 + b"]" * 100_000, 20, note), daemon=True)
+    return None
+
+
+def _start_job(url: str, args, note: dict) -> int | None:
+    """POST /train a small job and wait (at most 300 s) until it is training, not setting up; its id."""
+    with httpx.Client(base_url=url, timeout=60, headers=JSON_HEADERS) as c:
+        r = c.post("/train", json={"text": LESSON, "window": 64, "chunk": 32, "epochs": args.job_epochs,
+                                   "rank": 4, "promote": "never"})
+        job = r.json()["id"] if r.status_code == 202 else None
+        note["job_post"] = r.status_code
+        deadline = time.monotonic() + 300
+        while job is not None and time.monotonic() < deadline:
+            if c.get(f"/train/{job}").json()["progress"]["step"] >= 3:
+                break
+            time.sleep(0.5)
+    return job
+
+
+def _finish_job(url: str, job: int, job_started: float, args, procs: list) -> dict:
+    """Wait for the job to end (the busy loops stay up until it does; cancelled past args.job_timeout): its figures."""
+    ended = ("done", "error", "cancelled", "refused")
+    with httpx.Client(base_url=url, timeout=60, headers=JSON_HEADERS) as c:
+        deadline = time.monotonic() + args.job_timeout
+        while c.get(f"/train/{job}").json()["state"] not in ended and time.monotonic() < deadline:
+            time.sleep(1.0)
+        job_s = time.monotonic() - job_started
+        for p in procs:
+            p.terminate()
+        j = c.get(f"/train/{job}").json()
+        if j["state"] not in ended:
+            c.post(f"/train/{job}/cancel")
+    pacing = j.get("pacing") or {}
+    return {"state": j["state"], "finished": j["state"] == "done", "seconds": round(job_s, 1),
+            "steps": j["progress"]["step"], "windows_done": j["progress"].get("windows_done"),
+            "stopped": j["progress"].get("stopped"), "aborted": j["progress"].get("aborted"),
+            "chat_pause_ms": {q: pacing.get(f"micro_step_ms_{q}") for q in ("p50", "p95", "p99", "max")},
+            "pauses_over_bound": pacing.get("pauses_over_max"), "micro_steps": pacing.get("micro_steps"),
+            "pacing": pacing}
+
+
 def run_case(name: str, url: str, port: int, server: subprocess.Popen, log_path: Path, args) -> dict:
     soak = Soak(url, args.seconds / 60.0, args.max_tokens)
     note: dict = {}
     stop = threading.Event()
-    attack: threading.Thread | None = None
+    attack = _attack(name, url, port, args, stop, note)
     procs: list[multiprocessing.Process] = []
     job = None
     job_started = time.monotonic()
     log0 = log_path.stat().st_size
-    if name == "half_open":
-        attack = threading.Thread(target=half_open, args=(port, args.half_open, stop, note), daemon=True)
-    elif name == "slowloris":
-        attack = threading.Thread(target=slowloris, args=(port, args.slowloris, stop, note), daemon=True)
-    elif name == "keys":
-        raw = json.dumps({f"k{i}": 0 for i in range(300_000)}, separators=(",", ":")).encode()
-        attack = threading.Thread(target=bodies, args=(url, raw, 20, note), daemon=True)
-    elif name == "deep":
-        attack = threading.Thread(target=bodies, args=(url, b"[" * 100_000 + b"]" * 100_000, 20, note), daemon=True)
-    elif name in ("job", "oversubscribed"):
-        with httpx.Client(base_url=url, timeout=60, headers=JSON_HEADERS) as c:
-            r = c.post("/train", json={"text": LESSON, "window": 64, "chunk": 32, "epochs": args.job_epochs,
-                                       "rank": 4, "promote": "never"})
-            job = r.json()["id"] if r.status_code == 202 else None
-            note["job_post"] = r.status_code
-            job_started = time.monotonic()
-            deadline = job_started + 300
-            while job is not None and time.monotonic() < deadline:      # training, not setting up
-                if c.get(f"/train/{job}").json()["progress"]["step"] >= 3:
-                    break
-                time.sleep(0.5)
-        if name == "oversubscribed":
-            stop_at = time.monotonic() + args.seconds + args.job_timeout + 5
-            procs = [multiprocessing.Process(target=_busy, args=(stop_at,), daemon=True)
-                     for _ in range(2 * (os.cpu_count() or 1))]
-            for p in procs:
-                p.start()
+    if name in ("job", "oversubscribed"):
+        job = _start_job(url, args, note)
+        job_started = time.monotonic()
+    if name == "oversubscribed":
+        stop_at = time.monotonic() + args.seconds + args.job_timeout + 5
+        procs = [multiprocessing.Process(target=_busy, args=(stop_at,), daemon=True)
+                 for _ in range(2 * (os.cpu_count() or 1))]
+        for p in procs:
+            p.start()
     clients = [threading.Thread(target=soak.client, args=(i,), daemon=True) for i in range(args.streams)]
     for t in clients:
         t.start()
@@ -213,26 +246,7 @@ def run_case(name: str, url: str, port: int, server: subprocess.Popen, log_path:
     stop.set()
     if attack is not None:
         attack.join(600)
-    job_figures = None
-    if job is not None:
-        with httpx.Client(base_url=url, timeout=60, headers=JSON_HEADERS) as c:
-            deadline = time.monotonic() + args.job_timeout
-            while c.get(f"/train/{job}").json()["state"] not in ("done", "error", "cancelled", "refused") \
-                    and time.monotonic() < deadline:          # the busy loops stay up until the job ends
-                time.sleep(1.0)
-            job_s = time.monotonic() - job_started
-            for p in procs:
-                p.terminate()
-            j = c.get(f"/train/{job}").json()
-            if j["state"] not in ("done", "error", "cancelled", "refused"):
-                c.post(f"/train/{job}/cancel")
-        pacing = j.get("pacing") or {}
-        job_figures = {"state": j["state"], "finished": j["state"] == "done", "seconds": round(job_s, 1),
-                       "steps": j["progress"]["step"], "windows_done": j["progress"].get("windows_done"),
-                       "stopped": j["progress"].get("stopped"), "aborted": j["progress"].get("aborted"),
-                       "chat_pause_ms": {q: pacing.get(f"micro_step_ms_{q}") for q in ("p50", "p95", "p99", "max")},
-                       "pauses_over_bound": pacing.get("pauses_over_max"), "micro_steps": pacing.get("micro_steps"),
-                       "pacing": pacing}
+    job_figures = _finish_job(url, job, job_started, args, procs) if job is not None else None
     for p in procs:
         p.join(30)
     time.sleep(1.0)

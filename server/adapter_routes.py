@@ -43,14 +43,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dreamstage.adapters.files import atomic_file, load_lora, save_lora
 from dreamstage.adapters.peft import PeftError, factors_to_peft, peft_to_factors, read_safetensors
+from dreamstage.adapters.replicas import generation
 from dreamstage.adapters.served import AdapterRefused
+from dreamstage.adapters.versions import AdapterNotFound
 from dreamstage.server.errors import APIError, strict_int
 from dreamstage.server.tenants import scope_of
 from dreamstage.server.train_routes import _invalid, _json_object, _storage_error, _training_service
 from dreamstage.server.train_routes import adapter_name_in_scope as _name
 from dreamstage.server.views import adapters_view, name_view, public
 from dreamstage.training.jobs.scheduler import AdapterInUse
-from dreamstage.training.jobs.store import AdapterNotFound
 from dreamstage.validation import field_errors
 
 router = APIRouter()
@@ -101,7 +102,7 @@ def _scoped_view(request: Request, service) -> dict:
         return adapters_view(service)
     store = service.store
     names = [n for n in store.names() if scope.allows(n)]
-    return public({"names": [name_view(service, n) for n in names], "generation": store.generation(),
+    return public({"names": [name_view(service, n) for n in names], "generation": generation(store),
                    "adapters": [v for n in names for v in store.adapters(n)]})
 
 
@@ -139,7 +140,7 @@ def _wait_s(raw: str | None) -> float:
 async def _generation_change(request: Request, service, since: int, wait_s: float) -> None:
     """Return when the store's generation is not `since`, `wait_s` passed, the client left or the server stops."""
     deadline = asyncio.get_running_loop().time() + wait_s
-    while service.store.generation() == since and service.engine.running:
+    while generation(service.store) == since and service.engine.running:
         if asyncio.get_running_loop().time() >= deadline or await request.is_disconnected():
             return
         await asyncio.sleep(CHANGE_POLL_S)

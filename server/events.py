@@ -35,7 +35,7 @@ from sse_starlette import EventSourceResponse
 
 from dreamstage.server.errors import APIError, strict_int
 from dreamstage.server.views import adapters_view, public, with_unrecorded
-from dreamstage.training.jobs.store import JobNotFound
+from dreamstage.training.jobs.errors import JobNotFound
 
 router = APIRouter()
 

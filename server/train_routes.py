@@ -21,8 +21,9 @@ from dreamstage.server.errors import APIError, strict_int
 from dreamstage.server.middleware import json_body
 from dreamstage.server.tenants import scope_of
 from dreamstage.server.views import public, with_unrecorded
+from dreamstage.training.jobs.errors import JobNotFound
 from dreamstage.training.jobs.request import check_adapter_name
-from dreamstage.training.jobs.store import InvalidTransition, JobNotFound
+from dreamstage.training.jobs.store import InvalidTransition
 from dreamstage.training.jobs.submit import SubmitRefused, invalid
 
 router = APIRouter()

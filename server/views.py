@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dreamstage.adapters.replicas import generation
+
 
 def with_unrecorded(service, view: dict) -> dict:
     """A job that ended while the store could not be written (a full disk) is
@@ -19,7 +21,7 @@ def adapters_view(service) -> dict:
     generation, every name (`name_view`) and every stored adapter version."""
     jobs = service.store
     return public({"served_version": service.engine.adapter_version, "served": jobs.served(),
-                   "generation": jobs.generation(),
+                   "generation": generation(jobs),
                    "served_error": service.scheduler.served_error, "promotions": jobs.promotions(),
                    "names": [name_view(service, n) for n in jobs.names()], "adapters": jobs.adapters()})
 

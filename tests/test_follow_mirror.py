@@ -1,4 +1,4 @@
-"""A follower's booking, without servers: the store's promotion generation and `mirror_promotions`, and
+"""A follower's booking, without servers: the promotion generation and `mirror_promotions` (adapters/replicas.py), and
 `AdapterSwitch.book_mirror` (the leader's whole live set at once, checked against the set after it)."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dreamstage.adapters.replicas import generation, mirror_promotions
 from dreamstage.adapters.served import AdapterRefused, AdapterSwitch
 from dreamstage.training.jobs.store import JobStore
 
@@ -45,29 +46,29 @@ def live(store) -> list[tuple[int, str, int]]:
 
 
 def test_the_generation_grows_with_every_promotion_and_rollback(store):
-    seen = [store.generation()]
+    seen = [generation(store)]
     store.promote("alice", 1)
     store.promote("bob", 1)
     store.promote("alice", 2)
-    seen.append(store.generation())
+    seen.append(generation(store))
     store.rollback("alice")
-    seen.append(store.generation())
+    seen.append(generation(store))
     store.retire("bob")
-    seen.append(store.generation())
+    seen.append(generation(store))
     store.add_adapter("carol", 1)                     # a stored version serves nothing: no change
-    seen.append(store.generation())
+    seen.append(generation(store))
     assert seen == [0, 3, 4, 5, 5]
 
 
 def test_mirror_makes_the_live_promotions_the_leaders_under_its_numbers(store):
-    store.mirror_promotions([(4, "alice", 1), (9, "bob", 1)])
+    mirror_promotions(store, [(4, "alice", 1), (9, "bob", 1)])
     assert live(store) == [(4, "alice", 1), (9, "bob", 1)] and store.served_version() == 9
     assert store.served()["name"] == "bob" and store.served("alice")["served_version"] == 4
-    store.mirror_promotions([(4, "alice", 1), (11, "alice", 2)])       # bob rolled back, alice moved on
+    mirror_promotions(store, [(4, "alice", 1), (11, "alice", 2)])       # bob rolled back, alice moved on
     assert live(store) == [(4, "alice", 1), (11, "alice", 2)] and store.served("bob") is None
-    store.mirror_promotions([(4, "alice", 1), (9, "bob", 1)])          # a rolled-back row lives again
+    mirror_promotions(store, [(4, "alice", 1), (9, "bob", 1)])          # a rolled-back row lives again
     assert live(store) == [(4, "alice", 1), (9, "bob", 1)]
-    store.mirror_promotions([])
+    mirror_promotions(store, [])
     assert live(store) == [] and store.served() is None and store.served_version() == 0
 
 

@@ -10,7 +10,9 @@ import threading
 
 import pytest
 
+from dreamstage.adapters.versions import AdapterNotFound
 from dreamstage.training.jobs import request as spec_module
+from dreamstage.training.jobs.errors import JobError, JobNotFound
 from dreamstage.training.jobs.promotion import promotion_decision
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.schema import SCHEMA_VERSION
@@ -18,10 +20,7 @@ from dreamstage.training.jobs.store import (
     STATES,
     TERMINAL,
     TRANSITIONS,
-    AdapterNotFound,
     InvalidTransition,
-    JobError,
-    JobNotFound,
     JobStore,
     check_transition,
 )

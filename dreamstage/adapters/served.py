@@ -31,8 +31,9 @@ from dreamstage import native
 from dreamstage.adapters.choice import BASE, DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK, AdapterChoice
 from dreamstage.adapters.files import atomic_file, file_sha256, lora_rank_of
 from dreamstage.adapters.loaded import AdapterLoadError, load_adapter_file
-from dreamstage.training.jobs.request import check_adapter_name
-from dreamstage.training.jobs.store import AdapterNotFound, JobStore
+from dreamstage.adapters.names import check_adapter_name
+from dreamstage.adapters.replicas import mirror_promotions
+from dreamstage.adapters.versions import AdapterNotFound, AdapterVersions
 
 log = logging.getLogger("dreamstage.served")
 
@@ -95,7 +96,7 @@ class AdapterSwitch:
     """What serves (reloaded at startup), and the one booked change to apply
     at the next batch boundary. `served` checks files (a fake in tests)."""
 
-    def __init__(self, store: JobStore, served: ServedAdapters, max_adapters: int = DEFAULT_MAX_ADAPTERS,
+    def __init__(self, store: AdapterVersions, served: ServedAdapters, max_adapters: int = DEFAULT_MAX_ADAPTERS,
                  budget_mib: float | None = None, mixed_max_rank: int = DEFAULT_MIXED_MAX_RANK):
         self.store = store
         self.served = served
@@ -221,7 +222,7 @@ class AdapterSwitch:
             if served is None or served["served_version"] != tops[name][0]:
                 self.check_room(name, path, {n: p for n, p in after.items() if n != name})
                 self.served.discard(self.served.load(path))
-        store.mirror_promotions(live)
+        mirror_promotions(store, live)
         default = store.served()
         self._queue_swap(_Swap(None, default["path"] if default else None, store.served_version(), default,
                                applied))

@@ -336,94 +336,96 @@ void dream_bank_free(dream_bank * bank) {
     delete bank;
 }
 
-int32_t dream_bank_load(dream_bank * bank, const char * path, float scale, char * err, size_t err_size) {
-    int32_t slot = -1;
-    for (int32_t s = 0; s < bank->capacity; ++s) {
-        if (bank->paths[s].empty()) {
-            slot = s;
-            break;
-        }
-    }
-    if (slot < 0) {
-        set_err(err, err_size, "%s: the adapter bank is full (capacity %d): unload one first", path, bank->capacity);
-        return -1;
-    }
-    if (!std::isfinite(scale)) {
-        set_err(err, err_size, "%s: scale %g is not finite", path, (double) scale);
-        return -1;
-    }
-    // llama.cpp's own loader checks the format, the architecture and every shape
-    llama_adapter_lora * ad = llama_adapter_lora_init(const_cast<llama_model *>(bank->model), path);
+namespace {
+
+using adapter_ptr = std::unique_ptr<llama_adapter_lora, void (*)(llama_adapter_lora *)>;
+
+// one weight the adapter adapts: the model's tensor and the adapter's A and B for it
+struct bank_pending { const ggml_tensor * w; const llama_adapter_lora_weight * lw; };
+
+// Reads path with llama.cpp's own loader (it checks the format, the architecture
+// and every shape) and checks that the bank can hold it: each weight the
+// model's, of rank up to max_rank. Null with err set when not.
+adapter_ptr bank_read_adapter(const dream_bank & bank, const char * path, std::vector<bank_pending> & todo,
+                              char * err, size_t err_size) {
+    adapter_ptr ad(llama_adapter_lora_init(const_cast<llama_model *>(bank.model), path), llama_adapter_lora_free);
     if (!ad) {
         set_err(err, err_size, "%s: llama.cpp refused it as a LoRA adapter for this model "
                 "(not a GGUF LoRA, another architecture, or shapes that do not match its weights)", path);
-        return -1;
+        return adapter_ptr(nullptr, llama_adapter_lora_free);
     }
-    std::unique_ptr<llama_adapter_lora, void (*)(llama_adapter_lora *)> owner(ad, llama_adapter_lora_free);
-    if (!ad->alora_invocation_tokens.empty()) {
-        set_err(err, err_size, "%s: an activated LoRA (aLoRA) cannot be banked", path);
-        return -1;
+    const char * refusal = !ad->alora_invocation_tokens.empty() ? "an activated LoRA (aLoRA) cannot be banked"
+                         : ad->ab_map.empty()                   ? "the adapter adapts no weight"
+                                                                : nullptr;
+    if (refusal) {
+        set_err(err, err_size, "%s: %s", path, refusal);
+        return adapter_ptr(nullptr, llama_adapter_lora_free);
     }
-    if (ad->ab_map.empty()) {
-        set_err(err, err_size, "%s: the adapter adapts no weight", path);
-        return -1;
-    }
-    struct pending { const ggml_tensor * w; const llama_adapter_lora_weight * lw; };
-    std::vector<pending> todo;
     for (const auto & [name, lw] : ad->ab_map) {
-        const ggml_tensor * w = bank->model->get_tensor(name.c_str());
+        const ggml_tensor * w = bank.model->get_tensor(name.c_str());
         if (!w || lw.a->ne[0] != w->ne[0] || lw.b->ne[1] != w->ne[1] || lw.a->ne[1] != lw.b->ne[0]) {
             set_err(err, err_size, "%s: %s does not match the model's weight", path, name.c_str());
-            return -1;
+            return adapter_ptr(nullptr, llama_adapter_lora_free);
         }
-        if (lw.a->ne[1] > bank->max_rank) {
+        if (lw.a->ne[1] > bank.max_rank) {
             set_err(err, err_size, "%s: %s has rank %lld, above the bank's max_rank %d", path, name.c_str(),
-                    (long long) lw.a->ne[1], bank->max_rank);
-            return -1;
+                    (long long) lw.a->ne[1], bank.max_rank);
+            return adapter_ptr(nullptr, llama_adapter_lora_free);
         }
         todo.push_back({w, &lw});
     }
+    return ad;
+}
 
-    // the stacks this adapter needs and the bank lacks, allocated before anything changes
+// Allocates the stacks the adapter needs and the bank lacks, all of them before
+// the bank changes; false (err set, the bank as it was) when one does not fit.
+bool bank_add_stacks(dream_bank & bank, const std::vector<bank_pending> & todo, const char * path, char * err,
+                     size_t err_size) {
     std::vector<std::pair<const ggml_tensor *, std::unique_ptr<bank_stack>>> fresh;
     for (const auto & p : todo) {
-        if (bank->stacks.count(p.w)) {
+        if (bank.stacks.count(p.w)) {
             continue;
         }
         auto st = std::make_unique<bank_stack>();
         ggml_init_params ip = { 2 * ggml_tensor_overhead(), nullptr, true };
         st->ctx.reset(ggml_init(ip));
-        const int64_t n = bank->capacity + 1;
+        const int64_t n = bank.capacity + 1;
         ggml_backend_buffer_type_t buft = dream_lora_buft(p.w);
         const bool host = ggml_backend_buft_is_host(buft);
-        st->dense = bank->gather == DREAM_BANK_DENSE;
-        st->bgmv = bank->gather == DREAM_BANK_BGMV || (bank->gather == DREAM_BANK_AUTO && !host);
-        st->a = ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, p.w->ne[0], bank->max_rank, n);
-        st->b = st->dense ? ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, bank->max_rank, n, p.w->ne[1])
-                          : ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, bank->max_rank, p.w->ne[1], n);
+        st->dense = bank.gather == DREAM_BANK_DENSE;
+        st->bgmv = bank.gather == DREAM_BANK_BGMV || (bank.gather == DREAM_BANK_AUTO && !host);
+        st->a = ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, p.w->ne[0], bank.max_rank, n);
+        st->b = st->dense ? ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, bank.max_rank, n, p.w->ne[1])
+                          : ggml_new_tensor_3d(st->ctx.get(), GGML_TYPE_F32, bank.max_rank, p.w->ne[1], n);
         ggml_format_name(st->a, "%s.bank_a", p.w->name);
         ggml_format_name(st->b, "%s.bank_b", p.w->name);
         st->buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(st->ctx.get(), buft));
         if (!st->buf) {
             set_err(err, err_size, "%s: could not allocate the bank's stack for %s in %s", path, p.w->name,
                     ggml_backend_buft_name(buft));
-            return -1;
+            return false;
         }
         ggml_backend_buffer_clear(st->buf.get(), 0);
         fresh.emplace_back(p.w, std::move(st));
     }
     for (auto & [w, st] : fresh) {
-        bank->stacks[w] = std::move(st);
+        bank.stacks[w] = std::move(st);
     }
     if (!fresh.empty()) {
-        bank->gen++;
+        bank.gen++;
     }
+    return true;
+}
 
-    const int64_t r_max = bank->max_rank;
+// Writes the adapter's A and scaled B into stack slot `slot + 1` of each weight
+// (slot 0 of every stack stays zero: the tokens without an adapter).
+void bank_place(dream_bank & bank, const llama_adapter_lora & ad, const std::vector<bank_pending> & todo,
+                int32_t slot, float scale) {
+    const int64_t r_max = bank.max_rank;
     for (const auto & p : todo) {
-        bank_stack & st = *bank->stacks[p.w];
-        const int64_t n_in = p.w->ne[0], n_out = p.w->ne[1], r = p.lw->a->ne[1];
-        const float s = p.lw->get_scale(ad->alpha, scale);
+        bank_stack & st = *bank.stacks[p.w];
+        const int64_t n_out = p.w->ne[1], r = p.lw->a->ne[1];
+        const float s = p.lw->get_scale(ad.alpha, scale);
         std::vector<float> a = read_f32(p.lw->a);                   // [n_in, r]: the slot's first r rows
         std::vector<float> b = read_f32(p.lw->b);                   // [r, n_out]
         std::vector<float> bp((size_t) (r_max * n_out), 0.0f);      // [r_max, n_out], scaled
@@ -437,6 +439,27 @@ int32_t dream_bank_load(dream_bank * bank, const char * path, float scale, char 
         ggml_backend_tensor_set(st.a, a.data(), (slot + 1) * sa, a.size() * sizeof(float));
         write_slot_b(st, slot + 1, bp.data());
     }
+}
+
+}  // namespace
+
+int32_t dream_bank_load(dream_bank * bank, const char * path, float scale, char * err, size_t err_size) {
+    const auto free_slot = std::find(bank->paths.begin(), bank->paths.end(), std::string());
+    if (free_slot == bank->paths.end()) {
+        set_err(err, err_size, "%s: the adapter bank is full (capacity %d): unload one first", path, bank->capacity);
+        return -1;
+    }
+    const int32_t slot = (int32_t) (free_slot - bank->paths.begin());
+    if (!std::isfinite(scale)) {
+        set_err(err, err_size, "%s: scale %g is not finite", path, (double) scale);
+        return -1;
+    }
+    std::vector<bank_pending> todo;
+    adapter_ptr ad = bank_read_adapter(*bank, path, todo, err, err_size);
+    if (!ad || !bank_add_stacks(*bank, todo, path, err, err_size)) {
+        return -1;
+    }
+    bank_place(*bank, *ad, todo, slot, scale);
     bank->paths[slot] = path;
     bank_sync_graph(*bank);
     return slot;

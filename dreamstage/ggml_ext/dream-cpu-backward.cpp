@@ -19,8 +19,7 @@
 //
 // The forward is ggml's quantized MUL_MAT, exactly what serving runs (for
 // Q4_1 through the batched kernel of cpu/mul-mat-q4-1.cpp, which is ggml's
-// arithmetic bit for bit); see docs/architecture/dream-stage.md,
-// "Performance (CPU, default model)".
+// arithmetic bit for bit); see docs/architecture/cpu.md.
 #include "dream-stage.h"
 #include "dream-testing.h"
 

@@ -124,17 +124,6 @@ void dream_fused_glu_set(bool on) {
     fused_glu_on = on;
 }
 
-ggml_tensor * dream_custom_tagged(ggml_tensor * node, int32_t kind) {
-    ggml_set_op_params_i32(node, DREAM_CUSTOM_TAG_PARAM, DREAM_CUSTOM_TAG);
-    ggml_set_op_params_i32(node, DREAM_CUSTOM_TAG_PARAM + 1, kind);
-    return node;
-}
-
-bool dream_is_custom(const ggml_tensor * t, int32_t kind) {
-    return t->op == GGML_OP_CUSTOM && ggml_get_op_params_i32(t, DREAM_CUSTOM_TAG_PARAM) == DREAM_CUSTOM_TAG &&
-           ggml_get_op_params_i32(t, DREAM_CUSTOM_TAG_PARAM + 1) == kind;
-}
-
 bool dream_is_swiglu_back(const ggml_tensor * t) {
     return dream_is_custom(t, DREAM_CUSTOM_SWIGLU_BACK);
 }

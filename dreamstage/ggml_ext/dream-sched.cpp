@@ -380,3 +380,14 @@ void dream_sched_release(dream_stage & ds) {
         ggml_backend_sched_reset(ds.exec.sched_exec.get());
     }
 }
+
+void dream_suspended_drop(dream_stage & ds) {
+    if (!ds.exec.suspended.active) {
+        return;
+    }
+    ds.mem.cache->seq_rm(0, ds.exec.suspended.chunk.p, -1);
+    ds.win.pos = std::min(ds.win.pos, ds.exec.suspended.chunk.p);
+    ds.exec.suspended = dream_suspended_step{};
+    dream_step_graph_drop(ds);
+    dream_sched_release(ds);
+}

@@ -446,6 +446,6 @@ bool dream_fattn_backward(ggml_context * ctx, ggml_tensor * t, ggml_tensor * gra
 
 // dream-glu.cpp: SwiGLU's backward as one node (installs ggml's backward hooks when the library loads)
 bool dream_is_swiglu_back(const ggml_tensor * t);
-// a GGML_OP_CUSTOM node of ours: its op params carry DREAM_CUSTOM_TAG and `kind` (dream-hooks.h)
+// dream-custom.cpp: a GGML_OP_CUSTOM node of ours: its op params carry DREAM_CUSTOM_TAG and `kind` (dream-hooks.h)
 ggml_tensor * dream_custom_tagged(ggml_tensor * node, int32_t kind);
 bool dream_is_custom(const ggml_tensor * t, int32_t kind);

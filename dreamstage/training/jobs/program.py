@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dreamstage.adapters.served import AdapterLoadError, AdapterSwitch
+from dreamstage.adapters.versions import AdapterNotFound
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift.decoding import set_context_adapter
 from dreamstage.training.drift.guard import DriftGuard, drift_figures, drift_receipt
@@ -25,7 +26,7 @@ from dreamstage.training.drift.rehearsal import consolidation_lr, rehearsal_wind
 from dreamstage.training.drift.stopping import ExampleHold, OwnLoss, held_windows, reply_lost
 from dreamstage.training.jobs.promotion import promotion_decision
 from dreamstage.training.jobs.spec import DEFAULT_CHUNK, GATE_SLACK_MIB, JobSpec
-from dreamstage.training.jobs.store import AdapterNotFound, InvalidTransition, JobStore
+from dreamstage.training.jobs.store import InvalidTransition, JobStore
 from dreamstage.training.pacing.pacer import Pacer
 from dreamstage.training.pacing.shaper import DreamThreads, StepShaper, load_average, trains_from
 from dreamstage.training.walk.examples import RenderedJob, render_job

@@ -8,7 +8,6 @@ groups into plain examples; the engine consumes only the `JobSpec`.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -20,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from dreamstage.adapters.choice import BASE_NAME
+from dreamstage.adapters.names import check_adapter_name
 from dreamstage.training.jobs.example_forms import (
     Example,
     GroupExample,
@@ -62,10 +61,6 @@ from dreamstage.training.jobs.spec import (
     SourcedExample,
     default_overlap,
 )
-
-# A bare adapter name: no separators, no leading dot, so it can never leave the
-# state directory's adapters/ folder. Matched with fullmatch (`$` would allow a trailing "\n").
-ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def context_cache_types() -> tuple[str, ...]:
@@ -322,18 +317,6 @@ def _parse_targets(v: str | list[str]) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"targets {v!r} names a target twice")
     return tuple(sorted(names, key=LORA_TARGETS.index))
-
-
-def check_adapter_name(name: str, field_name: str = "out") -> str:
-    """A bare, safe adapter name, not "base" (the name of no adapter); raise ValueError naming it otherwise."""
-    if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name) or ".." in name or name.endswith("."):
-        raise ValueError(
-            f"{field_name} {name!r} is not a bare adapter name (letters, digits, '_', '-', '.', "
-            "at most 64, starting with a letter or digit, no paths)"
-        )
-    if name == BASE_NAME:
-        raise ValueError(f"{field_name} {name!r} is reserved: it selects the base model, no adapter")
-    return name
 
 
 def parse_train_request(body: Mapping[str, Any] | str | bytes) -> TrainRequest:

@@ -1,0 +1,6 @@
+"""`python -m dreamstage.cli`."""
+import sys
+
+from dreamstage.cli import main
+
+sys.exit(main())
