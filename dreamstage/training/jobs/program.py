@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dreamstage.adapters.served import AdapterLoadError, AdapterSwitch
+from dreamstage.serving import rpc
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift.decoding import set_context_adapter
 from dreamstage.training.drift.guard import DriftGuard, drift_figures, drift_receipt
@@ -90,6 +91,9 @@ class JobLoop:
     decay: tuple[int, int] | None = None            # (windows begun, windows in all) of a decaying consolidation
     resume_threads: int | None = None               # set while a step stopped at its deadline waits to go on
     record_turn: bool = False                       # the guard's next recording step comes before the next micro-step
+    # with RPC workers: (TrainerCheckpoint, decay, the resident's loads) taken as the window
+    # in progress began, what a job held for a failed worker resumes from (_hold)
+    checkpoint: tuple[Any, tuple[int, int] | None, int] | None = None
 
 
 class JobProgram:
@@ -296,6 +300,9 @@ class JobProgram:
     def _micro_step(self, lp: JobLoop) -> Generator[None, None, str | None]:
         """One native micro-step at the walk's position; the event JobRun recorded (None: the job ended)."""
         spec, trainer, run = lp.spec, lp.trainer, lp.run
+        if lp.checkpoint is not None and lp.checkpoint[2] != self.resident.loads:
+            # the model was loaded again (a worker failed and came back between two steps)
+            return "step" if (yield from self._hold(lp, None)) else None
         threads_of = self._threads
         assert threads_of is not None  # set by _start_pacing
         cur = run.current()
@@ -314,6 +321,8 @@ class JobProgram:
             assert cur is not None  # the same position, cut to another chunk
         window, step = cur
         if step.chunk_pos == 0 and lp.begun != (step.epoch, step.order_pos):
+            if lp.checkpoint is None and self._workers():   # the first window's: later ones come as windows end
+                self._checkpoint(lp)
             if group:
                 trainer.begin_group(window.prefix, window.replies, window.share_prefix)
             else:
@@ -337,6 +346,11 @@ class JobProgram:
         self._step_ran = (StepRan(receipt.chunk_tokens, threads, receipt.tokens > 0, kind, receipt.ms, before)
                           if receipt.status in ("ok", "stopped", "aborted") else None)
         lp.resume_threads = threads if receipt.status == "stopped" else None
+        if lp.checkpoint is not None:
+            gone = self._failed_worker() if receipt.status == "error" else None
+            if gone is not None or (receipt.status == "ok" and trainer.chunks_left == 0 and not self._checkpoint(lp)):
+                # a failed step, or the window's update lost before it was copied out: the window again
+                return "step" if (yield from self._hold(lp, receipt)) else None
         if (self._shaper is not None and self._shaper.keep_chunk and not group and receipt.status == "ok"
                 and spec.pacing.max_pause_ms is not None and receipt.ms > spec.pacing.max_pause_ms
                 and not getattr(trainer, "last_step_stoppable", False)):
@@ -361,6 +375,60 @@ class JobProgram:
         elif event in ("refused", "error"):
             return None                                 # JobRun moved the job and kept every receipt
         return event
+
+    def _workers(self) -> tuple[str, ...]:
+        return getattr(getattr(self.resident, "config", None), "rpc", ()) or ()
+
+    def _failed_worker(self) -> str | None:
+        """The resident's RPC worker whose connection failed (None: none, or no workers)."""
+        workers = self._workers()
+        return rpc.failed_worker(workers) if workers else None
+
+    def _checkpoint(self, lp: JobLoop) -> bool:
+        """Copy the trainer's state out as the next window's start (with RPC workers, between
+        windows). False, keeping the last one, when a worker failed meanwhile (what it
+        answered is zeros: ggml's degraded client)."""
+        failures = rpc.traffic().failures
+        cp = lp.trainer.checkpoint()
+        if rpc.traffic().failures != failures:
+            return False
+        lp.checkpoint = (cp, lp.decay, self.resident.loads)
+        return True
+
+    def _hold(self, lp: JobLoop, receipt: Any) -> Generator[None, None, bool]:
+        """An RPC worker under the job failed (`receipt`, the last step's, stored; None: the
+        engine already loaded the model again). The job is `held` until the engine has
+        loaded the model again (engine._reconnect), then the window in progress starts
+        again from the checkpoint taken as it began: the adapter and optimizer state after
+        the last update, so no update is lost or made twice. False: the job ended instead."""
+        cp, decay, loads = lp.checkpoint or (None, None, 0)
+        assert cp is not None  # the callers checked
+        if receipt is not None:
+            gone = self._failed_worker()
+            self.store.append_receipt(lp.jid, receipt)
+            during = f"during a micro-step ({receipt.message})" if receipt.status == "error" else \
+                "before the window's update was copied out"
+            self.store.transition(lp.jid, "held", (
+                f"waiting for the RPC worker at {gone}, which failed {during}; the job goes on once the worker "
+                "answers and the model is loaded again (cancel it to give up)"))
+            log.warning("dream job %s held: the RPC worker at %s failed", lp.jid, gone)
+        while self.resident.loads == loads or self._failed_worker():
+            yield                                       # the scheduler does not step a held job meanwhile
+        try:
+            lp.trainer.close()                          # (the reload closed it already)
+            lp.trainer.reopen(cp)
+        except Exception as e:  # noqa: BLE001 - the gate's refusal or a worker gone again: the job ends
+            yield from self._end(lp.jid, "error", f"resuming after the RPC worker came back failed: {e}")
+            return False
+        lp.checkpoint = (cp, decay, self.resident.loads)
+        lp.decay, lp.begun, lp.resume_threads = decay, None, None
+        lp.run.walk.chunk_pos = 0
+        self.store.restart_window(lp.jid)
+        if receipt is not None or self.store.state(lp.jid) == "held":
+            self.store.transition(lp.jid, "running", (
+                f"resumed after the model was loaded again: the window in progress starts again from the "
+                f"adapter after update {cp.updates}"))
+        return True
 
     def _epoch_end(self, lp: JobLoop, event: str) -> Generator[None, None, bool]:
         """An epoch (or the walk) ended: held-out loss, the early stop, the start of
@@ -434,6 +502,7 @@ class JobProgram:
             hold.snapshot = trainer.lora_parameters()
             return event
         trainer.set_lora_parameters(hold.snapshot)
+        lp.checkpoint = None                            # taken again as the next window begins
         lp.run.end_here()                               # no more rehearsal-only epochs
         lp.notes[lp.consolidate_note] = (
             f"then {hold.kept} of {lp.spec.consolidate} rehearsal-only epochs (consolidate): after the "

@@ -304,8 +304,8 @@ class DreamScheduler(JobProgram):
         if state in TERMINAL:                     # cancelled by the server (or ended by the job itself)
             self._end_job()
             return False
-        if state == "paused":
-            return False
+        if state == "paused" or (state == "held" and self._failed_worker()):
+            return False                          # held: until the worker is back and the engine reloaded
         pacer = self._pacer
         if pacer is not None and state == "running" and not pacer.should_dream(active_slots):
             return False
