@@ -318,6 +318,29 @@ def test_health_is_failing_and_names_a_failed_worker(monkeypatch):
     assert resp.status_code == 503 and b"RPC worker at 127.0.0.1:7001 failed" in resp.body
 
 
+def test_only_the_engine_moves_a_held_job_on_and_a_restart_interrupts_it(tmp_path):
+    from types import SimpleNamespace
+
+    from dreamstage.training.jobs.request import parse_train_request
+    from dreamstage.training.jobs.store import InvalidTransition, JobStore
+    from dreamstage.training.jobs.submit import JobSubmitter
+
+    with JobStore(tmp_path) as store:
+        jid = store.submit(parse_train_request({"text": "some text", "window": 64}))["id"]
+        for state in ("starting", "running", "held"):
+            store.transition(jid, state)
+        submitter = JobSubmitter(store, SimpleNamespace(forget=lambda jid: None), None, None)
+        with pytest.raises(InvalidTransition, match="goes on by itself"):
+            submitter.transition(jid, "running")
+        with pytest.raises(InvalidTransition, match="from held"):
+            store.transition(jid, "paused")
+        assert store.state(jid) == "held"
+        store.transition(jid, "running")            # the engine's move, once the worker is back
+        store.transition(jid, "held")
+    with JobStore(tmp_path) as store:               # its checkpoint was in memory: interrupted, not lost
+        assert store.recovered == [jid] and store.state(jid) == "interrupted"
+
+
 def _wait_for(http, jid: int, states: tuple[str, ...], deadline: float) -> dict:
     while (job := http.get(f"/train/{jid}").json())["state"] not in states:
         assert time.monotonic() < deadline, f"job {jid} never reached {states}: {job['state']} {job['message']}"

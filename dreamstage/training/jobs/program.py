@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dreamstage.adapters.served import AdapterLoadError, AdapterSwitch
-from dreamstage.serving import rpc
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift.decoding import set_context_adapter
 from dreamstage.training.drift.guard import DriftGuard, drift_figures, drift_receipt
 from dreamstage.training.drift.measure import summary
 from dreamstage.training.drift.rehearsal import consolidation_lr, rehearsal_window
 from dreamstage.training.drift.stopping import ExampleHold, OwnLoss, held_windows, reply_lost
+from dreamstage.training.jobs.hold import WorkerHold
 from dreamstage.training.jobs.promotion import promotion_decision
 from dreamstage.training.jobs.spec import DEFAULT_CHUNK, GATE_SLACK_MIB, JobSpec
 from dreamstage.training.jobs.store import AdapterNotFound, InvalidTransition, JobStore
@@ -96,7 +96,7 @@ class JobLoop:
     checkpoint: tuple[Any, tuple[int, int] | None, int] | None = None
 
 
-class JobProgram:
+class JobProgram(WorkerHold):
     """The job's program; DreamScheduler (scheduler.py) is the one class that runs it."""
 
     store: JobStore
@@ -375,60 +375,6 @@ class JobProgram:
         elif event in ("refused", "error"):
             return None                                 # JobRun moved the job and kept every receipt
         return event
-
-    def _workers(self) -> tuple[str, ...]:
-        return getattr(getattr(self.resident, "config", None), "rpc", ()) or ()
-
-    def _failed_worker(self) -> str | None:
-        """The resident's RPC worker whose connection failed (None: none, or no workers)."""
-        workers = self._workers()
-        return rpc.failed_worker(workers) if workers else None
-
-    def _checkpoint(self, lp: JobLoop) -> bool:
-        """Copy the trainer's state out as the next window's start (with RPC workers, between
-        windows). False, keeping the last one, when a worker failed meanwhile (what it
-        answered is zeros: ggml's degraded client)."""
-        failures = rpc.traffic().failures
-        cp = lp.trainer.checkpoint()
-        if rpc.traffic().failures != failures:
-            return False
-        lp.checkpoint = (cp, lp.decay, self.resident.loads)
-        return True
-
-    def _hold(self, lp: JobLoop, receipt: Any) -> Generator[None, None, bool]:
-        """An RPC worker under the job failed (`receipt`, the last step's, stored; None: the
-        engine already loaded the model again). The job is `held` until the engine has
-        loaded the model again (engine._reconnect), then the window in progress starts
-        again from the checkpoint taken as it began: the adapter and optimizer state after
-        the last update, so no update is lost or made twice. False: the job ended instead."""
-        cp, decay, loads = lp.checkpoint or (None, None, 0)
-        assert cp is not None  # the callers checked
-        if receipt is not None:
-            gone = self._failed_worker()
-            self.store.append_receipt(lp.jid, receipt)
-            during = f"during a micro-step ({receipt.message})" if receipt.status == "error" else \
-                "before the window's update was copied out"
-            self.store.transition(lp.jid, "held", (
-                f"waiting for the RPC worker at {gone}, which failed {during}; the job goes on once the worker "
-                "answers and the model is loaded again (cancel it to give up)"))
-            log.warning("dream job %s held: the RPC worker at %s failed", lp.jid, gone)
-        while self.resident.loads == loads or self._failed_worker():
-            yield                                       # the scheduler does not step a held job meanwhile
-        try:
-            lp.trainer.close()                          # (the reload closed it already)
-            lp.trainer.reopen(cp)
-        except Exception as e:  # noqa: BLE001 - the gate's refusal or a worker gone again: the job ends
-            yield from self._end(lp.jid, "error", f"resuming after the RPC worker came back failed: {e}")
-            return False
-        lp.checkpoint = (cp, decay, self.resident.loads)
-        lp.decay, lp.begun, lp.resume_threads = decay, None, None
-        lp.run.walk.chunk_pos = 0
-        self.store.restart_window(lp.jid)
-        if receipt is not None or self.store.state(lp.jid) == "held":
-            self.store.transition(lp.jid, "running", (
-                f"resumed after the model was loaded again: the window in progress starts again from the "
-                f"adapter after update {cp.updates}"))
-        return True
 
     def _epoch_end(self, lp: JobLoop, event: str) -> Generator[None, None, bool]:
         """An epoch (or the walk) ended: held-out loss, the early stop, the start of
