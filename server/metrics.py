@@ -60,6 +60,8 @@ class ServiceCollector:
                        "Decode batches whose rows decoded with more than one adapter (the base counts as one).",
                        s.mixed_batches)
         yield _counter("dreamstage_decode_failures", "llama_decode calls that failed.", s.decode_failures)
+        yield _counter("dreamstage_model_reloads", "Times the model was loaded again once a failed RPC worker "
+                                                   "answered.", s.model_reloads)
         yield _histogram("dreamstage_time_to_first_token_seconds", "Submission to first sampled token.", s.ttft)
         yield _histogram("dreamstage_inter_token_latency_seconds", "Time between two sampled tokens of one request.",
                          s.itl)

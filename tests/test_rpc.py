@@ -422,6 +422,7 @@ def test_a_server_whose_worker_dies_holds_the_job_and_resumes_it_once_the_worker
         done = _wait_for(http, jid, ("done", "error", "cancelled"), deadline)
         assert done["state"] == "done", done
         assert http.get("/health").status_code == 200
+        assert "dreamstage_model_reloads_total 1.0" in http.get("/metrics").text
         r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
         assert r.status_code == 200, r.text
         # the window the worker died in ran again from its start (its first chunk twice); every update once
