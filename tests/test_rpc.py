@@ -415,6 +415,8 @@ def test_a_server_whose_worker_dies_holds_the_job_and_resumes_it_once_the_worker
         assert r.status_code == 503 and endpoints[0] in r.text, r.text
         r = http.post(f"/train/{jid}/resume")
         assert r.status_code == 409 and "goes on by itself" in r.text, r.text
+        r = http.post("/adapters/ref/promote")       # it would load onto the dead worker's buffers
+        assert r.status_code == 503 and endpoints[0] in r.text, r.text
         time.sleep(1.5)                             # held while the worker is gone
         assert http.get(f"/train/{jid}").json()["state"] == "held"
 
@@ -425,6 +427,9 @@ def test_a_server_whose_worker_dies_holds_the_job_and_resumes_it_once_the_worker
         assert "dreamstage_model_reloads_total 1.0" in http.get("/metrics").text
         r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
         assert r.status_code == 200, r.text
+        assert http.post("/adapters/ref/promote").status_code == 200     # adapters load on the new model
+        r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["adapter_version"] == 1, r.text
         # the window the worker died in ran again from its start (its first chunk twice); every update once
         assert done["progress"]["step"] == steps + 1
         assert done["progress"]["windows_done"] == http.get(f"/train/{ref}").json()["progress"]["windows_done"]

@@ -35,6 +35,10 @@ _registered: dict[str, list[int]] = {}
 _connected_after: dict[str, int] = {}
 
 
+class WorkerFailed(RuntimeError):
+    """Work refused on a model whose RPC worker failed, until the engine has loaded it again."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
     host: str

@@ -34,6 +34,7 @@ from typing import Any
 
 from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK
 from dreamstage.adapters.served import AdapterSwitch, ServedAdapters
+from dreamstage.serving import rpc
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift.record_file import DriftRecordFile
 from dreamstage.training.jobs.memory import release_freed_memory
@@ -442,6 +443,11 @@ class DreamScheduler(JobProgram):
                     return
                 kind, args, fut = self._commands.popleft()
             if not fut.set_running_or_notify_cancel():
+                continue
+            if kind != "retire" and (gone := self._failed_worker()) is not None:
+                # an adapter loaded now would be placed on the dead worker's buffers
+                fut.set_exception(rpc.WorkerFailed(f"the RPC worker at {gone} failed: adapters load again once "
+                                                   "it answers and the model is loaded again"))
                 continue
             try:
                 view: dict | None
