@@ -7,7 +7,10 @@ a short prompt) and dream micro-step train tok/s (a window of one chunk, every
 token a loss token, LoRA rank 8 on attn_q,attn_v of every layer, f32 training
 cache), with the bytes that crossed the wire per decoded token and per
 micro-step. The set-ups alternate, rep by rep, so a shared machine's load
-drifts over all. Writes bench/results/rpc-<cpu|gpu>[-1w]-<date>.json.
+drifts over all. Then, split: what a job pays to survive a failed worker
+(copying the trainer's state out after each window) and what the recovery
+costs (loading the model again, making the trainer again from the copy).
+Writes bench/results/rpc-<cpu|gpu>[-1w]-<date>.json.
 
 Set-ups (the model alone vs. split):
 - CPU (default): two CPU workers (one thread each) hold the layers past the
@@ -126,6 +129,26 @@ def _measure(args, models: dict, trainers: dict, tokens: list[int]) -> dict[str,
     return samples
 
 
+def _resume_costs(model: ResidentModel, trainer: Trainer, reps: int) -> dict:
+    """What holding a job across a failed worker costs when nothing fails: copying the trainer's
+    state out after each window (ms, wire bytes); and once the worker is back: loading the model
+    again and making the trainer again from the copy (docs/architecture/rpc.md)."""
+    copies = []
+    for _ in range(reps):
+        b0, t0 = rpc.traffic().bytes, time.perf_counter()
+        cp = trainer.checkpoint()
+        copies.append(((time.perf_counter() - t0) * 1000, rpc.traffic().bytes - b0))
+    t0 = time.perf_counter()
+    model.reload()
+    reload_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    trainer.reopen(cp)
+    return {"checkpoint_ms_median": statistics.median(c[0] for c in copies),
+            "checkpoint_rpc_bytes": statistics.median(c[1] for c in copies),
+            "checkpoint_floats": int(cp.parameters.size + cp.moments.size),
+            "reload_s": reload_s, "reopen_ms": (time.perf_counter() - t0) * 1000}
+
+
 def main() -> None:
     args = _args()
     n_workers = 1 if args.single_worker else 2
@@ -155,6 +178,7 @@ def main() -> None:
                 "decode_tok_s_median": statistics.median(x["decode_tok_s"] for x in s),
                 "rpc_bytes_per_step_median": statistics.median(x["rpc_bytes_per_step"] for x in s),
                 "rpc_bytes_per_decoded_token_median": statistics.median(x["rpc_bytes_per_token"] for x in s)}
+        out["resume"] = _resume_costs(split, trainers["split"], args.reps)
         for t in trainers.values():
             t.close()
         split.close()
@@ -167,7 +191,7 @@ def main() -> None:
     results = Path(__file__).resolve().parent / "results"
     path = Path(args.out or results / f"rpc-{kind}-{time.strftime('%Y-%m-%d')}.json")
     path.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out["results"], indent=2))
+    print(json.dumps({**out["results"], "resume": out["resume"]}, indent=2))
 
 
 if __name__ == "__main__":
