@@ -241,6 +241,8 @@ class ResidentModel(NativeOwner):
         del placement
         if not self.model:
             raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")
+        if cfg.rpc:
+            rpc.watch(cfg.rpc)          # its connections to the workers, to see a worker's process end
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self.model)
         self.context_plan = plan_context(lc, self.model, cfg)

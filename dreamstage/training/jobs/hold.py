@@ -39,6 +39,11 @@ class WorkerHold:
         workers = self._workers()
         return rpc.failed_worker(workers) if workers else None
 
+    def _worker_lost(self, lp: Any) -> bool:
+        """Whether, since the job's checkpoint, a worker failed or the model was loaded again."""
+        cp = lp.checkpoint
+        return cp is not None and (cp[2] != self.resident.loads or self._failed_worker() is not None)
+
     def _checkpoint(self, lp: Any) -> bool:
         """Copy the trainer's state out as the next window's start (with RPC workers, between
         windows). False, keeping the last one, when a worker failed meanwhile (what it
@@ -51,18 +56,20 @@ class WorkerHold:
         return True
 
     def _hold(self, lp: Any, receipt: Any) -> Generator[None, None, bool]:
-        """An RPC worker under the job failed (`receipt`, the last step's, stored; None: the
-        engine already loaded the model again). The job is `held` until the engine has
-        loaded the model again (engine._reconnect), then the window in progress starts
-        again from the checkpoint taken as it began: the adapter and optimizer state after
-        the last update, so no update is lost or made twice. False: the job ended instead."""
+        """An RPC worker under the job failed (`receipt`, the last step's, stored; None: it
+        failed between two steps, or the engine already loaded the model again). The job
+        is `held` until the engine has loaded the model again (engine._reconnect), then
+        the window in progress starts again from the checkpoint taken as it began: the
+        adapter and optimizer state after the last update, so no update is lost or made
+        twice. False: the job ended instead."""
         cp, decay, loads = lp.checkpoint or (None, None, 0)
         assert cp is not None  # the callers checked
+        gone = self._failed_worker()
         if receipt is not None:
-            gone = self._failed_worker()
             self.store.append_receipt(lp.jid, receipt)
-            during = f"during a micro-step ({receipt.message})" if receipt.status == "error" else \
-                "before the window's update was copied out"
+        if gone is not None:
+            during = ("between two steps" if receipt is None else f"during a micro-step ({receipt.message})"
+                      if receipt.status == "error" else "before the window's update was copied out")
             self.store.transition(lp.jid, "held", (
                 f"waiting for the RPC worker at {gone}, which failed {during}; the job goes on once the worker "
                 "answers and the model is loaded again (cancel it to give up)"))
@@ -79,7 +86,7 @@ class WorkerHold:
         lp.decay, lp.begun, lp.resume_threads = decay, None, None
         lp.run.walk.chunk_pos = 0
         self.store.restart_window(lp.jid)
-        if receipt is not None or self.store.state(lp.jid) == "held":
+        if self.store.state(lp.jid) == "held":
             self.store.transition(lp.jid, "running", (
                 f"resumed after the model was loaded again: the window in progress starts again from the "
                 f"adapter after update {cp.updates}"))

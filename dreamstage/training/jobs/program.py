@@ -242,6 +242,10 @@ class JobProgram(WorkerHold):
             if rendered.held_out and spec.promote == "auto":
                 lp.eval_before = yield from self._evaluate(spec, trainer, rendered.held_out, spec.chunk, lp.notes)
             while True:
+                if self._worker_lost(lp):              # between two steps (a decode batch saw it first)
+                    if not (yield from self._hold(lp, None)):
+                        return
+                    continue
                 if (yield from self._record_turn(lp)):
                     continue
                 if run.current() is None:
@@ -300,9 +304,6 @@ class JobProgram(WorkerHold):
     def _micro_step(self, lp: JobLoop) -> Generator[None, None, str | None]:
         """One native micro-step at the walk's position; the event JobRun recorded (None: the job ended)."""
         spec, trainer, run = lp.spec, lp.trainer, lp.run
-        if lp.checkpoint is not None and lp.checkpoint[2] != self.resident.loads:
-            # the model was loaded again (a worker failed and came back between two steps)
-            return "step" if (yield from self._hold(lp, None)) else None
         threads_of = self._threads
         assert threads_of is not None  # set by _start_pacing
         cur = run.current()
