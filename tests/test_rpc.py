@@ -353,6 +353,17 @@ def _wait_for(http, jid: int, states: tuple[str, ...], deadline: float) -> dict:
     return job
 
 
+def _settled_step(http, jid: int) -> int:
+    """A paused job's step count once the step in flight as it paused has ended (unchanged for 1 s)."""
+    step, since = http.get(f"/train/{jid}").json()["progress"]["step"], time.monotonic()
+    while time.monotonic() - since < 1.0:
+        time.sleep(0.1)
+        now = http.get(f"/train/{jid}").json()["progress"]["step"]
+        if now != step:
+            step, since = now, time.monotonic()
+    return step
+
+
 def _pause_mid_window(http, jid: int, deadline: float) -> None:
     """Pause the job (of two-chunk windows) after an odd number of steps: between a window's chunks."""
     while True:
@@ -360,10 +371,9 @@ def _pause_mid_window(http, jid: int, deadline: float) -> None:
             assert time.monotonic() < deadline, "the job never took three steps"
             time.sleep(0.02)
         assert http.post(f"/train/{jid}/pause").status_code == 200
-        time.sleep(0.5)                                 # a step in flight as it paused ends
-        if http.get(f"/train/{jid}").json()["progress"]["step"] % 2 == 1:
+        step = _settled_step(http, jid)
+        if step % 2 == 1:
             return
-        step = http.get(f"/train/{jid}").json()["progress"]["step"]
         assert http.post(f"/train/{jid}/resume").status_code == 200
         while http.get(f"/train/{jid}").json()["progress"]["step"] == step:
             assert time.monotonic() < deadline, "the job did not go on"
@@ -456,7 +466,7 @@ def test_a_job_whose_worker_dies_between_steps_is_held_and_can_be_cancelled(tmp_
             time.sleep(0.05)
         assert http.get(f"/train/{jid}").json()["progress"]["rpc_bytes"] > 0
         assert http.post(f"/train/{jid}/pause").status_code == 200
-        time.sleep(0.5)                                 # a step in flight as it paused ends
+        _settled_step(http, jid)
         receipts = len(http.get(f"/train/{jid}/receipts").json()["receipts"])
         stop_worker(procs[1])
         r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})   # the decode sees it first
