@@ -354,6 +354,9 @@ def _declare_state(L: ctypes.CDLL) -> None:
     # int64_t dream_optimizer_state(const struct dream_stage * ds, float * out, int64_t n);
     L.dream_optimizer_state.argtypes = [p, f32p, ctypes.c_int64]
     L.dream_optimizer_state.restype = ctypes.c_int64
+    # bool dream_set_optimizer_state(struct dream_stage * ds, const float * in, int64_t n, int64_t t);
+    L.dream_set_optimizer_state.argtypes = [p, f32p, ctypes.c_int64, ctypes.c_int64]
+    L.dream_set_optimizer_state.restype = ctypes.c_bool
     # int64_t dream_promote(struct dream_stage * ds);
     L.dream_promote.argtypes = [p]
     L.dream_promote.restype = ctypes.c_int64

@@ -51,6 +51,7 @@ class EngineStats:
     mixed_batches: int = 0          # decode batches whose rows decoded with more than one adapter (base included)
     decode_failures: int = 0
     hook_errors: int = 0            # dream-hook calls that raised (logged, serving went on)
+    model_reloads: int = 0          # the model loaded again once a failed RPC worker answered (engine._reconnect)
     evicted_prefixes: int = 0       # idle slots' cached prefixes dropped to make room in a unified K/V pool
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))

@@ -124,6 +124,8 @@ class Follower:
         self.last_sync: float | None = None   # when the follower last confirmed it serves the leader's set
         self.error: str | None = None
         self.refused_downloads = 0
+        self.failed_polls = 0                 # rounds failed since the last one that succeeded
+        self.unreachable_since: float | None = None   # when the leader stopped answering (None: it answers)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def probe(self) -> None:
@@ -177,7 +179,8 @@ class Follower:
             last = self.last_sync
             out: dict[str, Any] = {"leader": self.leader, "state": self.state, "generation": self.generation,
                    "last_sync": last, "lag_s": None if last is None else round(time.time() - last, 3),
-                   "refused_downloads": self.refused_downloads}
+                   "refused_downloads": self.refused_downloads, "failed_polls": self.failed_polls,
+                   "unreachable_since": self.unreachable_since}
             error = self.error
         served = [v for n in self.store.resident_names() for v in [self.store.served(n)] if v is not None]
         out["served_versions"] = sorted(v["served_version"] for v in served)
@@ -221,6 +224,7 @@ class Follower:
                      ", ".join(f"{n} v{v} (served version {sv})" for sv, n, v in live) or "the base model")
         with self._lock:
             self.state, self.generation, self.last_sync, self.error = "in_sync", generation, time.time(), None
+            self.failed_polls = 0
         return generation
 
     def _poll(self, since: int | None) -> dict:
@@ -231,6 +235,8 @@ class Follower:
             raise FollowError(f"the leader {self.leader} is unreachable: {e!r}") from e
         except httpx.HTTPError as e:
             raise FollowError(f"the leader {self.leader} did not answer GET /adapters: {e!r}") from e
+        with self._lock:
+            self.unreachable_since = None       # it answered (whatever it said)
         if r.status_code != 200:
             raise FollowError(f"the leader {self.leader} answered GET /adapters with {r.status_code}: {r.text[:200]}")
         view = _json(r)
@@ -296,6 +302,9 @@ class Follower:
             repeated = self.error == message
             self.state, self.error = state, message
             self.refused_downloads += refused
+            self.failed_polls += 1
+            if state == "unreachable" and self.unreachable_since is None:
+                self.unreachable_since = time.time()
         if not repeated:
             log.error("follow: %s; serving what was served before, retrying every %g s", message, self.interval_s)
 

@@ -7,6 +7,7 @@ time, so nothing is counted twice and the engine imports no exporter.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -59,6 +60,8 @@ class ServiceCollector:
                        "Decode batches whose rows decoded with more than one adapter (the base counts as one).",
                        s.mixed_batches)
         yield _counter("dreamstage_decode_failures", "llama_decode calls that failed.", s.decode_failures)
+        yield _counter("dreamstage_model_reloads", "Times the model was loaded again once a failed RPC worker "
+                                                   "answered.", s.model_reloads)
         yield _histogram("dreamstage_time_to_first_token_seconds", "Submission to first sampled token.", s.ttft)
         yield _histogram("dreamstage_inter_token_latency_seconds", "Time between two sampled tokens of one request.",
                          s.itl)
@@ -91,6 +94,14 @@ class ServiceCollector:
                                                           "leader's promotions.", status["lag_s"])
         yield _counter("dreamstage_follow_refused_downloads", "Adapter downloads refused: their sha256 was not the "
                                                               "one the leader published.", status["refused_downloads"])
+        since = status["unreachable_since"]
+        yield _gauge("dreamstage_follow_leader_reachable", "0 while the leader does not answer (the follower serves "
+                                                           "its last set), else 1.", 0 if since is not None else 1)
+        if since is not None:
+            yield _gauge("dreamstage_follow_unreachable_seconds", "Seconds since the leader stopped answering.",
+                         round(max(0.0, time.time() - since), 3))
+        yield _gauge("dreamstage_follow_failed_polls", "Rounds of the follow channel failed since the last one that "
+                                                       "succeeded.", status["failed_polls"])
 
     @staticmethod
     def _feedback(records) -> Iterator[Metric]:

@@ -29,7 +29,8 @@ ERROR_SCHEMA = {
 # may come), but a listed field must have its type.
 _INT, _STR, _NUM = {"type": "integer"}, {"type": "string"}, {"type": "number"}
 _OPT_STR = {"type": ["string", "null"]}
-_JOB_STATES = ["queued", "starting", "running", "paused", "done", "cancelled", "refused", "error", "interrupted"]
+_JOB_STATES = ["queued", "starting", "running", "paused", "held", "done", "cancelled", "refused", "error",
+               "interrupted"]
 _JOB = {"type": "object", "required": ["id", "state", "message", "progress", "refusals"], "properties": {
     "id": _INT, "state": {"enum": _JOB_STATES}, "message": _OPT_STR, "out": _OPT_STR,
     "window": _INT, "chunk": _INT, "context_cache_type": _STR, "progress": {"type": "object"},

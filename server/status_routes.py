@@ -18,8 +18,8 @@ async def health(request: Request):
     # "ok" only when the engine thread runs and its last iteration did not fail.
     # A failed RPC worker holds layers this process can no longer compute: failing, naming it.
     worker = rpc.failed_worker(request.app.state.service.model.config.rpc)
-    failing = engine.failing or (f"the RPC worker at {worker} failed; restart it and then this server" if worker
-                                 else None)
+    failing = (f"the RPC worker at {worker} failed; restart it: this server loads the model again once it "
+               "answers" if worker else engine.failing)
     status = "stopped" if not engine.running else ("failing" if failing else "ok")
     body = {"status": status, "slots": engine.n_seq,
             "slots_busy": engine.busy_slots(), "queue_depth": engine.queue_depth,

@@ -272,11 +272,28 @@ def test_a_tampered_download_is_refused_logged_never_served_and_retried(cluster,
             promote_new(http, "bob", loras["bob1"])
             follow = wait_follow(tampered, lambda f: f["state"] == "unreachable", INTERVAL_S + BOUND_S)
             assert "unreachable" in follow["error"] and served(tampered) == before
+            since = follow["unreachable_since"]
+            assert since is not None and since <= time.time() and follow["failed_polls"] >= 1
             time.sleep(INTERVAL_S)
-            assert follow_status(tampered)["lag_s"] > INTERVAL_S
+            later = follow_status(tampered)
+            assert later["lag_s"] > INTERVAL_S and later["unreachable_since"] == since
+            # still serving its last set (200), and saying since when and how often the leader did not answer
+            health = httpx.get(tampered.url + "/health")
+            assert health.status_code == 200, health.text
+            assert health.json()["follow"]["state"] == "unreachable"
+            assert health.json()["follow"]["unreachable_since"] == since
+            assert health.json()["follow"]["failed_polls"] >= later["failed_polls"] > follow["failed_polls"]
+            metrics = httpx.get(tampered.url + "/metrics").text
+            assert "dreamstage_follow_leader_reachable 0.0" in metrics
+            assert "dreamstage_follow_unreachable_seconds" in metrics and "dreamstage_follow_failed_polls" in metrics
             proxy.partitioned = False
             wait_for([tampered], served(leader), INTERVAL_S + BOUND_S)
             assert answers(tampered) == answers(leader)
+            back = wait_follow(tampered, lambda f: f["state"] == "in_sync", BOUND_S)
+            assert back["unreachable_since"] is None and back["failed_polls"] == 0
+            metrics = httpx.get(tampered.url + "/metrics").text
+            assert "dreamstage_follow_leader_reachable 1.0" in metrics
+            assert "dreamstage_follow_unreachable_seconds" not in metrics
     finally:
         proxy.close()
 

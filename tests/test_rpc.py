@@ -8,6 +8,7 @@ computes; the tolerances below say how close it comes.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -255,31 +256,49 @@ def test_a_refused_step_names_the_workers_device_and_allocates_nothing(split):
 # -- a worker that dies -----------------------------------------------------------------------
 
 
-def test_a_killed_worker_fails_the_step_names_the_worker_and_a_restart_recovers(tiny4, single, split):
+def test_a_killed_worker_fails_the_step_and_a_reload_resumes_from_the_checkpoint(tiny4, single, split):
     ports = [_free_port(), _free_port()]
     procs = [start_worker(p) for p in ports]
     endpoints = tuple(f"127.0.0.1:{p}" for p in ports)
     rm = ResidentModel(_config(tiny4, rpc=endpoints, n_gpu_layers=SHAPE.n_layer, tensor_split=(1.0, 1.0)))
     try:
         t = ProbedTrainer(rm, LORA, cache_type="f32", window=32, chunk=12)
+        assert [r.status for r in t.train_window(*_window(rm))] == ["ok"] * 3
+        cp = t.checkpoint()                         # between windows: after the first update
+        assert cp.updates == 1
         t.begin_window(*_window(rm))
         assert t.micro_step().status == "ok"
+        assert rpc.hung_up(endpoints) is None
         stop_worker(procs[1])                       # between two chunks of the window
+        deadline = time.monotonic() + 5             # the kernel tells before any command fails
+        while rpc.hung_up(endpoints) != endpoints[1]:
+            assert time.monotonic() < deadline, "the closed connection was not seen"
+            time.sleep(0.01)
         r = t.micro_step()
         assert r.status == "error" and endpoints[1] in r.message, r
         assert rpc.failed_worker(endpoints) == endpoints[1] and rpc.failed_worker(endpoints[:1]) is None
-        t.close()
-        rm.close()                                  # its buffers on the dead worker are dropped, not awaited
         # this process and its other models are untouched
         tokens = single.tokenize(TEXT)[:16]
         assert np.array_equal(_logits(single, tokens), _logits(single, tokens))
         assert np.abs(_logits(split, tokens) - _logits(single, tokens)).max() <= LOGITS_ATOL
         with pytest.raises(ValueError, match=f"rpc worker {endpoints[1]} is not reachable"):
-            ResidentModel(_config(tiny4, rpc=endpoints, n_gpu_layers=SHAPE.n_layer, tensor_split=(1.0, 1.0)))
-        procs[1] = start_worker(ports[1])           # restarted: the model loads and trains again
-        rm = ResidentModel(_config(tiny4, rpc=endpoints, n_gpu_layers=SHAPE.n_layer, tensor_split=(1.0, 1.0)))
-        with ProbedTrainer(rm, LORA, cache_type="f32", window=32, chunk=12) as t:
-            assert [r.status for r in t.train_window(*_window(rm))] == ["ok"] * 3
+            rm.reload()                             # the worker is still gone: named, nothing loaded
+        procs[1] = start_worker(ports[1])
+        loads = rm.loads
+        rm.reload()                                 # the same object, the layers uploaded again
+        assert rm.loads == loads + 1 and rpc.failed_worker(endpoints) is None
+        assert np.abs(_logits(rm, tokens) - _logits(single, tokens)).max() <= LOGITS_ATOL
+        t.reopen(cp)                                # the trainer from its checkpoint, on the new context
+        assert [r.status for r in t.train_window(*_window(rm))] == ["ok"] * 3
+        resumed = (t.lora_parameters(), *t.optimizer_state())
+        t.close()
+        with ProbedTrainer(split, LORA, cache_type="f32", window=32, chunk=12) as ref:   # nothing interrupted
+            for _ in range(2):
+                ref.train_window(*_window(split))
+            expected = (ref.lora_parameters(), *ref.optimizer_state())
+        assert expected[3] == resumed[3] == 2
+        for a, b in zip(resumed[:3], expected[:3], strict=True):
+            assert np.array_equal(a, b), float(np.abs(a - b).max())
     finally:
         rm.close()
         for p in procs:
@@ -304,7 +323,67 @@ def test_health_is_failing_and_names_a_failed_worker(monkeypatch):
     assert resp.status_code == 503 and b"RPC worker at 127.0.0.1:7001 failed" in resp.body
 
 
-def test_a_server_whose_worker_dies_fails_the_job_and_reports_503(tmp_path, tiny4):
+def test_only_the_engine_moves_a_held_job_on_and_a_restart_interrupts_it(tmp_path):
+    from types import SimpleNamespace
+
+    from dreamstage.training.jobs.request import parse_train_request
+    from dreamstage.training.jobs.store import InvalidTransition, JobStore
+    from dreamstage.training.jobs.submit import JobSubmitter
+
+    with JobStore(tmp_path) as store:
+        jid = store.submit(parse_train_request({"text": "some text", "window": 64}))["id"]
+        for state in ("starting", "running", "held"):
+            store.transition(jid, state)
+        submitter = JobSubmitter(store, SimpleNamespace(forget=lambda jid: None), None, None)
+        with pytest.raises(InvalidTransition, match="goes on by itself"):
+            submitter.transition(jid, "running")
+        with pytest.raises(InvalidTransition, match="from held"):
+            store.transition(jid, "paused")
+        assert store.state(jid) == "held"
+        store.transition(jid, "running")            # the engine's move, once the worker is back
+        store.transition(jid, "held")
+    with JobStore(tmp_path) as store:               # its checkpoint was in memory: interrupted, not lost
+        assert store.recovered == [jid] and store.state(jid) == "interrupted"
+
+
+def _wait_for(http, jid: int, states: tuple[str, ...], deadline: float) -> dict:
+    while (job := http.get(f"/train/{jid}").json())["state"] not in states:
+        assert time.monotonic() < deadline, f"job {jid} never reached {states}: {job['state']} {job['message']}"
+        time.sleep(0.05)
+    return job
+
+
+def _settled_step(http, jid: int) -> int:
+    """A paused job's step count once the step in flight as it paused has ended (unchanged for 1 s)."""
+    step, since = http.get(f"/train/{jid}").json()["progress"]["step"], time.monotonic()
+    while time.monotonic() - since < 1.0:
+        time.sleep(0.1)
+        now = http.get(f"/train/{jid}").json()["progress"]["step"]
+        if now != step:
+            step, since = now, time.monotonic()
+    return step
+
+
+def _pause_mid_window(http, jid: int, deadline: float) -> None:
+    """Pause the job (of two-chunk windows) after an odd number of steps: between a window's chunks."""
+    while True:
+        while http.get(f"/train/{jid}").json()["progress"]["step"] < 3:
+            assert time.monotonic() < deadline, "the job never took three steps"
+            time.sleep(0.02)
+        assert http.post(f"/train/{jid}/pause").status_code == 200
+        step = _settled_step(http, jid)
+        if step % 2 == 1:
+            return
+        assert http.post(f"/train/{jid}/resume").status_code == 200
+        while http.get(f"/train/{jid}").json()["progress"]["step"] == step:
+            assert time.monotonic() < deadline, "the job did not go on"
+            time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _split_server(state_dir, model):
+    """A server with the model split over two fresh loopback workers: (client, workers, their
+    ports, endpoints). A test may replace a worker in the list; all are stopped at the end."""
     import httpx
     from background_server import BackgroundServer
 
@@ -313,27 +392,90 @@ def test_a_server_whose_worker_dies_fails_the_job_and_reports_503(tmp_path, tiny
     ports = [_free_port(), _free_port()]
     procs = [start_worker(p) for p in ports]
     endpoints = tuple(f"127.0.0.1:{p}" for p in ports)
-    settings = ServerSettings(model=str(tiny4), ctx=256, parallel=1, threads=1, state_dir=str(tmp_path),
+    settings = ServerSettings(model=str(model), ctx=256, parallel=1, threads=1, state_dir=str(state_dir),
                               drift_guard=False, rpc=endpoints, n_gpu_layers=SHAPE.n_layer, tensor_split=(1.0, 1.0))
     try:
         with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=120,
                                                              headers={"Content-Type": "application/json"}) as http:
-            assert http.get("/health").status_code == 200
-            jid = http.post("/train", json={"text": TEXT * 3, "window": 32, "chunk": 16, "epochs": 1000}).json()["id"]
-            deadline = time.monotonic() + 120
-            while http.get(f"/train/{jid}").json()["progress"]["step"] < 2:
-                assert time.monotonic() < deadline, "the job never took two steps"
-                time.sleep(0.05)
-            assert http.get(f"/train/{jid}").json()["progress"]["rpc_bytes"] > 0
-            stop_worker(procs[0])
-            while (job := http.get(f"/train/{jid}").json())["state"] == "running":
-                assert time.monotonic() < deadline, "the job did not fail"
-                time.sleep(0.05)
-            assert job["state"] == "error" and endpoints[0] in job["message"], job
-            health = http.get("/health")
-            assert health.status_code == 503 and endpoints[0] in health.json()["error"]
-            r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
-            assert r.status_code == 503 and endpoints[0] in r.text, r.text
+            yield http, procs, ports, endpoints
     finally:
         for p in procs:
             stop_worker(p)
+
+
+def test_a_server_whose_worker_dies_holds_the_job_and_resumes_it_once_the_worker_is_back(tmp_path, tiny4):
+    from dreamstage.adapters.files import load_lora
+
+    # two chunks a window: a worker killed between them fails the window's second chunk (no pause
+    # bound: the step shaper would cut chunks on a loaded machine, and the gradient with them)
+    job = {"text": TEXT * 3, "window": 32, "chunk": 16, "epochs": 30, "stop_loss": None, "promote": "never",
+           "max_pause_ms": 0}
+    with _split_server(tmp_path, tiny4) as (http, procs, ports, endpoints):
+        deadline = time.monotonic() + 300
+        ref = http.post("/train", json={**job, "out": "ref"}).json()["id"]       # the run nothing interrupts
+        progress = _wait_for(http, ref, ("done",), deadline)["progress"]
+        steps = progress["step"]
+        assert steps == 2 * progress["windows"] * job["epochs"]       # every window two chunks
+        jid = http.post("/train", json={**job, "out": "held"}).json()["id"]
+        _pause_mid_window(http, jid, deadline)
+        stop_worker(procs[0])                       # between a window's two chunks
+        assert http.post(f"/train/{jid}/resume").status_code == 200
+        held = _wait_for(http, jid, ("held", "error", "done"), deadline)
+        assert held["state"] == "held" and endpoints[0] in held["message"], held
+        # seen before the window's second chunk ran (the kernel had closed the connection): no step failed
+        assert "between two steps" in held["message"], held["message"]
+        assert http.get(f"/train/{jid}/receipts").json()["receipts"][-1]["status"] == "ok"
+        health = http.get("/health")
+        assert health.status_code == 503 and endpoints[0] in health.json()["error"]
+        r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 503 and endpoints[0] in r.text, r.text
+        r = http.post(f"/train/{jid}/resume")
+        assert r.status_code == 409 and "goes on by itself" in r.text, r.text
+        r = http.post("/adapters/ref/promote")       # it would load onto the dead worker's buffers
+        assert r.status_code == 503 and endpoints[0] in r.text, r.text
+        time.sleep(1.5)                             # held while the worker is gone
+        assert http.get(f"/train/{jid}").json()["state"] == "held"
+
+        procs[0] = start_worker(ports[0])           # back: the server loads the model again, the job goes on
+        done = _wait_for(http, jid, ("done", "error", "cancelled"), deadline)
+        assert done["state"] == "done", done
+        assert http.get("/health").status_code == 200
+        assert "dreamstage_model_reloads_total 1.0" in http.get("/metrics").text
+        r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert http.post("/adapters/ref/promote").status_code == 200     # adapters load on the new model
+        r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["adapter_version"] == 1, r.text
+        # the window the worker died in ran again from its start (its first chunk twice); every update once
+        assert done["progress"]["step"] == steps + 1
+        assert done["progress"]["windows_done"] == http.get(f"/train/{ref}").json()["progress"]["windows_done"]
+        a, b = load_lora(tmp_path / "adapters" / "ref" / "v1.gguf")[0], \
+            load_lora(tmp_path / "adapters" / "held" / "v1.gguf")[0]
+        assert a.keys() == b.keys()
+        for k in a:
+            for x, y in zip(a[k], b[k], strict=True):
+                assert np.array_equal(x, y), (k, float(np.abs(x - y).max()))
+
+
+def test_a_job_whose_worker_dies_between_steps_is_held_and_can_be_cancelled(tmp_path, tiny4):
+    with _split_server(tmp_path, tiny4) as (http, procs, _, endpoints):
+        jid = http.post("/train", json={"text": TEXT * 3, "window": 32, "chunk": 16, "epochs": 1000}).json()["id"]
+        deadline = time.monotonic() + 120
+        while http.get(f"/train/{jid}").json()["progress"]["step"] < 2:
+            assert time.monotonic() < deadline, "the job never took two steps"
+            time.sleep(0.05)
+        assert http.get(f"/train/{jid}").json()["progress"]["rpc_bytes"] > 0
+        assert http.post(f"/train/{jid}/pause").status_code == 200
+        _settled_step(http, jid)
+        receipts = len(http.get(f"/train/{jid}/receipts").json()["receipts"])
+        stop_worker(procs[1])
+        r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})   # the decode sees it first
+        assert r.status_code == 503 and endpoints[1] in r.text, r.text
+        assert http.post(f"/train/{jid}/resume").status_code == 200
+        held = _wait_for(http, jid, ("held", "error"), deadline)
+        assert held["state"] == "held" and endpoints[1] in held["message"], held
+        assert "between two steps" in held["message"], held["message"]
+        assert len(http.get(f"/train/{jid}/receipts").json()["receipts"]) == receipts    # no step ran
+        r = http.post(f"/train/{jid}/cancel")
+        assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
+        assert http.get("/health").status_code == 503      # serving waits for the worker too

@@ -264,6 +264,20 @@ int64_t dream_optimizer_state(const struct dream_stage * ds, float * out, int64_
     return ds->opt.adam_t;
 }
 
+bool dream_set_optimizer_state(struct dream_stage * ds, const float * in, int64_t n, int64_t t) {
+    if (n != 2 * ds->lora.n_params || t < 0 || ds->opt.windows_pending > 0) {
+        return false;
+    }
+    if (!dream_opt_ready(*ds) && !dream_opt_create(*ds)) {
+        return false;
+    }
+    dream_opt_zero_acc(*ds);
+    dream_opt_write(*ds, 1, in);
+    dream_opt_write(*ds, 2, in + ds->lora.n_params);
+    ds->opt.adam_t = t;
+    return true;
+}
+
 int64_t dream_promote(struct dream_stage * ds) {
     dream_adapter_copy(*ds, true);
     return ++ds->lora.served_version;

@@ -463,3 +463,21 @@ void dream_opt_read(const dream_stage & ds, int which, float * out) {
         out += ggml_nelements(params[i]);
     }
 }
+
+void dream_opt_write(dream_stage & ds, int which, const float * in) {
+    if (!dream_opt_on_device(ds)) {
+        std::vector<float> & dst = which == 1 ? ds.opt.adam_m : ds.opt.adam_v;
+        std::copy(in, in + ds.lora.n_params, dst.begin());
+        return;
+    }
+    // canonical order: each tensor to the device that holds it
+    const auto params = dream_opt_params(ds);
+    for (size_t i = 0; i < params.size(); ++i) {
+        for (const auto & o : ds.opt.devices) {
+            if (ggml_tensor * t = (which == 1 ? o.m : o.v)[i]) {
+                ggml_backend_tensor_set(t, in, 0, ggml_nbytes(t));
+            }
+        }
+        in += ggml_nelements(params[i]);
+    }
+}

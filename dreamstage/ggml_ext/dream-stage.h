@@ -313,6 +313,8 @@ std::vector<std::pair<ggml_backend_dev_t, size_t>> dream_opt_step_needs(const dr
 bool   dream_opt_create(dream_stage & ds);
 bool   dream_opt_accumulate(dream_stage & ds, const std::vector<ggml_tensor *> & grads);   // canonical order; null: none
 void   dream_opt_zero_acc(dream_stage & ds);
+// Overwrites the first (which 1) or second (2) moments from in[n_params], canonical order; the state exists.
+void   dream_opt_write(dream_stage & ds, int which, const float * in);
 void   dream_opt_scale_acc(dream_stage & ds, float mul, float div);   // acc = acc * mul / div
 bool   dream_opt_update(dream_stage & ds);            // AdamW on the mean of the pending windows' gradient
 void   dream_opt_read(const dream_stage & ds, int which, float * out);   // 0: accumulator, 1: m, 2: v

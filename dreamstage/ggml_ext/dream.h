@@ -210,6 +210,13 @@ LLAMA_API bool dream_set_parameters(struct dream_stage * ds, const float * in, i
 // Copies the AdamW state into out[2*n_params] (first moments, then second); returns the update count.
 LLAMA_API int64_t dream_optimizer_state(const struct dream_stage * ds, float * out, int64_t n);
 
+// Overwrites the AdamW state from in[2*n_params] (as dream_optimizer_state gives it) and
+// sets the update count to t; the gradient accumulator is zeroed. For a trainer made again
+// on a reloaded model (a checkpoint taken between windows). Allocates the optimizer state
+// if no update made it yet (3 * n_params floats, what the first update would take).
+// False if n is not 2*n_params, t < 0, or a window's gradient awaits an update.
+LLAMA_API bool dream_set_optimizer_state(struct dream_stage * ds, const float * in, int64_t n, int64_t t);
+
 // Copies shadow -> served (call between decode batches). Returns the new served version (1, 2, ...).
 LLAMA_API int64_t dream_promote(struct dream_stage * ds);
 

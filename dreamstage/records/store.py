@@ -262,7 +262,7 @@ class RecordStore:
         for r in rows:
             out["received"] += r["n"]
             key = ("pending" if r["job"] is None else "used" if r["state"] == "done"
-                   else "training" if r["state"] in ("queued", "starting", "running", "paused") else "dropped")
+                   else "training" if r["state"] in ("queued", "starting", "running", "paused", "held") else "dropped")
             out[key] += r["n"]
         return out
 
@@ -288,7 +288,7 @@ class RecordStore:
         """A feedback job of `adapter` not ended yet (queued or training), if any."""
         with self.jobs.reading() as c:
             row = c.execute("SELECT MIN(f.job_id) FROM feedback f JOIN jobs j ON j.id = f.job_id WHERE f.adapter=? "
-                            "AND j.state IN ('queued', 'starting', 'running', 'paused')", (adapter,)).fetchone()
+                            "AND j.state IN ('queued', 'starting', 'running', 'paused', 'held')", (adapter,)).fetchone()
         return row[0]
 
     def versions_learned(self, name: str) -> dict[int, list[int]]:

@@ -43,13 +43,15 @@ class BatchMixin(EngineCore):
         rows = self._fill_batch(batch)
         if rows.n == 0:
             return False
-        self.adapters.bind(rows.adapters)
+        # past a failed RPC worker nothing is computed: ggml's client drops the worker's
+        # commands, and a graph that still reached it could read an address it never got
+        # (nor while a reload after one failed: engine._reconnect)
+        gone = self.model.config.rpc and (rpc.failed_worker(self.model.config.rpc) or not self.model.ctx)
+        if not gone:
+            self.adapters.bind(rows.adapters)
         batch.n_tokens = rows.n
         self.last_batch_tokens = rows.n
         self.last_batch_decode_tokens = rows.n_decode
-        # past a failed RPC worker nothing is computed: ggml's client drops the worker's
-        # commands, and a graph that still reached it could read an address it never got
-        gone = self.model.config.rpc and rpc.failed_worker(self.model.config.rpc)
         rc = -3 if gone else self.lc.llama_decode(self.model.ctx, batch)
         self.stats.decode_batches += 1
         self.stats.mixed_batches += len({r.key for r in rows.adapters}) > 1

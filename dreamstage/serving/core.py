@@ -52,6 +52,8 @@ class EngineCore:
         # Which adapter each batch row decodes with: the base and adapters of rank
         # <= adapter_max_rank share every batch (selection.py).
         self.adapters = MixedAdapters(model, max_adapters, adapter_max_rank)
+        self.adapter_limits = (max_adapters, adapter_max_rank)   # a reloaded model's adapters are made again
+        self._reconnect_at = 0.0       # when to ask a failed RPC worker again (engine._reconnect)
         # A request that names no adapter gets this one (the served default; the dream stage sets it).
         self.default_adapter: Callable[[], AdapterChoice] = lambda: BASE
         self.stats = EngineStats()

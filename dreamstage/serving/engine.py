@@ -30,6 +30,8 @@ import time
 from typing import Protocol
 
 from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK
+from dreamstage.adapters.selection import MixedAdapters
+from dreamstage.serving import rpc
 from dreamstage.serving.admission import AdmissionMixin
 from dreamstage.serving.batch import BatchMixin
 from dreamstage.serving.embeddings import EmbeddingMixin
@@ -56,6 +58,10 @@ __all__ = ["Admitted", "Delta", "DreamHook", "Embedded", "Engine", "EngineStoppe
            "TextStream"]
 
 log = logging.getLogger("dreamstage.serving.engine")
+
+# How often the engine asks a failed RPC worker whether it answers again (`_reconnect`).
+RECONNECT_PROBE_S = 1.0
+
 
 class DreamHook(Protocol):
     """Called on the engine thread once after every decode batch and on idle wake-ups.
@@ -202,6 +208,8 @@ class Engine(AdmissionMixin, BatchMixin, EmbeddingMixin):
                     inbox = list(self._inbox)
                     self._inbox.clear()
                 try:
+                    if self.model.config.rpc and time.monotonic() >= self._reconnect_at:
+                        self._reconnect()
                     if idle:
                         self._call_hook(True)
                         continue
@@ -217,6 +225,37 @@ class Engine(AdmissionMixin, BatchMixin, EmbeddingMixin):
                     self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
         finally:
             self._shutdown()
+
+    def _reconnect(self) -> None:
+        """Once every RPC worker of a model that lost one answers again, load the model
+        again in place and serve on. What lived on the old context goes: requests in
+        slots fail with 503, cached prefixes and loaded adapters are dropped (reloaded
+        on demand), and the reload closes the dream stage's trainers (a held job
+        reopens its own from its checkpoint: docs/architecture/rpc.md)."""
+        self._reconnect_at = time.monotonic() + RECONNECT_PROBE_S
+        endpoints = self.model.config.rpc
+        gone = rpc.failed_worker(endpoints) or (None if self.model.ctx else "a worker")
+        if gone is None or any(rpc.probe(e, timeout_s=0.5) for e in rpc.parse_endpoints(",".join(endpoints))):
+            return
+        log.warning("the RPC worker at %s answers again: loading the model again", gone)
+        for s in self.slots:
+            if s.busy:
+                job = s.job
+                assert job is not None  # busy
+                self._free_slot(s)
+                self._finish_job(job, Failed(503, f"the RPC worker at {gone} failed; the model is loading again"),
+                                 "error")
+            s.tokens.clear()            # its K/V went with the old context
+        self.adapters.close()           # handles of the old model, freed before it is
+        try:
+            self.model.reload()
+        except (ValueError, OSError) as e:   # tried again at the next probe; nothing decodes meanwhile
+            self.failing = f"loading the model again after the RPC worker at {gone} came back failed: {e}"
+            log.error("%s", self.failing)
+            return
+        self.adapters = MixedAdapters(self.model, *self.adapter_limits)
+        self.failing = None
+        self.stats.model_reloads += 1
 
     def _call_hook(self, idle: bool) -> None:
         # A failing dream step must not take serving down: log, count, go on.

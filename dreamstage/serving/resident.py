@@ -223,6 +223,12 @@ class ResidentModel(NativeOwner):
         lc.llama_backend_init()
         path = check_model_file(cfg.model_path) if cfg.model_path else default_model()
         self.model_path = Path(path)
+        self.dependents: weakref.WeakSet[Any] = weakref.WeakSet()  # closed before the context is freed
+        self.loads = 0          # how many times the model was loaded (reload adds one)
+        self._load()
+
+    def _load(self) -> None:
+        lc, cfg, path = self.lc, self.config, self.model_path
         mparams = lc.llama_model_default_params()
         # Repacked CPU weights (CPU_REPACK) change the layout OUT_PROD reads;
         # training needs the plain layout, so the resident model loads without
@@ -235,6 +241,8 @@ class ResidentModel(NativeOwner):
         del placement
         if not self.model:
             raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")
+        if cfg.rpc:
+            rpc.watch(cfg.rpc)          # its connections to the workers, to see a worker's process end
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self.model)
         self.context_plan = plan_context(lc, self.model, cfg)
@@ -258,7 +266,7 @@ class ResidentModel(NativeOwner):
             self.model = None
             raise ValueError(f"could not create a context (n_ctx={n_ctx}, kv_type={cfg.kv_type!r})")
         self.memory = lc.llama_get_memory(self.ctx)
-        self.dependents: weakref.WeakSet[Any] = weakref.WeakSet()  # closed before the context is freed
+        self.loads += 1
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_embd = lc.llama_model_n_embd(self.model)
         self.n_ctx = lc.llama_n_ctx(self.ctx)
@@ -301,6 +309,15 @@ class ResidentModel(NativeOwner):
         return self.output_rows_bytes(self.n_batch)
 
     # -- lifetime -------------------------------------------------------------
+    def reload(self) -> None:
+        """Free the model and its context and load them again from the same config, in
+        this object (a failed RPC worker is back: the layers, K/V and adapters it held
+        are gone, and ggml's client cannot re-create them under the old handles).
+        Dependents are closed first; handles others derived from the old model (adapter
+        handles, samplers) must be dropped before. Raises as loading does."""
+        self.close()
+        self._load()
+
     def close(self) -> None:
         # objects borrowing the context (a Trainer's dream stage) go first
         for dependent in list(getattr(self, "dependents", ())):

@@ -14,6 +14,7 @@ endpoint unless told otherwise (docs/architecture/rpc.md, "Trust").
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ipaddress
 import socket
@@ -33,6 +34,10 @@ _registered: dict[str, list[int]] = {}
 # Per endpoint, the process's failure count when a model last connected to it: a
 # failure before that was an earlier connection's (the worker has been restarted).
 _connected_after: dict[str, int] = {}
+
+
+class WorkerFailed(RuntimeError):
+    """Work refused on a model whose RPC worker failed, until the engine has loaded it again."""
 
 
 @dataclass(frozen=True)
@@ -210,8 +215,63 @@ def traffic() -> Traffic:
 
 
 def failed_worker(endpoints: tuple[str, ...]) -> str | None:
-    """The worker among `endpoints` whose connection failed last in this process, or None
-    (the process remembers the last failed endpoint only)."""
+    """The worker among `endpoints` whose connection failed last in this process, or whose
+    process closed this process's connection to it (`hung_up`), or None (the process
+    remembers the last failed endpoint only)."""
     t = traffic()
     failed = t.last_failed in endpoints and t.failures > _connected_after.get(t.last_failed, 0)
-    return t.last_failed if failed else None
+    return t.last_failed if failed else hung_up(endpoints)
+
+
+# Per endpoint, the socket inodes of this process's connections to it when a model last
+# loaded (`watch`): ggml's client learns that a worker is gone only when a command fails,
+# and a decode that meets it first may need a new buffer's base, which the dropped command
+# answers with NULL, and ggml asserts on. The kernel knows sooner: a worker whose process
+# ended closed its side, and ours waits in CLOSE_WAIT.
+_watched: dict[str, set[int]] = {}
+_TCP_TABLE = Path("/proc/self/net/tcp")
+_CLOSE_WAIT = "08"
+
+
+def _tcp_rows() -> list[tuple[str, str, str]]:
+    """(remote 'ip:port', state, inode) of each IPv4 TCP socket of this network namespace
+    (Linux; empty elsewhere)."""
+    try:
+        lines = _TCP_TABLE.read_text().splitlines()[1:]
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        f = line.split()
+        if len(f) > 9:
+            ip, port = f[2].split(":")
+            out.append((f"{socket.inet_ntoa(bytes.fromhex(ip)[::-1])}:{int(port, 16)}", f[3], f[9]))
+    return out
+
+
+def watch(endpoints: tuple[str, ...]) -> None:
+    """Remember this process's connections to `endpoints` (call once a model has loaded)."""
+    import os
+    ours = set()
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/self/fd/{fd}")
+                if link.startswith("socket:["):
+                    ours.add(int(link[8:-1]))
+    except OSError:
+        return
+    rows = _tcp_rows()
+    for e in parse_endpoints(",".join(endpoints)):
+        with contextlib.suppress(OSError):
+            remote = f"{socket.gethostbyname(e.host)}:{e.port}"
+            _watched[str(e)] = {int(i) for r, _, i in rows if r == remote and int(i) in ours}
+
+
+def hung_up(endpoints: tuple[str, ...]) -> str | None:
+    """The first of `endpoints` whose worker closed a connection `watch` saw, or None."""
+    watched = [(e, _watched[e]) for e in endpoints if _watched.get(e)]
+    if not watched:
+        return None
+    closing = {int(i) for _, state, i in _tcp_rows() if state == _CLOSE_WAIT}
+    return next((e for e, inodes in watched if inodes & closing), None)

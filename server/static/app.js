@@ -191,7 +191,7 @@ function renderJob() {
   $("#job-message").textContent = job.message || "";
   $("#job-pause").disabled = job.state !== "running";
   $("#job-resume").disabled = job.state !== "paused";
-  $("#job-cancel").disabled = !["queued", "starting", "running", "paused"].includes(job.state);
+  $("#job-cancel").disabled = !["queued", "starting", "running", "paused", "held"].includes(job.state);
   renderMemory();
 }
 

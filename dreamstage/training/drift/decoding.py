@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from dreamstage.serving import rpc
+
 # Tokens of one teacher-forced piece: fixed offsets give a record and its later
 # measurement the same batch shapes (the CPU backend picks kernels by batch
 # size), and one piece keeps an engine step short (about 50 ms on one core).
@@ -75,6 +77,9 @@ class Decoder:
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = self.seq_id if seq_ids is None else seq_ids[i]
             batch.logits[i] = i >= want_from
+        workers = getattr(getattr(self.rm, "config", None), "rpc", ())
+        if workers and (gone := rpc.failed_worker(workers)):   # nothing is computed past it (batch.py)
+            raise RuntimeError(f"the RPC worker at {gone} failed; the drift sequence {self.seq_id} decodes nothing")
         rc = self.lc.llama_decode(self.rm.ctx, batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with status {rc} on the drift sequence {self.seq_id}")

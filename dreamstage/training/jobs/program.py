@@ -24,6 +24,7 @@ from dreamstage.training.drift.guard import DriftGuard, drift_figures, drift_rec
 from dreamstage.training.drift.measure import summary
 from dreamstage.training.drift.rehearsal import consolidation_lr, rehearsal_window
 from dreamstage.training.drift.stopping import ExampleHold, OwnLoss, held_windows, reply_lost
+from dreamstage.training.jobs.hold import WorkerHold
 from dreamstage.training.jobs.promotion import promotion_decision
 from dreamstage.training.jobs.spec import DEFAULT_CHUNK, GATE_SLACK_MIB, JobSpec
 from dreamstage.training.jobs.store import InvalidTransition, JobStore
@@ -91,9 +92,12 @@ class JobLoop:
     decay: tuple[int, int] | None = None            # (windows begun, windows in all) of a decaying consolidation
     resume_threads: int | None = None               # set while a step stopped at its deadline waits to go on
     record_turn: bool = False                       # the guard's next recording step comes before the next micro-step
+    # with RPC workers: (TrainerCheckpoint, decay, the resident's loads) taken as the window
+    # in progress began, what a job held for a failed worker resumes from (_hold)
+    checkpoint: tuple[Any, tuple[int, int] | None, int] | None = None
 
 
-class JobProgram:
+class JobProgram(WorkerHold):
     """The job's program; DreamScheduler (scheduler.py) is the one class that runs it."""
 
     store: JobStore
@@ -239,6 +243,10 @@ class JobProgram:
             if rendered.held_out and spec.promote == "auto":
                 lp.eval_before = yield from self._evaluate(spec, trainer, rendered.held_out, spec.chunk, lp.notes)
             while True:
+                if self._worker_lost(lp):              # between two steps (a decode batch saw it first)
+                    if not (yield from self._hold(lp, None)):
+                        return
+                    continue
                 if (yield from self._record_turn(lp)):
                     continue
                 if run.current() is None:
@@ -315,6 +323,8 @@ class JobProgram:
             assert cur is not None  # the same position, cut to another chunk
         window, step = cur
         if step.chunk_pos == 0 and lp.begun != (step.epoch, step.order_pos):
+            if lp.checkpoint is None and self._workers():   # the first window's: later ones come as windows end
+                self._checkpoint(lp)
             if group:
                 trainer.begin_group(window.prefix, window.replies, window.share_prefix)
             else:
@@ -338,6 +348,11 @@ class JobProgram:
         self._step_ran = (StepRan(receipt.chunk_tokens, threads, receipt.tokens > 0, kind, receipt.ms, before)
                           if receipt.status in ("ok", "stopped", "aborted") else None)
         lp.resume_threads = threads if receipt.status == "stopped" else None
+        if lp.checkpoint is not None:
+            gone = self._failed_worker() if receipt.status == "error" else None
+            if gone is not None or (receipt.status == "ok" and trainer.chunks_left == 0 and not self._checkpoint(lp)):
+                # a failed step, or the window's update lost before it was copied out: the window again
+                return "step" if (yield from self._hold(lp, receipt)) else None
         if (self._shaper is not None and self._shaper.keep_chunk and not group and receipt.status == "ok"
                 and spec.pacing.max_pause_ms is not None and receipt.ms > spec.pacing.max_pause_ms
                 and not getattr(trainer, "last_step_stoppable", False)):
@@ -435,6 +450,7 @@ class JobProgram:
             hold.snapshot = trainer.lora_parameters()
             return event
         trainer.set_lora_parameters(hold.snapshot)
+        lp.checkpoint = None                            # taken again as the next window begins
         lp.run.end_here()                               # no more rehearsal-only epochs
         lp.notes[lp.consolidate_note] = (
             f"then {hold.kept} of {lp.spec.consolidate} rehearsal-only epochs (consolidate): after the "

@@ -132,6 +132,12 @@ def close_window(p: dict[str, Any]) -> float | None:
     return loss
 
 
+def restart_window(p: dict[str, Any]) -> None:
+    """The window in progress starts again from its beginning (a held job resumed from the
+    checkpoint taken there): its chunks' losses so far no longer count toward its loss."""
+    p["_win_tokens"], p["_win_loss_sum"] = 0, 0.0
+
+
 def close_epoch(p: dict[str, Any], eval_loss: float | None, examples_loss: float | None = None) -> None:
     """Close the epoch: its token-weighted train loss, held-out loss (None
     when nothing is held out) and the job's own windows' loss (None when it

@@ -34,6 +34,7 @@ from typing import Any
 
 from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK
 from dreamstage.adapters.served import AdapterSwitch, ServedAdapters
+from dreamstage.serving import rpc
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift.record_file import DriftRecordFile
 from dreamstage.training.jobs.memory import release_freed_memory
@@ -304,8 +305,8 @@ class DreamScheduler(JobProgram):
         if state in TERMINAL:                     # cancelled by the server (or ended by the job itself)
             self._end_job()
             return False
-        if state == "paused":
-            return False
+        if state == "paused" or (state == "held" and self._failed_worker()):
+            return False                          # held: until the worker is back and the engine reloaded
         pacer = self._pacer
         if pacer is not None and state == "running" and not pacer.should_dream(active_slots):
             return False
@@ -442,6 +443,11 @@ class DreamScheduler(JobProgram):
                     return
                 kind, args, fut = self._commands.popleft()
             if not fut.set_running_or_notify_cancel():
+                continue
+            if kind != "retire" and (gone := self._failed_worker()) is not None:
+                # an adapter loaded now would be placed on the dead worker's buffers
+                fut.set_exception(rpc.WorkerFailed(f"the RPC worker at {gone} failed: adapters load again once "
+                                                   "it answers and the model is loaded again"))
                 continue
             try:
                 view: dict | None

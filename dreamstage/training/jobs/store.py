@@ -37,25 +37,37 @@ from typing import Any
 from dreamstage import environment
 from dreamstage.adapters.versions import AdapterVersions
 from dreamstage.training.jobs.errors import JobError, JobNotFound
-from dreamstage.training.jobs.progress import close_epoch, close_window, fold_receipt, new_progress, public_progress
+from dreamstage.training.jobs.progress import (
+    close_epoch,
+    close_window,
+    fold_receipt,
+    new_progress,
+    public_progress,
+    restart_window,
+)
 from dreamstage.training.jobs.request import TrainRequest
 from dreamstage.training.jobs.schema import SCHEMA, SchemaTooNew, migrate
 from dreamstage.training.jobs.spec import JobSpec
 from dreamstage.training.jobs.stored import SPEC_VERSION, from_stored, to_stored
 from dreamstage.training.walk.receipts import receipt_dict
 
-STATES = ("queued", "starting", "running", "paused", "done", "cancelled", "refused", "error", "interrupted")
-ACTIVE = ("starting", "running", "paused")
+STATES = ("queued", "starting", "running", "paused", "held", "done", "cancelled", "refused", "error", "interrupted")
+ACTIVE = ("starting", "running", "paused", "held")
 TERMINAL = frozenset({"done", "cancelled", "refused", "error", "interrupted"})
 # Allowed moves. Pause applies to a job that trains; a queued job can only be
 # cancelled (or fail to start). Terminal states are final: resubmit instead.
 TRANSITIONS: dict[str, frozenset[str]] = {
     "queued": frozenset({"starting", "cancelled", "error"}),
     "starting": frozenset({"running", "refused", "error", "cancelled", "interrupted"}),
-    "running": frozenset({"paused", "done", "cancelled", "refused", "error", "interrupted"}),
+    "running": frozenset({"paused", "held", "done", "cancelled", "refused", "error", "interrupted"}),
     "paused": frozenset({"running", "cancelled", "error", "interrupted"}),
+    # held: an RPC worker under the job failed; the engine alone moves it on (ENGINE_ONLY)
+    "held": frozenset({"running", "cancelled", "error", "interrupted"}),
     **{s: frozenset() for s in TERMINAL},
 }
+
+# Moves only the engine makes: a held job runs again once its worker is back (POST resume is refused).
+ENGINE_ONLY = frozenset({("held", "running")})
 
 STARTING_FIELDS = ("context_cache_type", "chunk", "recompute", "exact", "horizon", "window")
 
@@ -73,10 +85,10 @@ def default_state_dir() -> Path:
 
 
 class InvalidTransition(JobError, ValueError):
-    def __init__(self, job_id: int, current: str, target: str):
+    def __init__(self, job_id: int, current: str, target: str, why: str | None = None):
         self.job_id, self.current, self.target = job_id, current, target
         allowed = ", ".join(sorted(TRANSITIONS.get(current, ()))) or "none, it is final"
-        super().__init__(f"job {job_id} cannot go from {current} to {target} (from {current}: {allowed})")
+        super().__init__(f"job {job_id} cannot go from {current} to {target} ({why or f'from {current}: {allowed}'})")
 
 
 def check_transition(job_id: int, current: str, target: str) -> None:
@@ -375,6 +387,10 @@ class JobStore(AdapterVersions):
 
         self._edit_progress(job_id, fold)
         return out[0]
+
+    def restart_window(self, job_id: int) -> None:
+        """The window in progress starts again (`progress.restart_window`): a held job resumed."""
+        self._edit_progress(job_id, restart_window)
 
     def end_epoch(self, job_id: int, eval_loss: float | None = None,
                   examples_loss: float | None = None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from dreamstage.training.jobs.request import TrainRequest, parse_train_request
 from dreamstage.training.jobs.spec import JobSpec
-from dreamstage.training.jobs.store import JobStore
+from dreamstage.training.jobs.store import ENGINE_ONLY, InvalidTransition, JobStore
 from dreamstage.training.walk.examples import ExampleErrors, RenderedJob, render_job
 from dreamstage.validation import field_errors, field_path
 
@@ -119,7 +119,11 @@ class JobSubmitter:
 
     def transition(self, job_id: int, target: str) -> dict[str, Any]:
         """Pause, resume or cancel; returns the job's view. A cancelled queued
-        job's rendered windows are dropped now, not when it would have run."""
+        job's rendered windows are dropped now, not when it would have run.
+        A held job runs again only when the engine says so (ENGINE_ONLY)."""
+        if (current := self.store.state(job_id), target) in ENGINE_ONLY:
+            raise InvalidTransition(job_id, current, target, "a held job goes on by itself once its RPC worker "
+                                                             "answers again; cancel it to give up")
         self.store.transition(job_id, target)
         if target == "cancelled":
             self.scheduler.forget(job_id)

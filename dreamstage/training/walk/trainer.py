@@ -96,6 +96,14 @@ class OptimizerConfig:
     accumulate_windows: int = 1  # windows per update; the update uses their mean gradient
 
 
+@dataclass(frozen=True)
+class TrainerCheckpoint:
+    """A trainer's state between two windows, on the host (`Trainer.checkpoint`)."""
+    parameters: np.ndarray      # the shadow adapter, float32, flat order
+    moments: np.ndarray         # AdamW's first then second moments, float32, 2 * n_params
+    updates: int                # optimizer updates so far (the bias correction's step)
+
+
 @dataclass
 class _Pair:
     layer: int
@@ -136,17 +144,8 @@ class Trainer(NativeOwner):
         self.exact = bool(exact)        # the exact walk: the gradient does not depend on the chunk
         self.lr = float(opt.lr)
         self.slack_mib = float(slack_mib)
-        workers = getattr(getattr(resident, "config", None), "rpc", ())
-        if workers and (gone := rpc.failed_worker(workers)):
-            raise ValueError(f"the RPC worker at {gone} failed: restart it, then load the model again")
-        r = native.DreamReceiptC()
-        self._ds = L.dream_init(resident.ctx, p, ctypes.byref(r))
-        self.init_receipt = Receipt.from_c(r)
-        if not self._ds:
-            if self.init_receipt.status == "refused":
-                raise DreamError(self.init_receipt)
-            raise ValueError(self.init_receipt.message)
-        resident.dependents.add(self)
+        self._params = p
+        self._open()
         self.n_params = int(L.dream_n_params(self._ds))
         self.pairs = self._read_pairs()
         # per group (its tokens): the reply losses of its last pass, for bounded_weights
@@ -154,6 +153,45 @@ class Trainer(NativeOwner):
         self._group_key: tuple | None = None
 
     # -- lifetime ---------------------------------------------------------------
+    def _open(self) -> None:
+        """The native dream stage on the resident's context, through the memory gate."""
+        workers = getattr(getattr(self.resident, "config", None), "rpc", ())
+        if workers and (gone := rpc.failed_worker(workers)):
+            raise ValueError(f"the RPC worker at {gone} failed: restart it, then load the model again")
+        r = native.DreamReceiptC()
+        self._ds = self.L.dream_init(self.resident.ctx, self._params, ctypes.byref(r))
+        self.init_receipt = Receipt.from_c(r)
+        if not self._ds:
+            if self.init_receipt.status == "refused":
+                raise DreamError(self.init_receipt)
+            raise ValueError(self.init_receipt.message)
+        self.resident.dependents.add(self)
+
+    def checkpoint(self) -> TrainerCheckpoint:
+        """The shadow adapter and the optimizer state, copied to the host. Between windows
+        only (no gradient awaiting an update): what `reopen` restores."""
+        moments = np.zeros(2 * self.n_params, dtype=np.float32)
+        updates = self.L.dream_optimizer_state(self._handle(), moments.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                               moments.size)
+        params = self._vec(self.L.dream_get_parameters, self.n_params)
+        return TrainerCheckpoint(params, moments, int(updates))
+
+    def reopen(self, cp: TrainerCheckpoint) -> None:
+        """After the resident model was loaded again (a failed RPC worker is back): a new
+        dream stage of the same shape on its new context, from `cp`, with this trainer's
+        chunk and learning rate. The old one must be closed (the resident's reload did)."""
+        if self._ds:
+            raise RuntimeError("reopen needs the trainer closed first")
+        self._open()
+        chunk, self.chunk = self.chunk, int(self._params.chunk)
+        if chunk != self.chunk:
+            self.set_chunk(chunk)
+        self.set_lr(self.lr)
+        self.set_lora_parameters(cp.parameters)
+        data = cp.moments.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        if not self.L.dream_set_optimizer_state(self._handle(), data, cp.moments.size, cp.updates):
+            raise RuntimeError("dream_set_optimizer_state refused the checkpoint's optimizer state")
+
     def close(self) -> None:
         if getattr(self, "_ds", None):
             self.L.dream_free(self._ds)
