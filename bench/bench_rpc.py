@@ -80,6 +80,7 @@ def decode_rate(rm: ResidentModel, prompt: list[int], n: int) -> tuple[float, fl
 
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="a GGUF (default: the embedded default model)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--decode", type=int, default=32)
@@ -154,7 +155,7 @@ def main() -> None:
     n_workers = 1 if args.single_worker else 2
     procs, endpoints = start_workers(n_workers, args.worker_device, args.worker_threads)
     try:
-        cfg = dict(n_ctx=512, n_seq=1, n_threads=args.threads, kv_type="f32")
+        cfg = dict(model_path=args.model, n_ctx=512, n_seq=1, n_threads=args.threads, kv_type="f32")
         single = ResidentModel(ResidentConfig(**cfg, n_gpu_layers=0 if args.ngl is None else args.ngl))
         n_layer = single.lc.llama_model_n_layer(single.model)
         ngl, shares, where = _placement(args, n_layer, n_workers)

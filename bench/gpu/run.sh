@@ -22,6 +22,8 @@
 #   8. (soft) bench/gpu/soft_check.py: tests/test_soft_targets.py's checks on the GPU (the
 #      regularizer's default rehearsal: soft-target loss and gradient against the NumPy
 #      reference), FP32 math, the tiny model carried in .gpu; needs pytest importable;
+#  12. (rpc) bench/bench_rpc.py --ngl 99 on the 1B shape: alone on the GPU against split with loopback workers
+#      on the same GPU (two, then one);
 #  11. (multi, 2+ GPUs) issue 51's table: dream_gpu_bench on one GPU and on two (1B and 8B shapes, Q8_0 and
 #      Q4_K_M), peft_bench.py --shape 8b on one GPU and two, serve_train.py with --split-mode layer;
 #  10. (split) dream_split_check: the tiny F32 model split over two GPUs (one GPU: the CPU and the GPU)
@@ -66,7 +68,7 @@ if has peft; then
 fi
 # models are written by the CPU while the CUDA build runs
 ( python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/small_f32.gguf --quant f32 --shape small
-  if has bench || has walk || has decode || has profile || has serve || has ab || has multi; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
+  if has bench || has walk || has decode || has profile || has serve || has ab || has multi || has rpc; then [ -s $M/llama1b_f16.gguf ] || python3 bench/gpu/make_model.py --tokenizer .gpu/tokenizer_kv.json --out $M/llama1b_f16.gguf --quant f16; fi
 ) > "$OUT/make_model.log" 2>&1 &
 GEN=$!
 t0=$(date +%s)
@@ -207,6 +209,24 @@ make_site() {
     cp -r dreamstage "$1"/ && cp -r server "$1"/dreamstage/server && cp vendor/pin.json "$1"/dreamstage/ &&
     cp -r .gpu/site/llama_cpp .gpu/site/gguf "$1"/
 }
+if has rpc; then
+    # issue 50 on the GPU: the model alone on the GPU against it split with loopback workers on the same GPU
+    # (bench/bench_rpc.py --ngl), two workers and one; the worker program beside the libraries, where rpc-worker looks
+    S=/tmp/dream_rpc_site
+    base=${BASES%%,*}
+    quantized $base
+    cp $B/dreamstage-rpc-server $B/bin/
+    if make_site $S rpc_site.log; then
+        for w in "" --single-worker; do
+            name=rpc_gpu${w:+_single}
+            PYTHONPATH=$S LLAMA_CPP_LIB_PATH=$B/bin python3 -P bench/bench_rpc.py --model $M/llama1b_$base.gguf --ngl 99 \
+                --threads 8 --reps ${RPC_REPS:-2} $w --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || rc=1
+            echo "== $name"; tail -n 6 "$OUT/$name.log"
+        done
+    else
+        rc=1; tail -5 "$OUT/rpc_site.log"
+    fi
+fi
 if has multi; then
     # issue 51: one GPU against two (llama.cpp's default layer split over the visible GPUs), the 1B and
     # 8B shapes in Q8_0 and Q4_K_M; PyTorch + PEFT on the 8B shape on one GPU and its blocks over two;
