@@ -22,7 +22,7 @@ struct dream_switches {
     bool fp32_mode = false;
     // DREAMSTAGE_PROFILE=1: time every node of each training graph and print the time per op; =2: by shape too
     int profile = 0;
-    // DREAMSTAGE_OPTIMIZER=host|device: where the optimizer's state lives; unset: on the adapter's GPU when it has one
+    // DREAMSTAGE_OPTIMIZER=host|device: where the optimizer's state lives; unset: on the adapter's devices unless it lies wholly on the CPU
     dream_opt_where optimizer = DREAM_OPT_AUTO;
     // DREAMSTAGE_FUSED_ATTN=0: training graphs compute attention as explicit products, not the fused CUDA backward
     bool fused_attn = true;
