@@ -43,18 +43,22 @@ def build_job(adapter: str, items: list[Feedback], guarded: bool = True) -> tupl
     """The job that trains `items` (pending feedback of `adapter`): (its request as GET /train shows it, its
     spec); `guarded`: the server's drift guard is on (FEEDBACK_JOB). Corrections are plain examples; ratings
     of one prompt one group (`rating_weights`, an answer rated twice counts its latest rating); each
-    preference a group of +1 and -1. The request shows each example as text (the prompt detokenized); the
-    spec trains the recorded tokens (`TokenExample`)."""
+    preference a group of +1 and -1. A group whose weights are all 0 is shown but not trained, unless
+    nothing else is (the job then ends at its first epoch's early stop and the guard's decision). The
+    request shows each example as text (the prompt detokenized); the spec trains the recorded tokens
+    (`TokenExample`)."""
     shown: list[dict[str, Any]] = []
     plain: list[SourcedExample] = []
+    idle: list[SourcedExample] = []            # groups of weight 0 only: trained only when nothing else is
 
     def add_group(prompt: list[int], prompt_text: str, replies: list[dict], weights: list[float]) -> None:
         i = len(shown)
         shown.append({"prompt": prompt_text, "completions": [
             {"text": r["text"], "weight": w} for r, w in zip(replies, weights, strict=True)]})
-        plain.extend(SourcedExample(i, f"examples[{i}].completions[{j}]",
-                                    TokenExample(prompt=prompt, reply=r["tokens"]), group=f"examples[{i}]", weight=w)
-                     for j, (r, w) in enumerate(zip(replies, weights, strict=True)))
+        (plain if any(weights) else idle).extend(
+            SourcedExample(i, f"examples[{i}].completions[{j}]", TokenExample(prompt=prompt, reply=r["tokens"]),
+                           group=f"examples[{i}]", weight=w)
+            for j, (r, w) in enumerate(zip(replies, weights, strict=True)))
 
     ratings: dict[str, list[Feedback]] = {}
     for f in items:
@@ -76,6 +80,7 @@ def build_job(adapter: str, items: list[Feedback], guarded: bool = True) -> tupl
         replies = list(latest.values())
         add_group(group[0].body["prompt"], group[0].body["prompt_text"], replies,
                   rating_weights([r["rating"] for r in replies]))
+    plain = plain or idle       # a job of alike negative ratings only: it trains nothing, and the guard decides
     longest = max(len(e.example.prompt) + len(e.example.reply) for e in plain
                   if isinstance(e.example, TokenExample))
     window = min(MAX_WINDOW, max(DEFAULT_WINDOW, -(-longest // WINDOW_STEP) * WINDOW_STEP))
