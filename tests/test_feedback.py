@@ -505,7 +505,7 @@ def test_a_job_of_only_negative_feedback_stays_finite_and_the_guard_decides(tiny
         answers = [srv.service.records.answer(got["id"], i).answer for i in range(2)]
         body = {"examples": [{"messages": [{"role": "user", "content": question}],
                               "completions": [{"text": a, "weight": -1.0} for a in answers]}],
-                "adapter": "pushed", "epochs": 24}
+                "adapter": "pushed", "epochs": 24, "promote": "auto"}
         pushed = _finished(c, c.post("/train", json=body).json()["id"])
         losses = _finite_and_guarded(srv, pushed, "pushed")
         assert max(losses) < NEGATIVE_NLL_CAP + 1.0, losses
