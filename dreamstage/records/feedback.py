@@ -81,19 +81,22 @@ def prompt_key(adapter: str, prompt_tokens: list[int]) -> str:
 
 
 def rating_weights(ratings: list[float]) -> list[float]:
-    """Group weights from ratings: the advantage r_g - mean(r), divided by the largest |advantage| so the
-    weights lie in [-1, 1] whatever the rating scale (+1/-1, 1..5 stars). When the ratings do not differ (one
-    answer rated, or all alike) there is no comparison in them: positive ones still train their answers,
-    r_g / max|r| (a lone +1 at weight 1); zero or negative ones weigh 0, for pushed away with nothing to pull
-    towards a rated prompt's answers turned to unrelated text (docs/architecture/feedback.md)."""
+    """Group weights from ratings: the advantage a_g = r_g - mean(r), divided by the mean |a| over the group,
+    so whatever the rating scale and however many answers were liked or disliked, the liked ones' weights add
+    up to G/2 and the disliked ones' to -G/2 (the group loss, a mean over G, pulls by half and pushes by half).
+    When the ratings do not differ (one answer rated, or all alike) there is no comparison in them: positive
+    ones still train their answers, r_g / max|r| (a lone +1 at weight 1); zero or negative ones weigh 0, for
+    pushed away with nothing to pull towards a rated prompt's answers turned to unrelated text
+    (docs/architecture/feedback.md)."""
     if not ratings or any(not math.isfinite(r) for r in ratings):
         raise ValueError(f"ratings must be finite numbers, got {ratings}")
     mean = sum(ratings) / len(ratings)
     adv = [r - mean for r in ratings]
     if max(abs(a) for a in adv) <= 1e-12 * max(1.0, abs(mean)):
-        adv = [max(r, 0.0) for r in ratings]
-    scale = max(abs(a) for a in adv)
-    return [a / scale if scale > 0 else 0.0 for a in adv]
+        top = max(ratings)
+        return [r / top if top > 0 else 0.0 for r in ratings]
+    scale = sum(abs(a) for a in adv) / len(adv)
+    return [a / scale for a in adv]
 
 
 class ReplyRenderer:

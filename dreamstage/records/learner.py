@@ -32,11 +32,9 @@ WINDOW_STEP = 64        # a feedback job's window: its longest example rounded u
 # A feedback job's fields where they differ from POST /train's defaults (docs/architecture/feedback.md, "The
 # job"). With the drift guard on, the early stop also waits for every example's greedy reply, so the default
 # stop_loss ends a job once each correction is the answer at temperature 0; without the guard a lower stop_loss
-# stands in for that check. A job of corrections alone rehearses half the default anchors an epoch; one with
-# ratings or preferences keeps the default, which holds a pushed-away reply's loss near the negative term's cap.
-FEEDBACK_JOB = {"promote": "auto", "fit": "left", "epochs": 20, "consolidate": 2}
+# stands in for that check. A feedback job rehearses half the default anchors an epoch.
+FEEDBACK_JOB = {"promote": "auto", "fit": "left", "epochs": 20, "consolidate": 2, "anchor_ratio": 4.0}
 UNGUARDED_STOP_LOSS = 0.05
-CORRECTIONS_ANCHOR_RATIO = 4.0
 
 
 def build_job(adapter: str, items: list[Feedback], guarded: bool = True) -> tuple[Any, JobSpec]:
@@ -85,8 +83,6 @@ def build_job(adapter: str, items: list[Feedback], guarded: bool = True) -> tupl
                   if isinstance(e.example, TokenExample))
     window = min(MAX_WINDOW, max(DEFAULT_WINDOW, -(-longest // WINDOW_STEP) * WINDOW_STEP))
     more = {} if guarded else {"stop_loss": UNGUARDED_STOP_LOSS}
-    if all(f.kind == "correction" for f in items):
-        more["anchor_ratio"] = CORRECTIONS_ANCHOR_RATIO
     req = parse_train_request({"examples": shown, "adapter": adapter, "window": window, **FEEDBACK_JOB, **more})
     return req, replace(req.to_job_spec(), examples=tuple(plain))
 

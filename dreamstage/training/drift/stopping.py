@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from dreamstage.training.walk.groups import NEGATIVE_NLL_CAP
+from dreamstage.training.walk.groups import pushed_away
 
 # The rehearsal-only epochs pull the adapter back towards the base, the job's
 # examples with it, so each is kept only while every checked window's forward
@@ -31,6 +31,7 @@ class OwnLoss:
         self.n_job, self.stop_loss = n_job_windows, stop_loss
         self._windows: dict[int, tuple[float, int]] = {}
         self._groups: dict[int, float] = {}    # a group's loss for the stop (note_group), over its receipts'
+        self._first: dict[int, list[float]] = {}   # a group's reply losses at its first pass
         self.last: float | None = None     # the epoch's highest window loss
         self.mean: float | None = None     # the epoch's token-weighted loss over the job's windows
         self.final: dict[int, float] = {}  # the last finished epoch's loss per window
@@ -42,15 +43,14 @@ class OwnLoss:
 
     def note_group(self, window_index: int, reply_losses: Sequence[float], weights: Sequence[float]) -> None:
         """A group's pass ended. Its loss here: the highest mean NLL of its positive-weight replies (a
-        pushed-away reply's rises towards the cap and never falls); without a positive reply, 0 once every
-        negative one is past NEGATIVE_NLL_CAP (a group of zero weights has nothing to learn)."""
+        pushed-away reply's only rises); without a positive reply, 0 once every negative one is `pushed_away`
+        (from its first pass's loss; a group of zero weights has nothing to learn)."""
         if window_index >= self.n_job or len(reply_losses) != len(weights):
             return
+        first = self._first.setdefault(window_index, list(reply_losses))
         pulled = [x if math.isfinite(x) else math.inf for x, w in zip(reply_losses, weights, strict=True) if w > 0]
-        past = all(math.isfinite(x) and x > NEGATIVE_NLL_CAP for x, w in zip(reply_losses, weights, strict=True)
-                   if w < 0)
-        value = max(pulled) if pulled else 0.0 if past else math.inf
-        self._groups[window_index] = value
+        past = all(pushed_away(x, f) for x, f, w in zip(reply_losses, first, weights, strict=True) if w < 0)
+        self._groups[window_index] = max(pulled) if pulled else 0.0 if past else math.inf
 
     def converged(self) -> bool:
         """At an epoch's end: whether each window's loss is below stop_loss. Starts the next epoch's sums."""
