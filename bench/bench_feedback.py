@@ -186,14 +186,15 @@ def run(mode: str, threads: int, baseline_s: float, timeout_s: float, primed: bo
             while time.monotonic() - t_last < timeout_s:
                 view = http.get("/adapters/learned/learn").json()
                 job_id = view["open_job"] or job_id
-                if view["versions_learned"] and view["open_job"] is None:
+                if job_id is not None and view["open_job"] is None:         # ended: promoted, kept back or refused
                     break
                 time.sleep(1.0)
             t_end = time.monotonic()
             job = http.get(f"/train/{job_id}").json() if job_id else None
             during = chat.rate(t_last, t_end)
             chat.stop()
-            served = http.get("/adapters/learned").json()["served"] if job else None
+            got = http.get("/adapters/learned")                 # 404 while no version of it serves
+            served = got.json().get("served") if job and got.status_code == 200 else None
             promoted = bool(served) and job is not None and job["adapter"] is not None and \
                 served["version"] == job["adapter"]["version"]
             after = recall(http, mode)
