@@ -12,8 +12,8 @@ and written before its first run; the model cannot know them.
 - corrections: the user asks each of the K questions (temperature 0) and corrects each answer once.
 - ratings: each question names two options; the user samples two answers (n = 2, temperature 1.0) and rates
   +1 the answers that name the right option and not the wrong one, -1 the others (a fact the model never says
-  cannot be learned from ratings; these it says about half the time). A question whose two answers rate alike
-  still trains (each rating read against zero).
+  cannot be learned from ratings). With --rounds R > 1 the user, chatting on, asks again (new seeds) each
+  question none of whose answers yet got a +1, up to R rounds; all of a question's ratings form one group.
 
 The adapter's learning is `auto` with `examples` = the feedback items given, so one job starts at the last
 item. Reported: recall at temperature 0 after the promoted version (the right name in the answer), the guard's
@@ -113,24 +113,34 @@ class ChatClient:
         self.http.close()
 
 
-def give_feedback(http: httpx.Client, mode: str) -> int:
-    """The user's feedback; returns how many items."""
-    n = 0
+def give_feedback(http: httpx.Client, mode: str, rounds: int) -> tuple[int, list[dict]]:
+    """The user's feedback: (how many items, what was asked and rated)."""
+    n, given = 0, []
     if mode == "corrections":
         for question, fact, _ in FACTS:
             got = ask(http, question)
             r = http.post("/v1/feedback", json={"id": got["id"], "correction": fact})
             r.raise_for_status()
             n += 1
-        return n
-    for i, (question, right, wrong) in enumerate(CHOICES):
-        got = ask(http, question, n=2, temperature=1.0, seed=100 + i)
-        for c in got["choices"]:
-            rating = 1 if answers_only(c["message"]["content"] or "", right, wrong) else -1
-            r = http.post("/v1/feedback", json={"id": got["id"], "index": c["index"], "rating": rating})
-            r.raise_for_status()
-            n += 1
-    return n
+            given.append({"question": question, "answer": got["choices"][0]["message"]["content"]})
+        return n, given
+    asking = list(range(len(CHOICES)))
+    for k in range(rounds):
+        for i in list(asking):
+            question, right, wrong = CHOICES[i]
+            got = ask(http, question, n=2, temperature=1.0, seed=100 + i + 1000 * k)
+            rated = []
+            for c in got["choices"]:
+                text = c["message"]["content"] or ""
+                rating = 1 if answers_only(text, right, wrong) else -1
+                r = http.post("/v1/feedback", json={"id": got["id"], "index": c["index"], "rating": rating})
+                r.raise_for_status()
+                n += 1
+                rated.append({"answer": text, "rating": rating})
+            given.append({"question": question, "round": k + 1, "rated": rated})
+            if any(x["rating"] > 0 for x in rated):
+                asking.remove(i)                 # the user saw the answer they wanted: no need to ask again
+    return n, given
 
 
 def recall(http: httpx.Client, mode: str) -> tuple[float, list[dict]]:
@@ -155,7 +165,8 @@ def prime(http: httpx.Client, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
-def run(mode: str, threads: int, baseline_s: float, timeout_s: float, primed: bool, think_s: float) -> dict:
+def run(mode: str, threads: int, baseline_s: float, timeout_s: float, primed: bool, think_s: float,
+        rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as state:
         settings = ServerSettings(ctx=2048, parallel=4, threads=threads, state_dir=state, record=True,
                                   learn="auto", drift_guard=True)
@@ -168,27 +179,30 @@ def run(mode: str, threads: int, baseline_s: float, timeout_s: float, primed: bo
             base_rate = chat.rate(t0, time.monotonic())
             # nothing starts while the feedback is given; then one job of all of it, at once
             http.put("/adapters/learned/learn", json={"examples": 100_000, "minutes": 525_600}).raise_for_status()
-            items = give_feedback(http, mode)
+            items, given = give_feedback(http, mode, rounds)
             t_last = time.monotonic()
             http.put("/adapters/learned/learn", json={"examples": items, "minutes": 2}).raise_for_status()
             job_id = None
             while time.monotonic() - t_last < timeout_s:
                 view = http.get("/adapters/learned/learn").json()
                 job_id = view["open_job"] or job_id
-                if view["versions_learned"] and view["open_job"] is None:
+                if job_id is not None and view["open_job"] is None:         # ended: promoted, kept back or refused
                     break
                 time.sleep(1.0)
             t_end = time.monotonic()
             job = http.get(f"/train/{job_id}").json() if job_id else None
             during = chat.rate(t_last, t_end)
             chat.stop()
-            served = http.get("/adapters/learned").json()["served"] if job else None
+            got = http.get("/adapters/learned")                 # 404 while no version of it serves
+            served = got.json().get("served") if job and got.status_code == 200 else None
             promoted = bool(served) and job is not None and job["adapter"] is not None and \
                 served["version"] == job["adapter"]["version"]
             after = recall(http, mode)
             drift = job["adapter"]["drift"] if job and job["adapter"] else None
             return {
-                "mode": mode, "primed_s": prime_s and round(prime_s, 1), "feedback_items": items, "job": job_id,
+                "mode": mode, "rounds": rounds if mode == "ratings" else None,
+                "primed_s": prime_s and round(prime_s, 1),
+                "feedback_items": items, "job": job_id,
                 "state": job and job["state"],
                 "message": job and job["message"], "promoted": promoted,
                 "recall_before": before[0], "recall_after": after[0], "answers_after": after[1],
@@ -200,7 +214,7 @@ def run(mode: str, threads: int, baseline_s: float, timeout_s: float, primed: bo
                 "epochs": job and job["progress"].get("epoch"),
                 "steps": job and {k: job["progress"].get(k) for k in (
                     "step", "windows_done", "tokens", "walked", "train_ms", "stopped", "aborted", "current_chunk")},
-                "threads": threads, "load_avg_end": os.getloadavg(),
+                "threads": threads, "load_avg_end": os.getloadavg(), "feedback": given,
             }
 
 
@@ -212,11 +226,14 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=3600.0)
     ap.add_argument("--think-s", type=float, default=3.0, help="the user's pause between an answer and the next "
                                                                    "question (0: back to back)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="ratings: rounds of asking; a question none of whose two answers was rated +1 is asked "
+                         "again (new seeds) in the next round (1: each question once, issue 53's setting)")
     ap.add_argument("--prime", action="store_true",
                     help="do the drift guard's set-up first, while idle (a server's first job pays it otherwise)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    got = run(args.mode, args.threads, args.baseline_s, args.timeout_s, args.prime, args.think_s)
+    got = run(args.mode, args.threads, args.baseline_s, args.timeout_s, args.prime, args.think_s, args.rounds)
     print(json.dumps(got, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps({

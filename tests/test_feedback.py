@@ -12,37 +12,73 @@ import pytest
 from background_server import BackgroundServer
 
 from dreamstage.records.feedback import FeedbackRequest, rating_weights
-from dreamstage.records.learner import CORRECTIONS_ANCHOR_RATIO, FEEDBACK_JOB, UNGUARDED_STOP_LOSS, build_job
+from dreamstage.records.learner import FEEDBACK_JOB, UNGUARDED_STOP_LOSS, build_job
 from dreamstage.records.store import Feedback
 from dreamstage.server.settings import ServerSettings
 from dreamstage.training.jobs.example_forms import TokenExample
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.spec import DEFAULT_ANCHOR_RATIO, DEFAULT_EPOCHS, DEFAULT_STOP_LOSS
 from dreamstage.training.jobs.stored import SPEC_VERSION, from_stored, to_stored
-from dreamstage.training.walk.groups import NEGATIVE_NLL_CAP, bounded_weights
+from dreamstage.training.walk.groups import NEGATIVE_NLL_CAP, NEGATIVE_NLL_RISE, bounded_weights, pushed_away
 
 JSON = {"Content-Type": "application/json"}
 
 
 # -- the weights -------------------------------------------------------------------------------
-def test_rating_weights_are_advantages_scaled_to_one():
+def test_rating_weights_are_advantages_over_their_mean_size():
     assert rating_weights([1, -1, 1, -1]) == [1.0, -1.0, 1.0, -1.0]
-    assert rating_weights([5, 4, 1, 2]) == pytest.approx([2 / 2, 1 / 2, -2 / 2, -1 / 2])   # mean 3, max |a| 2
-    assert rating_weights([1, 1, 0]) == pytest.approx([0.5, 0.5, -1.0])
-    # no comparison in the ratings: each read against zero
-    assert rating_weights([1]) == [1.0] and rating_weights([-1]) == [-1.0]
-    assert rating_weights([3, 3]) == [1.0, 1.0] and rating_weights([0, 0]) == [0.0, 0.0]
+    assert rating_weights([5, 4, 1, 2]) == pytest.approx([4 / 3, 2 / 3, -4 / 3, -2 / 3])   # a: 2 1 -2 -1, mean|a| 1.5
+    # an n = 4 request with one answer liked: a = 1.5, -0.5 x 3, mean|a| 0.75; likes add up to G/2, dislikes -G/2
+    w = rating_weights([-1, 1, -1, -1])
+    assert w == pytest.approx([-2 / 3, 2.0, -2 / 3, -2 / 3])
+    assert sum(x for x in w if x > 0) == pytest.approx(2.0) and sum(x for x in w if x < 0) == pytest.approx(-2.0)
+    # the scale of the ratings does not matter
+    assert rating_weights([10, -10, -10, -10]) == pytest.approx([2.0, -2 / 3, -2 / 3, -2 / 3])
+    assert rating_weights([3, 1, 1, 1]) == pytest.approx(rating_weights([10, -10, -10, -10]))
+    # no comparison in the ratings: positive ones still train, zero or negative ones weigh nothing
+    assert rating_weights([1]) == [1.0] and rating_weights([3, 3]) == [1.0, 1.0]
+    assert rating_weights([-1]) == [0.0] and rating_weights([-1, -1]) == [0.0, 0.0]
+    assert rating_weights([0, 0]) == [0.0, 0.0]
     with pytest.raises(ValueError):
         rating_weights([math.nan])
 
 
-def test_a_negative_reply_is_dropped_once_its_nll_passes_the_cap():
+def test_a_group_stops_when_its_positive_replies_are_learned():
+    """The early stop reads a group by its positive replies (a pushed-away reply's loss only rises); a group
+    without one stops once its negative replies are pushed away (a nat above their first pass's loss, or
+    past the cap), and one of zero weights at once."""
+    from types import SimpleNamespace as R
+
+    from dreamstage.training.drift.stopping import OwnLoss
+
+    own = OwnLoss(n_job_windows=3, stop_loss=0.2)
+    own.note(0, R(status="ok", loss=0.05, tokens=10))                       # a plain example, learned
+    own.note(1, R(status="ok", loss=3.0, tokens=40))                        # the group's receipts: not its stop
+    own.note_group(1, [0.15, 5.0, 4.0], [1.0, -0.5, -0.5])
+    own.note_group(2, [1.0, 1.2], [0.0, 0.0])
+    own.note_group(5, [9.0], [1.0])                                          # an anchor's index: not the job's
+    assert own.converged() and own.last == pytest.approx(0.15) and own.mean == pytest.approx(2.41)
+    own.note_group(1, [0.3, 5.0, 4.0], [1.0, -0.5, -0.5])                   # its positive reply not yet
+    assert not own.converged() and own.last == pytest.approx(0.3)
+
+    pushed = OwnLoss(n_job_windows=1, stop_loss=0.2)
+    for losses, stops in (([2.0, 5.5], False), ([2.5, 5.9], False), ([3.1, math.nan], False), ([3.1, 6.1], True)):
+        pushed.note_group(0, losses, [-1.0, -1.0])                           # first pass: 2.0 and 5.5
+        assert pushed.converged() == stops, losses
+
+
+def test_a_negative_reply_is_dropped_once_pushed_a_nat_past_its_first_loss_or_past_the_cap():
     w = [1.0, -1.0, -0.5]
     assert bounded_weights(w, None) == w                                   # first pass: nothing measured
+    first = [2.0, 2.0, 5.5]
+    assert bounded_weights(w, [0.3, 2.0 + NEGATIVE_NLL_RISE - 0.1, 5.9], first) == w
+    assert bounded_weights(w, [0.3, 2.0 + NEGATIVE_NLL_RISE + 0.1, NEGATIVE_NLL_CAP + 0.1], first) == [1.0, 0, 0]
+    assert bounded_weights(w, [50.0, math.nan, 1.0], first) == w              # positives never; unmeasured kept
+    # without a first reading, the cap alone
     assert bounded_weights(w, [0.3, NEGATIVE_NLL_CAP - 0.1, 2.0]) == w
-    assert bounded_weights(w, [0.3, NEGATIVE_NLL_CAP + 0.1, 9.0]) == [1.0, 0.0, 0.0]
-    assert bounded_weights(w, [50.0, math.nan, 1.0]) == [1.0, -1.0, -0.5]  # positives never; unmeasured kept
+    assert bounded_weights(w, [0.3, NEGATIVE_NLL_CAP + 0.1, 9.0], [math.nan] * 3) == [1.0, 0.0, 0.0]
     assert bounded_weights(w, [1.0]) == w                                  # another group's losses: ignored
+    assert pushed_away(3.5, 2.0) and not pushed_away(2.5, 2.0) and not pushed_away(math.nan, 2.0)
 
 
 # -- the body --------------------------------------------------------------------------------
@@ -120,10 +156,10 @@ def test_a_feedback_job_stops_on_the_guards_greedy_check_or_a_lower_loss_without
     assert guarded.epochs == bare.epochs == FEEDBACK_JOB["epochs"] > DEFAULT_EPOCHS
     assert guarded.consolidate == FEEDBACK_JOB["consolidate"] and replace(guarded, stop_loss=0.0) == replace(
         bare, stop_loss=0.0)
-    # corrections alone rehearse fewer anchors; a rating keeps the default rehearsal
-    assert guarded.anchor_ratio == CORRECTIONS_ANCHOR_RATIO < DEFAULT_ANCHOR_RATIO
+    # a feedback job rehearses fewer anchors than POST /train's default, ratings or not
+    assert guarded.anchor_ratio == FEEDBACK_JOB["anchor_ratio"] < DEFAULT_ANCHOR_RATIO
     _, rated = build_job("alice", [*items, item(2, "rating", [reply("a", [9, 2], rating=-1)], key="r")])
-    assert rated.anchor_ratio == DEFAULT_ANCHOR_RATIO
+    assert rated.anchor_ratio == FEEDBACK_JOB["anchor_ratio"]
 
 
 def test_ratings_of_one_prompt_weigh_by_advantage():
@@ -131,6 +167,19 @@ def test_ratings_of_one_prompt_weigh_by_advantage():
     _, spec = build_job("alice", items)
     assert [e.weight for e in spec.examples] == [1.0, -1.0, -1.0, 1.0]
     assert len({e.group for e in spec.examples}) == 1
+
+
+def test_alike_negative_ratings_are_shown_but_train_only_when_nothing_else_does():
+    liked = [item(i, "rating", [reply(f"a{i}", [10 + i], index=i, rating=r)], key="one")
+             for i, r in enumerate([1, -1])]
+    disliked = [item(5 + i, "rating", [reply(f"b{i}", [20 + i], index=i, rating=-1)], key="two") for i in range(2)]
+    req, spec = build_job("alice", [*liked, *disliked])
+    assert [(e.group, e.weight) for e in spec.examples] == [("examples[0]", 1.0), ("examples[0]", -1.0)]
+    shown = req.model_dump(mode="json", exclude_none=True)["examples"]
+    assert [c["weight"] for c in shown[1]["completions"]] == [0.0, 0.0]
+    # a job of only those: its zero-weight group is what it trains (nothing), so the job exists for the guard
+    _, alone = build_job("alice", disliked)
+    assert [(e.example.reply, e.weight) for e in alone.examples] == [([20], 0.0), ([21], 0.0)]
 
 
 def test_a_group_read_back_from_a_form_6_store_is_plain():
@@ -218,8 +267,8 @@ def test_ratings_on_four_choices_and_a_preference_make_groups(server, http):
     (rated, prompt_rated), (preferred, prompt_pair) = [
         (groups[g], records.answer(got["id"] if len(groups[g]) == 4 else pair["id"], 0).prompt_tokens)
         for g in sorted(groups, key=lambda g: -len(groups[g]))]
-    # mean 1: advantages 1, 0, -1, 0, the largest 1
-    assert [e.weight for e in rated] == [1.0, 0.0, -1.0, 0.0]
+    # mean 1: advantages 1, 0, -1, 0, their mean size 0.5
+    assert [e.weight for e in rated] == [2.0, 0.0, -2.0, 0.0]
     assert all(e.example.prompt == prompt_rated for e in rated)
     assert [e.weight for e in preferred] == [1.0, -1.0] and preferred[0].example.prompt == prompt_pair
     answers = [records.answer(pair["id"], i).answer for i in (1, 0)]
@@ -409,18 +458,41 @@ def test_auto_learning_starts_a_job_at_n_items_or_t_minutes_after_the_last(tmp_p
     jobs.close()
 
 
-def test_a_job_of_only_negative_feedback_stays_finite_and_the_guard_decides(tiny_model_path, tmp_path,
-                                                                           monkeypatch):
-    """Ratings of -1 only (each answer read against zero: weight -1) on the tiny model with the drift guard
-    on: the job ends, every figure and every adapter weight finite, its reply losses held at the cap (measured:
-    6.14 and 6.01 after 24 epochs, cap 6), and
-    the version either promoted by the guard or kept back with its figures. The guard measures 4 anchors
-    with 3 null draws (its rehearsal, which holds the losses, is the default's): any guard's decision is
-    what this test reads."""
+def _finished(c: httpx.Client, job_id: int) -> dict:
+    job = wait_for(lambda: (j := c.get(f"/train/{job_id}").json())["state"] in ("done", "error", "refused")
+                   and j, what="the job's end")
+    assert job["state"] == "done", job["message"]
+    return job
+
+
+def _finite_and_guarded(srv, job: dict, name: str) -> list[float]:
+    """The job's reply losses, after checking that every figure and adapter weight is finite and the version
+    was promoted exactly when the guard's message says so."""
     import numpy as np
-    from drift_jobs import cut_anchors
 
     from dreamstage.adapters.files import load_lora
+
+    losses = [x for g in job["progress"]["groups"].values() for x in g["reply_losses"]]
+    assert losses and all(math.isfinite(x) for x in losses)
+    adapter = job["adapter"]
+    drift = adapter["drift"]
+    assert drift is not None and math.isfinite(drift["drift_kl"]) and 0 <= drift["anchors_changed"] <= 1
+    factors, _ = load_lora(srv.service.store.adapter_path(name, adapter["version"]))
+    assert all(np.isfinite(a).all() and np.isfinite(b).all() for a, b in factors.values())
+    # the guard's decision, either way, is the job's message; a version kept back waits to be promoted
+    assert adapter["promoted"] == ("not promoted" not in job["message"]), job["message"]
+    return losses
+
+
+def test_a_job_of_only_negative_feedback_stays_finite_and_the_guard_decides(tiny_model_path, tmp_path,
+                                                                           monkeypatch):
+    """Two answers rated -1 (no comparison: weight 0) on the tiny model with the drift guard on: the job
+    trains nothing, ends at its first epoch's early stop, and the guard decides. Then the same two answers
+    as a POST /train group at weight -1 each, the negative term itself: the job stops once both are pushed
+    away, every figure and adapter weight finite and its reply losses under the cap, and the guard decides. The guard
+    measures 4 anchors with 3 null draws (its rehearsal is the default's): any decision is what this reads."""
+    from drift_jobs import cut_anchors
+
     from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
 
     cut_anchors(monkeypatch, load_anchors()[:4], rehearsal_anchors(), 3)
@@ -428,22 +500,24 @@ def test_a_job_of_only_negative_feedback_stays_finite_and_the_guard_decides(tiny
     settings = ServerSettings(model=str(tiny_model_path), ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path),
                               record=True, drift_guard=True)
     with BackgroundServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=600, headers=JSON) as c:
-        got = ask(c, "Say something rude.", n=2, temperature=1.0, seed=11, max_tokens=8)
+        question = "Say something rude."
+        got = ask(c, question, n=2, temperature=1.0, seed=11, max_tokens=8)
         for i in range(2):
             assert c.post("/v1/feedback", json={"id": got["id"], "index": i, "rating": -1}).status_code == 200
         job_id = c.post("/adapters/learned/learn").json()["id"]
-        assert all(e.weight == -1.0 for e in srv.service.store.spec(job_id).examples)
-        job = wait_for(lambda: (j := c.get(f"/train/{job_id}").json())["state"] in ("done", "error", "refused")
-                       and j, what="the job's end")
-        assert job["state"] == "done", job["message"]
-        groups = job["progress"]["groups"]
-        assert len(groups) == 1 and all(g["weights"] == [-1.0, -1.0] for g in groups.values())
-        losses = [x for g in groups.values() for x in g["reply_losses"]]
-        assert all(math.isfinite(x) for x in losses) and max(losses) < NEGATIVE_NLL_CAP + 1.0
-        adapter = job["adapter"]
-        drift = adapter["drift"]
-        assert drift is not None and math.isfinite(drift["drift_kl"]) and 0 <= drift["anchors_changed"] <= 1
-        factors, _ = load_lora(srv.service.store.adapter_path("learned", adapter["version"]))
-        assert all(np.isfinite(a).all() and np.isfinite(b).all() for a, b in factors.values())
-        # the guard's decision, either way, is the job's message; a version kept back waits to be promoted
-        assert adapter["promoted"] == ("not promoted" not in job["message"]), job["message"]
+        assert [e.weight for e in srv.service.store.spec(job_id).examples] == [0.0, 0.0]
+        job = _finished(c, job_id)
+        assert "stopped after epoch 1:" in job["message"] and job["progress"]["epoch"] <= 1 + FEEDBACK_JOB[
+            "consolidate"], job["message"]
+        assert [g["weights"] for g in job["progress"]["groups"].values()] == [[0.0, 0.0]]
+        _finite_and_guarded(srv, job, "learned")
+        answers = [srv.service.records.answer(got["id"], i).answer for i in range(2)]
+        body = {"examples": [{"messages": [{"role": "user", "content": question}],
+                              "completions": [{"text": a, "weight": -1.0} for a in answers]}],
+                "adapter": "pushed", "epochs": 24, "promote": "auto"}
+        pushed = _finished(c, c.post("/train", json=body).json()["id"])
+        losses = _finite_and_guarded(srv, pushed, "pushed")
+        assert max(losses) < NEGATIVE_NLL_CAP + 1.0, losses
+        # a group with no positive reply stops once each reply is pushed away (OwnLoss.note_group), not at 24
+        assert "stopped after epoch" in pushed["message"], pushed["message"]
+        assert pushed["progress"]["epoch"] < 24 + FEEDBACK_JOB["consolidate"]

@@ -4,7 +4,7 @@
   corrected reply (a plain example: context untrained, the reply and its end-of-turn trained).
 - `rating`: a number on one answer. Pending ratings of answers to one prompt (same adapter, same prompt
   tokens: the choices of an `n > 1` request, or separate requests) train as one weighted group with weights
-  from `rating_weights`.
+  from `rating_weights`; a group whose weights are all zero (alike negative ratings) trains nothing.
 - `preferred` / `rejected`: two answers to one prompt; a group of the two with weights +1 and -1.
 
 A reply is tokenized as training renders it (the chat template's reply span: content + end-of-turn; a
@@ -81,18 +81,22 @@ def prompt_key(adapter: str, prompt_tokens: list[int]) -> str:
 
 
 def rating_weights(ratings: list[float]) -> list[float]:
-    """Group weights from ratings: the advantage r_g - mean(r), divided by the largest |advantage| so the
-    weights lie in [-1, 1] whatever the rating scale (+1/-1, 1..5 stars). When the ratings do not differ (one
-    answer rated, or all alike) there is no comparison in them: each is read against 0 instead, r_g / max|r|
-    (a lone +1 trains its answer at weight 1, a lone -1 pushes it away at -1; all zero train nothing)."""
+    """Group weights from ratings: the advantage a_g = r_g - mean(r), divided by the mean |a| over the group,
+    so whatever the rating scale and however many answers were liked or disliked, the liked ones' weights add
+    up to G/2 and the disliked ones' to -G/2 (the group loss, a mean over G, pulls by half and pushes by half).
+    When the ratings do not differ (one answer rated, or all alike) there is no comparison in them: positive
+    ones still train their answers, r_g / max|r| (a lone +1 at weight 1); zero or negative ones weigh 0, for
+    pushed away with nothing to pull towards a rated prompt's answers turned to unrelated text
+    (docs/architecture/feedback.md)."""
     if not ratings or any(not math.isfinite(r) for r in ratings):
         raise ValueError(f"ratings must be finite numbers, got {ratings}")
     mean = sum(ratings) / len(ratings)
     adv = [r - mean for r in ratings]
     if max(abs(a) for a in adv) <= 1e-12 * max(1.0, abs(mean)):
-        adv = list(ratings)
-    scale = max(abs(a) for a in adv)
-    return [a / scale if scale > 0 else 0.0 for a in adv]
+        top = max(ratings)
+        return [r / top if top > 0 else 0.0 for r in ratings]
+    scale = sum(abs(a) for a in adv) / len(adv)
+    return [a / scale for a in adv]
 
 
 class ReplyRenderer:

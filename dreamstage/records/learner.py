@@ -32,29 +32,31 @@ WINDOW_STEP = 64        # a feedback job's window: its longest example rounded u
 # A feedback job's fields where they differ from POST /train's defaults (docs/architecture/feedback.md, "The
 # job"). With the drift guard on, the early stop also waits for every example's greedy reply, so the default
 # stop_loss ends a job once each correction is the answer at temperature 0; without the guard a lower stop_loss
-# stands in for that check. A job of corrections alone rehearses half the default anchors an epoch; one with
-# ratings or preferences keeps the default, which holds a pushed-away reply's loss near the negative term's cap.
-FEEDBACK_JOB = {"promote": "auto", "fit": "left", "epochs": 20, "consolidate": 2}
+# stands in for that check. A feedback job rehearses half the default anchors an epoch.
+FEEDBACK_JOB = {"promote": "auto", "fit": "left", "epochs": 20, "consolidate": 2, "anchor_ratio": 4.0}
 UNGUARDED_STOP_LOSS = 0.05
-CORRECTIONS_ANCHOR_RATIO = 4.0
 
 
 def build_job(adapter: str, items: list[Feedback], guarded: bool = True) -> tuple[Any, JobSpec]:
     """The job that trains `items` (pending feedback of `adapter`): (its request as GET /train shows it, its
     spec); `guarded`: the server's drift guard is on (FEEDBACK_JOB). Corrections are plain examples; ratings
     of one prompt one group (`rating_weights`, an answer rated twice counts its latest rating); each
-    preference a group of +1 and -1. The request shows each example as text (the prompt detokenized); the
-    spec trains the recorded tokens (`TokenExample`)."""
+    preference a group of +1 and -1. A group whose weights are all 0 is shown but not trained, unless
+    nothing else is (the job then ends at its first epoch's early stop and the guard's decision). The
+    request shows each example as text (the prompt detokenized); the spec trains the recorded tokens
+    (`TokenExample`)."""
     shown: list[dict[str, Any]] = []
     plain: list[SourcedExample] = []
+    idle: list[SourcedExample] = []            # groups of weight 0 only: trained only when nothing else is
 
     def add_group(prompt: list[int], prompt_text: str, replies: list[dict], weights: list[float]) -> None:
         i = len(shown)
         shown.append({"prompt": prompt_text, "completions": [
             {"text": r["text"], "weight": w} for r, w in zip(replies, weights, strict=True)]})
-        plain.extend(SourcedExample(i, f"examples[{i}].completions[{j}]",
-                                    TokenExample(prompt=prompt, reply=r["tokens"]), group=f"examples[{i}]", weight=w)
-                     for j, (r, w) in enumerate(zip(replies, weights, strict=True)))
+        (plain if any(weights) else idle).extend(
+            SourcedExample(i, f"examples[{i}].completions[{j}]", TokenExample(prompt=prompt, reply=r["tokens"]),
+                           group=f"examples[{i}]", weight=w)
+            for j, (r, w) in enumerate(zip(replies, weights, strict=True)))
 
     ratings: dict[str, list[Feedback]] = {}
     for f in items:
@@ -76,12 +78,11 @@ def build_job(adapter: str, items: list[Feedback], guarded: bool = True) -> tupl
         replies = list(latest.values())
         add_group(group[0].body["prompt"], group[0].body["prompt_text"], replies,
                   rating_weights([r["rating"] for r in replies]))
+    plain = plain or idle       # a job of alike negative ratings only: it trains nothing, and the guard decides
     longest = max(len(e.example.prompt) + len(e.example.reply) for e in plain
                   if isinstance(e.example, TokenExample))
     window = min(MAX_WINDOW, max(DEFAULT_WINDOW, -(-longest // WINDOW_STEP) * WINDOW_STEP))
     more = {} if guarded else {"stop_loss": UNGUARDED_STOP_LOSS}
-    if all(f.kind == "correction" for f in items):
-        more["anchor_ratio"] = CORRECTIONS_ANCHOR_RATIO
     req = parse_train_request({"examples": shown, "adapter": adapter, "window": window, **FEEDBACK_JOB, **more})
     return req, replace(req.to_job_spec(), examples=tuple(plain))
 

@@ -4,8 +4,11 @@ learned through the rehearsal-only epochs (ExampleHold).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from dreamstage.training.walk.groups import pushed_away
 
 # The rehearsal-only epochs pull the adapter back towards the base, the job's
 # examples with it, so each is kept only while every checked window's forward
@@ -22,11 +25,13 @@ class OwnLoss:
     an epoch converged when every one of its windows' loss is below stop_loss.
     Each window, not their mean: a mean can hide one fact not yet learned.
     (Anchor windows do not count: their loss is the base's own entropy, which
-    does not fall towards zero.)"""
+    does not fall towards zero. A group counts its positive replies: note_group.)"""
 
     def __init__(self, n_job_windows: int, stop_loss: float | None):
         self.n_job, self.stop_loss = n_job_windows, stop_loss
         self._windows: dict[int, tuple[float, int]] = {}
+        self._groups: dict[int, float] = {}    # a group's loss for the stop (note_group), over its receipts'
+        self._first: dict[int, list[float]] = {}   # a group's reply losses at its first pass
         self.last: float | None = None     # the epoch's highest window loss
         self.mean: float | None = None     # the epoch's token-weighted loss over the job's windows
         self.final: dict[int, float] = {}  # the last finished epoch's loss per window
@@ -36,14 +41,25 @@ class OwnLoss:
             s, t = self._windows.get(window_index, (0.0, 0))
             self._windows[window_index] = (s + receipt.loss * receipt.tokens, t + receipt.tokens)
 
+    def note_group(self, window_index: int, reply_losses: Sequence[float], weights: Sequence[float]) -> None:
+        """A group's pass ended. Its loss here: the highest mean NLL of its positive-weight replies (a
+        pushed-away reply's only rises); without a positive reply, 0 once every negative one is `pushed_away`
+        (from its first pass's loss; a group of zero weights has nothing to learn)."""
+        if window_index >= self.n_job or len(reply_losses) != len(weights):
+            return
+        first = self._first.setdefault(window_index, list(reply_losses))
+        pulled = [x if math.isfinite(x) else math.inf for x, w in zip(reply_losses, weights, strict=True) if w > 0]
+        past = all(pushed_away(x, f) for x, f, w in zip(reply_losses, first, weights, strict=True) if w < 0)
+        self._groups[window_index] = max(pulled) if pulled else 0.0 if past else math.inf
+
     def converged(self) -> bool:
         """At an epoch's end: whether each window's loss is below stop_loss. Starts the next epoch's sums."""
-        self.final = {i: s / t for i, (s, t) in self._windows.items() if t}
+        self.final = {**{i: s / t for i, (s, t) in self._windows.items() if t}, **self._groups}
         losses = list(self.final.values())
         self.last = max(losses) if losses else None
         tokens = sum(t for _, t in self._windows.values())
         self.mean = sum(s for s, _ in self._windows.values()) / tokens if tokens else None
-        self._windows = {}
+        self._windows, self._groups = {}, {}
         return self.stop_loss is not None and self.last is not None and self.last < self.stop_loss
 
     def stop_note(self, epochs_done: int) -> str:

@@ -362,9 +362,11 @@ class JobProgram(WorkerHold):
             self._shaper.cut()
         try:
             done = trainer.chunks_left == 0
-            event = run.record(receipt, window_done=done,
-                               reply_losses=trainer.group_reply_losses() if group and done else None)
+            losses = trainer.group_reply_losses() if group and done else None
+            event = run.record(receipt, window_done=done, reply_losses=losses)
             lp.own.note(step.window_index, receipt)
+            if losses is not None:
+                lp.own.note_group(step.window_index, losses, [w for _, _, w in window.replies])
         except InvalidTransition:
             # a pause raced the end JobRun recorded (refused at the floor, or an
             # error receipt): the receipt is stored; end the job once resumed

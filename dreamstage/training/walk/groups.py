@@ -26,18 +26,35 @@ from dreamstage.training.walk.windows import TrainWindow
 
 # A negative weight pushes its reply's tokens down, and -w * CE has no floor: trained long enough, the
 # reply's NLL (and the adapter) would run away. So once a negative-weight reply's mean NLL, as its group's
-# last pass measured it, is above this (its tokens at e^-6 = 0.25% on average: pushed away for good), the
-# next pass drops its term; should other training pull it back under, the term returns (a hinge at the cap).
+# last pass measured it, has risen NEGATIVE_NLL_RISE above its first pass's (its tokens at e^-1 = 37% of
+# the probability they had, on average), or passed NEGATIVE_NLL_CAP whatever it began at, the next pass drops
+# its term; should other training pull it back under, the term returns (a hinge). Pushed to the cap alone,
+# one answer rated -1 beside one rated +1 reached 9 nats and changed every anchor the guard measured
+# (docs/benchmarks.md, "Learning from feedback").
 NEGATIVE_NLL_CAP = 6.0
+NEGATIVE_NLL_RISE = 1.0
 
 
-def bounded_weights(weights: Sequence[float], last_losses: Sequence[float] | None) -> list[float]:
-    """The weights a group's next pass trains with: a negative-weight reply whose last measured mean NLL passed
-    NEGATIVE_NLL_CAP weighs 0 (docs/architecture/groups.md, "Negative weights")."""
+def pushed_away(last: float, first: float | None) -> bool:
+    """Whether a negative-weight reply whose mean NLL was `first` at its group's first pass and `last` at
+    its latest is pushed far enough (a NaN: not measured, not pushed)."""
+    if not math.isfinite(last):
+        return False
+    bound = NEGATIVE_NLL_CAP if first is None or not math.isfinite(first) else min(
+        NEGATIVE_NLL_CAP, first + NEGATIVE_NLL_RISE)
+    return last > bound
+
+
+def bounded_weights(weights: Sequence[float], last_losses: Sequence[float] | None,
+                    first_losses: Sequence[float] | None = None) -> list[float]:
+    """The weights a group's next pass trains with: a negative-weight reply `pushed_away` weighs 0
+    (docs/architecture/groups.md, "Negative weights")."""
     if last_losses is None or len(last_losses) != len(weights):
         return [float(w) for w in weights]
-    return [0.0 if w < 0 and math.isfinite(loss) and loss > NEGATIVE_NLL_CAP else float(w)
-            for w, loss in zip(weights, last_losses, strict=True)]
+    first = list(first_losses) if first_losses is not None and len(first_losses) == len(weights) else [
+        None] * len(weights)
+    return [0.0 if w < 0 and pushed_away(loss, f) else float(w)
+            for w, loss, f in zip(weights, last_losses, first, strict=True)]
 
 
 @dataclass(frozen=True)

@@ -148,8 +148,8 @@ class Trainer(NativeOwner):
         self._open()
         self.n_params = int(L.dream_n_params(self._ds))
         self.pairs = self._read_pairs()
-        # per group (its tokens): the reply losses of its last pass, for bounded_weights
-        self._group_losses: dict[tuple, list[float]] = {}
+        # per group (its tokens): the reply losses of its first and its last pass, for bounded_weights
+        self._group_losses: dict[tuple, tuple[list[float], list[float]]] = {}
         self._group_key: tuple | None = None
 
     # -- lifetime ---------------------------------------------------------------
@@ -315,7 +315,8 @@ class Trainer(NativeOwner):
             raise ValueError(f"prefix must be 1-D with at least one token, got shape {pre.shape}")
         toks, masks, lens, weights = [], [], [], []
         self._group_key = (tuple(int(x) for x in pre), tuple(tuple(int(x) for x in t) for t, _, _ in replies))
-        bounded = bounded_weights([w for _, _, w in replies], self._group_losses.get(self._group_key))
+        first, last = self._group_losses.get(self._group_key, (None, None))
+        bounded = bounded_weights([w for _, _, w in replies], last, first)
         for i, ((t, m, _), w) in enumerate(zip(replies, bounded, strict=True)):
             t, m = np.asarray(t, dtype=np.int32), np.asarray(m, dtype=np.uint8)
             if t.ndim != 1 or m.shape != t.shape:
@@ -356,7 +357,8 @@ class Trainer(NativeOwner):
         self.L.dream_group_reply_losses(self._handle(), buf, n)
         losses = [float(buf[i]) for i in range(n)]
         if self._group_key is not None and n == len(self._group_key[1]):
-            self._group_losses[self._group_key] = losses      # the next pass of this group bounds its weights by them
+            first = self._group_losses.get(self._group_key, (losses, losses))[0]
+            self._group_losses[self._group_key] = (first, losses)   # the next pass bounds its weights by them
         return losses
 
     @staticmethod
