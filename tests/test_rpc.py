@@ -353,31 +353,27 @@ def _wait_for(http, jid: int, states: tuple[str, ...], deadline: float) -> dict:
     return job
 
 
-def _settled_step(http, jid: int) -> int:
-    """A paused job's step count once the step in flight as it paused has ended (unchanged for 1 s)."""
-    step, since = http.get(f"/train/{jid}").json()["progress"]["step"], time.monotonic()
-    while time.monotonic() - since < 1.0:
-        time.sleep(0.1)
-        now = http.get(f"/train/{jid}").json()["progress"]["step"]
-        if now != step:
-            step, since = now, time.monotonic()
-    return step
+@contextlib.contextmanager
+def _stopped_after_first_step(monkeypatch, out: str):
+    """Block the training thread once the job writing `out` has run its first micro-step (the
+    first of its first window's two chunks) until the body ends: the body kills a worker there."""
+    import threading
 
+    from dreamstage.training.jobs.program import JobProgram
 
-def _pause_mid_window(http, jid: int, deadline: float) -> None:
-    """Pause the job (of two-chunk windows) after an odd number of steps: between a window's chunks."""
-    while True:
-        while http.get(f"/train/{jid}").json()["progress"]["step"] < 3:
-            assert time.monotonic() < deadline, "the job never took three steps"
-            time.sleep(0.02)
-        assert http.post(f"/train/{jid}/pause").status_code == 200
-        step = _settled_step(http, jid)
-        if step % 2 == 1:
-            return
-        assert http.post(f"/train/{jid}/resume").status_code == 200
-        while http.get(f"/train/{jid}").json()["progress"]["step"] == step:
-            assert time.monotonic() < deadline, "the job did not go on"
-            time.sleep(0.01)
+    ran, go, original = threading.Event(), threading.Event(), JobProgram._micro_step
+
+    def micro_step(self, lp):
+        event = yield from original(self, lp)
+        if lp.spec.out == out and not ran.is_set():
+            ran.set()
+            go.wait(120)
+        return event
+    monkeypatch.setattr(JobProgram, "_micro_step", micro_step)
+    try:
+        yield ran
+    finally:
+        go.set()
 
 
 @contextlib.contextmanager
@@ -403,12 +399,13 @@ def _split_server(state_dir, model):
             stop_worker(p)
 
 
-def test_a_server_whose_worker_dies_holds_the_job_and_resumes_it_once_the_worker_is_back(tmp_path, tiny4):
+def test_a_server_whose_worker_dies_holds_the_job_and_resumes_it_once_the_worker_is_back(monkeypatch, tmp_path,
+                                                                                           tiny4):
     from dreamstage.adapters.files import load_lora
 
     # two chunks a window: a worker killed between them fails the window's second chunk (no pause
     # bound: the step shaper would cut chunks on a loaded machine, and the gradient with them)
-    job = {"text": TEXT * 3, "window": 32, "chunk": 16, "epochs": 30, "stop_loss": None, "promote": "never",
+    job = {"text": TEXT * 3, "window": 32, "chunk": 16, "epochs": 2, "stop_loss": None, "promote": "never",
            "max_pause_ms": 0}
     with _split_server(tmp_path, tiny4) as (http, procs, ports, endpoints):
         deadline = time.monotonic() + 300
@@ -416,10 +413,13 @@ def test_a_server_whose_worker_dies_holds_the_job_and_resumes_it_once_the_worker
         progress = _wait_for(http, ref, ("done",), deadline)["progress"]
         steps = progress["step"]
         assert steps == 2 * progress["windows"] * job["epochs"]       # every window two chunks
-        jid = http.post("/train", json={**job, "out": "held"}).json()["id"]
-        _pause_mid_window(http, jid, deadline)
-        stop_worker(procs[0])                       # between a window's two chunks
-        assert http.post(f"/train/{jid}/resume").status_code == 200
+        with _stopped_after_first_step(monkeypatch, "held") as ran:
+            jid = http.post("/train", json={**job, "out": "held"}).json()["id"]
+            assert ran.wait(120), "the job never took its first step"
+            stop_worker(procs[0])                   # between the first window's two chunks
+            while rpc.hung_up(endpoints) != endpoints[0]:
+                assert time.monotonic() < deadline, "the closed connection was not seen"
+                time.sleep(0.01)
         held = _wait_for(http, jid, ("held", "error", "done"), deadline)
         assert held["state"] == "held" and endpoints[0] in held["message"], held
         # seen before the window's second chunk ran (the kernel had closed the connection): no step failed

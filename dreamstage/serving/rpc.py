@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ipaddress
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,17 +224,17 @@ def failed_worker(endpoints: tuple[str, ...]) -> str | None:
     return t.last_failed if failed else hung_up(endpoints)
 
 
-# Per endpoint, the socket inodes of this process's connections to it when a model last
-# loaded (`watch`): ggml's client learns that a worker is gone only when a command fails,
+# Per endpoint, this process's connections to it when a model last loaded (`watch`), as
+# (fd, socket inode): ggml's client learns that a worker is gone only when a command fails,
 # and a decode that meets it first may need a new buffer's base, which the dropped command
 # answers with NULL, and ggml asserts on. The kernel knows sooner: a worker whose process
-# ended closed its side, and ours waits in CLOSE_WAIT.
-_watched: dict[str, set[int]] = {}
+# ended closed its side (ours waits in CLOSE_WAIT) or reset it (ours left the TCP table).
+_watched: dict[str, set[tuple[int, int]]] = {}
 _TCP_TABLE = Path("/proc/self/net/tcp")
 _CLOSE_WAIT = "08"
 
 
-def _tcp_rows() -> list[tuple[str, str, str]]:
+def _tcp_rows() -> list[tuple[str, str, int]]:
     """(remote 'ip:port', state, inode) of each IPv4 TCP socket of this network namespace
     (Linux; empty elsewhere)."""
     try:
@@ -245,33 +246,42 @@ def _tcp_rows() -> list[tuple[str, str, str]]:
         f = line.split()
         if len(f) > 9:
             ip, port = f[2].split(":")
-            out.append((f"{socket.inet_ntoa(bytes.fromhex(ip)[::-1])}:{int(port, 16)}", f[3], f[9]))
+            out.append((f"{socket.inet_ntoa(bytes.fromhex(ip)[::-1])}:{int(port, 16)}", f[3], int(f[9])))
     return out
+
+
+def _socket_inode(fd: int) -> int | None:
+    """The inode of the socket open as `fd` in this process, or None (closed, or not a socket)."""
+    try:
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return int(link[8:-1]) if link.startswith("socket:[") else None
 
 
 def watch(endpoints: tuple[str, ...]) -> None:
     """Remember this process's connections to `endpoints` (call once a model has loaded)."""
-    import os
-    ours = set()
     try:
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/self/fd/{fd}")
-                if link.startswith("socket:["):
-                    ours.add(int(link[8:-1]))
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:
         return
+    ours = {inode: fd for fd in fds if (inode := _socket_inode(fd)) is not None}
     rows = _tcp_rows()
     for e in parse_endpoints(",".join(endpoints)):
         with contextlib.suppress(OSError):
             remote = f"{socket.gethostbyname(e.host)}:{e.port}"
-            _watched[str(e)] = {int(i) for r, _, i in rows if r == remote and int(i) in ours}
+            _watched[str(e)] = {(ours[i], i) for r, _, i in rows if r == remote and i in ours}
 
 
 def hung_up(endpoints: tuple[str, ...]) -> str | None:
-    """The first of `endpoints` whose worker closed a connection `watch` saw, or None."""
+    """The first of `endpoints` whose worker closed or reset a connection `watch` saw that
+    this process still holds open, or None."""
     watched = [(e, _watched[e]) for e in endpoints if _watched.get(e)]
     if not watched:
         return None
-    closing = {int(i) for _, state, i in _tcp_rows() if state == _CLOSE_WAIT}
-    return next((e for e, inodes in watched if inodes & closing), None)
+    state = {i: s for _, s, i in _tcp_rows()}
+    for e, conns in watched:
+        held = [i for fd, i in conns if _socket_inode(fd) == i]   # ones ggml closed itself say nothing
+        if any(state.get(i, _CLOSE_WAIT) == _CLOSE_WAIT for i in held):
+            return e
+    return None
