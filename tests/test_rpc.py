@@ -353,6 +353,17 @@ def _wait_for(http, jid: int, states: tuple[str, ...], deadline: float) -> dict:
     return job
 
 
+def _settled_step(http, jid: int) -> int:
+    """A paused job's step count once the step in flight as it paused has ended (unchanged for 1 s)."""
+    step, since = http.get(f"/train/{jid}").json()["progress"]["step"], time.monotonic()
+    while time.monotonic() - since < 1.0:
+        time.sleep(0.1)
+        now = http.get(f"/train/{jid}").json()["progress"]["step"]
+        if now != step:
+            step, since = now, time.monotonic()
+    return step
+
+
 @contextlib.contextmanager
 def _stopped_after_first_step(monkeypatch, out: str):
     """Block the training thread once the job writing `out` has run its first micro-step (the
