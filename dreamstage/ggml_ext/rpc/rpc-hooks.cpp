@@ -3,13 +3,19 @@
 //   - what crossed the wire: every command's bytes sent and answered, summed
 //     process-wide (a connection's counters are not kept apart);
 //   - a connection that failed: counted and named; the patched dispatcher then
-//     drops that connection's commands instead of aborting the process;
+//     drops that connection's commands instead of aborting the process, and
+//     their zeroed answers must never reach code that asserts on them: a new
+//     buffer's base is asked for at once (a NULL one fails the allocation, as
+//     a NULL buffer does, where ggml would assert at its first use), and a
+//     buffer type made from zeroed answers gets values that allocate nothing
+//     harmful and is not kept;
 //   - ops never sent to a worker and never run by one: GGML_OP_CUSTOM and the
 //     MAP_CUSTOM ops carry a function pointer (and userdata) of the process that
 //     built the graph, meaningless (or hostile) in another one. The scheduler
 //     runs them on a local backend instead, moving their inputs.
 // Read through ggml_backend_reg_get_proc_address(RPC, "dream_rpc_traffic").
 #include "ggml.h"
+#include "ggml-backend-impl.h"
 
 #include <atomic>
 #include <cstdint>
@@ -38,6 +44,29 @@ void dream_rpc_failed(const char * endpoint) {
     }
     g_failures.fetch_add(1);
     std::fprintf(stderr, "dreamstage: the RPC worker at %s failed; its commands are dropped\n", endpoint ? endpoint : "?");
+}
+
+// A new buffer's base, asked for now: ggml asks at the buffer's first use and asserts on
+// NULL, which is what a worker that failed in between answers. False: the buffer is freed.
+bool dream_rpc_buffer_based(ggml_backend_buffer_t buffer) {
+    if (buffer->iface.get_base(buffer) != nullptr) {
+        return true;
+    }
+    ggml_backend_buffer_free(buffer);
+    return false;
+}
+
+// A buffer type's alignment and max size, answered by a worker that failed (`failed`: zeros)
+// or not. Zeros would divide by zero in ggml's allocators: a failed worker's type gets the
+// smallest alignment and no size limit (its allocations fail anyway, the worker being gone).
+// False: the type is not kept, so the worker's next connection asks again.
+bool dream_rpc_buft_answered(bool failed, size_t * alignment, size_t * max_size) {
+    if (!failed && *alignment != 0) {
+        return true;
+    }
+    *alignment = 1;
+    *max_size = SIZE_MAX;
+    return false;
 }
 
 bool dream_rpc_op_allowed(const ggml_tensor * op) {
