@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from dreamstage.adapters.loaded import AdapterLoadError, AdaptersFull
+from dreamstage.serving import rpc
 from dreamstage.serving.generation import Admitted, Failed
 from dreamstage.serving.pool import PoolMixin
 from dreamstage.serving.sampling import GrammarError, Sampler
@@ -155,8 +156,11 @@ class AdmissionMixin(PoolMixin):
         except (AdapterLoadError, AdaptersFull) as e:
             for _ in range(got):
                 self.adapters.release(job.adapter)
-            status = 503 if isinstance(e, AdaptersFull) else 422
-            self._finish_job(job, Failed(status, f"adapter {job.adapter.label}: {e}", "model"), "error")
+            # a gone RPC worker refuses the adapter's buffers: 503 naming it, not a bad file
+            worker = rpc.failed_worker(self.model.config.rpc) if self.model.config.rpc else None
+            status = 503 if isinstance(e, AdaptersFull) or worker else 422
+            why = f"the RPC worker at {worker} failed; the adapter loads once it is back" if worker else str(e)
+            self._finish_job(job, Failed(status, f"adapter {job.adapter.label}: {why}", "model"), "error")
             return False
 
     def _samplers(self, group: list[_Job]) -> list[Sampler] | None:

@@ -47,12 +47,19 @@ class BatchMixin(EngineCore):
         # commands, and a graph that still reached it could read an address it never got
         # (nor while a reload after one failed: engine._reconnect)
         gone = self.model.config.rpc and (rpc.failed_worker(self.model.config.rpc) or not self.model.ctx)
+        failures = rpc.traffic().failures if self.model.config.rpc else 0
         if not gone:
             self.adapters.bind(rows.adapters)
         batch.n_tokens = rows.n
         self.last_batch_tokens = rows.n
         self.last_batch_decode_tokens = rows.n_decode
         rc = -3 if gone else self.lc.llama_decode(self.model.ctx, batch)
+        if rc == 0 and self.model.config.rpc:
+            # a worker that failed during the decode answered zeros (llama_decode cannot tell):
+            # its answers are in once the context is synchronized, and the batch fails
+            self.lc.llama_synchronize(self.model.ctx)
+            if rpc.traffic().failures != failures and rpc.failed_worker(self.model.config.rpc):
+                rc = -3
         self.stats.decode_batches += 1
         self.stats.mixed_batches += len({r.key for r in rows.adapters}) > 1
         if rc != 0:

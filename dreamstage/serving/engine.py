@@ -235,7 +235,10 @@ class Engine(AdmissionMixin, BatchMixin, EmbeddingMixin):
         self._reconnect_at = time.monotonic() + RECONNECT_PROBE_S
         endpoints = self.model.config.rpc
         gone = rpc.failed_worker(endpoints) or (None if self.model.ctx else "a worker")
-        if gone is None or any(rpc.probe(e, timeout_s=0.5) for e in rpc.parse_endpoints(",".join(endpoints))):
+        # only the failed worker is asked while the model holds the others: a worker takes one
+        # client at a time, and probes queued on a live one's backlog (of 1) soon go unanswered
+        asked = (gone,) if gone in endpoints else endpoints
+        if gone is None or any(rpc.probe(e, timeout_s=0.5) for e in rpc.parse_endpoints(",".join(asked))):
             return
         log.warning("the RPC worker at %s answers again: loading the model again", gone)
         for s in self.slots:
@@ -247,6 +250,8 @@ class Engine(AdmissionMixin, BatchMixin, EmbeddingMixin):
                                  "error")
             s.tokens.clear()            # its K/V went with the old context
         self.adapters.close()           # handles of the old model, freed before it is
+        # /health is failing until the model is back (the worker alone answers before that)
+        self.failing = f"the model is loading again after the RPC worker at {gone} came back"
         try:
             self.model.reload()
         except (ValueError, OSError) as e:   # tried again at the next probe; nothing decodes meanwhile

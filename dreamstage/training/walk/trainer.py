@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -155,17 +155,22 @@ class Trainer(NativeOwner):
     # -- lifetime ---------------------------------------------------------------
     def _open(self) -> None:
         """The native dream stage on the resident's context, through the memory gate."""
-        workers = getattr(getattr(self.resident, "config", None), "rpc", ())
-        if workers and (gone := rpc.failed_worker(workers)):
-            raise ValueError(f"the RPC worker at {gone} failed: restart it, then load the model again")
+        self._check_workers()
         r = native.DreamReceiptC()
         self._ds = self.L.dream_init(self.resident.ctx, self._params, ctypes.byref(r))
         self.init_receipt = Receipt.from_c(r)
         if not self._ds:
+            self._check_workers()       # the gate's memory query or an allocation met it first: named, not refused
             if self.init_receipt.status == "refused":
                 raise DreamError(self.init_receipt)
             raise ValueError(self.init_receipt.message)
         self.resident.dependents.add(self)
+
+    def _check_workers(self) -> None:
+        """ValueError naming the resident's RPC worker that failed (its answers are zeros since)."""
+        workers = getattr(getattr(self.resident, "config", None), "rpc", ())
+        if workers and (gone := rpc.failed_worker(workers)):
+            raise ValueError(f"the RPC worker at {gone} failed: restart it, then load the model again")
 
     def checkpoint(self) -> TrainerCheckpoint:
         """The shadow adapter and the optimizer state, copied to the host. Between windows
@@ -268,7 +273,13 @@ class Trainer(NativeOwner):
         """One chunk of the current window; the receipt says what happened (never raises on refusal)."""
         r = native.DreamReceiptC()
         self.L.dream_micro_step(self._handle(), ctypes.byref(r))
-        return Receipt.from_c(r)
+        receipt = Receipt.from_c(r)
+        workers = getattr(getattr(self.resident, "config", None), "rpc", ())
+        if receipt.status == "error" and workers and (gone := rpc.failed_worker(workers)) \
+                and gone not in receipt.message:
+            # the worker failed before the step (met by other work first): its graph failed at once
+            receipt = replace(receipt, message=f"the RPC worker at {gone} failed: {receipt.message}")
+        return receipt
 
     def gate_devices(self) -> list[dict[str, float | str]]:
         """The last gate check's figures per device (ggml's device order): what the step (or the
