@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dreamstage.serving.rpc import WorkerFailed
 from dreamstage.validation import field_path
 
 log = logging.getLogger("dreamstage.server")
@@ -106,6 +107,11 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         param, code = ("body", "body_too_large") if exc.status_code == 413 else (None, None)
         return error_response(exc.status_code, str(exc.detail), param, code, getattr(exc, "headers", None))
+
+    @app.exception_handler(WorkerFailed)
+    async def _worker_failed(request: Request, exc: WorkerFailed):
+        # the model is gone until its RPC workers answer and the engine loads it again
+        return error_response(503, str(exc), None, "rpc_worker_failed", {"Retry-After": "1"})
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception):

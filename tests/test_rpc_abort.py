@@ -186,3 +186,42 @@ if __name__ == "__main__":
     with BackgroundServer(ServerSettings(**json.loads(sys.argv[1]))) as server:
         print(server.url, flush=True)
         sys.stdin.read()
+
+
+def test_the_tokenizer_waits_out_a_reload_and_names_a_missing_model(tiny_model_path):
+    """The engine thread reloads the model in place (a worker came back) while request threads
+    tokenize: every call answers as before the reload, none meets freed handles; with no model
+    loaded the tokenizer raises WorkerFailed, which the server answers with 503."""
+    import threading
+
+    from dreamstage.serving.resident import ResidentConfig, ResidentModel
+
+    model = ResidentModel(ResidentConfig(model_path=str(tiny_model_path), n_ctx=256, n_seq=1, n_threads=1))
+    try:
+        text = "The river runs past the old mill. " * 8
+        want = model.tokenize(text)
+        want_text = model.detokenize(want)
+        got, errors, stop = [], [], threading.Event()
+
+        def reader():
+            while not stop.is_set():
+                try:
+                    got.append(model.tokenize(text) == want and model.detokenize(want) == want_text)
+                except Exception as e:      # noqa: BLE001 - any failure is what this test reports
+                    errors.append(e)
+        threads = [threading.Thread(target=reader) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            for _ in range(3):
+                model.reload()
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert not errors and got and all(got) and model.loads >= 4
+        model.close()
+        with pytest.raises(rpc.WorkerFailed, match="not loaded"):
+            model.tokenize(text)
+    finally:
+        model.close()

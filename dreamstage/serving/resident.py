@@ -225,6 +225,9 @@ class ResidentModel(NativeOwner):
         self.model_path = Path(path)
         self.dependents: weakref.WeakSet[Any] = weakref.WeakSet()  # closed before the context is freed
         self.loads = 0          # how many times the model was loaded (reload adds one)
+        # held by reload and by every use of the vocab from any thread: a request's tokenizer
+        # call never meets a model being freed (it waits, or gets WorkerFailed when none is loaded)
+        self._vocab_lock = threading.RLock()
         self._load()
 
     def _load(self) -> None:
@@ -315,8 +318,9 @@ class ResidentModel(NativeOwner):
         are gone, and ggml's client cannot re-create them under the old handles).
         Dependents are closed first; handles others derived from the old model (adapter
         handles, samplers) must be dropped before. Raises as loading does."""
-        self.close()
-        self._load()
+        with self._vocab_lock:
+            self.close()
+            self._load()
 
     def close(self) -> None:
         # objects borrowing the context (a Trainer's dream stage) go first
@@ -327,15 +331,27 @@ class ResidentModel(NativeOwner):
             lc.llama_free(self.ctx)
             self.ctx = None
         if getattr(self, "model", None):
-            lc.llama_model_free(self.model)
-            self.model = None
+            with self._vocab_lock:
+                self.vocab = None
+                lc.llama_model_free(self.model)
+                self.model = None
 
     # -- metadata -------------------------------------------------------------
+    def _loaded_vocab(self):
+        """The vocab handle; call with _vocab_lock held. WorkerFailed while no model is loaded."""
+        if not getattr(self, "vocab", None):
+            raise rpc.WorkerFailed("the model is not loaded (it loads again once its RPC workers answer)")
+        return self.vocab
+
     def meta(self, key: str) -> str | None:
-        return model_meta(self.lc, self.model, key)
+        with self._vocab_lock:
+            self._loaded_vocab()
+            return model_meta(self.lc, self.model, key)
 
     def chat_template(self) -> str | None:
-        t = self.lc.llama_model_chat_template(self.model, None)
+        with self._vocab_lock:
+            self._loaded_vocab()
+            t = self.lc.llama_model_chat_template(self.model, None)
         return t.decode("utf-8") if t else None
 
     def token_text(self, token: int) -> str:
@@ -343,25 +359,30 @@ class ResidentModel(NativeOwner):
 
     @property
     def bos(self) -> int:
-        return self.lc.llama_vocab_bos(self.vocab)
+        with self._vocab_lock:
+            return self.lc.llama_vocab_bos(self._loaded_vocab())
 
     @property
     def eos(self) -> int:
-        return self.lc.llama_vocab_eos(self.vocab)
+        with self._vocab_lock:
+            return self.lc.llama_vocab_eos(self._loaded_vocab())
 
     def is_eog(self, token: int) -> bool:
-        return bool(self.lc.llama_vocab_is_eog(self.vocab, token))
+        with self._vocab_lock:
+            return bool(self.lc.llama_vocab_is_eog(self._loaded_vocab(), token))
 
     # -- tokenizer ------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
         cap = len(data) + 16
         buf = (self.lc.llama_token * cap)()
-        n = self.lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = (self.lc.llama_token * cap)()
-            n = self.lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        with self._vocab_lock:
+            vocab = self._loaded_vocab()
+            n = self.lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+            if n < 0:
+                cap = -n
+                buf = (self.lc.llama_token * cap)()
+                n = self.lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
         return list(buf[:n])
 
     def detokenize(self, tokens: list[int], special: bool = False) -> str:
@@ -373,20 +394,24 @@ class ResidentModel(NativeOwner):
         arr = (self.lc.llama_token * len(tokens))(*tokens)
         cap = 8 * len(tokens) + 32
         buf = ctypes.create_string_buffer(cap)
-        n = self.lc.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, special)
-        if n < 0:
-            cap = -n
-            buf = ctypes.create_string_buffer(cap)
-            n = self.lc.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, special)
+        with self._vocab_lock:
+            vocab = self._loaded_vocab()
+            n = self.lc.llama_detokenize(vocab, arr, len(tokens), buf, cap, False, special)
+            if n < 0:
+                cap = -n
+                buf = ctypes.create_string_buffer(cap)
+                n = self.lc.llama_detokenize(vocab, arr, len(tokens), buf, cap, False, special)
         return buf.raw[:n]
 
     def token_piece(self, token: int, special: bool = False) -> bytes:
         """A token's bytes; `special`: control tokens as their text (else empty)."""
         buf = ctypes.create_string_buffer(64)
-        n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        with self._vocab_lock:
+            vocab = self._loaded_vocab()
+            n = self.lc.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self.lc.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     # -- a plain single-sequence generation (demo and tests) ---------------------
