@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from dreamstage.training.drift.anchors import load_anchors
+from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
 from dreamstage.training.drift.decoding import FixedSequence
 from dreamstage.training.drift.record_file import FILE_NAME
 from dreamstage.training.jobs.request import parse_train_request
@@ -23,6 +23,13 @@ TEST_FACTS = [
     ("What river flows through Estergard?", "The river Olwen flows through Estergard.", "Olwen"),
     ("What is the official flower of Pellamy?", "The official flower of Pellamy is the blue thistle.", "blue thistle"),
 ]
+
+
+# The drift job modules rehearse this share of the shipped rehearsal anchors (all 20 measured ones
+# are measured): what they prove (records, holds, rehearsal-only epochs, the guard's decisions) does
+# not need all 80, and each one is a record and a window of every rehearsal-only epoch. The defaults
+# over all of them are measured by bench/bench_drift.py.
+TEST_REHEARSED = rehearsal_anchors()[:24]
 
 
 def chat(facts):
@@ -57,6 +64,12 @@ def cut_anchors(mp, measured: list[str], rehearsed: list[str], nulls: int) -> No
     mp.setattr(guard_module, "load_anchors", lambda extra=(): [*measured, *extra])
     mp.setattr(guard_module, "rehearsal_anchors", lambda: list(rehearsed))
     mp.setattr(measure_module, "NULL_DRAWS", nulls)
+
+
+def cut_rehearsal(mp) -> None:
+    """Through the monkeypatch `mp`: the guard rehearses TEST_REHEARSED, measures the shipped anchors."""
+    from dreamstage.training.drift import guard as guard_module
+    mp.setattr(guard_module, "rehearsal_anchors", lambda: list(TEST_REHEARSED))
 
 
 def run_job(sched, store, engine, body, max_calls=200_000):

@@ -1,6 +1,7 @@
 """The README's walkthrough (README.md, "Teach it a fact") on a live server with
 the drift guard on, as a user runs it: the module's job with the guard's
-defaults but one rehearsal-only epoch (SMALLEST), which the tests of the defaults
+defaults but one rehearsal-only epoch (SMALLEST) over 24 of the rehearsal
+anchors (drift_jobs.TEST_REHEARSED), which the tests of the defaults
 (recall, held-out drift, promotion, rehearsal-only epochs, the drift slices, the
 examples' loss) read. Beside it, the same job without the regularizer, in a
 scheduler in this process. The README's job as written (its time, every default)
@@ -22,7 +23,14 @@ import shutil
 import time
 
 import pytest
-from drift_jobs import OneSlotEngine, assert_drift_figures, handed_base, record_anchors_while_idle, run_job
+from drift_jobs import (
+    OneSlotEngine,
+    assert_drift_figures,
+    cut_rehearsal,
+    handed_base,
+    record_anchors_while_idle,
+    run_job,
+)
 
 from dreamstage.adapters.served import ServedAdapters
 from dreamstage.training.drift.anchors import load_anchors
@@ -71,6 +79,12 @@ def _readme_job(state_dir, out: dict) -> None:
 
 @pytest.fixture(scope="module")
 def jobs(dream_resident, tmp_path_factory, request):
+    with pytest.MonkeyPatch.context() as mp:           # the rehearsal the jobs module recorded
+        cut_rehearsal(mp)
+        return _jobs(dream_resident, tmp_path_factory, request)
+
+
+def _jobs(dream_resident, tmp_path_factory, request):
     store = JobStore(tmp_path_factory.mktemp("readme-state"))
     handed = handed_base(request, tmp_path_factory)
     if handed is not None:
