@@ -284,3 +284,16 @@ def test_a_context_smaller_than_the_batch_setting_prefills_long_prompts_in_decod
         assert isinstance(big.generate_greedy(prompt, max_tokens=4), str)
     finally:
         big.close()
+
+
+def test_log_softmax_keeps_masked_tokens_at_minus_infinity_and_an_all_masked_row_without_nan():
+    import warnings
+
+    import numpy as np
+
+    from dreamstage.serving.sampling import log_softmax
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # no RuntimeWarning from a row with no finite logit
+        lp = log_softmax(np.array([2.0, -np.inf, 0.0]))
+        assert lp[1] == -np.inf and np.exp(lp[[0, 2]]).sum() == pytest.approx(1.0)
+        assert np.all(log_softmax(np.full(3, -np.inf)) == -np.inf)

@@ -210,8 +210,9 @@ def _cells_of(cur) -> np.ndarray:
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Natural-log probabilities of float64 logits; -inf logits (masked tokens) stay -inf."""
     finite = logits[np.isfinite(logits)]
-    top = finite.max() if finite.size else 0.0
-    shifted = logits - top
+    if not finite.size:                  # every token masked: none has a probability
+        return np.full(logits.shape, -np.inf)
+    shifted = logits - finite.max()
     return shifted - np.log(np.exp(shifted).sum())
 
 
