@@ -250,12 +250,14 @@ int main(int argc, char ** argv) {
         split.name = "two GPUs, layer split 1,1";
         split.split[0] = split.split[1] = 1.0f;
     } else {
+        // a full load on the CPU: a vocab-only one reads no hyperparameters (n_layer 0, nothing offloaded)
         llama_model_params mp = llama_model_default_params();
-        mp.vocab_only = true;
+        mp.n_gpu_layers = 0;
         llama_model * m = llama_model_load_from_file(argv[1], mp);
         if (!m) { std::printf("FAILED: load\n"); return 1; }
         split.name = "CPU + GPU, half the layers offloaded";
         split.n_gpu_layers = llama_model_n_layer(m) / 2;
+        if (split.n_gpu_layers < 1) { std::printf("FAILED: %s has too few layers to split\n", argv[1]); return 1; }
         split.split.clear();
         llama_model_free(m);
     }
