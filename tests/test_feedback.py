@@ -11,7 +11,8 @@ import httpx
 import pytest
 from background_server import BackgroundServer
 
-from dreamstage.records.feedback import FeedbackRequest, rating_weights
+from dreamstage.records import feedback
+from dreamstage.records.feedback import FeedbackRequest, departures, rating_weights
 from dreamstage.records.learner import FEEDBACK_JOB, UNGUARDED_STOP_LOSS, build_job
 from dreamstage.records.store import Feedback
 from dreamstage.server.settings import ServerSettings
@@ -167,6 +168,45 @@ def test_ratings_of_one_prompt_weigh_by_advantage():
     _, spec = build_job("alice", items)
     assert [e.weight for e in spec.examples] == [1.0, -1.0, -1.0, 1.0]
     assert len({e.group for e in spec.examples}) == 1
+
+
+def test_a_disliked_reply_trains_only_where_it_departs_from_the_liked_ones(monkeypatch):
+    liked = [7, 8, 9, 2]
+    # a dislike's span starts after its common prefix with the liked reply; others train whole
+    assert departures([liked, [7, 8, 9, 5, 6, 2], [3, 2], [7, 2]], [1.0, -1.0, -1.0, 0.0]) == [
+        (0, 4), (3, 6), (0, 2), (0, 2)]
+    # with several liked replies, the longest common prefix with any of them
+    assert departures([liked, [7, 8, 4, 2], [7, 8, 4, 4, 2]], [0.5, 0.5, -1.0]) == [(0, 4), (0, 4), (3, 5)]
+    # a dislike the liked reply starts with, all of it: nothing to push
+    assert departures([liked, [7, 8]], [1.0, -1.0]) == [(0, 4), (2, 2)]
+    # no liked reply: a dislike is pushed from its start
+    assert departures([[7, 2], [7, 3]], [0.0, -1.0]) == [(0, 2), (0, 2)]
+    monkeypatch.setattr(feedback, "DEPARTURE_TOKENS", 1)
+    assert departures([liked, [7, 8, 9, 5, 6, 2], [3, 2]], [1.0, -1.0, -1.0]) == [(0, 4), (3, 4), (0, 1)]
+
+
+def test_a_rating_groups_dislikes_train_from_their_departure():
+    """The shared prefix moves into the dislike's context: the group's windows keep the prompt as their
+    common prefix and the dislike's reply carries the shared tokens untrained; a dislike that departs
+    nowhere is shown with its weight but not trained."""
+    from test_examples import FAKE
+
+    from dreamstage.training.walk.examples import render_job
+
+    tokens = {1: [70, 71, 72, 2], -1: [70, 71, 80, 81, 2]}
+    items = [item(i, "rating", [reply(f"a{i}", tokens[r], index=i, rating=r)]) for i, r in enumerate([1, -1])]
+    items.append(item(2, "rating", [reply("a2", [70, 71], index=2, rating=-1)]))
+    req, spec = build_job("alice", items)
+    w = rating_weights([1, -1, -1])
+    assert [(e.example, e.weight) for e in spec.examples] == [
+        (TokenExample(prompt=[1, 5, 6], reply=[70, 71, 72, 2]), w[0]),
+        (TokenExample(prompt=[1, 5, 6, 70, 71], reply=[80, 81, 2]), w[1])]
+    shown = req.model_dump(mode="json", exclude_none=True)["examples"][0]["completions"]
+    assert [c["weight"] for c in shown] == w
+    (group,) = render_job(spec, FAKE).train
+    assert group.prefix == (1, 5, 6)
+    assert [(list(t), list(m), wt) for t, m, wt in group.replies] == [
+        ([70, 71, 72, 2], [1, 1, 1, 1], w[0]), ([70, 71, 80, 81, 2], [0, 0, 1, 1, 1], w[1])]
 
 
 def test_alike_negative_ratings_are_shown_but_train_only_when_nothing_else_does():
