@@ -209,6 +209,17 @@ def test_a_rating_groups_dislikes_train_from_their_departure():
         ([70, 71, 72, 2], [1, 1, 1, 1], w[0]), ([70, 71, 80, 81, 2], [0, 0, 1, 1, 1], w[1])]
 
 
+def test_disliked_replies_push_by_their_share_of_the_liked_pull(monkeypatch):
+    items = [item(i, "rating", [reply(f"a{i}", [10 + i], index=i, rating=r)]) for i, r in enumerate([1, -1, -1])]
+    pair = item(9, "preference", [reply("good", [20, 2]), reply("bad", [21, 2], record="rec2")], key="p")
+    monkeypatch.setattr(feedback, "DISLIKE_SHARE", 0.25)
+    req, spec = build_job("alice", [*items, pair])
+    w = rating_weights([1, -1, -1])
+    assert [e.weight for e in spec.examples] == [1.0, -0.25, w[0], w[1] / 4, w[2] / 4]   # the pair, the ratings
+    shown = req.model_dump(mode="json", exclude_none=True)["examples"]
+    assert [c["weight"] for c in shown[0]["completions"]] == [1.0, -0.25]       # the request shows what trains
+
+
 def test_alike_negative_ratings_are_shown_but_train_only_when_nothing_else_does():
     liked = [item(i, "rating", [reply(f"a{i}", [10 + i], index=i, rating=r)], key="one")
              for i, r in enumerate([1, -1])]

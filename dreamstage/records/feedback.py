@@ -103,6 +103,13 @@ def rating_weights(ratings: list[float]) -> list[float]:
 
 # A disliked reply is pushed on at most this many tokens from where it departs from the liked replies.
 DEPARTURE_TOKENS: int | None = None
+# A group's disliked replies push by this share of what its liked replies pull (1: as much).
+DISLIKE_SHARE = 1.0
+
+
+def trained_weights(weights: list[float]) -> list[float]:
+    """A group's weights as trained: each negative one times DISLIKE_SHARE."""
+    return [w * DISLIKE_SHARE if w < 0 else w for w in weights]
 
 
 def departures(replies: list[list[int]], weights: list[float]) -> list[tuple[int, int]]:
