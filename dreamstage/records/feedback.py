@@ -103,8 +103,9 @@ def rating_weights(ratings: list[float]) -> list[float]:
 
 # A disliked reply is pushed on at most this many tokens from where it departs from the liked replies.
 DEPARTURE_TOKENS: int | None = None
-# A group's disliked replies push by this share of what its liked replies pull (1: as much).
-DISLIKE_SHARE = 1.0
+# A group's disliked replies push by this share of what its liked replies pull (1: as much; at 1, four rounds
+# of ratings moved the guard's anchors: docs/architecture/feedback.md).
+DISLIKE_SHARE = 0.25
 
 
 def trained_weights(weights: list[float]) -> list[float]:
