@@ -7,7 +7,8 @@
   from `rating_weights`; a group whose weights are all zero (alike negative ratings) trains nothing.
 - `preferred` / `rejected`: two answers to one prompt; a group of the two with weights +1 and -1.
 
-In a group, a negative-weight reply trains only where it departs from the liked ones (`departures`).
+In a group, a negative-weight reply trains only where it departs from the liked ones (`departures`), at
+DISLIKE_SHARE of its weight (`trained_weights`).
 
 A reply is tokenized as training renders it (the chat template's reply span: content + end-of-turn; a
 completion's text + EOS); its context is the prompt tokens serving decoded, never re-rendered.
