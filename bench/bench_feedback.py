@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # backg
 
 from background_server import BackgroundServer
 
+from dreamstage.records import feedback
 from dreamstage.server.settings import ServerSettings
 
 # (question, the corrected answer, the word recall looks for)
@@ -214,7 +215,9 @@ def run(mode: str, threads: int, baseline_s: float, timeout_s: float, primed: bo
                 "epochs": job and job["progress"].get("epoch"),
                 "steps": job and {k: job["progress"].get(k) for k in (
                     "step", "windows_done", "tokens", "walked", "train_ms", "stopped", "aborted", "current_chunk")},
-                "threads": threads, "load_avg_end": os.getloadavg(), "feedback": given,
+                "departure_tokens": feedback.DEPARTURE_TOKENS, "dislike_share": feedback.DISLIKE_SHARE,
+                "threads": threads,
+                "load_avg_end": os.getloadavg(), "feedback": given,
             }
 
 
@@ -231,8 +234,17 @@ def main() -> None:
                          "again (new seeds) in the next round (1: each question once, issue 53's setting)")
     ap.add_argument("--prime", action="store_true",
                     help="do the drift guard's set-up first, while idle (a server's first job pays it otherwise)")
+    ap.add_argument("--departure-tokens", type=int, default=None,
+                    help="measure another rule: push a disliked answer on at most this many tokens from where it "
+                         "departs from the liked ones (the server here runs in this process; default: the rule's)")
+    ap.add_argument("--dislike-share", type=float, default=None,
+                    help="measure another rule: disliked answers push by this share of what liked ones pull")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.departure_tokens is not None:
+        feedback.DEPARTURE_TOKENS = args.departure_tokens
+    if args.dislike_share is not None:
+        feedback.DISLIKE_SHARE = args.dislike_share
     got = run(args.mode, args.threads, args.baseline_s, args.timeout_s, args.prime, args.think_s, args.rounds)
     print(json.dumps(got, indent=2))
     if args.out:

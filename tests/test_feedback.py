@@ -11,7 +11,8 @@ import httpx
 import pytest
 from background_server import BackgroundServer
 
-from dreamstage.records.feedback import FeedbackRequest, rating_weights
+from dreamstage.records import feedback
+from dreamstage.records.feedback import FeedbackRequest, departures, rating_weights, trained_weights
 from dreamstage.records.learner import FEEDBACK_JOB, UNGUARDED_STOP_LOSS, build_job
 from dreamstage.records.store import Feedback
 from dreamstage.server.settings import ServerSettings
@@ -138,7 +139,7 @@ def test_a_job_of_corrections_ratings_and_a_preference():
     assert [e.example.reply for e in ratings] == [[10, 2], [11, 2], [12, 2], [13, 2]]
     assert [e.weight for e in ratings] == [1.0, 1.0, 1.0, 1.0]
     pair = [e for e in ex if e.group == "examples[1]"]
-    assert [(e.example.reply, e.weight) for e in pair] == [([20, 2], 1.0), ([21, 2], -1.0)]
+    assert [(e.example.reply, e.weight) for e in pair] == [([20, 2], 1.0), ([21, 2], -feedback.DISLIKE_SHARE)]
     # the request shows the same examples as text; it validates as a POST /train body would
     shown = req.model_dump(mode="json", exclude_none=True)["examples"]
     assert shown[0] == {"prompt": "Q:", "completion": "right"}
@@ -165,8 +166,60 @@ def test_a_feedback_job_stops_on_the_guards_greedy_check_or_a_lower_loss_without
 def test_ratings_of_one_prompt_weigh_by_advantage():
     items = [item(i, "rating", [reply(f"a{i}", [10 + i], index=i, rating=r)]) for i, r in enumerate([1, -1, -1, 1])]
     _, spec = build_job("alice", items)
-    assert [e.weight for e in spec.examples] == [1.0, -1.0, -1.0, 1.0]
+    assert [e.weight for e in spec.examples] == [1.0, -feedback.DISLIKE_SHARE, -feedback.DISLIKE_SHARE, 1.0]
     assert len({e.group for e in spec.examples}) == 1
+
+
+def test_a_disliked_reply_trains_only_where_it_departs_from_the_liked_ones(monkeypatch):
+    liked = [7, 8, 9, 2]
+    # a dislike's span starts after its common prefix with the liked reply; others train whole
+    assert departures([liked, [7, 8, 9, 5, 6, 2], [3, 2], [7, 2]], [1.0, -1.0, -1.0, 0.0]) == [
+        (0, 4), (3, 6), (0, 2), (0, 2)]
+    # with several liked replies, the longest common prefix with any of them
+    assert departures([liked, [7, 8, 4, 2], [7, 8, 4, 4, 2]], [0.5, 0.5, -1.0]) == [(0, 4), (0, 4), (3, 5)]
+    # a dislike the liked reply starts with, all of it: nothing to push
+    assert departures([liked, [7, 8]], [1.0, -1.0]) == [(0, 4), (2, 2)]
+    # no liked reply: a dislike is pushed from its start
+    assert departures([[7, 2], [7, 3]], [0.0, -1.0]) == [(0, 2), (0, 2)]
+    monkeypatch.setattr(feedback, "DEPARTURE_TOKENS", 1)
+    assert departures([liked, [7, 8, 9, 5, 6, 2], [3, 2]], [1.0, -1.0, -1.0]) == [(0, 4), (3, 4), (0, 1)]
+
+
+def test_a_rating_groups_dislikes_train_from_their_departure():
+    """The shared prefix moves into the dislike's context: the group's windows keep the prompt as their
+    common prefix and the dislike's reply carries the shared tokens untrained; a dislike that departs
+    nowhere is shown with its weight but not trained."""
+    from test_examples import FAKE
+
+    from dreamstage.training.walk.examples import render_job
+
+    tokens = {1: [70, 71, 72, 2], -1: [70, 71, 80, 81, 2]}
+    items = [item(i, "rating", [reply(f"a{i}", tokens[r], index=i, rating=r)]) for i, r in enumerate([1, -1])]
+    items.append(item(2, "rating", [reply("a2", [70, 71], index=2, rating=-1)]))
+    req, spec = build_job("alice", items)
+    w = trained_weights(rating_weights([1, -1, -1]))
+    assert [(e.example, e.weight) for e in spec.examples] == [
+        (TokenExample(prompt=[1, 5, 6], reply=[70, 71, 72, 2]), w[0]),
+        (TokenExample(prompt=[1, 5, 6, 70, 71], reply=[80, 81, 2]), w[1])]
+    shown = req.model_dump(mode="json", exclude_none=True)["examples"][0]["completions"]
+    assert [c["weight"] for c in shown] == w
+    (group,) = render_job(spec, FAKE).train
+    assert group.prefix == (1, 5, 6)
+    assert [(list(t), list(m), wt) for t, m, wt in group.replies] == [
+        ([70, 71, 72, 2], [1, 1, 1, 1], w[0]), ([70, 71, 80, 81, 2], [0, 0, 1, 1, 1], w[1])]
+
+
+def test_disliked_replies_push_by_their_share_of_the_liked_pull(monkeypatch):
+    items = [item(i, "rating", [reply(f"a{i}", [10 + i], index=i, rating=r)]) for i, r in enumerate([1, -1, -1])]
+    pair = item(9, "preference", [reply("good", [20, 2]), reply("bad", [21, 2], record="rec2")], key="p")
+    assert 0 < feedback.DISLIKE_SHARE < 1                   # dislikes push by less than likes pull
+    for share in (feedback.DISLIKE_SHARE, 0.5):
+        monkeypatch.setattr(feedback, "DISLIKE_SHARE", share)
+        req, spec = build_job("alice", [*items, pair])
+        w = rating_weights([1, -1, -1])
+        assert [e.weight for e in spec.examples] == [1.0, -share, w[0], w[1] * share, w[2] * share]   # pair, ratings
+        shown = req.model_dump(mode="json", exclude_none=True)["examples"]
+        assert [c["weight"] for c in shown[0]["completions"]] == [1.0, -share]    # the request shows what trains
 
 
 def test_alike_negative_ratings_are_shown_but_train_only_when_nothing_else_does():
@@ -174,7 +227,8 @@ def test_alike_negative_ratings_are_shown_but_train_only_when_nothing_else_does(
              for i, r in enumerate([1, -1])]
     disliked = [item(5 + i, "rating", [reply(f"b{i}", [20 + i], index=i, rating=-1)], key="two") for i in range(2)]
     req, spec = build_job("alice", [*liked, *disliked])
-    assert [(e.group, e.weight) for e in spec.examples] == [("examples[0]", 1.0), ("examples[0]", -1.0)]
+    assert [(e.group, e.weight) for e in spec.examples] == [
+        ("examples[0]", 1.0), ("examples[0]", -feedback.DISLIKE_SHARE)]
     shown = req.model_dump(mode="json", exclude_none=True)["examples"]
     assert [c["weight"] for c in shown[1]["completions"]] == [0.0, 0.0]
     # a job of only those: its zero-weight group is what it trains (nothing), so the job exists for the guard
@@ -267,10 +321,16 @@ def test_ratings_on_four_choices_and_a_preference_make_groups(server, http):
     (rated, prompt_rated), (preferred, prompt_pair) = [
         (groups[g], records.answer(got["id"] if len(groups[g]) == 4 else pair["id"], 0).prompt_tokens)
         for g in sorted(groups, key=lambda g: -len(groups[g]))]
-    # mean 1: advantages 1, 0, -1, 0, their mean size 0.5
-    assert [e.weight for e in rated] == [2.0, 0.0, -2.0, 0.0]
-    assert all(e.example.prompt == prompt_rated for e in rated)
-    assert [e.weight for e in preferred] == [1.0, -1.0] and preferred[0].example.prompt == prompt_pair
+    # mean 1: advantages 1, 0, -1, 0, their mean size 0.5; the dislike at its share
+    assert [e.weight for e in rated] == trained_weights([2.0, 0.0, -2.0, 0.0])
+    assert all(e.example.prompt == prompt_rated for e in rated if e.weight >= 0)
+    # the dislike is pushed from where it departs from the liked answer: what it shares is context
+    liked, disliked = rated[0].example.reply, rated[2].example
+    shared = disliked.prompt[len(prompt_rated):]
+    assert disliked.prompt[:len(prompt_rated)] == prompt_rated and liked[:len(shared)] == shared
+    assert disliked.reply[0] != liked[len(shared)]
+    assert [e.weight for e in preferred] == [1.0, -feedback.DISLIKE_SHARE]
+    assert preferred[0].example.prompt == prompt_pair
     answers = [records.answer(pair["id"], i).answer for i in (1, 0)]
     shown = server.service.store.request(job["id"]).model_dump(mode="json", exclude_none=True)["examples"]
     assert [c["text"] for c in shown[0]["completions"]] == answers

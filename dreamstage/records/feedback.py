@@ -7,6 +7,9 @@
   from `rating_weights`; a group whose weights are all zero (alike negative ratings) trains nothing.
 - `preferred` / `rejected`: two answers to one prompt; a group of the two with weights +1 and -1.
 
+In a group, a negative-weight reply trains only where it departs from the liked ones (`departures`), at
+DISLIKE_SHARE of its weight (`trained_weights`).
+
 A reply is tokenized as training renders it (the chat template's reply span: content + end-of-turn; a
 completion's text + EOS); its context is the prompt tokens serving decoded, never re-rendered.
 """
@@ -97,6 +100,42 @@ def rating_weights(ratings: list[float]) -> list[float]:
         return [r / top if top > 0 else 0.0 for r in ratings]
     scale = sum(abs(a) for a in adv) / len(adv)
     return [a / scale for a in adv]
+
+
+# A disliked reply is pushed on at most this many tokens from where it departs from the liked replies.
+DEPARTURE_TOKENS: int | None = None
+# A group's disliked replies push by this share of what its liked replies pull (1: as much; at 1, four rounds
+# of ratings moved the guard's anchors: docs/architecture/feedback.md).
+DISLIKE_SHARE = 0.25
+
+
+def trained_weights(weights: list[float]) -> list[float]:
+    """A group's weights as trained: each negative one times DISLIKE_SHARE."""
+    return [w * DISLIKE_SHARE if w < 0 else w for w in weights]
+
+
+def departures(replies: list[list[int]], weights: list[float]) -> list[tuple[int, int]]:
+    """Each reply's trained span [start, end) in a group: a positive- or zero-weight reply trains whole; a
+    negative-weight one from its departure, the length of its longest common prefix with any positive-weight
+    reply (that prefix is what the liked reply says too, so it carries no negative weight), for at most
+    DEPARTURE_TOKENS tokens. A disliked reply that departs nowhere (a liked reply starts with all of it) has
+    an empty span: nothing of it is pushed."""
+    liked = [r for r, w in zip(replies, weights, strict=True) if w > 0]
+    out = []
+    for r, w in zip(replies, weights, strict=True):
+        if w >= 0:
+            out.append((0, len(r)))
+            continue
+        start = max((_common_prefix(r, t) for t in liked), default=0)
+        out.append((start, len(r) if DEPARTURE_TOKENS is None else min(len(r), start + DEPARTURE_TOKENS)))
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class ReplyRenderer:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from dreamstage.records.feedback import rating_weights
+from dreamstage.records.feedback import departures, rating_weights, trained_weights
 from dreamstage.records.store import Feedback, RecordStore
 from dreamstage.training.jobs.example_forms import TokenExample
 from dreamstage.training.jobs.request import parse_train_request
@@ -50,13 +50,15 @@ def build_job(adapter: str, items: list[Feedback], guarded: bool = True) -> tupl
     idle: list[SourcedExample] = []            # groups of weight 0 only: trained only when nothing else is
 
     def add_group(prompt: list[int], prompt_text: str, replies: list[dict], weights: list[float]) -> None:
-        i = len(shown)
+        i, weights = len(shown), trained_weights(weights)
         shown.append({"prompt": prompt_text, "completions": [
             {"text": r["text"], "weight": w} for r, w in zip(replies, weights, strict=True)]})
+        tokens = [r["tokens"] for r in replies]
         (plain if any(weights) else idle).extend(
-            SourcedExample(i, f"examples[{i}].completions[{j}]", TokenExample(prompt=prompt, reply=r["tokens"]),
-                           group=f"examples[{i}]", weight=w)
-            for j, (r, w) in enumerate(zip(replies, weights, strict=True)))
+            SourcedExample(i, f"examples[{i}].completions[{j}]",
+                           TokenExample(prompt=[*prompt, *t[:s]], reply=t[s:e]), group=f"examples[{i}]", weight=w)
+            for j, (t, w, (s, e)) in enumerate(zip(tokens, weights, departures(tokens, weights), strict=True))
+            if e > s)
 
     ratings: dict[str, list[Feedback]] = {}
     for f in items:
