@@ -71,10 +71,14 @@ std::vector<ggml_tensor *> dream_opt_params(const dream_stage & ds) {
     return out;
 }
 
-// The device a buffer lives on (ggml-cpu's buffer type names none: the host).
+// The device a buffer lives on. Host memory is the host's: ggml-cpu's buffer type names no
+// device, and a GPU backend's pinned host buffers (CUDA_Host) name the GPU.
 ggml_backend_dev_t dream_buffer_device(ggml_backend_buffer_t buf) {
-    ggml_backend_dev_t d = buf ? ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf)) : nullptr;
-    return !d && buf && ggml_backend_buffer_is_host(buf) ? dream_host_device() : d;
+    if (!buf) {
+        return nullptr;
+    }
+    return ggml_backend_buffer_is_host(buf) ? dream_host_device()
+                                            : ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
 }
 
 // A graph for the device optimizer's small jobs, its metadata in the stage's arena.
