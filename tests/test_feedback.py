@@ -556,12 +556,12 @@ def test_a_job_of_only_negative_feedback_stays_finite_and_the_guard_decides(tiny
     trains nothing, ends at its first epoch's early stop, and the guard decides. Then the same two answers
     as a POST /train group at weight -1 each, the negative term itself: the job stops once both are pushed
     away, every figure and adapter weight finite and its reply losses under the cap, and the guard decides. The guard
-    measures 4 anchors with 3 null draws (its rehearsal is the default's): any decision is what this reads."""
-    from drift_jobs import cut_anchors
+    measures 4 anchors with 3 null draws and rehearses the drift job modules' 24: any decision is what this reads."""
+    from drift_jobs import TEST_REHEARSED, cut_anchors
 
-    from dreamstage.training.drift.anchors import load_anchors, rehearsal_anchors
+    from dreamstage.training.drift.anchors import load_anchors
 
-    cut_anchors(monkeypatch, load_anchors()[:4], rehearsal_anchors(), 3)
+    cut_anchors(monkeypatch, load_anchors()[:4], TEST_REHEARSED, 3)
 
     settings = ServerSettings(model=str(tiny_model_path), ctx=1024, parallel=2, threads=1, state_dir=str(tmp_path),
                               record=True, drift_guard=True)
