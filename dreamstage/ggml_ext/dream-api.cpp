@@ -98,9 +98,8 @@ struct dream_stage * dream_init(struct llama_context * ctx, struct dream_params 
     const size_t adapter_bytes = dream_adapter_bytes_planned(*ds);
     std::vector<std::pair<ggml_backend_dev_t, size_t>> needs;
     for (auto & pr : ds->lora.pairs) {
-        // where the pair will live (dream_lora_buft): host memory counts on the host's device
-        ggml_backend_buffer_type_t buft = dream_lora_buft(pr.weight);
-        needs.push_back({ ggml_backend_buft_is_host(buft) ? dream_host_device() : ggml_backend_buft_get_device(buft),
+        // where the pair will live (dream_lora_buft)
+        needs.push_back({ dream_buft_device(dream_lora_buft(pr.weight)),
                           2 * (size_t) ds->params.rank * (pr.n_in + pr.n_out) * sizeof(float) });
     }
     // the cache lives with the layers; on one device it is all here

@@ -71,14 +71,9 @@ std::vector<ggml_tensor *> dream_opt_params(const dream_stage & ds) {
     return out;
 }
 
-// The device a buffer lives on. Host memory is the host's: ggml-cpu's buffer type names no
-// device, and a GPU backend's pinned host buffers (CUDA_Host) name the GPU.
+// The device a buffer lives on (dream_buft_device); null: no buffer.
 ggml_backend_dev_t dream_buffer_device(ggml_backend_buffer_t buf) {
-    if (!buf) {
-        return nullptr;
-    }
-    return ggml_backend_buffer_is_host(buf) ? dream_host_device()
-                                            : ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
+    return buf ? dream_buft_device(ggml_backend_buffer_get_type(buf)) : nullptr;
 }
 
 // A graph for the device optimizer's small jobs, its metadata in the stage's arena.

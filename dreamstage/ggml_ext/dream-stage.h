@@ -292,6 +292,12 @@ inline ggml_backend_dev_t dream_host_device() {
     return nullptr;
 }
 
+// The device memory of this buffer type lives on. Host memory is the host's: ggml-cpu's buffer
+// type names no device, and a GPU backend's pinned host buffers (CUDA_Host) name the GPU.
+inline ggml_backend_dev_t dream_buft_device(ggml_backend_buffer_type_t buft) {
+    return ggml_backend_buft_is_host(buft) ? dream_host_device() : ggml_backend_buft_get_device(buft);
+}
+
 // dream-adapter.cpp
 bool dream_adapter_create(dream_stage & ds, std::string & err);
 // Where a LoRA for weight w lives: the weight's device, in its default buffer type.

@@ -166,10 +166,14 @@ class Trainer(NativeOwner):
             raise ValueError(self.init_receipt.message)
         self.resident.dependents.add(self)
 
-    def _check_workers(self) -> None:
-        """ValueError naming the resident's RPC worker that failed (its answers are zeros since)."""
+    def _failed_worker(self) -> str | None:
+        """The resident's RPC worker that failed (its answers are zeros since), or None."""
         workers = getattr(getattr(self.resident, "config", None), "rpc", ())
-        if workers and (gone := rpc.failed_worker(workers)):
+        return rpc.failed_worker(workers) if workers else None
+
+    def _check_workers(self) -> None:
+        """ValueError naming the resident's RPC worker that failed."""
+        if gone := self._failed_worker():
             raise ValueError(f"the RPC worker at {gone} failed: restart it, then load the model again")
 
     def checkpoint(self) -> TrainerCheckpoint:
@@ -274,9 +278,7 @@ class Trainer(NativeOwner):
         r = native.DreamReceiptC()
         self.L.dream_micro_step(self._handle(), ctypes.byref(r))
         receipt = Receipt.from_c(r)
-        workers = getattr(getattr(self.resident, "config", None), "rpc", ())
-        if receipt.status == "error" and workers and (gone := rpc.failed_worker(workers)) \
-                and gone not in receipt.message:
+        if receipt.status == "error" and (gone := self._failed_worker()) and gone not in receipt.message:
             # the worker failed before the step (met by other work first): its graph failed at once
             receipt = replace(receipt, message=f"the RPC worker at {gone} failed: {receipt.message}")
         return receipt
