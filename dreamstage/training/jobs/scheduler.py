@@ -38,11 +38,12 @@ from dreamstage.serving import rpc
 from dreamstage.stats import DreamStats
 from dreamstage.training.drift.record_file import DriftRecordFile
 from dreamstage.training.jobs.memory import release_freed_memory
-from dreamstage.training.jobs.program import AdapterSaveError, JobProgram, StepRan
+from dreamstage.training.jobs.program import AdapterSaveError, JobProgram
 from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.store import TERMINAL, InvalidTransition, JobStore
 from dreamstage.training.pacing.pacer import DEFAULT_IDLE_GRACE_S, Pacer
-from dreamstage.training.pacing.shaper import DreamThreads, StepShaper
+from dreamstage.training.pacing.shaper import StepShaper
+from dreamstage.training.pacing.threads import DreamThreads, StepRan
 from dreamstage.training.pacing.warmup import AnchorWarmup
 from dreamstage.training.walk.examples import RenderedJob
 from dreamstage.training.walk.trainer import native_trainer

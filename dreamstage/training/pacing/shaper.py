@@ -8,47 +8,12 @@ only. `pacing.Pacer` decides *whether* a step runs; this decides its size.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from dreamstage.training.pacing.pacer import SizeTimes, percentile
-
-
-class DreamThreads:
-    """The thread count a micro-step computes with, set on the resident context
-    just for the step and restored for serving afterwards.
-
-    The dream graph runs through `llama_context::graph_compute`, which takes
-    `n_threads_batch` (or `n_threads` for a one-token chunk) from the context's
-    cparams; `llama_set_n_threads` only stores them, so switching per step is
-    free. Engine thread only."""
-
-    def __init__(self, resident):
-        lc, ctx = getattr(resident, "lc", None), getattr(resident, "ctx", None)
-        self.lc, self.ctx = lc, ctx
-        if lc is None or ctx is None or not hasattr(lc, "llama_set_n_threads"):
-            self.serve = None
-            self.counts = [1]
-            self.serve_batch = 1
-            return
-        self.serve = (int(lc.llama_n_threads(ctx)), int(lc.llama_n_threads_batch(ctx)))
-        top = self.serve_batch = max(1, self.serve[1])
-        counts = [top]
-        while counts[-1] > 1:                         # the configured count and its halves down to one
-            counts.append(counts[-1] // 2)
-        self.counts = counts                          # the shaper starts on the fewest
-
-    def run(self, threads: int, fn: Callable[[], Any]) -> Any:
-        if self.serve is None or threads == self.serve[1] == self.serve[0]:
-            return fn()
-        self.lc.llama_set_n_threads(self.ctx, threads, threads)
-        try:
-            return fn()
-        finally:
-            self.lc.llama_set_n_threads(self.ctx, *self.serve)
 
 
 class StepShaper:
@@ -512,11 +477,3 @@ def trains_from(mask, pos: int) -> Callable[[int], bool]:
     """Whether a chunk of n tokens at `pos` would hold loss tokens: it predicts
     tokens pos+1 .. pos+n (the mask convention of `dream_window_begin`)."""
     return lambda n: any(mask[pos + 1:pos + n + 1])
-
-
-def load_average() -> float:
-    """Runnable threads on this machine (1-minute load average; 0 where the OS has none)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return 0.0
