@@ -199,6 +199,85 @@ def test_the_noise_margin_is_the_second_widest_lead_drop_of_null_adapters_and_th
         tr.close()
 
 
+def test_measured_anchors_decode_their_common_head_once_and_measure_as_if_decoded_whole(
+        dream_resident, small_probe, monkeypatch):
+    """Within one measure() an anchor does not decode again the whole pieces before its first
+    measured row that it shares with the anchor before it (the chat template's system turn),
+    and its figures are bit-identical to every anchor decoded whole: on an engine's lent
+    sequence, which is empty once given back; after serving took the loan back mid-measure; and
+    after another probe decoded on the same lent sequence between two anchors."""
+    from dreamstage.serving.engine import Engine
+    from dreamstage.training.drift.decoding import PIECE_TOKENS
+    from dreamstage.training.walk.trainer import LoraConfig, Trainer
+    bases = small_probe.bases
+    heads = 0                                          # the pieces the anchors after the first can skip
+    for prev, b in zip(bases, bases[1:], strict=False):
+        keep = (len(prev.prompt_tokens) - 1) // PIECE_TOKENS * PIECE_TOKENS
+        first = len(b.prompt_tokens) - 1
+        same = next((i for i, (x, y) in enumerate(zip(prev.forced[:keep], b.forced[:first], strict=False))
+                     if x != y), min(keep, first))
+        heads += same // PIECE_TOKENS
+    assert heads >= len(bases) - 1                     # the system turn fills a piece at least
+    decodes = []
+    real = Decoder._decode
+    monkeypatch.setattr(Decoder, "_decode", lambda self, *a, **k: (decodes.append(self.seq_id), real(self, *a, **k)))
+    tr = Trainer(dream_resident, LoraConfig(rank=8, targets="attn_q,attn_v"), window=128, chunk=128)
+    try:
+        v = tr.lora_parameters()
+        tr.set_lora_parameters(v + np.random.default_rng(3).normal(0.0, 0.2, v.shape))
+        tr.promote()
+
+        def measured(probe):
+            probe.bases = bases
+            decodes.clear()
+            return run_steps(probe.measure(tr.served_adapter)), len(decodes)
+
+        whole, n_whole = measured(DriftProbe(dream_resident, small_probe.prompts, seq_id=0, share_head=False))
+        assert whole.changed_raw >= 1 and whole.drift_kl > 0          # the adapter moved something
+        engine = Engine(dream_resident)                # not started: the test is the engine thread
+        shared, n_shared = measured(DriftProbe(dream_resident, small_probe.prompts, seq_id=engine.hold_idle_sequence))
+        seq = decodes[-1]
+        assert dream_resident.lc.llama_memory_seq_pos_max(dream_resident.memory, seq) == -1
+        assert engine.hold_idle_sequence().seq_id is not None   # the loan was given back
+        assert n_shared == n_whole - heads
+
+        def same(a, b):
+            assert a.drift_kl == b.drift_kl and a.first_change == b.first_change and a.flip_leads == b.flip_leads
+            assert a.drops == b.drops and a.changed_raw == b.changed_raw
+        same(shared, whole)
+        # serving takes the loan back in the middle: the anchor starts again, whole
+        leases = []
+
+        def lend():
+            leases.append(FixedSequence(0))
+            return leases[-1]
+        def after_step(gen, at: int, then):
+            """Run `gen` to its end, calling `then()` after its step number `at`; its value."""
+            steps = 0
+            while True:
+                try:
+                    next(gen)
+                except StopIteration as stop:
+                    return stop.value
+                steps += 1
+                if steps == at:
+                    then()
+        probe = DriftProbe(dream_resident, small_probe.prompts, seq_id=lend, step_ms=1e-6)
+        probe.bases = bases
+        taken = after_step(probe.measure(tr.served_adapter), 9, lambda: setattr(leases[-1], "valid", False))
+        same(taken, whole)
+        assert probe.restarts == 1 and len(leases) == 2
+        # another probe of the same turn decodes on the sequence between two anchors
+        turn: list = [None]
+        a = DriftProbe(dream_resident, small_probe.prompts, seq_id=0, turn=turn)
+        other = DriftProbe(dream_resident, small_probe.prompts[:1], seq_id=0, turn=turn)
+        a.bases, other.bases = bases, bases[:1]
+        interleaved = after_step(a.measure(tr.served_adapter), 3, lambda: run_steps(other.measure(None)))
+        same(interleaved, whole)
+    finally:
+        tr.close()
+
+
 def test_a_recording_runs_in_short_steps_and_restarts_an_anchor_serving_took_back(dream_resident):
     """Each step decodes at most a piece of PIECE_TOKENS (step_ms tiny: one unit a step);
     a lease that turns invalid mid-anchor makes the anchor start again, with the same record."""

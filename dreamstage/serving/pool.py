@@ -87,10 +87,15 @@ class PoolMixin(EngineCore):
             self.stats.evicted_prefixes += 1
         return True
 
-    def _reserve_lease(self, lease: SequenceLease, cells: int) -> bool:
+    def _reserve_lease(self, lease: SequenceLease, cells: int, keep: int = 0) -> bool:
         if cells > self.slot_ctx:
             raise ValueError(f"a lent sequence of {cells} positions exceeds the context of {self.slot_ctx} tokens")
-        self._clear_slot(lease.slot)
+        if not 0 <= keep <= cells:
+            raise ValueError(f"keep {keep} must be within the {cells} positions reserved")
+        if keep:
+            self.lc.llama_memory_seq_rm(self.model.memory, lease.slot.seq_id, keep, -1)
+        else:
+            self._clear_slot(lease.slot)
         if self.pool is None:
             return True
         lease.cells = 0

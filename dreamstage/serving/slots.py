@@ -22,7 +22,7 @@ class _Wakes(Protocol):
 class _Lends(Protocol):
     _lease: SequenceLease | None
 
-    def _reserve_lease(self, lease: SequenceLease, cells: int) -> bool: ...
+    def _reserve_lease(self, lease: SequenceLease, cells: int, keep: int = 0) -> bool: ...
 
     def _end_lease(self) -> None: ...
 
@@ -113,13 +113,14 @@ class SequenceLease:
     def seq_id(self) -> int:
         return self.slot.seq_id
 
-    def reserve(self, cells: int) -> bool:
-        """Engine thread only: clear the sequence and hold room for decodes of
+    def reserve(self, cells: int, keep: int = 0) -> bool:
+        """Engine thread only: clear the sequence from position `keep` on (the
+        borrower's own decodes before it stay) and hold room for decodes of
         positions 0 .. cells-1 on it, before the borrower starts a run of them.
         False while a unified pool has no such room (ask again at a later step);
         always True with one K/V stream per slot. Raises ValueError when `cells`
         exceeds the context, which no room could hold."""
-        return self.valid and self.engine._reserve_lease(self, cells)
+        return self.valid and self.engine._reserve_lease(self, cells, keep)
 
     def release(self) -> None:
         if self.valid and self.engine._lease is self:

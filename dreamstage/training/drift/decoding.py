@@ -32,7 +32,7 @@ class FixedSequence:
     def __init__(self, seq_id: int):
         self.seq_id = seq_id
 
-    def reserve(self, cells: int) -> bool:
+    def reserve(self, cells: int, keep: int = 0) -> bool:
         return True
 
     def release(self) -> None:
@@ -52,8 +52,9 @@ class Decoder:
         self._batch: Any = None         # a llama_batch of PIECE_TOKENS (or more), made at the first decode
         self._batch_size = 0
 
-    def clear(self) -> None:
-        self.lc.llama_memory_seq_rm(self.rm.memory, self.seq_id, -1, -1)
+    def clear(self, keep: int = 0) -> None:
+        """Forget the sequence's positions from `keep` on (0: all of them)."""
+        self.lc.llama_memory_seq_rm(self.rm.memory, self.seq_id, keep if keep else -1, -1)
 
     def close(self) -> None:
         if self._batch is not None:
@@ -88,22 +89,28 @@ class Decoder:
         ptr = self.lc.llama_get_logits_ith(self.rm.ctx, i)
         return np.ctypeslib.as_array(ptr, shape=(self.rm.n_vocab,)).astype(np.float64)
 
-    def forced_units(self, tokens: Sequence[int], first_row: int) -> Generator[None, None, np.ndarray]:
+    def forced_units(self, tokens: Sequence[int], first_row: int, kept: int = 0,
+                     keep: int = 0) -> Generator[None, None, np.ndarray]:
         """Logits of rows first_row .. len(tokens)-1 of a teacher-forced decode, (rows, n_vocab).
 
         The sequence is decoded in pieces of PIECE_TOKENS at fixed offsets, so
         the same tokens always meet the same batch shapes: the CPU backend
         picks kernels by batch size, and a record and its later measurement
-        must see the same arithmetic (bit-identical logits with the adapter off)."""
+        must see the same arithmetic (bit-identical logits with the adapter off).
+        `kept`: the sequence already holds the K/V of tokens[:kept], whole pieces
+        before first_row, decoded so under the same adapter (they are not decoded
+        again); `keep`: positions left on the sequence afterwards (0: it is cleared)."""
+        if kept % PIECE_TOKENS or not 0 <= kept <= first_row:
+            raise ValueError(f"kept {kept} must be whole pieces of {PIECE_TOKENS} tokens before row {first_row}")
         rows: list[np.ndarray] = []
-        self.clear()
-        for a in range(0, len(tokens), PIECE_TOKENS):
+        self.clear(kept)
+        for a in range(kept, len(tokens), PIECE_TOKENS):
             piece = tokens[a:a + PIECE_TOKENS]
             want = min(max(first_row - a, 0), len(piece))
             self._decode(piece, a, want)
             rows.extend(self._row(i) for i in range(want, len(piece)))
             yield
-        self.clear()
+        self.clear(keep)
         return np.stack(rows)
 
     def _prompt_units(self, prompt: Sequence[int]) -> Generator[None, None, np.ndarray]:

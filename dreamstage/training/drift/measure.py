@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from dreamstage.training.drift.decoding import Decoder, FixedSequence, log_softmax, set_context_adapter
+from dreamstage.training.drift.decoding import PIECE_TOKENS, Decoder, FixedSequence, log_softmax, set_context_adapter
 from dreamstage.training.drift.neighbours import MAX_JOB_NEIGHBOURS, NEIGHBOUR_TOKENS, neighbour_units, plain_words
 from dreamstage.training.drift.records import ANCHOR_TOKENS, AnchorBase, prompt_tokens, record_units
 from dreamstage.training.walk.examples import ChatRenderer
@@ -132,17 +132,17 @@ def summary(drift: Drift) -> str:
     return summary_of(drift.as_dict())
 
 
-def drift_units(resident, seq_id: int, base: AnchorBase
+def drift_units(resident, seq_id: int, base: AnchorBase, kept: int = 0, keep: int = 0
                 ) -> Generator[None, None, tuple[float, int, int | None, tuple[float, ...], np.ndarray]]:
     """(sum of KL(base || now) over the answer's tokens, tokens, the first answer token the
     greedy answer changes at or None, the base's lead at every position the argmax
     changes at, the lead drop at every answer position: how far the base token's lead
     over every other token fell, lead_drops) for whatever adapter the context has on
-    during the units."""
+    during the units. `kept` and `keep`: Decoder.forced_units."""
     n = len(base.answer)
     dec = Decoder(resident, seq_id)
     try:
-        rows = yield from dec.forced_units(base.forced, len(base.prompt_tokens) - 1)
+        rows = yield from dec.forced_units(base.forced, len(base.prompt_tokens) - 1, kept, keep)
     finally:
         dec.close()
     logq = log_softmax(rows[:n])
@@ -225,11 +225,16 @@ class DriftProbe:
     `turn`: a one-item list shared by the probes that lend the same sequence
     (a guard's): it names the anchor that decoded on it last, and an anchor
     whose decodes another one's came between starts again, as after a loan ended.
+    Within one `measure()` the anchors share their prompts' common head: the
+    whole pieces before its first measured row that an anchor's tokens share
+    with the anchor before it, on the same sequence with nothing between, are
+    not decoded again (the chat template's system turn; the same arithmetic, so
+    the figures are bit-identical to decoding each anchor whole).
     """
 
     def __init__(self, resident, prompts: Sequence[str], *, seq_id, restore=lambda: None, enter=lambda: None,
                  renderer: ChatRenderer | None = None, step_ms: float | None = DEFAULT_STEP_MS, samples: int = 0,
-                 turn: list | None = None):
+                 turn: list | None = None, share_head: bool = True):
         if not prompts:
             raise ValueError("a drift probe needs at least one anchor prompt")
         if step_ms is not None and not step_ms > 0:
@@ -249,30 +254,58 @@ class DriftProbe:
         self.restarts = 0                       # anchors started again after serving took the sequence back
         self._lease: Any = None
         self._turn = turn if turn is not None else [None]
+        # what the held sequence keeps from the last measured anchor: (its lease, its turn,
+        # the adapter, the tokens at positions 0 ..); None when it keeps nothing
+        self._head: tuple[Any, object, Any, tuple[int, ...]] | None = None
+        self.share_head = share_head            # False: every anchor is decoded whole (the reference)
 
-    def _held(self, cells: int) -> Generator[None, None, Any]:
-        # a lease, with room reserved for `cells` positions (a unified K/V pool may have none yet)
+    def _held(self, cells: int, keep: int = 0) -> Generator[None, None, tuple[Any, int]]:
+        # (a lease with room reserved for `cells` positions: a unified K/V pool may have none
+        # yet, and what it keeps of positions 0 .. keep-1: `keep` on the lease held, 0 on a new one)
         while True:
             if self._lease is None or not self._lease.valid:
                 got = self.lend()
                 self._lease = FixedSequence(got) if isinstance(got, int) else got
-            if self._lease is not None and self._lease.reserve(cells):
-                return self._lease
+                keep = 0
+            if self._lease is not None and self._lease.reserve(cells, keep):
+                return self._lease, keep
             yield
 
     def _give_back(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None and lease.valid:
+            if self._head is not None:
+                Decoder(self.resident, lease.seq_id).clear()
             lease.release()
+        self._head = None
 
-    def _anchor(self, units_on, adapter, cells: int) -> Generator[None, None, tuple[Any, float]]:
-        """One anchor's units (`units_on(seq_id)`), as many per step as fit
-        step_s, on the held sequence, which they fill to at most `cells`
-        positions; (its result, its decode ms)."""
+    def _kept_head(self, adapter, tokens: Sequence[int], first_row: int) -> int:
+        """Positions of `tokens` whose K/V the held sequence has under `adapter` from the
+        anchor measured last, with nothing decoded on it since: whole pieces before first_row."""
+        head, self._head = self._head, None
+        if head is None or head[0] is not self._lease or head[1] is not self._turn[0] or head[2] != adapter:
+            return 0
+        same = 0
+        for a, b in zip(head[3], tokens[:first_row], strict=False):
+            if a != b:
+                break
+            same += 1
+        return same - same % PIECE_TOKENS
+
+    def _anchor(self, units_on, adapter, cells: int,
+                head: tuple[Sequence[int], int] | None = None) -> Generator[None, None, tuple[Any, float]]:
+        """One anchor's units (`units_on(seq_id)`, or with `head`, the anchor's tokens and
+        its first measured row: `units_on(seq_id, kept, keep)`, Decoder.forced_units), as
+        many per step as fit step_s, on the held sequence, which they fill to at most
+        `cells` positions; (its result, its decode ms)."""
         ms, mine = 0.0, object()
+        kept = self._kept_head(adapter, *head) if head is not None else 0
+        self._head = None
+        keep = head[1] - head[1] % PIECE_TOKENS if head is not None else 0
         while True:
-            lease = yield from self._held(cells)
-            units = units_on(lease.seq_id)
+            lease, kept = yield from self._held(cells, kept)
+            units = units_on(lease.seq_id, kept, keep) if head is not None else units_on(lease.seq_id)
+            kept = 0                                   # a start again decodes every piece
             self._turn[0] = mine
             try:
                 while True:
@@ -285,6 +318,8 @@ class DriftProbe:
                             try:
                                 next(units)
                             except StopIteration as stop:
+                                if head is not None and keep:
+                                    self._head = (lease, mine, adapter, tuple(head[0][:keep]))
                                 return stop.value, ms + (time.perf_counter() - t0) * 1000.0
                             now = time.perf_counter()
                             if (now - t0) + (now - u0) > self.step_s:
@@ -364,11 +399,13 @@ class DriftProbe:
         if not self.bases:
             raise RuntimeError("record() the base answers before measuring drift")
         kl_sum, tokens, first, leads, ms, drops, prompts = 0.0, 0, [], [], 0.0, [], []
+        self._head = None                              # the adapter's weights may have changed since
         try:
             for base in (self.bases if indices is None else [self.bases[i] for i in indices]):
                 prompts.append(base.prompt)
-                (kl, n, f, lead, d), one = yield from self._anchor(lambda s, b=base: drift_units(self.resident, s, b),
-                                                                adapter_handle, len(base.forced))
+                (kl, n, f, lead, d), one = yield from self._anchor(
+                    lambda s, kept=0, keep=0, b=base: drift_units(self.resident, s, b, kept, keep), adapter_handle,
+                    len(base.forced), head=(base.forced, len(base.prompt_tokens) - 1) if self.share_head else None)
                 ms += one
                 self.anchor_ms = one if self.anchor_ms is None else 0.5 * (self.anchor_ms + one)
                 kl_sum, tokens = kl_sum + kl, tokens + n
