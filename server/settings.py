@@ -20,6 +20,7 @@ from dreamstage.server.security import SecurityPolicy, is_loopback
 from dreamstage.server.tenants import load_key_file
 from dreamstage.serving import rpc
 from dreamstage.serving.resident import KV_TYPES, ResidentConfig
+from dreamstage.serving.rpc import DEAD_AFTER_S
 from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.submit import JobLimits
 
@@ -78,6 +79,7 @@ class ServerSettings(BaseSettings):
     rpc_allow_remote: bool = False
     tensor_split: tuple[float, ...] = ()   # each device's share of the offloaded layers; empty: by free memory
     split_mode: str = "layer"
+    rpc_dead_after_s: float = Field(default=DEAD_AFTER_S, ge=2.0, le=3600.0)   # a silent worker host fails
     api_key: str | None = None        # required as "Authorization: Bearer" on every route but /health
     allowed_hosts: tuple[str, ...] = ()   # Host names accepted besides the loopback names (loopback binds)
     cors_origins: tuple[str, ...] = ()    # origins that get CORS headers; none by default
@@ -162,4 +164,5 @@ class ServerSettings(BaseSettings):
                               auto_ctx_memory_share=self.ctx_memory_share,
                               n_batch=self.batch, n_threads=self.threads, kv_type=self.kv_type,
                               kv_unified=self.kv_unified, n_gpu_layers=self.n_gpu_layers, rpc=self.rpc,
-                              tensor_split=self.tensor_split, split_mode=self.split_mode)
+                              tensor_split=self.tensor_split, split_mode=self.split_mode,
+                              rpc_dead_after_s=self.rpc_dead_after_s)

@@ -9,6 +9,7 @@ computes; the tolerances below say how close it comes.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -134,9 +135,12 @@ def test_serve_flags_reach_the_settings_and_bad_ones_exit_2(capsys):
     from dreamstage import cli
 
     args = cli.build_parser().parse_args(["serve", "--rpc", "127.0.0.1:7001,127.0.0.1:7002", "--tensor-split",
-                                          "1,2", "--split-mode", "layer", "--no-train"])
+                                          "1,2", "--split-mode", "layer", "--rpc-dead-after", "5", "--no-train"])
     s = cli.serve_settings(args)
     assert s.rpc == ("127.0.0.1:7001", "127.0.0.1:7002") and s.tensor_split == (1.0, 2.0)
+    assert s.resident_config().rpc_dead_after_s == 5.0
+    assert cli.main(["serve", "--rpc", "127.0.0.1:7001", "--rpc-dead-after", "1", "--no-train", "--port", "0"]) == 2
+    assert "rpc_dead_after_s" in capsys.readouterr().err
     assert cli.main(["serve", "--rpc", "192.168.9.9:7001", "--no-train", "--port", "0"]) == 2
     assert "192.168.9.9:7001 is not a loopback address" in capsys.readouterr().err
 
@@ -162,6 +166,32 @@ def test_the_layers_are_on_the_workers(split, workers):
     before = rpc.traffic()
     _logits(split, split.tokenize(TEXT)[:8])
     assert rpc.traffic().bytes > before.bytes      # the decode crossed the wire
+
+
+def test_the_connections_to_the_workers_fail_once_a_host_stops_answering(split, workers):
+    """A host that vanishes (no FIN, no RST) is met within rpc_dead_after_s, not the kernel's
+    minutes: each of the model's connections to a worker probes it while idle and bounds its
+    unacknowledged sends. Read back from the sockets, and the kernel's keepalive timer armed
+    on an idle one (/proc/self/net/tcp, timer 2)."""
+    assert split.config.rpc_dead_after_s == rpc.DEAD_AFTER_S == 30.0
+    conns = [c for e in workers for c in rpc._watched[e]]
+    assert len(conns) >= len(workers)
+    for fd, _ in conns:
+        s = socket.socket(fileno=os.dup(fd))
+        try:
+            got = (s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                   s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                   s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                   s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                   s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+        finally:
+            s.close()
+        assert got == (1, 15, 5, 3, 30_000)                # probes from 15 s idle, failed by 30 s
+    timers = {int(f[9]): f[5].split(":")[0] for f in
+              (line.split() for line in open("/proc/self/net/tcp").read().splitlines()[1:]) if len(f) > 9}
+    assert any(timers.get(inode) == "02" for _, inode in conns)      # an idle connection waits to probe
+    with pytest.raises(ValueError, match="rpc_dead_after_s must be within 2 .. 3600 seconds, got 0.5"):
+        _config("unused.gguf", rpc=workers, rpc_dead_after_s=0.5).validate()
 
 
 def rpc_devices(endpoints) -> list[dict]:

@@ -58,7 +58,7 @@ def serve_settings(args: argparse.Namespace):
 
 
 def _placement_flags(args: argparse.Namespace) -> dict:
-    """serve's --rpc, --tensor-split, --split-mode and --rpc-allow-remote as ServerSettings fields."""
+    """serve's --rpc, --tensor-split, --split-mode, --rpc-dead-after and --rpc-allow-remote as ServerSettings fields."""
     from dreamstage.serving import rpc
 
     given: dict = {}
@@ -70,6 +70,8 @@ def _placement_flags(args: argparse.Namespace) -> dict:
         given["split_mode"] = args.split_mode
     if args.rpc_allow_remote:
         given["rpc_allow_remote"] = True
+    if args.rpc_dead_after is not None:
+        given["rpc_dead_after_s"] = args.rpc_dead_after
     return given
 
 
@@ -132,6 +134,9 @@ def _add_rpc_flags(p, default: dict) -> None:
                         "default: by free memory); -ngl sets how many layers leave this process's CPU")
     p.add_argument("--split-mode", dest="split_mode", default=None, choices=["layer", "none"],
                    help=f"how layers spread over the devices (default {default['split_mode']})")
+    p.add_argument("--rpc-dead-after", dest="rpc_dead_after", type=float, default=None, metavar="SECONDS",
+                   help="a worker host that answers nothing, not even TCP keepalive probes, for this long fails "
+                        f"(503 naming it; default {default['rpc_dead_after_s']:g}); a busy worker still answers")
     p.add_argument("--rpc-allow-remote", action="store_true",
                    help="accept non-loopback RPC workers: RPC has no authentication or encryption, so only on a "
                         "network you trust (docs/architecture/rpc.md)")

@@ -17,6 +17,7 @@ from dreamstage import environment, native
 from dreamstage.default_model import check_model_file, default_model
 from dreamstage.owner import NativeOwner
 from dreamstage.serving import rpc
+from dreamstage.serving.rpc import DEAD_AFTER_S
 
 # Serving K/V cache types accepted by --kv-type, mapped to ggml_type ids.
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
@@ -82,6 +83,7 @@ class ResidentConfig:
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[float, ...] = ()
     split_mode: str = "layer"
+    rpc_dead_after_s: float = DEAD_AFTER_S         # a worker host silent this long fails (rpc.keep_alive)
 
     def validate(self) -> None:
         for name in ("n_ctx", "n_seq", "n_batch"):
@@ -102,6 +104,8 @@ class ResidentConfig:
             raise ValueError(f"split_mode {self.split_mode!r} is not one of {', '.join(rpc.SPLIT_MODES)}")
         if self.rpc:
             rpc.parse_endpoints(",".join(self.rpc))
+        if not 2.0 <= self.rpc_dead_after_s <= 3600.0:
+            raise ValueError(f"rpc_dead_after_s must be within 2 .. 3600 seconds, got {self.rpc_dead_after_s!r}")
         if self.tensor_split:
             rpc.parse_tensor_split(",".join(map(str, self.tensor_split)))
 
@@ -245,7 +249,7 @@ class ResidentModel(NativeOwner):
         if not self.model:
             raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")
         if cfg.rpc:
-            rpc.watch(cfg.rpc)          # its connections to the workers, to see a worker's process end
+            rpc.watch(cfg.rpc, cfg.rpc_dead_after_s)   # its connections to the workers: a worker's end, a host's
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self.model)
         self.context_plan = plan_context(lc, self.model, cfg)

@@ -27,6 +27,10 @@ from dreamstage import native
 WORKER_PROGRAM = "dreamstage-rpc-server"
 DEFAULT_WORKER_PORT = 50052      # upstream rpc-server's default
 CONNECT_TIMEOUT_S = 3.0          # a worker that does not accept within this is refused by name
+# A worker host that answers nothing for this long, not even the kernel's TCP keepalive
+# probes or acknowledgements (it vanished: no FIN, no RST), fails its connections
+# (`keep_alive`); a busy worker's kernel still answers, so a long command is not cut.
+DEAD_AFTER_S = 30.0
 SPLIT_MODES = {"none": 0, "layer": 1}   # llama_split_mode; "row" needs a GPU backend's split buffers
 
 # Endpoints registered with ggml in this process: ggml_backend_register appends a
@@ -259,8 +263,27 @@ def _socket_inode(fd: int) -> int | None:
     return int(link[8:-1]) if link.startswith("socket:[") else None
 
 
-def watch(endpoints: tuple[str, ...]) -> None:
-    """Remember this process's connections to `endpoints` (call once a model has loaded)."""
+def keep_alive(fd: int, dead_after_s: float) -> None:
+    """Make the socket open as `fd` fail once its peer has answered nothing for about
+    `dead_after_s`: TCP keepalive probes while it is idle (a command waiting for its answer
+    is idle), and a bound on unacknowledged sends (TCP_USER_TIMEOUT). Linux options; where
+    one is missing the kernel's default stays."""
+    idle = max(1, round(dead_after_s / 2))
+    interval = max(1, round(dead_after_s / 6))
+    s = socket.socket(fileno=os.dup(fd))             # options belong to the socket, not the descriptor
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3),
+                            ("TCP_USER_TIMEOUT", round(dead_after_s * 1000))):
+            if hasattr(socket, name):
+                s.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    finally:
+        s.close()
+
+
+def watch(endpoints: tuple[str, ...], dead_after_s: float = DEAD_AFTER_S) -> None:
+    """Remember this process's connections to `endpoints` (call once a model has loaded),
+    and make each fail when its worker's host vanishes (`keep_alive`)."""
     try:
         fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:
@@ -271,6 +294,8 @@ def watch(endpoints: tuple[str, ...]) -> None:
         with contextlib.suppress(OSError):
             remote = f"{socket.gethostbyname(e.host)}:{e.port}"
             _watched[str(e)] = {(ours[i], i) for r, _, i in rows if r == remote and i in ours}
+            for fd, _ in _watched[str(e)]:
+                keep_alive(fd, dead_after_s)
 
 
 def hung_up(endpoints: tuple[str, ...]) -> str | None:
