@@ -157,6 +157,36 @@ def test_an_unreachable_worker_is_named_not_fatal(tiny4):
         ResidentModel(_config(tiny4, rpc=(f"127.0.0.1:{port}",), n_gpu_layers=2))
 
 
+def test_a_listener_that_is_not_a_worker_is_named_not_fatal(tiny4):
+    """Something that accepts the connection but does not answer the RPC handshake (a worker
+    that died just after the probe, or another service on that port): the load fails with an
+    error naming it, and this process goes on (ggml's client aborted it)."""
+    import threading
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    replies = [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n"]      # hangs up; answers as another protocol
+
+    def serve():
+        with contextlib.suppress(OSError):
+            while True:
+                c, _ = listener.accept()
+                with c:
+                    c.settimeout(2)
+                    with contextlib.suppress(OSError):
+                        c.recv(64)
+                        c.sendall(replies[0])
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        for reply in list(replies):
+            replies[0] = reply
+            with pytest.raises(ValueError, match=f"rpc worker 127.0.0.1:{port} did not answer the RPC handshake"):
+                ResidentModel(_config(tiny4, rpc=(f"127.0.0.1:{port}",), n_gpu_layers=2))
+    finally:
+        listener.close()
+
+
 # -- serving ----------------------------------------------------------------------------------
 
 

@@ -113,8 +113,9 @@ def worker_program() -> Path:
 
 
 def probe(endpoint: Endpoint, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
-    """None when the worker accepts a connection, else why not. ggml's RPC client
-    aborts the process when it cannot connect, so every connection is probed first."""
+    """None when the worker accepts a connection, else why not: a named error within
+    `timeout_s`, where ggml's own connection would wait for the kernel (and, patched,
+    fail the worker's commands rather than say why)."""
     try:
         with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s):
             return None
@@ -162,6 +163,10 @@ def connect(endpoints: tuple[Endpoint, ...]) -> list[int]:
         if str(e) not in _registered:
             reg = add_server(str(e).encode())
             if not reg:
+                after = traffic()
+                if after.failures > failures and after.last_failed == str(e):
+                    raise ValueError(f"rpc worker {e} did not answer the RPC handshake: it stopped, or what listens "
+                                     "there is not a dreamstage rpc-worker of this build")
                 raise ValueError(f"rpc worker {e} reports no devices")
             # registering appends the worker's devices to ggml's list (their own
             # backend reg is the shared "RPC" one, so they are known by position)
