@@ -9,6 +9,7 @@ import threading
 import httpx
 import pytest
 from background_server import BackgroundServer
+from drift_steps import run_steps
 
 from dreamstage.server.settings import ServerSettings
 from dreamstage.serving.engine import Engine, RequestHandle
@@ -16,6 +17,7 @@ from dreamstage.serving.generation import Admitted, Delta, Failed, Finished, Gen
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
 from dreamstage.serving.sampling import SamplingParams
 from dreamstage.serving.slots import _Job
+from dreamstage.training.drift.decoding import Decoder
 
 POOL, SLOTS = 256, 4
 PROMPTS = ["What is the capital of France?", "Write a haiku about snow.", "List three fruits.",
@@ -159,7 +161,15 @@ def test_a_lent_sequence_reserves_its_positions_and_serving_takes_the_room_back(
         lease = engine.hold_idle_sequence()
         assert lease.seq_id == idle.seq_id
         assert lease.reserve(100) and engine.pool_info()["lent"] == 100
-        assert not lease.reserve(200) and lease.valid                  # 400 + 200 > 512: ask again later
+        # the borrower's own positions before `keep` stay; a refused reservation drops them
+        dec = Decoder(model, lease.seq_id)
+        run_steps(dec.forced_units(list(range(1, 21)), 19, keep=16))
+        dec.close()
+
+        def last():
+            return model.lc.llama_memory_seq_pos_max(model.memory, lease.seq_id)
+        assert last() == 15 and lease.reserve(100, keep=16) and last() == 15
+        assert not lease.reserve(200, keep=16) and lease.valid and last() == -1   # 400 + 200 > 512: ask again later
         with pytest.raises(ValueError, match="512"):
             lease.reserve(600)
         busy.job, busy.reserved = None, 0

@@ -100,6 +100,7 @@ class PoolMixin(EngineCore):
             return True
         lease.cells = 0
         if not self._make_room(cells, (), take_lease=False):
+            self._clear_slot(lease.slot)              # what was kept is not held now
             return False
         lease.cells = cells
         return True

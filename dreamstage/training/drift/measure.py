@@ -269,6 +269,7 @@ class DriftProbe:
                 keep = 0
             if self._lease is not None and self._lease.reserve(cells, keep):
                 return self._lease, keep
+            keep = 0                                   # a refused reservation drops what was kept
             yield
 
     def _give_back(self) -> None:
