@@ -51,7 +51,6 @@ from dreamstage.server.tenants import scope_of
 from dreamstage.server.train_routes import _invalid, _json_object, _storage_error, _training_service
 from dreamstage.server.train_routes import adapter_name_in_scope as _name
 from dreamstage.server.views import adapters_view, name_view, public
-from dreamstage.serving.rpc import WorkerFailed
 from dreamstage.training.jobs.scheduler import AdapterInUse
 from dreamstage.validation import field_errors
 
@@ -154,7 +153,8 @@ async def one_adapter(name: str, request: Request):
 
 
 async def _engine_call(service, fut):
-    """The engine thread's answer to a scheduler command, mapped to HTTP errors."""
+    """The engine thread's answer to a scheduler command, mapped to HTTP errors (a failed RPC
+    worker's WorkerFailed goes on to the app's handler: 503 with Retry-After)."""
     if not service.engine.running:
         fut.cancel()
         raise APIError(503, "the engine is not running", None, "engine_stopped")
@@ -166,8 +166,6 @@ async def _engine_call(service, fut):
         raise APIError(409, str(e), "name", e.code) from None
     except AdapterInUse as e:
         raise APIError(409, str(e), "name", "adapter_in_use") from None
-    except WorkerFailed as e:             # until the engine has loaded the model again (rpc.md)
-        raise APIError(503, str(e), None, "rpc_worker_failed") from None
     except ValueError as e:               # the file does not load (AdapterLoadError)
         raise APIError(422, str(e), "name", "adapter_unloadable") from None
     except (OSError, sqlite3.Error) as e:  # booking could not be written

@@ -20,7 +20,7 @@ from dreamstage.server.security import SecurityPolicy, is_loopback
 from dreamstage.server.tenants import load_key_file
 from dreamstage.serving import rpc
 from dreamstage.serving.resident import KV_TYPES, ResidentConfig
-from dreamstage.serving.rpc import DEAD_AFTER_S
+from dreamstage.serving.rpc import DEAD_AFTER_RANGE, DEAD_AFTER_S
 from dreamstage.training.jobs.request import check_adapter_name
 from dreamstage.training.jobs.submit import JobLimits
 
@@ -79,7 +79,8 @@ class ServerSettings(BaseSettings):
     rpc_allow_remote: bool = False
     tensor_split: tuple[float, ...] = ()   # each device's share of the offloaded layers; empty: by free memory
     split_mode: str = "layer"
-    rpc_dead_after_s: float = Field(default=DEAD_AFTER_S, ge=2.0, le=3600.0)   # a silent worker host fails
+    # a worker host silent this long fails (rpc.keep_alive)
+    rpc_dead_after_s: float = Field(default=DEAD_AFTER_S, ge=DEAD_AFTER_RANGE[0], le=DEAD_AFTER_RANGE[1])
     api_key: str | None = None        # required as "Authorization: Bearer" on every route but /health
     allowed_hosts: tuple[str, ...] = ()   # Host names accepted besides the loopback names (loopback binds)
     cors_origins: tuple[str, ...] = ()    # origins that get CORS headers; none by default

@@ -138,6 +138,14 @@ def test_requests_that_first_meet_a_dead_worker_get_an_error_naming_it(tmp_path,
         r = _complete(srv, short, model="stored@1")
         assert r.status_code == 200, r.text
 
+        # a promotion: its adapter would be placed on the dead worker's buffers
+        srv.kill_worker(1)
+        r = srv.http.post("/adapters/stored/promote", json={"version": 1})
+        srv.alive()
+        assert r.status_code == 503 and dead in r.text and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "rpc_worker_failed"
+        srv.restart_worker(1)
+
         # a training job starting: its dream stage asks the worker's memory and allocates there
         srv.kill_worker(1)
         jid = srv.http.post("/train", json={**JOB, "out": "after"}).json()["id"]

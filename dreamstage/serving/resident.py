@@ -104,8 +104,10 @@ class ResidentConfig:
             raise ValueError(f"split_mode {self.split_mode!r} is not one of {', '.join(rpc.SPLIT_MODES)}")
         if self.rpc:
             rpc.parse_endpoints(",".join(self.rpc))
-        if not 2.0 <= self.rpc_dead_after_s <= 3600.0:
-            raise ValueError(f"rpc_dead_after_s must be within 2 .. 3600 seconds, got {self.rpc_dead_after_s!r}")
+        low, high = rpc.DEAD_AFTER_RANGE
+        if not low <= self.rpc_dead_after_s <= high:
+            raise ValueError(f"rpc_dead_after_s must be within {low:g} .. {high:g} seconds, "
+                             f"got {self.rpc_dead_after_s!r}")
         if self.tensor_split:
             rpc.parse_tensor_split(",".join(map(str, self.tensor_split)))
 

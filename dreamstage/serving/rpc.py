@@ -31,6 +31,7 @@ CONNECT_TIMEOUT_S = 3.0          # a worker that does not accept within this is 
 # probes or acknowledgements (it vanished: no FIN, no RST), fails its connections
 # (`keep_alive`); a busy worker's kernel still answers, so a long command is not cut.
 DEAD_AFTER_S = 30.0
+DEAD_AFTER_RANGE = (2.0, 3600.0)    # the values it may be set to, seconds
 SPLIT_MODES = {"none": 0, "layer": 1}   # llama_split_mode; "row" needs a GPU backend's split buffers
 
 # Endpoints registered with ggml in this process: ggml_backend_register appends a
@@ -275,15 +276,16 @@ def keep_alive(fd: int, dead_after_s: float) -> None:
     one is missing the kernel's default stays."""
     idle = max(1, round(dead_after_s / 2))
     interval = max(1, round(dead_after_s / 6))
-    s = socket.socket(fileno=os.dup(fd))             # options belong to the socket, not the descriptor
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3),
-                            ("TCP_USER_TIMEOUT", round(dead_after_s * 1000))):
-            if hasattr(socket, name):
-                s.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-    finally:
-        s.close()
+    # setsockopt on ggml's own descriptor (a Python socket object around it could change its
+    # blocking mode, which the descriptor shares)
+    libc = ctypes.CDLL(None, use_errno=True)
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    options += [(socket.IPPROTO_TCP, getattr(socket, name), value) for name, value in
+                (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3),
+                 ("TCP_USER_TIMEOUT", round(dead_after_s * 1000))) if hasattr(socket, name)]
+    for level, name, value in options:
+        v = ctypes.c_int(value)
+        libc.setsockopt(fd, level, name, ctypes.byref(v), ctypes.sizeof(v))
 
 
 def watch(endpoints: tuple[str, ...], dead_after_s: float = DEAD_AFTER_S) -> None:

@@ -275,8 +275,7 @@ class DriftProbe:
     def _give_back(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None and lease.valid:
-            if self._head is not None:
-                Decoder(self.resident, lease.seq_id).clear()
+            Decoder(self.resident, lease.seq_id).clear()   # a kept head, or an anchor stopped mid-way
             lease.release()
         self._head = None
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from dreamstage.adapters.choice import DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK
+from dreamstage.adapters.loaded import AdapterLoadError
 from dreamstage.adapters.served import AdapterSwitch, ServedAdapters
 from dreamstage.serving import rpc
 from dreamstage.stats import DreamStats
@@ -66,6 +67,12 @@ QUEUE_POLL_S = 0.5
 # this long: a gap between a steady client's requests (tens of ms) is not
 # idle time the warm-up may take, since nothing paces it.
 WARMUP_AFTER_IDLE_S = 1.0
+
+
+def _refused_for(worker: str) -> rpc.WorkerFailed:
+    """What an adapter command gets while the RPC worker at `worker` is gone."""
+    return rpc.WorkerFailed(f"the RPC worker at {worker} failed: adapters load again once it answers and the model "
+                            "is loaded again")
 
 
 class DreamScheduler(JobProgram):
@@ -446,9 +453,7 @@ class DreamScheduler(JobProgram):
             if not fut.set_running_or_notify_cancel():
                 continue
             if kind != "retire" and (gone := self._failed_worker()) is not None:
-                # an adapter loaded now would be placed on the dead worker's buffers
-                fut.set_exception(rpc.WorkerFailed(f"the RPC worker at {gone} failed: adapters load again once "
-                                                   "it answers and the model is loaded again"))
+                fut.set_exception(_refused_for(gone))    # it would be placed on the dead worker's buffers
                 continue
             try:
                 view: dict | None
@@ -471,5 +476,9 @@ class DreamScheduler(JobProgram):
                     fut.set_result(None)
                     continue
                 fut.set_result((view, applied))
+            except AdapterLoadError as e:
+                # a worker that failed under the load refused the adapter's buffers: not the file's fault
+                gone = self._failed_worker()
+                fut.set_exception(e if gone is None else _refused_for(gone))
             except Exception as e:  # noqa: BLE001 - reported to the caller, never raised into the engine
                 fut.set_exception(e)
