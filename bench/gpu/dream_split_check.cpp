@@ -256,7 +256,8 @@ int main(int argc, char ** argv) {
         llama_model * m = llama_model_load_from_file(argv[1], mp);
         if (!m) { std::printf("FAILED: load\n"); return 1; }
         split.name = "CPU + GPU, half the layers offloaded";
-        split.n_gpu_layers = llama_model_n_layer(m) / 2;
+        // llama.cpp's -ngl counts the output head first: half the repeating layers and the head
+        split.n_gpu_layers = llama_model_n_layer(m) / 2 + 1;
         if (split.n_gpu_layers < 1) { std::printf("FAILED: %s has too few layers to split\n", argv[1]); return 1; }
         split.split.clear();
         llama_model_free(m);
