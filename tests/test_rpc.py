@@ -159,32 +159,41 @@ def test_an_unreachable_worker_is_named_not_fatal(tiny4):
 
 def test_a_listener_that_is_not_a_worker_is_named_not_fatal(tiny4):
     """Something that accepts the connection but does not answer the RPC handshake (a worker
-    that died just after the probe, or another service on that port): the load fails with an
-    error naming it, and this process goes on (ggml's client aborted it)."""
+    that died just after the probe, another service on that port, a stopped worker or one busy
+    with another client): the load fails with an error naming it, and this process goes on
+    (ggml's client aborted it, or waited for ever on a silent one)."""
     import threading
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     port = listener.getsockname()[1]
-    replies = [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n"]      # hangs up; answers as another protocol
+    mode = ["hang up"]
+    held: list[socket.socket] = []
 
     def serve():
         with contextlib.suppress(OSError):
             while True:
                 c, _ = listener.accept()
+                if mode[0] == "silent":
+                    held.append(c)                     # accepted, never answered
+                    continue
                 with c:
                     c.settimeout(2)
                     with contextlib.suppress(OSError):
                         c.recv(64)
-                        c.sendall(replies[0])
+                        c.sendall(b"" if mode[0] == "hang up" else b"HTTP/1.1 400 Bad Request\r\n\r\n")
     threading.Thread(target=serve, daemon=True).start()
     try:
-        for reply in list(replies):
-            replies[0] = reply
+        for m in ("hang up", "another protocol", "silent"):
+            mode[0] = m
+            t0 = time.monotonic()
             with pytest.raises(ValueError, match=f"rpc worker 127.0.0.1:{port} did not answer the RPC handshake"):
                 ResidentModel(_config(tiny4, rpc=(f"127.0.0.1:{port}",), n_gpu_layers=2))
+            assert time.monotonic() - t0 < 30, m             # the silent one: the handshake's 10 s deadline
     finally:
         listener.close()
+        for c in held:
+            c.close()
 
 
 # -- serving ----------------------------------------------------------------------------------

@@ -9,6 +9,9 @@
 //     a NULL buffer does, where ggml would assert at its first use), and a
 //     buffer type made from zeroed answers gets values that allocate nothing
 //     harmful and is not kept;
+//   - a new connection's handshake has a deadline (HANDSHAKE_S): a listener
+//     that accepts and says nothing (a stopped worker, one busy with another
+//     client) fails it; commands afterwards have none (a long graph is not cut);
 //   - ops never sent to a worker and never run by one: GGML_OP_CUSTOM and the
 //     MAP_CUSTOM ops carry a function pointer (and userdata) of the process that
 //     built the graph, meaningless (or hostile) in another one. The scheduler
@@ -24,12 +27,43 @@
 #include <mutex>
 #include <string>
 
+#ifndef _WIN32
+#include <sys/socket.h>
+#include <sys/time.h>
+#endif
+
 namespace {
 std::atomic<uint64_t> g_sent { 0 };
 std::atomic<uint64_t> g_received { 0 };
 std::atomic<uint64_t> g_failures { 0 };
 std::mutex g_failed_mutex;
 std::string g_last_failed;   // the endpoint of the last connection that failed
+constexpr int HANDSHAKE_S = 10;
+thread_local intptr_t t_connecting = -1;   // the connection whose handshake this thread is making
+
+void set_deadline(intptr_t fd, int seconds) {
+#ifndef _WIN32
+    timeval tv { seconds, 0 };
+    setsockopt((int) fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt((int) fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+#else
+    (void) fd; (void) seconds;
+#endif
+}
+}
+
+// A connection ggml-rpc just made (transport.cpp): its handshake must answer within HANDSHAKE_S.
+void dream_rpc_connecting(intptr_t fd) {
+    t_connecting = fd;
+    set_deadline(fd, HANDSHAKE_S);
+}
+
+// The dispatcher's handshake ended (answered or failed, on this thread): no deadline from now on.
+void dream_rpc_handshake_done() {
+    if (t_connecting >= 0) {
+        set_deadline(t_connecting, 0);
+        t_connecting = -1;
+    }
 }
 
 void dream_rpc_count(uint64_t sent, uint64_t received) {
