@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import ipaddress
 import os
 import socket
@@ -140,7 +141,9 @@ def _ggml():
     return G
 
 
+@functools.cache
 def _proc(name: str, restype, *argtypes):
+    """The RPC backend's function `name`, made once (traffic() is read around every decode batch)."""
     G = _ggml()
     addr = G.ggml_backend_reg_get_proc_address(G._dream_rpc, name.encode())
     if not addr:

@@ -282,7 +282,7 @@ class DriftProbe:
     def _kept_head(self, adapter, tokens: Sequence[int], first_row: int) -> int:
         """Positions of `tokens` whose K/V the held sequence has under `adapter` from the
         anchor measured last, with nothing decoded on it since: whole pieces before first_row."""
-        head, self._head = self._head, None
+        head = self._head
         if head is None or head[0] is not self._lease or head[1] is not self._turn[0] or head[2] != adapter:
             return 0
         same = 0
