@@ -9,6 +9,7 @@ computes; the tolerances below say how close it comes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import socket
 import subprocess
@@ -194,6 +195,23 @@ def test_a_listener_that_is_not_a_worker_is_named_not_fatal(tiny4):
         listener.close()
         for c in held:
             c.close()
+
+
+def test_a_refused_connection_leaves_no_descriptor_open():
+    """ggml's client, asked for a worker where nothing listens (one that died between the probe and
+    the connection), fails without keeping the socket it made."""
+    add_server = rpc._proc("ggml_backend_rpc_add_server", ctypes.c_void_p, ctypes.c_char_p)
+
+    def sockets() -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        return n
+    before = sockets()
+    for _ in range(3):
+        assert not add_server(f"127.0.0.1:{_free_port()}".encode())
+    assert sockets() == before
 
 
 # -- serving ----------------------------------------------------------------------------------
