@@ -35,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +49,15 @@ TEXT = ("Between decode batches the resident model takes one training micro-step
         "to learn, and the served adapter moves only when the engine promotes it. ")
 
 
+WORKER_START_S = 60.0
+T0 = time.monotonic()
+
+
+def say(what: str) -> None:
+    """A phase on stderr, so a run stopped from outside shows where it was."""
+    print(f"[bench_rpc {time.monotonic() - T0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,12 +65,21 @@ def _port() -> int:
 
 
 def start_workers(n: int, device: str, threads: int) -> tuple[list[subprocess.Popen], tuple[str, ...]]:
+    """n workers listening, or SystemExit with what the first one that did not start said."""
     ports = [_port() for _ in range(n)]
-    procs = [subprocess.Popen([sys.executable, "-m", "dreamstage", "rpc-worker", "--port", str(p), "--threads",
-                               str(threads), "--device", device],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
-    for p in ports:
+    logs = [tempfile.TemporaryFile("w+") for _ in ports]      # a pipe would block a chatty worker
+    safe = ["-P"] if sys.flags.safe_path else []             # as this process was run: not the cwd's package
+    procs = [subprocess.Popen([sys.executable, *safe, "-m", "dreamstage", "rpc-worker", "--port", str(p), "--threads",
+                               str(threads), "--device", device], stdout=subprocess.DEVNULL, stderr=log)
+             for p, log in zip(ports, logs, strict=True)]
+    deadline = time.monotonic() + WORKER_START_S
+    for proc, p, log in zip(procs, ports, logs, strict=True):
         while rpc.probe(rpc.Endpoint("127.0.0.1", p), timeout_s=0.5):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                for q in procs:
+                    q.kill()
+                log.seek(0)
+                sys.exit(f"the rpc-worker on port {p} (--device {device}) did not start: {log.read()[-2000:]}")
             time.sleep(0.2)
     return procs, tuple(f"127.0.0.1:{p}" for p in ports)
 
@@ -120,7 +139,8 @@ def _measure(args, models: dict, trainers: dict, tokens: list[int]) -> dict[str,
     samples: dict[str, list[dict]] = {k: [] for k in models}
     for t in trainers.values():              # warm-up: the first step grows the compute buffers
         t.train_window(tokens[:c], np.ones(c, np.uint8))
-    for _ in range(args.reps):
+    for rep in range(args.reps):
+        say(f"rep {rep + 1} of {args.reps}")
         for name in ("single", "split", "split", "single"):
             (r,) = trainers[name].train_window(tokens[:c], np.ones(c, np.uint8))
             assert r.ok, r.message
@@ -154,12 +174,15 @@ def main() -> None:
     args = _args()
     n_workers = 1 if args.single_worker else 2
     procs, endpoints = start_workers(n_workers, args.worker_device, args.worker_threads)
+    say(f"{n_workers} worker(s) listening on {args.worker_device}")
     try:
         cfg = dict(model_path=args.model, n_ctx=512, n_seq=1, n_threads=args.threads, kv_type="f32")
         single = ResidentModel(ResidentConfig(**cfg, n_gpu_layers=0 if args.ngl is None else args.ngl))
         n_layer = single.lc.llama_model_n_layer(single.model)
+        say("the model loaded alone")
         ngl, shares, where = _placement(args, n_layer, n_workers)
         split = ResidentModel(ResidentConfig(**cfg, rpc=endpoints, n_gpu_layers=ngl, tensor_split=shares))
+        say(f"the model loaded split: {where}")
         tokens = single.tokenize(TEXT * 40)
         c = args.chunk
         lora = LoraConfig(targets="attn_q,attn_v")
@@ -167,6 +190,7 @@ def main() -> None:
         trainers = {name: Trainer(rm, lora, cache_type="f32", window=c, chunk=c, optimizer=OptimizerConfig(lr=1e-4))
                     for name, rm in models.items()}
         samples = _measure(args, models, trainers, tokens)
+        say("measured")
         out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": f"{platform.node()} {os.cpu_count()} cores",
                "load_avg_1m": os.getloadavg()[0], "threads": args.threads, "worker_threads": args.worker_threads,
                "worker_device": args.worker_device, "ngl_single": args.ngl or 0, "workers": n_workers,

@@ -212,17 +212,21 @@ make_site() {
 }
 if has rpc; then
     # issue 50 on the GPU: the model alone on the GPU against it split with loopback workers on the same GPU
-    # (bench/bench_rpc.py --ngl), two workers and one; the worker program beside the libraries, where rpc-worker looks
+    # (bench/bench_rpc.py --ngl), two workers and one, at chunks of RPC_CHUNKS; the worker program beside the
+    # libraries, where rpc-worker looks (the build tree's program has no rpath to them: LD_LIBRARY_PATH)
     S=/tmp/dream_rpc_site
     base=${BASES%%,*}
     quantized $base
     cp $B/dreamstage-rpc-server $B/bin/
     if make_site $S rpc_site.log; then
-        for w in "" --single-worker; do
-            name=rpc_gpu${w:+_single}
-            PYTHONPATH=$S LLAMA_CPP_LIB_PATH=$B/bin python3 -P bench/bench_rpc.py --model $M/llama1b_$base.gguf --ngl 99 \
-                --threads 8 --reps ${RPC_REPS:-2} $w --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || rc=1
-            echo "== $name"; tail -n 6 "$OUT/$name.log"
+        for c in ${RPC_CHUNKS:-64 512}; do
+            for w in "" --single-worker; do
+                name=rpc_gpu_c$c${w:+_single}
+                PYTHONPATH=$S LLAMA_CPP_LIB_PATH=$B/bin LD_LIBRARY_PATH=$B/bin timeout ${RPC_TIMEOUT_S:-300} \
+                    python3 -P bench/bench_rpc.py --model $M/llama1b_$base.gguf --ngl 99 --threads 8 --chunk $c \
+                    --decode 64 --reps ${RPC_REPS:-5} $w --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || rc=1
+                echo "== $name"; tail -n 6 "$OUT/$name.log"
+            done
         done
     else
         rc=1; tail -5 "$OUT/rpc_site.log"
