@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -240,15 +242,43 @@ def test_the_connections_to_the_workers_fail_once_a_host_stops_answering(split, 
                    s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
                    s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
                    s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
-                   s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+                   s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+                   *(struct.unpack("ll", s.getsockopt(socket.SOL_SOCKET, o, 16))
+                     for o in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO)))
         finally:
             s.close()
-        assert got == (1, 15, 5, 3, 30_000)                # probes from 15 s idle, failed by 30 s
+        # probes from 15 s idle, failed by 30 s; a wait for the worker's bytes bounded by 30 s
+        assert got == (1, 15, 5, 3, 30_000, (30, 0), (30, 0))
     timers = {int(f[9]): f[5].split(":")[0] for f in
               (line.split() for line in open("/proc/self/net/tcp").read().splitlines()[1:]) if len(f) > 9}
     assert any(timers.get(inode) == "02" for _, inode in conns)      # an idle connection waits to probe
     with pytest.raises(ValueError, match="rpc_dead_after_s must be within 2 .. 3600 seconds, got 0.5"):
         _config("unused.gguf", rpc=workers, rpc_dead_after_s=0.5).validate()
+
+
+def test_a_worker_process_that_stops_answering_fails_within_the_bound(tiny4, single):
+    """A worker process that hangs on a live host (here: stopped) has a kernel that still answers
+    keepalive probes; a decode waiting on it fails once it has been silent for rpc_dead_after_s,
+    naming it, and this process and its other models go on."""
+    port = _free_port()
+    proc = start_worker(port)
+    endpoint = f"127.0.0.1:{port}"
+    rm = ResidentModel(_config(tiny4, rpc=(endpoint,), n_gpu_layers=SHAPE.n_layer, rpc_dead_after_s=2.0))
+    try:
+        tokens = single.tokenize(TEXT)[:16]
+        assert np.abs(_logits(rm, tokens) - _logits(single, tokens)).max() <= LOGITS_ATOL
+        failures = rpc.traffic().failures
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with contextlib.suppress(RuntimeError):   # a graph may still return success: the count tells (batch.py)
+            _logits(rm, tokens)
+        assert 1.5 < time.monotonic() - t0 < 10
+        assert rpc.traffic().failures > failures and rpc.failed_worker((endpoint,)) == endpoint
+        assert np.array_equal(_logits(single, tokens), _logits(single, tokens))
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        rm.close()
+        stop_worker(proc)
 
 
 def rpc_devices(endpoints) -> list[dict]:

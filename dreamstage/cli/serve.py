@@ -135,8 +135,9 @@ def _add_rpc_flags(p, default: dict) -> None:
     p.add_argument("--split-mode", dest="split_mode", default=None, choices=["layer", "none"],
                    help=f"how layers spread over the devices (default {default['split_mode']})")
     p.add_argument("--rpc-dead-after", dest="rpc_dead_after", type=float, default=None, metavar="SECONDS",
-                   help="a worker host that answers nothing, not even TCP keepalive probes, for this long fails "
-                        f"(503 naming it; default {default['rpc_dead_after_s']:g}); a busy worker still answers")
+                   help="a worker silent this long while a command waits on it fails: its host answers no "
+                        "keepalive probe, or its process no byte (503 naming it; default "
+                        f"{default['rpc_dead_after_s']:g}); raise it where one graph computes longer on a worker")
     p.add_argument("--rpc-allow-remote", action="store_true",
                    help="accept non-loopback RPC workers: RPC has no authentication or encryption, so only on a "
                         "network you trust (docs/architecture/rpc.md)")
