@@ -256,10 +256,13 @@ def test_the_connections_to_the_workers_fail_once_a_host_stops_answering(split, 
         _config("unused.gguf", rpc=workers, rpc_dead_after_s=0.5).validate()
 
 
-def test_a_worker_process_that_stops_answering_fails_within_the_bound(tiny4, single):
+@pytest.mark.parametrize("fate", ["stops", "dies"])
+def test_a_worker_that_stops_or_dies_while_a_decode_waits_on_it_is_named(tiny4, single, fate):
     """A worker process that hangs on a live host (here: stopped) has a kernel that still answers
-    keepalive probes; a decode waiting on it fails once it has been silent for rpc_dead_after_s,
-    naming it, and this process and its other models go on."""
+    keepalive probes: a decode waiting on it fails once it has been silent for rpc_dead_after_s.
+    One that dies while a decode waits on it (stopped first, so the decode is surely waiting)
+    fails it at once. Either is named, and this process and its other models go on."""
+    import threading
     port = _free_port()
     proc = start_worker(port)
     endpoint = f"127.0.0.1:{port}"
@@ -270,13 +273,24 @@ def test_a_worker_process_that_stops_answering_fails_within_the_bound(tiny4, sin
         failures = rpc.traffic().failures
         os.kill(proc.pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        with contextlib.suppress(RuntimeError):   # a graph may still return success: the count tells (batch.py)
-            _logits(rm, tokens)
-        assert 1.5 < time.monotonic() - t0 < 10
+
+        def decode():
+            with contextlib.suppress(RuntimeError):   # a graph may still return success: the count tells (batch.py)
+                _logits(rm, tokens)
+        waiting = threading.Thread(target=decode)
+        waiting.start()
+        if fate == "dies":
+            time.sleep(0.5)
+            stop_worker(proc)
+        waiting.join(30)
+        took = time.monotonic() - t0
+        assert not waiting.is_alive()
+        assert (1.5 < took < 10) if fate == "stops" else (took < 1.5), took
         assert rpc.traffic().failures > failures and rpc.failed_worker((endpoint,)) == endpoint
         assert np.array_equal(_logits(single, tokens), _logits(single, tokens))
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
         rm.close()
         stop_worker(proc)
 
