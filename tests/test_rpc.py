@@ -295,6 +295,74 @@ def test_a_worker_that_stops_or_dies_while_a_decode_waits_on_it_is_named(tiny4, 
         stop_worker(proc)
 
 
+class _Choke:
+    """A loopback proxy to a worker: it forwards both ways until its clients have sent `after`
+    bytes, then forwards nothing more and holds every connection open (a worker process that
+    hangs part-way, on a host whose kernel still answers)."""
+
+    def __init__(self, upstream: int, after: int):
+        import threading
+        self.upstream, self.after, self.sent = upstream, after, 0
+        self.choked = threading.Event()
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.port = self.listener.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self._thread = threading.Thread
+        self._thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                c, _ = self.listener.accept()
+                u = socket.create_connection(("127.0.0.1", self.upstream))
+                self.conns += [c, u]
+                self._thread(target=self._pipe, args=(c, u, True), daemon=True).start()
+                self._thread(target=self._pipe, args=(u, c, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, counted: bool) -> None:
+        with contextlib.suppress(OSError):
+            while not self.choked.is_set():
+                data = src.recv(1 << 16)
+                if not data:                    # shutdown, not close alone: it wakes the other pipe's recv
+                    dst.shutdown(socket.SHUT_RDWR)
+                    return
+                if counted:
+                    self.sent += len(data)
+                    if self.sent > self.after:
+                        self.choked.set()
+                if self.choked.is_set():
+                    return                      # held: read no more, answer nothing
+                dst.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+        for c in self.conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            c.close()
+
+
+def test_a_worker_that_hangs_while_the_model_uploads_fails_the_load_naming_it(tiny4):
+    """The silence bound holds from each connection's handshake on, before the model has loaded:
+    a worker that stops answering part-way through the upload fails the load within it."""
+    port = _free_port()
+    proc = start_worker(port)
+    choke = _Choke(port, after=256 << 10)            # past the handshake and the buffers' set-up
+    endpoint = f"127.0.0.1:{choke.port}"
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match=f"rpc worker {endpoint} failed while the model loaded: it closed the "
+                                             "connection or was silent for 2 s"):
+            ResidentModel(_config(tiny4, rpc=(endpoint,), n_gpu_layers=SHAPE.n_layer, rpc_dead_after_s=2.0))
+        took = time.monotonic() - t0
+        assert choke.choked.is_set() and took < 10, took
+    finally:
+        choke.close()
+        stop_worker(proc)
+
+
 def rpc_devices(endpoints) -> list[dict]:
     from dreamstage import native
     assert not any(d["name"].startswith("RPC") for d in native.devices())   # unless asked for

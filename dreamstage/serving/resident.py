@@ -202,7 +202,8 @@ def plan_context(lc, model, cfg: ResidentConfig) -> ContextPlan:
 def _placement(mparams, cfg: ResidentConfig) -> tuple:
     """Set the model's devices, split mode and tensor split: cfg's RPC workers (connected
     now), then the local GPUs. Returns the ctypes arrays mparams points at."""
-    devices = rpc.model_devices(rpc.connect(rpc.parse_endpoints(",".join(cfg.rpc))) if cfg.rpc else [])
+    workers = rpc.connect(rpc.parse_endpoints(",".join(cfg.rpc)), cfg.rpc_dead_after_s) if cfg.rpc else []
+    devices = rpc.model_devices(workers)
     if devices is not None:
         mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
     mparams.split_mode = rpc.SPLIT_MODES[cfg.split_mode]
@@ -248,6 +249,7 @@ class ResidentModel(NativeOwner):
         with native.LOAD_LOCK:
             self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
         del placement
+        self._refuse_failed_worker()
         if not self.model:
             raise ValueError(f"model file {str(path)!r} could not be loaded by llama.cpp (corrupt or unsupported)")
         if cfg.rpc:
@@ -270,6 +272,7 @@ class ResidentModel(NativeOwner):
         cparams.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[cfg.flash_attn]
         cparams.no_perf = True
         self.ctx = lc.llama_init_from_model(self.model, cparams)
+        self._refuse_failed_worker()
         if not self.ctx:
             lc.llama_model_free(self.model)
             self.model = None
@@ -280,6 +283,17 @@ class ResidentModel(NativeOwner):
         self.n_embd = lc.llama_model_n_embd(self.model)
         self.n_ctx = lc.llama_n_ctx(self.ctx)
         self.n_batch = lc.llama_n_batch(self.ctx)   # llama.cpp clamps n_batch to n_ctx: the largest decode it takes
+
+    def _refuse_failed_worker(self) -> None:
+        """ValueError naming an RPC worker that failed while this model loaded (its commands
+        were dropped, so what loaded is not whole); the model and context are freed."""
+        cfg = self.config
+        worker = rpc.failed_worker(cfg.rpc) if cfg.rpc else None
+        if worker is None:
+            return
+        self.close()
+        raise ValueError(f"rpc worker {worker} failed while the model loaded: it closed the connection or was "
+                         f"silent for {cfg.rpc_dead_after_s:g} s (--rpc-dead-after)")
 
     def kv_cell_bytes(self) -> float:
         """Bytes one context cell (a token's K and V in every layer) takes in the serving K/V type."""

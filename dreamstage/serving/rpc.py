@@ -152,14 +152,16 @@ def _proc(name: str, restype, *argtypes):
     return ctypes.CFUNCTYPE(restype, *argtypes)(addr)
 
 
-def connect(endpoints: tuple[Endpoint, ...]) -> list[int]:
+def connect(endpoints: tuple[Endpoint, ...], dead_after_s: float = DEAD_AFTER_S) -> list[int]:
     """Register each worker's devices with ggml (once per endpoint and process) and
-    return their ggml device indices, in endpoint order. ValueError naming a worker
-    that is not reachable."""
+    return their ggml device indices, in endpoint order; connections ggml makes from
+    now on (the model's upload included) fail after `dead_after_s` of silence once their
+    handshake is done. ValueError naming a worker that is not reachable."""
     for e in endpoints:     # (a registered worker too: a restarted one is connected again)
         if why := probe(e):
             raise ValueError(why)
     G = _ggml()
+    _proc("dream_rpc_set_silence", None, ctypes.c_double)(dead_after_s)
     add_server = _proc("ggml_backend_rpc_add_server", ctypes.c_void_p, ctypes.c_char_p)
     out: list[int] = []
     failures = traffic().failures

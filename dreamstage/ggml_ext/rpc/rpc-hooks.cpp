@@ -9,14 +9,16 @@
 //     a NULL buffer does, where ggml would assert at its first use), and a
 //     buffer type made from zeroed answers gets values that allocate nothing
 //     harmful and is not kept;
-//   - a new connection's handshake has a deadline (HANDSHAKE_S): a listener
+//   - a new connection's handshake has a deadline (HANDSHAKE_MS): a listener
 //     that accepts and says nothing (a stopped worker, one busy with another
-//     client) fails it; commands afterwards have none (a long graph is not cut);
+//     client) fails it; afterwards a wait on the worker is bounded by the
+//     silence the process set (dream_rpc_set_silence; 0: none), so a worker
+//     that hangs while a model uploads fails the load;
 //   - ops never sent to a worker and never run by one: GGML_OP_CUSTOM and the
 //     MAP_CUSTOM ops carry a function pointer (and userdata) of the process that
 //     built the graph, meaningless (or hostile) in another one. The scheduler
 //     runs them on a local backend instead, moving their inputs.
-// Read through ggml_backend_reg_get_proc_address(RPC, "dream_rpc_traffic").
+// Read through ggml_backend_reg_get_proc_address(RPC, "dream_rpc_traffic"), set through "dream_rpc_set_silence".
 #include "ggml.h"
 #include "ggml-backend-impl.h"
 
@@ -38,30 +40,36 @@ std::atomic<uint64_t> g_received { 0 };
 std::atomic<uint64_t> g_failures { 0 };
 std::mutex g_failed_mutex;
 std::string g_last_failed;   // the endpoint of the last connection that failed
-constexpr int HANDSHAKE_S = 10;
+constexpr int HANDSHAKE_MS = 10000;
+std::atomic<int> g_silence_ms { 0 };        // a new connection's bound after its handshake (0: none)
 thread_local intptr_t t_connecting = -1;   // the connection whose handshake this thread is making
 
-void set_deadline(intptr_t fd, int seconds) {
+void set_deadline(intptr_t fd, int ms) {
 #ifndef _WIN32
-    timeval tv { seconds, 0 };
+    timeval tv { ms / 1000, (ms % 1000) * 1000 };
     setsockopt((int) fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     setsockopt((int) fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 #else
-    (void) fd; (void) seconds;
+    (void) fd; (void) ms;
 #endif
 }
 }
 
-// A connection ggml-rpc just made (transport.cpp): its handshake must answer within HANDSHAKE_S.
-void dream_rpc_connecting(intptr_t fd) {
-    t_connecting = fd;
-    set_deadline(fd, HANDSHAKE_S);
+// How long a connection made from now on may wait on its worker once its handshake is done.
+extern "C" void dream_rpc_set_silence(double seconds) {
+    g_silence_ms.store(seconds > 0 ? (int) (seconds * 1000 + 0.5) : 0);
 }
 
-// The dispatcher's handshake ended (answered or failed, on this thread): no deadline from now on.
+// A connection ggml-rpc just made (transport.cpp): its handshake must answer within HANDSHAKE_MS.
+void dream_rpc_connecting(intptr_t fd) {
+    t_connecting = fd;
+    set_deadline(fd, HANDSHAKE_MS);
+}
+
+// The dispatcher's handshake ended (answered or failed, on this thread): the silence bound from now on.
 void dream_rpc_handshake_done() {
     if (t_connecting >= 0) {
-        set_deadline(t_connecting, 0);
+        set_deadline(t_connecting, g_silence_ms.load());
         t_connecting = -1;
     }
 }
@@ -128,5 +136,8 @@ extern "C" void dream_rpc_traffic(uint64_t * sent, uint64_t * received, uint64_t
 }
 
 void * dream_rpc_proc_address(const char * name) {
-    return std::strcmp(name, "dream_rpc_traffic") == 0 ? (void *) dream_rpc_traffic : nullptr;
+    if (std::strcmp(name, "dream_rpc_traffic") == 0) {
+        return (void *) dream_rpc_traffic;
+    }
+    return std::strcmp(name, "dream_rpc_set_silence") == 0 ? (void *) dream_rpc_set_silence : nullptr;
 }
