@@ -41,6 +41,9 @@ JOB = {"examples": [{"prompt": PROMPT, "completion": ANSWER}], "window": 32, "ep
        "promote": "auto", "out": "moon"}
 CHATS = ["Name a colour of the sky.", "What is 2 + 3?", "Say hello in French.", "Name a fruit that is red."]
 POLL_S = 0.25
+TIMELINE_S = 10.0
+TIMELINE_FIELDS = ("epoch", "windows_done", "step", "stopped", "aborted", "current_chunk", "train_ms",
+                   "drift_records")
 
 
 class SteadyClient:
@@ -86,9 +89,15 @@ def run_one(kind: str, threads: int, limit_s: float) -> dict:
                 r.raise_for_status()
                 jid = r.json()["id"]
                 first = recording = None
+                timeline: list[dict] = []                # every TIMELINE_S: where the job's time goes
                 while True:
                     job = http.get(f"/train/{jid}").json()
                     now = time.monotonic() - t0
+                    if not timeline or now - timeline[-1]["t"] >= TIMELINE_S:
+                        p = job["progress"]
+                        timeline.append({"t": round(now, 1), "state": job["state"],
+                                         **{k: p.get(k) for k in TIMELINE_FIELDS},
+                                         "micro_steps": (job.get("pacing") or {}).get("micro_steps")})
                     if first is None and job["progress"].get("step", 0) >= 1:
                         first = now
                         recording = (job["progress"].get("drift_records") or {}).get("pending")
@@ -116,7 +125,7 @@ def run_one(kind: str, threads: int, limit_s: float) -> dict:
                     "realized_slowdown": pacing.get("realized_slowdown"),
                     "chat_requests": client.done if client else 0, "chat_errors": client.errors if client else 0,
                     **{k: d.get(k) for k in ("anchors", "anchors_changed_count", "noise_margin", "drift_kl")},
-                    "message": job["message"]}
+                    "message": job["message"], "progress": job["progress"], "timeline": timeline}
 
 
 def main() -> None:
