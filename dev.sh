@@ -16,7 +16,7 @@ VENV="${DREAMSTAGE_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 STAMPS="$VENV/.dreamstage"
 
-log() { printf '[dev.sh] %s\n' "$*" >&2; }
+log() { printf '[dev.sh +%ds] %s\n' "$SECONDS" "$*" >&2; }   # seconds since dev.sh started
 
 hash_of() { cat "$@" 2>/dev/null | sha256sum | cut -d' ' -f1; }
 
@@ -98,7 +98,7 @@ case "$cmd" in
   setup) setup ;;
   build) setup force ;;
   serve) setup; exec "$VENV/bin/dreamstage" serve "$@" ;;
-  test)  setup; lint; exec "$PY" -m pytest -n "$(test_workers)" --dist loadfile --no-loadscope-reorder "$@" ;;
+  test)  setup; log "linting"; lint; log "testing"; exec "$PY" -m pytest -n "$(test_workers)" --dist loadfile --no-loadscope-reorder "$@" ;;
   lint)  setup; lint ;;
   info)  setup; exec "$VENV/bin/dreamstage" info ;;
   shell) setup; PATH="$VENV/bin:$PATH" exec "$@" ;;
