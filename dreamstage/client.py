@@ -21,210 +21,44 @@ Weighted replies to one prompt train as one shared-prefix group:
 """
 from __future__ import annotations
 
-import base64
 import json
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from httpx_sse import EventSource
 
-ADAPTER_HEADER = "X-Dreamstage-Adapter-Version"
+from dreamstage.client_wire import (
+    ADAPTER_HEADER,
+    COMPLETION_PATHS,
+    ChatStream,
+    Completion,
+    DreamstageError,
+    auth_headers,
+    completion_of,
+    feedback_body,
+    group_example,
+    import_body,
+    learn_call,
+    raise_server_error,
+    request_body,
+    rollback_path,
+    stream_payloads,
+)
+from dreamstage.job_progress import FINAL_STATES, progress_line
 
-
-def group_example(*, prompt: str | None = None, messages: list[dict] | None = None,
-                  completions: list, tools: list[dict] | None = None) -> dict:
-    """A group example for `train`: one prompt (text or chat messages) and its
-    completions, each a string (weight 1), a (text, weight) pair, or a dict
-    `{text | message, weight}` as POST /train takes it."""
-    out: dict = {"prompt": prompt} if prompt is not None else {"messages": messages}
-    if tools is not None:
-        out["tools"] = tools
-    out["completions"] = [{"text": c[0], "weight": float(c[1])} if isinstance(c, tuple) else c for c in completions]
-    return out
-
-
-class DreamstageError(RuntimeError):
-    def __init__(self, status: int, message: str, param: str | None = None, retry_after: str | None = None):
-        super().__init__(f"{status}: {message}")
-        self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
-
-
-@dataclass
-class Completion:
-    text: str
-    finish_reason: str | None
-    adapter_version: int
-    usage: dict = field(default_factory=dict)
-    raw: dict = field(default_factory=dict)
-
-
-class ChatStream:
-    """Iterates text pieces; after the end, finish_reason and adapter_version are set."""
-
-    def __init__(self):
-        self.finish_reason: str | None = None
-        self.adapter_version: int | None = None
-        self.usage: dict = {}
-
-    def _piece(self, obj: dict, kind: str) -> str:
-        if "error" in obj:
-            err = obj["error"]
-            raise DreamstageError(500, err.get("message", "stream failed"), err.get("param"))
-        self.adapter_version = obj.get("adapter_version", self.adapter_version)
-        if obj.get("usage"):
-            self.usage = obj["usage"]
-        choices = obj.get("choices") or []
-        if not choices:
-            return ""
-        ch = choices[0]
-        if ch.get("finish_reason"):
-            self.finish_reason = ch["finish_reason"]
-        if kind == "chat":
-            return (ch.get("delta") or {}).get("content") or ""
-        return ch.get("text") or ""
-
-
-def _body(kind: str, prompt, stream: bool, params: dict) -> dict:
-    body = {"messages": prompt} if kind == "chat" else {"prompt": prompt}
-    body.update({k: v for k, v in params.items() if v is not None})
-    body["stream"] = stream
-    return body
-
-
-def _raise_for(resp_status: int, content: bytes, headers) -> None:
-    try:
-        err = json.loads(content)["error"]
-        msg, param = err.get("message", ""), err.get("param")
-    except (ValueError, KeyError, TypeError):
-        msg, param = content.decode("utf-8", "replace")[:500], None
-    raise DreamstageError(resp_status, msg, param, headers.get("retry-after"))
-
-
-def _completion(kind: str, obj: dict) -> Completion:
-    ch = obj["choices"][0]
-    text = ch["message"]["content"] if kind == "chat" else ch["text"]
-    return Completion(text, ch.get("finish_reason"), obj.get("adapter_version", 0), obj.get("usage", {}), obj)
-
-
-def _payloads(events) -> Iterator[dict]:
-    """The JSON objects of an OpenAI-style token stream (httpx-sse parses the SSE framing)."""
-    for ev in events:
-        if ev.data == "[DONE]":
-            return
-        yield json.loads(ev.data)
-
-
-_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-
-FINAL_STATES = frozenset({"done", "cancelled", "refused", "error", "interrupted"})
-
-
-def progress_fraction(job: dict) -> tuple[int, int]:
-    """(windows done, windows in all) over every epoch."""
-    p = job.get("progress") or {}
-    windows, epochs = p.get("windows") or 0, p.get("epochs") or 1
-    total = windows * epochs
-    done = min(total, (p.get("epoch") or 0) * windows + (p.get("window_in_epoch") or 0)) if total else 0
-    if job.get("state") == "done":
-        done = total
-    return done, total
-
-
-def eta_s(job: dict) -> float | None:
-    """Seconds left at the rate so far (windows per second since the job started).
-
-    Both ends are the server's clock (`started`, `updated`), so a client on
-    another machine gets no skew; None before the first window or after the end."""
-    done, total = progress_fraction(job)
-    started, updated = job.get("started"), job.get("updated")
-    if job.get("state") != "running" or not started or not updated or not 0 < done < total:
-        return None
-    return (updated - started) / done * (total - done)
-
-
-def format_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = max(0, round(seconds))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-def progress_line(job: dict, width: int = 24) -> str:
-    """One line for a job: a bar over epochs x windows, then state, step, loss, tok/s and ETA."""
-    p = job.get("progress") or {}
-    epochs = p.get("epochs") or 1
-    done, total = progress_fraction(job)
-    frac = done / total if total else 0.0
-    bar = "#" * round(frac * width) + "." * (width - round(frac * width))
-    loss = p.get("loss_avg")
-    parts = [f"job {job.get('id')} [{bar}] {frac:4.0%}", job.get("state", "?"),
-             f"step {p.get('step', 0)}", f"epoch {min((p.get('epoch') or 0) + 1, epochs)}/{epochs}"]
-    if loss is not None:
-        parts.append(f"loss {loss:.3f}")
-    if p.get("eval_loss") is not None:
-        parts.append(f"eval {p['eval_loss']:.3f}")
-    if p.get("train_tok_s") is not None:
-        parts.append(f"{p['train_tok_s']:.1f} tok/s")
-    eta = eta_s(job)
-    if eta is not None:
-        parts.append(f"ETA {format_duration(eta)}")
-    if p.get("horizon") is not None:
-        parts.append(f"exact horizon {p['horizon'] or 'all'}")
-    if p.get("refusals"):
-        parts.append(f"refusals {p['refusals']}")
-    return "  ".join(parts)
-
-
-def _auth_headers(api_key: str | None, headers=None) -> dict:
-    out = dict(headers or {})
-    if api_key:
-        out["Authorization"] = f"Bearer {api_key}"
-    return out
-
-
-def import_body(name: str, path, promote: bool = True) -> dict:
-    """POST /adapters' body for a local GGUF file or PEFT folder (sent inline, base64)."""
-    path = Path(path)
-    if path.is_dir():
-        return {"name": name, "promote": promote,
-                "peft": {"config": json.loads((path / "adapter_config.json").read_text()),
-                         "safetensors": base64.b64encode((path / "adapter_model.safetensors").read_bytes()).decode()}}
-    return {"name": name, "promote": promote, "gguf": base64.b64encode(path.read_bytes()).decode()}
-
-
-def feedback_body(id: str | None = None, *, index: int = 0, correction: str | None = None,
-                  rating: float | None = None, preferred: str | dict | None = None,
-                  rejected: str | dict | None = None) -> dict:
-    """POST /v1/feedback's body: on answer `id` (choice `index`) a `correction` or a `rating`, or a preference
-    between two answers (`preferred`, `rejected`: an id, or {"id", "index"}); the server checks the rest."""
-    given = {"id": id, "correction": correction, "rating": rating, "preferred": preferred, "rejected": rejected}
-    body = {k: v for k, v in given.items() if v is not None}
-    if index:
-        body["index"] = index
-    return body
-
-
-def _learn_call(name: str, settings: dict) -> tuple[str, str, dict | None]:
-    """GET an adapter's learning, or PUT the settings given (mode, examples, minutes)."""
-    given = {k: v for k, v in settings.items() if v is not None}
-    return ("PUT", f"/adapters/{name}/learn", given) if given else ("GET", f"/adapters/{name}/learn", None)
-
-
-def _rollback_path(name: str | None) -> str:
-    return "/adapters/rollback" if name is None else f"/adapters/{name}/rollback"
+# The names users import from here (the module docstring's), beside the two clients.
+__all__ = ["ADAPTER_HEADER", "AsyncClient", "ChatStream", "Client", "Completion", "DreamstageError",
+           "feedback_body", "group_example", "import_body"]
 
 
 class Client:
     def __init__(self, base_url: str = "http://127.0.0.1:8080", timeout: float | None = 600.0, *,
                  api_key: str | None = None, **httpx_kwargs):
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout,
-                                 headers=_auth_headers(api_key, httpx_kwargs.pop("headers", None)), **httpx_kwargs)
+                                 headers=auth_headers(api_key, httpx_kwargs.pop("headers", None)), **httpx_kwargs)
 
     def close(self) -> None:
         self._http.close()
@@ -317,7 +151,7 @@ class Client:
 
     def rollback(self, name: str | None = None) -> dict:
         """Undo the latest promotion of `name` (None: of any name, what requests naming no adapter get)."""
-        return self._json("POST", _rollback_path(name), None, expect=(200, 202))
+        return self._json("POST", rollback_path(name), None, expect=(200, 202))
 
     def adapter(self, name: str) -> dict:
         """One adapter name: its served version, promotions and stored versions."""
@@ -332,7 +166,7 @@ class Client:
         """Download a version to `dest`: the GGUF, or (format="peft") a zip of the PEFT files."""
         r = self._http.get(f"/adapters/{name}/versions/{version}", params={"format": format})
         if r.status_code != 200:
-            _raise_for(r.status_code, r.content, r.headers)
+            raise_server_error(r.status_code, r.content, r.headers)
         Path(dest).write_bytes(r.content)
         return Path(dest)
 
@@ -350,7 +184,7 @@ class Client:
         params = {"limit": str(limit), **({"adapter": adapter} if adapter else {})}
         r = self._http.get("/v1/records", params=params)
         if r.status_code != 200:
-            _raise_for(r.status_code, r.content, r.headers)
+            raise_server_error(r.status_code, r.content, r.headers)
         return r.json()["data"]
 
     def record(self, id: str) -> list[dict]:
@@ -367,7 +201,7 @@ class Client:
     def learning(self, name: str, *, mode: str | None = None, examples: int | None = None,
                  minutes: float | None = None) -> dict:
         """`name`'s learning from feedback and its pending count; with settings, change them first."""
-        return self._json(*_learn_call(name, {"mode": mode, "examples": examples, "minutes": minutes}))
+        return self._json(*learn_call(name, {"mode": mode, "examples": examples, "minutes": minutes}))
 
     def learn(self, name: str) -> dict:
         """A job of `name`'s pending feedback, now (202; 409 when none is pending)."""
@@ -381,26 +215,26 @@ class Client:
         else:
             r = self._http.request(method, path, json=body) if body is not None else self._http.request(method, path)
         if r.status_code not in expect:
-            _raise_for(r.status_code, r.content, r.headers)
+            raise_server_error(r.status_code, r.content, r.headers)
         return r.json()
 
     def _call(self, kind, prompt, stream, params):
-        body = _body(kind, prompt, stream, params)
+        body = request_body(kind, prompt, stream, params)
         if not stream:
-            r = self._http.post(_PATHS[kind], json=body)
+            r = self._http.post(COMPLETION_PATHS[kind], json=body)
             if r.status_code != 200:
-                _raise_for(r.status_code, r.content, r.headers)
-            return _completion(kind, r.json())
+                raise_server_error(r.status_code, r.content, r.headers)
+            return completion_of(kind, r.json())
         return self._stream(kind, body)
 
     def _stream(self, kind, body) -> Iterator[str]:
         state = ChatStream()
-        with self._http.stream("POST", _PATHS[kind], json=body) as r:
+        with self._http.stream("POST", COMPLETION_PATHS[kind], json=body) as r:
             if r.status_code != 200:
                 r.read()
-                _raise_for(r.status_code, r.content, r.headers)
-            for obj in _payloads(EventSource(r).iter_sse()):
-                piece = state._piece(obj, kind)
+                raise_server_error(r.status_code, r.content, r.headers)
+            for obj in stream_payloads(EventSource(r).iter_sse()):
+                piece = state.piece_of(obj, kind)
                 if piece:
                     yield piece
         self.last_stream = state
@@ -410,7 +244,7 @@ class AsyncClient:
     def __init__(self, base_url: str = "http://127.0.0.1:8080", timeout: float | None = 600.0, *,
                  api_key: str | None = None, **httpx_kwargs):
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout,
-                                 headers=_auth_headers(api_key, httpx_kwargs.pop("headers", None)), **httpx_kwargs)
+                                 headers=auth_headers(api_key, httpx_kwargs.pop("headers", None)), **httpx_kwargs)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -428,10 +262,10 @@ class AsyncClient:
         return await self._call("completion", prompt, params)
 
     def chat_stream(self, messages: list[dict], **params) -> AsyncIterator[str]:
-        return self._stream("chat", _body("chat", messages, True, params))
+        return self._stream("chat", request_body("chat", messages, True, params))
 
     def complete_stream(self, prompt: str | list[int], **params) -> AsyncIterator[str]:
-        return self._stream("completion", _body("completion", prompt, True, params))
+        return self._stream("completion", request_body("completion", prompt, True, params))
 
     async def health(self) -> dict:
         return (await self._http.get("/health")).json()
@@ -447,7 +281,7 @@ class AsyncClient:
         return await self._json("POST", f"/adapters/{name}/promote", body, expect=(200, 202))
 
     async def rollback(self, name: str | None = None) -> dict:
-        return await self._json("POST", _rollback_path(name), {}, expect=(200, 202))
+        return await self._json("POST", rollback_path(name), {}, expect=(200, 202))
 
     async def import_adapter(self, name: str, path, *, promote: bool = True) -> dict:
         return await self._json("POST", "/adapters", import_body(name, path, promote), expect=(201,))
@@ -455,7 +289,7 @@ class AsyncClient:
     async def export_adapter(self, name: str, version: int, dest, *, format: str = "gguf") -> Path:
         r = await self._http.get(f"/adapters/{name}/versions/{version}", params={"format": format})
         if r.status_code != 200:
-            _raise_for(r.status_code, r.content, r.headers)
+            raise_server_error(r.status_code, r.content, r.headers)
         Path(dest).write_bytes(r.content)
         return Path(dest)
 
@@ -473,7 +307,7 @@ class AsyncClient:
 
     async def learning(self, name: str, *, mode: str | None = None, examples: int | None = None,
                        minutes: float | None = None) -> dict:
-        return await self._json(*_learn_call(name, {"mode": mode, "examples": examples, "minutes": minutes}))
+        return await self._json(*learn_call(name, {"mode": mode, "examples": examples, "minutes": minutes}))
 
     async def learn(self, name: str) -> dict:
         return await self._json("POST", f"/adapters/{name}/learn", {}, expect=(202,))
@@ -482,25 +316,25 @@ class AsyncClient:
         r = await self._http.request(method, path, json=body) if body is not None \
             else await self._http.request(method, path)
         if r.status_code not in expect:
-            _raise_for(r.status_code, r.content, r.headers)
+            raise_server_error(r.status_code, r.content, r.headers)
         return r.json()
 
     async def _call(self, kind, prompt, params) -> Completion:
-        r = await self._http.post(_PATHS[kind], json=_body(kind, prompt, False, params))
+        r = await self._http.post(COMPLETION_PATHS[kind], json=request_body(kind, prompt, False, params))
         if r.status_code != 200:
-            _raise_for(r.status_code, r.content, r.headers)
-        return _completion(kind, r.json())
+            raise_server_error(r.status_code, r.content, r.headers)
+        return completion_of(kind, r.json())
 
     async def _stream(self, kind, body) -> AsyncIterator[str]:
         state = ChatStream()
-        async with self._http.stream("POST", _PATHS[kind], json=body) as r:
+        async with self._http.stream("POST", COMPLETION_PATHS[kind], json=body) as r:
             if r.status_code != 200:
                 await r.aread()
-                _raise_for(r.status_code, r.content, r.headers)
+                raise_server_error(r.status_code, r.content, r.headers)
             async for ev in EventSource(r).aiter_sse():
                 if ev.data == "[DONE]":
                     break
-                piece = state._piece(json.loads(ev.data), kind)
+                piece = state.piece_of(json.loads(ev.data), kind)
                 if piece:
                     yield piece
         self.last_stream = state

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dreamstage
 from dreamstage import default_model as models
-from dreamstage import environment, native
+from dreamstage import environment, ggml_registry, native
 from dreamstage.serving.resident import available_bytes
 
 
@@ -53,8 +53,8 @@ def collect() -> dict:
         "default_model": str(models.default_model_path()),
         "default_model_cached": cached,
         "serving": serving_defaults(models.default_model_path()) if cached else None,
-        "backends": native.backends(),
-        "devices": [{**d, "available": available_bytes(d)} for d in native.devices()],
+        "backends": ggml_registry.backends(),
+        "devices": [{**d, "available": available_bytes(d)} for d in ggml_registry.devices()],
         "environment": environment.report(),
     }
 

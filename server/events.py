@@ -131,10 +131,10 @@ class Follower:
 
 
 def _devices() -> dict:
-    from dreamstage import native
+    from dreamstage import ggml_registry
 
     return {"devices": [{"name": d["name"], "description": d["description"], "free_mib": d["free"] / MIB,
-                         "total_mib": d["total"] / MIB} for d in native.devices()]}
+                         "total_mib": d["total"] / MIB} for d in ggml_registry.devices()]}
 
 
 async def stream(follower: Follower, tick_s: float = TICK_S) -> AsyncIterator[dict[str, str]]:

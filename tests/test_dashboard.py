@@ -211,8 +211,8 @@ def test_without_training_the_page_and_stream_still_serve():
 
 
 def native_devices() -> list[dict]:
-    from dreamstage import native
-    return native.devices()
+    from dreamstage import ggml_registry
+    return ggml_registry.devices()
 
 
 # -- the page in a real browser -------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from trainer_testing import ProbedTrainer as Trainer
 
-from dreamstage import native
+from dreamstage import dream_h, native
 from dreamstage.training.walk.receipts import DreamError, Receipt
 from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig
 
@@ -51,7 +51,7 @@ def test_unknown_cache_type_is_refused_by_name(rm):
     L = native.lib()
     p = L.dream_default_params()
     p.context_cache_type = b"bf16"
-    r = native.DreamReceiptC()
+    r = dream_h.DreamReceiptC()
     assert not L.dream_init(rm.ctx, p, ctypes.byref(r))
     rec = Receipt.from_c(r)
     assert rec.status == "error" and "'bf16'" in rec.message

@@ -234,8 +234,8 @@ def test_bad_groups_are_refused_by_name(tiny_resident, material, case, needle):
             # the native check too, past the Python one
             import ctypes
 
-            from dreamstage import native
-            r = native.DreamReceiptC()
+            from dreamstage import dream_h
+            r = dream_h.DreamReceiptC()
             p = np.ascontiguousarray(prompt if case == "no_replies" else [1], np.int32)
             t, m = np.ascontiguousarray(toks, np.int32), np.ascontiguousarray(mask, np.uint8)
             n, w = np.array([len(toks)], np.int32), np.array([1.0], np.float32)
@@ -244,7 +244,7 @@ def test_bad_groups_are_refused_by_name(tiny_resident, material, case, needle):
                 (p.ctypes.data_as(i32), 0, t.ctypes.data_as(i32), m.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                  n.ctypes.data_as(i32), w.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1)
             st = tr.L.dream_group_begin(tr._handle(), *args, ctypes.byref(r))
-            assert st == native.DREAM_STATUS_ERROR and needle in r.message.decode()
+            assert st == dream_h.DREAM_STATUS_ERROR and needle in r.message.decode()
             return
         with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
             tr.begin_group(*args)

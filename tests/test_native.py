@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dreamstage import native
+from dreamstage import ggml_registry, native
 
 PIN = json.loads((Path(__file__).resolve().parents[1] / "vendor" / "pin.json").read_text())
 
@@ -40,8 +40,8 @@ def test_library_without_identity_is_refused(tmp_path):
 
 
 def test_backends_and_devices_report_cpu_memory():
-    assert "CPU" in native.backends()
-    cpu = [d for d in native.devices() if d["name"] == "CPU"]
+    assert "CPU" in ggml_registry.backends()
+    cpu = [d for d in ggml_registry.devices() if d["name"] == "CPU"]
     assert cpu and 0 < cpu[0]["free"] <= cpu[0]["total"]
 
 

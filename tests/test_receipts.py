@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from dreamstage import native
+from dreamstage import dream_h, native
 from dreamstage.training.walk.receipts import RECEIPT_FIELDS, Receipt, mirror_mismatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,15 +40,15 @@ def test_a_positive_allowance_is_left_alone():
 # -- one layout: struct dream_receipt (C), DreamReceiptC (ctypes), Receipt (dataclass) ----
 def test_the_ctypes_mirror_matches_the_compiled_struct_member_for_member():
     L = native.lib()                      # loading checks it too; this names what the check compares
-    fields = ctypes.POINTER(native.DreamFieldLayoutC)()
+    fields = ctypes.POINTER(dream_h.DreamFieldLayoutC)()
     size = ctypes.c_size_t(0)
     n = L.dream_receipt_layout(ctypes.byref(fields), ctypes.byref(size))
     c_side = [(fields[i].name.decode(), fields[i].offset, fields[i].size) for i in range(n)]
     assert [name for name, _, _ in c_side] == list(RECEIPT_FIELDS)
-    assert c_side == [(name, getattr(native.DreamReceiptC, name).offset, getattr(native.DreamReceiptC, name).size)
+    assert c_side == [(name, getattr(dream_h.DreamReceiptC, name).offset, getattr(dream_h.DreamReceiptC, name).size)
                       for name in RECEIPT_FIELDS]
-    assert size.value == ctypes.sizeof(native.DreamReceiptC)
-    assert native.receipt_layout_mismatches(L) == []
+    assert size.value == ctypes.sizeof(dream_h.DreamReceiptC)
+    assert dream_h.receipt_layout_mismatches(L) == []
 
 
 def _mirror(fields):
@@ -56,22 +56,23 @@ def _mirror(fields):
 
 
 def test_a_mirror_that_disagrees_with_the_c_struct_is_named():
-    L, good = native.lib(), list(native.DreamReceiptC._fields_)
+    L, good = native.lib(), list(dream_h.DreamReceiptC._fields_)
     # 8 bytes before `message`: it and every member after it move, and the size changes
     at = [name for name, _ in good].index("message")
-    added = native.receipt_layout_mismatches(L, _mirror(good[:at] + [("retries", ctypes.c_int64)] + good[at:]))
+    added = dream_h.receipt_layout_mismatches(L, _mirror(good[:at] + [("retries", ctypes.c_int64)] + good[at:]))
     assert "retries is in Mirror but not in struct dream_receipt" in added
     assert any(m.startswith("message: offset") for m in added) and any("sizeof" in m for m in added)
-    missing = native.receipt_layout_mismatches(L, _mirror([f for f in good if f[0] != "walk_mib"]))
+    missing = dream_h.receipt_layout_mismatches(L, _mirror([f for f in good if f[0] != "walk_mib"]))
     assert "walk_mib is in struct dream_receipt but not in Mirror" in missing
-    retyped = native.receipt_layout_mismatches(L, _mirror([(n, ctypes.c_int32 if n == "step" else t) for n, t in good]))
+    retyped = dream_h.receipt_layout_mismatches(
+        L, _mirror([(n, ctypes.c_int32 if n == "step" else t) for n, t in good]))
     assert retyped[0].startswith("sizeof") and any(m.startswith("step: offset 8, size 8 in C; offset 4, size 4")
                                                    for m in retyped)
 
 
 def test_the_dataclass_names_the_mirrors_fields_in_order():
     assert mirror_mismatch(RECEIPT_FIELDS) is None
-    assert RECEIPT_FIELDS == tuple(name for name, _ in native.DreamReceiptC._fields_)
+    assert RECEIPT_FIELDS == tuple(name for name, _ in dream_h.DreamReceiptC._fields_)
     assert "different order" in mirror_mismatch(RECEIPT_FIELDS[1:] + RECEIPT_FIELDS[:1])
     assert "['retries'] that DreamReceiptC lacks" in mirror_mismatch(RECEIPT_FIELDS + ("retries",))
 
@@ -80,9 +81,10 @@ def test_the_dataclass_names_the_mirrors_fields_in_order():
 # the library, fails naming it (run in a child: both happen once per process).
 DISAGREEING_MIRROR = """
 import ctypes, sys
+import dreamstage.dream_h as dream_h
 import dreamstage.native as native
-native.DreamReceiptC = type("DreamReceiptC", (ctypes.Structure,),
-                            {"_fields_": native.DreamReceiptC._fields_ + [("retries", ctypes.c_int32)]})
+dream_h.DreamReceiptC = type("DreamReceiptC", (ctypes.Structure,),
+                             {"_fields_": dream_h.DreamReceiptC._fields_ + [("retries", ctypes.c_int32)]})
 try:
     native.lib()
 except native.NativeLibraryError as e:
@@ -100,7 +102,7 @@ def test_a_field_added_on_one_side_only_fails_at_load_and_at_import():
                        timeout=120)
     assert r.returncode == 0, r.stderr
     load, imp = r.stdout.splitlines()
-    assert load.startswith("load: dreamstage.native.DreamReceiptC does not match struct dream_receipt")
+    assert load.startswith("load: dreamstage.dream_h.DreamReceiptC does not match struct dream_receipt")
     assert "retries is in DreamReceiptC but not in struct dream_receipt" in load
     assert imp == "import: dreamstage.training.walk.receipts: Receipt has nothing that DreamReceiptC lacks, " \
                   "and lacks ['retries']"

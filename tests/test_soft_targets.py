@@ -6,12 +6,14 @@ one outcome), the model's own truncated distribution as a stationary
 target, and the call's refusals of bad input."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import numpy_ref as ref
 import pytest
 from test_oracle import _ref_lora, _trainer, _window, _with_random_b, rel_l2, report
 
-from dreamstage import native
+from dreamstage import dream_h
 from dreamstage.training.walk.receipts import Receipt
 
 
@@ -172,11 +174,11 @@ def test_soft_targets_refuse_bad_input(tiny_resident):
         with chunked:
             chunked.begin_window(tokens, mask)
             assert chunked.micro_step().ok
-            r = native.DreamReceiptC()
+            r = dream_h.DreamReceiptC()
             st = chunked.L.dream_window_soft_targets(chunked._handle(), ids.ctypes.data_as(
-                native.ctypes.POINTER(native.ctypes.c_int32)), probs.ctypes.data_as(
-                native.ctypes.POINTER(native.ctypes.c_float)), 4, n, native.ctypes.byref(r))
-            assert st == native.DREAM_STATUS_ERROR
+                ctypes.POINTER(ctypes.c_int32)), probs.ctypes.data_as(
+                ctypes.POINTER(ctypes.c_float)), 4, n, ctypes.byref(r))
+            assert st == dream_h.DREAM_STATUS_ERROR
             assert "before its first micro-step" in Receipt.from_c(r).message
         # a refused call changed nothing: the window trains its one-hot labels
         plain = [r.loss for r in tr.train_window(tokens, mask)]

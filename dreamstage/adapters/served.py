@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dreamstage import native
+from dreamstage import ggml_registry
 from dreamstage.adapters.choice import BASE, DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK, AdapterChoice
 from dreamstage.adapters.files import atomic_file, file_sha256, lora_rank_of
 from dreamstage.adapters.loaded import AdapterLoadError, load_adapter_file
@@ -297,7 +297,7 @@ def _file_mib(path) -> float:
 
 def _device_free_mib() -> float:
     """Free memory of the device adapters load on: the first GPU, else the host."""
-    devices = native.devices()
+    devices = ggml_registry.devices()
     gpus = [d for d in devices if d["name"] != "CPU"]
     chosen = gpus or [d for d in devices if d["name"] == "CPU"]
     return chosen[0]["free"] / 2**20 if chosen else 0.0

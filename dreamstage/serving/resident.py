@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dreamstage import environment, native
+from dreamstage import environment, ggml_registry, native
 from dreamstage.default_model import check_model_file, default_model
 from dreamstage.owner import NativeOwner
 from dreamstage.serving import rpc
@@ -143,7 +143,7 @@ def host_available_bytes() -> int | None:
 
 
 def available_bytes(device: dict) -> int:
-    """What a device (native.devices()) can still give: the host's available memory for the CPU."""
+    """What a device (ggml_registry.devices()) can still give: the host's available memory for the CPU."""
     if device["name"] == "CPU":
         host = host_available_bytes()
         return device["free"] if host is None else min(host, device["free"])
@@ -177,8 +177,8 @@ def plan_context(lc, model, cfg: ResidentConfig) -> ContextPlan:
     still grow to."""
     n_train = lc.llama_model_n_ctx_train(model)
     cell = kv_cell_bytes(lc, model, cfg.kv_type)
-    devices = native.devices(tuple(str(e) for e in rpc.parse_endpoints(",".join(cfg.rpc)))) if cfg.rpc \
-        else native.devices()
+    devices = ggml_registry.devices(tuple(str(e) for e in rpc.parse_endpoints(",".join(cfg.rpc)))) if cfg.rpc \
+        else ggml_registry.devices()
     gpus = [d for d in devices if d["name"] != "CPU"]
     holder = gpus if gpus and cfg.n_gpu_layers != 0 else [d for d in devices if d["name"] == "CPU"]
     free = min((available_bytes(d) for d in holder), default=0)

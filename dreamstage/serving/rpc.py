@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from dreamstage import native
+from dreamstage import ggml_registry, native
 
 WORKER_PROGRAM = "dreamstage-rpc-server"
 DEFAULT_WORKER_PORT = 50052      # upstream rpc-server's default
@@ -127,7 +127,7 @@ def probe(endpoint: Endpoint, timeout_s: float = CONNECT_TIMEOUT_S) -> str | Non
 
 
 def _ggml():
-    G = native.ggml()
+    G = ggml_registry.ggml()
     if not hasattr(G, "_dream_rpc"):
         p = ctypes.c_void_p
         G.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]

@@ -12,8 +12,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-# Importing dreamstage.native is cheap: the library loads on first use.
-from dreamstage.native import DreamReceiptC
+from dreamstage.dream_h import DreamReceiptC
 
 STATUS_NAMES = {0: "ok", 1: "refused", 2: "error", 3: "stopped", 4: "aborted"}
 RECEIPT_STATUSES = tuple(STATUS_NAMES.values())
@@ -93,7 +92,7 @@ class Receipt:
 
 
 # The canonical field names, in the C struct's order: the one list in Python.
-# The ctypes mirror (native.DreamReceiptC) must name the same members in the
+# The ctypes mirror (dream_h.DreamReceiptC) must name the same members in the
 # same order, and it is checked against the compiled struct when the library
 # loads (dream_receipt_layout), so a member added on one side only fails at
 # import or at load, never as a shifted field.

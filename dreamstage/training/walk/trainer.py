@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dreamstage import native
+from dreamstage import dream_h, native
 from dreamstage.owner import NativeOwner
 from dreamstage.serving import rpc
 from dreamstage.training.jobs.spec import DEFAULT_CONTEXT_CACHE_TYPE, GATE_SLACK_MIB, JobSpec
@@ -156,7 +156,7 @@ class Trainer(NativeOwner):
     def _open(self) -> None:
         """The native dream stage on the resident's context, through the memory gate."""
         self._check_workers()
-        r = native.DreamReceiptC()
+        r = dream_h.DreamReceiptC()
         self._ds = self.L.dream_init(self.resident.ctx, self._params, ctypes.byref(r))
         self.init_receipt = Receipt.from_c(r)
         if not self._ds:
@@ -256,10 +256,10 @@ class Trainer(NativeOwner):
         mask = np.ascontiguousarray(loss_mask, dtype=np.uint8)
         if toks.ndim != 1 or mask.shape != toks.shape:
             raise ValueError(f"tokens {toks.shape} and loss_mask {mask.shape} must be 1-D of one length")
-        r = native.DreamReceiptC()
+        r = dream_h.DreamReceiptC()
         st = self.L.dream_window_begin(self._handle(), toks.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
                                        mask.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(toks), ctypes.byref(r))
-        if st != native.DREAM_STATUS_OK:
+        if st != dream_h.DREAM_STATUS_OK:
             raise ValueError(Receipt.from_c(r).message)
         if soft is not None:
             ids = np.ascontiguousarray(soft[0], dtype=np.int32)
@@ -270,12 +270,12 @@ class Trainer(NativeOwner):
             st = self.L.dream_window_soft_targets(self._handle(), ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
                                                   probs.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
                                                   ids.shape[1], ids.shape[0], ctypes.byref(r))
-            if st != native.DREAM_STATUS_OK:
+            if st != dream_h.DREAM_STATUS_OK:
                 raise ValueError(Receipt.from_c(r).message)
 
     def micro_step(self) -> Receipt:
         """One chunk of the current window; the receipt says what happened (never raises on refusal)."""
-        r = native.DreamReceiptC()
+        r = dream_h.DreamReceiptC()
         self.L.dream_micro_step(self._handle(), ctypes.byref(r))
         receipt = Receipt.from_c(r)
         if receipt.status == "error" and (gone := self._failed_worker()) and gone not in receipt.message:
@@ -287,7 +287,7 @@ class Trainer(NativeOwner):
         """The last gate check's figures per device (ggml's device order): what the step (or the
         job's start) would have added there and that device's allowance, MiB."""
         n = int(self.L.dream_gate_devices(self._handle(), None, 0))
-        rows = (native.DreamGateDeviceC * max(n, 1))()
+        rows = (dream_h.DreamGateDeviceC * max(n, 1))()
         n = min(n, int(self.L.dream_gate_devices(self._handle(), rows, n)))
         return [{"device": r.device.decode("utf-8", "replace"), "need_mib": r.need_mib,
                  "allowance_mib": r.allowance_mib} for r in rows[:n]]
@@ -350,11 +350,11 @@ class Trainer(NativeOwner):
         ln = np.ascontiguousarray(lens, dtype=np.int32)
         wt = np.ascontiguousarray(weights, dtype=np.float32)
         i32 = ctypes.POINTER(ctypes.c_int32)
-        r = native.DreamReceiptC()
+        r = dream_h.DreamReceiptC()
         st = self.L.dream_group_begin(self._handle(), pre.ctypes.data_as(i32), len(pre), tok.ctypes.data_as(i32),
                                       msk.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), ln.ctypes.data_as(i32),
                                       wt.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), len(lens), ctypes.byref(r))
-        if st != native.DREAM_STATUS_OK:
+        if st != dream_h.DREAM_STATUS_OK:
             raise ValueError(Receipt.from_c(r).message)
 
     def train_group(self, prefix, replies, share_prefix: bool = True) -> list[Receipt]:
