@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dreamstage
 from dreamstage import default_model as models
-from dreamstage import environment, ggml_registry, native
+from dreamstage import environment, native
+from dreamstage.native import ggml_registry
 from dreamstage.serving.resident import available_bytes
 
 

@@ -131,7 +131,7 @@ class Follower:
 
 
 def _devices() -> dict:
-    from dreamstage import ggml_registry
+    from dreamstage.native import ggml_registry
 
     return {"devices": [{"name": d["name"], "description": d["description"], "free_mib": d["free"] / MIB,
                          "total_mib": d["total"] / MIB} for d in ggml_registry.devices()]}

@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from dreamstage import cli
-from dreamstage.job_progress import eta_s, format_duration, progress_line
+from dreamstage.client.progress import eta_s, format_duration, progress_line
 from dreamstage.training.jobs.request import parse_train_request
 from dreamstage.training.jobs.store import JobStore
 

@@ -211,7 +211,7 @@ def test_without_training_the_page_and_stream_still_serve():
 
 
 def native_devices() -> list[dict]:
-    from dreamstage import ggml_registry
+    from dreamstage.native import ggml_registry
     return ggml_registry.devices()
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from trainer_testing import ProbedTrainer as Trainer
 
-from dreamstage import dream_h, native
+from dreamstage import native
+from dreamstage.native import dream_h
 from dreamstage.training.walk.receipts import DreamError, Receipt
 from dreamstage.training.walk.trainer import LoraConfig, OptimizerConfig
 

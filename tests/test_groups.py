@@ -234,7 +234,7 @@ def test_bad_groups_are_refused_by_name(tiny_resident, material, case, needle):
             # the native check too, past the Python one
             import ctypes
 
-            from dreamstage import dream_h
+            from dreamstage.native import dream_h
             r = dream_h.DreamReceiptC()
             p = np.ascontiguousarray(prompt if case == "no_replies" else [1], np.int32)
             t, m = np.ascontiguousarray(toks, np.int32), np.ascontiguousarray(mask, np.uint8)

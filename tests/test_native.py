@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from dreamstage import ggml_registry, native
+from dreamstage import native
+from dreamstage.native import ggml_registry
 
 PIN = json.loads((Path(__file__).resolve().parents[1] / "vendor" / "pin.json").read_text())
 

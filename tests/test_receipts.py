@@ -4,7 +4,8 @@ import os
 import subprocess
 import sys
 
-from dreamstage import dream_h, native
+from dreamstage import native
+from dreamstage.native import dream_h
 from dreamstage.training.walk.receipts import RECEIPT_FIELDS, Receipt, mirror_mismatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +82,7 @@ def test_the_dataclass_names_the_mirrors_fields_in_order():
 # the library, fails naming it (run in a child: both happen once per process).
 DISAGREEING_MIRROR = """
 import ctypes, sys
-import dreamstage.dream_h as dream_h
+import dreamstage.native.dream_h as dream_h
 import dreamstage.native as native
 dream_h.DreamReceiptC = type("DreamReceiptC", (ctypes.Structure,),
                              {"_fields_": dream_h.DreamReceiptC._fields_ + [("retries", ctypes.c_int32)]})
@@ -102,7 +103,7 @@ def test_a_field_added_on_one_side_only_fails_at_load_and_at_import():
                        timeout=120)
     assert r.returncode == 0, r.stderr
     load, imp = r.stdout.splitlines()
-    assert load.startswith("load: dreamstage.dream_h.DreamReceiptC does not match struct dream_receipt")
+    assert load.startswith("load: dreamstage.native.dream_h.DreamReceiptC does not match struct dream_receipt")
     assert "retries is in DreamReceiptC but not in struct dream_receipt" in load
     assert imp == "import: dreamstage.training.walk.receipts: Receipt has nothing that DreamReceiptC lacks, " \
                   "and lacks ['retries']"

@@ -364,7 +364,7 @@ def test_a_worker_that_hangs_while_the_model_uploads_fails_the_load_naming_it(ti
 
 
 def rpc_devices(endpoints) -> list[dict]:
-    from dreamstage import ggml_registry
+    from dreamstage.native import ggml_registry
     assert not any(d["name"].startswith("RPC") for d in ggml_registry.devices())   # unless asked for
     return [d for d in ggml_registry.devices(endpoints) if d["name"].startswith("RPC")]
 

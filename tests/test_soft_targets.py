@@ -13,7 +13,7 @@ import numpy_ref as ref
 import pytest
 from test_oracle import _ref_lora, _trainer, _window, _with_random_b, rel_l2, report
 
-from dreamstage import dream_h
+from dreamstage.native import dream_h
 from dreamstage.training.walk.receipts import Receipt
 
 

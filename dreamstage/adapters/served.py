@@ -27,13 +27,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dreamstage import ggml_registry
 from dreamstage.adapters.choice import BASE, DEFAULT_MAX_ADAPTERS, DEFAULT_MIXED_MAX_RANK, AdapterChoice
 from dreamstage.adapters.files import atomic_file, file_sha256, lora_rank_of
 from dreamstage.adapters.loaded import AdapterLoadError, load_adapter_file
 from dreamstage.adapters.names import check_adapter_name
 from dreamstage.adapters.replicas import mirror_promotions
 from dreamstage.adapters.versions import AdapterNotFound, AdapterVersions
+from dreamstage.native import ggml_registry
 
 log = logging.getLogger("dreamstage.served")
 

@@ -47,7 +47,7 @@ def _options(pairs: list[str]) -> dict:
 def cmd_train(args: argparse.Namespace) -> int:
     import httpx
 
-    from dreamstage.client_wire import DreamstageError
+    from dreamstage.client.wire import DreamstageError
 
     try:
         examples = _read_examples(args.file)
@@ -82,7 +82,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def render_status(view: dict, ads: dict) -> str:
     """`dreamstage status`: what serves, the jobs (training now, then the queue) and the adapters."""
-    from dreamstage.job_progress import eta_s, format_duration, progress_fraction
+    from dreamstage.client.progress import eta_s, format_duration, progress_fraction
 
     served = ads.get("served")
     lines = [f"serving adapter version {ads['served_version']}"
@@ -126,8 +126,8 @@ def group_line(label: str, g: dict) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     import httpx
 
-    from dreamstage.client_wire import DreamstageError
-    from dreamstage.job_progress import progress_line
+    from dreamstage.client.progress import progress_line
+    from dreamstage.client.wire import DreamstageError
 
     with connect(args) as c:
         try:

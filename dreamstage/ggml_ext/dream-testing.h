@@ -1,7 +1,7 @@
 // Test hooks of the native core: its kernels on plain buffers, for the tests
 // (tests/test_cpu_backward.py through ctypes) to compare against independent
 // implementations. Compiled into libllama but no part of the production API
-// (dream.h); dreamstage/dream_h.py declares them in its testing section.
+// (dream.h); dreamstage/native/dream_h.py declares them in its testing section.
 #pragma once
 
 #include "dream.h"

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dreamstage import environment, ggml_registry, native
+from dreamstage import environment, native
 from dreamstage.default_model import check_model_file, default_model
+from dreamstage.native import ggml_registry
 from dreamstage.owner import NativeOwner
 from dreamstage.serving import rpc
 from dreamstage.serving.rpc import DEAD_AFTER_S

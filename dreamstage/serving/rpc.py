@@ -23,7 +23,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from dreamstage import ggml_registry, native
+from dreamstage import native
+from dreamstage.native import ggml_registry
 
 WORKER_PROGRAM = "dreamstage-rpc-server"
 DEFAULT_WORKER_PORT = 50052      # upstream rpc-server's default

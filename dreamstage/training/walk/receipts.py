@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from dreamstage.dream_h import DreamReceiptC
+from dreamstage.native.dream_h import DreamReceiptC
 
 STATUS_NAMES = {0: "ok", 1: "refused", 2: "error", 3: "stopped", 4: "aborted"}
 RECEIPT_STATUSES = tuple(STATUS_NAMES.values())

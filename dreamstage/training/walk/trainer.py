@@ -51,7 +51,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dreamstage import dream_h, native
+from dreamstage import native
+from dreamstage.native import dream_h
 from dreamstage.owner import NativeOwner
 from dreamstage.serving import rpc
 from dreamstage.training.jobs.spec import DEFAULT_CONTEXT_CACHE_TYPE, GATE_SLACK_MIB, JobSpec

@@ -30,7 +30,8 @@ from pathlib import Path
 import httpx
 from httpx_sse import EventSource
 
-from dreamstage.client_wire import (
+from dreamstage.client.progress import FINAL_STATES, progress_line
+from dreamstage.client.wire import (
     ADAPTER_HEADER,
     COMPLETION_PATHS,
     ChatStream,
@@ -47,7 +48,6 @@ from dreamstage.client_wire import (
     rollback_path,
     stream_payloads,
 )
-from dreamstage.job_progress import FINAL_STATES, progress_line
 
 # The names users import from here (the module docstring's), beside the two clients.
 __all__ = ["ADAPTER_HEADER", "AsyncClient", "ChatStream", "Client", "Completion", "DreamstageError",

@@ -1,5 +1,5 @@
 """Loading our libllama and checking it is ours: built from the pin, with the
-receipt layout that dreamstage.dream_h mirrors.
+receipt layout that dreamstage.native.dream_h mirrors.
 
 Exactly one libllama exists in a dreamstage process: ours, built from the
 pinned, patched tree. llama-cpp-python's pure-Python package (the `llama_cpp`
@@ -19,9 +19,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from dreamstage import dream_h, environment
+from dreamstage import environment
+from dreamstage.native import dream_h
 
-_PKG = Path(__file__).resolve().parent
+_PKG = Path(__file__).resolve().parents[1]   # the dreamstage package
 # Held around llama.cpp's model and adapter loaders: both read the process-wide backend and device registry,
 # and servers in one process (the tests' leader and followers) load at the same time.
 LOAD_LOCK = threading.Lock()
@@ -156,8 +157,8 @@ def _check_receipt_layout(L: ctypes.CDLL, path: str) -> None:
                                  "rebuild with `./dev.sh build`")
     bad = dream_h.receipt_layout_mismatches(L)
     if bad:
-        raise NativeLibraryError(f"dreamstage.dream_h.DreamReceiptC does not match struct dream_receipt in {path}: "
-                                 + "; ".join(bad))
+        raise NativeLibraryError("dreamstage.native.dream_h.DreamReceiptC does not match struct dream_receipt in "
+                                 f"{path}: " + "; ".join(bad))
 
 
 @lru_cache(maxsize=1)
