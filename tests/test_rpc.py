@@ -353,8 +353,8 @@ def test_a_worker_that_hangs_while_the_model_uploads_fails_the_load_naming_it(ti
     endpoint = f"127.0.0.1:{choke.port}"
     t0 = time.monotonic()
     try:
-        with pytest.raises(ValueError, match=f"rpc worker {endpoint} failed while the model loaded: it closed the "
-                                             "connection or was silent for 2 s"):
+        with pytest.raises(ValueError, match=f"the RPC worker at {endpoint} failed while the model loaded: it "
+                                             "closed the connection or was silent for 2 s"):
             ResidentModel(_config(tiny4, rpc=(endpoint,), n_gpu_layers=SHAPE.n_layer, rpc_dead_after_s=2.0))
         took = time.monotonic() - t0
         assert choke.choked.is_set() and took < 10, took

@@ -293,7 +293,7 @@ class ResidentModel(NativeOwner):
         if worker is None:
             return
         self.close()
-        raise ValueError(f"rpc worker {worker} failed while the model loaded: it closed the connection or was "
+        raise ValueError(f"the RPC worker at {worker} failed while the model loaded: it closed the connection or was "
                          f"silent for {cfg.rpc_dead_after_s:g} s (--rpc-dead-after)")
 
     def kv_cell_bytes(self) -> float:
