@@ -316,6 +316,9 @@ class _Choke:
         with contextlib.suppress(OSError):
             while True:
                 c, _ = self.listener.accept()
+                if self.choked.is_set():                # ggml's tries after the failure: refused at once
+                    c.close()
+                    continue
                 u = socket.create_connection(("127.0.0.1", self.upstream))
                 self.conns += [c, u]
                 self._thread(target=self._pipe, args=(c, u, True), daemon=True).start()
