@@ -16,6 +16,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -165,7 +166,6 @@ def test_a_listener_that_is_not_a_worker_is_named_not_fatal(tiny4):
     that died just after the probe, another service on that port, a stopped worker or one busy
     with another client): the load fails with an error naming it, and this process goes on
     (ggml's client aborted it, or waited for ever on a silent one)."""
-    import threading
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
@@ -262,7 +262,6 @@ def test_a_worker_that_stops_or_dies_while_a_decode_waits_on_it_is_named(tiny4, 
     keepalive probes: a decode waiting on it fails once it has been silent for rpc_dead_after_s.
     One that dies while a decode waits on it (stopped first, so the decode is surely waiting)
     fails it at once. Either is named, and this process and its other models go on."""
-    import threading
     port = _free_port()
     proc = start_worker(port)
     endpoint = f"127.0.0.1:{port}"
@@ -301,7 +300,6 @@ class _Choke:
     hangs part-way, on a host whose kernel still answers)."""
 
     def __init__(self, upstream: int, after: int):
-        import threading
         self.upstream, self.after, self.sent = upstream, after, 0
         self.choked = threading.Event()
         self.listener = socket.socket()
@@ -309,8 +307,7 @@ class _Choke:
         self.listener.listen(8)
         self.port = self.listener.getsockname()[1]
         self.conns: list[socket.socket] = []
-        self._thread = threading.Thread
-        self._thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
         with contextlib.suppress(OSError):
@@ -321,8 +318,8 @@ class _Choke:
                     continue
                 u = socket.create_connection(("127.0.0.1", self.upstream))
                 self.conns += [c, u]
-                self._thread(target=self._pipe, args=(c, u, True), daemon=True).start()
-                self._thread(target=self._pipe, args=(u, c, False), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(c, u, True), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(u, c, False), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, counted: bool) -> None:
         with contextlib.suppress(OSError):
@@ -570,7 +567,6 @@ def _settled_step(http, jid: int) -> int:
 def _stopped_after_first_step(monkeypatch, out: str):
     """Block the training thread once the job writing `out` has run its first micro-step (the
     first of its first window's two chunks) until the body ends: the body kills a worker there."""
-    import threading
 
     from dreamstage.training.jobs.program import JobProgram
 

@@ -277,19 +277,16 @@ def _socket_inode(fd: int) -> int | None:
 
 
 def keep_alive(fd: int, dead_after_s: float) -> None:
-    """Make the socket open as `fd` fail once its peer has been silent for about
-    `dead_after_s`: TCP keepalive probes while it is idle, a bound on unacknowledged sends
-    (TCP_USER_TIMEOUT), and on a receive or send that waits (SO_RCVTIMEO, SO_SNDTIMEO: a
-    live host whose worker process answers nothing). Linux options; where one is missing
-    the kernel's default stays."""
+    """Make the socket open as `fd` fail once its peer's host has answered nothing for about
+    `dead_after_s`: TCP keepalive probes while it is idle, and a bound on unacknowledged sends
+    (TCP_USER_TIMEOUT). (A live host whose worker process answers nothing is bounded by the
+    hooks' receive and send deadline, set from `connect`.) Linux options; where one is
+    missing the kernel's default stays."""
     idle = max(1, round(dead_after_s / 2))
     interval = max(1, round(dead_after_s / 6))
     # setsockopt on ggml's own descriptor (a Python socket object around it could change its
     # blocking mode, which the descriptor shares)
     libc = ctypes.CDLL(None, use_errno=True)
-    wait = _timeval(dead_after_s)
-    for name in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
-        libc.setsockopt(fd, socket.SOL_SOCKET, name, ctypes.byref(wait), ctypes.sizeof(wait))
     options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
     options += [(socket.IPPROTO_TCP, getattr(socket, name), value) for name, value in
                 (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3),
@@ -297,13 +294,6 @@ def keep_alive(fd: int, dead_after_s: float) -> None:
     for level, name, value in options:
         v = ctypes.c_int(value)
         libc.setsockopt(fd, level, name, ctypes.byref(v), ctypes.sizeof(v))
-
-
-class _timeval(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_usec", ctypes.c_long)]
-
-    def __init__(self, seconds: float):
-        super().__init__(int(seconds), round((seconds % 1) * 1e6))
 
 
 def watch(endpoints: tuple[str, ...], dead_after_s: float = DEAD_AFTER_S) -> None:
