@@ -9,11 +9,12 @@
 //     a NULL buffer does, where ggml would assert at its first use), and a
 //     buffer type made from zeroed answers gets values that allocate nothing
 //     harmful and is not kept;
-//   - a new connection's handshake has a deadline (HANDSHAKE_MS): a listener
-//     that accepts and says nothing (a stopped worker, one busy with another
-//     client) fails it; afterwards a wait on the worker is bounded by the
-//     silence the process set (dream_rpc_set_silence; 0: none), so a worker
-//     that hangs while a model uploads fails the load;
+//   - a new connection's handshake has a deadline (HANDSHAKE_MS, or the
+//     silence bound where that is shorter): a listener that accepts and says
+//     nothing (a stopped worker, one busy with another client) fails it;
+//     afterwards a wait on the worker is bounded by the silence the process
+//     set (dream_rpc_set_silence; 0: none), so a worker that hangs while a
+//     model uploads fails the load;
 //   - ops never sent to a worker and never run by one: GGML_OP_CUSTOM and the
 //     MAP_CUSTOM ops carry a function pointer (and userdata) of the process that
 //     built the graph, meaningless (or hostile) in another one. The scheduler
@@ -60,10 +61,12 @@ extern "C" void dream_rpc_set_silence(double seconds) {
     g_silence_ms.store(seconds > 0 ? (int) (seconds * 1000 + 0.5) : 0);
 }
 
-// A connection ggml-rpc just made (transport.cpp): its handshake must answer within HANDSHAKE_MS.
+// A connection ggml-rpc just made (transport.cpp): its handshake must answer within HANDSHAKE_MS, or
+// within the silence bound where that is shorter.
 void dream_rpc_connecting(intptr_t fd) {
     t_connecting = fd;
-    set_deadline(fd, HANDSHAKE_MS);
+    const int silence = g_silence_ms.load();
+    set_deadline(fd, silence > 0 && silence < HANDSHAKE_MS ? silence : HANDSHAKE_MS);
 }
 
 // The dispatcher's handshake ended (answered or failed, on this thread): the silence bound from now on.
