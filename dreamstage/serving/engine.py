@@ -187,7 +187,8 @@ class Engine(AdmissionMixin, BatchMixin, EmbeddingMixin):
             })
         return out
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Run the loop now rather than at the next idle interval (any thread)."""
         with self._cond:
             self._cond.notify_all()
 

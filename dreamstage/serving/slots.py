@@ -16,7 +16,7 @@ from dreamstage.serving.sampling import Sampler, TokenLogprob
 
 
 class _Wakes(Protocol):
-    def _wake(self) -> None: ...
+    def wake(self) -> None: ...
 
 
 class _Lends(Protocol):
@@ -39,7 +39,7 @@ class RequestHandle:
         """Free the request's slot at the next loop iteration (idempotent, any thread)."""
         if not self.cancelled:
             self.cancelled = True
-            self._engine._wake()
+            self._engine.wake()
 
 
 @dataclass

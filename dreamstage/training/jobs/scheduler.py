@@ -118,6 +118,7 @@ class DreamScheduler(JobProgram):
         self._unrecorded: dict[int, str] = {}   # job -> error message the store could not take yet
         self._stepping = False          # the engine thread is inside the job's next()
         self.stats = DreamStats()       # engine thread writes; /metrics reads
+        self._wake_engine: Callable[[], None] = lambda: None    # the engine's wake (startup)
 
     # -- any thread ------------------------------------------------------------------
     def notify_submitted(self, job_id: int, rendered: RenderedJob | None = None) -> None:
@@ -126,6 +127,7 @@ class DreamScheduler(JobProgram):
             if rendered is not None:
                 self._rendered[job_id] = rendered
             self._kick = True
+        self._wake_engine()
 
     def forget(self, job_id: int) -> None:
         """Drop a job's rendered windows (it was cancelled while queued): its
@@ -167,6 +169,7 @@ class DreamScheduler(JobProgram):
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._commands.append((kind, args, fut))
+        self._wake_engine()                             # an idle engine takes it now, not at its next poll
         return fut
 
     @property
@@ -193,6 +196,7 @@ class DreamScheduler(JobProgram):
     def startup(self, engine, adapter_path: str | None = None) -> None:
         """Reload the served adapter the store names; import and promote
         `adapter_path` (--adapter). Call before the engine starts."""
+        self._wake_engine = getattr(engine, "wake", self._wake_engine)
         self.switch.reload(engine, adapter_path)
 
     def close(self, wait_s: float = 60.0) -> None:
