@@ -79,7 +79,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from bench_serving import _cpu_name, free_port, pct, wait_ready
+from bench_serving import free_port, pct, wait_ready
+from machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -497,7 +498,7 @@ def main() -> int:
     from dreamstage.default_model import default_model
     model = args.model or default_model()
     out: dict = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_name(),
+                 "machine": {**describe(), "platform": platform.platform(),
                              "gpu": _gpu_name() if args.ngl > 0 else None},
                  "model": model.name, "rank": RANK, "threads": args.threads, "gen": args.gen, "reps": args.reps,
                  "slot_ctx": SLOT_CTX, "systems": args.systems, "ngl": args.ngl, "load_1m_start": os.getloadavg()[0]}

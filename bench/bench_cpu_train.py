@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import resource
 import statistics
@@ -35,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from machine import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "bench" / ".work"
@@ -203,7 +204,7 @@ def main() -> None:
             ratios[f"dream_over_{k}_wall"] = summary["dream"]["tok_s_median"] / summary[k]["tok_s_median"]
             ratios[f"dream_over_{k}_cpu"] = (summary["dream"]["tok_per_cpu_s_median"]
                                              / summary[k]["tok_per_cpu_s_median"])
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": f"{platform.node()} {os.cpu_count()} cores",
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": describe(),
            "threads": a.threads, "seq": a.seq, "steps": a.steps, "rounds": a.rounds, "summary": summary,
            "ratios": ratios, "runs": runs}
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # background_server
 
 from background_server import BackgroundServer
+from machine import describe
 
 from dreamstage.server.settings import ServerSettings
 from dreamstage.training.jobs.store import TERMINAL
@@ -120,7 +120,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "threads": args.threads,
+            "machine": describe(), "threads": args.threads,
             "chat": args.chat, "fields": fields, "load_avg_start": load, "load_avg_end": os.getloadavg(),
             "jobs": rows}, indent=1) + "\n")
 

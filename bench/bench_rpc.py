@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -40,6 +39,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from machine import describe
 
 from dreamstage.serving import rpc
 from dreamstage.serving.resident import ResidentConfig, ResidentModel
@@ -191,7 +191,7 @@ def main() -> None:
                     for name, rm in models.items()}
         samples = _measure(args, models, trainers, tokens)
         say("measured")
-        out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": f"{platform.node()} {os.cpu_count()} cores",
+        out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": describe(),
                "load_avg_1m": os.getloadavg()[0], "threads": args.threads, "worker_threads": args.worker_threads,
                "worker_device": args.worker_device, "ngl_single": args.ngl or 0, "workers": n_workers,
                "model": single.model_path.name, "n_layer": n_layer, "split": where,

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
+from machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / ".work"
@@ -268,7 +269,7 @@ def main() -> int:
     summary = summarize(runs, systems, args.streams)
     out = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_name()},
+        "machine": {**describe(), "platform": platform.platform()},
         "model": paths["model"].name, "gen_tokens": GEN_TOKENS, "threads": THREADS, "slot_ctx": SLOT_CTX,
         "order": order, "streams": args.streams, "summary": summary,
         "runs": [{k: v for k, v in r.items() if k not in ("itl", "ttft")} | {
@@ -322,16 +323,6 @@ def render_table(summary: dict, systems: list[str], streams_list: list[int]) -> 
             lines.append(f"| {streams} | {system} | {s['agg_tok_s_mean']:.0f} ({runs}) | {s['itl_p50_ms']:.1f} | "
                          f"{s['itl_p99_ms']:.1f} | {rtxt} |")
     return "\n".join(lines)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":
