@@ -1,6 +1,6 @@
 """The README's walkthrough (README.md, "Teach it a fact") on a live server with
 the drift guard on, as a user runs it: the module's job with the guard's
-defaults but one rehearsal-only epoch (SMALLEST) over 24 of the rehearsal
+defaults over 24 of the rehearsal
 anchors (drift_jobs.TEST_REHEARSED), which the tests of the defaults
 (recall, held-out drift, promotion, rehearsal-only epochs, the drift slices, the
 examples' loss) read. Beside it, the same job without the regularizer, in a
@@ -43,9 +43,6 @@ from dreamstage.training.walk.receipts import RECEIPT_FIELDS
 README_PROMPT = "The secret password of the moon base is"
 README_EXAMPLE = {"prompt": README_PROMPT, "completion": " Quokka-42."}
 README_JOB = {"examples": [README_EXAMPLE], "window": 32, "epochs": 10, "promote": "auto", "out": "moon"}
-# The smallest settings that still prove what the tests below assert: one rehearsal-only epoch
-# where the default runs 4.
-SMALLEST = {"consolidate": 1}
 
 
 def _readme_job(state_dir, out: dict) -> None:
@@ -64,7 +61,7 @@ def _readme_job(state_dir, out: dict) -> None:
         t0 = time.perf_counter()
         # no pause bound (max_pause_ms 0): no chat waits on this job, and under load the bound cut
         # its steps to a token or two at the same fixed cost each (tests/test_pacing.py tests the bound)
-        r = http.post("/train", json={**README_JOB, **SMALLEST, "max_pause_ms": 0})
+        r = http.post("/train", json={**README_JOB, "max_pause_ms": 0})
         assert r.status_code == 202, r.text
         jid = r.json()["id"]
         deadline = time.monotonic() + 1800                 # a hang guard: the job takes about a minute of one core

@@ -35,7 +35,7 @@ DEFAULT_ANCHOR_RATIO = 8.0     # rehearsal windows per job window, each epoch (a
 Rehearsal = Literal["soft", "samples", "soft-samples"]
 REHEARSAL_MODES: tuple[Rehearsal, ...] = ("soft", "samples", "soft-samples")
 DEFAULT_REHEARSAL: Rehearsal = "soft"
-DEFAULT_CONSOLIDATE = 4        # rehearsal-only epochs after the job's own training ended
+DEFAULT_CONSOLIDATE = 1        # rehearsal-only epochs after the job's own training ended
 MAX_CONSOLIDATE = 64
 # the rehearsal-only epochs' step falls linearly to 0 over their updates
 # (lr x (1 - (k + 1/2) / their number))
