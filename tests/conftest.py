@@ -13,8 +13,8 @@ import pytest
 # modules before it take the other worker about as long, so it waits little.
 LONGEST_FIRST = (
     "test_drift_jobs.py", "test_fuzz.py", "test_compat.py", "test_first_job.py", "test_feedback.py",
-    "test_drift.py", "test_drift_readme.py", "test_example_scripts.py", "test_train_api.py", "test_hostile.py",
-    "test_dashboard.py", "test_faults.py", "test_neighbours.py",
+    "test_drift.py", "test_drift_readme.py", "test_rpc.py", "test_example_scripts.py", "test_train_api.py",
+    "test_hostile.py", "test_faults.py", "test_rpc_abort.py", "test_dashboard.py", "test_neighbours.py",
 )
 
 
