@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/, also under python -P (bench/gpu/run.sh)
 from machine import describe
 
 from dreamstage.serving import rpc
