@@ -187,9 +187,9 @@ def test_default_context_is_the_trained_context_and_holds_a_long_conversation():
             assert (slots["context"]["chosen_by"], slots["context"]["slot_ctx"]) == ("trained", model.n_ctx_train)
             assert slots["sampling_defaults_source"].startswith("llama-server's")
             assert http.get("/props").json()["default_generation_settings"]["n_ctx"] == model.n_ctx_train
-            # a conversation past ResidentConfig's own 4,096-token context (about 4,600 tokens), answered
+            # a conversation past ResidentConfig's own 4,096-token context (about 4,200 tokens), answered
             turns = []
-            for i in range(43):
+            for i in range(39):
                 turns += [{"role": "user", "content": f"Note {i}: " + "the river runs past the old mill " * 12},
                           {"role": "assistant", "content": f"Noted {i}."}]
             turns.append({"role": "user", "content": "What was the first note about?"})
