@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import platform
+from functools import lru_cache
 from pathlib import Path
 
 # Widest first: the first flag /proc/cpuinfo lists names the row.
 VECTOR_FLAGS = (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx"), ("sve", "sve"), ("asimd", "neon"))
 
 
+@lru_cache(maxsize=1)
 def _cpuinfo() -> dict[str, str]:
     out: dict[str, str] = {}
     try:
