@@ -26,6 +26,7 @@ from dreamstage.server.record_routes import Exchange, begin
 from dreamstage.server.schemas import ChatCompletionRequest, CompletionRequest
 from dreamstage.server.tenants import scope_of
 from dreamstage.server.views import public
+from dreamstage.serving.constraints import constraint_grammar
 from dreamstage.serving.engine import Delta, Failed, Finished, GenerationRequest
 from dreamstage.serving.generation import PromptScored
 from dreamstage.serving.sampling import GrammarError, json_schema_grammar
@@ -74,21 +75,15 @@ def _generation(service, body, prompt: list[int], grammar: str | None, prompt_pa
 
 
 def _grammar(body: ChatCompletionRequest | CompletionRequest) -> str | None:
-    rf = getattr(body, "response_format", None)
-    if rf is None or rf.type == "text":
-        return body.grammar
-    schema = None
-    if rf.type == "json_schema":
-        schema = rf.json_schema.schema_ if rf.json_schema is not None else rf.schema_
-        if schema is None:
-            raise APIError(400, "response_format.json_schema.schema: required for type json_schema",
-                           "response_format.json_schema.schema")
-    elif rf.schema_ is not None:
-        schema = rf.schema_
+    """GBNF for the request's one constraint on its answer (schemas.Constraint), or None."""
+    given = body.constraints()
+    if not given:
+        return None
+    c = given[0]
     try:
-        return json_schema_grammar(schema)
+        return constraint_grammar(c.kind, c.value)
     except GrammarError as e:
-        raise APIError(400, f"response_format: {e}", "response_format") from None
+        raise APIError(400, f"{c.param}: {e}", c.param) from None
 
 
 def _sse(obj) -> dict[str, str]:

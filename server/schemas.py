@@ -25,7 +25,7 @@ class _Strict(BaseModel):
 
 # Fields llama-server or vLLM define that change nothing here: accepted even
 # with --strict-api, and listed in the ignored-fields header like unknown ones.
-IGNORED_EXTRAS = frozenset({"n_probs", "skip_special_tokens",
+IGNORED_EXTRAS = frozenset({"n_probs", "skip_special_tokens", "guided_decoding_backend",
                             "spaces_between_special_tokens", "id_slot", "return_tokens", "timings_per_token"})
 
 
@@ -119,6 +119,16 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaSpec | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama-cpp-python's spelling
 
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.answer_schema() is None:
+            raise ValueError("json_schema.schema: required for type json_schema")
+        return self
+
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer follows (None: any JSON value, or plain text)."""
+        return self.json_schema.schema_ if self.json_schema is not None else self.schema_
+
 
 StopField = str | Annotated[list[str], Field(max_length=16)] | None
 
@@ -134,6 +144,25 @@ class LoraEntry(_Strict):
         if (self.id is None) == (self.name is None):
             raise ValueError("each lora entry gives id or name (one of them)")
         return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: one constraint on the answer (Constraint)."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")   # a JSON schema, or its JSON text
+    regex: str | None = Field(None, min_length=1, max_length=1 << 16)
+    choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = Field(None, min_length=1)                   # GBNF, root rule "root"
+    json_object: bool | None = None
+
+
+class Constraint(BaseModel):
+    """The one constraint a request puts on its answer, as given: `kind` is "gbnf" (value: the
+    grammar), "json" (value: a schema, its JSON text, or None for any JSON value), "regex" (the
+    whole answer matches it) or "choice" (the answer is one of the strings); `param` names the field."""
+    model_config = ConfigDict(frozen=True)
+    param: str
+    kind: str                   # "gbnf", "json", "regex" or "choice"
+    value: Any = None
 
 
 class _Sampling(_Strict):
@@ -168,6 +197,38 @@ class _Sampling(_Strict):
     user: str | None = None
     store: bool | None = None      # OpenAI's; false: this exchange is never recorded (serve --record)
     grammar: str | None = Field(None, min_length=1)  # GBNF, root rule "root"
+    # vLLM's constraints: structured_outputs, and the guided_* fields it replaced
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1, max_length=1 << 16)
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = Field(None, min_length=1)
+
+    def constraints(self) -> list[Constraint]:
+        """Every constraint the request gives (at most one is allowed: _one_constraint_given)."""
+        out = []
+        if self.grammar is not None:
+            out.append(Constraint(param="grammar", kind="gbnf", value=self.grammar))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "gbnf")):
+            if getattr(self, name) is not None:
+                out.append(Constraint(param=name, kind=kind, value=getattr(self, name)))
+        so = self.structured_outputs
+        if so is not None:
+            for name, kind in (("json_", "json"), ("regex", "regex"), ("choice", "choice"), ("grammar", "gbnf")):
+                if getattr(so, name) is not None:
+                    out.append(Constraint(param=f"structured_outputs.{name.rstrip('_')}", kind=kind,
+                                          value=getattr(so, name)))
+            if so.json_object:
+                out.append(Constraint(param="structured_outputs.json_object", kind="json"))
+        return out
+
+    @model_validator(mode="after")
+    def _one_constraint_given(self):
+        given = [c.param for c in self.constraints()]
+        if len(given) > 1:
+            raise ValueError(f"give at most one constraint on the answer (got {', '.join(given)})")
+        return self
 
     @field_validator("repetition_penalty")
     @classmethod
@@ -249,12 +310,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # None: auto with tools
     parallel_tool_calls: bool | None = None     # False: at most one call is returned
 
-    @model_validator(mode="after")
-    def _one_grammar(self):
-        if self.grammar and self.response_format and self.response_format.type != "text":
-            raise ValueError("give either grammar or response_format, not both")
-        return self
-
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
@@ -273,11 +328,18 @@ class ChatCompletionRequest(_Sampling):
                 raise ValueError(f"names {v.function.name!r}, which is not in tools")
         return v
 
+    def constraints(self) -> list[Constraint]:
+        out = super().constraints()
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            out.append(Constraint(param="response_format", kind="json", value=rf.answer_schema()))
+        return out
+
     @model_validator(mode="after")
     def _one_constraint(self):
-        if self.forced_tools() and (self.grammar or (self.response_format and self.response_format.type != "text")):
-            raise ValueError("tool_choice: a required or named tool call cannot be combined with grammar or "
-                             "response_format")
+        if self.forced_tools() and self.constraints():
+            raise ValueError(f"tool_choice: a required or named tool call cannot be combined with "
+                             f"{self.constraints()[0].param}")
         return self
 
     def offered_tools(self) -> list[dict]:

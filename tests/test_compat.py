@@ -71,13 +71,13 @@ def test_unknown_fields_are_ignored_and_named_in_a_header(client):
 
 
 def test_what_the_table_says_is_not_served_is_named_or_404(http):
-    """README's compatibility table: vLLM's guided decoding and beam fields are ignored (and named),
+    """README's compatibility table: vLLM's beam and prompt-scoring fields are ignored (and named),
     llama-server's own non-OpenAI routes are not served."""
-    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "guided_json": {"type": "object"},
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "guided_decoding_backend": "xgrammar",
                                            "best_of": 2, "min_tokens": 3, "prompt_logprobs": 1})
     assert r.status_code == 200
-    assert set(r.headers["x-dreamstage-ignored-fields"].split(", ")) == {"guided_json", "best_of", "min_tokens",
-                                                                          "prompt_logprobs"}
+    assert set(r.headers["x-dreamstage-ignored-fields"].split(", ")) == {"guided_decoding_backend", "best_of",
+                                                                          "min_tokens", "prompt_logprobs"}
     for route in ("/completion", "/embedding", "/infill", "/rerank", "/apply-template"):
         assert http.post(route, json={"prompt": "Hi"}).status_code == 404, route
 
@@ -651,6 +651,58 @@ def test_bad_tool_requests_are_400s(http):
                         ({"tools": [WEATHER], "tool_choice": "required", "grammar": 'root ::= "a"'}, "body")):
         r = http.post("/v1/chat/completions", json={"messages": ASK, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# -- vLLM's structured outputs -------------------------------------------------------------------
+GUIDED_REGEXES = (r"\d{3}-\d{4}", r"^(yes|no|maybe)$", r"[A-Z][a-z]{1,6}, [a-z]{2,5}!", r"(?:ab){1,3}c",
+                  r"[^\d\s]{2,4}\.", r"[\w.-]{1,8}@[a-z]{1,6}\.(com|org)")
+
+
+def test_vllm_guided_fields_hold_the_sampled_answer_to_the_constraint(client):
+    """guided_regex / guided_choice / guided_json and structured_outputs, sampled at temperature 1: each
+    answer a full match of the regex (Python's re), one of the choices, or valid against the schema."""
+    ask = dict(model="base", messages=ASK, temperature=1.0, max_tokens=40)
+    for i, pattern in enumerate(GUIDED_REGEXES):
+        for key, body in (("guided_regex", {"guided_regex": pattern}),
+                          ("structured_outputs", {"structured_outputs": {"regex": pattern}})):
+            done = client.chat.completions.create(**ask, seed=i, extra_body=body).choices[0]
+            assert done.finish_reason == "stop" and re.fullmatch(pattern, done.message.content), (key, done)
+    choices = ["x y", 'say "hi"', "a\\b\nc", "Paris"]
+    for seed in range(4):
+        got = client.completions.create(model="base", prompt="The capital of France is", temperature=1.0,
+                                        max_tokens=16, seed=seed, extra_body={"guided_choice": choices}).choices[0]
+        assert got.text in choices and got.finish_reason == "stop", got
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    for body in ({"guided_json": schema}, {"guided_json": json.dumps(schema)},
+                 {"structured_outputs": {"json": schema}}):
+        done = client.chat.completions.create(**{**ask, "max_tokens": 64}, seed=5, extra_body=body).choices[0]
+        assert done.finish_reason == "stop" and jsonschema_rs.is_valid(schema, json.loads(done.message.content))
+    anything = client.chat.completions.create(**{**ask, "max_tokens": 64}, seed=6,
+                                              extra_body={"structured_outputs": {"json_object": True}}).choices[0]
+    if anything.finish_reason == "stop":
+        json.loads(anything.message.content)
+
+
+@pytest.mark.parametrize(("body", "param", "says"), (
+    ({"guided_regex": "(?=a)b"}, "guided_regex", "lookaround"),
+    ({"guided_regex": r"(a)\1"}, "guided_regex", "backreference"),
+    ({"guided_regex": "a^b"}, "guided_regex", "anchor"),
+    ({"guided_regex": "(?i)abc"}, "guided_regex", "case-insensitive"),
+    ({"guided_regex": "["}, "guided_regex", "not a regular expression"),
+    ({"structured_outputs": {"regex": "a)"}}, "structured_outputs.regex", "not a regular expression"),
+    ({"guided_json": "{not json"}, "guided_json", "not JSON"),
+    ({"guided_choice": ["a", ""]}, "guided_choice", "no empty one"),
+    ({"guided_choice": []}, "guided_choice", None),
+    ({"guided_choice": ["a"], "grammar": 'root ::= "a"'}, "body", "guided_choice"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "body", "response_format"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "body", "structured_outputs.regex"),
+))
+def test_a_constraint_a_grammar_cannot_hold_is_a_400_naming_it(http, body, param, says):
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert says is None or says in r.json()["error"]["message"], r.text
 
 
 # -- /v1/embeddings -----------------------------------------------------------------------------
