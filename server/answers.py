@@ -16,12 +16,13 @@ from dreamstage.serving.sampling import TokenLogprob
 from dreamstage.serving.tools import parse_tool_calls, streamable_prefix
 
 
-def usage(ends: list[Finished]) -> dict:
-    """One request's usage: the prompt once (its choices share it), every choice's completion."""
-    first, completion = ends[0], sum(f.completion_tokens for f in ends)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+def usage(ends: list[Finished], starts: tuple[int, ...] = (0,)) -> dict:
+    """One request's usage: each prompt once (its choices share it; `starts`: the index of each
+    prompt's first choice), every choice's completion."""
+    prompt = sum(ends[i].prompt_tokens for i in starts)
+    completion = sum(f.completion_tokens for f in ends)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(ends[i].cached_tokens for i in starts)}}
 
 
 @dataclass
@@ -105,50 +106,61 @@ class ChatShape:
                                                       "finish_reason": finish}]))
         return out
 
-    def full(self, got: list[Collected]) -> dict:
+    def full(self, got: list[Collected], starts: tuple[int, ...] = (0,)) -> dict:
         def choice(i: int, c: Collected) -> dict:
             lp = {"content": [chat_entry(self.pieces, t) for t in c.logprobs]} if self.logprobs else None
             message, called = self._message(c.text)
             return {"index": i, "message": message, "logprobs": lp,
                     "finish_reason": "tool_calls" if called else c.finished.finish_reason}
         return {**self.base, "object": "chat.completion", "adapter_version": got[0].finished.adapter_version,
-                "choices": [choice(i, c) for i, c in enumerate(got)], "usage": usage([c.finished for c in got])}
+                "choices": [choice(i, c) for i, c in enumerate(got)],
+                "usage": usage([c.finished for c in got], starts)}
 
 
 class CompletionShape:
-    """`echo` puts the prompt's text first; with `logprobs`, its tokens' scores lead the lists."""
+    """`echo` puts the prompt's text first; with `logprobs`, its tokens' scores lead the lists.
+    Choice i answers prompt i // n (a batch of prompts, n choices each)."""
 
-    def __init__(self, base: dict, pieces: tuple[bytes, ...], logprobs: bool, echo_text: str | None,
-                 prompt: list[int]):
+    def __init__(self, base: dict, pieces: tuple[bytes, ...], logprobs: bool, echo_texts: list[str] | None,
+                 prompts: list[list[int]], n: int = 1):
         self.base, self.pieces, self.logprobs = base, pieces, logprobs
-        self.echo_text, self.prompt_tokens = echo_text, prompt
-        self._start = len(echo_text) if echo_text is not None else 0   # where the first token's text starts
+        self.echo_texts, self.prompts, self.n = echo_texts, prompts, n
         self._offsets: dict[int, int] = {}   # per choice: where its next token's text starts
+
+    def _echo(self, index: int) -> str | None:
+        return None if self.echo_texts is None else self.echo_texts[index // self.n]
+
+    def _start(self, index: int) -> int:
+        """Where the choice's first token's text starts (after its echo)."""
+        echo = self._echo(index)
+        return len(echo) if echo is not None else 0
 
     def _chunk(self, version: int | None, index: int, text: str, logprobs, finish: str | None) -> dict:
         return {**self.base, "adapter_version": version,
                 "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
-    def _prompt_logprobs(self, scores) -> dict:
-        return completion_logprobs(self.pieces, list(scores), self.prompt_tokens, 0)
+    def _prompt_logprobs(self, scores, index: int) -> dict:
+        return completion_logprobs(self.pieces, list(scores), self.prompts[index // self.n], 0)
 
     def opening(self, version: int | None, n: int) -> dict | None:
-        if self.echo_text is None or self.logprobs:
+        if self.echo_texts is None or self.logprobs:
             return None                      # with logprobs the echo waits for the prompt's scores
         return {**self.base, "adapter_version": version,
-                "choices": [{"index": i, "text": self.echo_text, "logprobs": None, "finish_reason": None}
+                "choices": [{"index": i, "text": self._echo(i), "logprobs": None, "finish_reason": None}
                             for i in range(n)]}
 
     def prompt(self, ev: PromptScored, version: int | None, index: int) -> dict | None:
-        if self.echo_text is None:
+        echo = self._echo(index)
+        if echo is None:
             return None
-        return self._chunk(version, index, self.echo_text, self._prompt_logprobs(ev.logprobs), None)
+        return self._chunk(version, index, echo, self._prompt_logprobs(ev.logprobs, index), None)
 
     def delta(self, ev: Delta, version: int | None, index: int) -> dict | None:
         lp = None
+        at = self._offsets.get(index, self._start(index))
         if ev.logprob is not None:
-            lp = completion_logprobs(self.pieces, [ev.logprob], [ev.token], self._offsets.get(index, self._start))
-        self._offsets[index] = self._offsets.get(index, self._start) + len(ev.text)
+            lp = completion_logprobs(self.pieces, [ev.logprob], [ev.token], at)
+        self._offsets[index] = at + len(ev.text)
         if not ev.text and lp is None:
             return None
         return self._chunk(version, index, ev.text, lp, None)
@@ -157,15 +169,17 @@ class CompletionShape:
         return [self._chunk(fin.adapter_version, index, "", None, fin.finish_reason)]
 
     def _choice(self, i: int, c: Collected) -> dict:
-        text = c.text if self.echo_text is None else self.echo_text + c.text
+        echo = self._echo(i)
+        text = c.text if echo is None else echo + c.text
         lp = None
         if self.logprobs:
-            lp = completion_logprobs(self.pieces, list(c.logprobs), [t.token for t in c.logprobs], self._start)
-            if self.echo_text is not None and c.prompt_logprobs is not None:
-                head = self._prompt_logprobs(c.prompt_logprobs)
+            lp = completion_logprobs(self.pieces, list(c.logprobs), [t.token for t in c.logprobs], self._start(i))
+            if echo is not None and c.prompt_logprobs is not None:
+                head = self._prompt_logprobs(c.prompt_logprobs, i)
                 lp = {k: head[k] + lp[k] for k in lp}
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finished.finish_reason}
 
-    def full(self, got: list[Collected]) -> dict:
+    def full(self, got: list[Collected], starts: tuple[int, ...] = (0,)) -> dict:
         return {**self.base, "adapter_version": got[0].finished.adapter_version,
-                "choices": [self._choice(i, c) for i, c in enumerate(got)], "usage": usage([c.finished for c in got])}
+                "choices": [self._choice(i, c) for i, c in enumerate(got)],
+                "usage": usage([c.finished for c in got], starts)}

@@ -7,6 +7,7 @@ an asyncio.Queue and never touches llama.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -44,31 +45,42 @@ class Collected:
 
 
 class EngineRequest:
-    """The choices of one HTTP request (n of them, 1 unless asked), submitted to the
-    engine as one group; their events arrive tagged with the choice's index."""
+    """The choices of one HTTP request, submitted to the engine as groups: one group of n
+    choices (1 unless asked) per prompt, each group's prompt decoded once. Their events
+    arrive tagged with the choice's index, counted across the groups in order."""
 
-    def __init__(self, engine: Engine, requests: list[GenerationRequest], retry_after_s: int = 1):
+    def __init__(self, engine: Engine, groups: list[list[GenerationRequest]], retry_after_s: int = 1):
         loop = asyncio.get_running_loop()
-        self.n = len(requests)
+        self.n = sum(len(g) for g in groups)
+        self.first_group = len(groups[0])
         self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self._early: deque[tuple[int, Event]] = deque()    # read while waiting for the admission, not yet returned
 
         def sink_for(i: int):
             def sink(ev: Event) -> None:
                 loop.call_soon_threadsafe(self.events.put_nowait, (i, ev))
             return sink
 
+        self.handles: list = []
         try:
-            self.handles = engine.submit_group(requests, [sink_for(i) for i in range(self.n)])
+            for group in groups:
+                at = len(self.handles)
+                self.handles += engine.submit_group(group, [sink_for(at + i) for i in range(len(group))])
         except QueueFull as e:
+            self.cancel()
             raise APIError(503, f"server busy: {e}; retry later", None, "queue_full",
                            {"Retry-After": str(retry_after_s)}) from None
         except EngineStopped as e:
+            self.cancel()
             raise APIError(503, str(e), None, "engine_stopped", {"Retry-After": str(retry_after_s)}) from None
         except ValueError as e:
+            self.cancel()
             raise APIError(400, str(e), "n" if str(e).startswith("n:") else "max_tokens") from None
 
     async def next(self, disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[int, Event]:
         """The next (choice, event); with `disconnected`, cancels and raises ClientGone once the client has left."""
+        if self._early:
+            return self._early.popleft()
         while True:
             if disconnected is None:
                 return await self.events.get()
@@ -80,15 +92,22 @@ class EngineRequest:
                     raise ClientGone() from None
 
     async def admitted(self, disconnected) -> Admitted:
-        """Wait until every choice holds a slot (they are admitted together); a refusal
-        becomes an APIError with the engine's status. Returns the first choice's admission."""
+        """Wait until every choice of the first group holds a slot (a group is admitted together;
+        later groups wait for slots, and their events are kept for next()); a refusal becomes an
+        APIError with the engine's status. Returns the first choice's admission."""
         first: Admitted | None = None
-        for _ in range(self.n):
-            _, ev = await self.next(disconnected)
+        waiting, early = self.first_group, []
+        while waiting:
+            i, ev = await self.next(disconnected)
             if isinstance(ev, Failed):
+                self.cancel()
                 raise APIError(ev.status, ev.message, ev.param)
-            assert isinstance(ev, Admitted), ev
-            first = first or ev
+            if isinstance(ev, Admitted) and i < self.first_group:
+                first = first or ev
+                waiting -= 1
+            else:
+                early.append((i, ev))
+        self._early.extend(early)
         assert first is not None
         return first
 
@@ -109,6 +128,7 @@ class EngineRequest:
             elif isinstance(ev, Finished):
                 done[i] = ev
             elif isinstance(ev, Failed):
+                self.cancel()                           # the other prompts' choices too
                 raise APIError(ev.status, ev.message, ev.param)
         return [Collected("".join(parts[i]), done[i], logprobs[i], prompt[i]) for i in range(self.n)]
 

@@ -31,7 +31,7 @@ async def _one(request: Request, tokens: list[int], body_model: str | None):
         raise APIError(400, f"input: {len(tokens)} tokens exceed the per-slot context of {service.engine.slot_ctx} "
                             "tokens", "input", "context_length_exceeded")
     adapter = resolve(service, body_model, None, scope_of(request))
-    job = EngineRequest(service.engine, [GenerationRequest(tokens, 1, embed=True, adapter=adapter)],
+    job = EngineRequest(service.engine, [[GenerationRequest(tokens, 1, embed=True, adapter=adapter)]],
                         service.settings.retry_after_s)
     try:
         await job.admitted(request.is_disconnected)

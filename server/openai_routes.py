@@ -91,11 +91,13 @@ def _sse(obj) -> dict[str, str]:
     return {"data": json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}
 
 
-async def _run(request: Request, gens: list[GenerationRequest], stream: bool, shape, include_usage: bool,
+async def _run(request: Request, groups: list[list[GenerationRequest]], stream: bool, shape, include_usage: bool,
                extra_headers: dict[str, str], exchange: Exchange | None = None):
-    """Admit the request's choices to the engine; answer whole (JSON) or as an SSE stream, in `shape` (answers.py)."""
+    """Admit the request's choices (a group per prompt) to the engine; answer whole (JSON) or as an SSE
+    stream, in `shape` (answers.py)."""
     service = request.app.state.service
-    job = EngineRequest(service.engine, gens, service.settings.retry_after_s)
+    job = EngineRequest(service.engine, groups, service.settings.retry_after_s)
+    starts = tuple(sum(len(g) for g in groups[:k]) for k in range(len(groups)))   # each prompt's first choice
     disconnected = request.is_disconnected
     try:
         adm = await job.admitted(disconnected)
@@ -110,14 +112,14 @@ async def _run(request: Request, gens: list[GenerationRequest], stream: bool, sh
             got = await job.collect(disconnected)
         except ClientGone:
             return JSONResponse(errors.error_body(499, "client closed the request"), status_code=499)
-        answer = shape.full(got)
+        answer = shape.full(got, starts)
         if exchange is not None:
             await exchange.save(shape.base["id"], [(c.text, c.finished) for c in got])
         return JSONResponse(answer, headers=headers)
-    return _EngineStream(_events(job, shape, adm.adapter_version, include_usage, exchange), job, headers)
+    return _EngineStream(_events(job, shape, adm.adapter_version, include_usage, starts, exchange), job, headers)
 
 
-async def _events(job: EngineRequest, shape, version: int | None, include_usage: bool,
+async def _events(job: EngineRequest, shape, version: int | None, include_usage: bool, starts: tuple[int, ...],
                   exchange: Exchange | None = None):
     """The SSE events of a streamed answer: chunks per choice, each choice's final one, usage, [DONE]."""
     first = shape.opening(version, job.n)
@@ -142,7 +144,7 @@ async def _events(job: EngineRequest, shape, version: int | None, include_usage:
                 continue
             if include_usage:
                 u = dict(closing[-1])
-                u["choices"], u["usage"] = [], usage([ends[k] for k in sorted(ends)])
+                u["choices"], u["usage"] = [], usage([ends[k] for k in sorted(ends)], starts)
                 yield _sse(u)
             if exchange is not None:
                 await exchange.save(shape.base["id"], [("".join(texts[k]), ends[k]) for k in range(job.n)])
@@ -205,7 +207,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     shape = ChatShape(base, service.prompts.pieces, body.logprobs is True, names, body.parallel_tool_calls is False)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     exchange = begin(service, body, "chat", gens, messages=messages, tools=offered if native else None)
-    return await _run(request, gens, body.stream, shape, include_usage, ignored, exchange)
+    return await _run(request, [gens], body.stream, shape, include_usage, ignored, exchange)
 
 
 @router.post("/v1/completions")
@@ -213,31 +215,47 @@ async def completions(body: CompletionRequest, request: Request):
     service = request.app.state.service
     ignored = field_headers(body, service.settings.strict_api)
     adapter = resolve(service, body.model, body.lora, scope_of(request))
-    engine = service.engine
-    given = body.prompt_value()
-    if isinstance(given, str) and not given:
-        raise APIError(400, "prompt: must not be empty", "prompt")
+    given = body.prompt_values()
+    batch = len(given) > 1
+    if body.n * len(given) > service.engine.n_seq + service.settings.max_queue:
+        raise APIError(400, f"prompt: {len(given)} prompts of n = {body.n} choices are more than this server's "
+                            f"{service.engine.n_seq} slots and waiting room of {service.settings.max_queue} hold",
+                       "prompt")
     grammar = _grammar(body)
-    if isinstance(given, str):
-        prompt = await service.prompts.text(given, body.parse_special)   # token ids, off the engine thread
-    elif len(given) > engine.slot_ctx:       # refused here, not by a scan on the engine thread
-        raise APIError(400, f"prompt: {len(given)} tokens exceed the per-slot context of {engine.slot_ctx} "
-                            "tokens", "prompt", "context_length_exceeded")
-    else:
-        prompt = given
+    prompts = [await _completion_prompt(service, body, p, f"prompt[{k}]" if batch else "prompt")
+               for k, p in enumerate(given)]
     scored = body.echo and body.logprobs is not None
-    gen = replace(_generation(service, body, prompt, grammar, "prompt", adapter), logprobs=body.logprobs,
-                  prompt_logprobs=body.logprobs if scored else None)
-    gens = _choices(body, gen, engine.n_seq)
+    groups = []
+    for prompt in prompts:
+        gen = replace(_generation(service, body, prompt, grammar, "prompt", adapter), logprobs=body.logprobs,
+                      prompt_logprobs=body.logprobs if scored else None)
+        groups.append(_choices(body, gen, service.engine.n_seq))
     base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": _answered_as(service, body.model, adapter)}
-    echo_text = None
+    echo_texts = None
     if body.echo:
-        echo_text = given if isinstance(given, str) else await service.prompts.detokenize(prompt)
-    shape = CompletionShape(base, service.prompts.pieces, body.logprobs is not None, echo_text, prompt)
+        echo_texts = [p if isinstance(p, str) else await service.prompts.detokenize(t)
+                      for p, t in zip(given, prompts, strict=True)]
+    shape = CompletionShape(base, service.prompts.pieces, body.logprobs is not None, echo_texts, prompts, body.n)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    exchange = begin(service, body, "completion", gens, prompt=given if isinstance(given, str) else None)
-    return await _run(request, gens, body.stream, shape, include_usage, ignored, exchange)
+    texts = [p if isinstance(p, str) else None for p in given for _ in range(body.n)]
+    exchange = begin(service, body, "completion", [g for group in groups for g in group], prompts=texts)
+    return await _run(request, groups, body.stream, shape, include_usage, ignored, exchange)
+
+
+async def _completion_prompt(service, body: CompletionRequest, given: str | list[int], param: str) -> list[int]:
+    """One completion prompt's token ids (text tokenized off the engine thread); a 400 naming `param`."""
+    if isinstance(given, str):
+        if not given:
+            raise APIError(400, f"{param}: must not be empty", param)
+        try:
+            return await service.prompts.text(given, body.parse_special)
+        except APIError as e:
+            raise APIError(e.status, e.message.replace("prompt:", f"{param}:", 1), param, e.code) from None
+    if len(given) > service.engine.slot_ctx:       # refused here, not by a scan on the engine thread
+        raise APIError(400, f"{param}: {len(given)} tokens exceed the per-slot context of {service.engine.slot_ctx} "
+                            "tokens", param, "context_length_exceeded")
+    return given
 
 
 def _answered_as(service, model: str | None, adapter: AdapterChoice | None) -> str:

@@ -44,20 +44,20 @@ class Exchange:
 
     records: Any
     kind: str
-    prompt_tokens: list[int]
+    prompt_tokens: list[list[int]]       # per choice (a batch of completion prompts has several)
     sampling: list[dict[str, Any]]       # per choice
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
-    prompt: str | None = None
+    prompts: list[str | None] | None = None   # per choice: a completion prompt's text (None: token ids)
 
     def answers(self, record_id: str, ends: list[tuple[str, Any]]) -> list[ServedAnswer]:
         """`ends`: per choice (its text, its Finished event)."""
         out = []
         for i, (text, fin) in enumerate(ends):
             a = fin.adapter
-            out.append(ServedAnswer(record_id, i, self.kind, self.prompt_tokens, text, fin.finish_reason,  # type: ignore[arg-type]
+            out.append(ServedAnswer(record_id, i, self.kind, self.prompt_tokens[i], text, fin.finish_reason,  # type: ignore[arg-type]
                                     None if a.is_base else a.name, a.version, fin.adapter_version, self.sampling[i],
-                                    self.messages, self.tools, self.prompt))
+                                    self.messages, self.tools, self.prompts[i] if self.prompts else None))
         return out
 
     async def save(self, record_id: str, ends: list[tuple[str, Any]]) -> None:
@@ -79,7 +79,7 @@ def begin(service, body, kind: str, gens: list, **what: Any) -> Exchange | None:
     records = getattr(service, "records", None)
     if records is None or body.store is False:
         return None
-    return Exchange(records, kind, list(gens[0].prompt), [_sampling(g) for g in gens], **what)
+    return Exchange(records, kind, [list(g.prompt) for g in gens], [_sampling(g) for g in gens], **what)
 
 
 # -- helpers -----------------------------------------------------------------------------------------

@@ -367,8 +367,15 @@ class ChatCompletionRequest(_Sampling):
         return self.max_tokens if self.max_tokens is not None else self._predict()
 
 
+# Prompts one /v1/completions request may batch (OpenAI's bound on the array).
+MAX_PROMPTS = 2048
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+    # one prompt (text, or token ids) or a batch of them (each answered by n choices, in order)
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        Annotated[list[int], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: int | None = Field(None, ge=1)  # None: to a stop or the context's end, as llama-server
     echo: bool = False          # the prompt's text (and, with logprobs, its scores) before the answer
     # A dreamstage extension: parse control-token text in the prompt (e.g. a
@@ -381,12 +388,14 @@ class CompletionRequest(_Sampling):
     def limit(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else self._predict()
 
-    def prompt_value(self) -> str | list[int]:
+    def prompt_values(self) -> list[str | list[int]]:
+        """The prompts, in order: one, or each of the batch."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            return p[0]
-        # a list of strings has exactly one item (the field's length bounds), taken above
-        return cast("str | list[int]", p)
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [p]
+        return list(p)
 
 
 class EmbeddingRequest(_Strict):

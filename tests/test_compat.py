@@ -435,6 +435,38 @@ def test_echo_scores_the_prompt(client, server):
     assert plain.choices[0].text.startswith(prompt)
 
 
+def test_a_batch_of_prompts_answers_each_as_it_would_alone(client, http, server):
+    """OpenAI's prompt array: choice k*n + j is prompt k's choice j, as a request of prompt k alone
+    would answer it (the same seeds), more prompts than slots included; usage counts each prompt once."""
+    prompts = ["Water boils at", "The capital of France is", "One, two,", "Roses are red,", "The sun rises in the"]
+    assert len(prompts) > server.service.engine.n_seq
+    alone = [client.completions.create(model="base", prompt=p, max_tokens=6, temperature=0, logprobs=1,
+                                       extra_body={"ignore_eos": True}) for p in prompts]
+    batch = client.completions.create(model="base", prompt=prompts, max_tokens=6, temperature=0, logprobs=1,
+                                      extra_body={"ignore_eos": True})
+    assert [c.index for c in batch.choices] == list(range(len(prompts)))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    for c, a in zip(batch.choices, alone, strict=True):
+        assert c.logprobs.token_logprobs == pytest.approx(a.choices[0].logprobs.token_logprobs, abs=1e-9)
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 6 * len(prompts)
+    ids = [server.service.model.tokenize(p, True, False) for p in prompts[:2]]
+    sampled = client.completions.create(model="base", prompt=ids, n=2, max_tokens=5, temperature=1.0, seed=7)
+    for k, p in enumerate(ids):
+        one = client.completions.create(model="base", prompt=p, n=2, max_tokens=5, temperature=1.0, seed=7)
+        assert [c.text for c in sampled.choices[2 * k:2 * k + 2]] == [c.text for c in one.choices]
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model="base", prompt=prompts, max_tokens=6, temperature=0, echo=True,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {k: p + a.choices[0].text for k, (p, a) in enumerate(zip(prompts, alone, strict=True))}
+    for body, param in (({"prompt": ["a", ""]}, "prompt[1]"), ({"prompt": ["a"] * 5, "n": 2}, "prompt"),
+                        ({"prompt": [[1], []]}, "prompt")):
+        r = http.post("/v1/completions", json={"max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_bad_logprob_requests_are_400s(http):
     for route, body, param in (
             ("/v1/chat/completions", {"messages": ASK, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),

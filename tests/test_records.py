@@ -138,6 +138,15 @@ def test_streams_and_completions_are_recorded_and_store_false_is_not(http):
     (rec,) = http.get(f"/v1/records/{done['id']}").json()["data"]
     assert rec["kind"] == "completion" and rec["prompt"] == "One, two," and rec["answer"] == done["choices"][0]["text"]
     assert rec["messages"] is None
+    batch = http.post("/v1/completions", json={"prompt": ["Red, green,", "Up, down,"], "max_tokens": 3,
+                                                "temperature": 0}).json()
+    recs = sorted(http.get(f"/v1/records/{batch['id']}").json()["data"], key=lambda r: r["index"])
+    assert [(r["index"], r["prompt"], r["answer"]) for r in recs] == [
+        (0, "Red, green,", batch["choices"][0]["text"]), (1, "Up, down,", batch["choices"][1]["text"])]
+    assert recs[0]["prompt_tokens"] != recs[1]["prompt_tokens"]
+    ids = http.post("/v1/completions", json={"prompt": [[1, 2, 3]], "max_tokens": 2}).json()
+    (rec,) = http.get(f"/v1/records/{ids['id']}").json()["data"]
+    assert rec["prompt"] is None and rec["prompt_tokens"] == [1, 2, 3]
     private = ask(http, "Keep this to yourself.", store=False)
     assert http.get(f"/v1/records/{private['id']}").status_code == 404
     private = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Shh."}],

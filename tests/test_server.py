@@ -227,7 +227,9 @@ def test_bad_chat_bodies_get_400_naming_the_field(http, body, field):
 @pytest.mark.parametrize("body,field", [
     ({"prompt": ""}, "prompt"),
     ({"prompt": 5}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", 1]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt[1]"),
+    ({"prompt": [[1, 2], [3, 999999]]}, "prompt"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": [1, 2, 999999]}, "prompt"),
 ])
