@@ -46,7 +46,7 @@ class ChatShape:
         self.tools, self.one_call = tools, one_call
         self._held: dict[int, _Held] = {}
 
-    def _message(self, text: str) -> tuple[dict, bool]:
+    def assistant_message(self, text: str) -> tuple[dict, bool]:
         """The assistant message for `text`, and whether it holds tool calls."""
         parsed = parse_tool_calls(text, self.tools) if self.tools else None
         if parsed is None:
@@ -89,7 +89,7 @@ class ChatShape:
         out, finish = [], fin.finish_reason
         if self.tools:
             held = self._held.pop(index, _Held())
-            message, called = self._message(held.text)
+            message, called = self.assistant_message(held.text)
             lp = {"content": [chat_entry(self.pieces, t) for t in held.logprobs]} if self.logprobs else None
             if called:     # what went out is the content before the calls, white space aside
                 rest = (message["content"] or "")[len(held.text[:held.sent].strip()):]
@@ -109,7 +109,7 @@ class ChatShape:
     def full(self, got: list[Collected], starts: tuple[int, ...] = (0,)) -> dict:
         def choice(i: int, c: Collected) -> dict:
             lp = {"content": [chat_entry(self.pieces, t) for t in c.logprobs]} if self.logprobs else None
-            message, called = self._message(c.text)
+            message, called = self.assistant_message(c.text)
             return {"index": i, "message": message, "logprobs": lp,
                     "finish_reason": "tool_calls" if called else c.finished.finish_reason}
         return {**self.base, "object": "chat.completion", "adapter_version": got[0].finished.adapter_version,

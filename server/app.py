@@ -1,6 +1,6 @@
 """The app: middleware and routers, wired; each route lives in its role's module.
 
-- openai_routes.py: /v1/chat/completions, /v1/completions, /v1/models;
+- openai_routes.py: /v1/chat/completions, /v1/completions, /v1/models; responses.py: /v1/responses;
 - train_routes.py: /train; adapter_routes.py: /adapters;
 - events.py: /events, the live stream; dashboard.py: the page at /;
 - status_routes.py: /health, /slots, /props, /metrics;
@@ -23,6 +23,7 @@ from dreamstage.server.follow import FollowerGuard
 from dreamstage.server.middleware import BodyGuard
 from dreamstage.server.openai_routes import router as openai_router
 from dreamstage.server.record_routes import router as record_router
+from dreamstage.server.responses import router as responses_router
 from dreamstage.server.service import Service
 from dreamstage.server.status_routes import router as status_router
 from dreamstage.server.token_routes import router as token_router
@@ -40,8 +41,8 @@ def create_app(service: Service) -> FastAPI:
         app.add_middleware(FollowerGuard, leader=service.follower.leader)
     app.add_middleware(BodyGuard, max_bytes=service.settings.max_body_bytes)
     security.install(app, service.settings.security(), service.settings.cors_origins)
-    for router in (openai_router, record_router, embedding_router, token_router, train_router, adapter_router,
-                   events_router, dashboard_router, status_router):
+    for router in (openai_router, responses_router, record_router, embedding_router, token_router, train_router,
+                   adapter_router, events_router, dashboard_router, status_router):
         app.include_router(router)
     openapi.install(app)
     return app

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -44,7 +44,7 @@ ADAPTER_NAME_HEADER = "X-Dreamstage-Adapter"
 SHUTDOWN_GRACE_S = 5   # seconds; an int, as uvicorn's timeout_graceful_shutdown takes
 
 
-class _EngineStream(EventSourceResponse):
+class EngineStream(EventSourceResponse):
     """An SSE response that cancels its engine request however it ends (finish, error, disconnect, shutdown)."""
 
     def __init__(self, content, job: EngineRequest, headers: dict):
@@ -116,7 +116,7 @@ async def _run(request: Request, groups: list[list[GenerationRequest]], stream: 
         if exchange is not None:
             await exchange.save(shape.base["id"], [(c.text, c.finished) for c in got])
         return JSONResponse(answer, headers=headers)
-    return _EngineStream(_events(job, shape, adm.adapter_version, include_usage, starts, exchange), job, headers)
+    return EngineStream(_events(job, shape, adm.adapter_version, include_usage, starts, exchange), job, headers)
 
 
 async def _events(job: EngineRequest, shape, version: int | None, include_usage: bool, starts: tuple[int, ...],
@@ -188,26 +188,42 @@ def _choices(body, gen: GenerationRequest, n_slots: int) -> list[GenerationReque
         gen.sampling, seed=None if seed is None else (seed + i) % 2**32)) for i in range(body.n)]
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    service = request.app.state.service
-    ignored = field_headers(body, service.settings.strict_api)
+@dataclass
+class ChatJob:
+    """A chat request made ready for the engine: its choices, the tools offered (names), the
+    answering model's name, and what to record (None: not recorded)."""
+    gens: list[GenerationRequest]
+    tools: frozenset[str] | None
+    model: str
+    exchange: Exchange | None
+
+
+async def prepare_chat(service, body: ChatCompletionRequest, request: Request) -> ChatJob:
+    """Messages through the chat template into token ids (off the engine thread), the grammar of a
+    forced tool call or of the request's constraint, and the choices (chat completions, responses.py)."""
     adapter = resolve(service, body.model, body.lora, scope_of(request))
     offered = body.offered_tools()
     native = bool(offered) and service.chat.supports_tools
     messages = prompt_messages(_message_dicts(body), offered, native)
     grammar = _tool_grammar(body.forced_tools()) if body.forced_tools() else _grammar(body)
-    # token ids, off the engine thread
     prompt = await service.prompts.chat(service.chat, messages, body.chat_template_kwargs, offered if native else None)
     gen = replace(_generation(service, body, prompt, grammar, "messages", adapter), logprobs=body.logprob_count())
     gens = _choices(body, gen, service.engine.n_seq)
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-            "model": _answered_as(service, body.model, adapter), "system_fingerprint": None}
     names = frozenset(t["function"]["name"] for t in offered) if offered else None
-    shape = ChatShape(base, service.prompts.pieces, body.logprobs is True, names, body.parallel_tool_calls is False)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     exchange = begin(service, body, "chat", gens, messages=messages, tools=offered if native else None)
-    return await _run(request, [gens], body.stream, shape, include_usage, ignored, exchange)
+    return ChatJob(gens, names, _answered_as(service, body.model, adapter), exchange)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    service = request.app.state.service
+    ignored = field_headers(body, service.settings.strict_api)
+    job = await prepare_chat(service, body, request)
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": job.model,
+            "system_fingerprint": None}
+    shape = ChatShape(base, service.prompts.pieces, body.logprobs is True, job.tools, body.parallel_tool_calls is False)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await _run(request, [job.gens], body.stream, shape, include_usage, ignored, job.exchange)
 
 
 @router.post("/v1/completions")

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from dreamstage.serving.chat import ROLES
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # allow_inf_nan: Python's json reads Infinity and NaN, which no field means.
     # extra="allow": undeclared fields land in model_extra, for ignored_fields().
     model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True, allow_inf_nan=False)
@@ -38,11 +38,11 @@ def ignored_fields(model: BaseModel, prefix: str = "") -> tuple[list[str], list[
         (extras if name in IGNORED_EXTRAS and not prefix else unknown).append(path)
     for name in type(model).model_fields:
         value = getattr(model, name)
-        if isinstance(value, list) and not (value and isinstance(value[0], _Strict)):
+        if isinstance(value, list) and not (value and isinstance(value[0], StrictModel)):
             continue        # a list holds models or none: 1.5 million token ids need no walk on the event loop
         items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
         for i, item in items:
-            if isinstance(item, _Strict):
+            if isinstance(item, StrictModel):
                 sub = f"{prefix}.{name}" if prefix else name
                 u, e = ignored_fields(item, sub if i is None else f"{sub}[{i}]")
                 unknown += u
@@ -50,24 +50,24 @@ def ignored_fields(model: BaseModel, prefix: str = "") -> tuple[list[str], list[
     return unknown, extras
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str = Field(min_length=1, max_length=64)
     arguments: str = Field(max_length=1 << 20)   # JSON text, as OpenAI sends it
 
 
-class ToolCallIn(_Strict):
+class ToolCallIn(StrictModel):
     """A call an assistant message made earlier in the conversation."""
     id: str | None = Field(None, max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -82,28 +82,28 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
-class FunctionSpec(_Strict):
+class FunctionSpec(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None     # a JSON schema of the arguments object
     strict: bool | None = None
 
 
-class ToolSpec(_Strict):
+class ToolSpec(StrictModel):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class ChosenFunction(_Strict):
+class ChosenFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: ChosenFunction
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
@@ -114,7 +114,7 @@ class JsonSchemaSpec(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama-cpp-python's spelling
@@ -133,7 +133,7 @@ class ResponseFormat(_Strict):
 StopField = str | Annotated[list[str], Field(max_length=16)] | None
 
 
-class LoraEntry(_Strict):
+class LoraEntry(StrictModel):
     """llama-server's per-request adapter: {"id": i | "name": n, "scale": s} (adapter_select.py)."""
     id: int | None = Field(None, ge=0, le=2**31 - 1)
     name: str | None = Field(None, min_length=1, max_length=80)
@@ -146,7 +146,7 @@ class LoraEntry(_Strict):
         return self
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictModel):
     """vLLM's structured_outputs: one constraint on the answer (Constraint)."""
     json_: dict[str, Any] | str | None = Field(None, alias="json")   # a JSON schema, or its JSON text
     regex: str | None = Field(None, min_length=1, max_length=1 << 16)
@@ -165,7 +165,7 @@ class Constraint(BaseModel):
     value: Any = None
 
 
-class _Sampling(_Strict):
+class _Sampling(StrictModel):
     # an adapter name, name@version, "base" or the base model's id (adapter_select.py); none: the default adapter
     model: str | None = Field(None, max_length=200)
     lora: Annotated[list[LoraEntry], Field(max_length=64)] | None = None
@@ -398,7 +398,7 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(StrictModel):
     """OpenAI's POST /v1/embeddings: one text, texts, token ids or lists of them."""
     input: str | Annotated[list[str], Field(min_length=1, max_length=64)] | \
         Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)] | \
@@ -418,7 +418,7 @@ class EmbeddingRequest(_Strict):
         return list(cast("list[str] | list[list[int]]", v))
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """llama-server's POST /tokenize: text, or text pieces and token ids mixed."""
     content: str | list[str | Annotated[int, Field(ge=0, le=2**31 - 1)]] = ""
     add_special: bool = False       # BOS etc., as the vocabulary wants, before the first text piece
@@ -426,6 +426,6 @@ class TokenizeRequest(_Strict):
     with_pieces: bool = False       # each token as {"id", "piece"}
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """llama-server's POST /detokenize."""
     tokens: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(default_factory=list)

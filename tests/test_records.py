@@ -144,6 +144,10 @@ def test_streams_and_completions_are_recorded_and_store_false_is_not(http):
     assert [(r["index"], r["prompt"], r["answer"]) for r in recs] == [
         (0, "Red, green,", batch["choices"][0]["text"]), (1, "Up, down,", batch["choices"][1]["text"])]
     assert recs[0]["prompt_tokens"] != recs[1]["prompt_tokens"]
+    resp = http.post("/v1/responses", json={"input": "One, two,", "max_output_tokens": 3, "temperature": 0}).json()
+    (rec,) = http.get(f"/v1/records/{resp['id']}").json()["data"]
+    assert rec["kind"] == "chat" and rec["answer"] == resp["output"][0]["content"][0]["text"]
+    assert rec["messages"] == [{"role": "user", "content": "One, two,"}]
     ids = http.post("/v1/completions", json={"prompt": [[1, 2, 3]], "max_tokens": 2}).json()
     (rec,) = http.get(f"/v1/records/{ids['id']}").json()["data"]
     assert rec["prompt"] is None and rec["prompt_tokens"] == [1, 2, 3]
