@@ -71,6 +71,7 @@ def _generation(service, body, prompt: list[int], grammar: str | None, prompt_pa
                        logit_bias=bias)
     return GenerationRequest(prompt, body.limit(), sampling, body.stop_list(),
                              stop_tokens=frozenset(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                             min_tokens=body.min_tokens,
                              cache_prompt=body.cache_prompt, prompt_param=prompt_param, adapter=adapter)
 
 

@@ -33,8 +33,8 @@ router = APIRouter(route_class=EdgeRoute)
 # Chat request fields a Responses body may carry as they are (vLLM's and llama-server's sampling extras).
 FORWARDED = ("top_k", "min_p", "typical_p", "repetition_penalty", "repeat_penalty", "repeat_last_n",
              "frequency_penalty", "presence_penalty", "seed", "stop", "logit_bias", "stop_token_ids", "ignore_eos",
-             "cache_prompt", "chat_template_kwargs", "grammar", "structured_outputs", "guided_json", "guided_regex",
-             "guided_choice", "guided_grammar", "lora")
+             "min_tokens", "cache_prompt", "chat_template_kwargs", "grammar", "structured_outputs", "guided_json",
+             "guided_regex", "guided_choice", "guided_grammar", "lora")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
@@ -93,6 +93,7 @@ class ResponsesRequest(StrictModel):
     logit_bias: Any = None
     stop_token_ids: Any = None
     ignore_eos: Any = None
+    min_tokens: Any = None
     cache_prompt: Any = None
     chat_template_kwargs: Any = None
     grammar: Any = None
@@ -133,7 +134,7 @@ def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         param = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens"}.get(
-            str(err["loc"][0]) if err["loc"] else "", str(err["loc"][0]) if err["loc"] else "input")
+            str(err["loc"][0]) if err["loc"] else "", str(err["loc"][0]) if err["loc"] else "body")
         raise APIError(400, f"{loc or param}: {err['msg']}", param) from None
 
 

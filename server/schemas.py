@@ -189,6 +189,8 @@ class _Sampling(StrictModel):
         None = Field(None)
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(max_length=64)] | None = None
     ignore_eos: bool = False       # llama-server / vLLM: end-of-generation tokens do not stop
+    # vLLM: no end-of-generation or stop token is drawn, and no stop string is looked for, before this many tokens
+    min_tokens: int = Field(0, ge=0, le=2**31 - 1)
     cache_prompt: bool = True      # llama-server: False starts the slot's K/V afresh
     n_predict: int | None = Field(None, ge=-1)   # llama-server's max_tokens; -1: to the context's end
     stream: bool = False
@@ -222,6 +224,17 @@ class _Sampling(StrictModel):
             if so.json_object:
                 out.append(Constraint(param="structured_outputs.json_object", kind="json"))
         return out
+
+    def limit(self) -> int | None:
+        """The most tokens an answer may have (None: to a stop or the context's end)."""
+        return self._predict()
+
+    @model_validator(mode="after")
+    def _min_within_limit(self):
+        limit = self.limit()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than the {limit} tokens an answer may have")
+        return self
 
     @model_validator(mode="after")
     def _one_constraint_given(self):

@@ -70,14 +70,32 @@ def test_unknown_fields_are_ignored_and_named_in_a_header(client):
     assert "x-dreamstage-ignored-fields" not in plain.headers
 
 
+def test_min_tokens_holds_off_the_end_and_the_stop_strings(client, http):
+    """vLLM's min_tokens: greedy, the answer is the natural one up to where it ended, then goes on to at
+    least min_tokens; a stop string inside the first min_tokens tokens does not end it."""
+    ask = dict(model="base", messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=64)
+    natural = client.chat.completions.create(**ask)
+    n, text = natural.usage.completion_tokens, natural.choices[0].message.content
+    assert natural.choices[0].finish_reason == "stop" and 2 < n < 40, natural
+    longer = client.chat.completions.create(**ask, extra_body={"min_tokens": n + 8})
+    assert longer.usage.completion_tokens >= n + 8 and longer.choices[0].message.content.startswith(text)
+    word = text.split()[0]
+    cut = client.chat.completions.create(**ask, stop=[word])
+    assert cut.choices[0].message.content == text[:text.index(word)]
+    held = client.chat.completions.create(**ask, stop=[word], extra_body={"min_tokens": n})
+    assert held.choices[0].message.content.startswith(text[:-1]) and held.usage.completion_tokens >= n
+    r = http.post("/v1/chat/completions", json={**ask, "max_tokens": 4, "min_tokens": 5})
+    assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"], r.text
+
+
 def test_what_the_table_says_is_not_served_is_named_or_404(http):
     """README's compatibility table: vLLM's beam and prompt-scoring fields are ignored (and named),
     llama-server's own non-OpenAI routes are not served."""
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "guided_decoding_backend": "xgrammar",
-                                           "best_of": 2, "min_tokens": 3, "prompt_logprobs": 1})
+                                           "best_of": 2, "use_beam_search": False, "prompt_logprobs": 1})
     assert r.status_code == 200
     assert set(r.headers["x-dreamstage-ignored-fields"].split(", ")) == {"guided_decoding_backend", "best_of",
-                                                                          "min_tokens", "prompt_logprobs"}
+                                                                          "use_beam_search", "prompt_logprobs"}
     for route in ("/completion", "/embedding", "/infill", "/rerank", "/apply-template"):
         assert http.post(route, json={"prompt": "Hi"}).status_code == 404, route
 

@@ -145,11 +145,15 @@ class BatchMixin(EngineCore):
     def _sample(self, outputs: list[tuple[_Slot, int]]) -> None:
         """Sample each slot that has an output row; stream its text; release finished slots."""
         now = time.perf_counter()
-        eog = self.model.is_eog
+        eog = self.model.eog_tokens
         for s, idx in outputs:
             job, stream, sampler = s.job, s.stream, s.sampler
             if job is None or stream is None or sampler is None or job.handle.cancelled:
                 continue
+            early = s.generated < job.request.min_tokens
+            if early:
+                self._ban_ends(idx, job.request.stop_tokens if job.request.ignore_eos else
+                               eog | job.request.stop_tokens)
             top = job.request.logprobs
             if top is None:
                 token, logprob = sampler.sample(self.model.ctx, idx), None
@@ -163,10 +167,10 @@ class BatchMixin(EngineCore):
             else:
                 self.stats.itl.observe(now - s.t_last)
             s.t_last = now
-            if (eog(token) and not job.request.ignore_eos) or token in job.request.stop_tokens:
+            if (token in eog and not job.request.ignore_eos) or token in job.request.stop_tokens:
                 self._release(s, "stop")
                 continue
-            text = stream.push(self.model.token_piece(token))
+            text = stream.push(self.model.token_piece(token), look=not early)
             self._send(job, Delta(text, token, logprob))
             if stream.stopped:
                 self._release(s, "stop", flush=False)
@@ -174,6 +178,12 @@ class BatchMixin(EngineCore):
                 self._release(s, "length")
             else:
                 s.next_token = token
+
+    def _ban_ends(self, idx: int, tokens: frozenset[int]) -> None:
+        """Logits row `idx` with `tokens` at -inf, so that no sampler draws them (min_tokens)."""
+        if tokens:
+            row = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.model.ctx, idx), shape=(self.model.n_vocab,))
+            row[np.fromiter(tokens, dtype=np.int64, count=len(tokens))] = -np.inf
 
     def _decode_failed(self, rc: int, outputs) -> None:
         # Status 1 means no free K/V cells; others are hard errors. Either way the

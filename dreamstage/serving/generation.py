@@ -86,6 +86,7 @@ class GenerationRequest:
     add_special: bool = True         # add BOS when the vocabulary wants it (text prompts)
     stop_tokens: frozenset[int] = frozenset()   # sampling one ends the request ("stop"), not emitted
     ignore_eos: bool = False         # end-of-generation tokens do not end the request
+    min_tokens: int = 0              # no end-of-generation or stop token or stop string before this many tokens
     cache_prompt: bool = True        # False: the slot's cached prefix is not reused
     prompt_param: str = "prompt"     # the request field a too-long prompt is blamed on
     logprobs: int | None = None      # each token's logprob with this many top alternatives; None: none
@@ -110,9 +111,10 @@ class TextStream:
         self._held = ""
         self.stopped = False
 
-    def push(self, data: bytes) -> str:
+    def push(self, data: bytes, look: bool = True) -> str:
+        """The text now safe to emit; `look` False: stop strings are not looked for in this text."""
         text = self._held + self._dec.decode(data)
-        if not self._stop:
+        if not self._stop or not look:
             self._held = ""
             return text
         cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)

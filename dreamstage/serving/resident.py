@@ -6,6 +6,7 @@ thread, once serving runs). The class owns the native handles and frees them.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import weakref
@@ -391,6 +392,13 @@ class ResidentModel(NativeOwner):
     def is_eog(self, token: int) -> bool:
         with self._vocab_lock:
             return bool(self.lc.llama_vocab_is_eog(self._loaded_vocab(), token))
+
+    @functools.cached_property
+    def eog_tokens(self) -> frozenset[int]:
+        """Every end-of-generation token of the vocabulary (read once: the model file fixes it)."""
+        with self._vocab_lock:
+            vocab = self._loaded_vocab()
+            return frozenset(t for t in range(self.n_vocab) if self.lc.llama_vocab_is_eog(vocab, t))
 
     # -- tokenizer ------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
