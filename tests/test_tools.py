@@ -82,11 +82,11 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     from dreamstage.server.answers import ChatShape
     text = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
             '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>')
-    many, called = ChatShape({}, (), False, NAMES)._message(text)
-    one, _ = ChatShape({}, (), False, NAMES, one_call=True)._message(text)
+    many, called = ChatShape({}, (), False, NAMES).assistant_message(text)
+    one, _ = ChatShape({}, (), False, NAMES, one_call=True).assistant_message(text)
     assert called and many["content"] is None and len(many["tool_calls"]) == 2
     assert [json.loads(c["function"]["arguments"]) for c in one["tool_calls"]] == [{"a": 1, "b": 2}]
-    plain, called = ChatShape({}, (), False, NAMES)._message("no calls here")
+    plain, called = ChatShape({}, (), False, NAMES).assistant_message("no calls here")
     assert not called and plain == {"role": "assistant", "content": "no calls here"}
 
 
@@ -150,7 +150,7 @@ def test_a_streamed_answer_with_tools_sends_text_as_it_comes_and_calls_at_the_en
     last = shape.final(Finished("stop", 1, 1, 0, 0), 0)
     deltas = [c["choices"][0]["delta"] for c in last]
     streamed = early_text + "".join(d.get("content") or "" for d in deltas)
-    whole, called = ChatShape({}, (), False, NAMES)._message(text)
+    whole, called = ChatShape({}, (), False, NAMES).assistant_message(text)
     assert streamed == (whole["content"] or "") == (content or "")
     assert last[-1]["choices"][0]["finish_reason"] == ("tool_calls" if expected else "stop")
     got = [d["tool_calls"] for d in deltas if d.get("tool_calls")]

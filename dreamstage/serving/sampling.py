@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -99,9 +100,16 @@ def json_schema_grammar(schema: dict | None) -> str:
     if schema is None:
         return llama_grammar.JSON_GBNF
     try:
-        return llama_grammar.json_schema_to_gbnf(json.dumps(schema))
+        gbnf = llama_grammar.json_schema_to_gbnf(json.dumps(schema))
     except Exception as e:  # the converter raises plain Exceptions
         raise GrammarError(f"JSON schema could not be converted to a grammar: {e}") from e
+    # The converter's string character admits raw control characters, which JSON does not (a newline
+    # inside a string made json.loads fail): the rule JSON_GBNF's strings use instead.
+    return _LOOSE_CHAR.sub(lambda m: m.group(1) + _JSON_CHAR, gbnf)
+
+
+_LOOSE_CHAR = re.compile(r'^(char ::= )\[\^"\\\\\]', re.MULTILINE)    # the rule's `char ::= [^"\\]`
+_JSON_CHAR = r'[^"\\\x7F\x00-\x1F]'
 
 
 def _pre_stage(lc, chain, vocab, n_vocab: int, p: SamplingParams) -> None:
