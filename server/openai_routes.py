@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from dreamstage.adapters.choice import AdapterChoice
+from dreamstage.adapters.choice import BASE_NAME, AdapterChoice
 from dreamstage.server import errors
 from dreamstage.server.adapter_select import listed_adapters, resolve
 from dreamstage.server.answers import ChatShape, CompletionShape, usage
@@ -285,6 +285,20 @@ def _answered_as(service, model: str | None, adapter: AdapterChoice | None) -> s
 @router.get("/v1/models")
 async def models(request: Request):
     """The base model, then every adapter with a served version (the key's, when it is scoped), as vLLM lists them."""
+    return {"object": "list", "data": _model_entries(request)}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    """One entry of /v1/models (OpenAI's retrieve): by its id, or "base"; else 404."""
+    entries = _model_entries(request)
+    found = entries[0] if model_id == BASE_NAME else next((e for e in entries if e["id"] == model_id), None)
+    if found is None:
+        raise APIError(404, f"The model `{model_id[:200]}` does not exist.", "model", "model_not_found")
+    return found
+
+
+def _model_entries(request: Request) -> list[dict]:
     service = request.app.state.service
     engine = service.engine
     scope = scope_of(request)
@@ -297,4 +311,4 @@ async def models(request: Request):
         data.append({"id": v["name"], "object": "model", "created": int(v["created"]), "owned_by": "dreamstage",
                      "root": v["path"], "parent": service.model_id, "max_model_len": engine.slot_ctx,
                      "version": v["version"], "adapter_version": v["served_version"], "default": v["default"]})
-    return {"object": "list", "data": public(data)}
+    return public(data)

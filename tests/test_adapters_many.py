@@ -181,6 +181,11 @@ def test_v1_models_lists_the_base_and_every_served_adapter(server):
     for m in adapters.values():
         assert m["object"] == "model" and m["parent"] == srv.service.model_id and m["version"] == 1
         assert m["created"] > 0 and m["adapter_version"] >= 1
+    # OpenAI's retrieve: one entry by its id ("base" for the base), 404 otherwise
+    assert http.get("/v1/models/alice").json() == adapters["alice"]
+    assert http.get("/v1/models/base").json() == data[0] == http.get(f"/v1/models/{data[0]['id']}").json()
+    r = http.get("/v1/models/nobody")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_scoped_keys_keep_tenants_apart(server, files):
@@ -192,6 +197,7 @@ def test_scoped_keys_keep_tenants_apart(server, files):
         assert complete(http, other, key=key).json()["error"]["code"] == "model_not_found"
         assert complete(http, lora=[{"name": other}], key=key).status_code == 404
         assert [m["id"] for m in http.get("/v1/models", headers=h).json()["data"][1:]] == [key.split("-")[0]]
+        assert http.get(f"/v1/models/{other}", headers=h).status_code == 404
         listed = http.get("/adapters", headers=h).json()
         assert {a["name"] for a in listed["adapters"]} == {key.split("-")[0]}
         assert http.get(f"/adapters/{other}/versions/1", headers=h).status_code == 404
