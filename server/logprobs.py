@@ -8,12 +8,12 @@ import math
 
 from dreamstage.serving.sampling import TokenLogprob
 
-# JSON has no -Infinity: a token the grammar ruled out is reported this low (OpenAI's floor).
+# JSON has no -Infinity: a token the grammar ruled out, or a banned one, is reported this low (OpenAI's floor).
 _FLOOR = -9999.0
 
 
 def _lp(value: float) -> float:
-    return value if math.isfinite(value) else _FLOOR
+    return value if math.isfinite(value) and value > _FLOOR else _FLOOR
 
 
 def _text(pieces: tuple[bytes, ...], token: int) -> str:

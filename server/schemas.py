@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from dreamstage.serving.chat import ROLES
+from dreamstage.serving.sampling import BANNED_LOGIT
 
 
 class StrictModel(BaseModel):
@@ -271,13 +272,13 @@ class _Sampling(StrictModel):
         return v
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
-        """(token, bias) pairs; a ban (false, or -100 and below) is -inf."""
+        """(token, bias) pairs; a ban (false, or -100 and below) is BANNED_LOGIT."""
         if self.logit_bias is None:
             return ()
         items = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         out = []
         for key, bias in items:
-            value = float("-inf") if bias is False or float(bias) <= -100.0 else float(bias)
+            value = BANNED_LOGIT if bias is False or float(bias) <= -100.0 else float(bias)
             out.append((int(key), value))
         return tuple(out)
 

@@ -88,6 +88,29 @@ def test_min_tokens_holds_off_the_end_and_the_stop_strings(client, http):
     assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"], r.text
 
 
+def test_a_grammar_that_allows_only_banned_tokens_ends_the_answer_not_the_server(server, http):
+    """Once a grammar is complete it allows only an end-of-generation token; banning those (logit_bias, or
+    min_tokens) left no token to draw, and llama.cpp's grammar aborted the process. A ban is finite now:
+    the grammar's end wins."""
+    bans = {str(t): -100 for t in server.service.model.eog_tokens}
+    for extra in ({"logit_bias": bans}, {"min_tokens": 5}, {"logit_bias": bans, "temperature": 1.0}):
+        r = http.post("/v1/completions", json={"prompt": "Yes or no?", "max_tokens": 8,
+                                               "guided_choice": ["yes"], **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "yes", (extra, r.text)
+    scored = http.post("/v1/completions", json={"prompt": "Yes or no?", "max_tokens": 8, "logprobs": 2,
+                                                "grammar": 'root ::= "yes"', "logit_bias": bans}).json()
+    assert all(-9999.0 <= x <= 0.0 for x in scored["choices"][0]["logprobs"]["token_logprobs"])
+    # a grammar no token of this vocabulary continues past its fourth character (found by the fuzz):
+    # a 400 naming the grammar, whole or streamed, with or without logprobs; the server serves on
+    dead = {"prompt": "a", "max_tokens": 8, "grammar": 'root ::= "-" "\u00ba" "\\x0F" "\U000b0cb2"'}
+    for extra in ({}, {"logprobs": 1}):
+        r = http.post("/v1/completions", json={**dead, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
+    streamed = http.post("/v1/completions", json={**dead, "stream": True}).text
+    assert '"param":"grammar"' in streamed and "[DONE]" not in streamed
+    assert http.get("/health").json()["status"] == "ok"
+
+
 def test_what_the_table_says_is_not_served_is_named_or_404(http):
     """README's compatibility table: vLLM's beam and prompt-scoring fields are ignored (and named),
     llama-server's own non-OpenAI routes are not served."""

@@ -16,7 +16,7 @@ from dreamstage.adapters.choice import AdapterChoice
 from dreamstage.serving import rpc
 from dreamstage.serving.core import EngineCore
 from dreamstage.serving.generation import Delta, Failed, PromptScored
-from dreamstage.serving.sampling import log_softmax, scored
+from dreamstage.serving.sampling import BANNED_LOGIT, GrammarDeadEnd, log_softmax, scored
 from dreamstage.serving.slots import _Slot
 
 if TYPE_CHECKING:
@@ -155,10 +155,16 @@ class BatchMixin(EngineCore):
                 self._ban_ends(idx, job.request.stop_tokens if job.request.ignore_eos else
                                eog | job.request.stop_tokens)
             top = job.request.logprobs
-            if top is None:
-                token, logprob = sampler.sample(self.model.ctx, idx), None
-            else:
-                token, logprob = sampler.sample_scored(self.model.ctx, idx, top)
+            try:
+                if top is None:
+                    token, logprob = sampler.sample(self.model.ctx, idx), None
+                else:
+                    token, logprob = sampler.sample_scored(self.model.ctx, idx, top)
+            except GrammarDeadEnd as e:
+                self._clear_slot(s)
+                self._free_slot(s)
+                self._finish_job(job, Failed(400, f"{e} (after {s.generated} tokens)", "grammar"), "invalid")
+                continue
             s.generated += 1
             self.stats.generated_tokens += 1
             if s.first_token_at is None:
@@ -180,10 +186,10 @@ class BatchMixin(EngineCore):
                 s.next_token = token
 
     def _ban_ends(self, idx: int, tokens: frozenset[int]) -> None:
-        """Logits row `idx` with `tokens` at -inf, so that no sampler draws them (min_tokens)."""
+        """Logits row `idx` with `tokens` banned (BANNED_LOGIT: a grammar that allows nothing else still ends)."""
         if tokens:
             row = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.model.ctx, idx), shape=(self.model.n_vocab,))
-            row[np.fromiter(tokens, dtype=np.int64, count=len(tokens))] = -np.inf
+            row[np.fromiter(tokens, dtype=np.int64, count=len(tokens))] = BANNED_LOGIT
 
     def _decode_failed(self, rc: int, outputs) -> None:
         # Status 1 means no free K/V cells; others are hard errors. Either way the

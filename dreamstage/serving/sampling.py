@@ -32,6 +32,16 @@ class GrammarError(ValueError):
     """A grammar or JSON schema that llama.cpp could not compile."""
 
 
+class GrammarDeadEnd(GrammarError):
+    """The grammar allows no token of the vocabulary at this point of the answer."""
+
+
+# What a banned token's logit becomes (logit_bias -100 or false, min_tokens): below any real logit, so
+# never drawn while any other token is allowed, but finite. Where a grammar allows only banned tokens
+# one of them is drawn; at -inf nothing is left and llama.cpp's grammar aborts the process.
+BANNED_LOGIT = -1e30
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling. The defaults are llama-server's (its common
@@ -47,7 +57,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None     # None: a fresh random seed per request
-    logit_bias: tuple[tuple[int, float], ...] = ()   # (token, bias) added to the logits; -inf bans
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token, bias) added to the logits; BANNED_LOGIT bans
     grammar: str | None = None  # GBNF, root rule "root"
 
     @property
@@ -177,12 +187,27 @@ class Sampler:
             self.free()
             raise
         self._cells = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+        # A grammar can reach a point no token continues; drawn from nothing, llama.cpp's grammar then
+        # aborts the process. Such a chain samples in two stages and checks between them.
+        self._checked = p.grammar is not None
 
     def sample(self, ctx, idx: int) -> int:
-        return self.lc.llama_sampler_sample(self.chain, ctx, idx)
+        """The drawn token (accepted by the chain). Raises GrammarDeadEnd where the grammar allows none."""
+        if not self._checked:
+            return self.lc.llama_sampler_sample(self.chain, ctx, idx)
+        cur, _ = self._staged(ctx, idx)
+        return self._draw(cur)
 
     def sample_scored(self, ctx, idx: int, top_n: int) -> tuple[int, TokenLogprob]:
         """The drawn token and its log-probability (with the top_n most likely) under the pre stage's distribution."""
+        cur, staged = self._staged(ctx, idx)
+        logprobs = log_softmax(staged["logit"].astype(np.float64))
+        ids = staged["id"].copy()
+        token = self._draw(cur)
+        return token, scored(ids, logprobs, token, top_n)
+
+    def _staged(self, ctx, idx: int):
+        """Row idx's candidates through the pre stage: (the llama_token_data_array, a view of its cells)."""
         lc, n = self.lc, self.n_vocab
         cells = self._cells
         cells["id"] = np.arange(n, dtype=np.int32)
@@ -191,12 +216,15 @@ class Sampler:
         cur = lc.llama_token_data_array(cells.ctypes.data_as(lc.llama_token_data_p), n, -1, False)
         lc.llama_sampler_apply(self.pre, ctypes.byref(cur))
         staged = _cells_of(cur)
-        logprobs = log_softmax(staged["logit"].astype(np.float64))
-        ids = staged["id"].copy()
-        lc.llama_sampler_apply(self.post, ctypes.byref(cur))
+        if not np.isfinite(staged["logit"]).any():
+            raise GrammarDeadEnd("the grammar allows no token of the vocabulary here, so the answer cannot go on")
+        return cur, staged
+
+    def _draw(self, cur) -> int:
+        self.lc.llama_sampler_apply(self.post, ctypes.byref(cur))
         token = int(cur.data[cur.selected].id)
-        lc.llama_sampler_accept(self.chain, token)
-        return token, scored(ids, logprobs, token, top_n)
+        self.lc.llama_sampler_accept(self.chain, token)
+        return token
 
     def free(self) -> None:
         if self.chain is not None:
