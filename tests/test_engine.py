@@ -102,6 +102,26 @@ def test_prompt_extending_a_slot_cache_reuses_it(engine):
     assert ev_b[0].cached_tokens == ev_b[0].prompt_tokens - 1
 
 
+def test_a_memory_that_cannot_drop_a_tail_decodes_the_prompt_whole(engine, monkeypatch):
+    """Where llama_memory_seq_rm refuses to drop a sequence's tail (a recurrent state does), the
+    cached prefix is not reused: the prompt is decoded whole and the answer is the same."""
+    prompt = CHAT.format("Name three fruits.")
+    a, _ = run(engine, prompt, 12)
+    real, refused = engine.lc.llama_memory_seq_rm, []
+
+    def whole_only(memory, seq, p0, p1):
+        if p0 > 0:
+            refused.append((seq, p0))
+            return False
+        return real(memory, seq, p0, p1)
+    monkeypatch.setattr(engine.lc, "llama_memory_seq_rm", whole_only)
+    b, ev_b = run(engine, prompt, 12)
+    monkeypatch.undo()
+    assert refused and ev_b[0].cached_tokens == 0 and b == a
+    c, ev_c = run(engine, prompt, 12)
+    assert c == a and ev_c[0].cached_tokens == ev_c[0].prompt_tokens - 1
+
+
 def test_conversations_one_at_a_time_keep_their_own_slots(engine):
     """Two conversations taking turns, one request at a time: a new conversation takes an
     empty slot rather than give up the other's cache for the chat template's shared

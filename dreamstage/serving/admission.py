@@ -182,8 +182,11 @@ class AdmissionMixin(PoolMixin):
             return None
 
     def _seat(self, slot: _Slot, job: _Job, sampler: Sampler, n_common: int) -> None:
-        """Put `job` in `slot`, keeping the first n_common cached prompt tokens."""
-        self.lc.llama_memory_seq_rm(self.model.memory, slot.seq_id, n_common, -1)
+        """Put `job` in `slot`, keeping the first n_common cached prompt tokens (none where the
+        memory cannot drop a sequence's tail, as a recurrent state cannot: the prompt is decoded whole)."""
+        if not self.lc.llama_memory_seq_rm(self.model.memory, slot.seq_id, n_common, -1):
+            self.lc.llama_memory_seq_rm(self.model.memory, slot.seq_id, -1, -1)
+            n_common = 0
         slot.seat(job, sampler, n_common)
         self.stats.prompt_tokens += len(job.prompt)
         self.stats.prompt_tokens_cached += n_common     # a follower's whole prompt: its leader's copied K/V

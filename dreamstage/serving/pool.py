@@ -92,10 +92,10 @@ class PoolMixin(EngineCore):
             raise ValueError(f"a lent sequence of {cells} positions exceeds the context of {self.slot_ctx} tokens")
         if not 0 <= keep <= cells:
             raise ValueError(f"keep {keep} must be within the {cells} positions reserved")
-        if keep:
-            self.lc.llama_memory_seq_rm(self.model.memory, lease.slot.seq_id, keep, -1)
-        else:
+        if not keep or not self.lc.llama_memory_seq_rm(self.model.memory, lease.slot.seq_id, keep, -1):
             self._clear_slot(lease.slot)
+            if keep:
+                return False        # the tail cannot be dropped alone: refused (the caller retries keeping none)
         if self.pool is None:
             return True
         lease.cells = 0

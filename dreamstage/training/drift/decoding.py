@@ -54,7 +54,9 @@ class Decoder:
 
     def clear(self, keep: int = 0) -> None:
         """Forget the sequence's positions from `keep` on (0: all of them)."""
-        self.lc.llama_memory_seq_rm(self.rm.memory, self.seq_id, keep if keep else -1, -1)
+        if not self.lc.llama_memory_seq_rm(self.rm.memory, self.seq_id, keep if keep else -1, -1):
+            raise RuntimeError(f"the model's memory cannot drop positions {keep}.. of the drift sequence "
+                               f"{self.seq_id} alone (a recurrent state): drift measurement needs a K/V cache")
 
     def close(self) -> None:
         if self._batch is not None:
@@ -194,7 +196,7 @@ class Decoder:
         for i, rng in enumerate(rngs):
             if i:
                 yield
-                self.lc.llama_memory_seq_rm(self.rm.memory, self.seq_id, len(prompt), -1)
+                self.clear(len(prompt))
             kept: list[np.ndarray] = []
 
             def pick(logits: np.ndarray, rng=rng, kept=kept) -> int:
