@@ -23,6 +23,7 @@ from dreamstage.server.follow import FollowerGuard
 from dreamstage.server.middleware import BodyGuard
 from dreamstage.server.openai_routes import router as openai_router
 from dreamstage.server.record_routes import router as record_router
+from dreamstage.server.response_store import ResponseStore
 from dreamstage.server.responses import router as responses_router
 from dreamstage.server.service import Service
 from dreamstage.server.status_routes import router as status_router
@@ -33,6 +34,7 @@ from dreamstage.server.train_routes import router as train_router
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="dreamstage", version="0.1.0")
     app.state.service = service
+    app.state.response_store = ResponseStore()      # /v1/responses kept for previous_response_id
     app.state.metrics = metrics.registry(service)
     errors.install(app)
     # Outermost first when a request arrives: CORS (if allow-listed), the

@@ -72,7 +72,7 @@ _WHY = {
     401: "missing or wrong API key (when the server has one)",
     403: "Host header not allowed (loopback binds check it against DNS rebinding), or a write from another "
          "origin's page",
-    404: "no such job or adapter",
+    404: "no such job, adapter, model or kept response",
     409: "the job or adapter state does not allow this, or this server follows a leader (--follow): "
          "train and change adapters there",
     413: "body or job over a limit: the message names the limit and its value",
@@ -89,6 +89,10 @@ _WRITE = (400, 413, 415)
 _ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/chat/completions"): (400, 404, 503),
     ("post", "/v1/completions"): (400, 404, 503),
+    ("post", "/v1/responses"): (400, 404, 503),         # 404: a model, or a previous_response_id, not here
+    ("get", "/v1/responses/{response_id}"): (404,),
+    ("delete", "/v1/responses/{response_id}"): (404,),
+    ("get", "/v1/models/{model_id}"): (404,),
     ("get", "/health"): (503,),
     ("post", "/v1/embeddings"): (400, 404, 501, 503),
     ("post", "/tokenize"): (400,),
@@ -241,7 +245,7 @@ def build(app) -> dict:
         schemas.pop(name, None)
     _apply_rules(schemas)
     # Completions stream as server-sent events when `stream` is true.
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         if path in doc["paths"]:
             ok = doc["paths"][path]["post"]["responses"]["200"]
             # One schema per event: `data:` is a JSON chunk (or an error body), then "[DONE]".

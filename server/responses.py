@@ -1,5 +1,7 @@
-"""OpenAI's Responses API: POST /v1/responses, stateless (nothing is kept to continue from:
-`previous_response_id` is a 400; send the conversation in `input`).
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}. A response is kept
+(response_store.py, in memory) unless the request says `"store": false`, so a later request may continue
+it by `previous_response_id`: its conversation, answer included, goes before the new input (its
+instructions do not, as OpenAI's do not).
 
 A request's input items become chat messages (`instructions` first), its function tools and
 `text.format` the chat request's tools and response_format, so it is answered by the chat path
@@ -8,10 +10,11 @@ Response (message and function_call output items, usage) or as its stream of typ
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
@@ -25,7 +28,9 @@ from dreamstage.server.errors import APIError
 from dreamstage.server.fields import field_headers
 from dreamstage.server.middleware import EdgeRoute
 from dreamstage.server.openai_routes import ADAPTER_HEADER, ADAPTER_NAME_HEADER, EngineStream, prepare_chat
+from dreamstage.server.response_store import ResponseStore
 from dreamstage.server.schemas import MAX_MESSAGES, ChatCompletionRequest, StrictModel
+from dreamstage.server.tenants import scope_of
 from dreamstage.serving.engine import Delta, Failed, Finished
 
 router = APIRouter(route_class=EdgeRoute)
@@ -105,12 +110,10 @@ class ResponsesRequest(StrictModel):
     lora: Any = None
 
 
-def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that answers `body`; a 400 naming the Responses field that cannot be one."""
-    if body.previous_response_id is not None:
-        raise APIError(400, "previous_response_id: responses are not stored here; send the conversation in input",
-                       "previous_response_id")
-    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + \
+def chat_body(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request that answers `body` after the `earlier` conversation (chat messages); a 400
+    naming the Responses field that cannot be one."""
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + earlier + \
         input_messages(body.input)
     d: dict[str, Any] = {"messages": messages, "stream": False}
     for name in ("model", "temperature", "top_p", "parallel_tool_calls", "user", "store", *FORWARDED):
@@ -200,7 +203,9 @@ def _text(content: Any, param: str) -> str:
 async def responses(body: ResponsesRequest, request: Request):
     service = request.app.state.service
     ignored = field_headers(body, service.settings.strict_api)
-    chat = chat_body(body)
+    earlier = _earlier(request, body.previous_response_id)
+    chat = chat_body(body, earlier)
+    conversation = [*earlier, *input_messages(body.input)]     # what a later response continues
     job = await prepare_chat(service, chat, request)
     engine_job = EngineRequest(service.engine, [job.gens], service.settings.retry_after_s)
     shape = ChatShape({}, service.prompts.pieces, False, job.tools, body.parallel_tool_calls is False)
@@ -220,8 +225,49 @@ async def responses(body: ResponsesRequest, request: Request):
             return JSONResponse(errors.error_body(499, "client closed the request"), status_code=499)
         if job.exchange is not None:
             await job.exchange.save(rid, [(got.text, got.finished)])
-        return JSONResponse(_done(head, _items(shape, got.text), got.finished), headers=headers)
-    return EngineStream(_events(engine_job, shape, head, job), engine_job, headers)
+        message, items = _answer(shape, got.text)
+        done = _done(head, items, got.finished)
+        _keep(request, body, conversation, message, done)
+        return JSONResponse(done, headers=headers)
+    keep = functools.partial(_keep, request, body, conversation)
+    return EngineStream(_events(engine_job, shape, head, job, keep), engine_job, headers)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    kept = _store(request).get(response_id, scope_of(request))
+    if kept is None:
+        raise APIError(404, f"response {response_id[:80]!r} is not kept here", "response_id", "not_found")
+    return kept.response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    if not _store(request).delete(response_id, scope_of(request)):
+        raise APIError(404, f"response {response_id[:80]!r} is not kept here", "response_id", "not_found")
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _store(request: Request) -> ResponseStore:
+    return request.app.state.response_store
+
+
+def _earlier(request: Request, rid: str | None) -> list[dict[str, Any]]:
+    """The conversation `previous_response_id` ended, its answer included; a 404 naming the field if not kept."""
+    if rid is None:
+        return []
+    kept = _store(request).get(rid, scope_of(request))
+    if kept is None:
+        raise APIError(404, f"previous_response_id: response {rid[:80]!r} is not kept here (a restart forgets "
+                            "responses; one sent with store false is never kept)", "previous_response_id",
+                       "not_found")
+    return kept.messages
+
+
+def _keep(request: Request, body: ResponsesRequest, conversation: list[dict[str, Any]], message: dict[str, Any],
+          done: dict[str, Any]) -> None:
+    if body.store is not False:
+        _store(request).put(done["id"], scope_of(request), [*conversation, message], done)
 
 
 def _head(rid: str, model: str, body: ResponsesRequest) -> dict[str, Any]:
@@ -231,15 +277,17 @@ def _head(rid: str, model: str, body: ResponsesRequest) -> dict[str, Any]:
     return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model, "error": None,
             "incomplete_details": None, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
-            "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
-            "temperature": body.temperature, "top_p": body.top_p, "store": False,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id, "temperature": body.temperature, "top_p": body.top_p,
+            "store": body.store is not False,
             "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
             else body.tool_choice.model_dump(), "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
             "text": {"format": fmt}, "truncation": "disabled", "user": body.user}
 
 
-def _items(shape: ChatShape, text: str) -> list[dict[str, Any]]:
-    """The output items of a whole answer: its text as a message, its tool calls as function_call items."""
+def _answer(shape: ChatShape, text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A whole answer as a chat message and as output items: its text as a message item, its tool
+    calls as function_call items (with the message's call ids)."""
     message, called = shape.assistant_message(text)
     out = []
     if message.get("content") or not called:
@@ -248,7 +296,7 @@ def _items(shape: ChatShape, text: str) -> list[dict[str, Any]]:
         out.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": call["id"],
                     "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                     "status": "completed"})
-    return out
+    return message, out
 
 
 def _message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
@@ -267,7 +315,8 @@ def _done(head: dict[str, Any], items: list[dict[str, Any]], fin: Finished) -> d
                       "total_tokens": fin.prompt_tokens + fin.completion_tokens}}
 
 
-async def _events(engine_job: EngineRequest, shape: ChatShape, head: dict[str, Any], job) -> AsyncIterator[dict]:
+async def _events(engine_job: EngineRequest, shape: ChatShape, head: dict[str, Any], job,
+                  keep: Callable[[dict[str, Any], dict[str, Any]], None]) -> AsyncIterator[dict]:
     """The typed events of a streamed response. Text streams as it comes when no tools are offered;
     with tools, the answer is read for calls once it ends and its items are sent then."""
     seq = iter(range(1 << 62))
@@ -298,13 +347,17 @@ async def _events(engine_job: EngineRequest, shape: ChatShape, head: dict[str, A
             return
         elif isinstance(ev, Finished):
             text = "".join(parts)
-            items = [_message_item(text, item_id=msg_id)] if live else _items(shape, text)
+            message, items = _answer(shape, text)
+            if live:
+                items = [_message_item(text, item_id=msg_id)]
             for k, item in enumerate(items):
                 async for e in _item_events(event, k, item, announced=live):
                     yield e
             if job.exchange is not None:
                 await job.exchange.save(head["id"], [(text, ev)])
-            yield event("response.completed", response=_done(head, items, ev))
+            done = _done(head, items, ev)
+            keep(message, done)
+            yield event("response.completed", response=done)
             return
 
 

@@ -30,7 +30,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 CASES = 100
 # The completion routes' bodies are the largest schemas (generating them is most of their time);
 # valid /train bodies queue jobs that train on the shared server.
-FEWER_CASES = {"POST /v1/chat/completions": 75, "POST /v1/completions": 75, "POST /train": 75}
+FEWER_CASES = {"POST /v1/chat/completions": 75, "POST /v1/completions": 75, "POST /v1/responses": 75,
+               "POST /train": 75}
 load_all_checks()
 ALL_CHECKS = CHECKS.get_all()
 
@@ -54,6 +55,7 @@ def service(tiny_model_path, tmp_path_factory):
 REFUSED_WHEN_VALID: dict[str, list[int]] = {
     "POST /v1/chat/completions": [400],    # the prompt past a slot's context; a token id past the vocabulary
     "POST /v1/completions": [400],
+    "POST /v1/responses": [400, 404],      # as chat; a previous_response_id not kept
     "POST /v1/embeddings": [400],
     "POST /tokenize": [400],               # a token id past the vocabulary
     "POST /detokenize": [400],
@@ -84,7 +86,8 @@ OPERATIONS = [
     "GET /v1/records", "GET /v1/records/{record_id}", "DELETE /v1/records/{record_id}",
     "DELETE /adapters/{name}/records", "POST /v1/feedback", "GET /v1/feedback", "GET /v1/feedback/pending",
     "DELETE /v1/feedback/{feedback_id}", "GET /adapters/{name}/learn", "PUT /adapters/{name}/learn",
-    "POST /adapters/{name}/learn",
+    "POST /adapters/{name}/learn", "POST /v1/responses", "GET /v1/responses/{response_id}",
+    "DELETE /v1/responses/{response_id}", "GET /v1/models/{model_id}",
 ]
 
 

@@ -11,7 +11,9 @@ import openai
 import pytest
 from background_server import BackgroundServer
 
+from dreamstage.server.response_store import ResponseStore
 from dreamstage.server.settings import ServerSettings
+from dreamstage.server.tenants import ALL, AdapterScope
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -96,7 +98,6 @@ def test_text_format_holds_the_answer_to_its_schema(client):
 
 
 @pytest.mark.parametrize(("body", "param"), (
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"type": "input_image"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
@@ -113,3 +114,49 @@ def test_what_it_cannot_take_is_a_400_naming_the_field(server, body, param):
     with httpx.Client(base_url=server.url, timeout=60) as http:
         r = http.post("/v1/responses", json={"model": "base", "input": "hi", **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_previous_response_id_continues_the_kept_conversation(client, server):
+    first = client.responses.create(model="base", input="My name is Ada.", temperature=0, max_output_tokens=16)
+    then = client.responses.create(model="base", previous_response_id=first.id, input="What is my name?",
+                                   temperature=0, max_output_tokens=16)
+    want, _ = chat_answer(client, [{"role": "user", "content": "My name is Ada."},
+                                   {"role": "assistant", "content": first.output_text},
+                                   {"role": "user", "content": "What is my name?"}], max_tokens=16)
+    assert then.output_text == want.message.content and then.previous_response_id == first.id
+    # the tool loop by reference: the call's id is the one the kept conversation holds
+    called = client.responses.create(model="base", input=ASK, tools=[WEATHER], tool_choice="required",
+                                     temperature=0, max_output_tokens=60)
+    (call,) = [o for o in called.output if o.type == "function_call"]
+    by_ref = client.responses.create(model="base", previous_response_id=called.id, tools=[WEATHER], temperature=0,
+                                     max_output_tokens=24, input=[{"type": "function_call_output",
+                                                                   "call_id": call.call_id,
+                                                                   "output": "clear, 21 degrees"}])
+    whole = client.responses.create(model="base", tools=[WEATHER], temperature=0, max_output_tokens=24, input=[
+        {"role": "user", "content": ASK},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "clear, 21 degrees"}])
+    assert by_ref.output_text == whole.output_text
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.get(f"/v1/responses/{first.id}").json()["output"][0]["content"][0]["text"] == first.output_text
+        client.responses.delete(first.id)               # the SDK's own call (JSON headers, a key)
+        json_headers = {"Content-Type": "application/json"}
+        for r in (http.get(f"/v1/responses/{first.id}"), http.delete(f"/v1/responses/{first.id}",
+                                                                      headers=json_headers)):
+            assert r.status_code == 404
+        r = http.post("/v1/responses", json={"input": "hi", "previous_response_id": first.id})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+        unkept = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "store": False}).json()
+        assert unkept["store"] is False and http.get(f"/v1/responses/{unkept['id']}").status_code == 404
+
+
+def test_the_store_keeps_the_newest_within_its_bounds_and_each_scope_its_own():
+    alice, bob = AdapterScope(frozenset({"alice"})), AdapterScope(frozenset({"bob"}))
+    store = ResponseStore(max_kept=3, max_bytes=10_000)
+    for i in range(4):
+        store.put(f"r{i}", alice, [{"role": "user", "content": str(i)}], {"id": f"r{i}"})
+    assert store.get("r0", ALL) is None and store.get("r3", alice).response == {"id": "r3"}
+    assert store.get("r3", bob) is None and store.get("r3", ALL) is not None and not store.delete("r3", bob)
+    store.put("big", bob, [{"role": "user", "content": "x" * 9_000}], {"id": "big"})
+    assert store.get("big", bob) is not None and store.get("r1", alice) is None     # bytes bound: the oldest left
+    assert store.delete("big", bob) and store.get("big", bob) is None
