@@ -764,6 +764,7 @@ def test_vllm_guided_fields_hold_the_sampled_answer_to_the_constraint(client):
     ({"guided_regex": "a^b"}, "guided_regex", "anchor"),
     ({"guided_regex": "(?i)abc"}, "guided_regex", "case-insensitive"),
     ({"guided_regex": "["}, "guided_regex", "not a regular expression"),
+    ({"guided_regex": "(" * 3000 + "a" + ")" * 3000}, "guided_regex", "nest too deeply"),
     ({"structured_outputs": {"regex": "a)"}}, "structured_outputs.regex", "not a regular expression"),
     ({"guided_json": "{not json"}, "guided_json", "not JSON"),
     ({"guided_choice": ["a", ""]}, "guided_choice", "no empty one"),

@@ -76,6 +76,8 @@ def regex_grammar(pattern: str) -> str:
         parsed = _sre.parse(pattern)
     except re.error as e:
         raise GrammarError(f"regex {pattern[:80]!r} is not a regular expression: {e}") from None
+    except RecursionError:
+        raise GrammarError(f"regex {pattern[:80]!r}: its groups nest too deeply") from None
     dotall = bool(parsed.state.flags & re.DOTALL)
     if parsed.state.flags & re.IGNORECASE:
         raise GrammarError(f"regex {pattern[:80]!r}: case-insensitive matching cannot be a grammar here")
@@ -84,7 +86,10 @@ def regex_grammar(pattern: str) -> str:
         items = items[1:]
     if items and items[-1][0] is _c.AT and items[-1][1] in (_c.AT_END, _c.AT_END_STRING):
         items = items[:-1]
-    return "root ::= " + _sequence(items, dotall, pattern)
+    try:
+        return "root ::= " + _sequence(items, dotall, pattern)
+    except RecursionError:
+        raise GrammarError(f"regex {pattern[:80]!r}: its groups nest too deeply") from None
 
 
 def _sequence(items, dotall: bool, pattern: str) -> str:
