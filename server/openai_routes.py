@@ -69,10 +69,12 @@ def _generation(service, body, prompt: list[int], grammar: str | None, prompt_pa
                        "logit_bias")
     sampling = replace(service.sampling_defaults, **body.sampling_given(service.engine.slot_ctx), grammar=grammar,
                        logit_bias=bias)
+    given = body.constraints()
+    grammar_param = "tools" if grammar is not None and not given else given[0].param if given else "grammar"
     return GenerationRequest(prompt, body.limit(), sampling, body.stop_list(),
                              stop_tokens=frozenset(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                             min_tokens=body.min_tokens,
-                             cache_prompt=body.cache_prompt, prompt_param=prompt_param, adapter=adapter)
+                             min_tokens=body.min_tokens, cache_prompt=body.cache_prompt, prompt_param=prompt_param,
+                             grammar_param=grammar_param, adapter=adapter)
 
 
 def _grammar(body: ChatCompletionRequest | CompletionRequest) -> str | None:

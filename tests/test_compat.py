@@ -108,6 +108,11 @@ def test_a_grammar_that_allows_only_banned_tokens_ends_the_answer_not_the_server
         assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
     streamed = http.post("/v1/completions", json={**dead, "stream": True}).text
     assert '"param":"grammar"' in streamed and "[DONE]" not in streamed
+    # the field the grammar came from is the one named
+    for body, param in (({"guided_choice": ["-\u00ba\x0f\U000b0cb2"]}, "guided_choice"),
+                        ({"guided_regex": "a{1000000}"}, "guided_regex")):
+        r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 8, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert http.get("/health").json()["status"] == "ok"
 
 

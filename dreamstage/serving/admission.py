@@ -176,7 +176,8 @@ class AdmissionMixin(PoolMixin):
             leader = group[0]
             leader.followers = group[1:]
             if isinstance(e, GrammarError):
-                self._finish_job(leader, Failed(400, str(e), "grammar"), "invalid")
+                param = leader.request.grammar_param
+                self._finish_job(leader, Failed(400, f"{param}: {e}", param), "invalid")
             else:
                 self._finish_job(leader, Failed(400, f"sampler could not be built: {e}", "sampling"), "invalid")
             return None

@@ -163,7 +163,8 @@ class BatchMixin(EngineCore):
             except GrammarDeadEnd as e:
                 self._clear_slot(s)
                 self._free_slot(s)
-                self._finish_job(job, Failed(400, f"{e} (after {s.generated} tokens)", "grammar"), "invalid")
+                param = job.request.grammar_param
+                self._finish_job(job, Failed(400, f"{param}: {e} (after {s.generated} tokens)", param), "invalid")
                 continue
             s.generated += 1
             self.stats.generated_tokens += 1

@@ -89,6 +89,7 @@ class GenerationRequest:
     min_tokens: int = 0              # no end-of-generation or stop token or stop string before this many tokens
     cache_prompt: bool = True        # False: the slot's cached prefix is not reused
     prompt_param: str = "prompt"     # the request field a too-long prompt is blamed on
+    grammar_param: str = "grammar"   # the request field a grammar llama.cpp refuses (or that dead-ends) is blamed on
     logprobs: int | None = None      # each token's logprob with this many top alternatives; None: none
     prompt_logprobs: int | None = None   # score the prompt too (its whole prefix is decoded afresh)
     embed: bool = False              # decode the prompt only and answer its pooled embedding (Embedded)
