@@ -7,6 +7,7 @@ an asyncio.Queue and never touches llama.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class EngineRequest:
         loop = asyncio.get_running_loop()
         self.n = sum(len(g) for g in groups)
         self.first_group = len(groups[0])
+        self.starts = (0, *itertools.accumulate(len(g) for g in groups[:-1]))   # each group's first choice
         self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self._early: deque[tuple[int, Event]] = deque()    # read while waiting for the admission, not yet returned
 

@@ -59,7 +59,7 @@ class EngineStream(EventSourceResponse):
             self._job.cancel()
 
 
-def _generation(service, body, prompt: list[int], grammar: str | None, prompt_param: str,
+def _generation(service, body, prompt: list[int], grammar: tuple[str, str] | None, prompt_param: str,
                 adapter: AdapterChoice | None) -> GenerationRequest:
     """The engine's request: the body's sampling fields over the model's defaults, on `adapter`."""
     bias = body.bias_pairs()
@@ -67,24 +67,23 @@ def _generation(service, body, prompt: list[int], grammar: str | None, prompt_pa
     if bad is not None:
         raise APIError(400, f"logit_bias: token {bad} is not in the vocabulary (0..{service.model.n_vocab - 1})",
                        "logit_bias")
-    sampling = replace(service.sampling_defaults, **body.sampling_given(service.engine.slot_ctx), grammar=grammar,
+    gbnf, grammar_param = grammar if grammar is not None else (None, "grammar")
+    sampling = replace(service.sampling_defaults, **body.sampling_given(service.engine.slot_ctx), grammar=gbnf,
                        logit_bias=bias)
-    given = body.constraints()
-    grammar_param = "tools" if grammar is not None and not given else given[0].param if given else "grammar"
     return GenerationRequest(prompt, body.limit(), sampling, body.stop_list(),
                              stop_tokens=frozenset(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                              min_tokens=body.min_tokens, cache_prompt=body.cache_prompt, prompt_param=prompt_param,
                              grammar_param=grammar_param, adapter=adapter)
 
 
-def _grammar(body: ChatCompletionRequest | CompletionRequest) -> str | None:
-    """GBNF for the request's one constraint on its answer (schemas.Constraint), or None."""
+def _grammar(body: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
+    """(GBNF, the field it comes from) for the request's one constraint on its answer (schemas.Constraint), or None."""
     given = body.constraints()
     if not given:
         return None
     c = given[0]
     try:
-        return constraint_grammar(c.kind, c.value)
+        return constraint_grammar(c.kind, c.value), c.param
     except GrammarError as e:
         raise APIError(400, f"{c.param}: {e}", c.param) from None
 
@@ -100,7 +99,6 @@ async def _run(request: Request, groups: list[list[GenerationRequest]], stream: 
     stream, in `shape` (answers.py)."""
     service = request.app.state.service
     job = EngineRequest(service.engine, groups, service.settings.retry_after_s)
-    starts = tuple(sum(len(g) for g in groups[:k]) for k in range(len(groups)))   # each prompt's first choice
     disconnected = request.is_disconnected
     try:
         adm = await job.admitted(disconnected)
@@ -115,14 +113,14 @@ async def _run(request: Request, groups: list[list[GenerationRequest]], stream: 
             got = await job.collect(disconnected)
         except ClientGone:
             return JSONResponse(errors.error_body(499, "client closed the request"), status_code=499)
-        answer = shape.full(got, starts)
+        answer = shape.full(got, job.starts)
         if exchange is not None:
             await exchange.save(shape.base["id"], [(c.text, c.finished) for c in got])
         return JSONResponse(answer, headers=headers)
-    return EngineStream(_events(job, shape, adm.adapter_version, include_usage, starts, exchange), job, headers)
+    return EngineStream(_events(job, shape, adm.adapter_version, include_usage, exchange), job, headers)
 
 
-async def _events(job: EngineRequest, shape, version: int | None, include_usage: bool, starts: tuple[int, ...],
+async def _events(job: EngineRequest, shape, version: int | None, include_usage: bool,
                   exchange: Exchange | None = None):
     """The SSE events of a streamed answer: chunks per choice, each choice's final one, usage, [DONE]."""
     first = shape.opening(version, job.n)
@@ -147,7 +145,7 @@ async def _events(job: EngineRequest, shape, version: int | None, include_usage:
                 continue
             if include_usage:
                 u = dict(closing[-1])
-                u["choices"], u["usage"] = [], usage([ends[k] for k in sorted(ends)], starts)
+                u["choices"], u["usage"] = [], usage([ends[k] for k in sorted(ends)], job.starts)
                 yield _sse(u)
             if exchange is not None:
                 await exchange.save(shape.base["id"], [("".join(texts[k]), ends[k]) for k in range(job.n)])
@@ -175,9 +173,9 @@ def _message_dicts(body: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def _tool_grammar(tools: list[dict]) -> str:
+def _tool_grammar(tools: list[dict]) -> tuple[str, str]:
     try:
-        return forced_call_grammar(tools, json_schema_grammar)
+        return forced_call_grammar(tools, json_schema_grammar), "tools"
     except GrammarError as e:
         raise APIError(400, f"tools: a parameters schema could not be made a grammar: {e}", "tools") from None
 
@@ -267,10 +265,7 @@ async def _completion_prompt(service, body: CompletionRequest, given: str | list
     if isinstance(given, str):
         if not given:
             raise APIError(400, f"{param}: must not be empty", param)
-        try:
-            return await service.prompts.text(given, body.parse_special)
-        except APIError as e:
-            raise APIError(e.status, e.message.replace("prompt:", f"{param}:", 1), param, e.code) from None
+        return await service.prompts.text(given, body.parse_special, param)
     if len(given) > service.engine.slot_ctx:       # refused here, not by a scan on the engine thread
         raise APIError(400, f"{param}: {len(given)} tokens exceed the per-slot context of {service.engine.slot_ctx} "
                             "tokens", param, "context_length_exceeded")

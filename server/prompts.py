@@ -49,9 +49,9 @@ class PromptTokenizer:
                                 f"of {self.slot_ctx} tokens can be (at most {self.max_piece_bytes} bytes a token)",
                            param, "context_length_exceeded")
 
-    async def text(self, prompt: str, parse_special: bool) -> list[int]:
-        """A completion prompt: user text, special tokens parsed only on request."""
-        self.check_size(len(prompt.encode("utf-8")), "prompt")
+    async def text(self, prompt: str, parse_special: bool, param: str = "prompt") -> list[int]:
+        """A completion prompt: user text, special tokens parsed only on request; `param` names it in a refusal."""
+        self.check_size(len(prompt.encode("utf-8")), param)
         async with self._slots:
             return await asyncio.to_thread(self.model.tokenize, prompt, True, parse_special)
 

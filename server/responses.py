@@ -35,11 +35,6 @@ from dreamstage.serving.engine import Delta, Failed, Finished
 
 router = APIRouter(route_class=EdgeRoute)
 
-# Chat request fields a Responses body may carry as they are (vLLM's and llama-server's sampling extras).
-FORWARDED = ("top_k", "min_p", "typical_p", "repetition_penalty", "repeat_penalty", "repeat_last_n",
-             "frequency_penalty", "presence_penalty", "seed", "stop", "logit_bias", "stop_token_ids", "ignore_eos",
-             "min_tokens", "cache_prompt", "chat_template_kwargs", "grammar", "structured_outputs", "guided_json",
-             "guided_regex", "guided_choice", "guided_grammar", "lora")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
@@ -84,7 +79,8 @@ class ResponsesRequest(StrictModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    # the chat request's fields of these names, validated there (FORWARDED)
+    # chat request fields a Responses body may carry as they are (vLLM's and llama-server's sampling
+    # extras), validated by the chat request: every field typed Any (FORWARDED)
     top_k: Any = None
     min_p: Any = None
     typical_p: Any = None
@@ -110,11 +106,13 @@ class ResponsesRequest(StrictModel):
     lora: Any = None
 
 
-def chat_body(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat request that answers `body` after the `earlier` conversation (chat messages); a 400
-    naming the Responses field that cannot be one."""
-    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + earlier + \
-        input_messages(body.input)
+FORWARDED = tuple(name for name, f in ResponsesRequest.model_fields.items() if f.annotation is Any)
+
+
+def chat_body(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request that answers `body`, whose conversation (chat messages: a kept response's, then
+    its input's) is `conversation`; a 400 naming the Responses field that cannot be one."""
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     d: dict[str, Any] = {"messages": messages, "stream": False}
     for name in ("model", "temperature", "top_p", "parallel_tool_calls", "user", "store", *FORWARDED):
         if getattr(body, name) is not None:
@@ -136,8 +134,8 @@ def chat_body(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> ChatComp
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
-        param = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens"}.get(
-            str(err["loc"][0]) if err["loc"] else "", str(err["loc"][0]) if err["loc"] else "body")
+        top = str(err["loc"][0]) if err["loc"] else "body"
+        param = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens"}.get(top, top)
         raise APIError(400, f"{loc or param}: {err['msg']}", param) from None
 
 
@@ -203,10 +201,8 @@ def _text(content: Any, param: str) -> str:
 async def responses(body: ResponsesRequest, request: Request):
     service = request.app.state.service
     ignored = field_headers(body, service.settings.strict_api)
-    earlier = _earlier(request, body.previous_response_id)
-    chat = chat_body(body, earlier)
-    conversation = [*earlier, *input_messages(body.input)]     # what a later response continues
-    job = await prepare_chat(service, chat, request)
+    conversation = [*_earlier(request, body.previous_response_id), *input_messages(body.input)]
+    job = await prepare_chat(service, chat_body(body, conversation), request)
     engine_job = EngineRequest(service.engine, [job.gens], service.settings.retry_after_s)
     shape = ChatShape({}, service.prompts.pieces, False, job.tools, body.parallel_tool_calls is False)
     rid = f"resp_{uuid.uuid4().hex[:32]}"

@@ -95,6 +95,7 @@ class Engine(AdmissionMixin, BatchMixin, EmbeddingMixin):
         if self._running:
             return self
         self._batch = self.lc.llama_batch_init(self.n_batch, 0, 1)
+        _ = self.model.eog_tokens               # read here, not at the first token sampled
         self._running = True
         self._thread = threading.Thread(target=self._run, name="dreamstage-engine", daemon=True)
         self._thread.start()
