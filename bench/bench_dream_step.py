@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -57,8 +56,8 @@ def main() -> None:
             (f,) = trainers[c].train_window(tokens[:c], np.zeros(c, np.uint8))   # forward only
             samples[c].append({"ms": r.ms, "wall_ms": wall, "graph_mib": r.graph_mib, "loss": r.loss,
                                "forward_only_ms": f.ms})
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": describe(),
-           "load_avg_1m": os.getloadavg()[0], "threads": args.threads, "model": rm.model_path.name,
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": describe(),   # its load_1m: the load at the end
+           "threads": args.threads, "model": rm.model_path.name,
            "targets": args.targets, "rank": 8, "top_layers": args.top_layers or "all", "cache": "q8_0", "results": {}}
     for c in chunks:
         ms = [s["ms"] for s in samples[c]]

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -193,8 +192,9 @@ def main() -> None:
                     for name, rm in models.items()}
         samples = _measure(args, models, trainers, tokens)
         say("measured")
+        # the machine's load_1m is the load at the end
         out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": describe(),
-               "load_avg_1m": os.getloadavg()[0], "threads": args.threads, "worker_threads": args.worker_threads,
+               "threads": args.threads, "worker_threads": args.worker_threads,
                "worker_device": args.worker_device, "ngl_single": args.ngl or 0, "workers": n_workers,
                "model": single.model_path.name, "n_layer": n_layer, "split": where,
                "chunk": c, "targets": lora.targets, "rank": lora.rank, "cache": "f32", "results": {}}
