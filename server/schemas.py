@@ -351,9 +351,9 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _one_constraint(self):
-        if self.forced_tools() and self.constraints():
-            raise ValueError(f"tool_choice: a required or named tool call cannot be combined with "
-                             f"{self.constraints()[0].param}")
+        given = self.constraints()
+        if given and self.forced_tools():
+            raise ValueError(f"tool_choice: a required or named tool call cannot be combined with {given[0].param}")
         return self
 
     def offered_tools(self) -> list[dict]:
@@ -404,12 +404,7 @@ class CompletionRequest(_Sampling):
 
     def prompt_values(self) -> list[str | list[int]]:
         """The prompts, in order: one, or each of the batch."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if isinstance(p[0], int):
-            return [p]
-        return list(p)
+        return _one_or_many(self.prompt)
 
 
 class EmbeddingRequest(StrictModel):
@@ -424,12 +419,16 @@ class EmbeddingRequest(StrictModel):
 
     def inputs(self) -> list[str | list[int]]:
         """Each input, as text or token ids."""
-        v = self.input
-        if isinstance(v, str):
-            return [v]
-        if v and isinstance(v[0], int):
-            return [v]          # a list of ids is one input
-        return list(cast("list[str] | list[list[int]]", v))
+        return _one_or_many(self.input)
+
+
+def _one_or_many(v: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's text-or-tokens field as a list of items: one text, one list of ids, or a list of either."""
+    if isinstance(v, str):
+        return [v]
+    if v and isinstance(v[0], int):
+        return [v]          # a list of ids is one item
+    return list(cast("list[str] | list[list[int]]", v))
 
 
 class TokenizeRequest(StrictModel):
