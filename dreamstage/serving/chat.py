@@ -5,6 +5,7 @@ HTTP side may call it; tokenizing the result happens on the engine thread.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, cast
 
 from dreamstage import native
@@ -30,15 +31,23 @@ def reads_tools(template_source: str) -> bool:
     return "tools" in template_source
 
 
+@lru_cache(maxsize=16)
+def chat_formatter(source: str, bos_text: str, eos_text: str, generation_prompt: bool) -> Any:
+    """llama-cpp-python's Jinja2ChatFormatter for a template, compiled once per
+    (source, BOS, EOS, generation prompt) and shared: rendering keeps no state,
+    and a compile costs milliseconds that every job's renderer would pay again.
+    Raises what Jinja raises for a template that does not compile."""
+    native.llama_cpp()  # llama_cpp modules must load against our libllama
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    return Jinja2ChatFormatter(source, eos_token=eos_text, bos_token=bos_text, add_generation_prompt=generation_prompt)
+
+
 class ChatTemplate:
     def __init__(self, template: str | None, bos_text: str, eos_text: str):
-        native.llama_cpp()  # llama_cpp modules must load against our libllama
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
         self.source = template or FALLBACK_TEMPLATE
         self.bos_text = bos_text
-        self._fmt = Jinja2ChatFormatter(self.source, eos_token=eos_text, bos_token=bos_text,
-                                        add_generation_prompt=True)
+        self._fmt = chat_formatter(self.source, bos_text, eos_text, True)
 
     @classmethod
     def for_model(cls, model) -> ChatTemplate:

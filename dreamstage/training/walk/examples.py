@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-from dreamstage.serving.chat import FALLBACK_TEMPLATE, reads_tools
+from dreamstage.serving.chat import FALLBACK_TEMPLATE, chat_formatter, reads_tools
 from dreamstage.serving.tools import prompt_messages
 from dreamstage.training.jobs.example_forms import ChatExample, Message, PromptCompletion, TextExample, TokenExample
 from dreamstage.training.jobs.spec import JobSpec, SourcedExample
@@ -146,23 +146,17 @@ class ChatRenderer:
     """Renders chats through a model's Jinja2 chat template, message by message.
 
     It uses llama-cpp-python's Jinja2ChatFormatter, the formatter serving uses
-    (dreamstage/serving/chat.py), so a trained conversation renders exactly as the same
+    (dreamstage/serving/chat.py, chat_formatter), so a trained conversation renders exactly as the same
     conversation would be prompted: same environment, filters and globals.
     """
 
     def __init__(self, tok: Tokenizer, template: str | None = None):
-        from dreamstage import native  # llama_cpp must bind to our libllama
-
-        native.llama_cpp()
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
         self.tok = tok
         source = self.source = template if template is not None else (tok.chat_template() or FALLBACK_TEMPLATE)
         bos_text = tok.detokenize([tok.bos], special=True) if tok.bos >= 0 else ""
         eos_text = tok.detokenize([tok.eos], special=True) if tok.eos >= 0 else ""
         try:
-            self._formatters = {gen: Jinja2ChatFormatter(source, eos_token=eos_text, bos_token=bos_text,
-                                                         add_generation_prompt=gen) for gen in (False, True)}
+            self._formatters = {gen: chat_formatter(source, bos_text, eos_text, gen) for gen in (False, True)}
         except Exception as e:  # a template that does not compile
             raise TemplateError(f"the chat template does not compile: {e}") from e
 
