@@ -30,7 +30,10 @@ KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 3
 AUTO_CTX_STEP = 256
 
 _log_lock = threading.Lock()
-_log_cb = None
+# Made once and never freed: a native thread may be calling the installed
+# callback (a model or adapter loading elsewhere) while another switches it, so
+# a callback that is replaced must stay callable.
+_drop_log_cb = None
 
 
 def quiet_native_logs(enabled: bool = True) -> None:
@@ -38,17 +41,17 @@ def quiet_native_logs(enabled: bool = True) -> None:
 
     DREAMSTAGE_NATIVE_LOG=1 keeps them on stderr for debugging.
     """
-    global _log_cb
+    global _drop_log_cb
     lc = native.llama_cpp()
     with _log_lock:
         if enabled and not environment.flag("DREAMSTAGE_NATIVE_LOG"):
-            @lc.llama_log_callback
-            def _drop(level, text, user_data):
-                return None
-            _log_cb = _drop
-            lc.llama_log_set(_log_cb, ctypes.c_void_p())
+            if _drop_log_cb is None:
+                @lc.llama_log_callback
+                def _drop(level, text, user_data):
+                    return None
+                _drop_log_cb = _drop
+            lc.llama_log_set(_drop_log_cb, ctypes.c_void_p())
         else:
-            _log_cb = None
             # a NULL callback: llama.cpp logs to stderr again
             lc.llama_log_set(lc.llama_log_callback(), ctypes.c_void_p())
 
