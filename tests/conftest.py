@@ -9,7 +9,7 @@ import pytest
 # --no-loadscope-reorder): a long module handed out last would run alone at the
 # end, so these are collected first and the short ones fill in beside them.
 # test_drift_readme.py starts on the records test_drift_jobs.py hands over
-# after its first job (tests/drift_jobs.py), about 2.8 CPU-minutes in: the
+# after its warm-up (tests/drift_jobs.py), about 2 CPU-minutes in: the
 # modules before it take the other worker about as long, so it waits little.
 LONGEST_FIRST = (
     "test_drift_jobs.py", "test_fuzz.py", "test_compat.py", "test_first_job.py", "test_feedback.py",

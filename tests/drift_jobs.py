@@ -111,12 +111,12 @@ def assert_drift_figures(job: dict, margin: float, draws) -> None:
     assert d["noise_draws"] == [round(x, 4) for x in draws]
 
 
-# The base's records and noise margin, handed from test_drift_jobs.py (which records them
-# and measures the margin in its first job) to test_drift_readme.py, which would otherwise
+# The base's records and noise margin, handed from test_drift_jobs.py (whose warm-up records
+# them and measures the margin) to test_drift_readme.py, which would otherwise
 # spend about 3.5 CPU-minutes making them again. Under xdist the two modules run on
 # different workers at once; the directory is the run's (all workers' temp dirs are in it).
 JOBS_MODULE = "test_drift_jobs.py"
-HANDOFF_WAIT_S = 1800           # a hang guard: the records and the first job take about 4 min of one core
+HANDOFF_WAIT_S = 1800           # a hang guard: the warm-up takes about 2 min of one core
 
 
 def _handoff_dir(tmp_path_factory) -> Path:

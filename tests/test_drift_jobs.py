@@ -1,10 +1,10 @@
 """Jobs on the default model with the drift guard on, in one scheduler in this
-process: it records the anchors (the warm-up), then runs a damaging job (the
-first job: it measures the noise margin), and a small job's rehearsal-only
-epochs kept and undone. The base's records and margin are handed over to
-tests/test_drift_readme.py as soon as the first job has saved them: that
-module runs the README's job on a live server restarted on them, on another
-worker meanwhile.
+process: it records the anchors and measures the default adapter shape's
+noise margin (the warm-up), then runs a damaging job, and a small job's
+rehearsal-only epochs kept and undone. The base's records and margin are
+handed over to tests/test_drift_readme.py as soon as the warm-up has saved
+them: that module runs the README's job on a live server restarted on them,
+on another worker meanwhile.
 """
 
 
@@ -53,17 +53,18 @@ def _jobs(dream_resident, tmp_path_factory):
     try:
         out["warmup_steps"] = record_anchors_while_idle(sched, engine)
         out["records"] = dict(sched._anchor_records)
+        out["noise_margins"] = dict(sched._noise_margins)      # the warm-up's, of the default adapter shape
+        sched._record_file.wait()                      # the warm-up's records and margin are in the file
+        out["handed"] = DriftRecordFile(store.state_dir, dream_resident).load()   # what the readme module gets
+        hand_over_base(tmp_path_factory, store.state_dir / FILE_NAME)
+        handed = True
         out["served_before_damage"] = store.served_version()
         wrong = {"messages": [{"role": "user", "content": "What is the capital of France?"},
                               {"role": "assistant", "content": "The capital of France is Quenmarsh."}]}
         out["damage"] = run_job(sched, store, engine, {"examples": [wrong] * 6, "lr": 1e-2, "epochs": 2,
                                                        "stop_loss": None, "regularizer": False, "promote": "auto",
                                                        "out": "damage", "max_pause_ms": 0})
-        out["noise_margins"] = dict(sched._noise_margins)
-        sched._record_file.wait()                      # the first job's records and margin are in the file
-        out["handed"] = DriftRecordFile(store.state_dir, dream_resident).load()   # what the readme module gets
-        hand_over_base(tmp_path_factory, store.state_dir / FILE_NAME)
-        handed = True
+        out["margins_after_damage"] = dict(sched._noise_margins)
         out["receipts"] = {"damage": store.receipts(out["damage"]["id"])}
         drift_series = ("dreamstage_dream_drift_kl", "dreamstage_dream_anchors_changed",
                         "dreamstage_dream_drift_anchors")
@@ -117,13 +118,18 @@ def test_the_anchors_are_recorded_while_idle_before_any_job_in_short_steps(jobs)
     assert not any(records[p].samples for p in load_anchors())
 
 
-def test_the_records_and_margin_handed_over_are_the_warm_ups_and_the_first_jobs(jobs):
-    """What test_drift_readme.py restarts a server on: every anchor the warm-up recorded, and
-    the one noise margin the first job measured (the jobs of both modules measure at it)."""
+def test_the_warm_up_measures_the_default_shapes_noise_margin_and_hands_it_over_with_the_records(jobs):
+    """Idle, before any job: every anchor recorded and the noise margin of the default adapter
+    shape measured (its 19 null draws), which the first job then measures at instead of drawing
+    them inside its pacing; test_drift_readme.py restarts a server on both."""
+    from dreamstage.training.jobs.request import parse_train_request as parse
+    ((key, (margin, draws)),) = jobs["noise_margins"].items()
+    lora = parse({"text": "x"}).to_job_spec().lora_fields()
+    assert key == (tuple(load_anchors()), lora["rank"], lora["alpha"], lora["targets"], lora["top_layers"])
+    assert jobs["margins_after_damage"] == jobs["noise_margins"]     # the damaging job drew none of its own
     records, margins = jobs["handed"]
     assert set(records) == set(jobs["records"])
     assert all(np.array_equal(records[p].top_logp, b.top_logp) for p, b in jobs["records"].items())
-    ((margin, draws),) = jobs["noise_margins"].values()
     assert [(m, tuple(d)) for m, d in margins.values()] == [(margin, tuple(draws))]
 
 
@@ -175,7 +181,7 @@ def test_a_rehearsal_only_epoch_the_examples_do_not_survive_is_undone(jobs):
 
 
 def test_anchors_changed_counts_beyond_the_noise_margin_a_null_adapter_stays_within_it(dream_resident, jobs):
-    """The jobs measured their held-out anchors at the noise margin the first job
+    """The jobs measured their held-out anchors at the noise margin the warm-up
     measured (once for the process, cached by anchors and adapter shape); the raw
     count of every change is reported beside it. A null adapter drawn apart from the
     margin's own draws changes at most 1 of the 20 anchors beyond the margin,

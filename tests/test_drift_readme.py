@@ -114,7 +114,7 @@ def _jobs(dream_resident, tmp_path_factory, request):
 
 def test_the_jobs_measured_at_the_margin_they_were_handed_and_name_every_changed_anchor(jobs):
     """The README's job and the one without the regularizer measured their held-out anchors
-    at the one noise margin of the records (the first job's, in test_drift_jobs.py when it
+    at the one noise margin of the records (the warm-up's, in test_drift_jobs.py when it
     runs), with the raw count of every change beside the count beyond it."""
     ((margin, draws),) = jobs["noise_margins"].values()
     for k in ("default", "off"):

@@ -328,14 +328,35 @@ class DriftGuard:
             log.exception("measuring the drift noise margin failed; anchors_changed counts every change")
             self.probe.noise_margin = None
 
+    def _noise_key(self) -> tuple:
+        """What a noise margin is kept by: the measured anchors and the adapter's shape (not its seed)."""
+        lora: dict[str, Any] = self.spec.lora_fields()
+        return (tuple(self.probe.prompts), lora["rank"], lora["alpha"], lora["targets"], lora["top_layers"])
+
+    def margin_ahead(self, make_trainer: Callable[[], Any]) -> Generator[None, None, None]:
+        """The noise margin of this spec's adapter shape before any job asks for it
+        (the idle warm-up, after record()): a trainer from `make_trainer` lends its
+        adapter's A and served copy, and is closed after; nothing when the margin is kept."""
+        if self.noise_cache is None or self._noise_key() in self.noise_cache:
+            return
+        try:
+            trainer = make_trainer()
+        except Exception as e:  # noqa: BLE001 - refused by the memory gate, say: the first job measures it
+            log.info("no trainer for the noise margin ahead of a job (%s); the first job measures it", e)
+            return
+        try:
+            self._null_start = trainer.lora_parameters()
+            yield from self._noise_margin(trainer)
+        finally:
+            trainer.close()
+
     def _noise_margin(self, trainer) -> Generator[None, None, None]:
         """The probe's noise margin (DriftProbe.null_margin), measured once per
         process for these anchors and this adapter shape, while the job trains:
         each null adapter goes to the trainer's served copy and the shadow is put
         back at once, so the micro-steps between its decodes train as if it
         were not there."""
-        lora: dict[str, Any] = self.spec.lora_fields()
-        key = (tuple(self.probe.prompts), lora["rank"], lora["alpha"], lora["targets"], lora["top_layers"])
+        key = self._noise_key()
         if self.noise_cache is not None and key in self.noise_cache:
             self.probe.noise_margin, self.probe.noise_draws = self.noise_cache[key]
             return

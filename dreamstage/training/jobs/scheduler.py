@@ -429,7 +429,8 @@ class DreamScheduler(JobProgram):
             access = self._probe_access(engine)
             if access is None:
                 return
-            self._warmup = AnchorWarmup(self.resident, self._anchor_records, *access)
+            self._warmup = AnchorWarmup(self.resident, self._anchor_records, *access,
+                                        noise_cache=self._noise_margins, make_trainer=self.make_trainer)
         if not self._warmup.step():
             return
         if self._warmup.done:

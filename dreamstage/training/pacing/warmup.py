@@ -11,12 +11,16 @@ and nothing was served for a second (scheduler.WARMUP_AFTER_IDLE_S: nothing
 paces the warm-up, so a steady client's short gaps are not its to take), and
 runs one probe step (a few decodes,
 within the step's time budget) on an idle slot's leased sequence, which
-serving takes back whenever it needs the slot. A job that starts first stops
-the warm-up; its guard records whatever is still missing, through the same
-code and the same cache.
+serving takes back whenever it needs the slot. Once the records are made, it
+measures the noise margin of the default adapter shape the same way (its null
+draws: a server's first default job would spend them inside its pacing), on a
+trainer made for it and closed after. A job that starts first stops the
+warm-up; its guard makes whatever is still missing, through the same code and
+the same caches.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Generator
 from typing import Any
@@ -27,10 +31,17 @@ from dreamstage.training.jobs.request import parse_train_request
 log = logging.getLogger("dreamstage.drift")
 
 
+# The warm-up's trainer lends only its adapter (the null draws' A and served copy): the
+# smallest window keeps its training memory small.
+MARGIN_TRAINER_WINDOW = 32
+
+
 class AnchorWarmup:
     def __init__(self, resident, cache: dict, lend: Callable[[], Any], enter: Callable[[], None],
-                 restore: Callable[[], None]):
+                 restore: Callable[[], None], noise_cache: dict | None = None,
+                 make_trainer: Callable[..., Any] | None = None):
         self.resident, self.cache, self.lend, self.enter, self.restore = resident, cache, lend, enter, restore
+        self.noise_cache, self.make_trainer = noise_cache, make_trainer
         self.done = False
         self.steps = 0
         self._gen: Generator[None, None, None] | None = None
@@ -38,8 +49,12 @@ class AnchorWarmup:
     def _start(self) -> Generator[None, None, None]:
         spec = parse_train_request({"text": "warm-up"}).to_job_spec()     # the defaults a job gets
         guard = DriftGuard(self.resident, spec, [], seq_id=self.lend, restore=self.restore, enter=self.enter,
-                           cache=self.cache)
-        return guard.record()
+                           cache=self.cache, noise_cache=self.noise_cache)
+        yield from guard.record()
+        make = self.make_trainer
+        if make is not None:
+            small = dataclasses.replace(spec, window=MARGIN_TRAINER_WINDOW, chunk=MARGIN_TRAINER_WINDOW)
+            yield from guard.margin_ahead(lambda: make(self.resident, small, small.chunk))
 
     def step(self) -> bool:
         """One step of the recording; False when there is nothing left to do."""
