@@ -48,8 +48,14 @@ def _jobs(dream_resident, tmp_path_factory):
                            record_file=DriftRecordFile(store.state_dir, dream_resident))
     engine = OneSlotEngine()
     sched.startup(engine)
-    out: dict = {}
+    out: dict = {"saves": []}
     handed = False
+    save = sched._save_records
+
+    def saving():                                      # what each save of the record file held
+        out["saves"].append((len(sched._anchor_records), len(sched._noise_margins)))
+        save()
+    sched._save_records = saving
     try:
         out["warmup_steps"] = record_anchors_while_idle(sched, engine)
         out["records"] = dict(sched._anchor_records)
@@ -127,6 +133,8 @@ def test_the_warm_up_measures_the_default_shapes_noise_margin_and_hands_it_over_
     lora = parse({"text": "x"}).to_job_spec().lora_fields()
     assert key == (tuple(load_anchors()), lora["rank"], lora["alpha"], lora["targets"], lora["top_layers"])
     assert jobs["margins_after_damage"] == jobs["noise_margins"]     # the damaging job drew none of its own
+    # the records were saved as soon as they were made, before the draws' minutes; then with the margin
+    assert jobs["saves"][:2] == [(len(jobs["records"]), 0), (len(jobs["records"]), 1)]
     records, margins = jobs["handed"]
     assert set(records) == set(jobs["records"])
     assert all(np.array_equal(records[p].top_logp, b.top_logp) for p, b in jobs["records"].items())

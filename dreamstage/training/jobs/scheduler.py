@@ -433,7 +433,7 @@ class DreamScheduler(JobProgram):
                                         noise_cache=self._noise_margins, make_trainer=self.make_trainer)
         if not self._warmup.step():
             return
-        if self._warmup.done:
+        if self._warmup.take_recorded() or self._warmup.done:
             self._save_records()
 
     def _save_records(self) -> None:

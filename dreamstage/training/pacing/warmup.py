@@ -44,6 +44,7 @@ class AnchorWarmup:
         self.noise_cache, self.make_trainer = noise_cache, make_trainer
         self.done = False
         self.steps = 0
+        self._recorded = False          # the records are made; the noise margin may follow
         self._gen: Generator[None, None, None] | None = None
 
     def _start(self) -> Generator[None, None, None]:
@@ -51,6 +52,7 @@ class AnchorWarmup:
         guard = DriftGuard(self.resident, spec, [], seq_id=self.lend, restore=self.restore, enter=self.enter,
                            cache=self.cache, noise_cache=self.noise_cache)
         yield from guard.record()
+        self._recorded = True
         make = self.make_trainer
         if make is not None:
             small = dataclasses.replace(spec, window=MARGIN_TRAINER_WINDOW, chunk=MARGIN_TRAINER_WINDOW)
@@ -74,6 +76,12 @@ class AnchorWarmup:
             self.stop()
             self.done = True
         return True
+
+    def take_recorded(self) -> bool:
+        """True once, at the first call after the records are all made (the scheduler saves
+        them then, before the noise margin's minutes of draws)."""
+        recorded, self._recorded = self._recorded, False
+        return recorded
 
     def stop(self) -> None:
         """Give the leased sequence back; a later step starts over on what is not cached yet."""
