@@ -72,12 +72,17 @@ def regex_grammar(pattern: str) -> str:
     and a trailing "$" are allowed and mean nothing more."""
     if len(pattern) > MAX_PATTERN_CHARS:
         raise GrammarError(f"the regex has {len(pattern)} characters, more than {MAX_PATTERN_CHARS}")
+    try:                                # re's parser and _sequence both recurse once per nested group
+        return _regex_grammar(pattern)
+    except RecursionError:
+        raise GrammarError(f"regex {pattern[:80]!r}: its groups nest too deeply") from None
+
+
+def _regex_grammar(pattern: str) -> str:
     try:
         parsed = _sre.parse(pattern)
     except re.error as e:
         raise GrammarError(f"regex {pattern[:80]!r} is not a regular expression: {e}") from None
-    except RecursionError:
-        raise GrammarError(f"regex {pattern[:80]!r}: its groups nest too deeply") from None
     dotall = bool(parsed.state.flags & re.DOTALL)
     if parsed.state.flags & re.IGNORECASE:
         raise GrammarError(f"regex {pattern[:80]!r}: case-insensitive matching cannot be a grammar here")
@@ -86,10 +91,7 @@ def regex_grammar(pattern: str) -> str:
         items = items[1:]
     if items and items[-1][0] is _c.AT and items[-1][1] in (_c.AT_END, _c.AT_END_STRING):
         items = items[:-1]
-    try:
-        return "root ::= " + _sequence(items, dotall, pattern)
-    except RecursionError:
-        raise GrammarError(f"regex {pattern[:80]!r}: its groups nest too deeply") from None
+    return "root ::= " + _sequence(items, dotall, pattern)
 
 
 def _sequence(items, dotall: bool, pattern: str) -> str:
